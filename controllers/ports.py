@@ -1,0 +1,130 @@
+"""The small interfaces through which the controllers reach the world.
+
+`herd_operator` implements them (SQLite store, central allocator, horovodrun
+launcher, spec directory) and hands them in, so the control loop never imports
+the runtime and is tested with in-memory parts.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from policies.arbitration import Demand, Grant
+from specs import HerdJob, HerdJobSpec
+
+EventType = Literal["Normal", "Warning"]
+
+
+@dataclass(frozen=True)
+class SpecView:
+    """What the spec directory says of one job name right now."""
+
+    name: str
+    path: str
+    job: HerdJob | None
+    """The spec, or None when the file that declares the name is invalid now."""
+    errors: tuple[str, ...] = ()
+
+
+class SpecSource(Protocol):
+    def view(self, name: str) -> SpecView | None:
+        """None when no file declares the name any more (the job was deleted)."""
+        ...
+
+
+class JobRecordLike(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def spec_json(self) -> str: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def status_json(self) -> str: ...
+    @property
+    def created_at(self) -> float: ...
+
+
+class ReportLike(Protocol):
+    @property
+    def epoch(self) -> int | None: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def time(self) -> float: ...
+    @property
+    def metrics(self) -> Mapping[str, float]: ...
+
+
+class StorePort(Protocol):
+    def get_job(self, name: str) -> JobRecordLike | None: ...
+    def record_spec(
+        self, name: str, spec_path: str, spec_json: str, fingerprint: str, now: float
+    ) -> JobRecordLike: ...
+    def put_status(self, name: str, status_json: str, now: float) -> None: ...
+    def delete_job(self, name: str) -> bool: ...
+    def reports(
+        self, job: str, since: float | None = None, limit: int = 1000
+    ) -> Sequence[ReportLike]: ...
+    def add_grant_change(self, job: str, gpus: int, reason: str, now: float) -> None: ...
+    def add_event(
+        self, job: str | None, type: EventType, reason: str, message: str, now: float
+    ) -> object: ...
+
+
+class AllocatorPort(Protocol):
+    def request(self, demand: Demand) -> Grant: ...
+    def release(self, job: str) -> None: ...
+
+
+class ProcessPhase(enum.Enum):
+    ABSENT = "absent"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    launch_id: str
+    pid: int
+    started_at: float
+    generation: int
+    fingerprint: str
+    launched_max: int
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    phase: ProcessPhase
+    exit_code: int | None = None
+    launch: LaunchInfo | None = None
+    stopped_by_us: bool = False
+
+
+class LauncherPort(Protocol):
+    def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo: ...
+    def state(self, name: str) -> ProcessState: ...
+    def stop(self, name: str) -> None: ...
+    def forget(self, name: str) -> None: ...
+
+
+def launch_fingerprint(spec: HerdJobSpec) -> str:
+    """What `horovodrun` fixes at launch: a change here needs a relaunch.
+
+    `gpus.max` is not in it: lowering max is applied live through the grant;
+    raising it past the launched `--max-np` is checked on its own.
+    """
+    fixed = {
+        "command": spec.command,
+        "workingDir": spec.working_dir,
+        "env": spec.env,
+        "min": spec.gpus.min,
+        "horovod": spec.horovod.model_dump(by_alias=True),
+    }
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()

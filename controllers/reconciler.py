@@ -1,0 +1,486 @@
+"""`Reconcile(name)`: read the world for one job and move it one step closer to its spec.
+
+Level-triggered and idempotent: it never relies on which event woke it. It reads
+the spec (or the last good one), the job's process, the workers' reports and
+the allocator's grant, then acts at most once on each (launch, stop, release)
+and writes the status. Errors are sorted in two kinds: a `TemporaryError` is
+retried with backoff by the queue; a `PermanentError` is shown as a condition
+and not retried until the spec changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from controllers.ports import (
+    AllocatorPort,
+    EventType,
+    LauncherPort,
+    ProcessPhase,
+    ProcessState,
+    SpecSource,
+    SpecView,
+    StorePort,
+    launch_fingerprint,
+)
+from policies.arbitration import Demand, Grant
+from policies.base import Observation, PolicyError
+from policies.registry import load_policy
+from specs import (
+    ConditionStatus,
+    ConditionType,
+    HerdJob,
+    get_condition,
+    is_true,
+    set_condition,
+    spec_fingerprint,
+)
+from specs.status import GpuCounts, HerdJobStatus
+
+log = logging.getLogger(__name__)
+
+TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the queue should do next with this key (None: nothing until an event)."""
+
+    requeue_after: float | None = None
+
+
+class TemporaryError(Exception):
+    """Worth retrying: the queue backs off and tries the key again."""
+
+
+class PermanentError(Exception):
+    """Retrying cannot help until the spec changes."""
+
+
+def restart_delay(restarts: int, base: float = 1.0, cap: float = 60.0) -> float:
+    """Backoff before relaunching a failed job: 1 s, 2 s, 4 s ... up to a minute."""
+    return min(cap, base * 2.0 ** max(0, restarts - 1))
+
+
+class JobReconciler:
+    def __init__(
+        self,
+        specs: SpecSource,
+        store: StorePort,
+        allocator: AllocatorPort,
+        launcher: LauncherPort,
+        *,
+        clock: Callable[[], float] = time.time,
+        resync_seconds: float = 5.0,
+        stop_poll_seconds: float = 0.5,
+    ) -> None:
+        self.specs = specs
+        self.store = store
+        self.allocator = allocator
+        self.launcher = launcher
+        self.clock = clock
+        self.resync_seconds = resync_seconds
+        self.stop_poll_seconds = stop_poll_seconds
+
+    # ---- entry point ----
+
+    def reconcile(self, name: str) -> Result:
+        now = self.clock()
+        view = self.specs.view(name)
+        if view is None:
+            return self._finalize_deletion(name, now)
+        job, problem = self._accept_spec(view, now)
+        if job is None:
+            return Result()
+        record = self.store.get_job(name)
+        assert record is not None  # _accept_spec recorded it
+        status = _load_status(record.status_json)
+        generation = record.generation
+        conditions = status.conditions
+        if problem:
+            conditions = set_condition(
+                conditions, ConditionType.SpecValid, FALSE, "InvalidSpec", problem, generation, now
+            )
+        else:
+            conditions = set_condition(
+                conditions, ConditionType.SpecValid, TRUE, "Valid", "", generation, now
+            )
+        status = status.model_copy(update={"conditions": conditions})
+
+        process = self.launcher.state(name)
+        if process.phase == ProcessPhase.EXITED:
+            status = self._on_exit(name, job, status, process, generation, now)
+            process = ProcessState(ProcessPhase.ABSENT)
+
+        finished = is_true(status.conditions, ConditionType.Succeeded) or is_true(
+            status.conditions, ConditionType.Failed
+        )
+        if finished and status.observed_generation == generation:
+            self.allocator.release(name)
+            status = status.model_copy(update={"gpus": _counts(job, status, None, 0, None)})
+            self._save(name, status, generation, now)
+            return Result()
+        if finished:  # the spec changed since it finished: run it again
+            status = self._restart_fresh(status, generation, now)
+
+        if process.phase in (ProcessPhase.RUNNING, ProcessPhase.STOPPING):
+            reason = _relaunch_reason(process, job)
+            if reason and process.phase == ProcessPhase.RUNNING:
+                self.launcher.stop(name)
+                self._event(name, "Normal", "Relaunching", reason, now)
+                process = ProcessState(ProcessPhase.STOPPING, launch=process.launch)
+            if process.phase == ProcessPhase.STOPPING:
+                status = status.model_copy(
+                    update={
+                        "conditions": set_condition(
+                            status.conditions,
+                            ConditionType.Running,
+                            FALSE,
+                            "Stopping",
+                            reason or "waiting for the job's processes to exit",
+                            generation,
+                            now,
+                        )
+                    }
+                )
+                self._save(name, status, generation, now)
+                return Result(requeue_after=self.stop_poll_seconds)
+
+        try:
+            policy = load_policy(job.spec.policy)
+        except PolicyError as err:  # validated in _accept_spec; a plug-in can still vanish
+            raise PermanentError(str(err)) from err
+        launch = process.launch
+        reports = self.store.reports(name, since=launch.started_at if launch else now, limit=200)
+        history = [
+            Observation(
+                time=report.time,
+                allocated=status.gpus.allocated if status.gpus else 0,
+                world_size=report.world_size,
+                epoch=report.epoch,
+                metrics=dict(report.metrics),
+            )
+            for report in reports
+        ]
+        decision = policy.desired(job, history, now)
+        grant = self.allocator.request(
+            Demand(
+                name=name,
+                min=job.spec.gpus.min,
+                max=job.spec.gpus.max,
+                desired=decision.gpus,
+                priority=job.spec.priority,
+                arrival=record.created_at,
+            )
+        )
+        status = self._note_grant_change(name, status, grant, now)
+        status = status.model_copy(update={"policy_reason": decision.reason})
+
+        if process.phase == ProcessPhase.ABSENT:
+            return self._start_or_wait(name, job, status, grant, decision.gpus, generation, now)
+
+        active = reports[-1].world_size if reports else None
+        epochs = [report.epoch for report in reports if report.epoch is not None]
+        epoch = epochs[-1] if epochs else status.epoch
+        conditions = set_condition(
+            status.conditions,
+            ConditionType.Admitted,
+            TRUE,
+            "Admitted",
+            grant.reason,
+            generation,
+            now,
+        )
+        conditions = set_condition(
+            conditions,
+            ConditionType.Running,
+            TRUE,
+            "Training" if reports else "Started",
+            f"world size {active}" if active else "waiting for the workers' first report",
+            generation,
+            now,
+        )
+        resizing = active is not None and active != grant.placement.size
+        conditions = set_condition(
+            conditions,
+            ConditionType.Resizing,
+            TRUE if resizing else FALSE,
+            "Resizing" if resizing else "Stable",
+            f"{active} -> {grant.placement.size} workers" if resizing else "",
+            generation,
+            now,
+        )
+        status = status.model_copy(
+            update={
+                "conditions": conditions,
+                "gpus": _counts(job, status, decision.gpus, grant.placement.size, active),
+                "epoch": epoch,
+            }
+        )
+        self._save(name, status, generation, now)
+        return Result(requeue_after=self.resync_seconds)
+
+    # ---- steps ----
+
+    def _accept_spec(self, view: SpecView, now: float) -> tuple[HerdJob | None, str]:
+        """Record a good spec (bumping the generation on change); else fall back to the last good.
+
+        Returns the spec to act on and, when the file is invalid now, why.
+        """
+        errors = list(view.errors)
+        if view.job is not None:
+            try:
+                load_policy(view.job.spec.policy)
+            except PolicyError as err:
+                errors.append(f"{view.path}: {err}")
+        if view.job is not None and not errors:
+            spec_json = view.job.model_dump_json(by_alias=True)
+            self.store.record_spec(view.name, view.path, spec_json, spec_fingerprint(view.job), now)
+            return view.job, ""
+        problem = "; ".join(errors)
+        record = self.store.get_job(view.name)
+        if record is None:
+            # Never valid: like an object the API server refused, it does not exist.
+            self._event(view.name, "Warning", "InvalidSpec", problem, now)
+            log.warning("%s: invalid spec, not started: %s", view.name, problem)
+            return None, problem
+        return HerdJob.model_validate_json(
+            record.spec_json
+        ), f"{problem} (keeping the last good spec)"
+
+    def _on_exit(
+        self,
+        name: str,
+        job: HerdJob,
+        status: HerdJobStatus,
+        process: ProcessState,
+        generation: int,
+        now: float,
+    ) -> HerdJobStatus:
+        self.launcher.forget(name)
+        conditions = status.conditions
+        code = process.exit_code
+        if process.stopped_by_us:
+            conditions = set_condition(
+                conditions,
+                ConditionType.Running,
+                FALSE,
+                "Stopped",
+                "stopped to relaunch",
+                generation,
+                now,
+            )
+            return status.model_copy(update={"conditions": conditions})
+        if code == 0:
+            self._event(name, "Normal", "Completed", "all workers finished", now)
+            conditions = set_condition(
+                conditions, ConditionType.Running, FALSE, "Completed", "", generation, now
+            )
+            conditions = set_condition(
+                conditions,
+                ConditionType.Succeeded,
+                TRUE,
+                "Completed",
+                "horovodrun exited with status 0",
+                generation,
+                now,
+            )
+            conditions = set_condition(
+                conditions, ConditionType.Resizing, FALSE, "Stable", "", generation, now
+            )
+            return status.model_copy(
+                update={
+                    "conditions": conditions,
+                    "finished_at": now,
+                    "observed_generation": generation,
+                }
+            )
+        restart = job.spec.restart_policy
+        message = f"horovodrun exited with status {code}"
+        if restart.on_failure and status.restarts < restart.backoff_limit:
+            restarts = status.restarts + 1
+            delay = restart_delay(restarts)
+            self._event(
+                name,
+                "Warning",
+                "BackOff",
+                f"{message}; restart {restarts}/{restart.backoff_limit} in {delay:.0f}s",
+                now,
+            )
+            conditions = set_condition(
+                conditions, ConditionType.Running, FALSE, "BackOff", message, generation, now
+            )
+            return status.model_copy(
+                update={"conditions": conditions, "restarts": restarts, "retry_at": now + delay}
+            )
+        self._event(name, "Warning", "Failed", message, now)
+        conditions = set_condition(
+            conditions, ConditionType.Running, FALSE, "Failed", message, generation, now
+        )
+        conditions = set_condition(
+            conditions,
+            ConditionType.Failed,
+            TRUE,
+            "BackoffLimitExceeded" if restart.on_failure else "Failed",
+            message,
+            generation,
+            now,
+        )
+        return status.model_copy(
+            update={"conditions": conditions, "finished_at": now, "observed_generation": generation}
+        )
+
+    def _restart_fresh(self, status: HerdJobStatus, generation: int, now: float) -> HerdJobStatus:
+        conditions = status.conditions
+        for condition_type in (ConditionType.Succeeded, ConditionType.Failed):
+            if get_condition(conditions, condition_type) is not None:
+                conditions = set_condition(
+                    conditions,
+                    condition_type,
+                    FALSE,
+                    "SpecChanged",
+                    "the spec changed after the job finished: running it again",
+                    generation,
+                    now,
+                )
+        return status.model_copy(
+            update={"conditions": conditions, "restarts": 0, "retry_at": None, "finished_at": None}
+        )
+
+    def _start_or_wait(
+        self,
+        name: str,
+        job: HerdJob,
+        status: HerdJobStatus,
+        grant: Grant,
+        desired: int,
+        generation: int,
+        now: float,
+    ) -> Result:
+        conditions = status.conditions
+        size = grant.placement.size
+        if not grant.admitted:
+            conditions = set_condition(
+                conditions, ConditionType.Admitted, FALSE, "Pending", grant.reason, generation, now
+            )
+            if get_condition(conditions, ConditionType.Admitted) != get_condition(
+                status.conditions, ConditionType.Admitted
+            ):
+                self._event(name, "Normal", "Pending", grant.reason, now)
+            status = status.model_copy(
+                update={"conditions": conditions, "gpus": _counts(job, status, desired, 0, None)}
+            )
+            self._save(name, status, generation, now)
+            return Result()  # the allocator wakes the job when its grant changes
+        retry_at = status.retry_at
+        if retry_at is not None and retry_at > now:
+            status = status.model_copy(update={"gpus": _counts(job, status, desired, size, None)})
+            self._save(name, status, generation, now)
+            return Result(requeue_after=retry_at - now)
+        try:
+            launch = self.launcher.start(job, generation, size)
+        except (OSError, RuntimeError) as err:
+            raise TemporaryError(f"cannot launch {name}: {err}") from err
+        self._event(
+            name, "Normal", "Started", f"horovodrun pid {launch.pid} with {size} workers", now
+        )
+        conditions = set_condition(
+            conditions, ConditionType.Admitted, TRUE, "Admitted", grant.reason, generation, now
+        )
+        conditions = set_condition(
+            conditions,
+            ConditionType.Running,
+            TRUE,
+            "Started",
+            "waiting for the workers' first report",
+            generation,
+            now,
+        )
+        conditions = set_condition(
+            conditions, ConditionType.Resizing, FALSE, "Stable", "", generation, now
+        )
+        status = status.model_copy(
+            update={
+                "conditions": conditions,
+                "gpus": _counts(job, status, desired, size, None),
+                "launch_id": launch.launch_id,
+                "started_at": launch.started_at,
+                "retry_at": None,
+                "epoch": None,
+            }
+        )
+        self._save(name, status, generation, now)
+        return Result(requeue_after=self.resync_seconds)
+
+    def _note_grant_change(
+        self, name: str, status: HerdJobStatus, grant: Grant, now: float
+    ) -> HerdJobStatus:
+        before = status.gpus.allocated if status.gpus else 0
+        after = grant.placement.size
+        if before != after:
+            self.store.add_grant_change(name, after, grant.reason, now)
+            if before and after:
+                self._event(
+                    name, "Normal", "Resized", f"{before} -> {after} GPUs: {grant.reason}", now
+                )
+        return status.model_copy(
+            update={
+                "placement": [(host, list(gpus)) for host, gpus in grant.placement.hosts],
+                "grant_reason": grant.reason,
+            }
+        )
+
+    def _finalize_deletion(self, name: str, now: float) -> Result:
+        process = self.launcher.state(name)
+        if process.phase in (ProcessPhase.RUNNING, ProcessPhase.STOPPING):
+            if process.phase == ProcessPhase.RUNNING:
+                self.launcher.stop(name)
+                self._event(name, "Normal", "Stopping", "spec deleted: stopping the job", now)
+            return Result(requeue_after=self.stop_poll_seconds)
+        self.launcher.forget(name)
+        self.allocator.release(name)
+        if self.store.delete_job(name):
+            self._event(name, "Normal", "Deleted", "spec deleted: job removed, GPUs freed", now)
+        return Result()
+
+    # ---- helpers ----
+
+    def _save(self, name: str, status: HerdJobStatus, generation: int, now: float) -> None:
+        status = status.model_copy(update={"observed_generation": generation})
+        self.store.put_status(name, status.model_dump_json(by_alias=True), now)
+
+    def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:
+        self.store.add_event(job, type, reason, message, now)
+        (log.warning if type == "Warning" else log.info)("%s: %s: %s", job, reason, message)
+
+
+def _load_status(text: str) -> HerdJobStatus:
+    return HerdJobStatus.model_validate(json.loads(text or "{}"))
+
+
+def _counts(
+    job: HerdJob, status: HerdJobStatus, desired: int | None, allocated: int, active: int | None
+) -> GpuCounts:
+    return GpuCounts(
+        min=job.spec.gpus.min,
+        max=job.spec.gpus.max,
+        desired=desired if desired is not None else (status.gpus.desired if status.gpus else None),
+        allocated=allocated,
+        active=active,
+    )
+
+
+def _relaunch_reason(process: ProcessState, job: HerdJob) -> str:
+    """Why the running processes cannot follow this spec without a relaunch ('' if they can)."""
+    launch = process.launch
+    if launch is None:
+        return ""
+    if launch.fingerprint != launch_fingerprint(job.spec):
+        return "command, env, workingDir, gpus.min or horovod options changed"
+    if job.spec.gpus.max > launch.launched_max:
+        return f"gpus.max raised above the launched --max-np {launch.launched_max}"
+    return ""

@@ -1,0 +1,1 @@
+"""Metrics exporters (NVML and virtual-GPU collectors) for Prometheus; depends on specs only."""

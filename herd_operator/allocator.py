@@ -1,0 +1,196 @@
+"""The central allocator: the single owner of the pool.
+
+It keeps every job's demand, runs the (pure) arbitration whenever a demand
+changes, publishes the resulting grants where Horovod's discovery scripts read
+them, and tells the controller which jobs' grants changed. Workers ask it, over
+the authenticated RPC server, which GPU is theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from herd_operator.layout import StateLayout, write_atomically
+from herd_operator.rpc import BadRequest, NotFound
+from policies.arbitration import Demand, Grant, Placement, Pool, arbitrate
+
+log = logging.getLogger(__name__)
+
+
+class GrantPublisher:
+    """Publishes grants as files: one `host:slots` file and one discovery script per job.
+
+    Horovod runs the discovery script every second for the life of the job, so
+    it is a two-line shell script that `cat`s the grant file: no Python start-up
+    per call. The grant file is replaced atomically, so a reader never sees half
+    of it.
+    """
+
+    def __init__(self, layout: StateLayout) -> None:
+        self.layout = layout
+
+    def discovery_script(self, job: str) -> Path:
+        script = self.layout.discovery_script(job)
+        if not script.exists():
+            grant = shlex.quote(str(self.layout.grant_file(job).resolve()))
+            write_atomically(script, f"#!/bin/sh\nexec cat {grant}\n", mode=0o755)
+        return script
+
+    def publish(self, job: str, placement: Placement) -> None:
+        lines = placement.discovery_lines()
+        write_atomically(self.layout.grant_file(job), "".join(f"{line}\n" for line in lines))
+
+    def withdraw(self, job: str) -> None:
+        self.layout.grant_file(job).unlink(missing_ok=True)
+        self.layout.discovery_script(job).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Binding:
+    job: str
+    host: str
+    local_rank: int
+    gpu: int
+    pid: int | None
+
+
+class Allocator:
+    """Thread-safe: the controller and the RPC server's thread both call it."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        publisher: GrantPublisher,
+        *,
+        virtual: bool,
+        on_change: Callable[[str, Grant], None] = lambda job, grant: None,
+        on_decision: Callable[[Mapping[str, Placement]], None] = lambda placements: None,
+    ) -> None:
+        self.pool = pool
+        self.virtual = virtual
+        self._publisher = publisher
+        self._on_change = on_change
+        self._on_decision = on_decision
+        self._lock = threading.RLock()
+        self._demands: dict[str, Demand] = {}
+        self._grants: dict[str, Grant] = {}
+        self._bindings: dict[tuple[str, str, int], Binding] = {}
+
+    def request(self, demand: Demand) -> Grant:
+        """Record a job's demand, decide again for everyone, return the job's grant."""
+        with self._lock:
+            if self._demands.get(demand.name) != demand:
+                self._demands[demand.name] = demand
+                self._decide(caller=demand.name)
+            return self._grants[demand.name]
+
+    def release(self, job: str) -> None:
+        """Forget a job: its GPUs go back to the pool (and to whoever waits)."""
+        with self._lock:
+            if self._demands.pop(job, None) is None and job not in self._grants:
+                return
+            self._decide(caller=job)
+            self._publisher.withdraw(job)
+
+    def release_all(self) -> None:
+        """Forget every job at once (operator shutdown): no re-arbitration in between."""
+        with self._lock:
+            jobs = list(self._grants)
+            self._demands.clear()
+            self._grants.clear()
+            self._bindings.clear()
+            for job in jobs:
+                self._publisher.withdraw(job)
+            self._on_decision({})
+
+    def grant(self, job: str) -> Grant | None:
+        with self._lock:
+            return self._grants.get(job)
+
+    def placements(self) -> dict[str, Placement]:
+        with self._lock:
+            return {job: grant.placement for job, grant in self._grants.items()}
+
+    def _decide(self, caller: str) -> None:
+        current = {job: grant.placement for job, grant in self._grants.items()}
+        decided = arbitrate(self.pool, list(self._demands.values()), current)
+        changed = [
+            job
+            for job, grant in decided.items()
+            if job not in self._grants or grant.placement != self._grants[job].placement
+        ]
+        self._grants = decided
+        for job in changed:
+            placement = decided[job].placement
+            if placement.size:
+                self._publisher.publish(job, placement)
+            log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
+        self._bindings = {
+            key: binding
+            for key, binding in self._bindings.items()
+            if binding.job in decided
+            and binding.local_rank < len(decided[binding.job].placement.gpus_on(binding.host))
+        }
+        self._on_decision({job: grant.placement for job, grant in decided.items()})
+        for job in changed:
+            if job != caller:
+                self._on_change(job, decided[job])
+
+    # ---- RPC handlers (called on the RPC server's thread) ----
+
+    def handle_bind(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Which GPU is a worker's: by (job, host, local_rank), as Horovod numbers them."""
+        job, host, local_rank = _str(args, "job"), _str(args, "host"), _int(args, "local_rank")
+        pid = args.get("pid")
+        with self._lock:
+            grant = self._grants.get(job)
+            if grant is None or not grant.placement.size:
+                raise NotFound(f"job {job!r} holds no GPUs")
+            gpus = grant.placement.gpus_on(host)
+            if local_rank >= len(gpus):
+                raise NotFound(
+                    f"job {job!r} holds {len(gpus)} GPU(s) on {host!r}; no local rank {local_rank}"
+                )
+            gpu = gpus[local_rank]
+            self._bindings[(job, host, local_rank)] = Binding(
+                job, host, local_rank, gpu, pid if isinstance(pid, int) else None
+            )
+        return {"gpu": gpu, "gpus": list(gpus), "virtual": self.virtual}
+
+    def bindings(self) -> list[Binding]:
+        with self._lock:
+            return list(self._bindings.values())
+
+    def handle_grant(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        job = _str(args, "job")
+        with self._lock:
+            grant = self._grants.get(job)
+            if grant is None:
+                raise NotFound(f"no job {job!r}")
+            return {"placement": grant.placement.to_json(), "reason": grant.reason}
+
+
+def _describe(placement: Placement) -> str:
+    if not placement.size:
+        return "nothing (pending)"
+    return ", ".join(f"{host}{list(gpus)}" for host, gpus in placement.hosts)
+
+
+def _str(args: Mapping[str, Any], key: str) -> str:
+    value = args.get(key)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"'{key}' must be a non-empty string")
+    return value
+
+
+def _int(args: Mapping[str, Any], key: str) -> int:
+    value = args.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadRequest(f"'{key}' must be a non-negative integer")
+    return value

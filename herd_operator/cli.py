@@ -1,0 +1,463 @@
+"""`herd-operator`: run the operator, and look at what it did.
+
+    herd-operator run --specs-dir jobs --hosts localhost:4
+    herd-operator get [NAME] [-o json|yaml|wide]
+    herd-operator describe NAME
+    herd-operator events [NAME]
+    herd-operator validate FILE...
+    herd-operator schema
+    herd-operator demo
+
+Every command takes the same `--state-dir` (default `$HERD_STATE_DIR`, else
+`./.herd-state`); the reading commands work while the operator runs and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import yaml
+
+from herd_operator.layout import StateLayout, default_state_dir
+from herd_operator.store import Event, JobRecord, Store, StoreError
+from policies.base import PolicyError
+from policies.registry import load_policy
+from specs import SpecFile, index_specs, json_schema, load_spec_file
+from specs.status import HerdJobStatus
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _state_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=default_state_dir(),
+        help="the operator's state directory (default: $HERD_STATE_DIR or ./.herd-state)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="herd-operator",
+        description="Share the GPUs of an allocation among elastic Horovod jobs declared as YAML.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run the operator in the foreground")
+    _state_dir_option(run)
+    run.add_argument(
+        "--specs-dir",
+        type=Path,
+        default=Path("jobs"),
+        help="directory of HerdJob YAML files to watch (default: ./jobs)",
+    )
+    run.add_argument(
+        "--hosts",
+        help="pool as HOST:GPUS[,HOST:GPUS...] "
+        "(default: the GPUs NVML sees, else localhost with --virtual-gpus)",
+    )
+    run.add_argument(
+        "--virtual-gpus",
+        type=_positive_int,
+        default=4,
+        help="virtual GPUs on a machine without GPUs (default: 4)",
+    )
+    run.add_argument(
+        "--listen",
+        default="127.0.0.1",
+        help="address the allocator listens on (default: 127.0.0.1)",
+    )
+    run.add_argument(
+        "--advertise",
+        help="address workers use to reach the allocator (default: the --listen address)",
+    )
+    run.add_argument(
+        "--resync-seconds",
+        type=_positive_float,
+        default=5.0,
+        help="how often a running job is reconciled without an event (default: 5)",
+    )
+    run.add_argument(
+        "--relist-seconds",
+        type=_positive_float,
+        default=10.0,
+        help="how often the spec directory is fully re-read (default: 10)",
+    )
+    run.add_argument(
+        "--grace-seconds",
+        type=_positive_float,
+        default=10.0,
+        help="SIGTERM-to-SIGKILL grace period when stopping a job (default: 10)",
+    )
+    run.add_argument(
+        "--no-watch", action="store_true", help="no file events, relist only (as on NFS or Lustre)"
+    )
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    get = commands.add_parser("get", help="list jobs (kubectl-like table)")
+    _state_dir_option(get)
+    get.add_argument("name", nargs="?")
+    get.add_argument("-o", "--output", choices=["table", "wide", "json", "yaml"], default="table")
+
+    describe = commands.add_parser("describe", help="conditions, placement and events of a job")
+    _state_dir_option(describe)
+    describe.add_argument("name")
+
+    events = commands.add_parser("events", help="list events")
+    _state_dir_option(events)
+    events.add_argument("name", nargs="?", help="only this job's events")
+    events.add_argument("--limit", type=_positive_int, default=100)
+
+    validate = commands.add_parser("validate", help="check job spec files; exit 1 on problems")
+    validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
+
+    commands.add_parser("schema", help="print the JSON Schema of the HerdJob spec")
+
+    demo = commands.add_parser("demo", help="run the example jobs on this machine, end to end")
+    demo.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".herd-demo"),
+        help="where the demo keeps its jobs, state and logs (default: ./.herd-demo; wiped first)",
+    )
+    demo.add_argument("--virtual-gpus", type=_positive_int, default=4)
+    demo.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="give up after this many seconds (default: 600)",
+    )
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+# ---- run ----
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from herd_operator.operator import Operator, OperatorConfig, OperatorError
+    from herd_operator.pool import discover_pool
+
+    configure_logging(args.log_level)
+    try:
+        pool = discover_pool(args.hosts, args.virtual_gpus)
+    except ValueError as err:
+        print(f"herd-operator: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    config = OperatorConfig(
+        specs_dir=args.specs_dir,
+        state_dir=args.state_dir,
+        pool=pool,
+        listen_host=args.listen,
+        advertise_host=args.advertise,
+        resync_seconds=args.resync_seconds,
+        relist_seconds=args.relist_seconds,
+        grace_seconds=args.grace_seconds,
+        watch_events=not args.no_watch,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        logging.getLogger("herd_operator").info("%s received", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return Operator(config).run(stop)
+    except OperatorError as err:
+        print(f"herd-operator: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+# ---- reading commands ----
+
+
+def open_store(state_dir: Path) -> Store:
+    path = StateLayout(state_dir).database
+    if not path.exists():
+        raise StoreError(
+            f"no operator state in {state_dir} (run `herd-operator run --state-dir {state_dir}`"
+            " first, or pass the --state-dir it used)"
+        )
+    return Store.open_readonly(path)
+
+
+def job_object(record: JobRecord) -> dict[str, Any]:
+    """The JSON shape of a job for `get -o json`: spec, status and identity."""
+    status = HerdJobStatus.model_validate(json.loads(record.status_json or "{}"))
+    spec = json.loads(record.spec_json)
+    gpus = status.gpus
+    return {
+        "name": record.name,
+        "uid": record.uid,
+        "specPath": record.spec_path,
+        "generation": record.generation,
+        "observedGeneration": status.observed_generation,
+        "status": status.summary(),
+        "conditions": [c.model_dump(by_alias=True, mode="json") for c in status.conditions],
+        "gpus": {
+            "min": spec["spec"]["gpus"]["min"],
+            "max": spec["spec"]["gpus"]["max"],
+            "desired": gpus.desired if gpus else None,
+            "allocated": gpus.allocated if gpus else 0,
+            "active": gpus.active if gpus else None,
+        },
+        "placement": {host: gpu_list for host, gpu_list in status.placement},
+        "epoch": status.epoch,
+        "restarts": status.restarts,
+        "priority": spec["spec"].get("priority", 0),
+        "policy": spec["spec"].get("policy", {}).get("name", "static"),
+        "createdAt": record.created_at,
+        "spec": spec["spec"],
+    }
+
+
+def format_age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    if seconds < 172800:
+        return f"{seconds // 3600}h"
+    return f"{seconds // 86400}d"
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    with open_store(args.state_dir) as store:
+        records = store.list_jobs()
+    if args.name:
+        records = [record for record in records if record.name == args.name]
+        if not records:
+            print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
+            return EXIT_FAILURE
+    objects = [job_object(record) for record in records]
+    if args.output == "json":
+        print(json.dumps(objects, indent=2))
+        return EXIT_OK
+    if args.output == "yaml":
+        print(yaml.safe_dump(objects, sort_keys=False), end="")
+        return EXIT_OK
+    if not objects:
+        print(f"No jobs in {args.state_dir}.")
+        return EXIT_OK
+    now = time.time()
+    header = ["NAME", "STATUS", "MIN", "MAX", "DESIRED", "ALLOCATED", "ACTIVE", "AGE"]
+    wide = args.output == "wide"
+    if wide:
+        header += ["EPOCH", "RESTARTS", "GEN", "POLICY", "PLACEMENT"]
+    rows = [header]
+    for obj in objects:
+        gpus = obj["gpus"]
+        row = [
+            obj["name"],
+            obj["status"],
+            str(gpus["min"]),
+            str(gpus["max"]),
+            _dash(gpus["desired"]),
+            str(gpus["allocated"]),
+            _dash(gpus["active"]),
+            format_age(now - obj["createdAt"]),
+        ]
+        if wide:
+            placement = ",".join(
+                f"{host}:{'+'.join(map(str, gpu_list))}"
+                for host, gpu_list in obj["placement"].items()
+            )
+            row += [
+                _dash(obj["epoch"]),
+                str(obj["restarts"]),
+                f"{obj['observedGeneration']}/{obj['generation']}",
+                obj["policy"],
+                placement or "-",
+            ]
+        rows.append(row)
+    print(format_table(rows))
+    return EXIT_OK
+
+
+def format_events(events: Sequence[Event], now: float, with_object: bool) -> str:
+    header = ["LAST SEEN", "TYPE", "REASON"] + (["OBJECT"] if with_object else []) + ["MESSAGE"]
+    rows = [header]
+    for event in events:
+        message = event.message + (f" (x{event.count})" if event.count > 1 else "")
+        row = [format_age(now - event.last_time), event.type, event.reason]
+        if with_object:
+            row.append(f"herdjob/{event.job}" if event.job else "-")
+        rows.append([*row, message])
+    return format_table(rows)
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    with open_store(args.state_dir) as store:
+        record = store.get_job(args.name)
+        events = store.events(args.name, limit=20)
+    if record is None:
+        print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
+        return EXIT_FAILURE
+    obj = job_object(record)
+    status = HerdJobStatus.model_validate(json.loads(record.status_json or "{}"))
+    now = time.time()
+    gpus = obj["gpus"]
+    lines = [
+        f"Name:         {obj['name']}",
+        f"Spec file:    {obj['specPath']}",
+        f"Generation:   {obj['generation']} (observed {obj['observedGeneration']})",
+        f"Status:       {obj['status']}",
+        f"Priority:     {obj['priority']}",
+        f"Policy:       {obj['policy']}"
+        + (f" ({status.policy_reason})" if status.policy_reason else ""),
+        f"GPUs:         min {gpus['min']}, max {gpus['max']}, desired {_dash(gpus['desired'])}, "
+        f"allocated {gpus['allocated']}, active {_dash(gpus['active'])}",
+        f"Epoch:        {_dash(obj['epoch'])}",
+        f"Restarts:     {obj['restarts']}",
+        f"Age:          {format_age(now - obj['createdAt'])}",
+        "Placement:" + ("" if obj["placement"] else "    none"),
+    ]
+    for host, gpu_list in obj["placement"].items():
+        lines.append(
+            f"  {host} -> GPUs {', '.join(map(str, gpu_list))} (local ranks 0..{len(gpu_list) - 1})"
+        )
+    if status.grant_reason:
+        lines.append(f"Last decision: {status.grant_reason}")
+    lines.append("Conditions:")
+    if status.conditions:
+        rows = [["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"]] + [
+            [c.type, str(c.status), c.reason, format_age(now - c.last_transition_time), c.message]
+            for c in status.conditions
+        ]
+        lines += ["  " + line for line in format_table(rows).splitlines()]
+    lines.append("Events:" + ("" if events else "       none"))
+    if events:
+        lines += ["  " + line for line in format_events(events, now, False).splitlines()]
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    with open_store(args.state_dir) as store:
+        events = store.events(args.name, limit=args.limit)
+    if not events:
+        print("No events.")
+        return EXIT_OK
+    print(format_events(events, time.time(), True))
+    return EXIT_OK
+
+
+def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
+    """Load each file, check its policy, and check names across the files."""
+    files = [load_spec_file(path) for path in paths]
+    problems = [str(error) for spec_file in files for error in spec_file.errors]
+    for spec_file in files:
+        if spec_file.job is not None:
+            try:
+                load_policy(spec_file.job.spec.policy)
+            except PolicyError as err:
+                problems.append(f"{spec_file.path}: {err.field}: {err.message}")
+    index = index_specs([f for f in files if f.valid])
+    for errors in index.invalid.values():
+        problems += [str(error) for error in errors]
+    return files, problems
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    files, problems = validate_files(args.files)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if problems:
+        return EXIT_FAILURE
+    for spec_file in files:
+        print(f"{spec_file.path}: ok ({spec_file.name})")
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(json_schema(), indent=2))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from herd_operator.demo import run_demo
+
+    configure_logging("INFO")
+    code: int = run_demo(args.state_dir, args.virtual_gpus, args.timeout)
+    return code
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "get": cmd_get,
+    "describe": cmd_describe,
+    "events": cmd_events,
+    "validate": cmd_validate,
+    "schema": cmd_schema,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except StoreError as err:
+        print(f"herd-operator: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except BrokenPipeError:  # `herd-operator schema | head`: the reader left, that is fine
+        sys.stderr.close()
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

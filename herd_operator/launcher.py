@@ -1,0 +1,303 @@
+"""Starts and stops `horovodrun` elastic jobs: the side effects at the edge.
+
+Each job runs as one `horovodrun` process in a session of its own, with stdout
+and stderr appended to a per-job log file. Horovod starts each worker in a new
+session of its own too, so a job's processes are found by the environment
+marker `HERD_LAUNCH_ID` that every one of them inherits, as well as by
+descent, and stopping a job makes sure that none of them is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, launch_fingerprint
+from specs import HerdJobSpec
+
+log = logging.getLogger(__name__)
+
+LAUNCH_ID_ENV = "HERD_LAUNCH_ID"
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    job: str
+    generation: int
+    spec: HerdJobSpec
+    np: int
+    discovery_script: Path
+    log_file: Path
+    hosts: Sequence[str]
+    """Hosts of the pool, to decide whether Horovod may talk over loopback only."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """HERD_* variables that the shim and the worker API read."""
+
+
+def horovodrun_executable() -> str:
+    """The `horovodrun` of this Python's environment, else the one on PATH."""
+    beside = Path(sys.executable).with_name("horovodrun")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("horovodrun")
+    if not found:
+        raise FileNotFoundError("horovodrun not found: install Horovod (scripts/bootstrap.sh)")
+    return found
+
+
+def horovodrun_argv(request: LaunchRequest, horovodrun: str, python: str) -> list[str]:
+    """The argument list (never a shell string) that starts the job."""
+    spec = request.spec
+    argv = [
+        horovodrun,
+        "-np",
+        str(request.np),
+        "--min-np",
+        str(spec.gpus.min),
+        "--max-np",
+        str(spec.gpus.max),
+        "--host-discovery-script",
+        str(request.discovery_script),
+        "--elastic-timeout",
+        str(spec.horovod.elastic_timeout_seconds),
+    ]
+    if spec.horovod.reset_limit is not None:
+        argv += ["--reset-limit", str(spec.horovod.reset_limit)]
+    if request.hosts and all(host in LOCAL_HOSTS for host in request.hosts):
+        # Without it an elastic job on one host waits for a second host forever.
+        argv += ["--network-interface", "lo"]
+    argv += spec.horovod.extra_args
+    argv += [python, "-m", "herd_operator.shim", "--", *spec.command]
+    return argv
+
+
+@dataclass
+class _Process:
+    info: LaunchInfo
+    popen: subprocess.Popen[bytes]
+    known_pids: set[int] = field(default_factory=set)
+    stop_requested: bool = False
+    exit_code: int | None = None
+    escalation: threading.Timer | None = None
+
+
+class Launcher:
+    def __init__(
+        self,
+        on_exit: Callable[[str], None] = lambda job: None,
+        *,
+        grace_seconds: float = 10.0,
+        python: str = sys.executable,
+    ) -> None:
+        self._on_exit = on_exit
+        self.grace_seconds = grace_seconds
+        self.python = python
+        self._lock = threading.Lock()
+        self._processes: dict[str, _Process] = {}
+
+    def launch(self, request: LaunchRequest) -> LaunchInfo:
+        with self._lock:
+            if request.job in self._processes:
+                raise RuntimeError(f"job {request.job} already has a process")
+        launch_id = uuid.uuid4().hex
+        argv = horovodrun_argv(request, horovodrun_executable(), self.python)
+        env = dict(os.environ)
+        env.update(request.spec.env)
+        env.update(request.env)
+        env[LAUNCH_ID_ENV] = launch_id
+        env["PYTHONUNBUFFERED"] = "1"
+        # The job's `python` is this environment's, where Horovod and the shim are.
+        env["PATH"] = os.pathsep.join([str(Path(self.python).parent), env.get("PATH", "")])
+        workdir = request.spec.working_dir or os.getcwd()
+        request.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(request.log_file, "ab") as log_handle:
+            header = f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} launch {launch_id}: "
+            log_handle.write((header + json.dumps(argv) + "\n").encode())
+            log_handle.flush()
+            popen = subprocess.Popen(
+                argv,
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        info = LaunchInfo(
+            launch_id=launch_id,
+            pid=popen.pid,
+            started_at=time.time(),
+            generation=request.generation,
+            fingerprint=launch_fingerprint(request.spec),
+            launched_max=request.spec.gpus.max,
+        )
+        process = _Process(info, popen, {popen.pid})
+        with self._lock:
+            self._processes[request.job] = process
+        threading.Thread(
+            target=self._wait, args=(request.job, process), name=f"wait-{request.job}", daemon=True
+        ).start()
+        log.info(
+            "launched %s: pid %d, %d workers, log %s",
+            request.job,
+            popen.pid,
+            request.np,
+            request.log_file,
+        )
+        return info
+
+    def _wait(self, job: str, process: _Process) -> None:
+        code = process.popen.wait()
+        with self._lock:
+            process.exit_code = code
+        self._on_exit(job)
+
+    def state(self, job: str) -> ProcessState:
+        with self._lock:
+            process = self._processes.get(job)
+        if process is None:
+            return ProcessState(ProcessPhase.ABSENT)
+        stopped_by_us = process.stop_requested
+        if process.exit_code is None:
+            phase = ProcessPhase.STOPPING if stopped_by_us else ProcessPhase.RUNNING
+            return ProcessState(phase, launch=process.info, stopped_by_us=stopped_by_us)
+        # horovodrun is gone; its workers may still be on their way out.
+        if self._leftovers(process):
+            self._clean_up(job, process)
+            return ProcessState(
+                ProcessPhase.STOPPING, process.exit_code, process.info, stopped_by_us
+            )
+        return ProcessState(ProcessPhase.EXITED, process.exit_code, process.info, stopped_by_us)
+
+    def stop(self, job: str) -> None:
+        """Start stopping a job: SIGTERM now, SIGKILL to what is left after the grace period."""
+        with self._lock:
+            process = self._processes.get(job)
+            if process is None or process.stop_requested:
+                return
+            process.stop_requested = True
+        log.info("stopping %s (pid %d)", job, process.info.pid)
+        self._clean_up(job, process)
+
+    def _clean_up(self, job: str, process: _Process) -> None:
+        """SIGTERM the job's processes once, and schedule the SIGKILL of what outlives the grace."""
+        with self._lock:
+            if process.escalation is not None:
+                return
+            timer = threading.Timer(self.grace_seconds, self._kill, args=(job, process))
+            timer.daemon = True
+            process.escalation = timer
+        process.known_pids |= _descendants(process.info.pid)
+        _signal_group(process.info.pid, signal.SIGTERM)
+        if process.exit_code is not None:  # horovodrun is gone: signal its orphans directly
+            for proc in self._leftovers(process):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.terminate()
+        timer.start()
+
+    def _kill(self, job: str, process: _Process) -> None:
+        leftovers = self._leftovers(process)
+        if leftovers:
+            log.warning(
+                "%s: %d process(es) outlived the grace period; killing", job, len(leftovers)
+            )
+        _signal_group(process.info.pid, signal.SIGKILL)
+        for proc in leftovers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+    def _leftovers(self, process: _Process) -> list[psutil.Process]:
+        """Live processes of this launch: known by descent or by the environment marker."""
+        found: dict[int, psutil.Process] = {}
+        for pid in process.known_pids | _descendants(process.info.pid):
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE and _has_marker(proc, process.info):
+                    found[pid] = proc
+            except psutil.Error:
+                continue
+        for proc in _marked_processes(process.info.launch_id):
+            found.setdefault(proc.pid, proc)
+        return list(found.values())
+
+    def forget(self, job: str) -> None:
+        """Drop an exited job's record, once the controller has acted on its exit."""
+        with self._lock:
+            process = self._processes.get(job)
+            if process is not None and process.exit_code is not None:
+                del self._processes[job]
+                if process.escalation is not None:
+                    process.escalation.cancel()
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return list(self._processes)
+
+    def stop_all(self, timeout: float) -> list[str]:
+        """Stop every job and wait for all their processes; returns jobs that would not die."""
+        for job in self.jobs():
+            self.stop(job)
+        deadline = time.monotonic() + timeout
+        stubborn = self.jobs()
+        while stubborn and time.monotonic() < deadline:
+            stubborn = [job for job in stubborn if self.state(job).phase != ProcessPhase.EXITED]
+            if stubborn:
+                time.sleep(0.1)
+        for job in stubborn:
+            with self._lock:
+                process = self._processes[job]
+            self._kill(job, process)
+        return stubborn
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _has_marker(proc: psutil.Process, info: LaunchInfo) -> bool:
+    if proc.pid == info.pid:
+        return True
+    try:
+        return proc.environ().get(LAUNCH_ID_ENV) == info.launch_id
+    except psutil.Error:
+        # Cannot read it (gone, or another user's): trust descent.
+        return True
+
+
+def _marked_processes(launch_id: str) -> list[psutil.Process]:
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        try:
+            if proc.environ().get(LAUNCH_ID_ENV) == launch_id and (
+                proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)

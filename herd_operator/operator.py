@@ -1,0 +1,322 @@
+"""Wires the parts together and runs the control loop in the foreground.
+
+Threads: the main thread takes job names off the work queue and reconciles
+them one at a time (so decisions never race); the spec watcher, the RPC server
+and one waiter per `horovodrun` only put names on the queue.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controllers.ports import LaunchInfo
+from controllers.reconciler import JobReconciler, PermanentError, Result, TemporaryError
+from controllers.workqueue import WorkQueue
+from herd_operator.allocator import Allocator, GrantPublisher
+from herd_operator.auth import ensure_token_file
+from herd_operator.launcher import Launcher, LaunchRequest
+from herd_operator.layout import StateLayout, write_atomically
+from herd_operator.pool import PoolSource
+from herd_operator.rpc import BadRequest, NotFound, RpcServer
+from herd_operator.specdir import DirectoryWatcher, SpecDirectory
+from herd_operator.store import Store
+from herd_operator.worker import ALLOCATOR_ENV, JOB_ENV, TOKEN_FILE_ENV
+from policies.arbitration import Grant, Placement
+from specs import ConditionStatus, ConditionType, HerdJob, is_true, set_condition
+from specs.status import HerdJobStatus
+
+log = logging.getLogger(__name__)
+
+MAX_METRICS_PER_REPORT = 64
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    specs_dir: Path
+    state_dir: Path
+    pool: PoolSource
+    listen_host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    """Address workers use to reach the allocator (default: listen_host)."""
+    resync_seconds: float = 5.0
+    relist_seconds: float = 10.0
+    grace_seconds: float = 10.0
+    watch_events: bool = True
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+
+class OperatorError(Exception):
+    """The operator cannot start (bad state dir, another operator running, port in use)."""
+
+
+class _JobLauncher:
+    """The controllers' LauncherPort: horovodrun with this operator's discovery and env."""
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        layout: StateLayout,
+        publisher: GrantPublisher,
+        hosts: list[str],
+        env: Mapping[str, str],
+    ) -> None:
+        self._launcher = launcher
+        self._layout = layout
+        self._publisher = publisher
+        self._hosts = hosts
+        self._env = env
+
+    def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo:
+        env = {**self._env, JOB_ENV: job.name}
+        request = LaunchRequest(
+            job=job.name,
+            generation=generation,
+            spec=job.spec,
+            np=np,
+            discovery_script=self._publisher.discovery_script(job.name),
+            log_file=self._layout.log_file(job.name),
+            hosts=self._hosts,
+            env=env,
+        )
+        return self._launcher.launch(request)
+
+    def __getattr__(self, name: str) -> Any:  # state, stop, forget: the launcher's own
+        return getattr(self._launcher, name)
+
+
+class Operator:
+    def __init__(self, config: OperatorConfig) -> None:
+        self.config = config
+        self.layout = StateLayout(config.state_dir)
+        self.queue = WorkQueue()
+        self._lock_handle: Any = None
+        self.store: Store | None = None
+        self.server: RpcServer | None = None
+        self.watcher: DirectoryWatcher | None = None
+        self.launcher: Launcher | None = None
+        self.allocator: Allocator | None = None
+        self.specs = SpecDirectory(config.specs_dir)
+        self.ready = threading.Event()
+
+    # ---- lifecycle ----
+
+    def _open(self) -> JobReconciler:
+        config = self.config
+        self.layout.create()
+        self._lock_handle = open(self.layout.root / "operator.lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock_handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise OperatorError(
+                f"another herd-operator is running on state dir {self.layout.root}"
+            ) from err
+        self.store = store = Store(self.layout.database)
+        token = ensure_token_file(self.layout.token_file)
+        publisher = GrantPublisher(self.layout)
+        self.allocator = allocator = Allocator(
+            config.pool.pool,
+            publisher,
+            virtual=config.pool.virtual,
+            on_change=self._on_grant_change,
+            on_decision=lambda placements: store.replace_allocations(
+                _placement_rows(placements), time.time()
+            ),
+        )
+        self.server = server = RpcServer(
+            token,
+            {
+                "bind": allocator.handle_bind,
+                "grant": allocator.handle_grant,
+                "report": self._handle_report,
+                "ping": lambda args: {"pid": os.getpid()},
+            },
+            host=config.listen_host,
+        )
+        host, port = server.start()
+        advertised = config.advertise_host or host
+        address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"
+        write_atomically(
+            self.layout.endpoint_file,
+            json.dumps({"address": address, "pid": os.getpid(), "pool": config.pool.description}),
+        )
+        self.launcher = launcher = Launcher(self.queue.add, grace_seconds=config.grace_seconds)
+        env = {
+            ALLOCATOR_ENV: address,
+            TOKEN_FILE_ENV: str(self.layout.token_file.resolve()),
+            **config.extra_env,
+        }
+        hosts = [host_name for host_name, _ in config.pool.pool.hosts]
+        job_launcher = _JobLauncher(launcher, self.layout, publisher, hosts, env)
+        self._enqueue_known_jobs()
+        log.info(
+            "pool: %s; allocator on %s; specs from %s; state in %s",
+            config.pool.description,
+            address,
+            config.specs_dir,
+            self.layout.root,
+        )
+        return JobReconciler(
+            self.specs, store, allocator, job_launcher, resync_seconds=config.resync_seconds
+        )
+
+    def _enqueue_known_jobs(self) -> None:
+        """Reconcile every recorded job once: a previous operator stopped them on shutdown,
+        so they start again if their spec is still there (re-adopting jobs that outlived a
+        crashed operator is a later step)."""
+        assert self.store is not None
+        for record in self.store.list_jobs():
+            self.queue.add(record.name)
+
+    def run(self, stop: threading.Event) -> int:
+        """Serve until `stop` is set; then stop every job and release everything."""
+        reconciler = self._open()
+        assert self.launcher is not None and self.store is not None
+        self.watcher = DirectoryWatcher(
+            self.specs,
+            self._enqueue_all,
+            relist_seconds=self.config.relist_seconds,
+            use_events=self.config.watch_events,
+        )
+        self.watcher.start()
+        self.ready.set()
+        try:
+            while not stop.is_set():
+                name = self.queue.get(timeout=0.2)
+                if name is None:
+                    continue
+                self._process(reconciler, name)
+        finally:
+            self._shutdown()
+        return 0
+
+    def _process(self, reconciler: JobReconciler, name: str) -> None:
+        started = time.perf_counter()
+        try:
+            result = reconciler.reconcile(name)
+        except PermanentError as err:
+            log.error("%s: %s (not retried until the spec changes)", name, err)
+            self.queue.forget(name)
+            result = Result()
+        except TemporaryError as err:
+            delay = self.queue.backoff(name)
+            log.warning("%s: %s; retrying in %.1fs", name, err, delay)
+            result = Result(requeue_after=delay)
+        except Exception:
+            delay = self.queue.backoff(name)
+            log.exception("%s: reconcile failed; retrying in %.1fs", name, delay)
+            result = Result(requeue_after=delay)
+        else:
+            self.queue.forget(name)
+        finally:
+            self.queue.done(name)
+        if result.requeue_after is not None:
+            self.queue.add_after(name, result.requeue_after)
+        log.debug("reconciled %s in %.1f ms", name, (time.perf_counter() - started) * 1000)
+
+    def _shutdown(self) -> None:
+        log.info("shutting down: stopping jobs")
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.queue.shutdown()
+        if self.launcher is not None:
+            stubborn = self.launcher.stop_all(timeout=self.config.grace_seconds + 5)
+            if stubborn:
+                log.error("processes of %s would not exit", ", ".join(stubborn))
+            self._record_shutdown()
+        if self.server is not None:
+            self.server.stop()
+        self.layout.endpoint_file.unlink(missing_ok=True)
+        if self.store is not None:
+            self.store.close()
+        if self._lock_handle is not None:
+            self._lock_handle.close()
+        log.info("stopped")
+
+    def _record_shutdown(self) -> None:
+        """Jobs were stopped with the operator: say so in their status, free every GPU."""
+        assert self.store is not None and self.allocator is not None
+        now = time.time()
+        for record in self.store.list_jobs():
+            status = HerdJobStatus.model_validate_json(record.status_json or "{}")
+            if not is_true(status.conditions, ConditionType.Running):
+                continue
+            self.store.add_event(record.name, "Normal", "Stopped", "operator shut down", now)
+            conditions = status.conditions
+            for condition_type in (ConditionType.Running, ConditionType.Resizing):
+                conditions = set_condition(
+                    conditions,
+                    condition_type,
+                    ConditionStatus.FALSE,
+                    "OperatorStopped",
+                    "the operator shut down",
+                    status.observed_generation,
+                    now,
+                )
+            gpus = (
+                status.gpus.model_copy(update={"allocated": 0, "active": None})
+                if status.gpus
+                else None
+            )
+            status = status.model_copy(
+                update={"conditions": conditions, "gpus": gpus, "placement": []}
+            )
+            self.store.put_status(record.name, status.model_dump_json(by_alias=True), now)
+        self.allocator.release_all()
+
+    # ---- callbacks from other threads ----
+
+    def _enqueue_all(self, names: set[str]) -> None:
+        for name in sorted(names):
+            self.queue.add(name)
+
+    def _on_grant_change(self, job: str, grant: Grant) -> None:
+        self.queue.add(job)
+
+    def _handle_report(self, args: dict[str, Any]) -> dict[str, Any]:
+        assert self.store is not None
+        job = args.get("job")
+        epoch = args.get("epoch")
+        world_size = args.get("world_size")
+        rank = args.get("rank", 0)
+        metrics = args.get("metrics") or {}
+        if not isinstance(job, str) or not job:
+            raise BadRequest("'job' must be a non-empty string")
+        if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
+            raise BadRequest("'epoch' must be a non-negative integer or null")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise BadRequest("'world_size' must be a positive integer")
+        if not isinstance(rank, int) or rank < 0:
+            raise BadRequest("'rank' must be a non-negative integer")
+        if (
+            not isinstance(metrics, dict)
+            or len(metrics) > MAX_METRICS_PER_REPORT
+            or not all(
+                isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+                for k, v in metrics.items()
+            )
+        ):
+            raise BadRequest(
+                f"'metrics' must map at most {MAX_METRICS_PER_REPORT} names to numbers"
+            )
+        if self.store.get_job(job) is None:
+            raise NotFound(f"no job {job!r}")
+        self.store.add_report(job, epoch, world_size, rank, metrics, time.time())
+        self.queue.add(job)
+        return {}
+
+
+def _placement_rows(placements: Mapping[str, Placement]) -> dict[str, list[tuple[str, list[int]]]]:
+    return {
+        job: [(host, list(gpus)) for host, gpus in placement.hosts]
+        for job, placement in placements.items()
+        if placement.size
+    }

@@ -1,0 +1,747 @@
+"""The allocator's wire protocol: an authenticated JSON-lines RPC over TCP.
+
+Framing: every frame is one JSON object encoded as UTF-8 and terminated by a newline
+(``\\n``); the encoded object, without the newline, is at most ``MAX_FRAME_BYTES``.
+
+Handshake (mutual authentication; the shared token never crosses the wire):
+
+1. server -> ``{"v": 1, "type": "challenge", "nonce": S}``
+2. client -> ``{"type": "auth", "client": C, "nonce": N,
+   "proof": prove(token, "client", S, N, C)}`` where C is a short label for logs
+   such as ``shim:job-a:host1:0``.
+3. server -> ``{"type": "welcome", "proof": prove(token, "server", S, N)}``, which the
+   client checks, or ``{"type": "error", "error": {"code": "unauthenticated", ...}}``
+   and the server closes the connection.
+
+Requests, any number after the handshake, answered in order:
+``{"id": int, "op": str, "args": {...}}`` -> ``{"id": id, "ok": true, "result": {...}}``
+or ``{"id": id, "ok": false, "error": {"code": str, "message": str}}``. ``args`` may be
+omitted (empty). Request error codes: ``bad_request`` (missing or mistyped fields, or
+the handler raised ``BadRequest``), ``unknown_op``, ``not_found`` (the handler raised
+``NotFound``), ``internal`` (anything else; details are logged on the server only).
+
+Connection errors: the server answers ``{"type": "error", "error": {"code", "message"}}``
+and closes the connection when a frame is too long, not UTF-8 JSON, or not an object
+(``bad_request``), when the handshake fails or a request comes before it
+(``unauthenticated``), when the server is at its connection limit (``unavailable``),
+when a started frame or the handshake takes longer than ``read_timeout`` (``timeout``),
+and when an authenticated connection sits idle longer than ``idle_timeout``
+(``idle_timeout``). The last one is only sent while no byte of a next request has been
+read, so a client that gets it in place of a response knows its request was not
+processed and may resend it on a new connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+from herd_operator.auth import new_nonce, prove, verify
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024
+_MAX_CLIENT_LABEL = 128
+_MAX_NONCE_CHARS = 128
+_AUTH_LOG_INTERVAL_S = 1.0
+_UNKNOWN_OP_LABEL = "<unknown>"
+# The clock of the auth-failure log limiter (a module attribute so tests can drive it).
+_log_clock = time.monotonic
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+logger = logging.getLogger(__name__)
+
+
+class RpcError(Exception):
+    """An error response from the server, raised by the client."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class AuthError(RpcError):
+    """The server rejected our credentials, or failed to prove it knows the token."""
+
+
+class BadRequest(Exception):
+    """Raised by a handler when the request's arguments are invalid."""
+
+
+class NotFound(Exception):
+    """Raised by a handler when the thing a request names does not exist."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Parse ``host:port`` or ``[ipv6]:port``."""
+    usage = f"invalid address {text!r}: expected HOST:PORT or [IPV6]:PORT"
+    if text.startswith("["):
+        host, separator, port_text = text[1:].partition("]:")
+        if not separator:
+            raise ValueError(usage)
+    else:
+        host, separator, port_text = text.rpartition(":")
+        if not separator:
+            raise ValueError(usage)
+        if ":" in host:
+            raise ValueError(f"{usage} (put IPv6 addresses in brackets)")
+    if not host:
+        raise ValueError(f"{usage} (empty host)")
+    if not port_text.isascii() or not port_text.isdigit():
+        raise ValueError(f"{usage} (port is not a number)")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{usage} (port must be in 1..65535)")
+    return host, port
+
+
+def _encode_frame(message: Mapping[str, Any]) -> bytes:
+    return json.dumps(message, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+        "utf-8"
+    )
+
+
+def _decode_frame(line: bytes) -> dict[str, Any]:
+    """Parse one frame (without its newline); raises ValueError with a short reason."""
+    try:
+        decoded = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("frame is not valid UTF-8") from None
+    except (ValueError, RecursionError):
+        raise ValueError("frame is not valid JSON") from None
+    if not isinstance(decoded, dict):
+        raise ValueError("frame is not a JSON object")
+    return decoded
+
+
+def _error_body(code: str, message: str) -> dict[str, str]:
+    return {"code": code, "message": message}
+
+
+class _Rejected(Exception):
+    """Ends a connection: the peer gets an error frame, the log gets the reason."""
+
+    def __init__(self, code: str, client_message: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.client_message = client_message
+        self.reason = reason
+
+
+class _IdleClose(Exception):
+    """An authenticated connection was idle too long."""
+
+
+class RpcServer:
+    """Serves ``handlers`` to authenticated clients from an asyncio loop in a thread."""
+
+    def __init__(
+        self,
+        token: bytes,
+        handlers: Mapping[str, Handler],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        read_timeout: float = 10.0,
+        idle_timeout: float = 300.0,
+        max_connections: int = 1024,
+    ) -> None:
+        self._token = token
+        self._handlers = dict(handlers)
+        self._host = host
+        self._port = port
+        self._read_timeout = read_timeout
+        self._idle_timeout = idle_timeout
+        self._max_connections = max_connections
+        self._lifecycle_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.Server | None = None
+        self._address: tuple[str, int] | None = None
+        self._stopped = False
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._counts: Counter[tuple[str, str]] = Counter()
+        self._counts_lock = threading.Lock()
+        # Peer host -> (time of the last auth-failure log line, lines suppressed since).
+        self._auth_log_state: dict[str, tuple[float, int]] = {}
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound (host, port); only valid once started."""
+        if self._address is None:
+            raise RuntimeError("RpcServer is not started")
+        return self._address
+
+    def start(self) -> tuple[str, int]:
+        """Bind and serve in a daemon thread; return the bound address."""
+        with self._lifecycle_lock:
+            if self._thread is not None or self._stopped:
+                raise RuntimeError("RpcServer can only be started once")
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+            bind_errors: list[OSError] = []
+            thread = threading.Thread(
+                target=self._run_loop,
+                args=(loop, ready, bind_errors),
+                name=f"rpc-server-{self._host}:{self._port}",
+                daemon=True,
+            )
+            thread.start()
+            ready.wait()
+            if bind_errors:
+                thread.join()
+                raise bind_errors[0]
+            self._loop = loop
+            self._thread = thread
+            return self.address
+
+    def stop(self) -> None:
+        """Close the listener and every connection, and join the thread; idempotent."""
+        with self._lifecycle_lock:
+            self._stopped = True
+            loop, thread = self._loop, self._thread
+            self._loop = None
+            if loop is None or thread is None:
+                return
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result()
+            thread.join()
+
+    def request_counts(self) -> dict[tuple[str, str], int]:
+        """Requests served so far by (op, outcome); outcome is ``ok`` or an error code."""
+        with self._counts_lock:
+            return dict(self._counts)
+
+    def __enter__(self) -> RpcServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _run_loop(
+        self, loop: asyncio.AbstractEventLoop, ready: threading.Event, bind_errors: list[OSError]
+    ) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            try:
+                server = loop.run_until_complete(
+                    asyncio.start_server(
+                        self._serve_connection, self._host, self._port, limit=MAX_FRAME_BYTES
+                    )
+                )
+            except OSError as error:
+                bind_errors.append(error)
+                ready.set()
+                return
+            self._server = server
+            bound = server.sockets[0].getsockname()
+            self._address = (bound[0], bound[1])
+            ready.set()
+            loop.run_forever()
+        finally:
+            # Connections accepted while stopping may not have registered; end them too.
+            leftovers = asyncio.all_tasks(loop)
+            for task in leftovers:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task, writer in self._connections.items():
+            writer.transport.abort()
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        asyncio.get_running_loop().stop()
+
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        peer = _peer_label(writer.get_extra_info("peername"))
+        task = asyncio.current_task()
+        assert task is not None  # start_server runs each connection in its own task
+        at_capacity = len(self._connections) >= self._max_connections
+        self._connections[task] = writer
+        try:
+            if at_capacity:
+                raise _Rejected(
+                    "unavailable",
+                    "server is busy",
+                    f"at the limit of {self._max_connections} connections",
+                )
+            await self._converse(reader, writer, peer)
+        except _Rejected as rejected:
+            if rejected.code == "unauthenticated":
+                self._log_auth_failure(peer, rejected.reason)
+            else:
+                logger.warning("rejected connection from %s: %s", peer, rejected.reason)
+            await self._send_quietly(
+                writer, _connection_error(rejected.code, rejected.client_message)
+            )
+        except _IdleClose:
+            logger.debug("closing idle connection from %s", peer)
+            await self._send_quietly(
+                writer, _connection_error("idle_timeout", "connection closed after idling")
+            )
+        except (ConnectionError, asyncio.IncompleteReadError) as error:
+            logger.debug("connection from %s ended: %r", peer, error)
+        except TimeoutError:
+            logger.warning(
+                "closing connection from %s: it left responses unread for %g s",
+                peer,
+                self._read_timeout,
+            )
+        except Exception:
+            # A bug here must cost one connection, never the server.
+            logger.exception("connection from %s failed", peer)
+        finally:
+            self._connections.pop(task, None)
+            await self._close(writer)
+
+    async def _converse(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+    ) -> None:
+        server_nonce = new_nonce()
+        challenge = {"v": PROTOCOL_VERSION, "type": "challenge", "nonce": server_nonce}
+        await self._send(writer, _encode_frame(challenge))
+        hello = await self._read_frame(reader, wait_timeout=self._read_timeout, authenticated=False)
+        if hello is None:
+            return
+        client_nonce, label = self._check_auth(hello, server_nonce)
+        welcome = {
+            "type": "welcome",
+            "proof": prove(self._token, "server", server_nonce, client_nonce),
+        }
+        await self._send(writer, _encode_frame(welcome))
+        logger.debug("authenticated client %r from %s", label, peer)
+        while True:
+            request = await self._read_frame(
+                reader, wait_timeout=self._idle_timeout, authenticated=True
+            )
+            if request is None:
+                return
+            await self._send(writer, self._dispatch(request, peer))
+
+    def _check_auth(self, hello: dict[str, Any], server_nonce: str) -> tuple[str, str]:
+        """Validate the auth frame; return (client nonce, client label)."""
+        if hello.get("type") != "auth":
+            raise _Rejected(
+                "unauthenticated", "authenticate first", "sent a frame before authenticating"
+            )
+        label, client_nonce, proof = hello.get("client"), hello.get("nonce"), hello.get("proof")
+        if not (
+            isinstance(label, str)
+            and len(label) <= _MAX_CLIENT_LABEL
+            and isinstance(client_nonce, str)
+            and 0 < len(client_nonce) <= _MAX_NONCE_CHARS
+            and isinstance(proof, str)
+        ):
+            raise _Rejected("unauthenticated", "malformed auth frame", "malformed auth frame")
+        if not verify(self._token, proof, "client", server_nonce, client_nonce, label):
+            raise _Rejected(
+                "unauthenticated",
+                "authentication failed",
+                f"authentication failed for client {label!r} (wrong token?)",
+            )
+        return client_nonce, label
+
+    async def _read_frame(
+        self, reader: asyncio.StreamReader, *, wait_timeout: float, authenticated: bool
+    ) -> dict[str, Any] | None:
+        """Read one frame, or None at a clean end of stream.
+
+        The first byte may take ``wait_timeout``; the rest of the frame must follow
+        within ``read_timeout`` so a trickling peer cannot hold the connection.
+        """
+        try:
+            first = await asyncio.wait_for(reader.read(1), wait_timeout)
+        except TimeoutError:
+            if authenticated:
+                raise _IdleClose from None
+            raise _Rejected(
+                "timeout",
+                "timed out waiting for authentication",
+                f"no auth frame within {self._read_timeout:g} s",
+            ) from None
+        if not first:
+            return None
+        line = b""
+        if first != b"\n":
+            try:
+                rest = await asyncio.wait_for(reader.readuntil(b"\n"), self._read_timeout)
+            except TimeoutError:
+                raise _Rejected(
+                    "timeout",
+                    "timed out reading a frame",
+                    f"frame not completed within {self._read_timeout:g} s",
+                ) from None
+            except asyncio.LimitOverrunError:
+                raise self._oversize() from None
+            line = first + rest[:-1]
+        if len(line) > MAX_FRAME_BYTES:
+            raise self._oversize()
+        try:
+            return _decode_frame(line)
+        except ValueError as error:
+            raise _Rejected("bad_request", str(error), str(error)) from None
+
+    @staticmethod
+    def _oversize() -> _Rejected:
+        message = f"frame longer than {MAX_FRAME_BYTES} bytes"
+        return _Rejected("bad_request", message, message)
+
+    def _dispatch(self, request: dict[str, Any], peer: str) -> bytes:
+        """Run one request; return the encoded response frame."""
+        request_id = request.get("id")
+        op = request.get("op")
+        op_label = op if isinstance(op, str) and op in self._handlers else _UNKNOWN_OP_LABEL
+        if not isinstance(request_id, int) or isinstance(request_id, bool):
+            return self._fail(None, op_label, "bad_request", "'id' must be an integer")
+        if not isinstance(op, str):
+            return self._fail(request_id, op_label, "bad_request", "'op' must be a string")
+        args = request.get("args", {})
+        if not isinstance(args, dict):
+            return self._fail(request_id, op_label, "bad_request", "'args' must be an object")
+        handler = self._handlers.get(op)
+        if handler is None:
+            return self._fail(request_id, op_label, "unknown_op", f"unknown op {_clip(op)!r}")
+        try:
+            result = handler(args)
+        except BadRequest as error:
+            return self._fail(request_id, op, "bad_request", _clip(str(error)))
+        except NotFound as error:
+            return self._fail(request_id, op, "not_found", _clip(str(error)))
+        except Exception:
+            logger.exception("handler for op %r failed (request from %s)", op, peer)
+            return self._fail(request_id, op, "internal", f"internal error in op {op!r}")
+        try:
+            frame = _encode_result(request_id, result)
+        except ValueError as error:
+            logger.error("handler for op %r %s (request from %s)", op, error, peer)
+            return self._fail(request_id, op, "internal", f"internal error in op {op!r}")
+        self._count(op, "ok")
+        return frame
+
+    def _fail(self, request_id: int | None, op: str, code: str, message: str) -> bytes:
+        self._count(op, code)
+        return _encode_frame({"id": request_id, "ok": False, "error": _error_body(code, message)})
+
+    def _count(self, op: str, outcome: str) -> None:
+        with self._counts_lock:
+            self._counts[(op, outcome)] += 1
+
+    def _log_auth_failure(self, peer: str, reason: str) -> None:
+        host = peer.rpartition(":")[0]
+        now = _log_clock()
+        last, suppressed = self._auth_log_state.get(host, (-_AUTH_LOG_INTERVAL_S, 0))
+        if now - last < _AUTH_LOG_INTERVAL_S:
+            self._auth_log_state[host] = (last, suppressed + 1)
+            return
+        if len(self._auth_log_state) > self._max_connections:
+            # Forget quiet hosts so a scan from many addresses cannot grow this forever.
+            self._auth_log_state = {
+                key: value
+                for key, value in self._auth_log_state.items()
+                if now - value[0] < _AUTH_LOG_INTERVAL_S
+            }
+        self._auth_log_state[host] = (now, 0)
+        more = f" ({suppressed} similar rejections suppressed)" if suppressed else ""
+        logger.warning("rejected connection from %s: %s%s", peer, reason, more)
+
+    async def _send(self, writer: asyncio.StreamWriter, frame: bytes) -> None:
+        writer.write(frame + b"\n")
+        # A peer that never reads must not hold the handler forever.
+        await asyncio.wait_for(writer.drain(), self._read_timeout)
+
+    async def _send_quietly(self, writer: asyncio.StreamWriter, frame: bytes) -> None:
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            await self._send(writer, frame)
+
+    async def _close(self, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+        try:
+            await asyncio.wait_for(writer.wait_closed(), self._read_timeout)
+        except (OSError, TimeoutError):
+            writer.transport.abort()
+
+
+def _encode_result(request_id: int, result: object) -> bytes:
+    """Encode a success response; raises ValueError saying why ``result`` cannot be sent."""
+    if not isinstance(result, dict):
+        raise ValueError(f"returned {type(result).__name__}, not a dict")
+    try:
+        frame = _encode_frame({"id": request_id, "ok": True, "result": result})
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"returned a result that is not JSON: {error}") from None
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ValueError(
+            f"returned a result of {len(frame)} bytes, over the {MAX_FRAME_BYTES}-byte limit"
+        )
+    return frame
+
+
+def _connection_error(code: str, message: str) -> bytes:
+    return _encode_frame({"type": "error", "error": _error_body(code, message)})
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """Shorten peer- or handler-supplied text so an error response stays small."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _peer_label(peername: object) -> str:
+    if isinstance(peername, tuple) and len(peername) >= 2:
+        host, port = peername[0], peername[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(peername)
+
+
+class RpcClient:
+    """A synchronous, thread-safe client; connects and authenticates on first use."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        token: bytes,
+        *,
+        client: str = "client",
+        timeout: float = 10.0,
+    ) -> None:
+        self._address = address
+        self._token = token
+        self._label = client
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._buffer = bytearray()
+        self._ids = itertools.count(1)
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        """Run ``op`` on the server and return its result.
+
+        Raises RpcError for an error response (AuthError if authentication fails),
+        ConnectionError or TimeoutError for transport problems, ValueError if the
+        request is larger than a frame.
+        """
+        with self._lock:
+            request_id = next(self._ids)
+            payload = _encode_frame({"id": request_id, "op": op, "args": args})
+            if len(payload) > MAX_FRAME_BYTES:
+                raise ValueError(
+                    f"request for op {op!r} is {len(payload)} bytes, "
+                    f"over the {MAX_FRAME_BYTES}-byte frame limit"
+                )
+            may_retry = True
+            while True:
+                sock = self._connected()
+                try:
+                    sock.sendall(payload + b"\n")
+                except TimeoutError:
+                    self._drop()
+                    raise TimeoutError(f"sending to {self._where()} timed out") from None
+                except OSError as error:
+                    self._drop()
+                    if may_retry:
+                        may_retry = False
+                        continue
+                    raise ConnectionError(f"sending to {self._where()} failed: {error}") from error
+                response = self._receive(f"waiting for the response to op {op!r}")
+                if may_retry and _is_idle_close(response):
+                    # The server closed the idle connection before reading this request.
+                    self._drop()
+                    may_retry = False
+                    continue
+                return self._result(response, request_id)
+
+    def close(self) -> None:
+        """Close the connection; a later call reconnects."""
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _where(self) -> str:
+        host, port = self._address
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _connection_is_fresh(self) -> bool:
+        """Drop the connection if the server closed it or sent something unasked."""
+        sock = self._sock
+        assert sock is not None
+        if self._buffer:
+            self._drop()
+            return False
+        sock.setblocking(False)
+        try:
+            sock.recv(1)
+        except BlockingIOError:
+            return True
+        except OSError:
+            pass
+        finally:
+            sock.settimeout(self._timeout)
+        self._drop()
+        return False
+
+    def _connected(self) -> socket.socket:
+        if self._sock is not None and self._connection_is_fresh():
+            return self._sock
+        try:
+            sock = socket.create_connection(self._address, timeout=self._timeout)
+        except TimeoutError:
+            raise TimeoutError(f"connecting to {self._where()} timed out") from None
+        except OSError as error:
+            raise ConnectionError(f"cannot connect to {self._where()}: {error}") from error
+        self._sock = sock
+        try:
+            self._handshake(sock)
+        except BaseException:
+            self._drop()
+            raise
+        return sock
+
+    def _handshake(self, sock: socket.socket) -> None:
+        challenge = self._receive("waiting for the server's challenge")
+        if challenge.get("type") == "error":
+            self._raise_connection_error(challenge)
+        server_nonce = challenge.get("nonce")
+        if challenge.get("type") != "challenge" or not isinstance(server_nonce, str):
+            raise ConnectionError(f"{self._where()} did not send a challenge")
+        if challenge.get("v") != PROTOCOL_VERSION:
+            raise ConnectionError(
+                f"{self._where()} speaks protocol version {challenge.get('v')!r}, "
+                f"not {PROTOCOL_VERSION}"
+            )
+        client_nonce = new_nonce()
+        proof = prove(self._token, "client", server_nonce, client_nonce, self._label)
+        hello = {"type": "auth", "client": self._label, "nonce": client_nonce, "proof": proof}
+        sock.sendall(_encode_frame(hello) + b"\n")
+        welcome = self._receive("waiting for the server's welcome")
+        if welcome.get("type") == "error":
+            self._raise_connection_error(welcome)
+        server_proof = welcome.get("proof")
+        if (
+            welcome.get("type") != "welcome"
+            or not isinstance(server_proof, str)
+            or not verify(self._token, server_proof, "server", server_nonce, client_nonce)
+        ):
+            raise AuthError(
+                "unauthenticated",
+                f"server at {self._where()} failed to prove it knows the token",
+            )
+
+    def _raise_connection_error(self, frame: dict[str, Any]) -> None:
+        code = _error_code(frame)
+        error = frame.get("error")
+        message = error.get("message") if isinstance(error, dict) else None
+        text = message if isinstance(message, str) else "no message"
+        if code == "unauthenticated":
+            raise AuthError(code, f"server at {self._where()} rejected us: {text}")
+        raise ConnectionError(f"server at {self._where()} refused the connection: {code}: {text}")
+
+    def _receive(self, doing: str) -> dict[str, Any]:
+        """Read one frame from the server; on any failure drop the connection."""
+        sock = self._sock
+        assert sock is not None
+        deadline = time.monotonic() + self._timeout
+        try:
+            while True:
+                end = self._buffer.find(b"\n")
+                if end >= 0:
+                    line = bytes(self._buffer[:end])
+                    del self._buffer[: end + 1]
+                    break
+                if len(self._buffer) > MAX_FRAME_BYTES:
+                    raise ConnectionError(f"{self._where()} sent a frame over the limit")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"timed out {doing} from {self._where()}")
+                sock.settimeout(remaining)
+                try:
+                    chunk = sock.recv(MAX_FRAME_BYTES)
+                except TimeoutError:
+                    raise TimeoutError(f"timed out {doing} from {self._where()}") from None
+                except OSError as error:
+                    raise ConnectionError(
+                        f"connection to {self._where()} broke {doing}: {error}"
+                    ) from error
+                if not chunk:
+                    raise ConnectionError(f"{self._where()} closed the connection {doing}")
+                self._buffer += chunk
+            try:
+                return _decode_frame(line)
+            except ValueError as error:
+                raise ConnectionError(f"{self._where()} sent a bad frame: {error}") from None
+        except BaseException:
+            self._drop()
+            raise
+        finally:
+            if self._sock is not None:
+                self._sock.settimeout(self._timeout)
+
+    def _result(self, response: dict[str, Any], request_id: int) -> dict[str, Any]:
+        if response.get("type") == "error":
+            self._drop()
+            error = response.get("error")
+            message = error.get("message") if isinstance(error, dict) else None
+            raise RpcError(_error_code(response), message if isinstance(message, str) else "")
+        if response.get("id") != request_id:
+            self._drop()
+            raise ConnectionError(
+                f"{self._where()} answered request {response.get('id')!r}, not {request_id}"
+            )
+        if response.get("ok") is True and isinstance(response.get("result"), dict):
+            result: dict[str, Any] = response["result"]
+            return result
+        error = response.get("error")
+        if response.get("ok") is False and isinstance(error, dict):
+            code, message = error.get("code"), error.get("message")
+            if isinstance(code, str) and isinstance(message, str):
+                raise RpcError(code, message)
+        self._drop()
+        raise ConnectionError(f"{self._where()} sent a malformed response")
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._buffer.clear()
+
+
+def _is_idle_close(frame: Mapping[str, Any]) -> bool:
+    return frame.get("type") == "error" and _error_code(frame) == "idle_timeout"
+
+
+def _error_code(frame: Mapping[str, Any]) -> str:
+    error = frame.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else "unknown"

@@ -1,0 +1,172 @@
+"""The watched spec directory: the source of desired state.
+
+A full relist is the source of truth (inotify does not work on NFS or Lustre);
+watchdog events only make the next relist happen sooner. A relist re-reads
+only files whose (inode, size, mtime) changed, so it stays cheap with many
+files, and it reports the job names whose view changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from controllers.ports import SpecView
+from specs import SpecFile, index_specs, is_spec_filename, load_spec_file, spec_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Stamp:
+    inode: int
+    size: int
+    mtime_ns: int
+
+
+class SpecDirectory:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._files: dict[str, tuple[_Stamp, SpecFile]] = {}
+        self._views: dict[str, SpecView] = {}
+        self._keys: dict[str, tuple[str, ...]] = {}
+        self._unnamed: tuple[str, ...] = ()
+
+    def view(self, name: str) -> SpecView | None:
+        with self._lock:
+            return self._views.get(name)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._views)
+
+    def unnamed_errors(self) -> tuple[str, ...]:
+        with self._lock:
+            return self._unnamed
+
+    def relist(self) -> set[str]:
+        """Re-read the directory; returns the names whose view changed (new and deleted too)."""
+        files: dict[str, tuple[_Stamp, SpecFile]] = {}
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            log.warning("spec directory %s does not exist (yet); no jobs declared", self.directory)
+            entries = []
+        for entry in sorted(entries, key=lambda e: e.name):
+            if not is_spec_filename(entry.name):
+                continue
+            try:
+                if not entry.is_file():
+                    continue
+                st = entry.stat()
+            except OSError:
+                continue  # removed between listing and stat
+            stamp = _Stamp(st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._files.get(entry.name)
+            if cached is not None and cached[0] == stamp:
+                files[entry.name] = cached
+            else:
+                files[entry.name] = (stamp, load_spec_file(Path(entry.path)))
+        index = index_specs([spec_file for _, spec_file in files.values()])
+        views: dict[str, SpecView] = {}
+        keys: dict[str, tuple[str, ...]] = {}
+        for name, spec_file in index.jobs.items():
+            assert spec_file.job is not None
+            views[name] = SpecView(name, str(spec_file.path), spec_file.job)
+            keys[name] = (str(spec_file.path), spec_fingerprint(spec_file.job))
+        for name, errors in index.invalid.items():
+            messages = tuple(str(error) for error in errors)
+            views[name] = SpecView(name, errors[0].file if errors else "", None, messages)
+            keys[name] = messages
+        unnamed = tuple(str(error) for error in index.unnamed)
+        with self._lock:
+            changed = {
+                name
+                for name in views.keys() | self._keys.keys()
+                if keys.get(name) != self._keys.get(name)
+            }
+            new_unnamed = set(unnamed) - set(self._unnamed)
+            self._files, self._views, self._keys, self._unnamed = files, views, keys, unnamed
+        for message in sorted(new_unnamed):
+            log.warning("invalid spec file: %s", message)
+        return changed
+
+
+class DirectoryWatcher:
+    """Wakes the relist loop on file events (watchdog) and every `relist_seconds` regardless."""
+
+    def __init__(
+        self,
+        specs: SpecDirectory,
+        on_changed: Callable[[set[str]], None],
+        *,
+        relist_seconds: float = 10.0,
+        use_events: bool = True,
+    ) -> None:
+        self.specs = specs
+        self.on_changed = on_changed
+        self.relist_seconds = relist_seconds
+        self.use_events = use_events
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="spec-relist", daemon=True)
+        self._observer: object | None = None
+
+    def start(self) -> None:
+        self.on_changed(self.specs.relist())
+        if self.use_events:
+            self._start_observer()
+        self._thread.start()
+
+    def _start_observer(self) -> None:
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        wake = self._wake
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                wake.set()
+
+        observer = Observer()
+        try:
+            observer.schedule(Handler(), str(self.specs.directory), recursive=False)
+            observer.start()
+        except OSError as err:  # no inotify (limits, NFS): the relist still works
+            log.warning(
+                "file events unavailable for %s (%s); relisting every %.0fs",
+                self.specs.directory,
+                err,
+                self.relist_seconds,
+            )
+            return
+        self._observer = observer
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.relist_seconds)
+            if self._stop.is_set():
+                break
+            self._wake.clear()
+            try:
+                changed = self.specs.relist()
+            except Exception:
+                log.exception("relist of %s failed; will retry", self.specs.directory)
+                continue
+            if changed:
+                self.on_changed(changed)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        observer = self._observer
+        if observer is not None:
+            observer.stop()  # type: ignore[attr-defined]
+            observer.join(timeout=5)  # type: ignore[attr-defined]
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

@@ -1,0 +1,683 @@
+"""The operator's crash-safe embedded state store: one SQLite file in WAL mode.
+
+The operator process owns one writable ``Store``; its threads share the single
+connection behind a lock, and every write method is one transaction, so a
+crash leaves either the old or the new state. Other processes (``herd-operator
+get`` while the operator runs) use ``Store.open_readonly``; WAL lets them read
+committed data without blocking the writer, and ``snapshot()`` holds one read
+transaction across several calls so what they show is consistent.
+
+All times are unix seconds passed in by the caller (``now``), so tests control
+them. Jobs are keyed by name; a job that is deleted and re-created gets a new
+uid. Runtime rows, allocations and reports belong to their job and go with it;
+events and the grant history are a log and outlive it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import Literal
+
+_log = logging.getLogger(__name__)
+
+DB_FILENAME = "state.db"
+"""The store's file name inside the operator's state directory."""
+
+SCHEMA_VERSION = 1
+MAX_REPORTS_PER_JOB = 10_000
+MAX_EVENTS = 100_000
+BUSY_TIMEOUT_MS = 5_000
+
+EventType = Literal["Normal", "Warning"]
+_EVENT_TYPES: frozenset[str] = frozenset({"Normal", "Warning"})
+_UPPER_CAMEL_CASE = re.compile(r"[A-Z][A-Za-z0-9]*")
+
+_SCHEMA_V1 = """
+CREATE TABLE jobs (
+    name TEXT PRIMARY KEY,
+    uid TEXT NOT NULL UNIQUE,
+    spec_path TEXT NOT NULL,
+    spec_json TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    status_json TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE runtime (
+    name TEXT PRIMARY KEY REFERENCES jobs(name) ON DELETE CASCADE,
+    launch_id TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    generation INTEGER NOT NULL,
+    restarts INTEGER NOT NULL,
+    launched_max INTEGER NOT NULL
+);
+CREATE TABLE allocations (
+    host TEXT NOT NULL,
+    gpu INTEGER NOT NULL,
+    job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    host_ordinal INTEGER NOT NULL,
+    local_rank INTEGER NOT NULL,
+    PRIMARY KEY (host, gpu)
+);
+CREATE INDEX allocations_by_job ON allocations (job, host_ordinal, local_rank);
+CREATE TABLE reports (
+    job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    epoch INTEGER,
+    world_size INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    time REAL NOT NULL,
+    metrics_json TEXT NOT NULL,
+    PRIMARY KEY (job, seq)
+);
+CREATE TABLE grant_history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job TEXT NOT NULL,
+    time REAL NOT NULL,
+    gpus INTEGER NOT NULL,
+    reason TEXT NOT NULL
+);
+CREATE INDEX grant_history_by_job ON grant_history (job, id);
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    job TEXT,
+    type TEXT NOT NULL CHECK (type IN ('Normal', 'Warning')),
+    reason TEXT NOT NULL,
+    message TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    last_time REAL NOT NULL
+);
+CREATE INDEX events_by_job ON events (job, id);
+CREATE INDEX events_by_last_time ON events (last_time, id);
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+
+class StoreError(Exception):
+    """The state database cannot be opened, read or written."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as last recorded: its last good spec and its status."""
+
+    name: str
+    uid: str
+    spec_path: str
+    spec_json: str
+    fingerprint: str
+    generation: int
+    status_json: str
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class RuntimeRecord:
+    """What the launcher started for a job, so a restarted operator can re-adopt it."""
+
+    name: str
+    launch_id: str
+    pid: int
+    started_at: float
+    generation: int
+    restarts: int
+    launched_max: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """One report a worker sent (an epoch end, or a world size change when epoch is None)."""
+
+    job: str
+    epoch: int | None
+    world_size: int
+    rank: int
+    time: float
+    metrics: Mapping[str, float] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class GrantChange:
+    """A change of a job's granted GPU count."""
+
+    job: str
+    time: float
+    gpus: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes-style event; repeats of a job's latest event raise ``count``."""
+
+    id: int
+    time: float
+    job: str | None
+    type: EventType
+    reason: str
+    message: str
+    count: int
+    last_time: float
+
+
+Placement = list[tuple[str, list[int]]]
+"""A job's GPUs: (host, [gpu, ...]) in host order, GPUs in local-rank order."""
+
+
+class Store:
+    """The SQLite state store; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_reports_per_job: int = MAX_REPORTS_PER_JOB,
+        max_events: int = MAX_EVENTS,
+        readonly: bool = False,
+    ) -> None:
+        """Open the store at ``path`` (the database file).
+
+        Writable: creates the file, its schema and its parent directory (mode 0700) as needed.
+        Read-only: the store must exist already; see ``open_readonly``.
+        """
+        if max_reports_per_job < 1 or max_events < 1:
+            raise ValueError("max_reports_per_job and max_events must be at least 1")
+        self.path = Path(path)
+        self.readonly = readonly
+        self._max_reports_per_job = max_reports_per_job
+        self._max_events = max_events
+        self._lock = threading.RLock()
+        if readonly:
+            self._conn = self._connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
+        else:
+            try:
+                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(
+                    f"cannot create the directory of state store {self.path}: {exc}"
+                ) from exc
+            self._conn = self._connect(str(self.path), uri=False)
+        try:
+            with self._errors("open"):
+                self._conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            if readonly:
+                self._check_version(self._user_version(), readonly=True)
+            else:
+                self._configure_writer()
+                self._ensure_schema()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    @classmethod
+    def open_readonly(cls, path: Path) -> Store:
+        """Open an existing store for reading only, e.g. from a CLI while the operator runs."""
+        return cls(path, readonly=True)
+
+    def close(self) -> None:
+        """Close the connection; further calls raise StoreError."""
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Hold one read transaction, so the reads inside see the state as of entry.
+
+        It holds the store's lock throughout: other threads sharing this store wait, and
+        writes inside it raise StoreError.
+        """
+        with self._lock, self._errors("read"):
+            self._conn.execute("BEGIN")
+            try:
+                # WAL fixes the snapshot at the first read, not at BEGIN.
+                self._conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+                yield
+            finally:
+                self._conn.execute("COMMIT")
+
+    # jobs
+
+    def record_spec(
+        self, name: str, spec_path: str, spec_json: str, fingerprint: str, now: float
+    ) -> JobRecord:
+        """Record a job's good spec; a new fingerprint bumps the generation."""
+        _require_json(spec_json, "spec_json")
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT fingerprint, spec_path FROM jobs WHERE name = ?", (name,)
+            ).fetchone()
+            if row is None:
+                conn.execute(
+                    "INSERT INTO jobs (name, uid, spec_path, spec_json, fingerprint, generation,"
+                    " status_json, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 1, '{}', ?, ?)",
+                    (name, uuid.uuid4().hex, spec_path, spec_json, fingerprint, now, now),
+                )
+            elif row["fingerprint"] != fingerprint:
+                conn.execute(
+                    "UPDATE jobs SET spec_path = ?, spec_json = ?, fingerprint = ?,"
+                    " generation = generation + 1, updated_at = ? WHERE name = ?",
+                    (spec_path, spec_json, fingerprint, now, name),
+                )
+            elif row["spec_path"] != spec_path:
+                conn.execute(
+                    "UPDATE jobs SET spec_path = ?, updated_at = ? WHERE name = ?",
+                    (spec_path, now, name),
+                )
+            return _job(conn.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone())
+
+    def get_job(self, name: str) -> JobRecord | None:
+        """The job named ``name``, or None."""
+        with self._read() as conn:
+            row = conn.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone()
+        return None if row is None else _job(row)
+
+    def list_jobs(self) -> list[JobRecord]:
+        """All jobs, by name."""
+        with self._read() as conn:
+            return [_job(row) for row in conn.execute("SELECT * FROM jobs ORDER BY name")]
+
+    def put_status(self, name: str, status_json: str, now: float) -> None:
+        """Replace a job's status (JSON text); KeyError if there is no such job."""
+        _require_json(status_json, "status_json")
+        with self._write() as conn:
+            updated = conn.execute(
+                "UPDATE jobs SET status_json = ?, updated_at = ? WHERE name = ?",
+                (status_json, now, name),
+            ).rowcount
+            if updated == 0:
+                raise _unknown_job(name)
+
+    def delete_job(self, name: str) -> bool:
+        """Delete a job with its runtime, allocations and reports; False if it did not exist."""
+        with self._write() as conn:
+            deleted: int = conn.execute("DELETE FROM jobs WHERE name = ?", (name,)).rowcount
+            return deleted > 0
+
+    # runtime
+
+    def put_runtime(self, rec: RuntimeRecord) -> None:
+        """Insert or replace a job's runtime record; KeyError if there is no such job."""
+        with self._write() as conn:
+            _require_job(conn, rec.name)
+            conn.execute(
+                "INSERT INTO runtime (name, launch_id, pid, started_at, generation, restarts,"
+                " launched_max) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
+                " launch_id = excluded.launch_id, pid = excluded.pid,"
+                " started_at = excluded.started_at, generation = excluded.generation,"
+                " restarts = excluded.restarts, launched_max = excluded.launched_max",
+                (
+                    rec.name,
+                    rec.launch_id,
+                    rec.pid,
+                    rec.started_at,
+                    rec.generation,
+                    rec.restarts,
+                    rec.launched_max,
+                ),
+            )
+
+    def get_runtime(self, name: str) -> RuntimeRecord | None:
+        """The runtime record of job ``name``, or None."""
+        with self._read() as conn:
+            row = conn.execute("SELECT * FROM runtime WHERE name = ?", (name,)).fetchone()
+        return None if row is None else _runtime(row)
+
+    def delete_runtime(self, name: str) -> bool:
+        """Delete a job's runtime record; False if there was none."""
+        with self._write() as conn:
+            deleted: int = conn.execute("DELETE FROM runtime WHERE name = ?", (name,)).rowcount
+            return deleted > 0
+
+    def list_runtime(self) -> list[RuntimeRecord]:
+        """All runtime records, by job name."""
+        with self._read() as conn:
+            return [_runtime(row) for row in conn.execute("SELECT * FROM runtime ORDER BY name")]
+
+    # allocations
+
+    def replace_allocations(self, placements: Mapping[str, Placement], now: float) -> None:
+        """Replace all allocations with ``placements`` (job -> placement) in one transaction.
+
+        ValueError if a GPU is placed twice, a host repeats within a job or has no GPUs;
+        KeyError if a job does not exist. On error nothing changes.
+        """
+        rows: list[tuple[str, int, str, int, int]] = []
+        owner: dict[tuple[str, int], str] = {}
+        for job, placement in placements.items():
+            seen_hosts: set[str] = set()
+            for host_ordinal, (host, gpus) in enumerate(placement):
+                if host in seen_hosts:
+                    raise ValueError(f"job {job!r}: host {host!r} appears twice in its placement")
+                if not gpus:
+                    raise ValueError(f"job {job!r}: host {host!r} has an empty GPU list")
+                seen_hosts.add(host)
+                for local_rank, gpu in enumerate(gpus):
+                    other = owner.get((host, gpu))
+                    if other is not None:
+                        raise ValueError(
+                            f"GPU {host}:{gpu} is placed twice (jobs {other!r} and {job!r})"
+                        )
+                    owner[(host, gpu)] = job
+                    rows.append((host, gpu, job, host_ordinal, local_rank))
+        with self._write() as conn:
+            for job in placements:
+                _require_job(conn, job)
+            conn.execute("DELETE FROM allocations")
+            conn.executemany(
+                "INSERT INTO allocations (host, gpu, job, host_ordinal, local_rank)"
+                " VALUES (?, ?, ?, ?, ?)",
+                rows,
+            )
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES ('allocations_updated_at', ?)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (repr(float(now)),),
+            )
+
+    def allocations(self) -> dict[str, Placement]:
+        """Job -> placement, jobs by name, hosts and GPUs in the order they were given."""
+        result: dict[str, Placement] = {}
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT job, host, gpu FROM allocations ORDER BY job, host_ordinal, local_rank"
+            ).fetchall()
+        for row in rows:
+            placement = result.setdefault(row["job"], [])
+            if not placement or placement[-1][0] != row["host"]:
+                placement.append((row["host"], []))
+            placement[-1][1].append(row["gpu"])
+        return result
+
+    def allocations_updated_at(self) -> float | None:
+        """When ``replace_allocations`` last ran, or None if it never did."""
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT value FROM meta WHERE key = 'allocations_updated_at'"
+            ).fetchone()
+        return None if row is None else float(row["value"])
+
+    # reports
+
+    def add_report(
+        self,
+        job: str,
+        epoch: int | None,
+        world_size: int,
+        rank: int,
+        metrics: Mapping[str, float],
+        now: float,
+    ) -> None:
+        """Record a worker's report, keeping only the job's newest reports; KeyError if no job."""
+        metrics_json = json.dumps({str(k): float(v) for k, v in metrics.items()})
+        with self._write() as conn:
+            _require_job(conn, job)
+            # Per-job sequence numbers make pruning one index range delete.
+            last = conn.execute("SELECT MAX(seq) FROM reports WHERE job = ?", (job,)).fetchone()
+            seq = (last[0] or 0) + 1
+            conn.execute(
+                "INSERT INTO reports (job, seq, epoch, world_size, rank, time, metrics_json)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job, seq, epoch, world_size, rank, now, metrics_json),
+            )
+            conn.execute(
+                "DELETE FROM reports WHERE job = ? AND seq <= ?",
+                (job, seq - self._max_reports_per_job),
+            )
+
+    def last_report(self, job: str) -> Report | None:
+        """The job's newest report, or None."""
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT * FROM reports WHERE job = ? ORDER BY seq DESC LIMIT 1", (job,)
+            ).fetchone()
+        return None if row is None else _report(row)
+
+    def reports(self, job: str, since: float | None = None, limit: int = 1000) -> list[Report]:
+        """The job's newest ``limit`` reports with time >= ``since``, oldest first."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT * FROM reports WHERE job = ? AND (? IS NULL OR time >= ?)"
+                " ORDER BY seq DESC LIMIT ?",
+                (job, since, since, limit),
+            ).fetchall()
+        return [_report(row) for row in reversed(rows)]
+
+    # grant history
+
+    def add_grant_change(self, job: str, gpus: int, reason: str, now: float) -> None:
+        """Log that ``job`` is now granted ``gpus`` GPUs, and why."""
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO grant_history (job, time, gpus, reason) VALUES (?, ?, ?, ?)",
+                (job, now, gpus, reason),
+            )
+
+    def grant_history(
+        self, job: str | None = None, since: float | None = None
+    ) -> list[GrantChange]:
+        """Grant changes (of one job, or all) with time >= ``since``, oldest first."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT job, time, gpus, reason FROM grant_history"
+                " WHERE (? IS NULL OR job = ?) AND (? IS NULL OR time >= ?) ORDER BY id",
+                (job, job, since, since),
+            ).fetchall()
+        return [GrantChange(row["job"], row["time"], row["gpus"], row["reason"]) for row in rows]
+
+    # events
+
+    def add_event(
+        self, job: str | None, type: EventType, reason: str, message: str, now: float
+    ) -> Event:
+        """Record an event; a repeat of the job's latest event only bumps its count."""
+        if type not in _EVENT_TYPES:
+            raise ValueError(f"event type must be 'Normal' or 'Warning', got {type!r}")
+        if not _UPPER_CAMEL_CASE.fullmatch(reason):
+            raise ValueError(f"event reason must be UpperCamelCase, got {reason!r}")
+        with self._write() as conn:
+            latest = conn.execute(
+                "SELECT id, type, reason, message FROM events WHERE job IS ?"
+                " ORDER BY id DESC LIMIT 1",
+                (job,),
+            ).fetchone()
+            if latest is not None and (latest["type"], latest["reason"], latest["message"]) == (
+                type,
+                reason,
+                message,
+            ):
+                event_id: int = latest["id"]
+                conn.execute(
+                    "UPDATE events SET count = count + 1, last_time = ? WHERE id = ?",
+                    (now, event_id),
+                )
+            else:
+                cursor = conn.execute(
+                    "INSERT INTO events (time, job, type, reason, message, count, last_time)"
+                    " VALUES (?, ?, ?, ?, ?, 1, ?)",
+                    (now, job, type, reason, message, now),
+                )
+                assert cursor.lastrowid is not None
+                event_id = cursor.lastrowid
+                # AUTOINCREMENT ids only grow and only pruning deletes, so this keeps the newest.
+                conn.execute("DELETE FROM events WHERE id <= ?", (event_id - self._max_events,))
+            return _event(conn.execute("SELECT * FROM events WHERE id = ?", (event_id,)).fetchone())
+
+    def events(self, job: str | None = None, limit: int = 100) -> list[Event]:
+        """The newest ``limit`` events (of one job, or all) by last occurrence, newest last."""
+        with self._read() as conn:
+            if job is None:
+                rows = conn.execute(
+                    "SELECT * FROM events ORDER BY last_time DESC, id DESC LIMIT ?", (limit,)
+                ).fetchall()
+            else:
+                rows = conn.execute(
+                    "SELECT * FROM events WHERE job = ? ORDER BY last_time DESC, id DESC LIMIT ?",
+                    (job, limit),
+                ).fetchall()
+        return [_event(row) for row in reversed(rows)]
+
+    # plumbing
+
+    def _connect(self, database: str, *, uri: bool) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                database, uri=uri, check_same_thread=False, isolation_level=None, timeout=5.0
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open state store {self.path}: {exc}") from exc
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    def _configure_writer(self) -> None:
+        with self._errors("open"):
+            self._conn.execute("PRAGMA foreign_keys = ON")
+            mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+        if str(mode).lower() != "wal":
+            # Some network filesystems cannot do WAL's shared memory; stay correct, if slower.
+            _log.warning("state store %s: WAL mode unavailable, using %s journal", self.path, mode)
+
+    def _ensure_schema(self) -> None:
+        with self._write() as conn:
+            version = self._user_version()
+            if version == 0:
+                # executescript() would commit our transaction first; run statement by statement.
+                for statement in _SCHEMA_V1.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            else:
+                self._check_version(version, readonly=False)
+
+    def _user_version(self) -> int:
+        with self._errors("open"):
+            version: int = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        return version
+
+    def _check_version(self, version: int, *, readonly: bool) -> None:
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path}: schema version {version} is newer than this herd-operator"
+                f" supports ({SCHEMA_VERSION}); upgrade herd-operator to open it"
+            )
+        if readonly and version == 0:
+            raise StoreError(f"{self.path}: not a herd-operator state store (it has no schema)")
+
+    @contextmanager
+    def _errors(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot {action} state store {self.path}: {exc}") from exc
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._errors("read"):
+            yield self._conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._errors("write"):
+            if self._conn.in_transaction:
+                raise StoreError(f"{self.path}: cannot write inside snapshot()")
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+
+def _require_json(text: str, what: str) -> None:
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from exc
+
+
+def _unknown_job(name: str) -> KeyError:
+    return KeyError(f"no job named {name!r} in the state store")
+
+
+def _require_job(conn: sqlite3.Connection, name: str) -> None:
+    if conn.execute("SELECT 1 FROM jobs WHERE name = ?", (name,)).fetchone() is None:
+        raise _unknown_job(name)
+
+
+def _job(row: sqlite3.Row) -> JobRecord:
+    return JobRecord(
+        name=row["name"],
+        uid=row["uid"],
+        spec_path=row["spec_path"],
+        spec_json=row["spec_json"],
+        fingerprint=row["fingerprint"],
+        generation=row["generation"],
+        status_json=row["status_json"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _runtime(row: sqlite3.Row) -> RuntimeRecord:
+    return RuntimeRecord(
+        name=row["name"],
+        launch_id=row["launch_id"],
+        pid=row["pid"],
+        started_at=row["started_at"],
+        generation=row["generation"],
+        restarts=row["restarts"],
+        launched_max=row["launched_max"],
+    )
+
+
+def _report(row: sqlite3.Row) -> Report:
+    return Report(
+        job=row["job"],
+        epoch=row["epoch"],
+        world_size=row["world_size"],
+        rank=row["rank"],
+        time=row["time"],
+        metrics=MappingProxyType(json.loads(row["metrics_json"])),
+    )
+
+
+def _event(row: sqlite3.Row) -> Event:
+    return Event(
+        id=row["id"],
+        time=row["time"],
+        job=row["job"],
+        type=row["type"],
+        reason=row["reason"],
+        message=row["message"],
+        count=row["count"],
+        last_time=row["last_time"],
+    )

@@ -1,0 +1,427 @@
+"""Arbitration and placement: which job gets which GPUs of the pool.
+
+`arbitrate` is a pure, deterministic function of the pool, the jobs' demands and
+their current placements: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+Slot = tuple[str, int]
+HostGpus = tuple[tuple[str, tuple[int, ...]], ...]
+JsonPlacement = list[list[str | list[int]]]
+
+
+def _check_hosts(hosts: HostGpus, what: str) -> None:
+    seen: set[str] = set()
+    for host, gpus in hosts:
+        if host in seen:
+            raise ValueError(f"{what}: host {host!r} is listed twice")
+        seen.add(host)
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"{what}: host {host!r} lists a GPU twice: {list(gpus)}")
+        if any(gpu < 0 for gpu in gpus):
+            raise ValueError(f"{what}: host {host!r} has a negative GPU index: {list(gpus)}")
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The GPUs the allocator owns; host order is the order of `--hosts`."""
+
+    hosts: HostGpus
+
+    def __post_init__(self) -> None:
+        _check_hosts(self.hosts, "pool")
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int]) -> Pool:
+        """A pool with GPUs 0..n-1 on each host, hosts in the mapping's order."""
+        for host, count in counts.items():
+            if count < 0:
+                raise ValueError(f"pool: host {host!r} has a negative GPU count: {count}")
+        return cls(tuple((host, tuple(range(count))) for host, count in counts.items()))
+
+    @property
+    def size(self) -> int:
+        return sum(len(gpus) for _, gpus in self.hosts)
+
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A job's GPUs by host: hosts in the order the job got them, GPUs in local-rank order."""
+
+    hosts: HostGpus = ()
+    EMPTY: ClassVar[Placement]
+
+    def __post_init__(self) -> None:
+        _check_hosts(self.hosts, "placement")
+
+    @property
+    def size(self) -> int:
+        return sum(len(gpus) for _, gpus in self.hosts)
+
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
+
+    def gpus_on(self, host: str) -> tuple[int, ...]:
+        """The job's GPUs on `host`; position i is the GPU of local rank i."""
+        for name, gpus in self.hosts:
+            if name == host:
+                return gpus
+        return ()
+
+    def discovery_lines(self) -> list[str]:
+        """What a Horovod host-discovery script prints for this placement."""
+        return [f"{host}:{len(gpus)}" for host, gpus in self.hosts if gpus]
+
+    def to_json(self) -> JsonPlacement:
+        return [[host, list(gpus)] for host, gpus in self.hosts]
+
+    @classmethod
+    def from_json(cls, data: object) -> Placement:
+        """Parse `[[host, [gpu, ...]], ...]`; raises ValueError on any other shape."""
+        if not isinstance(data, list):
+            raise ValueError(f"placement: expected a list of [host, [gpus]], got {data!r}")
+        hosts: list[tuple[str, tuple[int, ...]]] = []
+        for entry in data:
+            if not (isinstance(entry, list | tuple) and len(entry) == 2):
+                raise ValueError(f"placement: expected [host, [gpus]], got {entry!r}")
+            host, gpus = entry
+            if not isinstance(host, str) or not isinstance(gpus, list | tuple):
+                raise ValueError(f"placement: expected [host, [gpus]], got {entry!r}")
+            if not all(isinstance(gpu, int) and not isinstance(gpu, bool) for gpu in gpus):
+                raise ValueError(f"placement: GPU indices must be integers, got {entry!r}")
+            hosts.append((host, tuple(gpus)))
+        return cls(tuple(hosts))
+
+
+Placement.EMPTY = Placement()
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one job asks of the allocator in this decision."""
+
+    name: str
+    min: int
+    max: int
+    desired: int
+    priority: int = 0
+    arrival: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("demand: name must not be empty")
+        if not 1 <= self.min <= self.max:
+            raise ValueError(
+                f"demand {self.name}: need 1 <= min <= max, got min {self.min} max {self.max}"
+            )
+        if not math.isfinite(self.arrival):
+            raise ValueError(f"demand {self.name}: arrival must be finite, got {self.arrival}")
+
+    @property
+    def wanted(self) -> int:
+        """`desired` clamped into [min, max]."""
+        return max(self.min, min(self.max, self.desired))
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The allocator's answer for one job."""
+
+    placement: Placement
+    reason: str
+
+    @property
+    def admitted(self) -> bool:
+        return self.placement.size > 0
+
+
+def free_slots(pool: Pool, placements: Mapping[str, Placement]) -> tuple[Slot, ...]:
+    """Slots of `pool` in no placement, in pool order."""
+    taken = {slot for placement in placements.values() for slot in placement.slots()}
+    return tuple(slot for slot in pool.slots() if slot not in taken)
+
+
+def _rank(demand: Demand) -> tuple[int, float, str]:
+    return (-demand.priority, demand.arrival, demand.name)
+
+
+class _FreeGpus:
+    """Free GPUs per host, plus hosts bucketed by free count for best fit."""
+
+    def __init__(self, pool: Pool, used: set[Slot]) -> None:
+        self._names = [host for host, _ in pool.hosts]
+        self._free: dict[str, list[int]] = {}
+        self._by_count: dict[int, list[int]] = {}
+        for position, (host, gpus) in enumerate(pool.hosts):
+            free = sorted(gpu for gpu in gpus if (host, gpu) not in used)
+            self._free[host] = free
+            if free:
+                # Positions are visited in increasing order, so each bucket stays sorted.
+                self._by_count.setdefault(len(free), []).append(position)
+        self._position = {host: position for position, host in enumerate(self._names)}
+        self._most = max((len(gpus) for _, gpus in pool.hosts), default=0)
+
+    def count(self, host: str) -> int:
+        return len(self._free.get(host, ()))
+
+    def take(self, host: str, count: int) -> list[int]:
+        """Remove and return the `count` lowest free GPUs of `host`."""
+        free = self._free[host]
+        before = len(free)
+        taken = free[:count]
+        del free[:count]
+        position = self._position[host]
+        bucket = self._by_count[before]
+        del bucket[bisect.bisect_left(bucket, position)]
+        if free:
+            bisect.insort(self._by_count.setdefault(len(free), []), position)
+        return taken
+
+    def best_host(self, need: int) -> str:
+        """The host with the fewest free GPUs that holds `need`, else the one with the most."""
+        for count in range(need, self._most + 1):
+            if self._by_count.get(count):
+                return self._names[self._by_count[count][0]]
+        for count in range(min(need, self._most + 1) - 1, 0, -1):
+            if self._by_count.get(count):
+                return self._names[self._by_count[count][0]]
+        raise ValueError(f"no free GPU left for a job needing {_gpus(need)}")
+
+
+def _group(slots: Iterable[Slot]) -> dict[str, list[int]]:
+    grouped: dict[str, list[int]] = {}
+    for host, gpu in slots:
+        grouped.setdefault(host, []).append(gpu)
+    return grouped
+
+
+def _kept_slots(
+    pool: Pool, by_name: Sequence[Demand], current: Mapping[str, Placement]
+) -> tuple[dict[str, int], dict[str, list[Slot]]]:
+    """Each demanded job's current size, and its current slots that are still in the pool."""
+    in_pool = set(pool.slots())
+    owner: dict[Slot, str] = {}
+    held: dict[str, int] = {}
+    kept: dict[str, list[Slot]] = {}
+    for demand in by_name:
+        placement = current.get(demand.name, Placement.EMPTY)
+        slots = placement.slots()
+        for slot in slots:
+            other = owner.setdefault(slot, demand.name)
+            if other != demand.name:
+                raise ValueError(
+                    f"GPU {slot[0]}:{slot[1]} is in the current placements of both "
+                    f"{other} and {demand.name}"
+                )
+        held[demand.name] = len(slots)
+        kept[demand.name] = [slot for slot in slots if slot in in_pool]
+    return held, kept
+
+
+@dataclass
+class _Counts:
+    """Outcome of the counting phase, before any slot is chosen."""
+
+    target: dict[str, int]
+    waiting: dict[str, str]
+    admissions: list[Demand]
+
+
+def _count(pool: Pool, ranked: Sequence[Demand], kept: Mapping[str, list[Slot]]) -> _Counts:
+    running = {d.name for d in ranked if len(kept[d.name]) >= d.min}
+    free = pool.size - sum(d.min for d in ranked if d.name in running)
+    target: dict[str, int] = {}
+    waiting: dict[str, str] = {}
+    admissions: list[Demand] = []
+    blocker: Demand | None = None
+    for _, tier_iter in itertools.groupby(ranked, key=lambda d: d.priority):
+        tier = list(tier_iter)
+        for demand in tier:
+            if demand.name in running:
+                target[demand.name] = demand.min
+            elif blocker is not None:
+                target[demand.name] = 0
+                waiting[demand.name] = (
+                    f"waiting behind {blocker.name} (priority {blocker.priority})"
+                )
+            elif demand.min <= free:
+                target[demand.name] = demand.min
+                free -= demand.min
+                admissions.append(demand)
+            else:
+                target[demand.name] = 0
+                waiting[demand.name] = f"needs {_gpus(demand.min)}, {free} free"
+                blocker = demand
+        # Max-min fair share of what is left: one GPU at a time to the smallest holder.
+        heap = [
+            (target[d.name], d.arrival, d.name, d.wanted)
+            for d in tier
+            if 0 < target[d.name] < d.wanted
+        ]
+        heapq.heapify(heap)
+        while free > 0 and heap:
+            size, arrival, name, wanted = heapq.heappop(heap)
+            target[name] = size + 1
+            free -= 1
+            if size + 1 < wanted:
+                heapq.heappush(heap, (size + 1, arrival, name, wanted))
+    return _Counts(target, waiting, admissions)
+
+
+def _place(
+    pool: Pool,
+    ranked: Sequence[Demand],
+    kept: Mapping[str, list[Slot]],
+    target: Mapping[str, int],
+) -> dict[str, Placement]:
+    """Choose slots: keep each job's prefix, then grow on its own hosts, then best fit."""
+    layout: dict[str, dict[str, list[int]]] = {}
+    used: set[Slot] = set()
+    for demand in ranked:
+        size = target[demand.name]
+        if size > 0:
+            # Truncating the flat slot list removes the last GPU of the last host first.
+            keep = kept[demand.name][:size]
+            layout[demand.name] = _group(keep)
+            used.update(keep)
+    free = _FreeGpus(pool, used)
+    need = {
+        name: target[name] - sum(len(gpus) for gpus in hosts.values())
+        for name, hosts in layout.items()
+    }
+    growers = [d for d in ranked if need.get(d.name, 0) > 0]
+    for demand in growers:
+        hosts = layout[demand.name]
+        for host, gpus in hosts.items():
+            count = min(need[demand.name], free.count(host))
+            if count:
+                gpus.extend(free.take(host, count))
+                need[demand.name] -= count
+    # Larger remainders first: decreasing-size best fit packs hosts tighter.
+    rank = {d.name: position for position, d in enumerate(ranked)}
+    for name in sorted((d.name for d in growers), key=lambda n: (-need[n], rank[n])):
+        hosts = layout[name]
+        while need[name] > 0:
+            host = free.best_host(need[name])
+            count = min(need[name], free.count(host))
+            hosts.setdefault(host, []).extend(free.take(host, count))
+            need[name] -= count
+    return {
+        name: Placement(tuple((host, tuple(gpus)) for host, gpus in hosts.items()))
+        for name, hosts in layout.items()
+    }
+
+
+def _policy_cause(demand: Demand, size: int) -> str:
+    wanted = demand.wanted
+    if demand.desired > demand.max:
+        wants = f"policy wants {demand.desired}, max is {demand.max}"
+    elif demand.desired < demand.min:
+        wants = f"policy wants {demand.desired}, min is {demand.min}"
+    else:
+        wants = f"policy wants {wanted}"
+    return wants if size >= wanted else f"{wants}, no more free"
+
+
+class _Reasons:
+    """Writes the human-readable reason of each grant."""
+
+    def __init__(
+        self,
+        ranked: Sequence[Demand],
+        held: Mapping[str, int],
+        kept: Mapping[str, list[Slot]],
+        counts: _Counts,
+    ) -> None:
+        self._held = held
+        self._kept = kept
+        self._counts = counts
+        # Ranked by priority, so the first gainer is the one with the most claim.
+        self._gainer = next((d for d in ranked if counts.target[d.name] > len(kept[d.name])), None)
+
+    def reason(self, demand: Demand) -> str:
+        name = demand.name
+        old = self._held[name]
+        kept = len(self._kept[name])
+        new = self._counts.target[name]
+        lost = old - kept
+        if kept < demand.min:
+            if old == 0:
+                history = ""
+            elif lost:
+                history = f"{_gpus(lost)} left the pool ({kept} left, min {demand.min})"
+            else:
+                history = f"holds {old}, under min {demand.min}"
+            if new == 0:
+                wait = self._counts.waiting[name]
+                return f"pending {old} -> 0: {history}; {wait}" if old else f"pending: {wait}"
+            extra = "" if new == demand.min else f", {_policy_cause(demand, new)}"
+            if old == 0:
+                if extra:
+                    return f"admitted 0 -> {new}: min {demand.min} fits{extra}"
+                return f"admitted: min {demand.min} fits"
+            return f"re-admitted {old} -> {new}: {history}; min {demand.min} fits{extra}"
+        if new == old:
+            replaced = f"{_gpus(lost)} left the pool, replaced; " if lost else ""
+            return f"holding {new}: {replaced}{_policy_cause(demand, new)}"
+        if new > old:
+            return f"grown {old} -> {new}: {_policy_cause(demand, new)}"
+        if new == kept:
+            return f"shrunk {old} -> {new}: {_gpus(lost)} left the pool"
+        if new > kept:
+            cause = _policy_cause(demand, new)
+            return f"shrunk {old} -> {new}: {_gpus(lost)} left the pool; {cause}"
+        if new == demand.wanted:
+            if demand.desired > demand.max:
+                return f"shrunk {old} -> {new}: max is {demand.max}"
+            return f"shrunk {old} -> {new}: {_policy_cause(demand, new)}"
+        return f"shrunk {old} -> {new}: {self._taker(demand)}"
+
+    def _taker(self, demand: Demand) -> str:
+        admissions = self._counts.admissions
+        if admissions and admissions[0].priority >= demand.priority:
+            return f"admitting {admissions[0].name} (min {admissions[0].min})"
+        gainer = self._gainer
+        if gainer is None or gainer.priority < demand.priority:
+            return "fewer GPUs in the pool"
+        if gainer.priority == demand.priority:
+            return f"fair share with {gainer.name}"
+        return f"{gainer.name} (priority {gainer.priority}) grew"
+
+
+def arbitrate(
+    pool: Pool, demands: Sequence[Demand], current: Mapping[str, Placement]
+) -> dict[str, Grant]:
+    """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
+
+    Jobs in `current` without a demand are dropped and their GPUs are free.
+    Raises ValueError if two demands share a name or two current placements share a GPU.
+    """
+    by_name = sorted(demands, key=lambda d: d.name)
+    for first, second in itertools.pairwise(by_name):
+        if first.name == second.name:
+            raise ValueError(f"two demands are named {first.name}")
+    ranked = sorted(demands, key=_rank)
+    held, kept = _kept_slots(pool, by_name, current)
+    counts = _count(pool, ranked, kept)
+    placements = _place(pool, ranked, kept, counts.target)
+    reasons = _Reasons(ranked, held, kept, counts)
+    return {
+        d.name: Grant(placements.get(d.name, Placement.EMPTY), reasons.reason(d)) for d in ranked
+    }

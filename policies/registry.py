@@ -1,0 +1,79 @@
+"""Finds a policy by name and validates its parameters.
+
+A policy is named in a spec by `spec.policy.name`: a built-in name, a name that
+a third-party package registers under the entry point group
+`herd_operator.policies`, or `package.module:ClassName`. A policy class has a
+pydantic model `Params` for its `spec.policy.params` and is built with an
+instance of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any, Protocol, cast
+
+from pydantic import BaseModel, ValidationError
+
+from policies.base import Policy, PolicyError
+from policies.static import StaticPolicy
+from specs import PolicyRef
+
+ENTRY_POINT_GROUP = "herd_operator.policies"
+
+
+class PolicyClass(Protocol):
+    Params: type[BaseModel]
+
+    def __call__(self, params: Any) -> Policy: ...
+
+
+BUILTIN_POLICIES: dict[str, PolicyClass] = {
+    "static": cast(PolicyClass, StaticPolicy),
+}
+
+
+def find_policy_class(name: str) -> PolicyClass:
+    """Resolve a policy name; raises PolicyError naming `spec.policy.name`."""
+    if name in BUILTIN_POLICIES:
+        return BUILTIN_POLICIES[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            found: Any = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise PolicyError("spec.policy.name", f"cannot load {name!r}: {err}") from err
+    else:
+        matches = entry_points(group=ENTRY_POINT_GROUP, name=name)
+        if not matches:
+            known = sorted(
+                {*BUILTIN_POLICIES, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
+            )
+            raise PolicyError(
+                "spec.policy.name",
+                f"unknown policy {name!r} (known: {', '.join(known)}; or use 'module:Class')",
+            )
+        try:
+            found = next(iter(matches)).load()
+        except Exception as err:  # a broken plug-in must not take the operator down
+            raise PolicyError("spec.policy.name", f"cannot load plug-in {name!r}: {err}") from err
+    params = getattr(found, "Params", None)
+    if not (isinstance(params, type) and issubclass(params, BaseModel)) or not callable(found):
+        raise PolicyError(
+            "spec.policy.name",
+            f"{name!r} is not a policy class (it needs a pydantic 'Params' model)",
+        )
+    return cast(PolicyClass, found)
+
+
+def load_policy(ref: PolicyRef) -> Policy:
+    """Build the policy a spec names, validating `spec.policy.params` with its model."""
+    cls = find_policy_class(ref.name)
+    try:
+        params = cls.Params.model_validate(ref.params)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        field = "spec.policy.params" + (f".{where}" if where else "")
+        raise PolicyError(field, first["msg"]) from err
+    return cls(params)

@@ -1,0 +1,31 @@
+"""`static`: a fixed GPU count (by default the job's max)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.base import Decision, Observation, clamp
+from specs import HerdJob
+
+
+class StaticParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus: int | None = Field(default=None, ge=1, description="GPU count to run at; default max.")
+
+
+class StaticPolicy:
+    """Always asks for the same count, clamped into the job's [min, max]."""
+
+    Params = StaticParams
+
+    def __init__(self, params: StaticParams) -> None:
+        self.params = params
+
+    def desired(self, job: HerdJob, history: Sequence[Observation], now: float) -> Decision:
+        if self.params.gpus is None:
+            return Decision(job.spec.gpus.max, f"static: max {job.spec.gpus.max}")
+        gpus = clamp(job, self.params.gpus)
+        return Decision(gpus, f"static: {self.params.gpus} GPUs asked, {gpus} within min/max")

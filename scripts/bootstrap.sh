@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Sets up ./.venv with everything herd-operator and its tests need, once.
+#
+#   - torch 2.13.0 CPU build (pinned first: an unpinned torch pulls a CUDA build of several GB)
+#   - Horovod 0.28.1, patched for C++17 and built once into a wheel cache
+#     (scripts/build-horovod.sh; about 5 minutes on 2 cores, then instant)
+#   - this project, editable, with its train and dev extras
+#
+# Idempotent: a second run only checks a stamp. Environment:
+#   PYTHON            interpreter to build the venv from (default: python3; needs >= 3.11)
+#   HERD_VENV         venv location (default: ./.venv)
+#   HERD_WHEEL_CACHE  where the Horovod wheel is cached (default: ~/.cache/herd-operator/wheels)
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${HERD_VENV:-$root/.venv}
+python=${PYTHON:-python3}
+torch_version=2.13.0
+
+stamp_inputs=("$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$root/scripts/build-horovod.sh")
+stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
+if [[ -f $venv/.herd-bootstrap && $(cat "$venv/.herd-bootstrap") == "$stamp" ]]; then
+  exit 0
+fi
+
+say() { echo "bootstrap: $*" >&2; }
+
+"$python" - <<'PY' || { say "herd-operator needs Python >= 3.11 (set PYTHON=...)"; exit 1; }
+import sys
+sys.exit(0 if sys.version_info >= (3, 11) else 1)
+PY
+
+if [[ ! -x $venv/bin/python ]]; then
+  say "creating $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+
+say "installing torch $torch_version (CPU) and Horovod's build requirements"
+"${pip[@]}" install -q "torch==$torch_version" numpy cloudpickle psutil pyyaml packaging cffi wheel setuptools
+if ! command -v cmake >/dev/null; then
+  "${pip[@]}" install -q cmake
+  export PATH="$venv/bin:$PATH"
+fi
+if ! command -v g++ >/dev/null; then
+  say "a C++ compiler is needed to build Horovod; installing Debian's build-essential"
+  apt-get install -y -q build-essential >/dev/null
+fi
+
+wheel=$("$root/scripts/build-horovod.sh" "$venv/bin/python")
+say "installing $(basename "$wheel")"
+"${pip[@]}" install -q --no-deps --force-reinstall "$wheel"
+
+say "installing herd-operator (editable) with its train and dev extras"
+"${pip[@]}" install -q -e "$root[train,dev]"
+
+"$venv/bin/horovodrun" --check-build | grep -q '\[X\] PyTorch' || { say "Horovod has no PyTorch support"; exit 1; }
+echo "$stamp" > "$venv/.herd-bootstrap"
+say "ready: $venv"

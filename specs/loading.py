@@ -1,0 +1,336 @@
+"""Reading HerdJob files: every problem becomes a SpecError, never an exception."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from specs.models import HerdJob
+
+MAX_SPEC_BYTES = 1 << 20
+# Bounds on the loaded YAML: aliases can expand a small file into billions of values, and
+# deep nesting would exhaust the stack of everything that walks the data afterwards.
+MAX_SPEC_VALUES = 100_000
+MAX_SPEC_DEPTH = 64
+
+FILE_FIELD = "(file)"
+
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_EXPECTED_BY_ERROR_TYPE = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean (true or false)",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+}
+
+
+@dataclass(frozen=True)
+class SpecError:
+    """One problem in one spec file, located by a dotted path in YAML names."""
+
+    file: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.field}: {self.message}"
+
+
+@dataclass(frozen=True)
+class SpecFile:
+    """The outcome of loading one file: a job, or the errors that prevent one."""
+
+    path: Path
+    name: str | None
+    job: HerdJob | None
+    errors: tuple[SpecError, ...]
+
+    def __post_init__(self) -> None:
+        if (self.job is None) == (not self.errors):
+            raise ValueError("a SpecFile has either a job or errors, not both or neither")
+
+    @property
+    def valid(self) -> bool:
+        return self.job is not None
+
+
+@dataclass(frozen=True)
+class SpecIndex:
+    """A directory's files, keyed by job name."""
+
+    jobs: dict[str, SpecFile]
+    invalid: dict[str, tuple[SpecError, ...]]
+    unnamed: tuple[SpecError, ...]
+
+
+def is_spec_filename(name: str) -> bool:
+    """Whether a file in the spec directory is a job spec (not a dotfile or editor leftover)."""
+    if name.startswith((".", "#")) or name.endswith("~"):
+        return False
+    lowered = name.lower()
+    if lowered.endswith(".swp"):
+        return False
+    return lowered.endswith((".yaml", ".yml"))
+
+
+def load_spec_file(path: Path) -> SpecFile:
+    """Load and validate one spec file; problems are reported in `errors`."""
+    try:
+        with path.open("rb") as stream:
+            data = stream.read(MAX_SPEC_BYTES + 1)
+            size = max(os.fstat(stream.fileno()).st_size, len(data))
+    except OSError as exc:
+        return _failed(path, None, f"cannot read file: {exc.strerror or exc}")
+    if len(data) > MAX_SPEC_BYTES:
+        return _failed(
+            path, None, f"file is {size} bytes, over the limit of {MAX_SPEC_BYTES} bytes"
+        )
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        return _failed(
+            path, None, f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        )
+    return load_spec_text(text, str(path))
+
+
+def load_spec_text(text: str, file: str) -> SpecFile:
+    """Validate the YAML text of one spec; `file` labels the errors."""
+    path = Path(file)
+    try:
+        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.MarkedYAMLError as exc:
+        return _failed(path, None, _yaml_error_message(exc))
+    except yaml.YAMLError as exc:
+        return _failed(path, None, f"invalid YAML: {exc}")
+    except RecursionError:
+        return _failed(path, None, "YAML is nested too deeply")
+    if not documents:
+        return _failed(path, None, "file is empty")
+    raw = documents[0]
+    name = _name_of(raw)
+    if len(documents) > 1:
+        return _failed(
+            path, name, f"contains {len(documents)} YAML documents; put one HerdJob per file"
+        )
+    if not isinstance(raw, dict):
+        return _failed(path, None, f"top level must be a mapping (a HerdJob), got {_describe(raw)}")
+    shape_problem = _shape_problem(raw)
+    if shape_problem is not None:
+        return _failed(path, name, shape_problem)
+    try:
+        job = HerdJob.model_validate(raw)
+    except ValidationError as exc:
+        errors = [
+            SpecError(file, _format_location(error["loc"]), _error_message(error))
+            for error in exc.errors(include_url=False)
+        ]
+        return SpecFile(path=path, name=name, job=None, errors=_sorted(errors))
+    return SpecFile(path=path, name=job.name, job=job, errors=())
+
+
+def scan_spec_dir(directory: Path) -> list[SpecFile]:
+    """Load every spec file directly in `directory`, sorted by file name."""
+    if not directory.exists():
+        raise FileNotFoundError(f"spec directory does not exist: {directory}")
+    if not directory.is_dir():
+        raise NotADirectoryError(f"spec directory is not a directory: {directory}")
+    with os.scandir(directory) as entries:
+        names = sorted(
+            entry.name for entry in entries if is_spec_filename(entry.name) and entry.is_file()
+        )
+    spec_files = []
+    for name in names:
+        spec_file = load_spec_file(directory / name)
+        # A file deleted between listing and reading is gone, not broken.
+        if spec_file.valid or spec_file.path.exists():
+            spec_files.append(spec_file)
+    return spec_files
+
+
+def index_specs(files: Sequence[SpecFile]) -> SpecIndex:
+    """Key files by job name; a name declared by several files is an error in all of them."""
+    by_name: dict[str, list[SpecFile]] = {}
+    unnamed: list[SpecError] = []
+    for spec_file in files:
+        if spec_file.name is None:
+            unnamed.extend(spec_file.errors)
+        else:
+            by_name.setdefault(spec_file.name, []).append(spec_file)
+    jobs: dict[str, SpecFile] = {}
+    invalid: dict[str, tuple[SpecError, ...]] = {}
+    for name, declaring in by_name.items():
+        if len(declaring) == 1:
+            if declaring[0].valid:
+                jobs[name] = declaring[0]
+            else:
+                invalid[name] = declaring[0].errors
+            continue
+        errors: list[SpecError] = []
+        for spec_file in declaring:
+            others = ", ".join(other.path.name for other in declaring if other is not spec_file)
+            errors.append(
+                SpecError(
+                    str(spec_file.path), "metadata.name", f"{name!r} is also declared in {others}"
+                )
+            )
+            errors.extend(spec_file.errors)
+        invalid[name] = _sorted(errors, by_file=True)
+    return SpecIndex(jobs=jobs, invalid=invalid, unnamed=_sorted(unnamed, by_file=True))
+
+
+def _failed(path: Path, name: str | None, message: str) -> SpecFile:
+    return SpecFile(
+        path=path, name=name, job=None, errors=(SpecError(str(path), FILE_FIELD, message),)
+    )
+
+
+def _sorted(errors: Sequence[SpecError], *, by_file: bool = False) -> tuple[SpecError, ...]:
+    if by_file:
+        return tuple(sorted(errors, key=lambda e: (e.file, e.field, e.message)))
+    return tuple(sorted(errors, key=lambda e: (e.field, e.message)))
+
+
+def _name_of(raw: object) -> str | None:
+    """metadata.name as written, even in an otherwise invalid file."""
+    if not isinstance(raw, dict):
+        return None
+    metadata = raw.get("metadata")
+    if not isinstance(metadata, dict):
+        return None
+    name = metadata.get("name")
+    return name if isinstance(name, str) and name else None
+
+
+def _yaml_error_message(exc: yaml.MarkedYAMLError) -> str:
+    # A constructor error is well-formed YAML with a tag safe_load refuses (e.g. !!python/...).
+    kind = (
+        "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+    )
+    mark = exc.problem_mark or exc.context_mark
+    problem = exc.problem or exc.context or "invalid YAML"
+    message = f"{kind}: {problem}" if mark is None else f"{kind} at {_where(mark)}: {problem}"
+    # The context says where the unfinished construct began, often the real mistake.
+    if exc.context and exc.context_mark is not None and exc.problem:
+        message += f" ({exc.context} at {_where(exc.context_mark)})"
+    return message
+
+
+def _where(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _shape_problem(raw: dict[Any, Any]) -> str | None:
+    """Say why the loaded data is too big or too deep to validate, or None."""
+    count = 0
+    pending: list[tuple[object, int]] = [(raw, 1)]
+    while pending:
+        item, depth = pending.pop()
+        count += 1
+        if count > MAX_SPEC_VALUES:
+            return (
+                f"more than {MAX_SPEC_VALUES} values once YAML aliases are expanded "
+                "(or an alias refers to itself)"
+            )
+        if depth > MAX_SPEC_DEPTH:
+            return (
+                f"nested more than {MAX_SPEC_DEPTH} levels deep (or a YAML alias refers to itself)"
+            )
+        if isinstance(item, dict):
+            pending.extend((child, depth + 1) for pair in item.items() for child in pair)
+        elif isinstance(item, list):
+            pending.extend((child, depth + 1) for child in item)
+    return None
+
+
+def _format_location(location: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for segment in location:
+        if segment == "[key]":
+            continue  # pydantic marks dict-key errors this way; the key itself is already there
+        if isinstance(segment, int):
+            parts.append(f"[{segment}]")
+        elif _PLAIN_KEY.match(segment):
+            parts.append(f".{segment}" if parts else segment)
+        else:
+            parts.append(f"[{segment!r}]")
+    return "".join(parts) or FILE_FIELD
+
+
+def _error_message(error: ErrorDetails) -> str:
+    kind = error["type"]
+    given = error["input"]
+    context = error.get("ctx", {})
+    if kind == "missing":
+        return "required"
+    if kind == "extra_forbidden":
+        allowed = _allowed_fields(error["loc"][:-1])
+        return f"unknown field (allowed: {', '.join(allowed)})" if allowed else "unknown field"
+    if kind == "literal_error":
+        return f"must be {context['expected']}, got {_describe(given)}"
+    if kind in _EXPECTED_BY_ERROR_TYPE:
+        message = f"expected {_EXPECTED_BY_ERROR_TYPE[kind]}, got {_describe(given)}"
+        if kind == "string_type" and isinstance(given, int | float):
+            message += " (put it in quotes)"
+        return message
+    if kind in ("too_short", "string_too_short") and context.get("min_length") == 1:
+        return "must not be empty"
+    if kind == "greater_than_equal":
+        return f"must be at least {context['ge']}, got {_describe(given)}"
+    if kind == "greater_than":
+        return f"must be greater than {context['gt']}, got {_describe(given)}"
+    if kind == "value_error":
+        return str(context["error"])
+    return error["msg"]
+
+
+def _allowed_fields(location: tuple[int | str, ...]) -> list[str]:
+    """YAML names of the fields of the model at `location`, in declaration order."""
+    model: type[BaseModel] = HerdJob
+    for segment in location:
+        field = next(
+            (
+                info
+                for field_name, info in model.model_fields.items()
+                if segment in (field_name, info.alias)
+            ),
+            None,
+        )
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return []
+        model = field.annotation
+    return [info.alias or field_name for field_name, info in model.model_fields.items()]
+
+
+def _describe(value: object) -> str:
+    """A value as a YAML user would name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"number {value}"
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return f"string {shown!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"{type(value).__name__} {value!r}"

@@ -1,0 +1,202 @@
+"""The HerdJob API (herd/v1alpha1): what a user declares in a job's YAML file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+API_VERSION = "herd/v1alpha1"
+KIND = "HerdJob"
+
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_LABEL_MAX_LENGTH = 63
+DNS_LABEL_MESSAGE = (
+    "must be a DNS-1123 label (lowercase letters, digits and '-', starting and ending "
+    "with a letter or digit, at most 63 characters)"
+)
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# A registered policy name ("memory") or an import reference ("my_pkg.policies:Greedy").
+POLICY_NAME_PATTERN = (
+    r"^([A-Za-z][A-Za-z0-9_-]*"
+    r"|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
+)
+
+
+class ApiModel(BaseModel):
+    """Base of every API model: camelCase in YAML, snake_case in Python, immutable."""
+
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
+
+
+class GpuRange(ApiModel):
+    """How many GPUs the job can run on; the operator keeps it within [min, max]."""
+
+    # Strict so that YAML like `min: "2"` or `min: true` is an error, not a silent coercion.
+    min: int = Field(strict=True, ge=1)
+    max: int = Field(strict=True, ge=1)
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> GpuRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+class PolicyRef(ApiModel):
+    """Which policy decides the job's GPU count, and its parameters."""
+
+    name: str = Field(
+        default="static", min_length=1, json_schema_extra={"pattern": POLICY_NAME_PATTERN}
+    )
+    params: dict[str, Any] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_policy_reference(cls, name: str) -> str:
+        if name and not re.fullmatch(POLICY_NAME_PATTERN, name):
+            raise ValueError(
+                f"{name!r} is neither a registered policy name (like 'memory') "
+                "nor an import reference 'module.path:ClassName'"
+            )
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _params_are_json(cls, params: dict[str, Any]) -> dict[str, Any]:
+        # The fingerprint hashes params as JSON; YAML dates, sets or non-string keys would
+        # make it fail or depend on the process's hash seed.
+        problem = _json_problem(params)
+        if problem is not None:
+            raise ValueError(problem)
+        return params
+
+
+class HorovodOptions(ApiModel):
+    """Options passed through to `horovodrun` for elastic training."""
+
+    elastic_timeout_seconds: int = Field(default=600, strict=True, gt=0)
+    reset_limit: int | None = Field(default=None, strict=True, ge=0)
+    extra_args: list[str] = []
+
+
+class RestartPolicy(ApiModel):
+    """Whether a failed job is started again, and how many times."""
+
+    on_failure: bool = Field(default=False, strict=True)
+    backoff_limit: int = Field(default=3, strict=True, ge=0)
+
+
+def _check_env_name(name: str) -> str:
+    if not re.fullmatch(ENV_NAME_PATTERN, name):
+        raise ValueError(
+            f"invalid environment variable name {name!r}: must match {ENV_NAME_PATTERN[1:-1]}"
+        )
+    return name
+
+
+EnvName = Annotated[str, AfterValidator(_check_env_name)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class HerdJobSpec(ApiModel):
+    """Desired state of one elastic training job."""
+
+    command: list[NonEmptyStr] = Field(min_length=1)
+    working_dir: str | None = None
+    env: dict[EnvName, str] = Field(
+        default={}, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_PATTERN}}
+    )
+    gpus: GpuRange
+    priority: int = Field(default=0, strict=True)
+    policy: PolicyRef = PolicyRef()
+    horovod: HorovodOptions = HorovodOptions()
+    restart_policy: RestartPolicy = RestartPolicy()
+
+
+class ObjectMeta(ApiModel):
+    """Identity of a job: its name is the key everywhere (queue, allocator, store)."""
+
+    name: str = Field(
+        json_schema_extra={"pattern": DNS_LABEL_PATTERN, "maxLength": DNS_LABEL_MAX_LENGTH}
+    )
+    labels: dict[str, str] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_dns_label(cls, name: str) -> str:
+        if len(name) > DNS_LABEL_MAX_LENGTH or not re.fullmatch(DNS_LABEL_PATTERN, name):
+            raise ValueError(DNS_LABEL_MESSAGE)
+        return name
+
+
+class HerdJob(ApiModel):
+    """One job as declared in a YAML file."""
+
+    api_version: Literal["herd/v1alpha1"]
+    kind: Literal["HerdJob"]
+    metadata: ObjectMeta
+    spec: HerdJobSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+def spec_fingerprint(job: HerdJob) -> str:
+    """sha256 of the spec's canonical JSON; labels and formatting do not change it."""
+    canonical = json.dumps(
+        job.spec.model_dump(mode="json", by_alias=True),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema of a HerdJob file, for editors (yaml-language-server) and docs."""
+    schema = HerdJob.model_json_schema(by_alias=True)
+    return {
+        "$schema": JSON_SCHEMA_DIALECT,
+        **schema,
+        "title": f"{KIND} ({API_VERSION})",
+    }
+
+
+def _json_problem(params: dict[str, Any]) -> str | None:
+    """Say why `params` is not plain JSON data (str keys, no dates, sets or cycles), or None."""
+    # Iterative, so deeply nested YAML cannot exhaust the interpreter's stack.
+    on_path: set[int] = set()
+    pending: list[tuple[str, object, bool]] = [(key, child, False) for key, child in params.items()]
+    while pending:
+        path, item, leaving = pending.pop()
+        if leaving:
+            on_path.discard(id(item))
+            continue
+        if isinstance(item, dict | list):
+            if id(item) in on_path:
+                return f"{path}: refers to itself (a YAML alias cycle)"
+            on_path.add(id(item))
+            pending.append((path, item, True))
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    return f"{path}: mapping keys must be strings, got {key!r}"
+                pending.append((f"{path}.{key}", child, False))
+        elif isinstance(item, list):
+            pending.extend((f"{path}[{index}]", child, False) for index, child in enumerate(item))
+        elif item is not None and not isinstance(item, str | int | float | bool):
+            return (
+                f"{path}: must be a string, number, boolean, null, list or mapping, "
+                f"got {type(item).__name__} {item}"
+            )
+    return None

@@ -1,0 +1,64 @@
+"""The observed state of a HerdJob, as the operator records and shows it.
+
+Status can always be rebuilt by observation; conditions are the source of
+truth (there is no `phase`). `ready` and `summary` are derived for display.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from specs.conditions import Condition, ConditionType, get_condition, is_true
+
+
+class StatusModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", alias_generator=to_camel, populate_by_name=True)
+
+
+class GpuCounts(StatusModel):
+    min: int
+    max: int
+    desired: int | None = None
+    """What the policy asks for."""
+    allocated: int = 0
+    """What the allocator granted."""
+    active: int | None = None
+    """The world size the workers last reported (None: nothing reported yet)."""
+
+
+class HerdJobStatus(StatusModel):
+    observed_generation: int = 0
+    conditions: tuple[Condition, ...] = ()
+    gpus: GpuCounts | None = None
+    placement: list[tuple[str, list[int]]] = []
+    """Host -> GPU indices in local-rank order."""
+    epoch: int | None = None
+    """Last epoch the workers reported."""
+    restarts: int = 0
+    launch_id: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    retry_at: float | None = None
+    policy_reason: str = ""
+    grant_reason: str = ""
+
+    def summary(self) -> str:
+        """One word for a table's STATUS column, derived from the conditions."""
+        for condition_type, word in (
+            (ConditionType.Succeeded, "Succeeded"),
+            (ConditionType.Failed, "Failed"),
+            (ConditionType.Resizing, "Resizing"),
+            (ConditionType.Running, "Running"),
+        ):
+            if is_true(self.conditions, condition_type):
+                return word
+        admitted = get_condition(self.conditions, ConditionType.Admitted)
+        if admitted is not None and admitted.status != "True":
+            return admitted.reason
+        running = get_condition(self.conditions, ConditionType.Running)
+        return running.reason if running is not None else "Unknown"
+
+    def spec_valid(self) -> bool:
+        condition = get_condition(self.conditions, ConditionType.SpecValid)
+        return condition is None or condition.status == "True"

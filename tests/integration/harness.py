@@ -1,0 +1,182 @@
+"""Runs a real operator (real horovodrun, real TCP, real SQLite) on loopback for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+import yaml
+
+from herd_operator.cli import job_object
+from herd_operator.launcher import LAUNCH_ID_ENV
+from herd_operator.layout import StateLayout
+from herd_operator.operator import Operator, OperatorConfig
+from herd_operator.pool import PoolSource
+from herd_operator.store import Store
+from policies.arbitration import Pool
+
+REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def digits_command(epochs: int, *extra: str) -> list[str]:
+    return ["python", "examples/train_digits.py", "--epochs", str(epochs), *extra]
+
+
+def spec_document(
+    name: str, gpus_min: int, gpus_max: int, command: Sequence[str], **spec: Any
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "herd/v1alpha1",
+        "kind": "HerdJob",
+        "metadata": {"name": name},
+        "spec": {
+            "command": list(command),
+            "workingDir": str(REPO),
+            "gpus": {"min": gpus_min, "max": gpus_max},
+            **spec,
+        },
+    }
+
+
+def marked_processes() -> dict[int, str]:
+    """Every live process that carries an operator launch marker: pid -> launch id."""
+    found = {}
+    for proc in psutil.process_iter():
+        try:
+            launch = proc.environ().get(LAUNCH_ID_ENV)
+            if launch and proc.status() != psutil.STATUS_ZOMBIE:
+                found[proc.pid] = launch
+        except psutil.Error:
+            continue
+    return found
+
+
+@dataclass
+class OperatorHarness:
+    root: Path
+    gpus: int = 4
+    operator: Operator = field(init=False)
+    _thread: threading.Thread = field(init=False)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def specs_dir(self) -> Path:
+        return self.root / "jobs"
+
+    @property
+    def layout(self) -> StateLayout:
+        return StateLayout(self.root / "state")
+
+    def start(self) -> None:
+        self.specs_dir.mkdir(parents=True, exist_ok=True)
+        pool = PoolSource(Pool.from_counts({"localhost": self.gpus}), True, "test pool")
+        config = OperatorConfig(
+            specs_dir=self.specs_dir,
+            state_dir=self.layout.root,
+            pool=pool,
+            resync_seconds=0.5,
+            relist_seconds=1.0,
+            grace_seconds=5.0,
+        )
+        self.operator = Operator(config)
+        self._thread = threading.Thread(target=self.operator.run, args=(self._stop,), daemon=True)
+        self._thread.start()
+        assert self.operator.ready.wait(30), "operator did not start"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "operator did not stop"
+
+    # ---- specs ----
+
+    def write_spec(self, document: dict[str, Any], file: str | None = None) -> Path:
+        """Write atomically (temp file + rename), as users are told to."""
+        return self.write_text(
+            file or f"{document['metadata']['name']}.yaml", yaml.safe_dump(document)
+        )
+
+    def write_text(self, file: str, text: str) -> Path:
+        path = self.specs_dir / file
+        tmp = self.specs_dir / f".{file}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return path
+
+    # ---- observation ----
+
+    def store(self) -> Store:
+        return Store.open_readonly(self.layout.database)
+
+    def job(self, name: str) -> dict[str, Any] | None:
+        with self.store() as store:
+            record = store.get_job(name)
+        return None if record is None else job_object(record)
+
+    def condition(self, name: str, type: str) -> dict[str, Any] | None:
+        job = self.job(name)
+        if job is None:
+            return None
+        return next((c for c in job["conditions"] if c["type"] == type), None)
+
+    def reports(self, name: str) -> list[Any]:
+        with self.store() as store:
+            return store.reports(name)
+
+    def events(self, name: str | None = None) -> list[Any]:
+        with self.store() as store:
+            return store.events(name, limit=1000)
+
+    def launch_id(self, name: str) -> str | None:
+        with self.store() as store:
+            record = store.get_job(name)
+        return None if record is None else json.loads(record.status_json).get("launchId")
+
+    def diagnostics(self, name: str | None) -> str:
+        parts = []
+        if name is not None:
+            parts.append(f"job: {json.dumps(self.job(name), indent=1, default=str)}")
+            log_file = self.layout.log_file(name)
+            if log_file.exists():
+                parts.append("log tail:\n" + "\n".join(log_file.read_text().splitlines()[-40:]))
+        events = self.events(name)
+        parts.append("events:\n" + "\n".join(f"{e.reason}: {e.message}" for e in events[-30:]))
+        return "\n".join(parts)
+
+    def wait_for(
+        self, probe: Callable[[], T], what: str, timeout: float = 120.0, job: str | None = None
+    ) -> T:
+        """Poll `probe` until it returns something truthy; fail with the job's story if not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = probe()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"timed out after {timeout:.0f}s waiting for {what}\n" + self.diagnostics(job)
+                )
+            time.sleep(0.25)
+
+
+def running_harness(root: Path, gpus: int = 4) -> Iterator[OperatorHarness]:
+    harness = OperatorHarness(root, gpus)
+    harness.start()
+    try:
+        yield harness
+    finally:
+        harness.stop()
+        left = marked_processes()
+        for pid in left:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        assert not left, f"processes left behind after the operator stopped: {left}"

@@ -1,0 +1,636 @@
+"""Arbitration and placement: named scenarios and property-based invariants."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.arbitration import (
+    Demand,
+    Grant,
+    HostGpus,
+    Placement,
+    Pool,
+    arbitrate,
+    free_slots,
+)
+
+
+def place(*hosts: tuple[str, tuple[int, ...]]) -> Placement:
+    return Placement(tuple(hosts))
+
+
+@dataclass(frozen=True)
+class Case:
+    pool: Mapping[str, int]
+    demands: Sequence[Demand]
+    current: Mapping[str, Placement]
+    expected: Mapping[str, tuple[HostGpus, str]]
+
+
+CASES: dict[str, Case] = {
+    "admitted when min fits": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=3, max=4, desired=3)],
+        current={},
+        expected={"job-a": ((("h0", (0, 1, 2)),), "admitted: min 3 fits")},
+    ),
+    "admitted with extras up to desired": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=1, max=8, desired=3)],
+        current={},
+        expected={"job-a": ((("h0", (0, 1, 2)),), "admitted 0 -> 3: min 1 fits, policy wants 3")},
+    ),
+    "pending with reason": Case(
+        pool={"h0": 2},
+        demands=[Demand("job-a", min=3, max=4, desired=4)],
+        current={},
+        expected={"job-a": ((), "pending: needs 3 GPUs, 2 free")},
+    ),
+    "min-3 job waits while A holds its min": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-a", min=2, max=2, desired=2, arrival=0),
+            Demand("job-b", min=3, max=3, desired=3, arrival=1),
+        ],
+        current={"job-a": place(("h0", (0, 1)))},
+        expected={
+            "job-a": ((("h0", (0, 1)),), "holding 2: policy wants 2"),
+            "job-b": ((), "pending: needs 3 GPUs, 2 free"),
+        },
+    ),
+    "min-3 job admitted once A is gone": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-b", min=3, max=3, desired=3, arrival=1)],
+        current={"job-a": place(("h0", (0, 1))), "job-b": Placement.EMPTY},
+        expected={"job-b": ((("h0", (0, 1, 2)),), "admitted: min 3 fits")},
+    ),
+    "same-priority running job shrinks to admit a pending one": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-a", min=1, max=4, desired=4, arrival=0),
+            Demand("job-b", min=3, max=3, desired=3, arrival=1),
+        ],
+        current={"job-a": place(("h0", (0, 1, 2, 3)))},
+        expected={
+            "job-a": ((("h0", (0,)),), "shrunk 4 -> 1: admitting job-b (min 3)"),
+            "job-b": ((("h0", (1, 2, 3)),), "admitted: min 3 fits"),
+        },
+    ),
+    "higher priority on a full pool shrinks a lower one to its min": Case(
+        pool={"h0": 2, "h1": 2},
+        demands=[
+            Demand("job-low", min=1, max=4, desired=4, priority=0, arrival=0),
+            Demand("job-high", min=3, max=4, desired=4, priority=5, arrival=1),
+        ],
+        current={"job-low": place(("h0", (0, 1)), ("h1", (0, 1)))},
+        expected={
+            "job-high": ((("h1", (0, 1)), ("h0", (1,))), "admitted: min 3 fits"),
+            "job-low": ((("h0", (0,)),), "shrunk 4 -> 1: admitting job-high (min 3)"),
+        },
+    ),
+    "lower priority pending cannot take a higher priority job's extras": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-high", min=1, max=4, desired=4, priority=5, arrival=1),
+            Demand("job-low", min=1, max=4, desired=1, priority=0, arrival=0),
+        ],
+        current={"job-high": place(("h0", (0, 1, 2, 3)))},
+        expected={
+            "job-high": ((("h0", (0, 1, 2, 3)),), "holding 4: policy wants 4"),
+            "job-low": ((), "pending: needs 1 GPU, 0 free"),
+        },
+    ),
+    "head of line blocks smaller later jobs but extras still go out": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-a", min=2, max=4, desired=4, arrival=0),
+            Demand("job-big", min=3, max=3, desired=3, arrival=1),
+            Demand("job-small", min=1, max=1, desired=1, arrival=2),
+            Demand("job-lower", min=1, max=1, desired=1, priority=-1, arrival=0),
+        ],
+        current={"job-a": place(("h0", (0, 1)))},
+        expected={
+            "job-a": ((("h0", (0, 1, 2, 3)),), "grown 2 -> 4: policy wants 4"),
+            "job-big": ((), "pending: needs 3 GPUs, 2 free"),
+            "job-small": ((), "pending: waiting behind job-big (priority 0)"),
+            "job-lower": ((), "pending: waiting behind job-big (priority 0)"),
+        },
+    ),
+    "fair share of 5 GPUs between two jobs": Case(
+        pool={"h0": 5},
+        demands=[
+            Demand("job-b", min=1, max=8, desired=8, arrival=1),
+            Demand("job-a", min=1, max=8, desired=8, arrival=0),
+        ],
+        current={},
+        expected={
+            "job-a": (
+                (("h0", (0, 1, 2)),),
+                "admitted 0 -> 3: min 1 fits, policy wants 8, no more free",
+            ),
+            "job-b": (
+                (("h0", (3, 4)),),
+                "admitted 0 -> 2: min 1 fits, policy wants 8, no more free",
+            ),
+        },
+    ),
+    "fair share rebalances a running job towards a newcomer": Case(
+        pool={"h0": 5},
+        demands=[
+            Demand("job-a", min=1, max=8, desired=8, arrival=0),
+            Demand("job-b", min=1, max=8, desired=8, arrival=1),
+        ],
+        current={"job-a": place(("h0", (4, 3, 2, 1, 0)))},
+        expected={
+            "job-a": ((("h0", (4, 3, 2)),), "shrunk 5 -> 3: admitting job-b (min 1)"),
+            "job-b": (
+                (("h0", (0, 1)),),
+                "admitted 0 -> 2: min 1 fits, policy wants 8, no more free",
+            ),
+        },
+    ),
+    "fair share capped by a small desire": Case(
+        pool={"h0": 5},
+        demands=[
+            Demand("job-a", min=1, max=8, desired=1, arrival=0),
+            Demand("job-b", min=1, max=8, desired=8, arrival=1),
+        ],
+        current={},
+        expected={
+            "job-a": ((("h0", (4,)),), "admitted: min 1 fits"),
+            "job-b": (
+                (("h0", (0, 1, 2, 3)),),
+                "admitted 0 -> 4: min 1 fits, policy wants 8, no more free",
+            ),
+        },
+    ),
+    "shrink removes the tail and keeps the other GPUs": Case(
+        pool={"h0": 4, "h1": 4},
+        demands=[Demand("job-a", min=1, max=8, desired=4)],
+        current={"job-a": place(("h0", (2, 0, 3)), ("h1", (1, 0)))},
+        expected={
+            "job-a": ((("h0", (2, 0, 3)), ("h1", (1,))), "shrunk 5 -> 4: policy wants 4"),
+        },
+    ),
+    "shrink past a whole host": Case(
+        pool={"h0": 4, "h1": 4},
+        demands=[Demand("job-a", min=1, max=8, desired=2)],
+        current={"job-a": place(("h1", (3, 1, 2)), ("h0", (1, 0)))},
+        expected={"job-a": ((("h1", (3, 1)),), "shrunk 5 -> 2: policy wants 2")},
+    ),
+    "max lowered below what the job holds": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=1, max=2, desired=3)],
+        current={"job-a": place(("h0", (0, 1, 2)))},
+        expected={"job-a": ((("h0", (0, 1)),), "shrunk 3 -> 2: max is 2")},
+    ),
+    "desired below min is clamped": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=2, max=4, desired=0)],
+        current={"job-a": place(("h0", (1, 2)))},
+        expected={"job-a": ((("h0", (1, 2)),), "holding 2: policy wants 0, min is 2")},
+    ),
+    "grow keeps existing GPUs and prefers the same host": Case(
+        pool={"h0": 4, "h1": 4},
+        demands=[Demand("job-a", min=1, max=8, desired=3)],
+        current={"job-a": place(("h1", (2,)))},
+        expected={"job-a": ((("h1", (2, 0, 1)),), "grown 1 -> 3: policy wants 3")},
+    ),
+    "grow fills its own host then best-fits the rest": Case(
+        pool={"h0": 4, "h1": 4, "h2": 4},
+        demands=[
+            Demand("job-a", min=1, max=8, desired=5, arrival=0),
+            Demand("job-b", min=2, max=2, desired=2, arrival=1),
+            Demand("job-c", min=1, max=1, desired=1, arrival=2),
+        ],
+        current={
+            "job-a": place(("h1", (2,))),
+            "job-b": place(("h1", (0, 1))),
+            "job-c": place(("h2", (0,))),
+        },
+        expected={
+            "job-a": ((("h1", (2, 3)), ("h2", (1, 2, 3))), "grown 1 -> 5: policy wants 5"),
+            "job-b": ((("h1", (0, 1)),), "holding 2: policy wants 2"),
+            "job-c": ((("h2", (0,)),), "holding 1: policy wants 1"),
+        },
+    ),
+    "best fit picks the fullest host that still holds the job": Case(
+        pool={"h0": 4, "h1": 4, "h2": 4},
+        demands=[
+            Demand("job-x", min=2, max=2, desired=2, arrival=0),
+            Demand("job-y", min=1, max=1, desired=1, arrival=1),
+            Demand("job-new", min=3, max=3, desired=3, arrival=2),
+        ],
+        current={"job-x": place(("h0", (0, 1))), "job-y": place(("h1", (0,)))},
+        expected={
+            "job-x": ((("h0", (0, 1)),), "holding 2: policy wants 2"),
+            "job-y": ((("h1", (0,)),), "holding 1: policy wants 1"),
+            "job-new": ((("h1", (1, 2, 3)),), "admitted: min 3 fits"),
+        },
+    ),
+    "best fit spills to the host with the most free GPUs": Case(
+        pool={"h0": 4, "h1": 4, "h2": 4},
+        demands=[
+            Demand("job-x", min=2, max=2, desired=2, arrival=0),
+            Demand("job-y", min=1, max=1, desired=1, arrival=1),
+            Demand("job-new", min=6, max=6, desired=6, arrival=2),
+        ],
+        current={"job-x": place(("h0", (0, 1))), "job-y": place(("h1", (0,)))},
+        expected={
+            "job-x": ((("h0", (0, 1)),), "holding 2: policy wants 2"),
+            "job-y": ((("h1", (0,)),), "holding 1: policy wants 1"),
+            "job-new": ((("h2", (0, 1, 2, 3)), ("h0", (2, 3))), "admitted: min 6 fits"),
+        },
+    ),
+    "larger new jobs are packed first so none is split": Case(
+        pool={"h0": 5, "h1": 4},
+        demands=[
+            Demand("job-a", min=3, max=3, desired=3, arrival=0),
+            Demand("job-b", min=4, max=4, desired=4, arrival=1),
+            Demand("job-c", min=2, max=2, desired=2, arrival=2),
+        ],
+        current={},
+        expected={
+            "job-a": ((("h0", (0, 1, 2)),), "admitted: min 3 fits"),
+            "job-b": ((("h1", (0, 1, 2, 3)),), "admitted: min 4 fits"),
+            "job-c": ((("h0", (3, 4)),), "admitted: min 2 fits"),
+        },
+    ),
+    "a host leaves and the job regrows elsewhere": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=2, max=4, desired=4)],
+        current={"job-a": place(("h1", (0, 1)), ("h0", (3, 2)))},
+        expected={
+            "job-a": (
+                (("h0", (3, 2, 0, 1)),),
+                "holding 4: 2 GPUs left the pool, replaced; policy wants 4",
+            ),
+        },
+    ),
+    "a host leaves and the job shrinks with it": Case(
+        pool={"h0": 2},
+        demands=[Demand("job-a", min=2, max=4, desired=4)],
+        current={"job-a": place(("h0", (0, 1)), ("h1", (0, 1)))},
+        expected={"job-a": ((("h0", (0, 1)),), "shrunk 4 -> 2: 2 GPUs left the pool")},
+    ),
+    "a host leaves and the job falls under its min": Case(
+        pool={"h0": 2},
+        demands=[Demand("job-a", min=3, max=4, desired=4)],
+        current={"job-a": place(("h0", (0, 1)), ("h1", (0, 1)))},
+        expected={
+            "job-a": (
+                (),
+                "pending 4 -> 0: 2 GPUs left the pool (2 left, min 3); needs 3 GPUs, 2 free",
+            ),
+        },
+    ),
+    "a host leaves and the job is re-admitted keeping its survivors": Case(
+        pool={"h0": 4, "h2": 4},
+        demands=[Demand("job-a", min=3, max=3, desired=3)],
+        current={"job-a": place(("h1", (0, 1)), ("h0", (2,)))},
+        expected={
+            "job-a": (
+                (("h0", (2, 0, 1)),),
+                "re-admitted 3 -> 3: 2 GPUs left the pool (1 left, min 3); min 3 fits",
+            ),
+        },
+    ),
+    "a raised min above what the job holds makes it pending": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-a", min=2, max=2, desired=2, arrival=0),
+            Demand("job-b", min=3, max=3, desired=3, arrival=1),
+        ],
+        current={"job-a": place(("h0", (0, 1))), "job-b": place(("h0", (2,)))},
+        expected={
+            "job-a": ((("h0", (0, 1)),), "holding 2: policy wants 2"),
+            "job-b": ((), "pending 1 -> 0: holds 1, under min 3; needs 3 GPUs, 2 free"),
+        },
+    ),
+    "dropped jobs free their GPUs": Case(
+        pool={"h0": 2},
+        demands=[Demand("job-b", min=2, max=2, desired=2)],
+        current={"job-gone": place(("h0", (0, 1)))},
+        expected={"job-b": ((("h0", (0, 1)),), "admitted: min 2 fits")},
+    ),
+    "higher priority extras shrink a lower one": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-low", min=1, max=4, desired=4, priority=0),
+            Demand("job-high", min=1, max=4, desired=3, priority=1),
+        ],
+        current={"job-low": place(("h0", (0, 1, 2))), "job-high": place(("h0", (3,)))},
+        expected={
+            "job-high": ((("h0", (3, 1, 2)),), "grown 1 -> 3: policy wants 3"),
+            "job-low": ((("h0", (0,)),), "shrunk 3 -> 1: job-high (priority 1) grew"),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_scenario(case: Case) -> None:
+    pool = Pool.from_counts(case.pool)
+    grants = arbitrate(pool, case.demands, case.current)
+    got = {name: (grant.placement.hosts, grant.reason) for name, grant in grants.items()}
+    assert got == dict(case.expected)
+
+
+def test_grants_come_in_priority_then_arrival_order() -> None:
+    demands = [
+        Demand("job-c", min=1, max=1, desired=1, priority=0, arrival=1),
+        Demand("job-b", min=1, max=1, desired=1, priority=0, arrival=1),
+        Demand("job-a", min=1, max=1, desired=1, priority=0, arrival=2),
+        Demand("job-z", min=1, max=1, desired=1, priority=3, arrival=9),
+    ]
+    grants = arbitrate(Pool.from_counts({"h0": 8}), demands, {})
+    assert list(grants) == ["job-z", "job-b", "job-c", "job-a"]
+
+
+def test_two_demands_with_one_name_are_refused() -> None:
+    demand = Demand("job-a", min=1, max=1, desired=1)
+    with pytest.raises(ValueError, match=r"^two demands are named job-a$"):
+        arbitrate(Pool.from_counts({"h0": 2}), [demand, demand], {})
+
+
+def test_overlapping_current_placements_are_refused() -> None:
+    demands = [Demand("job-a", 1, 2, 2), Demand("job-b", 1, 2, 2)]
+    current = {"job-b": place(("h0", (1,))), "job-a": place(("h0", (0, 1)))}
+    with pytest.raises(
+        ValueError, match=r"^GPU h0:1 is in the current placements of both job-a and job-b$"
+    ):
+        arbitrate(Pool.from_counts({"h0": 2}), demands, current)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "", "min": 1, "max": 1}, "demand: name must not be empty"),
+        ({"name": "j", "min": 0, "max": 1}, "demand j: need 1 <= min <= max, got min 0 max 1"),
+        ({"name": "j", "min": 3, "max": 2}, "demand j: need 1 <= min <= max, got min 3 max 2"),
+        (
+            {"name": "j", "min": 1, "max": 1, "arrival": float("nan")},
+            "demand j: arrival must be finite, got nan",
+        ),
+    ],
+)
+def test_invalid_demands_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        Demand(desired=1, **kwargs)  # type: ignore[arg-type]
+    assert str(raised.value) == message
+
+
+def test_invalid_pools_and_placements_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"^pool: host 'h0' is listed twice$"):
+        Pool((("h0", (0,)), ("h0", (1,))))
+    with pytest.raises(ValueError, match=r"^placement: host 'h0' lists a GPU twice: \[1, 1\]$"):
+        place(("h0", (1, 1)))
+    with pytest.raises(ValueError, match=r"^pool: host 'h0' has a negative GPU count: -1$"):
+        Pool.from_counts({"h0": -1})
+    with pytest.raises(ValueError, match=r"^placement: host 'h0' has a negative GPU index"):
+        place(("h0", (-1,)))
+
+
+def test_pool_basics() -> None:
+    pool = Pool.from_counts({"b": 2, "a": 1})
+    assert pool.hosts == (("b", (0, 1)), ("a", (0,)))
+    assert pool.size == 3
+    assert pool.slots() == (("b", 0), ("b", 1), ("a", 0))
+    assert hash(pool) == hash(Pool.from_counts({"b": 2, "a": 1}))
+
+
+def test_placement_basics() -> None:
+    placement = place(("n2", (3, 1)), ("n1", ()), ("n0", (0,)))
+    assert placement.size == 3
+    assert placement.slots() == (("n2", 3), ("n2", 1), ("n0", 0))
+    assert placement.gpus_on("n2") == (3, 1)
+    assert placement.gpus_on("missing") == ()
+    assert placement.discovery_lines() == ["n2:2", "n0:1"]
+    assert Placement.EMPTY.size == 0
+    assert Placement.EMPTY.discovery_lines() == []
+    assert not Grant(Placement.EMPTY, "pending").admitted
+    assert Grant(placement, "holding 3").admitted
+
+
+def test_placement_json_round_trip() -> None:
+    placement = place(("n2", (3, 1)), ("n0", (0,)))
+    assert placement.to_json() == [["n2", [3, 1]], ["n0", [0]]]
+    assert Placement.from_json(placement.to_json()) == placement
+    assert Placement.from_json([]) == Placement.EMPTY
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"n0": [0]}, "placement: expected a list of [host, [gpus]], got {'n0': [0]}"),
+        ([["n0"]], "placement: expected [host, [gpus]], got ['n0']"),
+        ([[0, [0]]], "placement: expected [host, [gpus]], got [0, [0]]"),
+        ([["n0", [True]]], "placement: GPU indices must be integers, got ['n0', [True]]"),
+        ([["n0", [0, 0]]], "placement: host 'n0' lists a GPU twice: [0, 0]"),
+    ],
+)
+def test_placement_from_bad_json_is_refused(data: object, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        Placement.from_json(data)
+    assert str(raised.value) == message
+
+
+def test_free_slots_are_the_pool_minus_placements_in_pool_order() -> None:
+    pool = Pool.from_counts({"h0": 2, "h1": 2})
+    placements = {"a": place(("h1", (0,))), "b": place(("h0", (1,)), ("gone", (0,)))}
+    assert free_slots(pool, placements) == (("h0", 0), ("h1", 1))
+
+
+# Property-based tests: random pools, jobs and sequences of decisions.
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    min: int
+    max: int
+    priority: int
+    arrival: int
+
+
+@dataclass(frozen=True)
+class Step:
+    present: tuple[bool, ...]
+    desired: tuple[int, ...]
+    hosts_up: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class Story:
+    counts: tuple[int, ...]
+    jobs: tuple[Job, ...]
+    steps: tuple[Step, ...]
+
+
+@st.composite
+def stories(draw: st.DrawFn) -> Story:
+    counts = tuple(draw(st.lists(st.integers(1, 8), min_size=1, max_size=6)))
+    jobs = []
+    for index in range(draw(st.integers(1, 8))):
+        low = draw(st.integers(1, 6))
+        jobs.append(
+            Job(
+                name=f"job-{index}",
+                min=low,
+                max=draw(st.integers(low, low + 6)),
+                priority=draw(st.integers(0, 2)),
+                arrival=draw(st.integers(0, 4)),
+            )
+        )
+    steps = draw(
+        st.lists(
+            st.builds(
+                Step,
+                present=st.tuples(*(st.booleans() for _ in jobs)),
+                desired=st.tuples(*(st.integers(0, 14) for _ in jobs)),
+                # Hosts mostly stay; sometimes one leaves (and may come back later).
+                hosts_up=st.tuples(
+                    *(st.sampled_from([True, True, True, True, False]) for _ in counts)
+                ),
+            ),
+            min_size=1,
+            max_size=6,
+        )
+    )
+    return Story(counts, tuple(jobs), tuple(steps))
+
+
+def pool_at(story: Story, step: Step) -> Pool:
+    return Pool.from_counts(
+        {
+            f"h{i}": count
+            for i, (count, up) in enumerate(zip(story.counts, step.hosts_up, strict=True))
+            if up
+        }
+    )
+
+
+def demands_at(story: Story, step: Step) -> list[Demand]:
+    return [
+        Demand(job.name, job.min, job.max, desired, job.priority, float(job.arrival))
+        for job, present, desired in zip(story.jobs, step.present, step.desired, strict=True)
+        if present
+    ]
+
+
+def rank(demand: Demand) -> tuple[int, float, str]:
+    return (-demand.priority, demand.arrival, demand.name)
+
+
+def check_decision(
+    pool: Pool,
+    demands: Sequence[Demand],
+    current: Mapping[str, Placement],
+    grants: Mapping[str, Grant],
+) -> None:
+    by_name = {d.name: d for d in demands}
+    assert set(grants) == set(by_name)
+    in_pool = set(pool.slots())
+    owners: dict[tuple[str, int], str] = {}
+    for name, grant in grants.items():
+        demand = by_name[name]
+        size = grant.placement.size
+        for slot in grant.placement.slots():
+            assert slot in in_pool, f"{name} got {slot} outside the pool"
+            assert owners.setdefault(slot, name) == name, f"{slot} in {owners[slot]} and {name}"
+        assert size == 0 or demand.min <= size <= demand.wanted <= demand.max
+        assert grant.reason.startswith("pending") == (size == 0), grant.reason
+        assert all(gpus for _, gpus in grant.placement.hosts), "empty host in a placement"
+
+    idle = pool.size - len(owners)
+    if idle:
+        for name, grant in grants.items():
+            if grant.admitted:
+                assert grant.placement.size == by_name[name].wanted, f"{name} wants more"
+    pending = sorted((d for d in demands if not grants[d.name].admitted), key=rank)
+    if pending:
+        assert pending[0].min > idle, f"{pending[0].name} is pending with its min idle"
+        # Head of line: nobody overtakes a pending job to get admitted.
+        for demand in demands:
+            held_before = current.get(demand.name, Placement.EMPTY).size
+            if grants[demand.name].admitted and held_before < demand.min:
+                assert rank(demand) < rank(pending[0]), f"{demand.name} jumped the queue"
+    idle_hosts = {host for host, _ in free_slots(pool, {n: g.placement for n, g in grants.items()})}
+
+    for name, grant in grants.items():
+        before = current.get(name, Placement.EMPTY)
+        demand = by_name[name]
+        stayed = all(slot in in_pool for slot in before.slots())
+        if before.size >= demand.min and stayed:
+            assert grant.placement.size >= demand.min, f"{name} was taken below its min"
+        kept_count = sum(1 for slot in before.slots() if slot in in_pool)
+        if stayed and grant.admitted and grant.placement.size < min(before.size, demand.wanted):
+            # Someone of the same or higher priority must have gained what it lost.
+            gainers = [
+                other
+                for other in demands
+                if other.name != name
+                and other.priority >= demand.priority
+                and grants[other.name].placement.size
+                > sum(
+                    1
+                    for slot in current.get(other.name, Placement.EMPTY).slots()
+                    if slot in in_pool
+                )
+            ]
+            assert gainers, f"{name} shrank {before.size} -> {grant.placement.size} for nobody"
+        new_hosts = {host for host, _ in grant.placement.hosts} - {host for host, _ in before.hosts}
+        if new_hosts:
+            # A grower fills the hosts it already uses before it spreads to others.
+            assert not idle_hosts & {host for host, _ in before.hosts}, f"{name} spread early"
+        for host, old_gpus in before.hosts:
+            survivors = [gpu for gpu in old_gpus if (host, gpu) in in_pool]
+            new_gpus = grant.placement.gpus_on(host)
+            common = [gpu for gpu in new_gpus if gpu in survivors]
+            # Surviving workers keep their GPU: what is kept is a prefix, at the same ranks.
+            assert common == survivors[: len(common)], f"{name} on {host}: {old_gpus}->{new_gpus}"
+            assert list(new_gpus[: len(common)]) == common
+        if grant.admitted and kept_count >= demand.min:
+            kept_total = sum(1 for slot in grant.placement.slots() if slot in set(before.slots()))
+            assert kept_total == min(kept_count, grant.placement.size), f"{name} moved GPUs"
+
+
+@settings(max_examples=200, deadline=None)
+@given(story=stories(), seed=st.integers(0, 2**32 - 1))
+def test_decision_sequences_keep_every_rule(story: Story, seed: int) -> None:
+    shuffler = random.Random(seed)
+    current: dict[str, Placement] = {}
+    for step in story.steps:
+        pool = pool_at(story, step)
+        demands = demands_at(story, step)
+        grants = arbitrate(pool, demands, current)
+        check_decision(pool, demands, current, grants)
+
+        shuffled_demands = demands[:]
+        shuffler.shuffle(shuffled_demands)
+        names = list(current)
+        shuffler.shuffle(names)
+        again = arbitrate(pool, shuffled_demands, {name: current[name] for name in names})
+        assert list(again.items()) == list(grants.items())
+
+        current = {name: grant.placement for name, grant in grants.items() if grant.admitted}
+
+
+@settings(max_examples=100, deadline=None)
+@given(story=stories())
+def test_a_repeated_decision_changes_nothing(story: Story) -> None:
+    step = story.steps[0]
+    pool = pool_at(story, step)
+    demands = demands_at(story, step)
+    first = arbitrate(pool, demands, {})
+    current = {name: grant.placement for name, grant in first.items() if grant.admitted}
+    second = arbitrate(pool, demands, current)
+    assert {n: g.placement for n, g in second.items()} == {n: g.placement for n, g in first.items()}
+    for name, grant in second.items():
+        assert grant.reason.startswith(("holding", "pending:")), (name, grant.reason)

@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from herd_operator.auth import (
+    TokenFileError,
+    ensure_token_file,
+    new_nonce,
+    prove,
+    read_token_file,
+    verify,
+)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def permissive_umask() -> Iterator[None]:
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def test_ensure_creates_private_file_and_reuses_it(tmp_path: Path, permissive_umask: None) -> None:
+    path = tmp_path / "run" / "herd" / "token"
+
+    token = ensure_token_file(path)
+
+    assert len(token) == 32
+    assert _mode(path) == 0o600
+    assert _mode(path.parent) == 0o700
+    assert _mode(path.parent.parent) == 0o700
+    assert re.fullmatch(r"[0-9a-f]{64}\n", path.read_text())
+    assert ensure_token_file(path) == token
+    assert read_token_file(path) == token
+    assert sorted(p.name for p in path.parent.iterdir()) == ["token"]
+
+
+def test_new_tokens_differ(tmp_path: Path) -> None:
+    assert ensure_token_file(tmp_path / "a") != ensure_token_file(tmp_path / "b")
+
+
+def test_token_is_private_from_the_moment_it_is_written(
+    tmp_path: Path, permissive_umask: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    modes_at_link: list[int] = []
+    real_link = os.link
+
+    def recording_link(source: Path, target: Path) -> None:
+        modes_at_link.append(_mode(Path(source)))
+        real_link(source, target)
+
+    monkeypatch.setattr(os, "link", recording_link)
+    ensure_token_file(tmp_path / "token")
+
+    assert modes_at_link == [0o600]
+
+
+def test_concurrent_creator_wins_and_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "token"
+    other_token = bytes(range(32))
+    real_link = os.link
+
+    def link_after_another_process(source: Path, target: Path) -> None:
+        fd = os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.write(fd, other_token.hex().encode())
+        os.close(fd)
+        real_link(source, target)
+
+    monkeypatch.setattr(os, "link", link_after_another_process)
+
+    assert ensure_token_file(path) == other_token
+    assert [p.name for p in tmp_path.iterdir()] == ["token"]
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o660, 0o604, 0o602, 0o620])
+def test_refuses_file_others_can_access(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "token"
+    token_hex = "ab" * 32
+    path.write_text(token_hex + "\n")
+    path.chmod(mode)
+
+    with pytest.raises(TokenFileError) as caught:
+        read_token_file(path)
+
+    message = str(caught.value)
+    assert message == (
+        f"token file {path} has mode {mode:#o}; it must not be readable or writable "
+        f"by group or others (run: chmod 600 {path})"
+    )
+    assert token_hex not in message
+
+
+def test_ensure_refuses_existing_permissive_file(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("cd" * 32)
+    path.chmod(0o644)
+
+    with pytest.raises(TokenFileError, match="mode 0o644"):
+        ensure_token_file(path)
+    assert path.read_text() == "cd" * 32
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("zz" * 32, "is malformed: expected 64 hex characters"),
+        ("", "holds a token that is too short: 0 bytes, expected 32"),
+        ("ef" * 16, "holds a token that is too short: 16 bytes, expected 32"),
+        ("ef" * 33, "is malformed: 33 bytes, expected 32"),
+        ("é" * 32, "is malformed: expected 64 hex characters"),
+        ("0" * 5000, "is malformed: larger than a token"),
+    ],
+)
+def test_refuses_malformed_token_without_quoting_it(
+    tmp_path: Path, content: str, expected: str
+) -> None:
+    path = tmp_path / "token"
+    path.write_text(content)
+    path.chmod(0o600)
+
+    with pytest.raises(TokenFileError) as caught:
+        read_token_file(path)
+
+    assert str(caught.value) == f"token file {path} {expected}"
+    if content:
+        assert content[:8] not in str(caught.value)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "absent"
+    with pytest.raises(TokenFileError, match=rf"^cannot open token file {re.escape(str(path))}: "):
+        read_token_file(path)
+
+
+def test_proof_depends_on_token_and_part_boundaries() -> None:
+    token = b"\x01" * 32
+    proof = prove(token, "client", "ab", "c")
+
+    assert re.fullmatch(r"[0-9a-f]{64}", proof)
+    assert prove(token, "client", "ab", "c") == proof
+    assert prove(token, "client", "a", "bc") != proof
+    assert prove(token, "client", "abc") != proof
+    assert prove(b"\x02" * 32, "client", "ab", "c") != proof
+
+
+def test_verify() -> None:
+    token = b"\x03" * 32
+    proof = prove(token, "server", "s", "n")
+
+    assert verify(token, proof, "server", "s", "n")
+    assert not verify(token, proof, "client", "s", "n")
+    assert not verify(b"\x04" * 32, proof, "server", "s", "n")
+    assert not verify(token, proof.upper(), "server", "s", "n")
+    assert not verify(token, "", "server", "s", "n")
+    # Peers control the proof: odd text must compare unequal, not raise.
+    assert not verify(token, "é\ud800", "server", "s", "n")
+
+
+def test_nonces_are_fresh_hex() -> None:
+    nonces = {new_nonce() for _ in range(100)}
+
+    assert len(nonces) == 100
+    assert all(re.fullmatch(r"[0-9a-f]{32}", nonce) for nonce in nonces)

@@ -1,0 +1,793 @@
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from herd_operator import rpc
+from herd_operator.auth import new_nonce, prove
+from herd_operator.rpc import (
+    MAX_FRAME_BYTES,
+    AuthError,
+    BadRequest,
+    Handler,
+    NotFound,
+    RpcClient,
+    RpcError,
+    RpcServer,
+    parse_address,
+)
+
+TOKEN = bytes(range(32))
+WRONG_TOKEN = b"\xee" * 32
+# Hang guard for every blocking step; never a performance expectation.
+GUARD_S = 10.0
+
+
+def _echo(args: dict[str, Any]) -> dict[str, Any]:
+    return args
+
+
+def _add(args: dict[str, Any]) -> dict[str, Any]:
+    x, y = args.get("x"), args.get("y")
+    if not isinstance(x, int) or not isinstance(y, int):
+        raise BadRequest("x and y must be integers")
+    return {"sum": x + y}
+
+
+def _lookup(args: dict[str, Any]) -> dict[str, Any]:
+    raise NotFound(f"job {args.get('job')!r} not found")
+
+
+def _boom(args: dict[str, Any]) -> dict[str, Any]:
+    raise RuntimeError("database password is hunter2")
+
+
+def _not_a_dict(args: dict[str, Any]) -> dict[str, Any]:
+    result: Any = ["a", "list"]
+    return result  # type: ignore[no-any-return]
+
+
+def _huge(args: dict[str, Any]) -> dict[str, Any]:
+    return {"blob": "a" * MAX_FRAME_BYTES}
+
+
+HANDLERS: dict[str, Handler] = {
+    "echo": _echo,
+    "add": _add,
+    "lookup": _lookup,
+    "boom": _boom,
+    "not_a_dict": _not_a_dict,
+    "huge": _huge,
+}
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., RpcServer]]:
+    servers: list[RpcServer] = []
+
+    def make(**options: Any) -> RpcServer:
+        server = RpcServer(TOKEN, HANDLERS, **options)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def server(make_server: Callable[..., RpcServer]) -> RpcServer:
+    return make_server()
+
+
+@pytest.fixture
+def rpc_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.DEBUG, logger="herd_operator.rpc")
+    return caplog
+
+
+def _messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelno >= level]
+
+
+def _assert_no_secrets(caplog: pytest.LogCaptureFixture) -> None:
+    for record in caplog.records:
+        text = caplog.text + record.getMessage()
+        assert TOKEN.hex() not in text
+        assert WRONG_TOKEN.hex() not in text
+        # Proofs are 64 hex characters: none may reach the log.
+        assert re.search(r"[0-9a-f]{64}", text) is None
+
+
+class RawPeer:
+    """One end of a protocol connection, driven by hand."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(GUARD_S)
+        self.sock = sock
+        self._reader = sock.makefile("rb")
+
+    @classmethod
+    def connect(cls, address: tuple[str, int]) -> RawPeer:
+        return cls(socket.create_connection(address, timeout=GUARD_S))
+
+    def send(self, frame: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(frame).encode() + b"\n")
+
+    def read(self) -> dict[str, Any] | None:
+        """The next frame, or None once the other side closed the connection."""
+        line = self._reader.readline()
+        if not line:
+            return None
+        frame: dict[str, Any] = json.loads(line)
+        return frame
+
+    def authenticate(self, token: bytes = TOKEN) -> None:
+        challenge = self.read()
+        assert challenge is not None and challenge["type"] == "challenge"
+        nonce = new_nonce()
+        proof = prove(token, "client", challenge["nonce"], nonce, "raw")
+        self.send({"type": "auth", "client": "raw", "nonce": nonce, "proof": proof})
+        welcome = self.read()
+        assert welcome is not None and welcome["type"] == "welcome"
+
+    def serve_handshake(self, token: bytes) -> None:
+        """Play the server's side of the handshake."""
+        nonce = new_nonce()
+        self.send({"v": 1, "type": "challenge", "nonce": nonce})
+        hello = self.read()
+        assert hello is not None and hello["type"] == "auth"
+        self.send({"type": "welcome", "proof": prove(token, "server", nonce, hello["nonce"])})
+
+    def close(self) -> None:
+        self._reader.close()
+        self.sock.close()
+
+
+Behaviour = Callable[["FakeServer", RawPeer], None]
+
+
+class FakeServer:
+    """A scripted server: the n-th accepted connection runs the n-th behaviour."""
+
+    def __init__(
+        self, behaviours: list[Behaviour], token: bytes = TOKEN, *, handshake: bool = True
+    ) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        host, port = self._listener.getsockname()[:2]
+        self.address: tuple[str, int] = (host, port)
+        self.token = token
+        self.handshake = handshake
+        self.connections = 0
+        self.requests: list[dict[str, Any]] = []
+        self.errors: list[BaseException] = []
+        self._behaviours = behaviours
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        behaviours = iter(self._behaviours)
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            peer = RawPeer(conn)
+            try:
+                behaviour = next(behaviours, None)
+                if behaviour is not None:
+                    if self.handshake:
+                        peer.serve_handshake(self.token)
+                    behaviour(self, peer)
+            except BaseException as error:
+                self.errors.append(error)
+            finally:
+                peer.close()
+
+    def read_request(self, peer: RawPeer) -> dict[str, Any]:
+        request = peer.read()
+        assert request is not None
+        self.requests.append(request)
+        return request
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(GUARD_S)
+        self._listener.close()
+        assert not self._thread.is_alive()
+        assert self.errors == []
+
+
+def _answer(fake: FakeServer, peer: RawPeer) -> None:
+    request = fake.read_request(peer)
+    peer.send({"id": request["id"], "ok": True, "result": {"served": fake.connections}})
+
+
+def _rpc_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("rpc-server")]
+
+
+# --- round trips and handler errors ---------------------------------------------------
+
+
+def test_round_trip_and_request_counts(server: RpcServer) -> None:
+    with RpcClient(server.address, TOKEN, client="test") as client:
+        assert client.call("echo", a=1, b="two", c=[3.5, None]) == {
+            "a": 1,
+            "b": "two",
+            "c": [3.5, None],
+        }
+        assert client.call("echo") == {}
+        assert client.call("add", x=2, y=40) == {"sum": 42}
+        assert client.call("echo", text="ünïcødé ✓") == {"text": "ünïcødé ✓"}
+
+    assert server.request_counts() == {("echo", "ok"): 3, ("add", "ok"): 1}
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "code", "message"),
+    [
+        ("add", {"x": "2", "y": 1}, "bad_request", "x and y must be integers"),
+        ("lookup", {"job": "resnet"}, "not_found", "job 'resnet' not found"),
+        ("boom", {}, "internal", "internal error in op 'boom'"),
+        ("not_a_dict", {}, "internal", "internal error in op 'not_a_dict'"),
+        ("huge", {}, "internal", "internal error in op 'huge'"),
+        ("nope", {}, "unknown_op", "unknown op 'nope'"),
+    ],
+)
+def test_error_responses_map_to_codes_and_keep_the_connection(
+    server: RpcServer, op: str, args: dict[str, Any], code: str, message: str
+) -> None:
+    with RpcClient(server.address, TOKEN) as client:
+        with pytest.raises(RpcError) as caught:
+            client.call(op, **args)
+        assert (caught.value.code, caught.value.message) == (code, message)
+        assert str(caught.value) == f"{code}: {message}"
+        assert not isinstance(caught.value, AuthError)
+        assert client.call("add", x=1, y=1) == {"sum": 2}
+
+    op_label = op if op in HANDLERS else "<unknown>"
+    assert server.request_counts() == {(op_label, code): 1, ("add", "ok"): 1}
+
+
+def test_internal_errors_are_logged_with_details_on_the_server_only(
+    server: RpcServer, rpc_log: pytest.LogCaptureFixture
+) -> None:
+    with RpcClient(server.address, TOKEN) as client:
+        for op in ("boom", "not_a_dict", "huge"):
+            with pytest.raises(RpcError) as caught:
+                client.call(op)
+            assert "hunter2" not in caught.value.message
+
+    errors = [record for record in rpc_log.records if record.levelno == logging.ERROR]
+    assert len(errors) == 3
+    boom, not_a_dict, huge = errors
+    assert boom.exc_info is not None and "hunter2" in str(boom.exc_info[1])
+    assert "returned list, not a dict" in not_a_dict.getMessage()
+    assert "over the 65536-byte limit" in huge.getMessage()
+
+
+# --- authentication -------------------------------------------------------------------
+
+
+def test_wrong_token_is_rejected_and_the_server_keeps_serving(
+    server: RpcServer, rpc_log: pytest.LogCaptureFixture
+) -> None:
+    host, port = server.address
+    intruder = RpcClient(server.address, WRONG_TOKEN, client="intruder")
+    with intruder, pytest.raises(AuthError) as caught:
+        intruder.call("echo")
+    assert caught.value.code == "unauthenticated"
+    assert caught.value.message == (f"server at {host}:{port} rejected us: authentication failed")
+
+    with RpcClient(server.address, TOKEN) as client:
+        assert client.call("add", x=1, y=2) == {"sum": 3}
+
+    warnings = _messages(rpc_log, logging.WARNING)
+    assert len(warnings) == 1
+    assert re.fullmatch(
+        r"rejected connection from 127\.0\.0\.1:\d+: "
+        r"authentication failed for client 'intruder' \(wrong token\?\)",
+        warnings[0],
+    )
+    _assert_no_secrets(rpc_log)
+
+
+def test_auth_failures_are_rate_limited_per_peer_in_the_log(
+    server: RpcServer, rpc_log: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(rpc, "_log_clock", lambda: now[0])
+
+    def fail_to_authenticate() -> None:
+        with RpcClient(server.address, WRONG_TOKEN) as intruder, pytest.raises(AuthError):
+            intruder.call("echo")
+
+    for _ in range(5):
+        fail_to_authenticate()
+    assert len(_messages(rpc_log, logging.WARNING)) == 1
+
+    now[0] += 1.5
+    fail_to_authenticate()
+    warnings = _messages(rpc_log, logging.WARNING)
+    assert len(warnings) == 2
+    assert warnings[1].endswith("(4 similar rejections suppressed)")
+
+
+def test_client_rejects_a_server_that_cannot_prove_the_token() -> None:
+    fake = FakeServer([lambda fake, peer: None], token=WRONG_TOKEN)
+    host, port = fake.address
+    try:
+        with RpcClient(fake.address, TOKEN) as client, pytest.raises(AuthError) as caught:
+            client.call("echo")
+        assert caught.value.message == (
+            f"server at {host}:{port} failed to prove it knows the token"
+        )
+        assert fake.requests == []
+    finally:
+        fake.stop()
+
+
+def test_client_refuses_another_protocol_version() -> None:
+    def challenge_v2(fake: FakeServer, peer: RawPeer) -> None:
+        peer.send({"v": 2, "type": "challenge", "nonce": new_nonce()})
+        assert peer.read() is None
+
+    fake = FakeServer([challenge_v2], handshake=False)
+    host, port = fake.address
+    try:
+        with RpcClient(fake.address, TOKEN) as client, pytest.raises(ConnectionError) as caught:
+            client.call("echo")
+        assert str(caught.value) == f"{host}:{port} speaks protocol version 2, not 1"
+    finally:
+        fake.stop()
+
+
+# --- protocol violations by raw peers ----------------------------------------------------
+
+
+def _oversize_frame() -> bytes:
+    return b"x" * (MAX_FRAME_BYTES + 100)
+
+
+@pytest.mark.parametrize(
+    ("sent", "code", "message", "reason"),
+    [
+        (b"not json\n", "bad_request", "frame is not valid JSON", "frame is not valid JSON"),
+        (b"[1, 2]\n", "bad_request", "frame is not a JSON object", "frame is not a JSON object"),
+        (b"\xff\xfe{}\n", "bad_request", "frame is not valid UTF-8", "frame is not valid UTF-8"),
+        (b"\n", "bad_request", "frame is not valid JSON", "frame is not valid JSON"),
+        (
+            _oversize_frame(),
+            "bad_request",
+            "frame longer than 65536 bytes",
+            "frame longer than 65536 bytes",
+        ),
+        (
+            b'{"id": 1, "op": "echo", "args": {}}\n',
+            "unauthenticated",
+            "authenticate first",
+            "sent a frame before authenticating",
+        ),
+        (
+            b'{"type": "auth", "client": "x", "nonce": 5, "proof": "00"}\n',
+            "unauthenticated",
+            "malformed auth frame",
+            "malformed auth frame",
+        ),
+        (b"", "timeout", "timed out waiting for authentication", "no auth frame within 0.5 s"),
+        (
+            b'{"type": "au',
+            "timeout",
+            "timed out reading a frame",
+            "frame not completed within 0.5 s",
+        ),
+    ],
+    ids=[
+        "garbage",
+        "not-an-object",
+        "not-utf8",
+        "empty",
+        "oversize",
+        "request-before-auth",
+        "malformed-auth",
+        "silent",
+        "trickle",
+    ],
+)
+def test_protocol_violations_close_the_connection_and_are_logged(
+    make_server: Callable[..., RpcServer],
+    rpc_log: pytest.LogCaptureFixture,
+    sent: bytes,
+    code: str,
+    message: str,
+    reason: str,
+) -> None:
+    server = make_server(read_timeout=0.5)
+    peer = RawPeer.connect(server.address)
+    try:
+        challenge = peer.read()
+        assert challenge is not None
+        assert challenge["v"] == 1 and challenge["type"] == "challenge"
+        assert re.fullmatch(r"[0-9a-f]{32}", challenge["nonce"])
+        peer.sock.sendall(sent)
+
+        assert peer.read() == {"type": "error", "error": {"code": code, "message": message}}
+        assert peer.read() is None
+    finally:
+        peer.close()
+
+    with RpcClient(server.address, TOKEN) as client:
+        assert client.call("add", x=3, y=4) == {"sum": 7}
+    warnings = _messages(rpc_log, logging.WARNING)
+    assert len(warnings) == 1
+    assert re.fullmatch(
+        rf"rejected connection from 127\.0\.0\.1:\d+: {re.escape(reason)}", warnings[0]
+    )
+    _assert_no_secrets(rpc_log)
+
+
+def test_frame_limit_is_exact(server: RpcServer) -> None:
+    def request_of_size(size: int) -> bytes:
+        prefix = b'{"id":1,"op":"echo","args":{"pad":"'
+        suffix = b'"}}'
+        return prefix + b"a" * (size - len(prefix) - len(suffix)) + suffix
+
+    peer = RawPeer.connect(server.address)
+    try:
+        peer.authenticate()
+        peer.sock.sendall(request_of_size(MAX_FRAME_BYTES) + b"\n")
+        response = peer.read()
+        assert response is not None and response["ok"] is True
+        assert len(response["result"]["pad"]) > MAX_FRAME_BYTES - 100
+
+        peer.sock.sendall(request_of_size(MAX_FRAME_BYTES + 1) + b"\n")
+        assert peer.read() == {
+            "type": "error",
+            "error": {"code": "bad_request", "message": "frame longer than 65536 bytes"},
+        }
+        assert peer.read() is None
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize(
+    ("request_frame", "response_id", "message"),
+    [
+        ({"op": "echo", "args": {}}, None, "'id' must be an integer"),
+        ({"id": True, "op": "echo", "args": {}}, None, "'id' must be an integer"),
+        ({"id": 7, "args": {}}, 7, "'op' must be a string"),
+        ({"id": 8, "op": "echo", "args": [1]}, 8, "'args' must be an object"),
+    ],
+)
+def test_malformed_requests_get_bad_request_and_keep_the_connection(
+    server: RpcServer, request_frame: dict[str, Any], response_id: int | None, message: str
+) -> None:
+    peer = RawPeer.connect(server.address)
+    try:
+        peer.authenticate()
+        peer.send(request_frame)
+        assert peer.read() == {
+            "id": response_id,
+            "ok": False,
+            "error": {"code": "bad_request", "message": message},
+        }
+        peer.send({"id": 9, "op": "add", "args": {"x": 1, "y": 1}})
+        assert peer.read() == {"id": 9, "ok": True, "result": {"sum": 2}}
+    finally:
+        peer.close()
+
+
+def test_garbage_after_authentication_closes_the_connection(
+    server: RpcServer, rpc_log: pytest.LogCaptureFixture
+) -> None:
+    peer = RawPeer.connect(server.address)
+    try:
+        peer.authenticate()
+        peer.sock.sendall(b"{oops\n")
+        assert peer.read() == {
+            "type": "error",
+            "error": {"code": "bad_request", "message": "frame is not valid JSON"},
+        }
+        assert peer.read() is None
+    finally:
+        peer.close()
+    assert len(_messages(rpc_log, logging.WARNING)) == 1
+
+
+def test_peer_that_never_reads_its_responses_is_dropped(
+    make_server: Callable[..., RpcServer], rpc_log: pytest.LogCaptureFixture
+) -> None:
+    server = make_server(read_timeout=0.5)
+    request = json.dumps({"id": 1, "op": "echo", "args": {"pad": "a" * 60_000}}).encode() + b"\n"
+    peer = RawPeer.connect(server.address)
+    try:
+        peer.authenticate()
+        # Responses pile up unread until the server gives up on this peer and resets it.
+        with pytest.raises(OSError):
+            for _ in range(10_000):
+                peer.sock.sendall(request)
+    finally:
+        peer.close()
+
+    assert re.fullmatch(
+        r"closing connection from 127\.0\.0\.1:\d+: it left responses unread for 0\.5 s",
+        _messages(rpc_log, logging.WARNING)[0],
+    )
+    with RpcClient(server.address, TOKEN) as client:
+        assert client.call("add", x=1, y=1) == {"sum": 2}
+
+
+def test_idle_authenticated_connection_is_closed_with_a_notice(
+    make_server: Callable[..., RpcServer],
+) -> None:
+    server = make_server(idle_timeout=0.2)
+    peer = RawPeer.connect(server.address)
+    try:
+        peer.authenticate()
+        assert peer.read() == {
+            "type": "error",
+            "error": {"code": "idle_timeout", "message": "connection closed after idling"},
+        }
+        assert peer.read() is None
+    finally:
+        peer.close()
+
+
+def test_client_reconnects_after_the_server_closed_an_idle_connection(
+    make_server: Callable[..., RpcServer], rpc_log: pytest.LogCaptureFixture
+) -> None:
+    server = make_server(idle_timeout=0.2)
+    with RpcClient(server.address, TOKEN) as client:
+        assert client.call("add", x=1, y=1) == {"sum": 2}
+        deadline = time.monotonic() + GUARD_S
+        while "closing idle connection" not in rpc_log.text:
+            assert time.monotonic() < deadline, "server never closed the idle connection"
+            time.sleep(0.02)
+        assert client.call("add", x=2, y=2) == {"sum": 4}
+
+    authenticated = [m for m in _messages(rpc_log) if m.startswith("authenticated client")]
+    assert len(authenticated) == 2
+
+
+def test_connection_limit(make_server: Callable[..., RpcServer]) -> None:
+    server = make_server(max_connections=2)
+    first, second = RawPeer.connect(server.address), RawPeer.connect(server.address)
+    third = RawPeer.connect(server.address)
+    try:
+        first.authenticate()
+        second.authenticate()
+        assert third.read() == {
+            "type": "error",
+            "error": {"code": "unavailable", "message": "server is busy"},
+        }
+        assert third.read() is None
+
+        with RpcClient(server.address, TOKEN) as client:
+            with pytest.raises(ConnectionError, match="refused the connection: unavailable"):
+                client.call("echo")
+            first.close()
+            deadline = time.monotonic() + GUARD_S
+            while True:
+                try:
+                    assert client.call("add", x=5, y=5) == {"sum": 10}
+                    break
+                except ConnectionError:
+                    assert time.monotonic() < deadline, "the freed slot was never reused"
+                    time.sleep(0.02)
+    finally:
+        for peer in (first, second, third):
+            peer.close()
+
+
+# --- client retry rules --------------------------------------------------------------------
+
+
+def test_client_reconnects_when_the_server_closed_between_calls() -> None:
+    closed = threading.Event()
+
+    def answer_then_close(fake: FakeServer, peer: RawPeer) -> None:
+        _answer(fake, peer)
+        peer.close()
+        closed.set()
+
+    fake = FakeServer([answer_then_close, _answer])
+    try:
+        with RpcClient(fake.address, TOKEN) as client:
+            assert client.call("echo") == {"served": 1}
+            assert closed.wait(GUARD_S)
+            assert client.call("echo") == {"served": 2}
+        assert [request["id"] for request in fake.requests] == [1, 2]
+    finally:
+        fake.stop()
+
+
+def test_client_does_not_resend_a_request_the_server_may_have_processed() -> None:
+    def read_then_close(fake: FakeServer, peer: RawPeer) -> None:
+        fake.read_request(peer)
+
+    fake = FakeServer([read_then_close, _answer])
+    host, port = fake.address
+    try:
+        with RpcClient(fake.address, TOKEN) as client:
+            with pytest.raises(ConnectionError) as caught:
+                client.call("report_epoch", epoch=3)
+            assert str(caught.value) == (
+                f"{host}:{port} closed the connection waiting for the response to op 'report_epoch'"
+            )
+            assert fake.connections == 1
+            assert client.call("echo") == {"served": 2}
+        assert [request["op"] for request in fake.requests] == ["report_epoch", "echo"]
+    finally:
+        fake.stop()
+
+
+def test_client_resends_once_when_the_server_closed_for_idleness_before_reading() -> None:
+    def idle_close(fake: FakeServer, peer: RawPeer) -> None:
+        fake.read_request(peer)
+        peer.send({"type": "error", "error": {"code": "idle_timeout", "message": "idle"}})
+
+    fake = FakeServer([idle_close, _answer])
+    try:
+        with RpcClient(fake.address, TOKEN) as client:
+            assert client.call("report_epoch", epoch=3) == {"served": 2}
+        assert fake.requests == [{"id": 1, "op": "report_epoch", "args": {"epoch": 3}}] * 2
+    finally:
+        fake.stop()
+
+
+def test_client_times_out_when_the_server_never_answers() -> None:
+    def never_answer(fake: FakeServer, peer: RawPeer) -> None:
+        fake.read_request(peer)
+        assert peer.read() is None  # wait for the client to give up and hang up
+
+    fake = FakeServer([never_answer])
+    host, port = fake.address
+    try:
+        client = RpcClient(fake.address, TOKEN, timeout=0.3)
+        with client, pytest.raises(TimeoutError) as caught:
+            client.call("echo")
+        assert str(caught.value) == (
+            f"timed out waiting for the response to op 'echo' from {host}:{port}"
+        )
+    finally:
+        fake.stop()
+
+
+def test_client_refuses_oversize_requests_locally(server: RpcServer) -> None:
+    with RpcClient(server.address, TOKEN) as client:
+        with pytest.raises(
+            ValueError, match=r"^request for op 'echo' is \d+ bytes, over the 65536"
+        ):
+            client.call("echo", blob="a" * MAX_FRAME_BYTES)
+        assert client.call("add", x=1, y=2) == {"sum": 3}
+    assert server.request_counts() == {("add", "ok"): 1}
+
+
+def test_client_reports_an_unreachable_server() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()[:2]
+    listener.close()
+    with (
+        RpcClient(address, TOKEN) as client,
+        pytest.raises(ConnectionError, match="cannot connect"),
+    ):
+        client.call("echo")
+
+
+# --- concurrency and lifecycle ------------------------------------------------------------
+
+
+def test_many_concurrent_clients_get_their_own_answers(server: RpcServer) -> None:
+    def worker(index: int) -> list[int]:
+        with RpcClient(server.address, TOKEN, client=f"worker-{index}") as client:
+            return [client.call("add", x=index, y=call)["sum"] for call in range(20)]
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(worker, range(32)))
+
+    assert results == [[index + call for call in range(20)] for index in range(32)]
+    assert server.request_counts() == {("add", "ok"): 32 * 20}
+
+
+def test_one_client_is_safe_to_share_between_threads(server: RpcServer) -> None:
+    with RpcClient(server.address, TOKEN) as client, ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda n: client.call("echo", n=n)["n"], range(200)))
+    assert results == list(range(200))
+
+
+def test_stop_closes_connections_and_leaves_no_thread(server: RpcServer) -> None:
+    peer = RawPeer.connect(server.address)
+    client = RpcClient(server.address, TOKEN)
+    try:
+        peer.authenticate()
+        assert client.call("echo", x=1) == {"x": 1}
+        assert len(_rpc_threads()) == 1
+
+        server.stop()
+
+        assert _rpc_threads() == []
+        assert peer.read() is None
+        with pytest.raises(ConnectionError):
+            client.call("echo")
+        server.stop()
+    finally:
+        peer.close()
+        client.close()
+
+
+def test_context_manager_and_single_start() -> None:
+    with RpcServer(TOKEN, HANDLERS) as server:
+        host, port = server.address
+        assert host == "127.0.0.1" and port > 0
+        with pytest.raises(RuntimeError, match="only be started once"):
+            server.start()
+        with RpcClient(server.address, TOKEN) as client:
+            assert client.call("echo", ok=True) == {"ok": True}
+    assert _rpc_threads() == []
+    with pytest.raises(RuntimeError, match="only be started once"):
+        server.start()
+
+
+def test_bind_failure_raises_and_leaves_no_thread(server: RpcServer) -> None:
+    host, port = server.address
+    other = RpcServer(TOKEN, HANDLERS, host, port)
+    with pytest.raises(OSError):
+        other.start()
+    assert len(_rpc_threads()) == 1
+    with pytest.raises(RuntimeError, match="not started"):
+        _ = other.address
+    other.stop()
+
+
+# --- addresses ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("127.0.0.1:7000", ("127.0.0.1", 7000)),
+        ("nid001234:65535", ("nid001234", 65535)),
+        ("[::1]:1", ("::1", 1)),
+        ("[fe80::1%eth0]:8080", ("fe80::1%eth0", 8080)),
+    ],
+)
+def test_parse_address(text: str, expected: tuple[str, int]) -> None:
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        ("localhost", ""),
+        ("[::1]", ""),
+        ("::1:80", " (put IPv6 addresses in brackets)"),
+        (":80", " (empty host)"),
+        ("[]:80", " (empty host)"),
+        ("host:", " (port is not a number)"),
+        ("host:http", " (port is not a number)"),
+        ("host:-1", " (port is not a number)"),
+        ("host:٣", " (port is not a number)"),
+        ("host:0", " (port must be in 1..65535)"),
+        ("host:65536", " (port must be in 1..65535)"),
+    ],
+)
+def test_parse_address_rejects(text: str, detail: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_address(text)
+    assert str(caught.value) == (
+        f"invalid address {text!r}: expected HOST:PORT or [IPV6]:PORT{detail}"
+    )
