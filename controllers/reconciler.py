@@ -28,7 +28,7 @@ from controllers.ports import (
     launch_fingerprint,
 )
 from policies.arbitration import Demand, Grant
-from policies.base import Observation, PolicyError
+from policies.base import EpochEnd, JobObservations, PolicyError, UsageSample
 from policies.registry import load_policy
 from specs import (
     ConditionStatus,
@@ -113,7 +113,15 @@ class JobReconciler:
 
         process = self.launcher.state(name)
         if process.phase == ProcessPhase.EXITED:
-            status = self._on_exit(name, job, status, process, generation, now)
+            superseded = _relaunch_reason(process, job)
+            if superseded:
+                # It exited while the spec moved on to something it could not have run:
+                # that exit says nothing about the new spec, which runs from scratch.
+                self.launcher.forget(name)
+                self._event(name, "Normal", "Relaunching", superseded, now)
+                status = self._restart_fresh(status, generation, now)
+            else:
+                status = self._on_exit(name, job, status, process, generation, now)
             process = ProcessState(ProcessPhase.ABSENT)
 
         finished = is_true(status.conditions, ConditionType.Succeeded) or is_true(
@@ -121,7 +129,13 @@ class JobReconciler:
         )
         if finished and status.observed_generation == generation:
             self.allocator.release(name)
-            status = status.model_copy(update={"gpus": _counts(job, status, None, 0, None)})
+            status = status.model_copy(
+                update={
+                    "gpus": _counts(job, status, None, 0, None),
+                    "placement": [],
+                    "grant_reason": "",
+                }
+            )
             self._save(name, status, generation, now)
             return Result()
         if finished:  # the spec changed since it finished: run it again
@@ -134,6 +148,7 @@ class JobReconciler:
                 self._event(name, "Normal", "Relaunching", reason, now)
                 process = ProcessState(ProcessPhase.STOPPING, launch=process.launch)
             if process.phase == ProcessPhase.STOPPING:
+                self._hold_gpus(name, job.spec.priority, record.created_at)
                 status = status.model_copy(
                     update={
                         "conditions": set_condition(
@@ -155,18 +170,26 @@ class JobReconciler:
         except PolicyError as err:  # validated in _accept_spec; a plug-in can still vanish
             raise PermanentError(str(err)) from err
         launch = process.launch
-        reports = self.store.reports(name, since=launch.started_at if launch else now, limit=200)
-        history = [
-            Observation(
-                time=report.time,
-                allocated=status.gpus.allocated if status.gpus else 0,
-                world_size=report.world_size,
-                epoch=report.epoch,
-                metrics=dict(report.metrics),
-            )
-            for report in reports
-        ]
-        decision = policy.desired(job, history, now)
+        since = launch.started_at if launch else now
+        reports = self.store.reports(name, since=since, limit=1000)
+        observed = JobObservations(
+            started_at=since,
+            allocated=status.gpus.allocated if status.gpus else 0,
+            world_size=reports[-1].world_size if reports else None,
+            last_resize=status.last_resize_at
+            if status.last_resize_at and status.last_resize_at >= since
+            else None,
+            epochs=[
+                EpochEnd(report.epoch, report.time, report.world_size, dict(report.metrics))
+                for report in reports
+                if report.epoch is not None
+            ],
+            usage=[
+                UsageSample(sample.time, sample.gpus, sample.used_bytes, sample.total_bytes)
+                for sample in self.store.usage(name, since=since)
+            ],
+        )
+        decision = policy.desired(job, observed, now)
         grant = self.allocator.request(
             Demand(
                 name=name,
@@ -177,8 +200,8 @@ class JobReconciler:
                 arrival=record.created_at,
             )
         )
-        status = self._note_grant_change(name, status, grant, now)
         status = status.model_copy(update={"policy_reason": decision.reason})
+        status = self._note_grant_change(name, status, grant, decision.gpus, now)
 
         if process.phase == ProcessPhase.ABSENT:
             return self._start_or_wait(name, job, status, grant, decision.gpus, generation, now)
@@ -417,22 +440,23 @@ class JobReconciler:
         return Result(requeue_after=self.resync_seconds)
 
     def _note_grant_change(
-        self, name: str, status: HerdJobStatus, grant: Grant, now: float
+        self, name: str, status: HerdJobStatus, grant: Grant, desired: int, now: float
     ) -> HerdJobStatus:
         before = status.gpus.allocated if status.gpus else 0
         after = grant.placement.size
+        update: dict[str, object] = {
+            "placement": [(host, list(gpus)) for host, gpus in grant.placement.hosts],
+            "grant_reason": grant.reason,
+        }
         if before != after:
             self.store.add_grant_change(name, after, grant.reason, now)
             if before and after:
-                self._event(
-                    name, "Normal", "Resized", f"{before} -> {after} GPUs: {grant.reason}", now
-                )
-        return status.model_copy(
-            update={
-                "placement": [(host, list(gpus)) for host, gpus in grant.placement.hosts],
-                "grant_reason": grant.reason,
-            }
-        )
+                update["last_resize_at"] = now
+                # Say why in the words of whoever caused it: the policy when the job now has
+                # what it asked for, else the allocator (another job, the pool, the max).
+                cause = status.policy_reason if after == desired else grant.reason
+                self._event(name, "Normal", "Resized", f"{before} -> {after} GPUs: {cause}", now)
+        return status.model_copy(update=update)
 
     def _finalize_deletion(self, name: str, now: float) -> Result:
         process = self.launcher.state(name)
@@ -440,6 +464,10 @@ class JobReconciler:
             if process.phase == ProcessPhase.RUNNING:
                 self.launcher.stop(name)
                 self._event(name, "Normal", "Stopping", "spec deleted: stopping the job", now)
+            record = self.store.get_job(name)
+            if record is not None:
+                job = HerdJob.model_validate_json(record.spec_json)
+                self._hold_gpus(name, job.spec.priority, record.created_at)
             return Result(requeue_after=self.stop_poll_seconds)
         self.launcher.forget(name)
         self.allocator.release(name)
@@ -448,6 +476,17 @@ class JobReconciler:
         return Result()
 
     # ---- helpers ----
+
+    def _hold_gpus(self, name: str, priority: int, arrival: float) -> None:
+        """A stopping job keeps every GPU it holds until its processes are gone.
+
+        Its demand is pinned to its current size, so no other job is placed on a GPU
+        that a dying worker still uses.
+        """
+        grant = self.allocator.grant(name)
+        size = grant.placement.size if grant is not None else 0
+        if size:
+            self.allocator.request(Demand(name, size, size, size, priority, arrival))
 
     def _save(self, name: str, status: HerdJobStatus, generation: int, now: float) -> None:
         status = status.model_copy(update={"observed_generation": generation})

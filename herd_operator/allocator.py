@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import shlex
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,8 +72,12 @@ class Allocator:
         virtual: bool,
         on_change: Callable[[str, Grant], None] = lambda job, grant: None,
         on_decision: Callable[[Mapping[str, Placement]], None] = lambda placements: None,
+        min_resize_interval: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.min_resize_interval = min_resize_interval
+        self._clock = clock
         self.virtual = virtual
         self._publisher = publisher
         self._on_change = on_change
@@ -81,11 +86,16 @@ class Allocator:
         self._demands: dict[str, Demand] = {}
         self._grants: dict[str, Grant] = {}
         self._bindings: dict[tuple[str, str, int], Binding] = {}
+        # When each job's size last changed; a job is left alone for min_resize_interval
+        # after that, since every change costs a Horovod reset.
+        self._resized_at: dict[str, float] = {}
+        self._next_thaw: float | None = None
 
     def request(self, demand: Demand) -> Grant:
         """Record a job's demand, decide again for everyone, return the job's grant."""
         with self._lock:
-            if self._demands.get(demand.name) != demand:
+            thawed = self._next_thaw is not None and self._clock() >= self._next_thaw
+            if self._demands.get(demand.name) != demand or thawed:
                 self._demands[demand.name] = demand
                 self._decide(caller=demand.name)
             return self._grants[demand.name]
@@ -95,6 +105,7 @@ class Allocator:
         with self._lock:
             if self._demands.pop(job, None) is None and job not in self._grants:
                 return
+            self._resized_at.pop(job, None)
             self._decide(caller=job)
             self._publisher.withdraw(job)
 
@@ -105,6 +116,8 @@ class Allocator:
             self._demands.clear()
             self._grants.clear()
             self._bindings.clear()
+            self._resized_at.clear()
+            self._next_thaw = None
             for job in jobs:
                 self._publisher.withdraw(job)
             self._on_decision({})
@@ -118,13 +131,29 @@ class Allocator:
             return {job: grant.placement for job, grant in self._grants.items()}
 
     def _decide(self, caller: str) -> None:
+        now = self._clock()
         current = {job: grant.placement for job, grant in self._grants.items()}
-        decided = arbitrate(self.pool, list(self._demands.values()), current)
+        frozen = {
+            job
+            for job, at in self._resized_at.items()
+            if now - at < self.min_resize_interval and current.get(job, Placement.EMPTY).size
+        }
+        decided = arbitrate(self.pool, list(self._demands.values()), current, frozen=frozen)
         changed = [
             job
             for job, grant in decided.items()
             if job not in self._grants or grant.placement != self._grants[job].placement
         ]
+        for job in changed:
+            if decided[job].placement.size != current.get(job, Placement.EMPTY).size:
+                self._resized_at[job] = now
+        self._resized_at = {job: at for job, at in self._resized_at.items() if job in decided}
+        thaws = [
+            at + self.min_resize_interval
+            for at in self._resized_at.values()
+            if at + self.min_resize_interval > now
+        ]
+        self._next_thaw = min(thaws) if thaws else None
         self._grants = decided
         for job in changed:
             placement = decided[job].placement

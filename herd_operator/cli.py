@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import signal
 import sys
 import threading
@@ -101,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="SIGTERM-to-SIGKILL grace period when stopping a job (default: 10)",
     )
     run.add_argument(
+        "--min-resize-interval",
+        type=_non_negative_float,
+        default=30.0,
+        help="seconds a job's size is left alone after it changed (default: 30)",
+    )
+    run.add_argument(
+        "--virtual-gpu-memory",
+        type=parse_bytes,
+        default=2 << 30,
+        help="memory of one virtual GPU, e.g. 2GiB or 512MiB (default: 2GiB)",
+    )
+    run.add_argument(
         "--no-watch", action="store_true", help="no file events, relist only (as on NFS or Lustre)"
     )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -151,6 +164,44 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """`2GiB`, `512MiB`, `1.5GB` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (examples: 2GiB, 512MiB, 1.5GB, 1048576)"
+        )
+    value = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -193,6 +244,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         relist_seconds=args.relist_seconds,
         grace_seconds=args.grace_seconds,
         watch_events=not args.no_watch,
+        min_resize_interval=args.min_resize_interval,
+        virtual_gpu_memory_bytes=args.virtual_gpu_memory,
     )
     stop = threading.Event()
 
@@ -344,6 +397,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
     with open_store(args.state_dir) as store:
         record = store.get_job(args.name)
         events = store.events(args.name, limit=20)
+        decisions = store.grant_history(args.name)[-10:]
     if record is None:
         print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
         return EXIT_FAILURE
@@ -377,6 +431,12 @@ def cmd_describe(args: argparse.Namespace) -> int:
         rows = [["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"]] + [
             [c.type, str(c.status), c.reason, format_age(now - c.last_transition_time), c.message]
             for c in status.conditions
+        ]
+        lines += ["  " + line for line in format_table(rows).splitlines()]
+    lines.append("Decisions:" + ("" if decisions else "    none"))
+    if decisions:
+        rows = [["AGE", "GPUS", "REASON"]] + [
+            [format_age(now - change.time), str(change.gpus), change.reason] for change in decisions
         ]
         lines += ["  " + line for line in format_table(rows).splitlines()]
     lines.append("Events:" + ("" if events else "       none"))

@@ -140,6 +140,7 @@ def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
         resync_seconds=1.0,
         relist_seconds=2.0,
         grace_seconds=5.0,
+        min_resize_interval=5.0,
     )
     operator = Operator(config)
     stop = threading.Event()

@@ -188,8 +188,8 @@ class Launcher:
         """Start stopping a job: SIGTERM now, SIGKILL to what is left after the grace period."""
         with self._lock:
             process = self._processes.get(job)
-            if process is None or process.stop_requested:
-                return
+            if process is None or process.stop_requested or process.exit_code is not None:
+                return  # nothing to stop: an exit of its own is not a stop by us
             process.stop_requested = True
         log.info("stopping %s (pid %d)", job, process.info.pid)
         self._clean_up(job, process)

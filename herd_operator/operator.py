@@ -21,10 +21,12 @@ from typing import Any
 from controllers.ports import LaunchInfo
 from controllers.reconciler import JobReconciler, PermanentError, Result, TemporaryError
 from controllers.workqueue import WorkQueue
+from exporters.gpu import VirtualGpuSource
 from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.auth import ensure_token_file
 from herd_operator.launcher import Launcher, LaunchRequest
-from herd_operator.layout import StateLayout, write_atomically
+from herd_operator.layout import STATE_DIR_ENV, StateLayout, write_atomically
+from herd_operator.observer import UsageObserver
 from herd_operator.pool import PoolSource
 from herd_operator.rpc import BadRequest, NotFound, RpcServer
 from herd_operator.specdir import DirectoryWatcher, SpecDirectory
@@ -51,6 +53,12 @@ class OperatorConfig:
     relist_seconds: float = 10.0
     grace_seconds: float = 10.0
     watch_events: bool = True
+    min_resize_interval: float = 30.0
+    """A job's size is left alone this long after it changed (each change resets Horovod)."""
+    virtual_gpu_memory_bytes: int = 2 << 30
+    """Capacity of one virtual GPU (CPU machines), against which worker memory is measured."""
+    sample_seconds: float = 1.0
+    """How often the memory of each job's GPUs is sampled."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -104,6 +112,7 @@ class Operator:
         self.watcher: DirectoryWatcher | None = None
         self.launcher: Launcher | None = None
         self.allocator: Allocator | None = None
+        self.observer: UsageObserver | None = None
         self.specs = SpecDirectory(config.specs_dir)
         self.ready = threading.Event()
 
@@ -130,7 +139,9 @@ class Operator:
             on_decision=lambda placements: store.replace_allocations(
                 _placement_rows(placements), time.time()
             ),
+            min_resize_interval=config.min_resize_interval,
         )
+        self.observer = self._usage_observer(allocator, store)
         self.server = server = RpcServer(
             token,
             {
@@ -152,6 +163,7 @@ class Operator:
         env = {
             ALLOCATOR_ENV: address,
             TOKEN_FILE_ENV: str(self.layout.token_file.resolve()),
+            STATE_DIR_ENV: str(self.layout.root.resolve()),
             **config.extra_env,
         }
         hosts = [host_name for host_name, _ in config.pool.pool.hosts]
@@ -166,6 +178,28 @@ class Operator:
         )
         return JobReconciler(
             self.specs, store, allocator, job_launcher, resync_seconds=config.resync_seconds
+        )
+
+    def _usage_observer(self, allocator: Allocator, store: Store) -> UsageObserver | None:
+        """Memory sampling of this host's GPUs (virtual GPUs: their workers' memory)."""
+        hosts = self.config.pool.pool.hosts
+        if not self.config.pool.virtual or len(hosts) != 1:
+            # NVML and multi-node pools are observed through the exporters (a later step).
+            return None
+        host, gpus = hosts[0]
+
+        def bound_pids() -> dict[int, list[int]]:
+            pids: dict[int, list[int]] = {}
+            for binding in allocator.bindings():
+                if binding.host == host and binding.pid is not None:
+                    pids.setdefault(binding.gpu, []).append(binding.pid)
+            return pids
+
+        source = VirtualGpuSource(
+            host, max(gpus) + 1, self.config.virtual_gpu_memory_bytes, bound_pids
+        )
+        return UsageObserver(
+            source, allocator.placements, store.add_usage, interval=self.config.sample_seconds
         )
 
     def _enqueue_known_jobs(self) -> None:
@@ -187,6 +221,8 @@ class Operator:
             use_events=self.config.watch_events,
         )
         self.watcher.start()
+        if self.observer is not None:
+            self.observer.start()
         self.ready.set()
         try:
             while not stop.is_set():
@@ -226,6 +262,8 @@ class Operator:
         log.info("shutting down: stopping jobs")
         if self.watcher is not None:
             self.watcher.stop()
+        if self.observer is not None:
+            self.observer.stop()
         self.queue.shutdown()
         if self.launcher is not None:
             stubborn = self.launcher.stop_all(timeout=self.config.grace_seconds + 5)

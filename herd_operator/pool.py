@@ -66,7 +66,7 @@ def nvml_gpu_count() -> int:
 
 
 def discover_pool(hosts: str | None, virtual_gpus: int = DEFAULT_VIRTUAL_GPUS) -> PoolSource:
-    if hosts:
+    if hosts is not None:
         pool = parse_hosts(hosts)
         virtual = nvml_gpu_count() == 0
         kind = "virtual" if virtual else "NVML"

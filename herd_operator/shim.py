@@ -22,7 +22,7 @@ import sys
 import time
 
 from herd_operator import worker
-from herd_operator.rpc import RpcError
+from herd_operator.rpc import AuthError, RpcError
 
 BIND_WAIT_SECONDS = float(os.environ.get("HERD_BIND_TIMEOUT", "600"))
 
@@ -59,6 +59,9 @@ def main(argv: list[str]) -> int:
                     pid=os.getpid(),  # exec keeps the pid: this is the worker's
                 )
                 break
+            except AuthError as err:  # a wrong token does not fix itself
+                print(f"herd shim: the allocator refused us: {err}", file=sys.stderr)
+                return 1
             except (RpcError, OSError) as err:
                 if time.monotonic() > deadline:
                     print(f"herd shim: cannot bind local rank {local_rank}: {err}", file=sys.stderr)

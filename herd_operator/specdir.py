@@ -8,6 +8,7 @@ files, and it reports the job names whose view changed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ class _Stamp:
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
 
 class SpecDirectory:
@@ -36,6 +38,9 @@ class SpecDirectory:
         self._views: dict[str, SpecView] = {}
         self._keys: dict[str, tuple[str, ...]] = {}
         self._unnamed: tuple[str, ...] = ()
+        # The job name each file declared when it last could be read: a file that no
+        # longer parses far enough to show its name still speaks for that job.
+        self._declared: dict[str, str] = {}
 
     def view(self, name: str) -> SpecView | None:
         with self._lock:
@@ -66,13 +71,21 @@ class SpecDirectory:
                 st = entry.stat()
             except OSError:
                 continue  # removed between listing and stat
-            stamp = _Stamp(st.st_ino, st.st_size, st.st_mtime_ns)
+            stamp = _Stamp(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             cached = self._files.get(entry.name)
             if cached is not None and cached[0] == stamp:
                 files[entry.name] = cached
             else:
                 files[entry.name] = (stamp, load_spec_file(Path(entry.path)))
-        index = index_specs([spec_file for _, spec_file in files.values()])
+        declared: dict[str, str] = {}
+        spec_files = []
+        for file_name, (_, spec_file) in files.items():
+            if spec_file.name is None and file_name in self._declared:
+                spec_file = dataclasses.replace(spec_file, name=self._declared[file_name])
+            if spec_file.name is not None:
+                declared[file_name] = spec_file.name
+            spec_files.append(spec_file)
+        index = index_specs(spec_files)
         views: dict[str, SpecView] = {}
         keys: dict[str, tuple[str, ...]] = {}
         for name, spec_file in index.jobs.items():
@@ -92,6 +105,7 @@ class SpecDirectory:
             }
             new_unnamed = set(unnamed) - set(self._unnamed)
             self._files, self._views, self._keys, self._unnamed = files, views, keys, unnamed
+            self._declared = declared
         for message in sorted(new_unnamed):
             log.warning("invalid spec file: %s", message)
         return changed

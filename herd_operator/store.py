@@ -82,6 +82,16 @@ CREATE TABLE reports (
     metrics_json TEXT NOT NULL,
     PRIMARY KEY (job, seq)
 );
+CREATE TABLE gpu_usage (
+    job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    time REAL NOT NULL,
+    gpus INTEGER NOT NULL,
+    used_bytes INTEGER NOT NULL,
+    total_bytes INTEGER NOT NULL,
+    PRIMARY KEY (job, seq)
+);
+CREATE INDEX gpu_usage_by_time ON gpu_usage (job, time);
 CREATE TABLE grant_history (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     job TEXT NOT NULL,
@@ -151,6 +161,17 @@ class Report:
     rank: int
     time: float
     metrics: Mapping[str, float] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The summed memory of a job's GPUs at one instant."""
+
+    job: str
+    time: float
+    gpus: int
+    used_bytes: int
+    total_bytes: int
 
 
 @dataclass(frozen=True)
@@ -469,6 +490,34 @@ class Store:
                 (job, since, since, limit),
             ).fetchall()
         return [_report(row) for row in reversed(rows)]
+
+    # GPU usage samples (what the policies' memory signal is made of)
+
+    def add_usage(self, job: str, gpus: int, used_bytes: int, total_bytes: int, now: float) -> None:
+        """Record the memory of a job's GPUs at one instant, keeping the newest samples."""
+        with self._write() as conn:
+            _require_job(conn, job)
+            last = conn.execute("SELECT MAX(seq) FROM gpu_usage WHERE job = ?", (job,)).fetchone()
+            seq = (last[0] or 0) + 1
+            conn.execute(
+                "INSERT INTO gpu_usage (job, seq, time, gpus, used_bytes, total_bytes)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (job, seq, now, gpus, used_bytes, total_bytes),
+            )
+            conn.execute(
+                "DELETE FROM gpu_usage WHERE job = ? AND seq <= ?",
+                (job, seq - self._max_reports_per_job),
+            )
+
+    def usage(self, job: str, since: float | None = None, limit: int = 10_000) -> list[Usage]:
+        """The job's newest ``limit`` usage samples with time >= ``since``, oldest first."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT time, gpus, used_bytes, total_bytes FROM gpu_usage"
+                " WHERE job = ? AND (? IS NULL OR time >= ?) ORDER BY seq DESC LIMIT ?",
+                (job, since, since, limit),
+            ).fetchall()
+        return [Usage(job, row[0], row[1], row[2], row[3]) for row in reversed(rows)]
 
     # grant history
 

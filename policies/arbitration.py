@@ -1,7 +1,23 @@
 """Arbitration and placement: which job gets which GPUs of the pool.
 
-`arbitrate` is a pure, deterministic function of the pool, the jobs' demands and
-their current placements: no I/O, no clock, no randomness.
+`arbitrate` is a pure, deterministic function of the pool, the jobs' demands,
+their current placements and the set of frozen jobs: no I/O, no clock, no
+randomness.
+
+Admitted jobs keep their min; a pending job is admitted only when its whole min
+fits, in priority then arrival order, and nobody overtakes the first pending job
+(head of line). GPUs left over go by priority tier, then max-min fair share
+within a tier, up to each job's wanted size (desired clamped into [min, max]).
+
+Horovod restarts every worker of a job on each size change, so the caller may
+freeze jobs that resized too recently. A frozen admitted job keeps exactly its
+current placement: no growth, no shrink towards its desired size, no fair-share
+rebalancing and no shrink to admit a pending job. Only changes it cannot avoid
+still happen: GPUs that left the pool are dropped (not replaced), and a max
+below its size cuts it to max from the tail. Its slots are simply unavailable
+to the others. Freezing does not touch a pending job (admission is not a
+resize), nor one whose surviving GPUs fall under its min (it is pending again,
+as any other job would be).
 """
 
 from __future__ import annotations
@@ -11,6 +27,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -241,18 +258,54 @@ class _Counts:
     target: dict[str, int]
     waiting: dict[str, str]
     admissions: list[Demand]
+    held_fixed: set[str]
 
 
-def _count(pool: Pool, ranked: Sequence[Demand], kept: Mapping[str, list[Slot]]) -> _Counts:
+_NAMED_FROZEN = 3
+
+
+def _frozen_note(
+    pending: Demand, free: int, fixed: Sequence[Demand], target: Mapping[str, int]
+) -> str:
+    """Why `pending` waits on frozen jobs, if it would fit without their freeze; else ''."""
+    locked: list[str] = []
+    total = 0
+    for demand in fixed:
+        # Without the freeze a same-or-lower tier job would be at its min when `pending`
+        # is considered; a higher tier one would hold at most what it wants.
+        floor = demand.min if demand.priority <= pending.priority else demand.wanted
+        extra = target[demand.name] - floor
+        if extra > 0:
+            locked.append(demand.name)
+            total += extra
+    if not locked or pending.min > free + total:
+        return ""
+    names = ", ".join(locked[:_NAMED_FROZEN])
+    more = len(locked) - _NAMED_FROZEN
+    return f" ({names}{f' and {more} more' if more > 0 else ''} resized recently)"
+
+
+def _count(
+    pool: Pool,
+    ranked: Sequence[Demand],
+    kept: Mapping[str, list[Slot]],
+    frozen: AbstractSet[str],
+) -> _Counts:
     running = {d.name for d in ranked if len(kept[d.name]) >= d.min}
-    free = pool.size - sum(d.min for d in ranked if d.name in running)
-    target: dict[str, int] = {}
+    fixed = [d for d in ranked if d.name in running and d.name in frozen]
+    target: dict[str, int] = {d.name: min(len(kept[d.name]), d.max) for d in fixed}
+    held_fixed = set(target)
+    free = pool.size - sum(
+        target[d.name] if d.name in held_fixed else d.min for d in ranked if d.name in running
+    )
     waiting: dict[str, str] = {}
     admissions: list[Demand] = []
     blocker: Demand | None = None
     for _, tier_iter in itertools.groupby(ranked, key=lambda d: d.priority):
         tier = list(tier_iter)
         for demand in tier:
+            if demand.name in held_fixed:
+                continue
             if demand.name in running:
                 target[demand.name] = demand.min
             elif blocker is not None:
@@ -266,13 +319,14 @@ def _count(pool: Pool, ranked: Sequence[Demand], kept: Mapping[str, list[Slot]])
                 admissions.append(demand)
             else:
                 target[demand.name] = 0
-                waiting[demand.name] = f"needs {_gpus(demand.min)}, {free} free"
+                note = _frozen_note(demand, free, fixed, target)
+                waiting[demand.name] = f"needs {_gpus(demand.min)}, {free} free{note}"
                 blocker = demand
         # Max-min fair share of what is left: one GPU at a time to the smallest holder.
         heap = [
             (target[d.name], d.arrival, d.name, d.wanted)
             for d in tier
-            if 0 < target[d.name] < d.wanted
+            if 0 < target[d.name] < d.wanted and d.name not in held_fixed
         ]
         heapq.heapify(heap)
         while free > 0 and heap:
@@ -281,7 +335,7 @@ def _count(pool: Pool, ranked: Sequence[Demand], kept: Mapping[str, list[Slot]])
             free -= 1
             if size + 1 < wanted:
                 heapq.heappush(heap, (size + 1, arrival, name, wanted))
-    return _Counts(target, waiting, admissions)
+    return _Counts(target, waiting, admissions, held_fixed)
 
 
 def _place(
@@ -377,6 +431,13 @@ class _Reasons:
                     return f"admitted 0 -> {new}: min {demand.min} fits{extra}"
                 return f"admitted: min {demand.min} fits"
             return f"re-admitted {old} -> {new}: {history}; min {demand.min} fits{extra}"
+        if name in self._counts.held_fixed:
+            if new == old:
+                return f"holding {new}: resized recently"
+            causes = [f"{_gpus(lost)} left the pool"] if lost else []
+            if new < kept:
+                causes.append(f"max is {demand.max}")
+            return f"shrunk {old} -> {new}: {'; '.join(causes)}"
         if new == old:
             replaced = f"{_gpus(lost)} left the pool, replaced; " if lost else ""
             return f"holding {new}: {replaced}{_policy_cause(demand, new)}"
@@ -406,11 +467,17 @@ class _Reasons:
 
 
 def arbitrate(
-    pool: Pool, demands: Sequence[Demand], current: Mapping[str, Placement]
+    pool: Pool,
+    demands: Sequence[Demand],
+    current: Mapping[str, Placement],
+    *,
+    frozen: AbstractSet[str] = frozenset(),
 ) -> dict[str, Grant]:
     """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
 
     Jobs in `current` without a demand are dropped and their GPUs are free.
+    `frozen` names jobs that resized too recently (see the module docstring); names
+    without a demand are ignored.
     Raises ValueError if two demands share a name or two current placements share a GPU.
     """
     by_name = sorted(demands, key=lambda d: d.name)
@@ -419,7 +486,7 @@ def arbitrate(
             raise ValueError(f"two demands are named {first.name}")
     ranked = sorted(demands, key=_rank)
     held, kept = _kept_slots(pool, by_name, current)
-    counts = _count(pool, ranked, kept)
+    counts = _count(pool, ranked, kept, frozen)
     placements = _place(pool, ranked, kept, counts.target)
     reasons = _Reasons(ranked, held, kept, counts)
     return {

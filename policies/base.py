@@ -1,7 +1,7 @@
 """The Policy protocol: how a job's wanted GPU count is decided.
 
 A policy is a pure function of data: the job's spec, what has been observed of
-it (oldest first) and the time. It does no I/O, so every policy can be tested
+its current run (`JobObservations`) and the time. It does no I/O, so every policy can be tested
 exhaustively without processes. The allocator turns the wish into a grant.
 """
 
@@ -15,17 +15,43 @@ from specs import HerdJob
 
 
 @dataclass(frozen=True)
-class Observation:
-    """One look at a running job, as the controller saw it."""
+class EpochEnd:
+    """A completed epoch, as the workers reported it."""
+
+    epoch: int
+    time: float
+    world_size: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UsageSample:
+    """GPU memory of the job's GPUs at one instant (summed over the GPUs it holds)."""
 
     time: float
+    gpus: int
+    used_bytes: int
+    total_bytes: int
+
+    @property
+    def utilization(self) -> float:
+        return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class JobObservations:
+    """What has been observed of one run of a job, oldest first. Plain data: no I/O."""
+
+    started_at: float
+    """When this run was launched."""
     allocated: int
-    """GPUs granted to the job when this was observed."""
+    """GPUs granted now."""
     world_size: int | None = None
-    """Horovod world size the workers last reported (None: they report nothing)."""
-    epoch: int | None = None
-    """Last completed epoch the workers reported."""
-    metrics: Mapping[str, float] = field(default_factory=dict)
+    """The world size the workers last reported (None: they report nothing)."""
+    last_resize: float | None = None
+    """When the job's grant last changed (None: not since it started)."""
+    epochs: Sequence[EpochEnd] = ()
+    usage: Sequence[UsageSample] = ()
 
 
 @dataclass(frozen=True)
@@ -39,8 +65,8 @@ class Decision:
 class Policy(Protocol):
     """A scaling policy. Implementations must be deterministic and side-effect free."""
 
-    def desired(self, job: HerdJob, history: Sequence[Observation], now: float) -> Decision:
-        """Return the GPU count this job should run at, within [min, max]."""
+    def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
+        """Return the GPU count this job should run at, within [min, max], and why."""
         ...
 
 

@@ -16,6 +16,8 @@ from typing import Any, Protocol, cast
 from pydantic import BaseModel, ValidationError
 
 from policies.base import Policy, PolicyError
+from policies.memory import MemoryPolicy
+from policies.schedule import SchedulePolicy
 from policies.static import StaticPolicy
 from specs import PolicyRef
 
@@ -30,6 +32,8 @@ class PolicyClass(Protocol):
 
 BUILTIN_POLICIES: dict[str, PolicyClass] = {
     "static": cast(PolicyClass, StaticPolicy),
+    "memory": cast(PolicyClass, MemoryPolicy),
+    "schedule": cast(PolicyClass, SchedulePolicy),
 }
 
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.base import Decision, Observation, clamp
+from policies.base import Decision, JobObservations, clamp
 from specs import HerdJob
 
 
@@ -24,7 +22,7 @@ class StaticPolicy:
     def __init__(self, params: StaticParams) -> None:
         self.params = params
 
-    def desired(self, job: HerdJob, history: Sequence[Observation], now: float) -> Decision:
+    def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
         if self.params.gpus is None:
             return Decision(job.spec.gpus.max, f"static: max {job.spec.gpus.max}")
         gpus = clamp(job, self.params.gpus)

@@ -40,6 +40,8 @@ class HerdJobStatus(StatusModel):
     started_at: float | None = None
     finished_at: float | None = None
     retry_at: float | None = None
+    last_resize_at: float | None = None
+    """When the grant of the running job last changed size."""
     policy_reason: str = ""
     grant_reason: str = ""
 

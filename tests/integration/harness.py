@@ -17,7 +17,7 @@ import yaml
 
 from herd_operator.cli import job_object
 from herd_operator.launcher import LAUNCH_ID_ENV
-from herd_operator.layout import StateLayout
+from herd_operator.layout import STATE_DIR_ENV, StateLayout
 from herd_operator.operator import Operator, OperatorConfig
 from herd_operator.pool import PoolSource
 from herd_operator.store import Store
@@ -47,13 +47,19 @@ def spec_document(
     }
 
 
-def marked_processes() -> dict[int, str]:
-    """Every live process that carries an operator launch marker: pid -> launch id."""
+def marked_processes(state_dir: Path) -> dict[int, str]:
+    """Live processes of jobs of the operator on `state_dir`: pid -> launch id."""
     found = {}
+    wanted = str(state_dir.resolve())
     for proc in psutil.process_iter():
         try:
-            launch = proc.environ().get(LAUNCH_ID_ENV)
-            if launch and proc.status() != psutil.STATUS_ZOMBIE:
+            env = proc.environ()
+            launch = env.get(LAUNCH_ID_ENV)
+            if (
+                launch
+                and env.get(STATE_DIR_ENV) == wanted
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
                 found[proc.pid] = launch
         except psutil.Error:
             continue
@@ -86,6 +92,9 @@ class OperatorHarness:
             resync_seconds=0.5,
             relist_seconds=1.0,
             grace_seconds=5.0,
+            min_resize_interval=2.0,
+            sample_seconds=0.5,
+            virtual_gpu_memory_bytes=2 << 30,
         )
         self.operator = Operator(config)
         self._thread = threading.Thread(target=self.operator.run, args=(self._stop,), daemon=True)
@@ -175,7 +184,7 @@ def running_harness(root: Path, gpus: int = 4) -> Iterator[OperatorHarness]:
         yield harness
     finally:
         harness.stop()
-        left = marked_processes()
+        left = marked_processes(harness.layout.root)
         for pid in left:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()

@@ -87,7 +87,7 @@ def test_elastic_job_runs_shrinks_survives_bad_edit_and_stops_on_delete(
     assert running is not None and running["status"] == "True"
 
     # (d) deleting the spec stops every process of the job and frees its GPUs.
-    pids = [pid for pid, marker in marked_processes().items() if marker == launch]
+    pids = [pid for pid, marker in marked_processes(herd.layout.root).items() if marker == launch]
     assert len(pids) >= 2, f"expected horovodrun and a worker, found {pids}"
     os.unlink(herd.specs_dir / "digits.yaml")
     herd.wait_for(lambda: herd.job("digits") is None, "the job to be removed", timeout=60)

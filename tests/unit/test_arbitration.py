@@ -31,6 +31,7 @@ class Case:
     demands: Sequence[Demand]
     current: Mapping[str, Placement]
     expected: Mapping[str, tuple[HostGpus, str]]
+    frozen: frozenset[str] = frozenset()
 
 
 CASES: dict[str, Case] = {
@@ -334,10 +335,226 @@ CASES: dict[str, Case] = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+FROZEN_CASES: dict[str, Case] = {
+    "frozen job does not grow into idle GPUs": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=1, max=4, desired=4)],
+        current={"job-a": place(("h0", (2, 0)))},
+        frozen=frozenset({"job-a"}),
+        expected={"job-a": ((("h0", (2, 0)),), "holding 2: resized recently")},
+    ),
+    "frozen job does not shrink when its desire drops": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=1, max=4, desired=1)],
+        current={"job-a": place(("h0", (0, 1, 2)))},
+        frozen=frozenset({"job-a"}),
+        expected={"job-a": ((("h0", (0, 1, 2)),), "holding 3: resized recently")},
+    ),
+    "frozen job is not rebalanced towards a newcomer": Case(
+        pool={"h0": 6},
+        demands=[
+            Demand("job-a", min=1, max=8, desired=8, arrival=0),
+            Demand("job-b", min=1, max=8, desired=8, arrival=1),
+        ],
+        current={"job-a": place(("h0", (0, 1, 2, 3)))},
+        frozen=frozenset({"job-a"}),
+        expected={
+            "job-a": ((("h0", (0, 1, 2, 3)),), "holding 4: resized recently"),
+            "job-b": (
+                (("h0", (4, 5)),),
+                "admitted 0 -> 2: min 1 fits, policy wants 8, no more free",
+            ),
+        },
+    ),
+    "frozen job is not shrunk to admit a pending job": Case(
+        pool={"h0": 5},
+        demands=[
+            Demand("job-a", min=1, max=4, desired=4, arrival=0),
+            Demand("job-b", min=3, max=3, desired=3, arrival=1),
+        ],
+        current={"job-a": place(("h0", (0, 1, 2, 3)))},
+        frozen=frozenset({"job-a"}),
+        expected={
+            "job-a": ((("h0", (0, 1, 2, 3)),), "holding 4: resized recently"),
+            "job-b": ((), "pending: needs 3 GPUs, 1 free (job-a resized recently)"),
+        },
+    ),
+    "frozen lower priority job is not shrunk for a higher one": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-low", min=1, max=4, desired=4, priority=0, arrival=0),
+            Demand("job-high", min=3, max=4, desired=4, priority=5, arrival=1),
+        ],
+        current={"job-low": place(("h0", (0, 1, 2, 3)))},
+        frozen=frozenset({"job-low"}),
+        expected={
+            "job-high": ((), "pending: needs 3 GPUs, 0 free (job-low resized recently)"),
+            "job-low": ((("h0", (0, 1, 2, 3)),), "holding 4: resized recently"),
+        },
+    ),
+    "frozen higher priority job above its desire blocks a lower one": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-high", min=1, max=4, desired=1, priority=5, arrival=0),
+            Demand("job-low", min=2, max=2, desired=2, priority=0, arrival=1),
+        ],
+        current={"job-high": place(("h0", (0, 1, 2, 3)))},
+        frozen=frozenset({"job-high"}),
+        expected={
+            "job-high": ((("h0", (0, 1, 2, 3)),), "holding 4: resized recently"),
+            "job-low": ((), "pending: needs 2 GPUs, 0 free (job-high resized recently)"),
+        },
+    ),
+    "frozen higher priority job within its desire is not blamed": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-high", min=1, max=4, desired=4, priority=5, arrival=0),
+            Demand("job-low", min=2, max=2, desired=2, priority=0, arrival=1),
+        ],
+        current={"job-high": place(("h0", (0, 1, 2, 3)))},
+        frozen=frozenset({"job-high"}),
+        expected={
+            "job-high": ((("h0", (0, 1, 2, 3)),), "holding 4: resized recently"),
+            "job-low": ((), "pending: needs 2 GPUs, 0 free"),
+        },
+    ),
+    "frozen job at its min is not blamed for a job that would not fit anyway": Case(
+        pool={"h0": 4},
+        demands=[
+            Demand("job-a", min=2, max=4, desired=4, arrival=0),
+            Demand("job-b", min=3, max=3, desired=3, arrival=1),
+        ],
+        current={"job-a": place(("h0", (0, 1)))},
+        frozen=frozenset({"job-a"}),
+        expected={
+            "job-a": ((("h0", (0, 1)),), "holding 2: resized recently"),
+            "job-b": ((), "pending: needs 3 GPUs, 2 free"),
+        },
+    ),
+    "frozen extras too few to matter are not blamed": Case(
+        pool={"h0": 6},
+        demands=[
+            Demand("job-a", min=1, max=4, desired=4, arrival=0),
+            Demand("job-b", min=6, max=6, desired=6, arrival=1),
+        ],
+        current={"job-a": place(("h0", (0, 1, 2)))},
+        frozen=frozenset({"job-a"}),
+        expected={
+            "job-a": ((("h0", (0, 1, 2)),), "holding 3: resized recently"),
+            "job-b": ((), "pending: needs 6 GPUs, 3 free"),
+        },
+    ),
+    "many frozen jobs are named up to three": Case(
+        pool={"h0": 10},
+        demands=[
+            *(Demand(f"job-{n}", min=1, max=2, desired=2, arrival=n) for n in range(5)),
+            Demand("job-big", min=5, max=5, desired=5, arrival=9),
+        ],
+        current={f"job-{n}": place(("h0", (2 * n, 2 * n + 1))) for n in range(5)},
+        frozen=frozenset(f"job-{n}" for n in range(5)),
+        expected={
+            **{
+                f"job-{n}": ((("h0", (2 * n, 2 * n + 1)),), "holding 2: resized recently")
+                for n in range(5)
+            },
+            "job-big": (
+                (),
+                "pending: needs 5 GPUs, 0 free (job-0, job-1, job-2 and 2 more resized recently)",
+            ),
+        },
+    ),
+    "frozen job drops GPUs that left the pool without replacing them": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=1, max=4, desired=4)],
+        current={"job-a": place(("h1", (0, 1)), ("h0", (3, 2)))},
+        frozen=frozenset({"job-a"}),
+        expected={"job-a": ((("h0", (3, 2)),), "shrunk 4 -> 2: 2 GPUs left the pool")},
+    ),
+    "frozen job under its min after a host left is pending as usual": Case(
+        pool={"h0": 2},
+        demands=[Demand("job-a", min=3, max=4, desired=4)],
+        current={"job-a": place(("h0", (0, 1)), ("h1", (0, 1)))},
+        frozen=frozenset({"job-a"}),
+        expected={
+            "job-a": (
+                (),
+                "pending 4 -> 0: 2 GPUs left the pool (2 left, min 3); needs 3 GPUs, 2 free",
+            ),
+        },
+    ),
+    "frozen job under its min after a host left is re-admitted as usual": Case(
+        pool={"h0": 4, "h2": 4},
+        demands=[Demand("job-a", min=3, max=3, desired=3)],
+        current={"job-a": place(("h1", (0, 1)), ("h0", (2,)))},
+        frozen=frozenset({"job-a"}),
+        expected={
+            "job-a": (
+                (("h0", (2, 0, 1)),),
+                "re-admitted 3 -> 3: 2 GPUs left the pool (1 left, min 3); min 3 fits",
+            ),
+        },
+    ),
+    "frozen job above a lowered max shrinks to max, not to its desire": Case(
+        pool={"h0": 4, "h1": 4},
+        demands=[Demand("job-a", min=1, max=2, desired=1)],
+        current={"job-a": place(("h1", (3,)), ("h0", (1, 2)))},
+        frozen=frozenset({"job-a"}),
+        expected={"job-a": ((("h1", (3,)), ("h0", (1,))), "shrunk 3 -> 2: max is 2")},
+    ),
+    "frozen job losing a host and above its max gives both causes": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=1, max=2, desired=2)],
+        current={"job-a": place(("h0", (0, 1, 2)), ("h1", (0,)))},
+        frozen=frozenset({"job-a"}),
+        expected={"job-a": ((("h0", (0, 1)),), "shrunk 4 -> 2: 1 GPU left the pool; max is 2")},
+    ),
+    "frozen pending job is admitted with extras": Case(
+        pool={"h0": 4},
+        demands=[Demand("job-a", min=1, max=4, desired=3)],
+        current={},
+        frozen=frozenset({"job-a"}),
+        expected={"job-a": ((("h0", (0, 1, 2)),), "admitted 0 -> 3: min 1 fits, policy wants 3")},
+    ),
+    "frozen names without a demand are ignored": Case(
+        pool={"h0": 2},
+        demands=[Demand("job-b", min=2, max=2, desired=2)],
+        current={"job-gone": place(("h0", (0, 1)))},
+        frozen=frozenset({"job-gone", "job-never"}),
+        expected={"job-b": ((("h0", (0, 1)),), "admitted: min 2 fits")},
+    ),
+    "the others share what a frozen job leaves": Case(
+        pool={"h0": 4, "h1": 4},
+        demands=[
+            Demand("job-a", min=1, max=8, desired=8, arrival=0),
+            Demand("job-b", min=1, max=8, desired=8, arrival=1),
+            Demand("job-c", min=1, max=8, desired=8, arrival=2),
+        ],
+        current={
+            "job-a": place(("h0", (0, 1))),
+            "job-b": place(("h0", (2, 3)), ("h1", (0, 1, 2, 3))),
+        },
+        frozen=frozenset({"job-a"}),
+        expected={
+            "job-a": ((("h0", (0, 1)),), "holding 2: resized recently"),
+            "job-b": (
+                (("h0", (2, 3)), ("h1", (0,))),
+                "shrunk 6 -> 3: admitting job-c (min 1)",
+            ),
+            "job-c": (
+                (("h1", (1, 2, 3)),),
+                "admitted 0 -> 3: min 1 fits, policy wants 8, no more free",
+            ),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "case", [*CASES.values(), *FROZEN_CASES.values()], ids=[*CASES, *FROZEN_CASES]
+)
 def test_scenario(case: Case) -> None:
     pool = Pool.from_counts(case.pool)
-    grants = arbitrate(pool, case.demands, case.current)
+    grants = arbitrate(pool, case.demands, case.current, frozen=case.frozen)
     got = {name: (grant.placement.hosts, grant.reason) for name, grant in grants.items()}
     assert got == dict(case.expected)
 
@@ -463,7 +680,9 @@ class Job:
 class Step:
     present: tuple[bool, ...]
     desired: tuple[int, ...]
+    max_cut: tuple[int, ...]
     hosts_up: tuple[bool, ...]
+    frozen: tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -494,10 +713,14 @@ def stories(draw: st.DrawFn) -> Story:
                 Step,
                 present=st.tuples(*(st.booleans() for _ in jobs)),
                 desired=st.tuples(*(st.integers(0, 14) for _ in jobs)),
+                # A user sometimes lowers max for a while.
+                max_cut=st.tuples(*(st.sampled_from([0, 0, 0, 1, 3]) for _ in jobs)),
                 # Hosts mostly stay; sometimes one leaves (and may come back later).
                 hosts_up=st.tuples(
                     *(st.sampled_from([True, True, True, True, False]) for _ in counts)
                 ),
+                # Drawn for every job: absent and pending ones must be unaffected.
+                frozen=st.tuples(*(st.booleans() for _ in jobs)),
             ),
             min_size=1,
             max_size=6,
@@ -518,10 +741,25 @@ def pool_at(story: Story, step: Step) -> Pool:
 
 def demands_at(story: Story, step: Step) -> list[Demand]:
     return [
-        Demand(job.name, job.min, job.max, desired, job.priority, float(job.arrival))
-        for job, present, desired in zip(story.jobs, step.present, step.desired, strict=True)
+        Demand(
+            job.name,
+            job.min,
+            max(job.min, job.max - cut),
+            desired,
+            job.priority,
+            float(job.arrival),
+        )
+        for job, present, desired, cut in zip(
+            story.jobs, step.present, step.desired, step.max_cut, strict=True
+        )
         if present
     ]
+
+
+def frozen_at(story: Story, step: Step) -> frozenset[str]:
+    return frozenset(
+        job.name for job, frozen in zip(story.jobs, step.frozen, strict=True) if frozen
+    )
 
 
 def rank(demand: Demand) -> tuple[int, float, str]:
@@ -533,10 +771,17 @@ def check_decision(
     demands: Sequence[Demand],
     current: Mapping[str, Placement],
     grants: Mapping[str, Grant],
+    frozen: frozenset[str] = frozenset(),
 ) -> None:
     by_name = {d.name: d for d in demands}
     assert set(grants) == set(by_name)
     in_pool = set(pool.slots())
+    # Frozen and still running on at least its min of surviving GPUs: it must hold still.
+    held = {
+        name: [slot for slot in current[name].slots() if slot in in_pool]
+        for name in frozen & set(by_name) & set(current)
+    }
+    held = {name: slots for name, slots in held.items() if len(slots) >= by_name[name].min}
     owners: dict[tuple[str, int], str] = {}
     for name, grant in grants.items():
         demand = by_name[name]
@@ -544,18 +789,40 @@ def check_decision(
         for slot in grant.placement.slots():
             assert slot in in_pool, f"{name} got {slot} outside the pool"
             assert owners.setdefault(slot, name) == name, f"{slot} in {owners[slot]} and {name}"
-        assert size == 0 or demand.min <= size <= demand.wanted <= demand.max
+        if name in held:
+            # Unchanged but for GPUs that left the pool and a max below its size (tail first).
+            expected = tuple(held[name][: demand.max])
+            assert grant.placement.slots() == expected, f"frozen {name} moved"
+            before_size = current[name].size
+            lost = before_size - len(held[name])
+            causes = [f"{lost} GPU{'s' if lost > 1 else ''} left the pool"] if lost else []
+            if len(held[name]) > demand.max:
+                causes.append(f"max is {demand.max}")
+            assert grant.reason == (
+                f"shrunk {before_size} -> {size}: {'; '.join(causes)}"
+                if causes
+                else f"holding {size}: resized recently"
+            )
+        else:
+            assert size == 0 or demand.min <= size <= demand.wanted <= demand.max
         assert grant.reason.startswith("pending") == (size == 0), grant.reason
         assert all(gpus for _, gpus in grant.placement.hosts), "empty host in a placement"
 
     idle = pool.size - len(owners)
     if idle:
         for name, grant in grants.items():
-            if grant.admitted:
+            if grant.admitted and name not in held:
                 assert grant.placement.size == by_name[name].wanted, f"{name} wants more"
     pending = sorted((d for d in demands if not grants[d.name].admitted), key=rank)
     if pending:
-        assert pending[0].min > idle, f"{pending[0].name} is pending with its min idle"
+        head = pending[0]
+        # Idle GPUs and unfrozen extras that do not outrank the head: it could claim them all.
+        claimable = idle + sum(
+            grants[d.name].placement.size - d.min
+            for d in demands
+            if grants[d.name].admitted and d.name not in held and d.priority <= head.priority
+        )
+        assert head.min > claimable, f"{head.name} is pending with {claimable} claimable"
         # Head of line: nobody overtakes a pending job to get admitted.
         for demand in demands:
             held_before = current.get(demand.name, Placement.EMPTY).size
@@ -609,14 +876,17 @@ def test_decision_sequences_keep_every_rule(story: Story, seed: int) -> None:
     for step in story.steps:
         pool = pool_at(story, step)
         demands = demands_at(story, step)
-        grants = arbitrate(pool, demands, current)
-        check_decision(pool, demands, current, grants)
+        frozen = frozen_at(story, step)
+        grants = arbitrate(pool, demands, current, frozen=frozen)
+        check_decision(pool, demands, current, grants, frozen)
 
         shuffled_demands = demands[:]
         shuffler.shuffle(shuffled_demands)
         names = list(current)
         shuffler.shuffle(names)
-        again = arbitrate(pool, shuffled_demands, {name: current[name] for name in names})
+        again = arbitrate(
+            pool, shuffled_demands, {name: current[name] for name in names}, frozen=set(frozen)
+        )
         assert list(again.items()) == list(grants.items())
 
         current = {name: grant.placement for name, grant in grants.items() if grant.admitted}
@@ -634,3 +904,22 @@ def test_a_repeated_decision_changes_nothing(story: Story) -> None:
     assert {n: g.placement for n, g in second.items()} == {n: g.placement for n, g in first.items()}
     for name, grant in second.items():
         assert grant.reason.startswith(("holding", "pending:")), (name, grant.reason)
+
+
+@settings(max_examples=100, deadline=None)
+@given(story=stories())
+def test_freezing_every_admitted_job_changes_nothing(story: Story) -> None:
+    step = story.steps[0]
+    pool = pool_at(story, step)
+    demands = demands_at(story, step)
+    first = arbitrate(pool, demands, {})
+    current = {name: grant.placement for name, grant in first.items() if grant.admitted}
+    # Desires move, yet frozen jobs hold still and pending ones stay pending.
+    moved = [
+        Demand(d.name, d.min, d.max, d.max - d.desired % 3, d.priority, d.arrival) for d in demands
+    ]
+    second = arbitrate(pool, moved, current, frozen=frozenset(current))
+    for name, grant in second.items():
+        assert grant.placement == first[name].placement
+        if grant.admitted:
+            assert grant.reason == f"holding {grant.placement.size}: resized recently"

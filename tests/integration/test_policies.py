@@ -1,0 +1,99 @@
+"""Policies on real jobs: the memory signal is the measured memory of real workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.integration.harness import OperatorHarness, digits_command, spec_document
+
+
+def epochs_by_world_size(herd: OperatorHarness, name: str) -> dict[int, int]:
+    """epoch -> world size, from the workers' own epoch reports (the last report wins)."""
+    return {r.epoch: r.world_size for r in herd.reports(name) if r.epoch is not None}
+
+
+def assert_no_epoch_lost(herd: OperatorHarness, name: str, epochs: int) -> None:
+    reported = [r.epoch for r in herd.reports(name) if r.epoch is not None]
+    assert reported == sorted(reported), f"{name}: the epoch counter went back: {reported}"
+    assert set(reported) == set(range(epochs)), f"{name}: epochs reported {reported}"
+
+
+def succeeded(herd: OperatorHarness, name: str) -> bool:
+    condition = herd.condition(name, "Succeeded")
+    return condition is not None and condition["status"] == "True"
+
+
+def test_memory_policy_moves_gpus_from_the_idle_job_to_the_hungry_one(
+    herd: OperatorHarness,
+) -> None:
+    memory: dict[str, Any] = {
+        "name": "memory",
+        "params": {"low": 0.25, "high": 0.75, "cooldownSeconds": 0, "cooldownEpochs": 1},
+    }
+    # Each virtual GPU has 2 GiB (the harness); a torch worker alone uses ~0.3 GiB (~15%),
+    # with --hold-mb 1400 it uses ~1.7 GiB (~85%).
+    idle = digits_command(14, "--step-delay", "0.05")
+    hungry = digits_command(16, "--step-delay", "0.05", "--hold-mb", "1400")
+    herd.write_spec(spec_document("idle", 1, 3, idle, policy=memory))
+    herd.write_spec(spec_document("hungry", 1, 3, hungry, policy=memory))
+
+    herd.wait_for(
+        lambda: succeeded(herd, "idle") and succeeded(herd, "hungry"),
+        "both jobs to finish",
+        timeout=420,
+        job="hungry",
+    )
+
+    idle_sizes = epochs_by_world_size(herd, "idle")
+    hungry_sizes = epochs_by_world_size(herd, "hungry")
+    assert min(idle_sizes.values()) == 1, f"idle never shrank to 1: {idle_sizes}"
+    assert max(hungry_sizes.values()) == 3, f"hungry never grew to 3: {hungry_sizes}"
+    assert_no_epoch_lost(herd, "idle", 14)
+    assert_no_epoch_lost(herd, "hungry", 16)
+    shrink = [e.message for e in herd.events("idle") if e.reason == "Resized"]
+    grow = [e.message for e in herd.events("hungry") if e.reason == "Resized"]
+    assert any("memory 0." in m and "< 0.25" in m for m in shrink), shrink
+    assert any("memory 0." in m and "> 0.75" in m for m in grow), grow
+
+
+def test_schedule_policy_resizes_by_epoch(herd: OperatorHarness) -> None:
+    schedule = {
+        "name": "schedule",
+        "params": {"initial": 2, "steps": [{"atEpoch": 3, "gpus": 4}, {"atEpoch": 6, "gpus": 2}]},
+    }
+    herd.write_spec(
+        spec_document("sched", 1, 4, digits_command(9, "--step-delay", "0.03"), policy=schedule)
+    )
+    herd.wait_for(
+        lambda: succeeded(herd, "sched"), "the scheduled job to finish", timeout=300, job="sched"
+    )
+    sizes = epochs_by_world_size(herd, "sched")
+    assert_no_epoch_lost(herd, "sched", 9)
+    # Within one epoch of each step: epochs 0-2 at 2, 4-5 at 4, 7-8 at 2.
+    assert [sizes[e] for e in (0, 1, 2)] == [2, 2, 2], sizes
+    assert [sizes[e] for e in (4, 5)] == [4, 4], sizes
+    assert [sizes[e] for e in (7, 8)] == [2, 2], sizes
+
+
+def test_high_priority_job_is_admitted_by_shrinking_an_elastic_job(herd: OperatorHarness) -> None:
+    herd.write_spec(spec_document("elastic", 1, 4, digits_command(300, "--step-delay", "0.05")))
+    herd.wait_for(
+        lambda: (herd.job("elastic") or {}).get("gpus", {}).get("active") == 4,
+        "the elastic job on 4 workers",
+        job="elastic",
+    )
+    herd.write_spec(spec_document("urgent", 3, 3, digits_command(2), priority=10))
+    herd.wait_for(
+        lambda: succeeded(herd, "urgent"), "the urgent job to finish", timeout=180, job="urgent"
+    )
+    shrink = [e.message for e in herd.events("elastic") if e.reason == "Resized"]
+    assert any("4 -> 1" in m and "urgent" in m for m in shrink), shrink
+    sizes = [r.world_size for r in herd.reports("elastic")]
+    assert 1 in sizes, f"the elastic job never ran at its min: {sizes}"
+    # Once the urgent job is done, the elastic job gets its GPUs back.
+    herd.wait_for(
+        lambda: (herd.job("elastic") or {})["gpus"]["active"] == 4,
+        "the elastic job back on 4 workers",
+        job="elastic",
+        timeout=120,
+    )

@@ -1,0 +1,87 @@
+"""`herd-operator run` as a user starts it: a foreground process that stops cleanly on signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.harness import REPO, digits_command, marked_processes, spec_document
+
+HERD = str(Path(sys.executable).with_name("herd-operator"))
+
+
+def wait_for_json(command: list[str], probe, timeout: float = 120.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        if result.returncode == 0:
+            last = json.loads(result.stdout)
+            if probe(last):
+                return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out; last answer: {last}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_run_stops_its_jobs_and_leaves_no_process_on_signal(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    jobs, state = tmp_path / "jobs", tmp_path / "state"
+    jobs.mkdir()
+    (jobs / "digits.yaml").write_text(
+        yaml.safe_dump(spec_document("digits", 1, 2, digits_command(500, "--step-delay", "0.05")))
+    )
+    operator = subprocess.Popen(
+        [
+            HERD,
+            "run",
+            "--specs-dir",
+            str(jobs),
+            "--state-dir",
+            str(state),
+            "--hosts",
+            "localhost:2",
+            "--resync-seconds",
+            "0.5",
+            "--grace-seconds",
+            "5",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        get = [HERD, "get", "-o", "json", "--state-dir", str(state)]
+        wait_for_json(get, lambda jobs: jobs and jobs[0]["gpus"]["active"] == 2)
+        assert any(marked_processes(state).values()), "the job's processes should be running"
+        operator.send_signal(sig)
+        output, _ = operator.communicate(timeout=60)
+    finally:
+        if operator.poll() is None:
+            operator.kill()
+    assert operator.returncode == 0, output
+    assert "stopping digits" in output
+    # One line per decision, not per poll: a few dozen lines for this whole run.
+    assert len(output.splitlines()) < 40, output
+    assert marked_processes(state) == {}, "processes left behind"
+    # Works after the operator stopped, too.
+    after = json.loads(subprocess.run(get, capture_output=True, text=True, check=True).stdout)
+    running = next(c for c in after[0]["conditions"] if c["type"] == "Running")
+    assert (running["status"], running["reason"]) == ("False", "OperatorStopped")
+    assert after[0]["gpus"]["allocated"] == 0
+    events = subprocess.run(
+        [HERD, "events", "digits", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Started" in events and "Stopped" in events

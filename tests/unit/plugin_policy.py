@@ -1,0 +1,36 @@
+"""A policy outside the built-ins, loaded by `module:Class` in the registry tests."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.base import Decision, JobObservations, clamp
+from specs import HerdJob
+
+
+class HalfParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    round_up: bool = Field(default=False, strict=True)
+
+
+class HalfPolicy:
+    """Asks for half of the job's max, clamped into [min, max]."""
+
+    Params = HalfParams
+
+    def __init__(self, params: HalfParams) -> None:
+        self.params = params
+
+    def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
+        most = job.spec.gpus.max
+        half = (most + 1) // 2 if self.params.round_up else most // 2
+        gpus = clamp(job, half)
+        return Decision(gpus, f"half: {gpus} of max {most}")
+
+
+class NoParamsPolicy:
+    """Looks like a policy but has no `Params` model, so the registry must refuse it."""
+
+    def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
+        return Decision(job.spec.gpus.min, "no params")

@@ -1,0 +1,253 @@
+"""The allocator: grants published as files, change callbacks, and worker binding."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from herd_operator.allocator import Allocator, GrantPublisher
+from herd_operator.layout import StateLayout
+from herd_operator.rpc import BadRequest, NotFound
+from policies.arbitration import Demand, Grant, Placement, Pool
+
+# Hang guard for running a discovery script; never a performance expectation.
+GUARD_S = 10.0
+
+
+class Recorder:
+    """Collects the allocator's callbacks."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[str, Grant]] = []
+        self.decisions: list[dict[str, Placement]] = []
+
+    def on_change(self, job: str, grant: Grant) -> None:
+        self.changes.append((job, grant))
+
+    def on_decision(self, placements: Mapping[str, Placement]) -> None:
+        self.decisions.append(dict(placements))
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> StateLayout:
+    layout = StateLayout(tmp_path / "state")
+    layout.create()
+    return layout
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def allocator(layout: StateLayout, recorder: Recorder) -> Allocator:
+    return Allocator(
+        Pool.from_counts({"localhost": 4}),
+        GrantPublisher(layout),
+        virtual=True,
+        on_change=recorder.on_change,
+        on_decision=recorder.on_decision,
+    )
+
+
+def demand(name: str, low: int, high: int, desired: int | None = None) -> Demand:
+    return Demand(name, low, high, high if desired is None else desired)
+
+
+def run_discovery(script: Path) -> str:
+    done = subprocess.run(
+        [str(script)], capture_output=True, text=True, timeout=GUARD_S, check=True
+    )
+    assert done.stderr == ""
+    return done.stdout
+
+
+def test_request_publishes_the_grant_and_the_script_prints_it(
+    allocator: Allocator, layout: StateLayout
+) -> None:
+    grant = allocator.request(demand("a", 1, 4))
+    assert grant.placement == Placement((("localhost", (0, 1, 2, 3)),))
+    assert layout.grant_file("a").read_text() == "localhost:4\n"
+    script = GrantPublisher(layout).discovery_script("a")
+    assert script == layout.discovery_script("a")
+    # A shell `cat`, not a Python start-up: Horovod runs it every second.
+    grant_path = shlex.quote(str(layout.grant_file("a").resolve()))
+    assert script.read_text() == f"#!/bin/sh\nexec cat {grant_path}\n"
+    assert run_discovery(script) == "localhost:4\n"
+
+
+def test_discovery_script_path_is_quoted(tmp_path: Path) -> None:
+    layout = StateLayout(tmp_path / "state dir; with 'quotes'")
+    layout.create()
+    publisher = GrantPublisher(layout)
+    publisher.publish("a", Placement((("localhost", (0, 1)),)))
+    assert run_discovery(publisher.discovery_script("a")) == "localhost:2\n"
+
+
+def test_multi_host_grant_lists_every_host(layout: StateLayout) -> None:
+    allocator = Allocator(
+        Pool.from_counts({"nid001": 2, "nid002": 2}), GrantPublisher(layout), virtual=False
+    )
+    allocator.request(demand("a", 3, 3))
+    script = GrantPublisher(layout).discovery_script("a")
+    assert run_discovery(script) == "nid001:2\nnid002:1\n"
+
+
+def test_shrink_rewrites_the_file_and_tells_only_the_other_job(
+    allocator: Allocator, layout: StateLayout, recorder: Recorder
+) -> None:
+    allocator.request(demand("a", 1, 4))
+    script = GrantPublisher(layout).discovery_script("a")
+    assert recorder.changes == []  # the caller learns its grant from the return value
+
+    grant_b = allocator.request(demand("b", 2, 2))
+    assert grant_b.placement == Placement((("localhost", (2, 3)),))
+    assert layout.grant_file("b").read_text() == "localhost:2\n"
+    assert [job for job, _ in recorder.changes] == ["a"]
+    grant_a = recorder.changes[0][1]
+    # Shrunk from the tail: the surviving workers keep their GPUs.
+    assert grant_a.placement == Placement((("localhost", (0, 1)),))
+    assert grant_a == allocator.grant("a")
+    assert layout.grant_file("a").read_text() == "localhost:2\n"
+    assert run_discovery(script) == "localhost:2\n"
+    assert recorder.decisions[-1] == {
+        "a": Placement((("localhost", (0, 1)),)),
+        "b": Placement((("localhost", (2, 3)),)),
+    }
+
+
+def test_unchanged_demand_decides_nothing(allocator: Allocator, recorder: Recorder) -> None:
+    first = allocator.request(demand("a", 1, 4))
+    decisions = len(recorder.decisions)
+    assert allocator.request(demand("a", 1, 4)) == first
+    assert len(recorder.decisions) == decisions
+
+
+def test_release_removes_files_and_frees_gpus_for_the_next(
+    allocator: Allocator, layout: StateLayout, recorder: Recorder
+) -> None:
+    allocator.request(demand("a", 4, 4))
+    GrantPublisher(layout).discovery_script("a")
+    pending = allocator.request(demand("b", 1, 2))
+    assert not pending.admitted
+    assert pending.reason == "pending: needs 1 GPU, 0 free"
+    assert not layout.grant_file("b").exists()
+
+    allocator.release("a")
+    assert not layout.grant_file("a").exists()
+    assert not layout.discovery_script("a").exists()
+    assert allocator.grant("a") is None
+    assert [job for job, _ in recorder.changes] == ["b"]
+    assert recorder.changes[0][1].placement == Placement((("localhost", (0, 1)),))
+    assert layout.grant_file("b").read_text() == "localhost:2\n"
+
+    grant_c = allocator.request(demand("c", 2, 2))
+    assert grant_c.placement == Placement((("localhost", (2, 3)),))
+
+
+def test_release_of_an_unknown_job_does_nothing(allocator: Allocator, recorder: Recorder) -> None:
+    allocator.release("ghost")
+    assert recorder.decisions == []
+
+
+def test_handle_bind_answers_by_local_rank(allocator: Allocator) -> None:
+    allocator.request(demand("x", 1, 1))
+    allocator.request(demand("a", 3, 3))
+    reply = allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": 1, "pid": 77})
+    assert reply == {"gpu": 2, "gpus": [1, 2, 3], "virtual": True}
+    (binding,) = allocator.bindings()
+    assert (binding.job, binding.host, binding.local_rank, binding.gpu, binding.pid) == (
+        "a",
+        "localhost",
+        1,
+        2,
+        77,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            {"job": "a", "host": "localhost", "local_rank": 2},
+            "job 'a' holds 2 GPU(s) on 'localhost'; no local rank 2",
+        ),
+        (
+            {"job": "a", "host": "nid009", "local_rank": 0},
+            "job 'a' holds 0 GPU(s) on 'nid009'; no local rank 0",
+        ),
+        ({"job": "ghost", "host": "localhost", "local_rank": 0}, "job 'ghost' holds no GPUs"),
+        ({"job": "waiting", "host": "localhost", "local_rank": 0}, "job 'waiting' holds no GPUs"),
+    ],
+)
+def test_handle_bind_not_found(allocator: Allocator, args: dict[str, object], message: str) -> None:
+    allocator.request(demand("a", 2, 2))
+    allocator.request(demand("b", 2, 2))
+    allocator.request(demand("waiting", 1, 1))
+    with pytest.raises(NotFound) as caught:
+        allocator.handle_bind(args)
+    assert str(caught.value) == message
+    assert allocator.bindings() == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"host": "localhost", "local_rank": 0}, "'job' must be a non-empty string"),
+        ({"job": "", "host": "localhost", "local_rank": 0}, "'job' must be a non-empty string"),
+        ({"job": "a", "host": 3, "local_rank": 0}, "'host' must be a non-empty string"),
+        ({"job": "a", "host": "localhost"}, "'local_rank' must be a non-negative integer"),
+        (
+            {"job": "a", "host": "localhost", "local_rank": -1},
+            "'local_rank' must be a non-negative integer",
+        ),
+        (
+            {"job": "a", "host": "localhost", "local_rank": True},
+            "'local_rank' must be a non-negative integer",
+        ),
+        (
+            {"job": "a", "host": "localhost", "local_rank": "0"},
+            "'local_rank' must be a non-negative integer",
+        ),
+    ],
+)
+def test_handle_bind_bad_request(
+    allocator: Allocator, args: dict[str, object], message: str
+) -> None:
+    allocator.request(demand("a", 2, 2))
+    with pytest.raises(BadRequest) as caught:
+        allocator.handle_bind(args)
+    assert str(caught.value) == message
+
+
+def test_shrink_drops_bindings_of_ranks_no_longer_granted(allocator: Allocator) -> None:
+    allocator.request(demand("a", 1, 4))
+    for rank in range(4):
+        allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": rank})
+    allocator.request(demand("b", 3, 3))
+    assert sorted(b.local_rank for b in allocator.bindings()) == [0]
+
+
+def test_release_all_clears_everything(
+    allocator: Allocator, layout: StateLayout, recorder: Recorder
+) -> None:
+    allocator.request(demand("a", 2, 2))
+    allocator.request(demand("b", 2, 2))
+    publisher = GrantPublisher(layout)
+    publisher.discovery_script("a")
+    publisher.discovery_script("b")
+    allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": 0})
+
+    allocator.release_all()
+    assert allocator.placements() == {}
+    assert allocator.grant("a") is None and allocator.grant("b") is None
+    assert allocator.bindings() == []
+    assert recorder.decisions[-1] == {}
+    assert sorted(path.name for path in layout.grants_dir.iterdir()) == []
+    # The whole pool is free again.
+    assert allocator.request(demand("c", 4, 4)).placement.size == 4

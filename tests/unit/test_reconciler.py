@@ -1,0 +1,811 @@
+"""Tests for controllers.reconciler: the level-triggered control loop of one job.
+
+The store and the allocator are the real ones (SQLite in tmp_path, virtual GPUs);
+only the processes are faked, so each test drives a job's lifecycle by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controllers.ports import (
+    LaunchInfo,
+    ProcessPhase,
+    ProcessState,
+    SpecView,
+    launch_fingerprint,
+)
+from controllers.reconciler import JobReconciler, Result, TemporaryError, restart_delay
+from herd_operator.allocator import Allocator, GrantPublisher
+from herd_operator.layout import StateLayout
+from herd_operator.store import Event, GrantChange, Store
+from policies.arbitration import Pool
+from specs import Condition, ConditionType, HerdJob, get_condition
+from specs.status import GpuCounts, HerdJobStatus
+
+RESYNC_S = 5.0
+STOP_POLL_S = 0.5
+T0 = 1000.0
+COMMAND = ["python", "train.py"]
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeSpecs:
+    """The spec directory as a dict: name -> what the file says now."""
+
+    def __init__(self) -> None:
+        self.views: dict[str, SpecView] = {}
+
+    def view(self, name: str) -> SpecView | None:
+        return self.views.get(name)
+
+    def put(self, job: HerdJob) -> None:
+        self.views[job.name] = SpecView(job.name, f"jobs/{job.name}.yaml", job)
+
+    def put_invalid(self, name: str, *errors: str) -> None:
+        self.views[name] = SpecView(name, f"jobs/{name}.yaml", None, errors)
+
+    def delete(self, name: str) -> None:
+        del self.views[name]
+
+
+@dataclass
+class FakeLauncher:
+    """Records what the reconciler asks; the test decides how the processes behave."""
+
+    clock: FakeClock
+    starts: list[tuple[str, int, int]] = field(default_factory=list)
+    stops: list[str] = field(default_factory=list)
+    states: dict[str, ProcessState] = field(default_factory=dict)
+    start_error: Exception | None = None
+
+    def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo:
+        if self.start_error is not None:
+            raise self.start_error
+        # The real launcher refuses a second process for a job; a double start is a bug.
+        assert job.name not in self.states, f"{job.name} started while it has a process"
+        self.starts.append((job.name, generation, np))
+        launch = LaunchInfo(
+            launch_id=f"{job.name}-launch-{len(self.starts)}",
+            pid=4000 + len(self.starts),
+            started_at=self.clock(),
+            generation=generation,
+            fingerprint=launch_fingerprint(job.spec),
+            launched_max=job.spec.gpus.max,
+        )
+        self.states[job.name] = ProcessState(ProcessPhase.RUNNING, launch=launch)
+        return launch
+
+    def state(self, name: str) -> ProcessState:
+        return self.states.get(name, ProcessState(ProcessPhase.ABSENT))
+
+    def stop(self, name: str) -> None:
+        self.stops.append(name)
+        state = self.states[name]
+        self.states[name] = replace(state, phase=ProcessPhase.STOPPING, stopped_by_us=True)
+
+    def forget(self, name: str) -> None:
+        # Like the real launcher: only an exited process's record is dropped.
+        if self.state(name).phase == ProcessPhase.EXITED:
+            del self.states[name]
+
+    def exit(self, name: str, code: int) -> None:
+        """The job's horovodrun ends with `code` (stopped by us if stop() was called)."""
+        self.states[name] = replace(self.states[name], phase=ProcessPhase.EXITED, exit_code=code)
+
+    def vanish(self, name: str) -> None:
+        self.states.pop(name, None)
+
+
+@dataclass
+class World:
+    store: Store
+    allocator: Allocator
+    specs: FakeSpecs
+    launcher: FakeLauncher
+    clock: FakeClock
+    reconciler: JobReconciler
+
+    def reconcile(self, name: str) -> Result:
+        return self.reconciler.reconcile(name)
+
+    def status(self, name: str) -> HerdJobStatus:
+        record = self.store.get_job(name)
+        assert record is not None, f"{name} is not in the store"
+        return HerdJobStatus.model_validate_json(record.status_json)
+
+    def condition(self, name: str, condition_type: ConditionType) -> Condition:
+        found = get_condition(self.status(name).conditions, condition_type)
+        assert found is not None, f"{name} has no {condition_type} condition"
+        return found
+
+    def events(self, name: str) -> list[tuple[str, str, str]]:
+        return [(event.type, event.reason, event.message) for event in self.raw_events(name)]
+
+    def raw_events(self, name: str) -> list[Event]:
+        return self.store.events(name)
+
+    def granted(self, name: str) -> int:
+        grant = self.allocator.grant(name)
+        return grant.placement.size if grant is not None else 0
+
+    def grant_reason(self, name: str) -> str:
+        grant = self.allocator.grant(name)
+        assert grant is not None, f"{name} has no grant"
+        return grant.reason
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    layout = StateLayout(tmp_path)
+    layout.create()
+    clock = FakeClock()
+    allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
+    specs = FakeSpecs()
+    launcher = FakeLauncher(clock)
+    with Store(tmp_path / "state.db") as store:
+        reconciler = JobReconciler(
+            specs,
+            store,
+            allocator,
+            launcher,
+            clock=clock,
+            resync_seconds=RESYNC_S,
+            stop_poll_seconds=STOP_POLL_S,
+        )
+        yield World(store, allocator, specs, launcher, clock, reconciler)
+
+
+def herd_job(
+    name: str = "a",
+    *,
+    gpus: tuple[int, int] = (1, 4),
+    command: list[str] = COMMAND,
+    priority: int = 0,
+    restart: dict[str, Any] | None = None,
+    policy: str = "static",
+) -> HerdJob:
+    spec: dict[str, Any] = {
+        "command": command,
+        "gpus": {"min": gpus[0], "max": gpus[1]},
+        "priority": priority,
+        "policy": {"name": policy},
+    }
+    if restart is not None:
+        spec["restartPolicy"] = restart
+    return HerdJob.model_validate(
+        {"apiVersion": "herd/v1alpha1", "kind": "HerdJob", "metadata": {"name": name}, "spec": spec}
+    )
+
+
+def started(world: World, job: HerdJob) -> None:
+    """Declare `job` and reconcile it once, so it runs."""
+    world.specs.put(job)
+    world.reconcile(job.name)
+    assert world.launcher.state(job.name).phase == ProcessPhase.RUNNING
+
+
+def facts(condition: Condition) -> tuple[str, str, str]:
+    return (condition.status, condition.reason, condition.message)
+
+
+# ---- 1, 2: a new job starts, once ----
+
+
+def test_new_valid_spec_starts_with_the_granted_size(world: World) -> None:
+    world.specs.put(herd_job(gpus=(1, 4)))
+
+    result = world.reconcile("a")
+
+    assert world.launcher.starts == [("a", 1, 4)]
+    assert result == Result(requeue_after=RESYNC_S)
+    record = world.store.get_job("a")
+    assert record is not None and record.generation == 1
+    status = world.status("a")
+    assert status.observed_generation == 1
+    assert facts(world.condition("a", ConditionType.SpecValid)) == ("True", "Valid", "")
+    assert facts(world.condition("a", ConditionType.Admitted)) == (
+        "True",
+        "Admitted",
+        world.grant_reason("a"),
+    )
+    assert facts(world.condition("a", ConditionType.Running)) == (
+        "True",
+        "Started",
+        "waiting for the workers' first report",
+    )
+    assert facts(world.condition("a", ConditionType.Resizing)) == ("False", "Stable", "")
+    assert status.gpus == GpuCounts(min=1, max=4, desired=4, allocated=4, active=None)
+    assert status.placement == [("localhost", [0, 1, 2, 3])]
+    assert (status.launch_id, status.started_at) == ("a-launch-1", T0)
+    assert world.events("a") == [("Normal", "Started", "horovodrun pid 4001 with 4 workers")]
+    assert world.store.grant_history("a") == [GrantChange("a", T0, 4, world.grant_reason("a"))]
+
+
+def test_reconciling_again_without_change_starts_nothing_and_adds_no_event(world: World) -> None:
+    started(world, herd_job())
+    before = world.status("a")
+    world.clock.advance(7.0)
+
+    results = [world.reconcile("a") for _ in range(3)]
+
+    assert results == [Result(requeue_after=RESYNC_S)] * 3
+    assert world.launcher.starts == [("a", 1, 4)]
+    (event,) = world.raw_events("a")
+    assert (event.reason, event.count) == ("Started", 1)
+    after = world.status("a")
+    assert after.conditions == before.conditions  # transition times did not move
+    assert after.gpus == before.gpus
+    assert len(world.store.grant_history("a")) == 1
+
+
+# ---- 3: spec changes ----
+
+
+def test_priority_change_bumps_the_generation_without_a_relaunch(world: World) -> None:
+    started(world, herd_job())
+    world.specs.put(herd_job(priority=5))
+
+    world.reconcile("a")
+
+    record = world.store.get_job("a")
+    assert record is not None and record.generation == 2
+    assert world.status("a").observed_generation == 2
+    assert world.condition("a", ConditionType.Running).observed_generation == 2
+    assert world.launcher.stops == []
+    assert world.launcher.starts == [("a", 1, 4)]
+
+
+def test_command_change_while_running_stops_the_job(world: World) -> None:
+    started(world, herd_job())
+    world.specs.put(herd_job(command=["python", "train_v2.py"]))
+
+    result = world.reconcile("a")
+
+    assert result == Result(requeue_after=STOP_POLL_S)
+    assert world.launcher.stops == ["a"]
+    reason = "command, env, workingDir, gpus.min or horovod options changed"
+    assert world.events("a")[-1] == ("Normal", "Relaunching", reason)
+    assert facts(world.condition("a", ConditionType.Running)) == ("False", "Stopping", reason)
+    assert world.status("a").observed_generation == 2
+
+
+def test_job_stopped_for_a_relaunch_is_polled_and_keeps_its_gpus(world: World) -> None:
+    started(world, herd_job())
+    world.specs.put(herd_job(command=["python", "train_v2.py"]))
+    world.reconcile("a")
+
+    assert world.reconcile("a") == Result(requeue_after=STOP_POLL_S)
+
+    assert world.launcher.stops == ["a"]  # stop is asked once, then only waited for
+    assert world.launcher.starts == [("a", 1, 4)]
+    assert world.granted("a") == 4
+    assert [reason for _, reason, _ in world.events("a")] == ["Started", "Relaunching"]
+
+
+def test_job_stopped_for_a_relaunch_starts_again_with_the_new_generation(world: World) -> None:
+    started(world, herd_job())
+    world.specs.put(herd_job(command=["python", "train_v2.py"]))
+    world.reconcile("a")
+    world.launcher.exit("a", -15)
+
+    result = world.reconcile("a")
+
+    assert result == Result(requeue_after=RESYNC_S)
+    assert world.launcher.starts == [("a", 1, 4), ("a", 2, 4)]
+    status = world.status("a")
+    assert status.restarts == 0  # our own stop is not a failure
+    assert status.launch_id == "a-launch-2"
+    assert facts(world.condition("a", ConditionType.Running))[:2] == ("True", "Started")
+    assert get_condition(status.conditions, ConditionType.Failed) is None
+    assert [reason for _, reason, _ in world.events("a")] == ["Started", "Relaunching", "Started"]
+
+
+def test_lowering_max_shrinks_the_grant_without_a_relaunch(world: World) -> None:
+    started(world, herd_job(gpus=(1, 4)))
+    world.specs.put(herd_job(gpus=(1, 2)))
+
+    result = world.reconcile("a")
+
+    assert result == Result(requeue_after=RESYNC_S)
+    assert world.launcher.stops == []
+    assert world.launcher.starts == [("a", 1, 4)]
+    assert world.granted("a") == 2
+    status = world.status("a")
+    assert status.gpus == GpuCounts(min=1, max=2, desired=2, allocated=2, active=None)
+    assert status.placement == [("localhost", [0, 1])]  # shrunk from the tail
+    # The job now has what its policy asks for, so the event gives the policy's reason.
+    assert world.events("a")[-1] == ("Normal", "Resized", "4 -> 2 GPUs: static: max 2")
+
+
+def test_raising_max_above_the_launched_max_relaunches(world: World) -> None:
+    started(world, herd_job(gpus=(1, 2)))
+    world.specs.put(herd_job(gpus=(1, 4)))
+
+    world.reconcile("a")
+    world.launcher.exit("a", -15)
+    world.reconcile("a")
+
+    reason = "gpus.max raised above the launched --max-np 2"
+    assert world.launcher.stops == ["a"]
+    assert ("Normal", "Relaunching", reason) in world.events("a")
+    assert world.launcher.starts == [("a", 1, 2), ("a", 2, 4)]
+
+
+def test_raising_max_back_up_to_the_launched_max_does_not_relaunch(world: World) -> None:
+    started(world, herd_job(gpus=(1, 4)))
+    world.specs.put(herd_job(gpus=(1, 2)))
+    world.reconcile("a")
+    world.specs.put(herd_job(gpus=(1, 4)))
+
+    world.reconcile("a")
+
+    assert world.launcher.stops == []
+    assert world.granted("a") == 4
+
+
+# ---- 4, 5: invalid specs ----
+
+
+def test_invalid_view_keeps_acting_on_the_last_good_spec(world: World) -> None:
+    started(world, herd_job())
+    world.specs.put_invalid("a", "jobs/a.yaml: spec.gpus.min: field required")
+
+    result = world.reconcile("a")
+
+    assert result == Result(requeue_after=RESYNC_S)
+    assert world.launcher.stops == []
+    assert world.launcher.starts == [("a", 1, 4)]
+    assert world.granted("a") == 4
+    record = world.store.get_job("a")
+    assert record is not None and record.generation == 1
+    assert facts(world.condition("a", ConditionType.SpecValid)) == (
+        "False",
+        "InvalidSpec",
+        "jobs/a.yaml: spec.gpus.min: field required (keeping the last good spec)",
+    )
+    assert facts(world.condition("a", ConditionType.Running))[:2] == ("True", "Started")
+
+
+def test_valid_view_again_sets_spec_valid_true(world: World) -> None:
+    started(world, herd_job())
+    world.specs.put_invalid("a", "jobs/a.yaml: not YAML")
+    world.reconcile("a")
+    world.specs.put(herd_job())
+
+    world.reconcile("a")
+
+    assert facts(world.condition("a", ConditionType.SpecValid)) == ("True", "Valid", "")
+    record = world.store.get_job("a")
+    assert record is not None and record.generation == 1  # same content: same generation
+    assert world.launcher.starts == [("a", 1, 4)]
+
+
+def test_invalid_view_for_a_name_never_seen_records_nothing(world: World) -> None:
+    world.specs.put_invalid("ghost", "jobs/ghost.yaml: spec: field required")
+
+    result = world.reconcile("ghost")
+
+    assert result == Result()
+    assert world.store.get_job("ghost") is None
+    assert world.store.list_jobs() == []
+    assert world.events("ghost") == [
+        ("Warning", "InvalidSpec", "jobs/ghost.yaml: spec: field required")
+    ]
+    assert world.launcher.starts == []
+    assert world.allocator.grant("ghost") is None
+
+
+def test_unknown_policy_in_a_first_spec_is_not_started(world: World) -> None:
+    world.specs.put(herd_job(policy="nosuch"))
+
+    result = world.reconcile("a")
+
+    assert result == Result()
+    assert world.launcher.starts == []
+    assert world.store.get_job("a") is None
+    ((kind, reason, message),) = world.events("a")
+    assert (kind, reason) == ("Warning", "InvalidSpec")
+    assert message.startswith("jobs/a.yaml: spec.policy.name: unknown policy 'nosuch'")
+
+
+def test_unknown_policy_in_a_later_spec_keeps_the_last_good_one(world: World) -> None:
+    started(world, herd_job())
+    world.specs.put(herd_job(command=["python", "other.py"], policy="nosuch"))
+
+    world.reconcile("a")
+
+    assert world.launcher.stops == []
+    spec_valid = world.condition("a", ConditionType.SpecValid)
+    assert (spec_valid.status, spec_valid.reason) == ("False", "InvalidSpec")
+    assert "spec.policy.name: unknown policy 'nosuch'" in spec_valid.message
+    assert spec_valid.message.endswith("(keeping the last good spec)")
+
+
+# ---- 6: admission ----
+
+
+def test_job_whose_min_does_not_fit_is_pending(world: World) -> None:
+    started(world, herd_job("a", gpus=(2, 2)))
+    world.specs.put(herd_job("b", gpus=(3, 3)))
+
+    result = world.reconcile("b")
+
+    assert result == Result()  # the allocator's change callback wakes it
+    assert world.launcher.starts == [("a", 1, 2)]
+    reason = world.grant_reason("b")
+    assert reason == "pending: needs 3 GPUs, 2 free"
+    assert facts(world.condition("b", ConditionType.Admitted)) == ("False", "Pending", reason)
+    assert world.status("b").gpus == GpuCounts(min=3, max=3, desired=3, allocated=0, active=None)
+    assert world.events("b") == [("Normal", "Pending", reason)]
+    world.reconcile("b")
+    assert world.raw_events("b")[-1].count == 1  # still pending for the same reason: no event
+
+
+def test_pending_job_starts_once_the_blocking_job_is_deleted(world: World) -> None:
+    started(world, herd_job("a", gpus=(2, 2)))
+    world.specs.put(herd_job("b", gpus=(3, 3)))
+    world.reconcile("b")
+    world.specs.delete("a")
+    world.launcher.vanish("a")
+
+    world.reconcile("a")
+    world.reconcile("b")
+
+    assert world.launcher.starts == [("a", 1, 2), ("b", 1, 3)]
+    assert facts(world.condition("b", ConditionType.Admitted)) == (
+        "True",
+        "Admitted",
+        world.grant_reason("b"),
+    )
+
+
+# ---- 7: success ----
+
+
+def test_exit_zero_succeeds_and_releases_the_gpus(world: World) -> None:
+    started(world, herd_job())
+    world.clock.advance(60.0)
+    world.launcher.exit("a", 0)
+
+    result = world.reconcile("a")
+
+    assert result == Result()
+    now = T0 + 60.0
+    assert facts(world.condition("a", ConditionType.Succeeded)) == (
+        "True",
+        "Completed",
+        "horovodrun exited with status 0",
+    )
+    assert facts(world.condition("a", ConditionType.Running)) == ("False", "Completed", "")
+    assert world.condition("a", ConditionType.Running).last_transition_time == now
+    status = world.status("a")
+    assert status.finished_at == now
+    assert status.gpus is not None and status.gpus.allocated == 0
+    assert world.allocator.grant("a") is None
+    assert world.launcher.state("a").phase == ProcessPhase.ABSENT  # forgotten
+    assert world.events("a")[-1] == ("Normal", "Completed", "all workers finished")
+
+
+def test_succeeded_job_is_not_started_again(world: World) -> None:
+    started(world, herd_job())
+    world.launcher.exit("a", 0)
+    world.reconcile("a")
+    events = world.events("a")
+
+    results = [world.reconcile("a") for _ in range(2)]
+
+    assert results == [Result(), Result()]
+    assert world.launcher.starts == [("a", 1, 4)]
+    assert world.allocator.grant("a") is None
+    assert world.events("a") == events
+
+
+def test_spec_change_after_success_runs_the_job_again(world: World) -> None:
+    started(world, herd_job())
+    world.launcher.exit("a", 0)
+    world.reconcile("a")
+    world.specs.put(herd_job(priority=1))
+
+    world.reconcile("a")
+
+    assert world.launcher.starts == [("a", 1, 4), ("a", 2, 4)]
+    succeeded = world.condition("a", ConditionType.Succeeded)
+    assert (succeeded.status, succeeded.reason, succeeded.observed_generation) == (
+        "False",
+        "SpecChanged",
+        2,
+    )
+    assert facts(world.condition("a", ConditionType.Running))[:2] == ("True", "Started")
+    assert world.status("a").finished_at is None
+    assert world.granted("a") == 4
+
+
+def test_finished_job_shows_no_placement(world: World) -> None:
+    started(world, herd_job())
+    world.launcher.exit("a", 0)
+
+    world.reconcile("a")
+
+    assert world.allocator.grant("a") is None
+    assert world.status("a").placement == []
+
+
+def test_exit_racing_a_command_change_still_runs_the_new_command(world: World) -> None:
+    started(world, herd_job())
+    # The old command finishes and the user's edit lands before the next reconcile.
+    world.launcher.exit("a", 0)
+    world.specs.put(herd_job(command=["python", "train_v2.py"]))
+
+    world.reconcile("a")
+
+    assert world.launcher.starts == [("a", 1, 4), ("a", 2, 4)]
+
+
+# ---- 8: failure and restarts ----
+
+
+def test_failure_with_restart_policy_backs_off_before_restarting(world: World) -> None:
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 2}))
+    world.launcher.exit("a", 3)
+
+    result = world.reconcile("a")
+
+    assert result == Result(requeue_after=restart_delay(1))
+    assert world.launcher.starts == [("a", 1, 4)]
+    assert world.events("a")[-1] == (
+        "Warning",
+        "BackOff",
+        "horovodrun exited with status 3; restart 1/2 in 1s",
+    )
+    status = world.status("a")
+    assert (status.restarts, status.retry_at) == (1, T0 + 1.0)
+    assert facts(world.condition("a", ConditionType.Running)) == (
+        "False",
+        "BackOff",
+        "horovodrun exited with status 3",
+    )
+    assert world.granted("a") == 4  # held through the backoff
+
+    world.clock.advance(0.5)
+    assert world.reconcile("a") == Result(requeue_after=0.5)
+    assert world.launcher.starts == [("a", 1, 4)]
+
+    world.clock.advance(0.5)
+    assert world.reconcile("a") == Result(requeue_after=RESYNC_S)
+    assert world.launcher.starts == [("a", 1, 4), ("a", 1, 4)]
+    status = world.status("a")
+    assert (status.restarts, status.retry_at) == (1, None)
+
+
+def test_failure_past_the_backoff_limit_fails_and_releases_the_gpus(world: World) -> None:
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 2}))
+    for restarts in (1, 2):
+        world.launcher.exit("a", 1)
+        world.reconcile("a")
+        world.clock.advance(restart_delay(restarts))
+        world.reconcile("a")
+    assert len(world.launcher.starts) == 3
+    world.launcher.exit("a", 1)
+
+    result = world.reconcile("a")
+
+    assert result == Result()
+    assert facts(world.condition("a", ConditionType.Failed)) == (
+        "True",
+        "BackoffLimitExceeded",
+        "horovodrun exited with status 1",
+    )
+    assert facts(world.condition("a", ConditionType.Running)) == (
+        "False",
+        "Failed",
+        "horovodrun exited with status 1",
+    )
+    assert world.status("a").restarts == 2
+    assert world.allocator.grant("a") is None
+    assert world.events("a")[-1] == ("Warning", "Failed", "horovodrun exited with status 1")
+    world.clock.advance(600.0)
+    world.reconcile("a")
+    assert len(world.launcher.starts) == 3
+
+
+def test_failure_without_restart_policy_fails_directly(world: World) -> None:
+    started(world, herd_job(restart={"onFailure": False}))
+    world.launcher.exit("a", 2)
+
+    world.reconcile("a")
+
+    assert facts(world.condition("a", ConditionType.Failed)) == (
+        "True",
+        "Failed",
+        "horovodrun exited with status 2",
+    )
+    assert [reason for _, reason, _ in world.events("a")] == ["Started", "Failed"]
+    assert world.status("a").restarts == 0
+    assert world.allocator.grant("a") is None
+    assert world.launcher.starts == [("a", 1, 4)]
+
+
+def test_spec_change_after_failure_runs_the_job_again_with_fresh_restarts(world: World) -> None:
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 0}))
+    world.launcher.exit("a", 1)
+    world.reconcile("a")
+    world.specs.put(herd_job(command=["python", "fixed.py"], restart={"onFailure": True}))
+
+    world.reconcile("a")
+
+    assert world.launcher.starts == [("a", 1, 4), ("a", 2, 4)]
+    assert facts(world.condition("a", ConditionType.Failed))[:2] == ("False", "SpecChanged")
+    assert world.status("a").restarts == 0
+
+
+def test_restart_delay_doubles_up_to_the_cap() -> None:
+    assert [restart_delay(n) for n in range(0, 9)] == [1, 1, 2, 4, 8, 16, 32, 60, 60]
+
+
+def test_launch_error_is_temporary(world: World) -> None:
+    world.specs.put(herd_job())
+    world.launcher.start_error = OSError("horovodrun: not found")
+
+    with pytest.raises(TemporaryError, match=r"^cannot launch a: horovodrun: not found$"):
+        world.reconcile("a")
+    assert world.launcher.starts == []
+
+
+# ---- 9: deletion ----
+
+
+def test_deletion_while_running_stops_the_job_and_keeps_its_gpus(world: World) -> None:
+    started(world, herd_job("a", gpus=(4, 4)))
+    world.specs.delete("a")
+
+    assert world.reconcile("a") == Result(requeue_after=STOP_POLL_S)
+    assert world.reconcile("a") == Result(requeue_after=STOP_POLL_S)
+
+    assert world.launcher.stops == ["a"]
+    assert world.events("a")[-1] == ("Normal", "Stopping", "spec deleted: stopping the job")
+    assert world.store.get_job("a") is not None
+    assert world.granted("a") == 4
+    world.specs.put(herd_job("b", gpus=(1, 1)))
+    world.reconcile("b")
+    assert world.granted("b") == 0
+    assert world.launcher.starts == [("a", 1, 4)]
+
+
+def test_stopping_elastic_job_keeps_all_its_gpus(world: World) -> None:
+    started(world, herd_job("a", gpus=(1, 4)))
+    world.specs.delete("a")
+    world.reconcile("a")
+    world.specs.put(herd_job("b", gpus=(1, 1)))
+
+    world.reconcile("b")
+
+    assert (world.granted("a"), world.granted("b")) == (4, 0)
+
+
+def test_deleted_job_is_removed_once_its_processes_exit(world: World) -> None:
+    started(world, herd_job("a"))
+    world.specs.delete("a")
+    world.reconcile("a")
+    world.specs.put(herd_job("b", gpus=(1, 1)))
+    world.reconcile("b")
+    world.launcher.exit("a", -15)
+
+    result = world.reconcile("a")
+
+    assert result == Result()
+    assert world.store.get_job("a") is None
+    assert world.allocator.grant("a") is None
+    assert world.launcher.state("a").phase == ProcessPhase.ABSENT
+    assert world.events("a")[-1] == (
+        "Normal",
+        "Deleted",
+        "spec deleted: job removed, GPUs freed",
+    )
+    world.reconcile("b")
+    assert world.launcher.starts == [("a", 1, 4), ("b", 1, 1)]
+    world.reconcile("a")
+    assert [reason for _, reason, _ in world.events("a")].count("Deleted") == 1
+
+
+# ---- 10: resizing ----
+
+
+def test_resizing_while_the_reported_world_size_differs_from_the_grant(world: World) -> None:
+    started(world, herd_job(gpus=(1, 2)))
+    world.clock.advance(1.0)
+    world.store.add_report("a", 0, 2, 0, {}, world.clock())
+    world.specs.put(herd_job(gpus=(1, 1)))
+
+    world.reconcile("a")
+
+    assert facts(world.condition("a", ConditionType.Resizing)) == (
+        "True",
+        "Resizing",
+        "2 -> 1 workers",
+    )
+    assert facts(world.condition("a", ConditionType.Running)) == (
+        "True",
+        "Training",
+        "world size 2",
+    )
+    status = world.status("a")
+    assert status.gpus is not None and (status.gpus.allocated, status.gpus.active) == (1, 2)
+    assert status.epoch == 0
+
+    world.clock.advance(1.0)
+    world.store.add_report("a", None, 1, 0, {}, world.clock())
+    world.reconcile("a")
+
+    assert facts(world.condition("a", ConditionType.Resizing)) == ("False", "Stable", "")
+    status = world.status("a")
+    assert status.gpus is not None and (status.gpus.allocated, status.gpus.active) == (1, 1)
+    assert status.epoch == 0  # a world-size report carries no epoch
+
+
+def test_reports_from_before_the_launch_are_ignored(world: World) -> None:
+    started(world, herd_job(gpus=(1, 2)))
+    world.clock.advance(1.0)
+    world.store.add_report("a", 7, 2, 0, {}, world.clock())
+    world.specs.put(herd_job(gpus=(1, 2), command=["python", "train_v2.py"]))
+    world.reconcile("a")
+    world.launcher.exit("a", -15)
+    world.clock.advance(1.0)
+    world.reconcile("a")  # the relaunch: the report above belongs to the first launch
+
+    world.reconcile("a")
+
+    assert world.launcher.starts == [("a", 1, 2), ("a", 2, 2)]
+    assert facts(world.condition("a", ConditionType.Running)) == (
+        "True",
+        "Started",
+        "waiting for the workers' first report",
+    )
+    assert facts(world.condition("a", ConditionType.Resizing)) == ("False", "Stable", "")
+    status = world.status("a")
+    assert status.gpus is not None and status.gpus.active is None
+    assert status.epoch is None
+
+
+# ---- 11: grants changed by other jobs ----
+
+
+def test_grant_shrunk_to_admit_another_job_is_a_resized_event(world: World) -> None:
+    started(world, herd_job("a", gpus=(1, 4)))
+    first_reason = world.grant_reason("a")
+    world.clock.advance(10.0)
+    started(world, herd_job("b", gpus=(2, 2)))
+    world.clock.advance(1.0)
+
+    world.reconcile("a")
+
+    reason = world.grant_reason("a")
+    assert reason == "shrunk 4 -> 2: admitting b (min 2)"
+    assert world.events("a")[-1] == ("Normal", "Resized", f"4 -> 2 GPUs: {reason}")
+    assert world.store.grant_history("a") == [
+        GrantChange("a", T0, 4, first_reason),
+        GrantChange("a", T0 + 11.0, 2, reason),
+    ]
+    status = world.status("a")
+    assert status.placement == [("localhost", [0, 1])]
+    assert status.grant_reason == reason
+    assert status.last_resize_at == T0 + 11.0
+    assert world.launcher.stops == []
+    assert world.launcher.starts == [("a", 1, 4), ("b", 1, 2)]

@@ -1,0 +1,223 @@
+"""The spec directory: relist reports exactly the names whose view changed."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from herd_operator import specdir as specdir_module
+from herd_operator.specdir import SpecDirectory
+from specs import SpecFile, load_spec_file
+
+# Every write gets a distinct mtime, so the stat cache sees each edit even when the
+# file system's clock is coarser than the test (same size, same tick).
+_mtimes = itertools.count(1_700_000_000_000_000_000, 1_000_000_000)
+
+
+def spec_text(name: str, high: int = 4, *, low: int = 1, extra: str = "") -> str:
+    return (
+        f"{extra}apiVersion: herd/v1alpha1\n"
+        "kind: HerdJob\n"
+        f"metadata:\n  name: {name}\n"
+        "spec:\n"
+        "  command: [python, train.py]\n"
+        f"  gpus:\n    min: {low}\n    max: {high}\n"
+    )
+
+
+def write(path: Path, text: str) -> None:
+    """Write like users are asked to: a temporary file renamed into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    stamp = next(_mtimes)
+    os.utime(tmp, ns=(stamp, stamp))
+    os.replace(tmp, path)
+
+
+@pytest.fixture
+def jobs(tmp_path: Path) -> Path:
+    directory = tmp_path / "jobs"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture
+def specs(jobs: Path) -> SpecDirectory:
+    return SpecDirectory(jobs)
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """File names that relist loaded, in order."""
+    loaded: list[str] = []
+
+    def counting(path: Path) -> SpecFile:
+        loaded.append(path.name)
+        return load_spec_file(path)
+
+    monkeypatch.setattr(specdir_module, "load_spec_file", counting)
+    yield loaded
+
+
+def test_new_file_is_changed_then_quiet(jobs: Path, specs: SpecDirectory) -> None:
+    write(jobs / "train.yaml", spec_text("train"))
+    assert specs.relist() == {"train"}
+    view = specs.view("train")
+    assert view is not None
+    assert view.job is not None
+    assert view.path == str(jobs / "train.yaml")
+    assert view.job.spec.gpus.max == 4
+    assert specs.relist() == set()
+    assert specs.names() == ["train"]
+
+
+def test_content_edit_is_changed(jobs: Path, specs: SpecDirectory) -> None:
+    write(jobs / "train.yaml", spec_text("train", 4))
+    specs.relist()
+    write(jobs / "train.yaml", spec_text("train", 3))
+    assert specs.relist() == {"train"}
+    view = specs.view("train")
+    assert view is not None and view.job is not None
+    assert view.job.spec.gpus.max == 3
+
+
+def test_formatting_only_edit_is_not_changed(
+    jobs: Path, specs: SpecDirectory, reads: list[str]
+) -> None:
+    write(jobs / "train.yaml", spec_text("train"))
+    specs.relist()
+    # A comment and a label: the file is re-read, but the spec's fingerprint is the same.
+    reformatted = spec_text("train", extra="# tuned on Tuesday\n").replace(
+        "  name: train\n", "  name: train\n  labels: {team: vision}\n"
+    )
+    write(jobs / "train.yaml", reformatted)
+    assert specs.relist() == set()
+    assert reads == ["train.yaml", "train.yaml"]
+
+
+def test_invalid_edit_is_changed_and_has_no_job(jobs: Path, specs: SpecDirectory) -> None:
+    path = jobs / "train.yaml"
+    write(path, spec_text("train"))
+    specs.relist()
+    write(path, spec_text("train", low=0))
+    assert specs.relist() == {"train"}
+    view = specs.view("train")
+    assert view is not None
+    assert view.job is None
+    assert view.path == str(path)
+    assert view.errors == (f"{path}: spec.gpus.min: must be at least 1, got integer 0",)
+    # Fixing it is a change again.
+    write(path, spec_text("train"))
+    assert specs.relist() == {"train"}
+    view = specs.view("train")
+    assert view is not None and view.job is not None and view.errors == ()
+
+
+def test_ignored_file_names(jobs: Path, specs: SpecDirectory, reads: list[str]) -> None:
+    write(jobs / ".hidden.yaml", spec_text("hidden"))
+    write(jobs / "notes.txt", spec_text("notes"))
+    write(jobs / "train.yaml~", spec_text("backup"))
+    write(jobs / "#train.yaml#", spec_text("autosave"))
+    write(jobs / ".train.yaml.swp", spec_text("swap"))
+    (jobs / "folder.yaml").mkdir()
+    assert specs.relist() == set()
+    assert specs.names() == []
+    assert reads == []
+    write(jobs / "real.YML", spec_text("real"))
+    assert specs.relist() == {"real"}
+    assert reads == ["real.YML"]
+
+
+def test_deleted_file_is_changed_and_view_gone(jobs: Path, specs: SpecDirectory) -> None:
+    write(jobs / "train.yaml", spec_text("train"))
+    write(jobs / "other.yaml", spec_text("other"))
+    specs.relist()
+    (jobs / "train.yaml").unlink()
+    assert specs.relist() == {"train"}
+    assert specs.view("train") is None
+    assert specs.names() == ["other"]
+
+
+def test_renaming_a_file_is_a_change_of_path(jobs: Path, specs: SpecDirectory) -> None:
+    write(jobs / "train.yaml", spec_text("train"))
+    specs.relist()
+    os.replace(jobs / "train.yaml", jobs / "renamed.yaml")
+    assert specs.relist() == {"train"}
+    view = specs.view("train")
+    assert view is not None and view.path == str(jobs / "renamed.yaml")
+
+
+def test_duplicate_names_make_both_files_invalid(jobs: Path, specs: SpecDirectory) -> None:
+    write(jobs / "a.yaml", spec_text("train"))
+    specs.relist()
+    write(jobs / "b.yaml", spec_text("train", 2))
+    assert specs.relist() == {"train"}
+    view = specs.view("train")
+    assert view is not None
+    assert view.job is None
+    assert view.errors == (
+        f"{jobs / 'a.yaml'}: metadata.name: 'train' is also declared in b.yaml",
+        f"{jobs / 'b.yaml'}: metadata.name: 'train' is also declared in a.yaml",
+    )
+    (jobs / "b.yaml").unlink()
+    assert specs.relist() == {"train"}
+    view = specs.view("train")
+    assert view is not None and view.job is not None and view.job.spec.gpus.max == 4
+
+
+def test_unnamed_broken_file_is_reported_apart(jobs: Path, specs: SpecDirectory) -> None:
+    write(jobs / "broken.yaml", "spec: [unclosed\n")
+    assert specs.relist() == set()
+    assert specs.names() == []
+    (message,) = specs.unnamed_errors()
+    assert message.startswith(f"{jobs / 'broken.yaml'}: (file): YAML syntax error at line 2")
+
+
+def test_syntax_error_in_a_known_file_keeps_the_name_as_invalid(
+    jobs: Path, specs: SpecDirectory
+) -> None:
+    path = jobs / "train.yaml"
+    write(path, spec_text("train"))
+    specs.relist()
+    write(path, spec_text("train").replace("[python, train.py]", "[python, train.py"))
+    assert specs.relist() == {"train"}
+    view = specs.view("train")
+    assert view is not None
+    assert view.job is None
+    assert view.errors and view.errors[0].startswith(f"{path}: (file): YAML syntax error")
+
+
+def test_missing_directory_means_no_jobs(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs"
+    specs = SpecDirectory(jobs)
+    assert specs.relist() == set()
+    jobs.mkdir()
+    write(jobs / "train.yaml", spec_text("train"))
+    assert specs.relist() == {"train"}
+    (jobs / "train.yaml").unlink()
+    jobs.rmdir()
+    assert specs.relist() == {"train"}
+    assert specs.view("train") is None
+
+
+def test_files_are_reread_only_when_their_stat_changes(
+    jobs: Path, specs: SpecDirectory, reads: list[str]
+) -> None:
+    write(jobs / "a.yaml", spec_text("a"))
+    write(jobs / "b.yaml", spec_text("b"))
+    specs.relist()
+    assert reads == ["a.yaml", "b.yaml"]
+    specs.relist()
+    specs.relist()
+    assert reads == ["a.yaml", "b.yaml"]
+    stamp = next(_mtimes)
+    os.utime(jobs / "b.yaml", ns=(stamp, stamp))
+    assert specs.relist() == set()
+    assert reads == ["a.yaml", "b.yaml", "b.yaml"]
+    write(jobs / "a.yaml", spec_text("a", 2))
+    assert specs.relist() == {"a"}
+    assert reads == ["a.yaml", "b.yaml", "b.yaml", "a.yaml"]

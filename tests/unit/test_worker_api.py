@@ -1,0 +1,260 @@
+"""The worker side: `herd_operator.worker` and the shim, against a real allocator server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from herd_operator import worker
+from herd_operator.allocator import Allocator, GrantPublisher
+from herd_operator.auth import ensure_token_file
+from herd_operator.layout import StateLayout
+from herd_operator.rpc import NotFound, RpcServer
+from herd_operator.worker import DeviceBinding, bind_device, report_epoch, report_reset
+from policies.arbitration import Demand, Pool
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Hang guard for the shim subprocesses; never a performance expectation.
+GUARD_S = 30.0
+SHOW_ENV = (
+    "import os, json; print(json.dumps({k: v for k, v in os.environ.items() "
+    "if k.startswith(('HERD', 'CUDA'))}))"
+)
+OPERATOR_PREFIXES = ("HERD_", "CUDA_", "HOROVOD_")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No operator variables from the outside, and no shared client left behind."""
+    for name in list(os.environ):
+        if name.startswith(OPERATOR_PREFIXES):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(worker, "_client", None)
+    yield
+    client = worker._client
+    if client is not None:
+        client.close()
+
+
+# ---- outside the operator ----
+
+
+def test_bind_device_outside_the_operator_uses_the_local_rank(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert bind_device() == DeviceBinding(gpu=0, ordinal=0, virtual=False)
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "3")
+    assert bind_device() == DeviceBinding(gpu=3, ordinal=3, virtual=False)
+
+
+def test_report_epoch_outside_the_operator_is_a_no_op(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report_epoch(1, {"loss": 0.5})
+    report_reset()
+    # A job name alone (no allocator address) is not "under the operator" either.
+    monkeypatch.setenv(worker.JOB_ENV, "train")
+    report_epoch(2)
+    assert worker._client is None
+
+
+@pytest.mark.parametrize(
+    ("env", "binding"),
+    [
+        (
+            {"HERD_GPU": "2", "CUDA_VISIBLE_DEVICES": "2,3", "HERD_VIRTUAL_GPU": "1"},
+            DeviceBinding(gpu=2, ordinal=0, virtual=True),
+        ),
+        (
+            {"HERD_GPU": "3", "CUDA_VISIBLE_DEVICES": "2,3", "HERD_VIRTUAL_GPU": "0"},
+            DeviceBinding(gpu=3, ordinal=1, virtual=False),
+        ),
+        (
+            {"HERD_GPU": "2", "HERD_GPUS": "5,2", "HOROVOD_LOCAL_RANK": "1"},
+            DeviceBinding(gpu=2, ordinal=1, virtual=False),
+        ),
+    ],
+)
+def test_bind_device_uses_what_the_shim_exported(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], binding: DeviceBinding
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert bind_device() == binding
+
+
+# ---- against a real allocator server ----
+
+
+class Allocation:
+    """A real Allocator behind a real RpcServer on loopback, with its token file."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        layout = StateLayout(tmp_path / "state")
+        layout.create()
+        self.token_file = layout.token_file
+        self.allocator = Allocator(
+            Pool.from_counts({"localhost": 3}), GrantPublisher(layout), virtual=True
+        )
+        # "x" takes GPU 0, so job "a" holds GPUs 1 and 2: local rank i is not GPU i.
+        self.allocator.request(Demand("x", 1, 1, 1))
+        self.allocator.request(Demand("a", 2, 3, 3))
+        self.reports: list[dict[str, Any]] = []
+        self.server = RpcServer(
+            ensure_token_file(self.token_file),
+            {"bind": self.allocator.handle_bind, "report": self.report},
+        )
+
+    def report(self, args: dict[str, Any]) -> dict[str, Any]:
+        if args.get("job") != "a":
+            raise NotFound(f"no job {args.get('job')!r}")
+        self.reports.append(args)
+        return {}
+
+    def env(self, job: str = "a") -> dict[str, str]:
+        host, port = self.server.address
+        return {
+            worker.JOB_ENV: job,
+            worker.ALLOCATOR_ENV: f"{host}:{port}",
+            worker.TOKEN_FILE_ENV: str(self.token_file),
+        }
+
+
+@pytest.fixture
+def allocation(tmp_path: Path) -> Iterator[Allocation]:
+    allocation = Allocation(tmp_path)
+    with allocation.server:
+        yield allocation
+
+
+def shim(tmp_path: Path, env: dict[str, str], *command: str) -> subprocess.Popen[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(OPERATOR_PREFIXES)}
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), base.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, "-m", "herd_operator.shim", "--", *command],
+        cwd=tmp_path,
+        env={**base, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=GUARD_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return process.returncode, out, err
+
+
+def test_shim_exports_the_jobs_gpus_in_local_rank_order(
+    tmp_path: Path, allocation: Allocation
+) -> None:
+    env = {**allocation.env(), "HOROVOD_HOSTNAME": "localhost", "HOROVOD_LOCAL_RANK": "1"}
+    process = shim(tmp_path, env, sys.executable, "-c", SHOW_ENV)
+    code, out, err = finish(process)
+    assert (code, err) == (0, "")
+    seen = json.loads(out)
+    assert seen == {
+        **allocation.env(),
+        "CUDA_VISIBLE_DEVICES": "1,2",
+        "HERD_GPUS": "1,2",
+        "HERD_GPU": "2",
+        "HERD_VIRTUAL_GPU": "1",
+    }
+    # exec keeps the pid, so the binding names the user's process.
+    (binding,) = allocation.allocator.bindings()
+    assert (binding.job, binding.host, binding.local_rank, binding.gpu) == ("a", "localhost", 1, 2)
+    assert binding.pid == process.pid
+
+
+def test_shim_gives_up_after_the_bind_timeout(tmp_path: Path, allocation: Allocation) -> None:
+    env = {
+        **allocation.env(),
+        "HOROVOD_HOSTNAME": "localhost",
+        "HOROVOD_LOCAL_RANK": "5",
+        "HERD_BIND_TIMEOUT": "1",
+    }
+    code, out, err = finish(shim(tmp_path, env, sys.executable, "-c", SHOW_ENV))
+    problem = "not_found: job 'a' holds 2 GPU(s) on 'localhost'; no local rank 5"
+    assert code == 1
+    assert out == ""
+    *waited, gave_up = err.splitlines()
+    # The wait is announced once, unless the very first try already came after the deadline.
+    assert waited in ([], [f"herd shim: waiting for a GPU for local rank 5: {problem}"])
+    assert gave_up == f"herd shim: cannot bind local rank 5: {problem}"
+
+
+def test_shim_waits_until_the_grant_grows_back(tmp_path: Path, allocation: Allocation) -> None:
+    env = {**allocation.env(), "HOROVOD_HOSTNAME": "localhost", "HOROVOD_LOCAL_RANK": "2"}
+    process = shim(tmp_path, env, sys.executable, "-c", SHOW_ENV)
+    assert process.stderr is not None
+    waiting = process.stderr.readline()
+    assert waiting.startswith("herd shim: waiting for a GPU for local rank 2: not_found:")
+    allocation.allocator.release("x")  # job "a" grows onto GPU 0 as local rank 2
+    code, out, err = finish(process)
+    assert (code, err) == (0, "")
+    seen = json.loads(out)
+    assert (seen["CUDA_VISIBLE_DEVICES"], seen["HERD_GPU"]) == ("1,2,0", "0")
+
+
+def test_shim_outside_the_operator_runs_the_command_untouched(tmp_path: Path) -> None:
+    code, out, err = finish(shim(tmp_path, {}, sys.executable, "-c", SHOW_ENV))
+    assert (code, err) == (0, "")
+    assert json.loads(out) == {}
+
+
+def test_shim_usage_and_missing_command(tmp_path: Path) -> None:
+    code, out, err = finish(shim(tmp_path, {}))
+    assert (code, out, err) == (2, "", "usage: python -m herd_operator.shim -- COMMAND [ARG...]\n")
+    code, out, err = finish(shim(tmp_path, {}, "no-such-command-here"))
+    assert code == 127
+    assert err.startswith("herd shim: cannot run 'no-such-command-here': ")
+
+
+def test_report_epoch_reaches_the_server(
+    clean_env: None, allocation: Allocation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {**allocation.env(), "HOROVOD_RANK": "1", "HOROVOD_SIZE": "3"}.items():
+        monkeypatch.setenv(name, value)
+    report_epoch(4, {"loss": 1, "accuracy": 0.75})
+    report_epoch(5, world_size=2)
+    report_reset()
+    assert allocation.reports == [
+        {
+            "job": "a",
+            "epoch": 4,
+            "world_size": 3,
+            "rank": 1,
+            "metrics": {"loss": 1.0, "accuracy": 0.75},
+        },
+        {"job": "a", "epoch": 5, "world_size": 2, "rank": 1, "metrics": {}},
+        {"job": "a", "epoch": None, "world_size": 3, "rank": 1, "metrics": {}},
+    ]
+
+
+def test_report_failure_never_raises(
+    clean_env: None,
+    allocation: Allocation,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for name, value in allocation.env(job="gone").items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING, logger="herd_operator.worker"):
+        report_epoch(1)
+    assert allocation.reports == []
+    assert [record.getMessage() for record in caplog.records] == [
+        "herd: report failed: not_found: no job 'gone'"
+    ]
