@@ -129,6 +129,21 @@ class LauncherPort(Protocol):
     def forget(self, name: str) -> None: ...
 
 
+class ReconcileObserver(Protocol):
+    """Hears about resizes, for metrics; the controllers do not know who listens."""
+
+    def resized(self, job: str, before: int, after: int) -> None: ...
+    def resize_completed(self, job: str, seconds: float) -> None: ...
+
+
+class NoObserver:
+    def resized(self, job: str, before: int, after: int) -> None:
+        pass
+
+    def resize_completed(self, job: str, seconds: float) -> None:
+        pass
+
+
 def launch_fingerprint(spec: HerdJobSpec) -> str:
     """What `horovodrun` fixes at launch: a change here needs a relaunch.
 

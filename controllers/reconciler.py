@@ -20,8 +20,10 @@ from controllers.ports import (
     AllocatorPort,
     EventType,
     LauncherPort,
+    NoObserver,
     ProcessPhase,
     ProcessState,
+    ReconcileObserver,
     SpecSource,
     SpecView,
     StorePort,
@@ -31,6 +33,7 @@ from policies.arbitration import Demand, Grant
 from policies.base import EpochEnd, JobObservations, PolicyError, UsageSample
 from policies.registry import load_policy
 from specs import (
+    Condition,
     ConditionStatus,
     ConditionType,
     HerdJob,
@@ -77,7 +80,11 @@ class JobReconciler:
         clock: Callable[[], float] = time.time,
         resync_seconds: float = 5.0,
         stop_poll_seconds: float = 0.5,
+        metrics_stale_seconds: float = 15.0,
+        observer: ReconcileObserver | None = None,
     ) -> None:
+        self.metrics_stale_seconds = metrics_stale_seconds
+        self.observer: ReconcileObserver = observer or NoObserver()
         self.specs = specs
         self.store = store
         self.allocator = allocator
@@ -228,6 +235,11 @@ class JobReconciler:
             now,
         )
         resizing = active is not None and active != grant.placement.size
+        was_resizing = get_condition(status.conditions, ConditionType.Resizing)
+        if not resizing and was_resizing is not None and was_resizing.status == TRUE and active:
+            self.observer.resize_completed(name, now - was_resizing.last_transition_time)
+        if getattr(policy, "needs_usage", False):
+            conditions = self._metrics_condition(conditions, observed, generation, now)
         conditions = set_condition(
             conditions,
             ConditionType.Resizing,
@@ -452,6 +464,7 @@ class JobReconciler:
             self.store.add_grant_change(name, after, grant.reason, now)
             if before and after:
                 update["last_resize_at"] = now
+                self.observer.resized(name, before, after)
                 # Say why in the words of whoever caused it: the policy when the job now has
                 # what it asked for, else the allocator (another job, the pool, the max).
                 cause = status.policy_reason if after == desired else grant.reason
@@ -476,6 +489,34 @@ class JobReconciler:
         return Result()
 
     # ---- helpers ----
+
+    def _metrics_condition(
+        self,
+        conditions: tuple[Condition, ...],
+        observed: JobObservations,
+        generation: int,
+        now: float,
+    ) -> tuple[Condition, ...]:
+        """MetricsStale: the policy needs GPU memory samples and none came lately.
+
+        The policy then holds (it never guesses); this says why, where people look.
+        """
+        last = observed.usage[-1].time if observed.usage else None
+        since = last if last is not None else observed.started_at
+        if now - since <= self.metrics_stale_seconds:
+            return set_condition(
+                conditions, ConditionType.MetricsStale, FALSE, "Fresh", "", generation, now
+            )
+        what = f"no GPU memory sample for {now - since:.0f}s" if last else "no GPU memory samples"
+        return set_condition(
+            conditions,
+            ConditionType.MetricsStale,
+            TRUE,
+            "NoRecentSamples",
+            f"{what}; the policy holds the job's size",
+            generation,
+            now,
+        )
 
     def _hold_gpus(self, name: str, priority: int, arrival: float) -> None:
         """A stopping job keeps every GPU it holds until its processes are gone.

@@ -196,6 +196,20 @@ class Allocator:
         with self._lock:
             return list(self._bindings.values())
 
+    def handle_placements(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Every job's GPUs, for node exporters labelling GPUs with their job."""
+        with self._lock:
+            return {
+                "placements": {
+                    job: grant.placement.to_json()
+                    for job, grant in self._grants.items()
+                    if grant.placement.size
+                },
+                "bindings": [
+                    [b.job, b.host, b.local_rank, b.gpu, b.pid] for b in self._bindings.values()
+                ],
+            }
+
     def handle_grant(self, args: Mapping[str, Any]) -> dict[str, Any]:
         job = _str(args, "job")
         with self._lock:

@@ -114,9 +114,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory of one virtual GPU, e.g. 2GiB or 512MiB (default: 2GiB)",
     )
     run.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=9410,
+        help="serve Prometheus metrics on this port (default: 9410; 0: any free port)",
+    )
+    run.add_argument(
+        "--metrics-listen", help="address of the metrics endpoint (default: the --listen address)"
+    )
+    run.add_argument(
+        "--prometheus-url",
+        help="read the GPU memory signal from this Prometheus server (PromQL), e.g. "
+        "http://localhost:9090 (default: this host's GPUs, or the registered node exporters)",
+    )
+    run.add_argument(
         "--no-watch", action="store_true", help="no file events, relist only (as on NFS or Lustre)"
     )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    exporter = commands.add_parser(
+        "exporter", help="serve this node's GPU metrics (one per node, e.g. srun --overlap)"
+    )
+    _state_dir_option(exporter)
+    exporter.add_argument("--port", type=_port, default=9411, help="default: 9411 (0: any)")
+    exporter.add_argument("--listen", default="0.0.0.0", help="default: 0.0.0.0")
+    exporter.add_argument(
+        "--host", help="this node's name as the pool spells it (default: the host name)"
+    )
+    exporter.add_argument("--virtual-gpus", type=_positive_int, default=4)
+    exporter.add_argument("--virtual-gpu-memory", type=parse_bytes, default=2 << 30)
+    exporter.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
 
     get = commands.add_parser("get", help="list jobs (kubectl-like table)")
     _state_dir_option(get)
@@ -131,6 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
     _state_dir_option(events)
     events.add_argument("name", nargs="?", help="only this job's events")
     events.add_argument("--limit", type=_positive_int, default=100)
+
+    report = commands.add_parser("report", help="draw the run's timeline, or summarize it as text")
+    _state_dir_option(report)
+    report.add_argument(
+        "--output",
+        type=Path,
+        help="file to write (default: timeline.png; stdout for --format text); "
+        "a .txt or .md name means --format text",
+    )
+    report.add_argument(
+        "--format", choices=["png", "text"], help="default: from --output's suffix, else png"
+    )
+    report.add_argument(
+        "--since",
+        type=_positive_float,
+        metavar="SECONDS_AGO",
+        help="only the last SECONDS_AGO seconds (default: the whole run)",
+    )
+    report.add_argument("--jobs", metavar="NAME,NAME", help="only these jobs (default: all)")
 
     validate = commands.add_parser("validate", help="check job spec files; exit 1 on problems")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
@@ -151,6 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="give up after this many seconds (default: 600)",
     )
+
+    bench = commands.add_parser("bench", help="measure the operator against baselines")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes, 1-2 repetitions")
+    bench.add_argument("--only", metavar="NAME[,NAME]", help="run only these benchmarks")
+    bench.add_argument(
+        "--output",
+        type=Path,
+        default=Path("bench-results"),
+        help="where benchmarks.md and benchmarks.json go (default: ./bench-results)",
+    )
+    bench.add_argument(
+        "--repeat", type=_positive_int, help="measured repetitions (default: per benchmark)"
+    )
     return parser
 
 
@@ -161,6 +222,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
     return value
 
 
@@ -246,7 +317,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         watch_events=not args.no_watch,
         min_resize_interval=args.min_resize_interval,
         virtual_gpu_memory_bytes=args.virtual_gpu_memory,
+        metrics_host=args.metrics_listen or args.listen,
+        metrics_port=args.metrics_port,
+        prometheus_url=args.prometheus_url,
     )
+    stop = _stop_on_signals()
+    try:
+        return Operator(config).run(stop)
+    except OperatorError as err:
+        print(f"herd-operator: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as err:  # a port in use, most often
+        print(f"herd-operator: cannot start: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -255,10 +341,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    return stop
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    from herd_operator.exporter import run_exporter
+
+    configure_logging(args.log_level)
+    stop = _stop_on_signals()
     try:
-        return Operator(config).run(stop)
-    except OperatorError as err:
-        print(f"herd-operator: {err}", file=sys.stderr)
+        return run_exporter(
+            args.state_dir,
+            args.host,
+            args.listen,
+            args.port,
+            args.virtual_gpus,
+            args.virtual_gpu_memory,
+            stop,
+        )
+    except OSError as err:
+        print(
+            f"herd-operator exporter: cannot serve on {args.listen}:{args.port}: {err}",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
 
 
@@ -483,6 +588,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from herd_operator.report import run_report
+
+    return run_report(args)
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(json_schema(), indent=2))
     return EXIT_OK
@@ -496,14 +607,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from herd_operator.bench.suite import run_bench
+
+    argv = ["--quick"] if args.quick else []
+    argv += ["--only", args.only] if args.only else []
+    argv += ["--repeat", str(args.repeat)] if args.repeat else []
+    argv += ["--output", str(args.output)]
+    try:
+        outcomes, markdown, report = run_bench(
+            quick=args.quick, only=args.only, output=args.output, repeat=args.repeat, argv=argv
+        )
+    except ValueError as err:
+        print(f"herd-operator bench: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {markdown} and {report}")
+    return EXIT_FAILURE if any(outcome.error for outcome in outcomes) else EXIT_OK
+
+
 COMMANDS = {
     "run": cmd_run,
+    "exporter": cmd_exporter,
     "get": cmd_get,
     "describe": cmd_describe,
     "events": cmd_events,
+    "report": cmd_report,
     "validate": cmd_validate,
     "schema": cmd_schema,
     "demo": cmd_demo,
+    "bench": cmd_bench,
 }
 
 

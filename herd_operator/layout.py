@@ -36,6 +36,11 @@ class StateLayout:
         return self.root / "allocator.json"
 
     @property
+    def scrape_targets_file(self) -> Path:
+        """Prometheus file_sd targets (the operator and the node exporters)."""
+        return self.root / "prometheus" / "targets.json"
+
+    @property
     def grants_dir(self) -> Path:
         return self.root / "grants"
 
@@ -53,7 +58,12 @@ class StateLayout:
         return self.logs_dir / f"{job}.log"
 
     def create(self) -> None:
-        for directory in (self.root, self.grants_dir, self.logs_dir):
+        for directory in (
+            self.root,
+            self.grants_dir,
+            self.logs_dir,
+            self.scrape_targets_file.parent,
+        ):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 

@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -18,14 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, start_http_server
+
 from controllers.ports import LaunchInfo
 from controllers.reconciler import JobReconciler, PermanentError, Result, TemporaryError
 from controllers.workqueue import WorkQueue
-from exporters.gpu import VirtualGpuSource
+from exporters.collector import GpuCollector
+from exporters.gpu import GpuSource, VirtualGpuSource
+from exporters.nvml import NvmlGpuSource
+from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
 from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.auth import ensure_token_file
 from herd_operator.launcher import Launcher, LaunchRequest
 from herd_operator.layout import STATE_DIR_ENV, StateLayout, write_atomically
+from herd_operator.metrics import OperatorMetrics, StateCollector
 from herd_operator.observer import UsageObserver
 from herd_operator.pool import PoolSource
 from herd_operator.rpc import BadRequest, NotFound, RpcServer
@@ -59,6 +66,12 @@ class OperatorConfig:
     """Capacity of one virtual GPU (CPU machines), against which worker memory is measured."""
     sample_seconds: float = 1.0
     """How often the memory of each job's GPUs is sampled."""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    """Serve Prometheus metrics here (0: any free port; None: not at all)."""
+    prometheus_url: str | None = None
+    """Read the GPU memory signal back from this Prometheus server (PromQL) instead of
+    from this host's GPUs or the registered exporters."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -113,6 +126,11 @@ class Operator:
         self.launcher: Launcher | None = None
         self.allocator: Allocator | None = None
         self.observer: UsageObserver | None = None
+        self.metrics = OperatorMetrics(CollectorRegistry())
+        self._metrics_server: Any = None
+        self._metrics_address: str | None = None
+        self._exporters: set[str] = set()
+        self._exporters_lock = threading.Lock()
         self.specs = SpecDirectory(config.specs_dir)
         self.ready = threading.Event()
 
@@ -141,23 +159,40 @@ class Operator:
             ),
             min_resize_interval=config.min_resize_interval,
         )
-        self.observer = self._usage_observer(allocator, store)
         self.server = server = RpcServer(
             token,
             {
                 "bind": allocator.handle_bind,
                 "grant": allocator.handle_grant,
+                "placements": allocator.handle_placements,
                 "report": self._handle_report,
+                "register_exporter": self._handle_register_exporter,
                 "ping": lambda args: {"pid": os.getpid()},
             },
             host=config.listen_host,
         )
         host, port = server.start()
+        local = self._local_gpus(allocator)
+        self._serve_metrics(local, store, allocator, server)
+        self._write_scrape_targets()
+        self.observer = UsageObserver(
+            self._observed_gpus(local),
+            allocator.placements,
+            store.add_usage,
+            interval=config.sample_seconds,
+        )
         advertised = config.advertise_host or host
         address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"
         write_atomically(
             self.layout.endpoint_file,
-            json.dumps({"address": address, "pid": os.getpid(), "pool": config.pool.description}),
+            json.dumps(
+                {
+                    "address": address,
+                    "metrics": self._metrics_address,
+                    "pid": os.getpid(),
+                    "pool": config.pool.description,
+                }
+            ),
         )
         self.launcher = launcher = Launcher(self.queue.add, grace_seconds=config.grace_seconds)
         env = {
@@ -177,16 +212,24 @@ class Operator:
             self.layout.root,
         )
         return JobReconciler(
-            self.specs, store, allocator, job_launcher, resync_seconds=config.resync_seconds
+            self.specs,
+            store,
+            allocator,
+            job_launcher,
+            resync_seconds=config.resync_seconds,
+            metrics_stale_seconds=max(15.0, 10 * config.sample_seconds),
+            observer=self.metrics,
         )
 
-    def _usage_observer(self, allocator: Allocator, store: Store) -> UsageObserver | None:
-        """Memory sampling of this host's GPUs (virtual GPUs: their workers' memory)."""
+    def _local_gpus(self, allocator: Allocator) -> GpuSource | None:
+        """This host's GPUs, when the pool is this one host: NVML, or virtual GPUs whose
+        memory is their workers' memory."""
         hosts = self.config.pool.pool.hosts
-        if not self.config.pool.virtual or len(hosts) != 1:
-            # NVML and multi-node pools are observed through the exporters (a later step).
+        if len(hosts) != 1:
             return None
         host, gpus = hosts[0]
+        if not self.config.pool.virtual:
+            return NvmlGpuSource(host)
 
         def bound_pids() -> dict[int, list[int]]:
             pids: dict[int, list[int]] = {}
@@ -195,12 +238,80 @@ class Operator:
                     pids.setdefault(binding.gpu, []).append(binding.pid)
             return pids
 
-        source = VirtualGpuSource(
+        return VirtualGpuSource(
             host, max(gpus) + 1, self.config.virtual_gpu_memory_bytes, bound_pids
         )
-        return UsageObserver(
-            source, allocator.placements, store.add_usage, interval=self.config.sample_seconds
+
+    def _observed_gpus(self, local: GpuSource | None) -> GpuSource:
+        """Where the policies' memory signal comes from: the exported metrics, read back."""
+        if self.config.prometheus_url:
+            return PrometheusGpuSource(self.config.prometheus_url)
+        if local is not None:
+            return local
+        return ScrapeGpuSource(self._exporter_urls)
+
+    def _exporter_urls(self) -> list[str]:
+        with self._exporters_lock:
+            return [f"http://{address}/metrics" for address in sorted(self._exporters)]
+
+    def _handle_register_exporter(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A node exporter says where it serves, so Prometheus and the observer find it."""
+        host, port = args.get("host"), args.get("port")
+        if not isinstance(host, str) or not host or "/" in host:
+            raise BadRequest("'host' must be a host name or address")
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise BadRequest("'port' must be a TCP port number")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        with self._exporters_lock:
+            known = address in self._exporters
+            self._exporters.add(address)
+        if not known:
+            log.info("exporter registered: %s", address)
+            self._write_scrape_targets()
+        return {}
+
+    def _write_scrape_targets(self) -> None:
+        """Prometheus file_sd targets: the operator and every registered node exporter."""
+        groups = []
+        if self._metrics_address:
+            groups.append({"targets": [self._metrics_address], "labels": {"herd_role": "operator"}})
+        with self._exporters_lock:
+            exporters = sorted(self._exporters)
+        if exporters:
+            groups.append({"targets": exporters, "labels": {"herd_role": "exporter"}})
+        write_atomically(self.layout.scrape_targets_file, json.dumps(groups, indent=2) + "\n")
+
+    def _serve_metrics(
+        self, local: GpuSource | None, store: Store, allocator: Allocator, server: RpcServer
+    ) -> None:
+        registry = self.metrics.registry
+        registry.register(
+            StateCollector(
+                store, self.config.pool.pool, allocator.placements, server.request_counts
+            )
         )
+        if local is not None:
+
+            def owners() -> dict[tuple[str, int], str]:
+                return {
+                    slot: job
+                    for job, placement in allocator.placements().items()
+                    for slot in placement.slots()
+                }
+
+            registry.register(GpuCollector(local, owners))
+        if self.config.metrics_port is None:
+            return
+        http_server, _ = start_http_server(
+            self.config.metrics_port, addr=self.config.metrics_host, registry=registry
+        )
+        self._metrics_server = http_server
+        host = self.config.advertise_host or self.config.metrics_host
+        if host in ("0.0.0.0", "::"):
+            host = socket.gethostname()
+        port = http_server.server_port
+        self._metrics_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.info("metrics on http://%s/metrics", self._metrics_address)
 
     def _enqueue_known_jobs(self) -> None:
         """Reconcile every recorded job once: a previous operator stopped them on shutdown,
@@ -239,14 +350,17 @@ class Operator:
         try:
             result = reconciler.reconcile(name)
         except PermanentError as err:
+            self.metrics.reconcile_errors.labels(kind="permanent").inc()
             log.error("%s: %s (not retried until the spec changes)", name, err)
             self.queue.forget(name)
             result = Result()
         except TemporaryError as err:
+            self.metrics.reconcile_errors.labels(kind="temporary").inc()
             delay = self.queue.backoff(name)
             log.warning("%s: %s; retrying in %.1fs", name, err, delay)
             result = Result(requeue_after=delay)
         except Exception:
+            self.metrics.reconcile_errors.labels(kind="unexpected").inc()
             delay = self.queue.backoff(name)
             log.exception("%s: reconcile failed; retrying in %.1fs", name, delay)
             result = Result(requeue_after=delay)
@@ -256,7 +370,9 @@ class Operator:
             self.queue.done(name)
         if result.requeue_after is not None:
             self.queue.add_after(name, result.requeue_after)
-        log.debug("reconciled %s in %.1f ms", name, (time.perf_counter() - started) * 1000)
+        elapsed = time.perf_counter() - started
+        self.metrics.reconcile_duration.observe(elapsed)
+        log.debug("reconciled %s in %.1f ms", name, elapsed * 1000)
 
     def _shutdown(self) -> None:
         log.info("shutting down: stopping jobs")
@@ -272,6 +388,9 @@ class Operator:
             self._record_shutdown()
         if self.server is not None:
             self.server.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.layout.endpoint_file.unlink(missing_ok=True)
         if self.store is not None:
             self.store.close()

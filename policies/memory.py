@@ -68,6 +68,9 @@ class _Window:
 class MemoryPolicy:
     """Shrinks a job that uses little of its GPUs' memory and grows one that uses most of it."""
 
+    needs_usage = True
+    """It decides on GPU memory samples: the controller reports when they go stale."""
+
     Params = MemoryParams
 
     def __init__(self, params: MemoryParams) -> None:

@@ -17,13 +17,30 @@ venv=${HERD_VENV:-$root/.venv}
 python=${PYTHON:-python3}
 torch_version=2.13.0
 
+say() { echo "bootstrap: $*" >&2; }
+
+# Debian's Prometheus: the observability tests start a real server. Checked on every run
+# (cheap), since a new machine can come with an old venv.
+if ! command -v prometheus >/dev/null; then
+  if [[ $(id -u) == 0 ]]; then
+    say "installing Debian's prometheus"
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
+  elif sudo -n true 2>/dev/null; then
+    say "installing Debian's prometheus (sudo)"
+    sudo apt-get update -q >/dev/null
+    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
+  else
+    say "Prometheus is missing and this user cannot install it: apt-get install prometheus"
+    say "(the observability tests need it; everything else works without)"
+  fi
+fi
+
 stamp_inputs=("$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$root/scripts/build-horovod.sh")
 stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
 if [[ -f $venv/.herd-bootstrap && $(cat "$venv/.herd-bootstrap") == "$stamp" ]]; then
   exit 0
 fi
-
-say() { echo "bootstrap: $*" >&2; }
 
 "$python" - <<'PY' || { say "herd-operator needs Python >= 3.11 (set PYTHON=...)"; exit 1; }
 import sys
@@ -51,8 +68,8 @@ wheel=$("$root/scripts/build-horovod.sh" "$venv/bin/python")
 say "installing $(basename "$wheel")"
 "${pip[@]}" install -q --no-deps --force-reinstall "$wheel"
 
-say "installing herd-operator (editable) with its train and dev extras"
-"${pip[@]}" install -q -e "$root[train,dev]"
+say "installing herd-operator (editable) with its train, report and dev extras"
+"${pip[@]}" install -q -e "$root[train,report,dev]"
 
 "$venv/bin/horovodrun" --check-build | grep -q '\[X\] PyTorch' || { say "Horovod has no PyTorch support"; exit 1; }
 echo "$stamp" > "$venv/.herd-bootstrap"

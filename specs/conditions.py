@@ -22,6 +22,7 @@ class ConditionType(StrEnum):
     Resizing = "Resizing"
     Succeeded = "Succeeded"
     Failed = "Failed"
+    MetricsStale = "MetricsStale"
 
 
 class ConditionStatus(StrEnum):

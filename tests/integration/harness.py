@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,6 +72,8 @@ def marked_processes(state_dir: Path) -> dict[int, str]:
 class OperatorHarness:
     root: Path
     gpus: int = 4
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """OperatorConfig fields to set for this test."""
     operator: Operator = field(init=False)
     _thread: threading.Thread = field(init=False)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -96,6 +100,7 @@ class OperatorHarness:
             sample_seconds=0.5,
             virtual_gpu_memory_bytes=2 << 30,
         )
+        config = dataclasses.replace(config, **self.overrides)
         self.operator = Operator(config)
         self._thread = threading.Thread(target=self.operator.run, args=(self._stop,), daemon=True)
         self._thread.start()
@@ -177,8 +182,8 @@ class OperatorHarness:
             time.sleep(0.25)
 
 
-def running_harness(root: Path, gpus: int = 4) -> Iterator[OperatorHarness]:
-    harness = OperatorHarness(root, gpus)
+def running_harness(root: Path, gpus: int = 4, **overrides: Any) -> Iterator[OperatorHarness]:
+    harness = OperatorHarness(root, gpus, overrides)
     harness.start()
     try:
         yield harness
@@ -189,3 +194,7 @@ def running_harness(root: Path, gpus: int = 4) -> Iterator[OperatorHarness]:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
         assert not left, f"processes left behind after the operator stopped: {left}"
+
+
+operator_harness = contextmanager(running_harness)
+"""`with operator_harness(root, **overrides) as herd:` when a fixture does not fit."""

@@ -1,0 +1,211 @@
+"""Prometheus collector for GPU readings: reads its source at scrape time.
+
+Series are labelled `host, gpu, uuid, kind, herd_job`: `herd_job` is the HERD job
+that holds the GPU ("" when none). Not `job`, which Prometheus reserves for the
+scrape job and would rename to `exported_job`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from exporters.gpu import GpuReading, GpuSource
+
+log = logging.getLogger(__name__)
+
+GPU_LABELS = ["host", "gpu", "uuid", "kind", "herd_job"]
+READ_FAILED = "read_failed"
+"""The reason under which the collector counts a source's `read()` raising."""
+
+
+@dataclass(frozen=True)
+class _Read:
+    readings: list[GpuReading]
+    up: bool
+    duration_seconds: float
+    at: float
+
+
+class GpuCollector:
+    """Exposes `source`'s GPUs, each labelled with the job that `owners()` says holds it.
+
+    With `stale_after > 0`, a read younger than that many seconds is served again
+    instead of reading the source once more (several scrapers, one NVML read).
+    """
+
+    def __init__(
+        self,
+        source: GpuSource,
+        owners: Callable[[], Mapping[tuple[str, int], str]] = dict,
+        *,
+        stale_after: float = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.source = source
+        self.owners = owners
+        self.stale_after = stale_after
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: _Read | None = None
+        self._read_failures = 0
+        self._read_failing = False
+        self._owners_failing = False
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples, so registering does not read the GPUs."""
+        yield from _families().all()
+
+    def collect(self) -> Iterator[Metric]:
+        read = self._read()
+        families = _families()
+        owners = self._owners()
+        per_host_kind: Counter[tuple[str, str]] = Counter()
+        for reading in read.readings:
+            labels = [
+                reading.host,
+                str(reading.index),
+                reading.uuid,
+                reading.kind,
+                owners.get((reading.host, reading.index), ""),
+            ]
+            per_host_kind[reading.host, reading.kind] += 1
+            families.info.add_metric(labels, 1)
+            used, total = reading.memory_used_bytes, reading.memory_total_bytes
+            if used is not None:
+                families.used.add_metric(labels, used)
+            if total is not None:
+                families.total.add_metric(labels, total)
+            if used is not None and total:
+                families.memory_ratio.add_metric(labels, used / total)
+            if reading.utilization_ratio is not None:
+                families.utilization.add_metric(labels, reading.utilization_ratio)
+            if reading.power_watts is not None:
+                families.power.add_metric(labels, reading.power_watts)
+            process_used: dict[int, int] = {}
+            for process in reading.processes:  # one series per pid, even if listed twice
+                process_used[process.pid] = process_used.get(process.pid, 0) + process.used_bytes
+            for pid, process_bytes in process_used.items():
+                families.process_used.add_metric([*labels, str(pid)], process_bytes)
+        for (host, kind), count in per_host_kind.items():
+            families.gpus.add_metric([host, kind], count)
+        families.up.add_metric([], 1 if read.up else 0)
+        for reason, count in sorted(self._error_counts().items()):
+            families.errors.add_metric([reason], count)
+        families.duration.add_metric([], read.duration_seconds)
+        yield from families.all()
+
+    def _read(self) -> _Read:
+        with self._lock:
+            now = self._clock()
+            last = self._last
+            if last is not None and self.stale_after > 0 and now - last.at < self.stale_after:
+                return last
+            started = time.perf_counter()
+            try:
+                readings = self.source.read()
+            except Exception:
+                # A broken source must not break the scrape: the scrape reports it instead.
+                # Logged when it starts failing, not at every scrape.
+                if not self._read_failing:
+                    log.exception("reading GPUs from %r failed", self.source)
+                self._read_failing = True
+                self._read_failures += 1
+                self._last = None
+                return _Read([], False, time.perf_counter() - started, now)
+            if self._read_failing:
+                log.info("reading GPUs from %r works again", self.source)
+            self._read_failing = False
+            up = bool(getattr(self.source, "up", True))
+            self._last = _Read(readings, up, time.perf_counter() - started, now)
+            return self._last
+
+    def _owners(self) -> Mapping[tuple[str, int], str]:
+        try:
+            owners = self.owners()
+        except Exception:
+            # Unknown owners leave the job label empty; the GPU metrics are still true.
+            if not self._owners_failing:
+                log.exception("asking who owns the GPUs failed")
+            self._owners_failing = True
+            return {}
+        self._owners_failing = False
+        return owners
+
+    def _error_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        errors = getattr(self.source, "errors", None)
+        if callable(errors):
+            counts.update({str(reason): int(count) for reason, count in errors().items()})
+        with self._lock:
+            if self._read_failures:
+                counts[READ_FAILED] = counts.get(READ_FAILED, 0) + self._read_failures
+        return counts
+
+
+@dataclass(frozen=True)
+class _Families:
+    info: GaugeMetricFamily
+    used: GaugeMetricFamily
+    total: GaugeMetricFamily
+    memory_ratio: GaugeMetricFamily
+    utilization: GaugeMetricFamily
+    power: GaugeMetricFamily
+    process_used: GaugeMetricFamily
+    gpus: GaugeMetricFamily
+    up: GaugeMetricFamily
+    errors: CounterMetricFamily
+    duration: GaugeMetricFamily
+
+    def all(self) -> list[Metric]:
+        return [getattr(self, name.name) for name in fields(self)]
+
+
+def _families() -> _Families:
+    def gpu_gauge(name: str, documentation: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, documentation, labels=GPU_LABELS)
+
+    return _Families(
+        info=gpu_gauge("herd_gpu_info", "1 for every GPU read, with its identity and job."),
+        used=gpu_gauge("herd_gpu_memory_used_bytes", "GPU memory in use."),
+        total=gpu_gauge("herd_gpu_memory_total_bytes", "GPU memory size."),
+        memory_ratio=gpu_gauge(
+            "herd_gpu_memory_utilization_ratio", "Used over total GPU memory (0..1)."
+        ),
+        utilization=gpu_gauge(
+            "herd_gpu_utilization_ratio", "Share of the last sample period a kernel ran (0..1)."
+        ),
+        power=gpu_gauge("herd_gpu_power_watts", "GPU power draw."),
+        process_used=GaugeMetricFamily(
+            "herd_gpu_process_memory_used_bytes",
+            "GPU memory used by one process.",
+            labels=[*GPU_LABELS, "pid"],
+        ),
+        gpus=GaugeMetricFamily(
+            "herd_gpus", "GPUs read on each host, by kind.", labels=["host", "kind"]
+        ),
+        up=GaugeMetricFamily("herd_exporter_up", "1 if the GPU source could be read."),
+        errors=CounterMetricFamily(
+            "herd_exporter_read_errors",
+            "Failed GPU reads (a field, a GPU or the whole source), by reason.",
+            labels=["reason"],
+        ),
+        duration=GaugeMetricFamily(
+            "herd_exporter_read_duration_seconds", "How long the last GPU read took."
+        ),
+    )
+
+
+def exposition(collector: Collector) -> str:
+    """The Prometheus text exposition of one collector, as a scrape would return it."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return generate_latest(registry).decode()

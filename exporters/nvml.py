@@ -1,0 +1,203 @@
+"""GPU readings from NVML (the `pynvml` module of the `nvidia-ml-py` package).
+
+`pynvml` is imported lazily: CPU machines have neither the package nor a driver,
+and the source then reports itself down (`up == False`) with no readings.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from exporters.gpu import GpuReading, ProcessMemory
+
+log = logging.getLogger(__name__)
+
+INIT_RETRY_SECONDS = 30.0
+
+# pynvml error class name -> the reason label it is counted under; first match wins.
+_REASONS: tuple[tuple[str, str], ...] = (
+    ("NVMLError_NotSupported", "not_supported"),
+    ("NVMLError_FunctionNotFound", "not_supported"),
+    ("NVMLError_GpuIsLost", "gpu_lost"),
+    ("NVMLError_NoPermission", "no_permission"),
+    ("NVMLError_LibraryNotFound", "library"),
+    ("NVMLError_DriverNotLoaded", "driver"),
+    ("NVMLError_Uninitialized", "driver"),
+)
+
+
+class _GpuLost(Exception):
+    """This GPU cannot be read at all this round."""
+
+
+class NvmlGpuSource:
+    """The NVIDIA GPUs of this host, read field by field through NVML."""
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        init_retry_seconds: float = INIT_RETRY_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.host = host
+        self.up = True
+        self._init_retry_seconds = init_retry_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._nvml: Any = None
+        self._last_init_attempt: float | None = None
+        self._memory_v2 = True
+        self._errors: dict[str, int] = {}
+        self._unreadable: set[int] = set()
+
+    def errors(self) -> dict[str, int]:
+        """Failed NVML calls so far, by reason (not_supported, gpu_lost, driver, ...)."""
+        with self._lock:
+            return dict(self._errors)
+
+    def read(self) -> list[GpuReading]:
+        with self._lock:
+            nvml = self._initialized()
+            if nvml is None:
+                return []
+            try:
+                count = int(nvml.nvmlDeviceGetCount())
+            except nvml.NVMLError as err:
+                self._count(nvml, err)
+                self._go_down(f"cannot count GPUs: {err}")
+                self._release(nvml)
+                self._last_init_attempt = self._clock()
+                return []
+            readings = []
+            for index in range(count):
+                try:
+                    readings.append(self._read_gpu(nvml, index))
+                except _GpuLost as lost:
+                    if index not in self._unreadable:
+                        log.warning("GPU %d of %s cannot be read: %s", index, self.host, lost)
+                    self._unreadable.add(index)
+                    continue
+                if index in self._unreadable:
+                    log.info("GPU %d of %s can be read again", index, self.host)
+                    self._unreadable.discard(index)
+            return readings
+
+    def close(self) -> None:
+        """Release NVML (pynvml counts init/shutdown pairs, so other users are unaffected)."""
+        with self._lock:
+            if self._nvml is not None:
+                self._nvml.nvmlShutdown()
+                self._nvml = None
+
+    def _release(self, nvml: Any) -> None:
+        """Give back a broken NVML session so a later nvmlInit starts a fresh one."""
+        self._nvml = None
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError as err:
+            log.debug("nvmlShutdown after a failure: %s", err)
+
+    def _initialized(self) -> Any:
+        """The pynvml module once nvmlInit succeeded; None while NVML is unavailable."""
+        if self._nvml is not None:
+            return self._nvml
+        now = self._clock()
+        if (
+            self._last_init_attempt is not None
+            and now - self._last_init_attempt < self._init_retry_seconds
+        ):
+            return None
+        self._last_init_attempt = now
+        try:
+            import pynvml
+        except ImportError as err:
+            self._errors["library"] = self._errors.get("library", 0) + 1
+            self._go_down(f"the pynvml module (package nvidia-ml-py) is missing: {err}")
+            return None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            self._count(pynvml, err, default="driver")
+            self._go_down(f"nvmlInit failed: {err}")
+            return None
+        if not self.up:
+            log.info("NVML on %s is available again", self.host)
+        self.up = True
+        self._nvml = pynvml
+        return pynvml
+
+    def _go_down(self, why: str) -> None:
+        if self.up:
+            log.warning("no GPU metrics from NVML on %s: %s; retrying", self.host, why)
+        self.up = False
+
+    def _count(self, nvml: Any, err: Exception, default: str = "other") -> str:
+        reason = default
+        for class_name, candidate in _REASONS:
+            error_class = getattr(nvml, class_name, None)
+            if error_class is not None and isinstance(err, error_class):
+                reason = candidate
+                break
+        self._errors[reason] = self._errors.get(reason, 0) + 1
+        return reason
+
+    def _field(self, nvml: Any, call: Callable[[], Any]) -> Any:
+        """One NVML call: its result, or None when NVML cannot say (counted)."""
+        try:
+            return call()
+        except nvml.NVMLError as err:
+            if self._count(nvml, err) == "gpu_lost":
+                raise _GpuLost(err) from err
+            return None
+
+    def _read_gpu(self, nvml: Any, index: int) -> GpuReading:
+        handle = self._field(nvml, lambda: nvml.nvmlDeviceGetHandleByIndex(index))
+        uuid = None if handle is None else self._field(nvml, lambda: nvml.nvmlDeviceGetUUID(handle))
+        if uuid is None:
+            raise _GpuLost("no handle or UUID")
+        memory = self._field(nvml, lambda: self._memory_info(nvml, handle))
+        utilization = self._field(nvml, lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+        power = self._field(nvml, lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+        processes = self._field(nvml, lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        return GpuReading(
+            host=self.host,
+            index=index,
+            uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+            kind="nvml",
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            utilization_ratio=None if utilization is None else utilization.gpu / 100,
+            power_watts=None if power is None else power / 1000,
+            processes=_process_memory(processes or ()),
+        )
+
+    def _memory_info(self, nvml: Any, handle: Any) -> Any:
+        """v2 memory info where the driver has it (its `used` leaves out driver-reserved
+        memory, which v1 counts as used); v1 otherwise."""
+        version = getattr(nvml, "nvmlMemory_v2", None)
+        if self._memory_v2 and version is not None:
+            try:
+                return nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            except (nvml.NVMLError_FunctionNotFound, nvml.NVMLError_NotSupported):
+                self._memory_v2 = False  # the driver is the same for every GPU: ask once
+        return nvml.nvmlDeviceGetMemoryInfo(handle)
+
+
+def _process_memory(processes: Any) -> tuple[ProcessMemory, ...]:
+    """Compute processes with known memory, one entry per pid (MIG lists a pid per instance).
+
+    NVML reports no memory for a process without the permission to see it; such a
+    process is left out rather than reported as using nothing.
+    """
+    used_by_pid: dict[int, int] = {}
+    for process in processes:
+        if process.usedGpuMemory is None:
+            continue
+        pid = int(process.pid)
+        used_by_pid[pid] = used_by_pid.get(pid, 0) + int(process.usedGpuMemory)
+    return tuple(ProcessMemory(pid, used) for pid, used in used_by_pid.items())

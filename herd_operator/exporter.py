@@ -1,0 +1,132 @@
+"""`herd-operator exporter`: one node's GPU metrics, for Prometheus and the operator.
+
+The thing `srun --overlap` starts on every node of the allocation. It serves
+this node's GPUs (NVML, or virtual GPUs on CPU nodes) at `/metrics`, labelled
+with the job that holds each GPU (asked of the allocator), and registers itself
+with the operator, which adds it to Prometheus' file_sd targets and scrapes it
+for the policies' memory signal. Without a reachable operator it still serves,
+with empty job labels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from exporters.collector import GpuCollector
+from exporters.gpu import GpuSource, VirtualGpuSource
+from exporters.nvml import NvmlGpuSource
+from herd_operator.auth import read_token_file
+from herd_operator.layout import StateLayout
+from herd_operator.pool import nvml_gpu_count
+from herd_operator.rpc import RpcClient, parse_address
+from policies.arbitration import Placement
+
+log = logging.getLogger(__name__)
+
+REGISTER_EVERY_SECONDS = 30.0
+OWNERS_MAX_AGE_SECONDS = 1.0
+
+
+class AllocatorView:
+    """What the allocator says about this host's GPUs, refreshed at most once a second."""
+
+    def __init__(self, layout: StateLayout, host: str) -> None:
+        self.layout = layout
+        self.host = host
+        self._lock = threading.Lock()
+        self._client: RpcClient | None = None
+        self._fetched = 0.0
+        self._owners: dict[tuple[str, int], str] = {}
+        self._pids: dict[int, list[int]] = {}
+
+    def _call(self, op: str, **args: Any) -> dict[str, Any] | None:
+        try:
+            if self._client is None:
+                endpoint = json.loads(self.layout.endpoint_file.read_text())
+                token = read_token_file(self.layout.token_file)
+                self._client = RpcClient(
+                    parse_address(endpoint["address"]), token, client=f"exporter:{self.host}"
+                )
+            return self._client.call(op, **args)
+        except Exception as err:  # no operator (yet, or any more): serve without job labels
+            log.debug("allocator unavailable: %s", err)
+            if self._client is not None:
+                self._client.close()
+            self._client = None
+            return None
+
+    def _refresh(self) -> None:
+        with self._lock:
+            if time.monotonic() - self._fetched < OWNERS_MAX_AGE_SECONDS:
+                return
+            self._fetched = time.monotonic()
+            reply = self._call("placements")
+            if reply is None:
+                self._owners, self._pids = {}, {}
+                return
+            owners = {}
+            for job, data in reply["placements"].items():
+                for slot in Placement.from_json(data).slots():
+                    owners[slot] = job
+            pids: dict[int, list[int]] = {}
+            for _job, host, _rank, gpu, pid in reply["bindings"]:
+                if host == self.host and isinstance(pid, int):
+                    pids.setdefault(gpu, []).append(pid)
+            self._owners, self._pids = owners, pids
+
+    def owners(self) -> dict[tuple[str, int], str]:
+        self._refresh()
+        return dict(self._owners)
+
+    def bound_pids(self) -> dict[int, list[int]]:
+        self._refresh()
+        return {gpu: list(pids) for gpu, pids in self._pids.items()}
+
+    def register(self, port: int) -> bool:
+        with self._lock:
+            return self._call("register_exporter", host=self.host, port=port) is not None
+
+
+def run_exporter(
+    state_dir: Path,
+    host: str | None,
+    listen: str,
+    port: int,
+    virtual_gpus: int,
+    virtual_gpu_memory: int,
+    stop: threading.Event,
+) -> int:
+    host = host or socket.gethostname()
+    view = AllocatorView(StateLayout(state_dir), host)
+    source: GpuSource
+    if nvml_gpu_count():
+        source = NvmlGpuSource(host)
+        kind = "NVML"
+    else:
+        source = VirtualGpuSource(host, virtual_gpus, virtual_gpu_memory, view.bound_pids)
+        kind = f"{virtual_gpus} virtual"
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(source, view.owners))
+    server, _ = start_http_server(port, addr=listen, registry=registry)
+    bound = server.server_port
+    log.info("exporter for %s (%s GPUs) on http://%s:%d/metrics", host, kind, listen, bound)
+    registered = False
+    try:
+        while not stop.is_set():
+            ok = view.register(bound)
+            if ok and not registered:
+                log.info("registered with the operator")
+            registered = ok
+            stop.wait(REGISTER_EVERY_SECONDS if ok else 2.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    return 0

@@ -1,0 +1,157 @@
+"""The operator's own metrics, for Prometheus.
+
+Instruments the operator updates as it works (reconcile durations and errors,
+resizes and how long they took), plus a custom collector that reads the jobs'
+and the pool's state at scrape time, so a scrape always shows the present.
+Names follow Prometheus conventions: `herd_` prefix, base units, `_total` for
+counters. The job a series belongs to is the label `herd_job`: Prometheus
+itself sets `job` to the scrape job's name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from herd_operator.store import Store
+from policies.arbitration import Placement, Pool
+from specs import ConditionType
+from specs.status import HerdJobStatus
+
+RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+RESIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class OperatorMetrics:
+    """Counters and histograms the operator updates; also the controllers' resize observer."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.reconcile_duration = Histogram(
+            "herd_reconcile_duration_seconds",
+            "Time one reconcile of one job took.",
+            buckets=RECONCILE_BUCKETS,
+            registry=registry,
+        )
+        self.reconcile_errors = Counter(
+            "herd_reconcile_errors",
+            "Reconciles that failed, by kind (temporary: retried with backoff; permanent: "
+            "not retried until the spec changes; unexpected: a bug, retried).",
+            ["kind"],
+            registry=registry,
+        )
+        self.resizes = Counter(
+            "herd_resizes",
+            "Grant size changes of running jobs, by direction.",
+            ["direction"],
+            registry=registry,
+        )
+        # Known label values start at zero, so dashboards and rate() see them from the start.
+        for kind in ("temporary", "permanent", "unexpected"):
+            self.reconcile_errors.labels(kind=kind)
+        for direction in ("grow", "shrink"):
+            self.resizes.labels(direction=direction)
+        self.resize_duration = Histogram(
+            "herd_resize_duration_seconds",
+            "From a grant change to the workers reporting the new world size.",
+            buckets=RESIZE_BUCKETS,
+            registry=registry,
+        )
+
+    # ReconcileObserver (controllers.ports)
+    def resized(self, job: str, before: int, after: int) -> None:
+        self.resizes.labels(direction="grow" if after > before else "shrink").inc()
+
+    def resize_completed(self, job: str, seconds: float) -> None:
+        self.resize_duration.observe(seconds)
+
+
+class StateCollector(Collector):
+    """Jobs, GPUs per job and the pool, read from the store and the allocator at scrape time."""
+
+    def __init__(
+        self,
+        store: Store,
+        pool: Pool,
+        placements: Callable[[], Mapping[str, Placement]],
+        request_counts: Callable[[], Mapping[tuple[str, str], int]],
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.placements = placements
+        self.request_counts = request_counts
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily(
+            "herd_jobs", "Jobs by condition and its status.", labels=["condition", "status"]
+        )
+        desired = GaugeMetricFamily(
+            "herd_job_gpus_desired", "GPUs the job's policy asks for.", labels=["herd_job"]
+        )
+        allocated = GaugeMetricFamily(
+            "herd_job_gpus_allocated", "GPUs the allocator granted the job.", labels=["herd_job"]
+        )
+        active = GaugeMetricFamily(
+            "herd_job_gpus_active",
+            "World size the job's workers last reported.",
+            labels=["herd_job"],
+        )
+        epoch = GaugeMetricFamily(
+            "herd_job_epoch", "Last epoch the workers reported.", labels=["herd_job"]
+        )
+        memory = GaugeMetricFamily(
+            "herd_job_memory_utilization_ratio",
+            "Used over total memory of the job's GPUs at the last sample.",
+            labels=["herd_job"],
+        )
+        thresholds = GaugeMetricFamily(
+            "herd_job_policy_threshold_ratio",
+            "The memory policy's thresholds for the job.",
+            labels=["herd_job", "bound"],
+        )
+        counts: dict[tuple[str, str], int] = {
+            (str(t), s): 0 for t in ConditionType for s in ("True", "False", "Unknown")
+        }
+        for record in self.store.list_jobs():
+            status = HerdJobStatus.model_validate_json(record.status_json or "{}")
+            for condition in status.conditions:
+                key = (condition.type, str(condition.status))
+                counts[key] = counts.get(key, 0) + 1
+            if status.gpus is not None:
+                if status.gpus.desired is not None:
+                    desired.add_metric([record.name], status.gpus.desired)
+                allocated.add_metric([record.name], status.gpus.allocated)
+                if status.gpus.active is not None:
+                    active.add_metric([record.name], status.gpus.active)
+            if status.epoch is not None:
+                epoch.add_metric([record.name], status.epoch)
+            samples = self.store.usage(record.name, limit=1)
+            if samples and samples[-1].total_bytes:
+                memory.add_metric([record.name], samples[-1].used_bytes / samples[-1].total_bytes)
+            policy = json.loads(record.spec_json)["spec"].get("policy", {})
+            if policy.get("name") == "memory":
+                params = policy.get("params", {})
+                thresholds.add_metric([record.name, "low"], float(params.get("low", 0.25)))
+                thresholds.add_metric([record.name, "high"], float(params.get("high", 0.75)))
+        for (condition_type, condition_status), count in sorted(counts.items()):
+            jobs.add_metric([condition_type, condition_status], count)
+        yield from (jobs, desired, allocated, active, epoch, memory, thresholds)
+
+        held = sum(placement.size for placement in self.placements().values())
+        pool = GaugeMetricFamily("herd_pool_gpus", "GPUs of the pool by state.", labels=["state"])
+        pool.add_metric(["allocated"], held)
+        pool.add_metric(["free"], self.pool.size - held)
+        yield pool
+
+        requests = CounterMetricFamily(
+            "herd_allocator_requests",
+            "Requests to the allocator's RPC server, by operation and result.",
+            labels=["op", "result"],
+        )
+        for (op, result), count in sorted(self.request_counts().items()):
+            requests.add_metric([op, result], count)
+        yield requests

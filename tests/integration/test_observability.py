@@ -1,0 +1,92 @@
+"""Metrics in the loop: a real Prometheus scrapes the operator, and the memory policy
+decides on what PromQL returns."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+from tests.integration.harness import REPO, digits_command, operator_harness, spec_document
+from tests.integration.prometheus import prometheus
+
+DASHBOARD = REPO / "deploy" / "grafana" / "herd-dashboard.json"
+# Emitted only for fields real GPUs have (NVML); checked against the collector over fake NVML
+# in tests/unit/test_gpu_collector.py.
+NVML_ONLY = {"herd_gpu_utilization_ratio", "herd_gpu_power_watts"}
+
+
+def dashboard_metric_names() -> set[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs += [a["expr"] for a in dashboard["annotations"]["list"] if "expr" in a]
+    exprs.append(dashboard["templating"]["list"][1]["definition"])
+    return set(re.findall(r"\bherd_[a-z0-9_]+", " ".join(exprs)))
+
+
+def exposed_names(text: str) -> set[str]:
+    return {
+        line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("herd_")
+    }
+
+
+def value(result: list[dict]) -> float:  # type: ignore[type-arg]
+    return float(result[0]["value"][1])
+
+
+def test_prometheus_scrapes_the_operator_and_promql_drives_the_memory_policy(
+    tmp_path: Path,
+) -> None:
+    targets = tmp_path / "state" / "prometheus" / "targets.json"
+    with (
+        prometheus(tmp_path / "prom", targets) as prom,
+        operator_harness(tmp_path, metrics_port=0, prometheus_url=prom.url) as herd,
+    ):
+        memory = {"name": "memory", "params": {"cooldownSeconds": 0}}
+        herd.write_spec(
+            spec_document("idle", 1, 2, digits_command(400, "--step-delay", "0.02"), policy=memory)
+        )
+        herd.wait_for(
+            lambda: any(t["health"] == "up" for t in prom.targets()),
+            "Prometheus to scrape the operator",
+        )
+        herd.wait_for(
+            lambda: (r := prom.query('herd_job_gpus_allocated{herd_job="idle"}')) and value(r) == 2,
+            "the grant of 2 in Prometheus",
+            job="idle",
+        )
+
+        used = herd.wait_for(
+            lambda: len(r := prom.query('herd_gpu_memory_used_bytes{herd_job="idle"}')) == 2 and r,
+            "memory series of the job's 2 virtual GPUs",
+            job="idle",
+        )
+        assert all(float(s["value"][1]) > 50 * 2**20 for s in used), used
+        assert {s["metric"]["kind"] for s in used} == {"virtual"}
+        assert value(prom.query('herd_pool_gpus{state="free"}')) == 2
+        assert value(prom.query('herd_allocator_requests_total{op="bind",result="ok"}')) >= 2
+
+        # The only memory signal this operator has is PromQL: a shrink proves the loop.
+        shrink = herd.wait_for(
+            lambda: [e.message for e in herd.events("idle") if e.reason == "Resized"],
+            "the memory policy to shrink the idle job",
+            job="idle",
+            timeout=180,
+        )
+        assert "memory 0." in shrink[0] and "< 0.25" in shrink[0], shrink
+        stale = herd.condition("idle", "MetricsStale")
+        assert stale is not None and stale["status"] == "False", stale
+
+        # Every metric the dashboard queries exists in the real exposition.
+        address = herd.operator._metrics_address
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        exposed = exposed_names(text)
+        missing = {
+            name
+            for name in dashboard_metric_names() - NVML_ONLY
+            if not any(e == name or e.startswith(name + "_") for e in exposed)
+        }
+        assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
+        assert json.loads(targets.read_text())[0]["labels"] == {"herd_role": "operator"}

@@ -1,0 +1,227 @@
+"""A fake `pynvml` module (the `nvidia-ml-py` API surface NvmlGpuSource uses), driven by a config.
+
+`make_module(config)` builds a module to put in `sys.modules["pynvml"]`. Errors follow
+the real module: `NVMLError` carries the NVML return code in `.value`, and each
+subclass (same names as pynvml's) is constructed without arguments.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Literal
+
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_UNKNOWN = 999
+
+# The real value: sizeof(nvmlMemory_v2_t) | 2 << 24.
+nvmlMemory_v2 = 0x02000028
+
+
+class NVMLError(Exception):
+    value = NVML_ERROR_UNKNOWN
+
+    def __str__(self) -> str:
+        return f"NVML error {self.value} ({type(self).__name__})"
+
+
+class NVMLError_Uninitialized(NVMLError):
+    value = NVML_ERROR_UNINITIALIZED
+
+
+class NVMLError_NotSupported(NVMLError):
+    value = NVML_ERROR_NOT_SUPPORTED
+
+
+class NVMLError_NoPermission(NVMLError):
+    value = NVML_ERROR_NO_PERMISSION
+
+
+class NVMLError_DriverNotLoaded(NVMLError):
+    value = NVML_ERROR_DRIVER_NOT_LOADED
+
+
+class NVMLError_LibraryNotFound(NVMLError):
+    value = NVML_ERROR_LIBRARY_NOT_FOUND
+
+
+class NVMLError_FunctionNotFound(NVMLError):
+    value = NVML_ERROR_FUNCTION_NOT_FOUND
+
+
+class NVMLError_GpuIsLost(NVMLError):
+    value = NVML_ERROR_GPU_IS_LOST
+
+
+ERROR_CLASSES: tuple[type[NVMLError], ...] = (
+    NVMLError_Uninitialized,
+    NVMLError_NotSupported,
+    NVMLError_NoPermission,
+    NVMLError_DriverNotLoaded,
+    NVMLError_LibraryNotFound,
+    NVMLError_FunctionNotFound,
+    NVMLError_GpuIsLost,
+)
+
+# What a fake GPU can be told to fail on, one name per NVML call.
+Call = Literal["handle", "uuid", "memory", "memory_v2", "utilization", "power", "processes"]
+ALL_CALLS: tuple[Call, ...] = (
+    "handle",
+    "uuid",
+    "memory",
+    "memory_v2",
+    "utilization",
+    "power",
+    "processes",
+)
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    total_bytes: int
+    used_bytes: int
+    """What v2 reports as used; v1 also counts `reserved_bytes` as used."""
+    reserved_bytes: int = 0
+    utilization_percent: int = 0
+    power_milliwatts: int = 0
+    processes: list[tuple[int, int | None]] = field(default_factory=list)
+    failures: dict[Call, type[NVMLError]] = field(default_factory=dict)
+
+    def lose(self) -> None:
+        """The GPU fell off the bus: every call on it fails with GPU_IS_LOST."""
+        self.failures = dict.fromkeys(ALL_CALLS, NVMLError_GpuIsLost)
+
+
+@dataclass
+class FakeNvmlConfig:
+    gpus: list[FakeGpu]
+    v2: Literal["supported", "driver_lacks", "module_lacks"] = "supported"
+    """driver_lacks: the v2 call raises FunctionNotFound (old driver); module_lacks: an old
+    nvidia-ml-py without `nvmlMemory_v2` nor the `version=` keyword."""
+    init_error: type[NVMLError] | None = None
+    count_error: type[NVMLError] | None = None
+    shutdown_error: type[NVMLError] | None = None
+    init_calls: int = 0
+    shutdown_calls: int = 0
+
+
+@dataclass(frozen=True)
+class _Handle:
+    index: int
+
+
+@dataclass(frozen=True)
+class _MemoryV1:
+    total: int
+    free: int
+    used: int
+
+
+@dataclass(frozen=True)
+class _MemoryV2:
+    version: int
+    total: int
+    reserved: int
+    free: int
+    used: int
+
+
+@dataclass(frozen=True)
+class _Utilization:
+    gpu: int
+    memory: int
+
+
+@dataclass(frozen=True)
+class _Process:
+    pid: int
+    usedGpuMemory: int | None
+
+
+def make_module(config: FakeNvmlConfig) -> types.ModuleType:
+    """A `pynvml` stand-in reading and recording through `config`."""
+    module = types.ModuleType("pynvml")
+    error_classes: list[type[NVMLError]] = [NVMLError, *ERROR_CLASSES]
+    for error_class in error_classes:
+        setattr(module, error_class.__name__, error_class)
+
+    def gpu_for(handle: _Handle, call: Call) -> FakeGpu:
+        gpu = config.gpus[handle.index]
+        failure = gpu.failures.get(call)
+        if failure is not None:
+            raise failure()
+        return gpu
+
+    def nvml_init() -> None:
+        config.init_calls += 1
+        if config.init_error is not None:
+            raise config.init_error()
+
+    def nvml_shutdown() -> None:
+        config.shutdown_calls += 1
+        if config.shutdown_error is not None:
+            raise config.shutdown_error()
+
+    def device_get_count() -> int:
+        if config.count_error is not None:
+            raise config.count_error()
+        return len(config.gpus)
+
+    def get_handle_by_index(index: int) -> _Handle:
+        handle = _Handle(index)
+        gpu_for(handle, "handle")
+        return handle
+
+    def get_uuid(handle: _Handle) -> str:
+        return gpu_for(handle, "uuid").uuid
+
+    def memory_v1(handle: _Handle) -> _MemoryV1:
+        gpu = gpu_for(handle, "memory")
+        used = gpu.used_bytes + gpu.reserved_bytes
+        return _MemoryV1(total=gpu.total_bytes, free=gpu.total_bytes - used, used=used)
+
+    def get_memory_info(handle: _Handle, version: int | None = None) -> _MemoryV1 | _MemoryV2:
+        if version is None:
+            return memory_v1(handle)
+        if version != nvmlMemory_v2:
+            raise NVMLError()
+        if config.v2 == "driver_lacks":
+            raise NVMLError_FunctionNotFound()
+        gpu = gpu_for(handle, "memory_v2")
+        free = gpu.total_bytes - gpu.used_bytes - gpu.reserved_bytes
+        return _MemoryV2(version, gpu.total_bytes, gpu.reserved_bytes, free, gpu.used_bytes)
+
+    def get_utilization_rates(handle: _Handle) -> _Utilization:
+        return _Utilization(gpu=gpu_for(handle, "utilization").utilization_percent, memory=0)
+
+    def get_power_usage(handle: _Handle) -> int:
+        return gpu_for(handle, "power").power_milliwatts
+
+    def get_compute_running_processes(handle: _Handle) -> list[_Process]:
+        return [_Process(pid, used) for pid, used in gpu_for(handle, "processes").processes]
+
+    functions: dict[str, object] = {
+        "nvmlInit": nvml_init,
+        "nvmlShutdown": nvml_shutdown,
+        "nvmlDeviceGetCount": device_get_count,
+        "nvmlDeviceGetHandleByIndex": get_handle_by_index,
+        "nvmlDeviceGetUUID": get_uuid,
+        "nvmlDeviceGetUtilizationRates": get_utilization_rates,
+        "nvmlDeviceGetPowerUsage": get_power_usage,
+        "nvmlDeviceGetComputeRunningProcesses": get_compute_running_processes,
+    }
+    if config.v2 == "module_lacks":
+        functions["nvmlDeviceGetMemoryInfo"] = memory_v1
+    else:
+        functions["nvmlDeviceGetMemoryInfo"] = get_memory_info
+        functions["nvmlMemory_v2"] = nvmlMemory_v2
+    for name, value in functions.items():
+        setattr(module, name, value)
+    return module

@@ -1,0 +1,142 @@
+"""The operator's metrics: what a scrape shows, series by series."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporters.gpu import GpuReading
+from herd_operator.metrics import OperatorMetrics, StateCollector
+from herd_operator.observer import UsageObserver, job_usage
+from herd_operator.store import Store
+from policies.arbitration import Placement, Pool
+from specs import Condition, ConditionStatus
+from specs.status import GpuCounts, HerdJobStatus
+
+SPEC = {
+    "apiVersion": "herd/v1alpha1",
+    "kind": "HerdJob",
+    "metadata": {"name": "x"},
+    "spec": {"command": ["python"], "gpus": {"min": 1, "max": 4}},
+}
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def record(store: Store, name: str, policy: dict[str, object] | None = None, **gpus: int) -> None:
+    spec = json.loads(json.dumps(SPEC))
+    spec["metadata"]["name"] = name
+    if policy:
+        spec["spec"]["policy"] = policy
+    store.record_spec(name, f"{name}.yaml", json.dumps(spec), name, 1.0)
+    status = HerdJobStatus(
+        conditions=(
+            Condition(
+                type="Running",
+                status=ConditionStatus.TRUE,
+                reason="Training",
+                last_transition_time=1.0,
+                observed_generation=1,
+            ),
+        ),
+        gpus=GpuCounts(min=1, max=4, **gpus),
+        epoch=3,
+    )
+    store.put_status(name, status.model_dump_json(by_alias=True), 2.0)
+
+
+def test_state_collector_reads_jobs_pool_and_requests_at_scrape_time(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    record(store, "a", desired=3, allocated=2, active=2)
+    record(store, "b", {"name": "memory", "params": {"low": 0.1}}, desired=1, allocated=1)
+    store.add_usage("b", 1, 512, 2048, 3.0)
+    placements = {"a": Placement((("h", (0, 1)),)), "b": Placement((("h", (2,)),))}
+    registry = CollectorRegistry()
+    registry.register(
+        StateCollector(
+            store,
+            Pool.from_counts({"h": 4}),
+            lambda: placements,
+            lambda: {("bind", "ok"): 5, ("report", "bad_request"): 1},
+        )
+    )
+    got = samples(registry)
+    assert got[("herd_job_gpus_desired", (("herd_job", "a"),))] == 3
+    assert got[("herd_job_gpus_allocated", (("herd_job", "a"),))] == 2
+    assert got[("herd_job_gpus_active", (("herd_job", "a"),))] == 2
+    assert ("herd_job_gpus_active", (("herd_job", "b"),)) not in got  # nothing reported yet
+    assert got[("herd_job_epoch", (("herd_job", "a"),))] == 3
+    assert got[("herd_job_memory_utilization_ratio", (("herd_job", "b"),))] == 0.25
+    assert got[("herd_job_policy_threshold_ratio", (("bound", "low"), ("herd_job", "b")))] == 0.1
+    assert got[("herd_job_policy_threshold_ratio", (("bound", "high"), ("herd_job", "b")))] == 0.75
+    assert ("herd_job_policy_threshold_ratio", (("bound", "low"), ("herd_job", "a"))) not in got
+    assert got[("herd_jobs", (("condition", "Running"), ("status", "True")))] == 2
+    assert got[("herd_jobs", (("condition", "Failed"), ("status", "True")))] == 0
+    assert got[("herd_pool_gpus", (("state", "allocated"),))] == 3
+    assert got[("herd_pool_gpus", (("state", "free"),))] == 1
+    assert got[("herd_allocator_requests_total", (("op", "bind"), ("result", "ok")))] == 5
+
+    # Read at scrape time: a change shows in the next scrape.
+    record(store, "a", desired=4, allocated=4, active=2)
+    assert samples(registry)[("herd_job_gpus_allocated", (("herd_job", "a"),))] == 4
+
+
+def test_operator_metrics_count_resizes_and_reconciles() -> None:
+    registry = CollectorRegistry()
+    metrics = OperatorMetrics(registry)
+    metrics.resized("a", 2, 4)
+    metrics.resized("a", 4, 1)
+    metrics.resized("b", 4, 2)
+    metrics.resize_completed("a", 3.5)
+    metrics.reconcile_duration.observe(0.004)
+    metrics.reconcile_errors.labels(kind="temporary").inc()
+    got = samples(registry)
+    assert got[("herd_resizes_total", (("direction", "grow"),))] == 1
+    assert got[("herd_resizes_total", (("direction", "shrink"),))] == 2
+    assert got[("herd_resize_duration_seconds_count", ())] == 1
+    assert got[("herd_resize_duration_seconds_bucket", (("le", "5.0"),))] == 1
+    assert got[("herd_resize_duration_seconds_bucket", (("le", "2.0"),))] == 0
+    assert got[("herd_reconcile_duration_seconds_count", ())] == 1
+    assert got[("herd_reconcile_errors_total", (("kind", "temporary"),))] == 1
+
+
+def reading(index: int, used: int | None, total: int | None = 1000, host: str = "h") -> GpuReading:
+    return GpuReading(host, index, f"GPU-{index}", "virtual", used, total)
+
+
+def test_job_usage_sums_a_jobs_gpus_and_skips_jobs_with_an_unread_gpu() -> None:
+    placements = {
+        "a": Placement((("h", (0, 1)),)),
+        "b": Placement((("h", (2,)), ("g", (0,)))),  # g:0 is not read
+        "c": Placement((("h", (3,)),)),  # h:3 has no used value
+        "pending": Placement.EMPTY,
+    }
+    readings = [reading(0, 100), reading(1, 300), reading(2, 50), reading(3, None)]
+    assert job_usage(readings, placements) == {"a": (2, 400, 2000)}
+
+
+def test_usage_observer_records_each_job_and_tolerates_a_deleted_job(tmp_path: Path) -> None:
+    class Source:
+        def read(self) -> list[GpuReading]:
+            return [reading(0, 100), reading(1, 700)]
+
+    recorded: list[tuple[str, int, int, int]] = []
+
+    def record_usage(job: str, gpus: int, used: int, total: int, now: float) -> None:
+        if job == "gone":
+            raise KeyError(job)
+        recorded.append((job, gpus, used, total))
+
+    placements = {"a": Placement((("h", (0,)),)), "gone": Placement((("h", (1,)),))}
+    UsageObserver(Source(), lambda: placements, record_usage).sample_once()
+    assert recorded == [("a", 1, 100, 1000)]

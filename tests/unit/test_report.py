@@ -1,0 +1,435 @@
+"""`herd-operator report`: series extracted from the store, the PNG, the text summary, errors."""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from herd_operator.cli import main
+from herd_operator.layout import StateLayout
+from herd_operator.report import (
+    GrantStep,
+    JobSeries,
+    format_duration,
+    grant_steps,
+    label_lifts,
+    load_run,
+    output_format,
+    threshold_lines,
+    time_unit,
+    world_size_steps,
+)
+from herd_operator.store import Store
+from specs import ConditionStatus, ConditionType, HerdJob, set_condition, spec_fingerprint
+from specs.status import HerdJobStatus
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
+GIB = 1 << 30
+
+
+def spec_json(name: str, low: int, high: int, policy: str = "") -> str:
+    text = (
+        "apiVersion: herd/v1alpha1\nkind: HerdJob\n"
+        f"metadata:\n  name: {name}\n"
+        f"spec:\n  command: [python, train.py]\n  gpus:\n    min: {low}\n    max: {high}\n"
+        f"{policy}"
+    )
+    return HerdJob.model_validate(yaml.safe_load(text)).model_dump_json(by_alias=True)
+
+
+def add_job(store: Store, name: str, spec: str, created: float, condition: str, at: float) -> None:
+    job = HerdJob.model_validate_json(spec)
+    store.record_spec(name, f"jobs/{name}.yaml", spec, spec_fingerprint(job), created)
+    conditions = set_condition((), condition, ConditionStatus.TRUE, condition, "", 1, at)
+    status = HerdJobStatus(observed_generation=1, conditions=conditions)
+    store.put_status(name, status.model_dump_json(by_alias=True), at)
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    """Two jobs: `alpha` (memory policy) shrinks 4->2 and ends; `beta` waits, then runs on 2."""
+    directory = tmp_path / "state"
+    memory = "  policy:\n    name: memory\n    params: {low: 0.3, high: 0.8}\n"
+    with Store(StateLayout(directory).database) as store:
+        add_job(
+            store, "alpha", spec_json("alpha", 1, 4, memory), T0, ConditionType.Succeeded, T0 + 300
+        )
+        add_job(store, "beta", spec_json("beta", 2, 2), T0 + 5, ConditionType.Running, T0 + 400)
+        store.add_grant_change("alpha", 4, "admitted", T0 + 10)
+        store.add_report("alpha", None, 4, 0, {}, T0 + 20)
+        store.add_report("alpha", 0, 4, 0, {"loss": 1.0}, T0 + 70)
+        store.add_report("alpha", 0, 4, 1, {"loss": 1.0}, T0 + 71)
+        store.add_report("alpha", 1, 4, 0, {}, T0 + 120)
+        store.add_grant_change("alpha", 2, "memory 0.12 < 0.3: 4 -> 2", T0 + 130)
+        store.add_grant_change("beta", 2, "admitted", T0 + 130)
+        store.add_report("alpha", None, 2, 0, {}, T0 + 140)
+        store.add_report("alpha", 2, 2, 0, {}, T0 + 200)
+        store.add_grant_change("alpha", 0, "finished", T0 + 300)
+        store.add_usage("alpha", 4, GIB, 8 * GIB, T0 + 30)
+        store.add_usage("alpha", 2, 2 * GIB, 4 * GIB, T0 + 150)
+        store.add_usage("beta", 2, 3 * GIB, 4 * GIB, T0 + 200)
+        store.add_usage("beta", 2, 0, 0, T0 + 210)  # a GPU reporting no memory: skipped
+    return directory
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def read_png(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert (length, kind) == (13, b"IHDR")
+    assert zlib.crc32(data[12:29]) == struct.unpack(">I", data[29:33])[0]
+    assert data.endswith(b"IEND\xaeB`\x82")
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+# ---- extraction ----
+
+
+def test_load_run_extracts_exact_series(state_dir: Path) -> None:
+    with Store.open_readonly(StateLayout(state_dir).database) as store:
+        run = load_run(store, state_dir, store.list_jobs(), since=None)
+    assert (run.origin, run.end) == (T0, 400.0)
+    alpha, beta = run.jobs
+    assert (alpha.name, alpha.status, alpha.policy, alpha.created) == (
+        "alpha",
+        "Succeeded",
+        "memory",
+        0.0,
+    )
+    assert alpha.grants == (
+        GrantStep(10.0, 0, 4, "admitted"),
+        GrantStep(130.0, 4, 2, "memory 0.12 < 0.3: 4 -> 2"),
+        GrantStep(300.0, 2, 0, "finished"),
+    )
+    assert alpha.world_sizes == ((20.0, 4), (140.0, 2))
+    assert alpha.epoch_ends == ((70.0, 0), (120.0, 1), (200.0, 2))
+    assert alpha.memory == ((30.0, 0.125), (150.0, 0.5))
+    assert alpha.thresholds == (0.3, 0.8)
+    assert (beta.status, beta.policy, beta.created, beta.initial_gpus) == (
+        "Running",
+        "static",
+        5.0,
+        0,
+    )
+    assert beta.grants == (GrantStep(130.0, 0, 2, "admitted"),)
+    assert beta.memory == ((200.0, 0.75),)
+    assert (beta.thresholds, beta.world_sizes, beta.epoch_ends) == (None, (), ())
+
+
+def test_load_run_since_starts_at_the_window_with_the_grant_then_in_force(state_dir: Path) -> None:
+    with Store.open_readonly(StateLayout(state_dir).database) as store:
+        run = load_run(store, state_dir, store.list_jobs(), since=T0 + 135)
+    assert (run.origin, run.end) == (T0 + 135, 265.0)
+    alpha, beta = run.jobs
+    assert (alpha.initial_gpus, alpha.grants) == (2, (GrantStep(165.0, 2, 0, "finished"),))
+    assert alpha.world_sizes == ((5.0, 2),)
+    assert alpha.epoch_ends == ((65.0, 2),)
+    assert alpha.memory == ((15.0, 0.5),)
+    assert (beta.initial_gpus, beta.grants, beta.created) == (2, (), -130.0)
+    assert beta.pending_seconds(run.end) == 0.0
+    assert beta.gpu_seconds(run.end) == 2 * 265.0
+
+
+def test_memory_thresholds_default_to_the_policy_defaults(tmp_path: Path) -> None:
+    refused = "  policy:\n    name: memory\n    params: {low: 0.9, high: 0.1}\n"
+    with Store(tmp_path / "state.db") as store:
+        add_job(
+            store,
+            "plain",
+            spec_json("plain", 1, 2, "  policy:\n    name: memory\n"),
+            T0,
+            ConditionType.Running,
+            T0,
+        )
+        # Parameters the policy refuses (the reconciler reports them): no threshold lines.
+        add_job(
+            store, "refused", spec_json("refused", 1, 2, refused), T0, ConditionType.Running, T0
+        )
+        run = load_run(store, tmp_path, store.list_jobs(), since=None)
+    assert {job.name: job.thresholds for job in run.jobs} == {
+        "plain": (0.25, 0.75),
+        "refused": None,
+    }
+
+
+# ---- pure helpers ----
+
+
+def series(**changes: object) -> JobSeries:
+    base: dict[str, object] = dict(
+        name="j",
+        status="Running",
+        policy="static",
+        min_gpus=1,
+        max_gpus=4,
+        created=0.0,
+        initial_gpus=0,
+        grants=(),
+        world_sizes=(),
+        epoch_ends=(),
+        memory=(),
+        thresholds=None,
+    )
+    base.update(changes)
+    return JobSeries(**base)  # type: ignore[arg-type]
+
+
+def test_grant_and_world_size_steps_hold_the_last_value() -> None:
+    job = series(
+        grants=(GrantStep(10, 0, 4, "a"), GrantStep(50, 4, 2, "b"), GrantStep(90, 2, 0, "c")),
+        world_sizes=((12.0, 4), (55.0, 2)),
+    )
+    # From creation (pending at 0) to the release: nothing drawn after the job let go.
+    assert grant_steps(job, 100.0) == ([0.0, 10, 50, 90], [0, 4, 2, 0])
+    admitted_before_window = series(
+        created=-30.0, initial_gpus=2, grants=(GrantStep(50, 2, 3, "a"),)
+    )
+    assert grant_steps(admitted_before_window, 100.0) == ([0.0, 50, 100.0], [2, 3, 3])
+    assert grant_steps(series(created=40.0), 100.0) == ([40.0, 100.0], [0, 0])
+    # The workers' size ends where the grant went to 0, not at the end of the run.
+    assert world_size_steps(job, 100.0) == ([12.0, 55.0, 90], [4, 2, 2])
+    running = series(world_sizes=((12.0, 4),))
+    assert world_size_steps(running, 100.0) == ([12.0, 100.0], [4, 4])
+    assert world_size_steps(series(), 100.0) == ([], [])
+
+
+def test_gpu_seconds_pending_and_resizes() -> None:
+    job = series(
+        created=4.0,
+        grants=(GrantStep(10, 0, 4, "a"), GrantStep(50, 4, 2, "b"), GrantStep(90, 2, 0, "c")),
+    )
+    assert job.gpu_seconds(100.0) == 4 * 40 + 2 * 40
+    assert job.pending_seconds(100.0) == 6.0
+    assert job.resizes() == 1
+    never_admitted = series(created=30.0)
+    assert (never_admitted.pending_seconds(100.0), never_admitted.gpu_seconds(100.0)) == (70.0, 0.0)
+
+
+def test_label_lifts_stack_labels_that_would_overlap() -> None:
+    points = [(10.0, 2), (11.0, 2), (11.5, 2), (11.5, 3), (30.0, 2), (12.0, 2)]
+    assert label_lifts(points, near=5.0) == [0, 1, 2, 0, 0, 3]
+
+
+def test_threshold_lines_are_shared_between_jobs() -> None:
+    jobs = [
+        series(name="a", thresholds=(0.25, 0.75)),
+        series(name="b"),
+        series(name="c", thresholds=(0.25, 0.6)),
+    ]
+    assert threshold_lines(jobs) == {0.25: ["a", "c"], 0.6: ["c"], 0.75: ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("span", "expected"),
+    [(600.0, (1.0, "seconds")), (601.0, (60.0, "minutes")), (4 * 3600.0, (3600.0, "hours"))],
+)
+def test_time_unit(span: float, expected: tuple[float, str]) -> None:
+    assert time_unit(span) == expected
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [(0.4, "0s"), (59.0, "59s"), (125.0, "2m05s"), (3599.0, "59m59s"), (3 * 3600 + 150, "3h02m")],
+)
+def test_format_duration(seconds: float, expected: str) -> None:
+    assert format_duration(seconds) == expected
+
+
+@pytest.mark.parametrize(
+    ("requested", "output", "expected"),
+    [
+        (None, None, "png"),
+        (None, "t.png", "png"),
+        (None, "s.TXT", "text"),
+        (None, "s.md", "markdown"),
+        ("text", None, "text"),
+        ("text", "s.md", "markdown"),
+        ("png", "s.txt", "png"),
+    ],
+)
+def test_output_format(requested: str | None, output: str | None, expected: str) -> None:
+    assert output_format(requested, None if output is None else Path(output)) == expected
+
+
+# ---- the command ----
+
+
+def test_report_draws_a_png(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "timeline.png"
+    code, out, err = run_cli(
+        capsys, "report", "--state-dir", str(state_dir), "--output", str(output)
+    )
+    assert (code, out) == (EXIT_OK, "")
+    assert read_png(output) == (1200, 750)
+    assert err.splitlines() == [
+        "report: reading 2 jobs...",
+        "report: drawing...",
+        f"report: wrote {output} (1200x750 px)",
+    ]
+    assert output.stat().st_size > 20_000  # lines and text, not a blank canvas
+
+
+def test_report_defaults_to_timeline_png_in_the_working_directory(
+    state_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--jobs", "beta")
+    assert code == EXIT_OK
+    assert err.splitlines()[0] == "report: reading 1 job..."
+    assert read_png(tmp_path / "timeline.png") == (1200, 750)
+
+
+def test_report_draws_an_empty_window(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "recent.png"
+    code, _, _ = run_cli(
+        capsys, "report", "--state-dir", str(state_dir), "--since", "60", "--output", str(output)
+    )
+    assert code == EXIT_OK
+    assert read_png(output) == (1200, 750)
+
+
+TEXT_SUMMARY = """\
+Run in {state}: 2 jobs, 6m40s from 2023-11-14 22:13:20 UTC
+
+JOB     STATUS      POLICY   GPUS   GPU-SECONDS   EPOCHS   RESIZES   PENDING
+alpha   Succeeded   memory   1-4    820           3        1         10s
+beta    Running     static   2-2    540           0        0         2m05s
+
+Grant changes:
+  TIME    JOB     GPUS   REASON
+  10s     alpha   0->4   admitted
+  2m10s   alpha   4->2   memory 0.12 < 0.3: 4 -> 2
+  2m10s   beta    0->2   admitted
+  5m00s   alpha   2->0   finished
+"""
+
+
+def test_report_text_summary_on_stdout(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--format", "text")
+    assert (code, err) == (EXIT_OK, "report: reading 2 jobs...\n")
+    assert out == TEXT_SUMMARY.format(state=state_dir)
+
+
+def test_report_markdown_file_for_one_job(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "summary.md"
+    code, out, err = run_cli(
+        capsys, "report", "--state-dir", str(state_dir), "--jobs", "beta", "--output", str(output)
+    )
+    assert (code, out) == (EXIT_OK, "")
+    assert err.splitlines() == ["report: reading 1 job...", f"report: wrote {output}"]
+    assert output.read_text() == (
+        "# herd-operator report\n\n"
+        f"Run in {state_dir}: 1 job, 6m35s from 2023-11-14 22:13:25 UTC\n\n"
+        "| JOB | STATUS | POLICY | GPUS | GPU-SECONDS | EPOCHS | RESIZES | PENDING |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        "| beta | Running | static | 2-2 | 540 | 0 | 0 | 2m05s |\n\n"
+        "## Grant changes\n\n"
+        "| TIME | JOB | GPUS | REASON |\n"
+        "|---|---|---|---|\n"
+        "| 2m05s | beta | 0->2 | admitted |\n"
+    )
+
+
+def test_report_text_file_without_grant_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state, output = tmp_path / "state", tmp_path / "summary.txt"
+    with Store(StateLayout(state).database) as store:
+        add_job(store, "solo", spec_json("solo", 1, 1), T0, ConditionType.Running, T0 + 30)
+    code, out, _ = run_cli(capsys, "report", "--state-dir", str(state), "--output", str(output))
+    assert (code, out) == (EXIT_OK, "")
+    assert output.read_text() == (
+        f"Run in {state}: 1 job, 30s from 2023-11-14 22:13:20 UTC\n\n"
+        "JOB    STATUS    POLICY   GPUS   GPU-SECONDS   EPOCHS   RESIZES   PENDING\n"
+        "solo   Running   static   1-1    0             0        0         30s\n\n"
+        "Grant changes: none\n"
+    )
+
+
+# ---- errors ----
+
+
+def test_missing_state_dir_exits_1_with_the_open_store_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nowhere"
+    code, out, err = run_cli(capsys, "report", "--state-dir", str(missing))
+    assert (code, out) == (EXIT_FAILURE, "")
+    assert err == (
+        f"herd-operator: no operator state in {missing} (run `herd-operator run --state-dir"
+        f" {missing}` first, or pass the --state-dir it used)\n"
+    )
+
+
+def test_no_jobs_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = tmp_path / "state"
+    Store(StateLayout(state).database).close()
+    code, out, err = run_cli(capsys, "report", "--state-dir", str(state))
+    assert (code, out, err) == (EXIT_FAILURE, "", f"herd-operator: nothing to report in {state}\n")
+
+
+def test_unknown_job_exits_2_naming_it(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capsys, "report", "--state-dir", str(state_dir), "--jobs", "beta,gamma"
+    )
+    assert (code, out) == (EXIT_USAGE, "")
+    assert err == (
+        f"herd-operator: --jobs: no such job in {state_dir}: 'gamma' (jobs there: alpha, beta)\n"
+    )
+
+
+def test_jobs_without_names_exits_2(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--jobs", " , ")
+    assert (code, err) == (EXIT_USAGE, "herd-operator: --jobs: no job names in ' , '\n")
+
+
+def test_unwritable_output_exits_1(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "no" / "such" / "dir" / "t.png"
+    code, _, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--output", str(output))
+    assert code == EXIT_FAILURE
+    assert err.splitlines()[-1].startswith("herd-operator: cannot write the report: ")
+    assert str(output.parent) in err
+
+
+def test_without_matplotlib_the_png_is_refused_and_text_still_works(
+    state_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    output = tmp_path / "t.png"
+    code, _, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--output", str(output))
+    assert code == EXIT_FAILURE
+    assert err.splitlines()[-1].startswith("herd-operator: drawing needs matplotlib (")
+    assert err.endswith("); install it, or use --format text\n")
+    assert not output.exists()
+    code, out, _ = run_cli(capsys, "report", "--state-dir", str(state_dir), "--format", "text")
+    assert (code, out.splitlines()[0]) == (
+        EXIT_OK,
+        f"Run in {state_dir}: 2 jobs, 6m40s from 2023-11-14 22:13:20 UTC",
+    )
