@@ -22,10 +22,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -37,6 +37,7 @@ from specs import SpecFile, index_specs, json_schema, load_spec_file
 from specs.status import HerdJobStatus
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+_Number = TypeVar("_Number", int, float)
 
 
 def _state_dir_option(parser: argparse.ArgumentParser) -> None:
@@ -215,35 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _bounded(
+    convert: Callable[[str], _Number], ok: Callable[[_Number], bool], rule: str, noun: str
+) -> Callable[[str], _Number]:
+    """An argparse type: convert, then check a bound; errors say what is allowed."""
+
+    def parse(text: str) -> _Number:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return value
+
+    return parse
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return value
-
+_positive_int = _bounded(int, lambda v: v >= 1, "must be at least 1", "an integer")
+_port = _bounded(int, lambda v: 0 <= v < 65536, "a port is 0..65535", "a port number")
+_positive_float = _bounded(float, lambda v: v > 0, "must be positive", "a number")
+_non_negative_float = _bounded(float, lambda v: v >= 0, "must not be negative", "a number")
 
 _BYTE_UNITS = {
     "": 1,
@@ -270,16 +263,6 @@ def parse_bytes(text: str) -> int:
     value = int(float(match.group(1)) * _BYTE_UNITS[unit])
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
 
 

@@ -1,0 +1,91 @@
+"""`herd-operator exporter`, the per-node process: registers with the operator and serves the
+node's GPUs labelled with the job that holds them."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.harness import REPO, digits_command, operator_harness, spec_document
+
+HERD = str(Path(sys.executable).with_name("herd-operator"))
+
+
+def scrape(address: str) -> dict[tuple[str, str, str], float]:
+    """(metric, gpu, herd_job) -> value for the herd_gpu_memory_* series."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, sample.labels["gpu"], sample.labels["herd_job"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("herd_gpu_memory_")
+    }
+
+
+def test_exporter_registers_and_labels_gpus_with_their_job(tmp_path: Path) -> None:
+    with operator_harness(tmp_path, metrics_port=0) as herd:
+        exporter = subprocess.Popen(
+            [
+                HERD,
+                "exporter",
+                "--state-dir",
+                str(herd.layout.root),
+                "--port",
+                "0",
+                "--listen",
+                "127.0.0.1",
+                "--host",
+                "localhost",
+                "--virtual-gpus",
+                "4",
+                "--virtual-gpu-memory",
+                "1GiB",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            targets = herd.layout.scrape_targets_file
+
+            def exporter_address() -> str | None:
+                groups = json.loads(targets.read_text()) if targets.exists() else []
+                found = [g["targets"][0] for g in groups if g["labels"]["herd_role"] == "exporter"]
+                return found[0] if found else None
+
+            address = herd.wait_for(exporter_address, "the exporter to register")
+            assert address.startswith("localhost:")
+            assert scrape(address)[("herd_gpu_memory_total_bytes", "0", "")] == 2**30
+
+            herd.write_spec(
+                spec_document("pair", 2, 2, digits_command(300, "--step-delay", "0.05"))
+            )
+            herd.wait_for(
+                lambda: (herd.job("pair") or {}).get("gpus", {}).get("active") == 2,
+                "the job on 2 workers",
+                job="pair",
+            )
+            series = herd.wait_for(
+                lambda: (
+                    (s := scrape(address))
+                    and s.get(("herd_gpu_memory_used_bytes", "1", "pair"), 0) > 50 * 2**20
+                    and s
+                ),
+                "the exporter to measure the job's workers",
+                job="pair",
+            )
+            assert series[("herd_gpu_memory_used_bytes", "0", "pair")] > 50 * 2**20
+            assert series[("herd_gpu_memory_used_bytes", "2", "")] == 0, "GPU 2 is free"
+        finally:
+            exporter.send_signal(signal.SIGTERM)
+            output, _ = exporter.communicate(timeout=30)
+        assert exporter.returncode == 0, output
+        assert "registered with the operator" in output
