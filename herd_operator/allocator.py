@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -17,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.rpc import BadRequest, NotFound
-from policies.arbitration import Demand, Grant, Placement, Pool, arbitrate
+from policies.arbitration import Demand, Grant, Placement, Pool, Slot, arbitrate
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +64,27 @@ class Binding:
     pid: int | None
 
 
+@dataclass(frozen=True)
+class _Drain:
+    """A GPU a job gave back, not yet handed to another job: its worker may still be on it."""
+
+    job: str
+    until: float
+    pids: tuple[tuple[str, int], ...]
+    """(host, pid) of the workers that were bound to it."""
+
+
+DEFAULT_DRAIN_SECONDS = 30.0
+
+
 class Allocator:
-    """Thread-safe: the controller and the RPC server's thread both call it."""
+    """Thread-safe: the controller and the RPC server's thread both call it.
+
+    A GPU taken from a running job drains before another job gets it: Horovod
+    removes the worker on it within seconds, but until then two jobs would share
+    the device. It is free again when the job reports its new world size, when
+    the workers bound to it (on this host) are gone, or after `drain_seconds`.
+    """
 
     def __init__(
         self,
@@ -73,9 +95,13 @@ class Allocator:
         on_change: Callable[[str, Grant], None] = lambda job, grant: None,
         on_decision: Callable[[Mapping[str, Placement]], None] = lambda placements: None,
         min_resize_interval: float = 0.0,
+        drain_seconds: float = DEFAULT_DRAIN_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.drain_seconds = drain_seconds
+        self._draining: dict[Slot, _Drain] = {}
+        self._local_hosts = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
         self.min_resize_interval = min_resize_interval
         self._clock = clock
         self.virtual = virtual
@@ -95,7 +121,8 @@ class Allocator:
         """Record a job's demand, decide again for everyone, return the job's grant."""
         with self._lock:
             thawed = self._next_thaw is not None and self._clock() >= self._next_thaw
-            if self._demands.get(demand.name) != demand or thawed:
+            drained = self._finish_drains()
+            if self._demands.get(demand.name) != demand or thawed or drained:
                 self._demands[demand.name] = demand
                 self._decide(caller=demand.name)
             return self._grants[demand.name]
@@ -106,8 +133,35 @@ class Allocator:
             if self._demands.pop(job, None) is None and job not in self._grants:
                 return
             self._resized_at.pop(job, None)
+            # Released once its processes are gone: what it was giving back is free now.
+            self._draining = {s: d for s, d in self._draining.items() if d.job != job}
             self._decide(caller=job)
             self._publisher.withdraw(job)
+
+    def observe_world_size(self, job: str, world_size: int) -> None:
+        """The job's workers say how many they are: a finished shrink frees its GPUs."""
+        with self._lock:
+            grant = self._grants.get(job)
+            if grant is None or world_size > grant.placement.size:
+                return
+            if any(drain.job == job for drain in self._draining.values()):
+                self._draining = {s: d for s, d in self._draining.items() if d.job != job}
+                self._decide(caller="")
+
+    def _finish_drains(self) -> bool:
+        """Drop drains that are over (timed out, or their workers are gone); True if any."""
+        now = self._clock()
+        over = [slot for slot, drain in self._draining.items() if self._drained(drain, now)]
+        for slot in over:
+            del self._draining[slot]
+        return bool(over)
+
+    def _drained(self, drain: _Drain, now: float) -> bool:
+        if now >= drain.until:
+            return True
+        if not drain.pids or any(host not in self._local_hosts for host, _ in drain.pids):
+            return False  # no way to see the workers from here: wait for a report
+        return not any(_alive(pid) for _, pid in drain.pids)
 
     def release_all(self) -> None:
         """Forget every job at once (operator shutdown): no re-arbitration in between."""
@@ -117,6 +171,7 @@ class Allocator:
             self._grants.clear()
             self._bindings.clear()
             self._resized_at.clear()
+            self._draining.clear()
             self._next_thaw = None
             for job in jobs:
                 self._publisher.withdraw(job)
@@ -138,12 +193,34 @@ class Allocator:
             for job, at in self._resized_at.items()
             if now - at < self.min_resize_interval and current.get(job, Placement.EMPTY).size
         }
-        decided = arbitrate(self.pool, list(self._demands.values()), current, frozen=frozen)
+        demands = list(self._demands.values())
+        decided = arbitrate(self._pool_without(self._draining), demands, current, frozen=frozen)
+        freed = self._start_drains(current, decided, now)
+        if any(
+            slot in freed and freed[slot] != job
+            for job, grant in decided.items()
+            for slot in grant.placement.slots()
+        ):
+            # A GPU a job just gave back went to another job in the same decision: decide
+            # again without it; the job that shrank keeps its new size (frozen at it).
+            shrunk = set(freed.values())
+            first = decided
+            current = {**current, **{job: first[job].placement for job in shrunk}}
+            decided = arbitrate(
+                self._pool_without(self._draining), demands, current, frozen=frozen | shrunk
+            )
+            decided.update({job: first[job] for job in shrunk})
+            current = {job: grant.placement for job, grant in self._grants.items()}
         changed = [
             job
             for job, grant in decided.items()
             if job not in self._grants or grant.placement != self._grants[job].placement
         ]
+        for job, grant in decided.items():
+            if job not in changed and grant.placement.size:
+                # Unchanged: keep the reason of the decision that made it, which is what
+                # the job's events and status should say, not "holding".
+                decided[job] = self._grants[job]
         for job in changed:
             if decided[job].placement.size != current.get(job, Placement.EMPTY).size:
                 self._resized_at[job] = now
@@ -170,6 +247,43 @@ class Allocator:
         for job in changed:
             if job != caller:
                 self._on_change(job, decided[job])
+
+    def _start_drains(
+        self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float
+    ) -> dict[Slot, str]:
+        """Slots that running jobs give back in this decision start draining; returns them."""
+        if self.drain_seconds <= 0:
+            return {}
+        freed: dict[Slot, str] = {}
+        for job, grant in decided.items():
+            if not grant.placement.size:
+                continue
+            kept = set(grant.placement.slots())
+            for slot in current.get(job, Placement.EMPTY).slots():
+                if slot in kept:
+                    continue
+                pids = tuple(
+                    (b.host, b.pid)
+                    for b in self._bindings.values()
+                    if b.job == job and (b.host, b.gpu) == slot and b.pid is not None
+                )
+                self._draining[slot] = _Drain(job, now + self.drain_seconds, pids)
+                freed[slot] = job
+        return freed
+
+    def _pool_without(self, draining: Mapping[Slot, _Drain]) -> Pool:
+        if not draining:
+            return self.pool
+        hosts = tuple(
+            (host, tuple(gpu for gpu in gpus if (host, gpu) not in draining))
+            for host, gpus in self.pool.hosts
+        )
+        return Pool(tuple((host, gpus) for host, gpus in hosts if gpus))
+
+    def draining(self) -> dict[Slot, str]:
+        """GPUs given back and not yet free: slot -> the job that gave it back."""
+        with self._lock:
+            return {slot: drain.job for slot, drain in self._draining.items()}
 
     # ---- RPC handlers (called on the RPC server's thread) ----
 
@@ -217,6 +331,13 @@ class Allocator:
             if grant is None:
                 raise NotFound(f"no job {job!r}")
             return {"placement": grant.placement.to_json(), "reason": grant.reason}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _describe(placement: Placement) -> str:

@@ -467,6 +467,8 @@ class Operator:
         if self.store.get_job(job) is None:
             raise NotFound(f"no job {job!r}")
         self.store.add_report(job, epoch, world_size, rank, metrics, time.time())
+        assert self.allocator is not None
+        self.allocator.observe_world_size(job, world_size)
         self.queue.add(job)
         return {}
 

@@ -35,6 +35,12 @@ def test_memory_policy_moves_gpus_from_the_idle_job_to_the_hungry_one(
     idle = digits_command(14, "--step-delay", "0.05")
     hungry = digits_command(16, "--step-delay", "0.05", "--hold-mb", "1400")
     herd.write_spec(spec_document("idle", 1, 3, idle, policy=memory))
+    # The idle job first takes 3 of the 4 GPUs; the hungry one starts on the last one.
+    herd.wait_for(
+        lambda: (herd.job("idle") or {}).get("gpus", {}).get("allocated") == 3,
+        "the idle job on 3 GPUs",
+        job="idle",
+    )
     herd.write_spec(spec_document("hungry", 1, 3, hungry, policy=memory))
 
     herd.wait_for(
@@ -46,14 +52,16 @@ def test_memory_policy_moves_gpus_from_the_idle_job_to_the_hungry_one(
 
     idle_sizes = epochs_by_world_size(herd, "idle")
     hungry_sizes = epochs_by_world_size(herd, "hungry")
-    assert min(idle_sizes.values()) == 1, f"idle never shrank to 1: {idle_sizes}"
-    assert max(hungry_sizes.values()) == 3, f"hungry never grew to 3: {hungry_sizes}"
+    assert idle_sizes[0] == 3 and min(idle_sizes.values()) == 1, f"idle: {idle_sizes}"
+    assert hungry_sizes[0] == 1 and max(hungry_sizes.values()) == 3, f"hungry: {hungry_sizes}"
     assert_no_epoch_lost(herd, "idle", 14)
     assert_no_epoch_lost(herd, "hungry", 16)
     shrink = [e.message for e in herd.events("idle") if e.reason == "Resized"]
     grow = [e.message for e in herd.events("hungry") if e.reason == "Resized"]
-    assert any("memory 0." in m and "< 0.25" in m for m in shrink), shrink
-    assert any("memory 0." in m and "> 0.75" in m for m in grow), grow
+    story = herd.diagnostics("idle") + "\n" + herd.diagnostics("hungry")
+    assert all(e.reason != "BackOff" for e in herd.events()), story
+    assert any("memory 0." in m and "< 0.25" in m for m in shrink), story
+    assert any("memory 0." in m and "> 0.75" in m for m in grow), story
 
 
 def test_schedule_policy_resizes_by_epoch(herd: OperatorHarness) -> None:

@@ -46,12 +46,14 @@ def recorder() -> Recorder:
 
 @pytest.fixture
 def allocator(layout: StateLayout, recorder: Recorder) -> Allocator:
+    # Given-back GPUs are free at once here; the draining tests at the end build their own.
     return Allocator(
         Pool.from_counts({"localhost": 4}),
         GrantPublisher(layout),
         virtual=True,
         on_change=recorder.on_change,
         on_decision=recorder.on_decision,
+        drain_seconds=0,
     )
 
 
@@ -251,3 +253,90 @@ def test_release_all_clears_everything(
     assert sorted(path.name for path in layout.grants_dir.iterdir()) == []
     # The whole pool is free again.
     assert allocator.request(demand("c", 4, 4)).placement.size == 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def draining_allocator(layout: StateLayout, recorder: Recorder, clock: Clock) -> Allocator:
+    return Allocator(
+        Pool.from_counts({"localhost": 4}),
+        GrantPublisher(layout),
+        virtual=True,
+        on_change=recorder.on_change,
+        drain_seconds=30.0,
+        clock=clock,
+    )
+
+
+def test_gpus_taken_from_a_job_drain_until_its_workers_report_the_new_size(
+    layout: StateLayout, recorder: Recorder
+) -> None:
+    clock = Clock()
+    allocator = draining_allocator(layout, recorder, clock)
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    grant_b = allocator.request(Demand("b", 2, 2, 2, arrival=2))
+    assert allocator.grant("a") is not None and allocator.grant("a").placement.size == 2  # type: ignore[union-attr]
+    assert not grant_b.admitted, "b must not land on GPUs a's workers may still use"
+    assert allocator.draining() == {("localhost", 2): "a", ("localhost", 3): "a"}
+
+    allocator.observe_world_size("a", 3)  # still shrinking: nothing changes
+    assert not allocator.grant("b").admitted  # type: ignore[union-attr]
+
+    allocator.observe_world_size("a", 2)
+    assert allocator.draining() == {}
+    grant = allocator.grant("b")
+    assert grant is not None and grant.placement.slots() == (("localhost", 2), ("localhost", 3))
+    assert ("b", grant) in recorder.changes, "the waiting job is woken"
+
+
+def test_a_drain_ends_after_its_timeout_for_workers_that_report_nothing(
+    layout: StateLayout, recorder: Recorder
+) -> None:
+    clock = Clock()
+    allocator = draining_allocator(layout, recorder, clock)
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    allocator.request(Demand("b", 2, 2, 2, arrival=2))
+    clock.now += 29
+    assert not allocator.request(Demand("b", 2, 2, 2, arrival=2)).admitted
+    clock.now += 2
+    assert allocator.request(Demand("b", 2, 2, 2, arrival=2)).admitted
+
+
+def test_a_drain_ends_when_the_bound_workers_are_gone(
+    layout: StateLayout, recorder: Recorder
+) -> None:
+    clock = Clock()
+    allocator = draining_allocator(layout, recorder, clock)
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    worker = subprocess.Popen(["sleep", "60"])
+    try:
+        allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": 3, "pid": worker.pid})
+        allocator.request(Demand("b", 1, 1, 1, arrival=2))  # a: 4 -> 3, GPU 3 drains
+        assert allocator.draining() == {("localhost", 3): "a"}
+        assert not allocator.request(Demand("b", 1, 1, 1, arrival=2)).admitted
+    finally:
+        worker.kill()
+        worker.wait()
+    assert allocator.request(Demand("b", 1, 1, 1, arrival=2)).placement.slots() == (
+        ("localhost", 3),
+    )
+
+
+def test_a_released_job_frees_its_draining_gpus_at_once(
+    layout: StateLayout, recorder: Recorder
+) -> None:
+    clock = Clock()
+    allocator = draining_allocator(layout, recorder, clock)
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    allocator.request(Demand("b", 3, 3, 3, arrival=2))  # a: 4 -> 1, three GPUs drain
+    assert not allocator.grant("b").admitted  # type: ignore[union-attr]
+    allocator.release("a")  # its processes are gone
+    grant = allocator.grant("b")
+    assert grant is not None and grant.placement.size == 3
+    assert allocator.draining() == {}

@@ -157,7 +157,11 @@ def world(tmp_path: Path) -> Iterator[World]:
     layout = StateLayout(tmp_path)
     layout.create()
     clock = FakeClock()
-    allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
+    # No draining here: these tests are about the reconciler (tests/unit/test_allocator.py
+    # covers how given-back GPUs drain before they are granted again).
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True, drain_seconds=0
+    )
     specs = FakeSpecs()
     launcher = FakeLauncher(clock)
     with Store(tmp_path / "state.db") as store:
