@@ -210,6 +210,14 @@ class Allocator:
                 self._pool_without(self._draining), demands, current, frozen=frozen | shrunk
             )
             decided.update({job: first[job] for job in shrunk})
+            givers = ", ".join(sorted(shrunk))
+            for job, grant in decided.items():
+                if first[job].admitted and not grant.admitted:
+                    decided[job] = Grant(
+                        grant.placement,
+                        f"pending: waiting for GPUs that {givers} gave back to drain"
+                        " (its workers leave them first)",
+                    )
             current = {job: grant.placement for job, grant in self._grants.items()}
         changed = [
             job

@@ -283,6 +283,9 @@ def test_gpus_taken_from_a_job_drain_until_its_workers_report_the_new_size(
     grant_b = allocator.request(Demand("b", 2, 2, 2, arrival=2))
     assert allocator.grant("a") is not None and allocator.grant("a").placement.size == 2  # type: ignore[union-attr]
     assert not grant_b.admitted, "b must not land on GPUs a's workers may still use"
+    assert grant_b.reason == (
+        "pending: waiting for GPUs that a gave back to drain (its workers leave them first)"
+    )
     assert allocator.draining() == {("localhost", 2): "a", ("localhost", 3): "a"}
 
     allocator.observe_world_size("a", 3)  # still shrinking: nothing changes
