@@ -47,6 +47,9 @@ from specs.status import GpuCounts, HerdJobStatus
 log = logging.getLogger(__name__)
 
 TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
+USAGE_HISTORY_SECONDS = 3600.0
+"""GPU usage samples older than this are not read for a policy (an epoch longer than an hour
+is averaged over its last hour)."""
 
 
 @dataclass(frozen=True)
@@ -193,8 +196,10 @@ class JobReconciler:
             ],
             usage=[
                 UsageSample(sample.time, sample.gpus, sample.used_bytes, sample.total_bytes)
-                for sample in self.store.usage(name, since=since)
-            ],
+                for sample in self.store.usage(name, since=max(since, now - USAGE_HISTORY_SECONDS))
+            ]
+            if getattr(policy, "needs_usage", False)
+            else [],
         )
         decision = policy.desired(job, observed, now)
         grant = self.allocator.request(
