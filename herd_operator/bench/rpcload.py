@@ -1,0 +1,202 @@
+"""`allocator-rpc`: authenticated requests on loopback against a raw TCP echo."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from herd_operator.allocator import Allocator, GrantPublisher
+from herd_operator.bench.harness import Context, Row, Stats, percentile
+from herd_operator.layout import StateLayout
+from herd_operator.rpc import BadRequest, RpcClient, RpcServer
+from herd_operator.store import Store
+from policies.arbitration import Demand, Pool
+
+TOKEN = b"bench-token-0123456789abcdef0123"
+HANG_GUARD_S = 120.0
+JOB = "bench"
+
+
+def report_handler(store: Store) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """What a worker's `report` costs the operator: check the fields, write the store."""
+
+    def handle(args: dict[str, Any]) -> dict[str, Any]:
+        job, world_size, epoch = args.get("job"), args.get("world_size"), args.get("epoch")
+        if not isinstance(job, str) or not isinstance(world_size, int):
+            raise BadRequest("'job' and 'world_size' are required")
+        store.add_report(job, epoch, world_size, int(args.get("rank", 0)), {}, time.time())
+        return {}
+
+    return handle
+
+
+@contextlib.contextmanager
+def echo_server() -> Iterator[tuple[str, int]]:
+    """An asyncio server that answers each line with the same line: a round trip, nothing else."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    address: list[tuple[str, int]] = []
+    stopped = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while line := await reader.readline():
+                writer.write(line)
+                await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        bound = server.sockets[0].getsockname()
+        address.append((bound[0], bound[1]))
+        ready.set()
+        await stopped.wait()
+        server.close()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    ready.wait(HANG_GUARD_S)
+    try:
+        yield address[0]
+    finally:
+        loop.call_soon_threadsafe(stopped.set)
+        thread.join(HANG_GUARD_S)
+
+
+class EchoClient:
+    """Sends one frame and reads one line back, like RpcClient without JSON or auth."""
+
+    def __init__(self, address: tuple[str, int], frame: bytes) -> None:
+        self._sock = socket.create_connection(address, timeout=HANG_GUARD_S)
+        self._frame = frame + b"\n"
+
+    def call(self) -> None:
+        self._sock.sendall(self._frame)
+        received = b""
+        while not received.endswith(b"\n"):
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("echo server closed the connection")
+            received += chunk
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def drive(calls: Sequence[Callable[[], object]], per_client: int) -> tuple[float, list[float]]:
+    """Run `per_client` calls on each client at once; returns (requests/s, latencies in s)."""
+    barrier = threading.Barrier(len(calls) + 1)
+    latencies: list[list[float]] = [[] for _ in calls]
+    errors: list[BaseException] = []
+
+    def client(index: int) -> None:
+        call = calls[index]
+        try:
+            call()  # connect and authenticate outside the measurement
+            barrier.wait(HANG_GUARD_S)
+            mine = latencies[index]
+            for _ in range(per_client):
+                started = time.perf_counter()
+                call()
+                mine.append(time.perf_counter() - started)
+        except BaseException as err:
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    barrier.wait(HANG_GUARD_S)
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join(HANG_GUARD_S)
+    elapsed = time.perf_counter() - started
+    if errors:
+        raise RuntimeError(f"a client failed: {errors[0]!r}") from errors[0]
+    flat = [value for values in latencies for value in values]
+    return len(flat) / elapsed, flat
+
+
+def measure_op(
+    server: tuple[str, int],
+    echo: tuple[str, int],
+    request: tuple[str, dict[str, Any]],
+    clients: int,
+    per_client: int,
+    repeat: int,
+) -> Row:
+    """`clients` threads doing `per_client` calls each, ours and the echo alternately."""
+    op, args = request
+    frame = json.dumps({"id": 1, "op": op, "args": args}, separators=(",", ":")).encode()
+    ours_rates, echo_rates = [], []
+    ours_latency: list[float] = []
+    echo_latency: list[float] = []
+    for _ in range(repeat):
+        rpc_clients = [RpcClient(server, TOKEN, client=f"bench-{i}") for i in range(clients)]
+        echo_clients = [EchoClient(echo, frame) for _ in range(clients)]
+        try:
+            calls = [functools.partial(client.call, op, **args) for client in rpc_clients]
+            rate, latency = drive(calls, per_client)
+            ours_rates.append(rate)
+            ours_latency += latency
+            rate, latency = drive([client.call for client in echo_clients], per_client)
+            echo_rates.append(rate)
+            echo_latency += latency
+        finally:
+            for rpc_client in rpc_clients:
+                rpc_client.close()
+            for echo_client in echo_clients:
+                echo_client.close()
+    ours_latency.sort()
+    echo_latency.sort()
+    return Row(
+        name=f"allocator-rpc {op}, {clients} client(s)",
+        what=f"authenticated `{op}` round trips on loopback",
+        unit="req/s",
+        better="higher",
+        baseline_label="raw TCP line echo",
+        baseline=Stats.of(echo_rates),
+        ours=Stats.of(ours_rates),
+        extra={
+            "ours_p50_ms": percentile(ours_latency, 50) * 1000,
+            "ours_p99_ms": percentile(ours_latency, 99) * 1000,
+            "baseline_p50_ms": percentile(echo_latency, 50) * 1000,
+            "baseline_p99_ms": percentile(echo_latency, 99) * 1000,
+        },
+    )
+
+
+def run_allocator_rpc(ctx: Context) -> list[Row]:
+    layout = StateLayout(ctx.scratch / "state")
+    layout.create()
+    store = Store(layout.database)
+    store.record_spec(JOB, "jobs/bench.yaml", "{}", "fingerprint", time.time())
+    allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
+    allocator.request(Demand(JOB, 1, 4, 4))
+    handlers = {"bind": allocator.handle_bind, "report": report_handler(store)}
+    requests: list[tuple[str, dict[str, Any]]] = [
+        ("bind", {"job": JOB, "host": "localhost", "local_rank": 1, "pid": 1234}),
+        ("report", {"job": JOB, "epoch": 3, "world_size": 4, "rank": 0, "metrics": {}}),
+    ]
+    concurrency = (1, 8) if ctx.quick else (1, 64, 256)
+    total_calls = 200 if ctx.quick else 2560
+    rows = []
+    try:
+        with RpcServer(TOKEN, handlers) as server, echo_server() as echo:
+            for clients in concurrency:
+                for request in requests:
+                    per_client = max(5, total_calls // clients)
+                    rows.append(
+                        measure_op(server.address, echo, request, clients, per_client, ctx.repeat)
+                    )
+                    ctx.progress(f"allocator-rpc: {request[0]} with {clients} client(s) done")
+    finally:
+        store.close()
+    return rows

@@ -1,0 +1,118 @@
+"""The benchmarks in the order they are run, and the `herd-operator bench` entry point."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from herd_operator.bench.arbitration import run_arbitration
+from herd_operator.bench.control import (
+    run_decision_to_grant,
+    run_discovery_cost,
+    run_spec_to_launch,
+)
+from herd_operator.bench.harness import (
+    Benchmark,
+    Outcome,
+    machine_info,
+    run_benchmarks,
+    select,
+    write_results,
+)
+from herd_operator.bench.rpcload import run_allocator_rpc
+from herd_operator.bench.scale import run_scale
+from herd_operator.bench.training import run_resize_stall, run_training_overhead
+
+REPO = Path(__file__).resolve().parents[2]
+TRAINING = ("torch", "horovod.torch", "sklearn")
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "spec-to-launch",
+        "atomic rename of a new spec file -> the job's horovodrun process exists"
+        " (horovodrun replaced by a script that records its start)",
+        run_spec_to_launch,
+        full_repeat=20,
+        quick_repeat=2,
+    ),
+    Benchmark(
+        "decision-to-grant",
+        "Allocator.request with a new demand -> the job's discovery script prints the new hosts",
+        run_decision_to_grant,
+        full_repeat=30,
+        quick_repeat=2,
+    ),
+    Benchmark(
+        "resize-stall",
+        "grant change -> first completed training step at the new world size (real horovodrun)",
+        run_resize_stall,
+        full_repeat=3,
+        quick_repeat=1,
+        requires=TRAINING,
+    ),
+    Benchmark(
+        "training-overhead",
+        "samples/s of digits training on 2 workers, under the operator vs bare horovodrun",
+        run_training_overhead,
+        full_repeat=3,
+        quick_repeat=1,
+        requires=TRAINING,
+    ),
+    Benchmark(
+        "discovery-cost",
+        "CPU time per call of a job's discovery script (Horovod calls it every second)",
+        run_discovery_cost,
+        full_repeat=10,
+        quick_repeat=2,
+    ),
+    Benchmark(
+        "allocator-rpc",
+        "authenticated bind/report requests per second on loopback, 1/64/256 concurrent clients",
+        run_allocator_rpc,
+        full_repeat=3,
+        quick_repeat=1,
+    ),
+    Benchmark(
+        "scale",
+        "1,000 and 10,000 spec files: relist (cold, warm), one reconcile pass, peak memory",
+        run_scale,
+        full_repeat=1,
+        quick_repeat=1,
+    ),
+    Benchmark(
+        "arbitration",
+        "one arbitrate() decision: 1,792 nodes x 4 GPUs, 2,000 jobs, half already placed",
+        run_arbitration,
+        full_repeat=15,
+        quick_repeat=2,
+    ),
+)
+
+
+def run_bench(
+    *,
+    quick: bool,
+    only: str | None,
+    output: Path,
+    repeat: int | None,
+    argv: Sequence[str],
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[Outcome], Path, Path]:
+    """Run the selected benchmarks and write `benchmarks.md` and `benchmarks.json` to `output`.
+
+    Raises ValueError for an unknown benchmark name or a repeat count under 1.
+    """
+    if repeat is not None and repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    chosen = select(BENCHMARKS, only)
+
+    def to_stderr(line: str) -> None:
+        print(f"bench: {line}", file=sys.stderr, flush=True)
+
+    machine = machine_info(REPO)  # before the run: its load average is the one that matters
+    outcomes = run_benchmarks(chosen, quick=quick, repeat=repeat, progress=progress or to_stderr)
+    command = shlex.join(["herd-operator", "bench", *argv])
+    markdown, report = write_results(output, outcomes, machine, command)
+    return outcomes, markdown, report

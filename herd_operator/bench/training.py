@@ -1,0 +1,331 @@
+"""Real training under the operator against a bare `horovodrun`: resize-stall, training-overhead.
+
+Both run `herd_operator.bench.train_steps` (the digits example's model and data),
+whose rank 0 logs the wall time and world size of every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from herd_operator.bench.harness import Context, Row, Stats
+from herd_operator.launcher import horovodrun_executable
+from herd_operator.layout import write_atomically
+from herd_operator.operator import Operator, OperatorConfig
+from herd_operator.pool import PoolSource
+from policies.arbitration import Pool
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "bench-train"
+HANG_GUARD_S = 180.0
+BATCH_SIZE = 32  # train_steps.BATCH_SIZE; not imported, that would import torch here
+STEADY_STEPS = 20
+
+
+def train_command(step_log: Path) -> list[str]:
+    return ["python", "-m", "herd_operator.bench.train_steps", "--step-log", str(step_log)]
+
+
+@dataclass
+class StepLog:
+    """The step log of a run: (wall time, world size) per step of rank 0."""
+
+    path: Path
+
+    def steps(self) -> list[tuple[float, int]]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return []
+        parsed = []
+        for line in text.splitlines():
+            fields = line.split()
+            if len(fields) == 2:  # the last line may be half written
+                parsed.append((float(fields[0]), int(fields[1])))
+        return parsed
+
+    def wait_steps(self, size: int, count: int, after: float) -> list[float]:
+        """Times of the first `count` steps at world size `size` that ended after `after`."""
+        deadline = time.monotonic() + HANG_GUARD_S
+        while True:
+            times = [at for at, world in self.steps() if world == size and at > after]
+            if len(times) >= count:
+                return times[:count]
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{len(times)} of {count} steps at world size {size} after"
+                    f" {HANG_GUARD_S:.0f} s ({self.path})"
+                )
+            time.sleep(0.01)
+
+
+def modified_at(path: Path) -> float:
+    return path.stat().st_mtime_ns / 1e9
+
+
+def wait_for_content(path: Path, text: str) -> float:
+    """Wait until `path` holds `text`; returns its modification time."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            if path.read_text() == text:
+                return modified_at(path)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never held {text!r}")
+        time.sleep(0.002)
+
+
+# ---- bare horovodrun ----
+
+
+@dataclass
+class BareJob:
+    hosts_file: Path
+    log: StepLog
+
+    def resize(self, size: int) -> float:
+        """Edit the hosts file by hand; the trigger is the edit's instant."""
+        write_atomically(self.hosts_file, f"localhost:{size}\n")
+        return modified_at(self.hosts_file)
+
+
+@contextlib.contextmanager
+def bare_job(root: Path, size: int, min_np: int, max_np: int) -> Iterator[BareJob]:
+    """`horovodrun` whose discovery script `cat`s a hand-edited file."""
+    root.mkdir(parents=True)
+    hosts_file = root / "hosts"
+    write_atomically(hosts_file, f"localhost:{size}\n")
+    script = root / "discover.sh"
+    write_atomically(script, f"#!/bin/sh\nexec cat {hosts_file}\n", mode=0o755)
+    log = StepLog(root / "steps.txt")
+    argv = [
+        horovodrun_executable(),
+        "-np",
+        str(size),
+        "--min-np",
+        str(min_np),
+        "--max-np",
+        str(max_np),
+        "--host-discovery-script",
+        str(script),
+        "--network-interface",
+        "lo",
+        *train_command(log.path),
+    ]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    with open(root / "horovodrun.log", "wb") as output:
+        process = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield BareJob(hosts_file, log)
+    finally:
+        _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+# ---- under the operator ----
+
+
+@contextlib.contextmanager
+def running_operator(root: Path) -> Iterator[Operator]:
+    specs_dir = root / "jobs"
+    specs_dir.mkdir(parents=True)
+    config = OperatorConfig(
+        specs_dir=specs_dir,
+        state_dir=root / "state",
+        pool=PoolSource(Pool.from_counts({"localhost": 4}), True, "bench pool"),
+        relist_seconds=1.0,
+        grace_seconds=5.0,
+        # The trigger is the grant change itself; a resize freeze would only delay it.
+        min_resize_interval=0.0,
+    )
+    operator = Operator(config)
+    stop = threading.Event()
+    thread = threading.Thread(target=operator.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        if not operator.ready.wait(60):
+            raise TimeoutError("the operator did not start")
+        yield operator
+    finally:
+        stop.set()
+        thread.join(HANG_GUARD_S)
+
+
+@dataclass
+class OperatorJob:
+    operator: Operator
+    min_np: int
+    max_np: int
+    log: StepLog
+
+    @property
+    def spec_path(self) -> Path:
+        return self.operator.config.specs_dir / f"{JOB}.yaml"
+
+    def write_spec(self, size: int) -> None:
+        document = {
+            "apiVersion": "herd/v1alpha1",
+            "kind": "HerdJob",
+            "metadata": {"name": JOB},
+            "spec": {
+                "command": train_command(self.log.path),
+                "workingDir": str(REPO),
+                "gpus": {"min": self.min_np, "max": self.max_np},
+                "policy": {"name": "static", "params": {"gpus": size}},
+            },
+        }
+        tmp = self.spec_path.with_name(f".{JOB}.yaml.tmp")
+        tmp.write_text(yaml.safe_dump(document))
+        os.replace(tmp, self.spec_path)
+
+    def resize(self, size: int) -> float:
+        """Ask for `size` through the spec; the trigger is the allocator's grant change."""
+        self.write_spec(size)
+        return wait_for_content(self.operator.layout.grant_file(JOB), f"localhost:{size}\n")
+
+
+@contextlib.contextmanager
+def operator_job(
+    operator: Operator, root: Path, size: int, min_np: int, max_np: int
+) -> Iterator[OperatorJob]:
+    root.mkdir(parents=True)
+    job = OperatorJob(operator, min_np, max_np, StepLog(root / "steps.txt"))
+    job.write_spec(size)
+    try:
+        yield job
+    finally:
+        job.spec_path.unlink(missing_ok=True)
+        allocator = operator.allocator
+        assert allocator is not None
+        deadline = time.monotonic() + HANG_GUARD_S
+        while allocator.grant(JOB) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+# ---- resize-stall ----
+
+
+def resize_stalls(
+    resize: Callable[[int], float], log: StepLog, cycles: int
+) -> tuple[list[float], list[float]]:
+    """Seconds from each trigger to the first step at the new size: (2->4 list, 4->2 list)."""
+    up, down = [], []
+    last = log.wait_steps(2, STEADY_STEPS, 0.0)[-1]
+    for _ in range(cycles):
+        trigger = resize(4)
+        first = log.wait_steps(4, 1, trigger)[0]
+        up.append(first - trigger)
+        last = log.wait_steps(4, STEADY_STEPS, first)[-1]
+        trigger = resize(2)
+        first = log.wait_steps(2, 1, max(trigger, last))[0]
+        down.append(first - trigger)
+        log.wait_steps(2, STEADY_STEPS, first)
+    return up, down
+
+
+def run_resize_stall(ctx: Context) -> list[Row]:
+    ours_up: list[float] = []
+    ours_down: list[float] = []
+    bare_up: list[float] = []
+    bare_down: list[float] = []
+    with running_operator(ctx.scratch / "operator") as operator:
+        for index in range(ctx.repeat):  # one cycle per job run; alternate which goes first
+            runs = ("bare", "operator") if index % 2 == 0 else ("operator", "bare")
+            for mode in runs:
+                ctx.progress(f"resize-stall: run {index + 1}, {mode}")
+                root = ctx.scratch / f"{mode}-{index}"
+                if mode == "bare":
+                    with bare_job(root, 2, 2, 4) as bare:
+                        up, down = resize_stalls(bare.resize, bare.log, 1)
+                    bare_up += up
+                    bare_down += down
+                else:
+                    with operator_job(operator, root, 2, 2, 4) as job:
+                        up, down = resize_stalls(job.resize, job.log, 1)
+                    ours_up += up
+                    ours_down += down
+    return [
+        Row(
+            name=f"resize-stall {label}",
+            what="grant change -> first training step completed at the new world size",
+            unit="s",
+            better="lower",
+            baseline_label="bare horovodrun, hosts file edited by hand",
+            baseline=Stats.of(bare),
+            ours=Stats.of(ours),
+        )
+        for label, ours, bare in (("2->4", ours_up, bare_up), ("4->2", ours_down, bare_down))
+    ]
+
+
+# ---- training-overhead ----
+
+
+def samples_per_second(times: list[float], world: int) -> float:
+    return (len(times) - 1) * BATCH_SIZE * world / (times[-1] - times[0])
+
+
+def run_training_overhead(ctx: Context) -> list[Row]:
+    skip, measure = (20, 100) if ctx.quick else (50, 400)
+    ours: list[float] = []
+    bare: list[float] = []
+    # CPU of this process (the operator's threads, and the step-log polling that both
+    # modes do) per second of wall time while the job trains.
+    ours_cpu: list[float] = []
+    bare_cpu: list[float] = []
+    with running_operator(ctx.scratch / "operator") as operator:
+        for index in range(ctx.repeat):
+            runs = ("bare", "operator") if index % 2 == 0 else ("operator", "bare")
+            for mode in runs:
+                ctx.progress(f"training-overhead: run {index + 1}, {mode}")
+                root = ctx.scratch / f"{mode}-{index}"
+                job: BareJob | OperatorJob
+                with (
+                    bare_job(root, 2, 2, 2)
+                    if mode == "bare"
+                    else operator_job(operator, root, 2, 2, 2)
+                ) as job:
+                    job.log.wait_steps(2, skip, 0.0)
+                    cpu, wall = time.process_time(), time.monotonic()
+                    times = job.log.wait_steps(2, skip + measure, 0.0)[skip:]
+                    cpu_share = (time.process_time() - cpu) / (time.monotonic() - wall)
+                (bare if mode == "bare" else ours).append(samples_per_second(times, 2))
+                (bare_cpu if mode == "bare" else ours_cpu).append(cpu_share)
+    return [
+        Row(
+            name="training-overhead (2 workers)",
+            what=f"samples/s over {measure} steps after {skip} warm-up steps; goal ratio >= 0.98",
+            unit="samples/s",
+            better="higher",
+            baseline_label="bare horovodrun",
+            baseline=Stats.of(bare),
+            ours=Stats.of(ours),
+            extra={
+                "ours_bench_process_cpu_share": Stats.of(ours_cpu).median,
+                "baseline_bench_process_cpu_share": Stats.of(bare_cpu).median,
+            },
+        )
+    ]

@@ -1,0 +1,257 @@
+"""Tests for `herd-operator bench`: the harness's arithmetic and files, and a --quick run.
+
+No timing assertions: the machine is shared. The quick run checks that the
+cheap benchmarks run end to end and that their results files are complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from herd_operator.bench.arbitration import first_fit, seeded_demands
+from herd_operator.bench.harness import (
+    Benchmark,
+    Context,
+    Row,
+    Skip,
+    Stats,
+    percentile,
+    render_markdown,
+    run_benchmarks,
+    select,
+    write_results,
+)
+from herd_operator.bench.scale import write_specs
+from herd_operator.bench.suite import BENCHMARKS
+from herd_operator.bench.training import StepLog, samples_per_second
+from herd_operator.cli import main
+from policies.arbitration import Demand, Placement, Pool
+from specs import load_spec_file
+
+CHEAP = [b.name for b in BENCHMARKS if b.name not in ("resize-stall", "training-overhead")]
+
+
+def row(ours: list[float], baseline: list[float], better: Any = "lower") -> Row:
+    return Row(
+        name="r",
+        what="w",
+        unit="ms",
+        better=better,
+        baseline_label="b",
+        baseline=Stats.of(baseline),
+        ours=Stats.of(ours),
+    )
+
+
+# ---- statistics ----
+
+
+def test_percentile_interpolates_between_neighbours() -> None:
+    values = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 100) == 4.0
+    assert percentile([10.0, 20.0], 95) == pytest.approx(19.5)
+
+
+def test_percentile_rejects_no_values_and_bad_ranks() -> None:
+    with pytest.raises(ValueError, match=r"^percentile of no values$"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"^percentile 101 is outside 0\.\.100$"):
+        percentile([1.0], 101)
+
+
+def test_stats_summarise_unsorted_samples() -> None:
+    stats = Stats.of([5.0, 1.0, 3.0])
+    assert (stats.median, stats.minimum, stats.maximum, stats.n) == (3.0, 1.0, 5.0, 3)
+    assert stats.p5 == pytest.approx(1.2)
+    assert stats.p95 == pytest.approx(4.8)
+    with pytest.raises(ValueError, match=r"^no samples to summarise$"):
+        Stats.of([])
+
+
+def test_ratio_is_ours_over_baseline_and_json_never_holds_infinity() -> None:
+    assert row([3.0], [2.0]).ratio == 1.5
+    assert row([3.0], [2.0], "higher").to_json()["ratio_better"] == "higher"
+    zero = row([1.0], [0.0])
+    assert math.isinf(zero.ratio)
+    assert zero.to_json()["ratio"] is None
+    assert row([0.0], [0.0]).ratio == 1.0
+
+
+# ---- selection and running ----
+
+
+def test_select_keeps_registry_order_and_names_unknown_benchmarks() -> None:
+    chosen = select(BENCHMARKS, "arbitration,spec-to-launch")
+    assert [b.name for b in chosen] == ["spec-to-launch", "arbitration"]
+    with pytest.raises(
+        ValueError, match=r"^unknown benchmark\(s\): nope; choose from spec-to-launch, "
+    ):
+        select(BENCHMARKS, "nope,scale")
+    assert len(select(BENCHMARKS, None)) == 8
+
+
+def fixed_rows(ctx: Context) -> list[Row]:
+    assert ctx.scratch.is_dir()
+    return [row([float(ctx.repeat)], [1.0])]
+
+
+def needs_skip(ctx: Context) -> list[Row]:
+    raise Skip("no GPU here")
+
+
+def breaks(ctx: Context) -> list[Row]:
+    raise RuntimeError("boom")
+
+
+def test_run_benchmarks_skips_and_contains_failures() -> None:
+    benchmarks = [
+        Benchmark("missing", "w", fixed_rows, 3, requires=("no_such_module_for_bench",)),
+        Benchmark("skips", "w", needs_skip, 3),
+        Benchmark("fails", "w", breaks, 3),
+        Benchmark("works", "w", fixed_rows, 3, quick_repeat=2),
+    ]
+    lines: list[str] = []
+    outcomes = run_benchmarks(benchmarks, quick=True, repeat=None, progress=lines.append)
+    by_name = {outcome.benchmark: outcome for outcome in outcomes}
+    assert by_name["missing"].skipped == "skipped: no_such_module_for_bench not importable"
+    assert by_name["skips"].skipped == "skipped: no GPU here"
+    assert by_name["fails"].error == "RuntimeError: boom"
+    assert by_name["works"].rows[0].ours.median == 2.0  # the quick repeat count reached it
+    assert "fails: FAILED: RuntimeError: boom" in lines
+    explicit = run_benchmarks(benchmarks[3:], quick=True, repeat=5, progress=lines.append)
+    assert explicit[0].rows[0].ours.median == 5.0
+
+
+def test_results_files_hold_rows_skips_and_machine(tmp_path: Path) -> None:
+    benchmarks = [
+        Benchmark("works", "what it does", fixed_rows, 4),
+        Benchmark("skips", "w", needs_skip, 1),
+    ]
+    outcomes = run_benchmarks(benchmarks, quick=False, repeat=None, progress=lambda line: None)
+    machine = {"cores": 2, "cpu_model": "test cpu"}
+    markdown, report = write_results(tmp_path / "out", outcomes, machine, "herd-operator bench")
+    document = json.loads(report.read_text())
+    assert document["machine"]["cores"] == 2
+    assert len(document["machine"]["load_average_after"]) == 3
+    works, skips = document["benchmarks"]
+    assert works["rows"][0]["ours"]["median"] == 4.0
+    assert works["rows"][0]["ratio"] == 4.0
+    assert skips == {
+        "name": "skips",
+        "what": "w",
+        "seconds": skips["seconds"],
+        "skipped": "skipped: no GPU here",
+        "error": None,
+        "rows": [],
+    }
+    text = markdown.read_text()
+    assert "| r | b | 1 | 4 | 4-4 | 1 | ms | 4 | lower |" in text
+    assert "| skips | skipped: no GPU here |" in text
+    assert "- `works`: what it does" in text
+
+
+def test_markdown_lists_secondary_figures() -> None:
+    with_extra = Row(
+        "x", "w", "req/s", "higher", "echo", Stats.of([2.0]), Stats.of([1.0]), {"p99_ms": 3.5}
+    )
+    outcomes = [
+        run_benchmarks(
+            [Benchmark("b", "w", lambda ctx: [with_extra], 1)],
+            quick=False,
+            repeat=None,
+            progress=lambda line: None,
+        )[0]
+    ]
+    assert "- x: p99_ms 3.5" in render_markdown(outcomes, {}, "cmd", [0.0, 0.0, 0.0])
+
+
+# ---- benchmark helpers ----
+
+
+def test_generated_spec_files_are_valid_and_distinct(tmp_path: Path) -> None:
+    write_specs(tmp_path, 25)
+    loaded = [load_spec_file(path) for path in sorted(tmp_path.iterdir())]
+    assert [spec.errors for spec in loaded] == [()] * 25
+    assert len({spec.name for spec in loaded}) == 25
+
+
+def test_first_fit_keeps_placements_and_fills_in_pool_order() -> None:
+    pool = Pool.from_counts({"a": 2, "b": 2})
+    demands = [Demand("x", 1, 3, 3), Demand("y", 1, 4, 4)]
+    current = {"x": Placement((("b", (0,)),))}
+    # x holds 1 and takes 2 more; y gets the single GPU left.
+    assert first_fit(pool, demands, current) == 4
+
+
+def test_seeded_demands_repeat_exactly() -> None:
+    assert seeded_demands(50) == seeded_demands(50)
+    assert all(d.min <= d.desired <= d.max for d in seeded_demands(50))
+
+
+def test_step_log_skips_a_half_written_line(tmp_path: Path) -> None:
+    path = tmp_path / "steps.txt"
+    path.write_text("10.0 2\n10.5 2\n11.0 4\n11.5")
+    assert StepLog(path).steps() == [(10.0, 2), (10.5, 2), (11.0, 4)]
+    assert StepLog(tmp_path / "absent").steps() == []
+    assert StepLog(path).wait_steps(2, 2, 0.0) == [10.0, 10.5]
+
+
+def test_samples_per_second_counts_steps_between_first_and_last() -> None:
+    # 4 steps end 0.5 s apart: 3 intervals of 32 samples on each of 2 workers.
+    assert samples_per_second([0.0, 0.5, 1.0, 1.5], 2) == pytest.approx(3 * 32 * 2 / 1.5)
+
+
+# ---- the command ----
+
+
+def test_cli_rejects_unknown_benchmark(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["bench", "--only", "nope", "--output", str(tmp_path)]) == 2
+    assert "herd-operator bench: unknown benchmark(s): nope;" in capsys.readouterr().err
+    assert not (tmp_path / "benchmarks.json").exists()
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+    output = tmp_path_factory.mktemp("bench") / "results"
+    code = main(["bench", "--quick", "--only", ",".join(CHEAP), "--output", str(output)])
+    return code, output
+
+
+def test_quick_run_succeeds_and_names_every_benchmark_it_ran(quick_run: tuple[int, Path]) -> None:
+    code, output = quick_run
+    assert code == 0
+    document = json.loads((output / "benchmarks.json").read_text())
+    ran = document["benchmarks"]
+    assert [entry["name"] for entry in ran] == CHEAP
+    assert [entry["error"] for entry in ran] == [None] * len(CHEAP)
+    assert document["command"] == (
+        f"herd-operator bench --quick --only {','.join(CHEAP)} --output {output}"
+    )
+    markdown = (output / "benchmarks.md").read_text()
+    for name in CHEAP:
+        assert f"- `{name}`:" in markdown
+
+
+def test_quick_run_rows_are_complete(quick_run: tuple[int, Path]) -> None:
+    _, output = quick_run
+    document = json.loads((output / "benchmarks.json").read_text())
+    for entry in document["benchmarks"]:
+        assert entry["rows"], f"{entry['name']} produced no rows"
+        for result in entry["rows"]:
+            assert result["ratio_better"] in ("lower", "higher")
+            assert result["baseline"]["label"]
+            assert result["ours"]["n"] >= 1
+            assert result["ours"]["p5"] <= result["ours"]["median"] <= result["ours"]["p95"]
+            assert result["ratio"] == pytest.approx(
+                result["ours"]["median"] / result["baseline"]["median"]
+            )
+    machine = document["machine"]
+    assert machine["cores"] >= 1
+    assert set(machine) >= {"cpu_model", "python", "torch", "horovod", "git_commit", "date"}
