@@ -213,6 +213,9 @@ class JobReconciler:
             )
         )
         status = status.model_copy(update={"policy_reason": decision.reason})
+        if grant is None:  # the allocator decides for a batch of jobs and wakes this one after
+            self._save(name, status, generation, now)
+            return Result()
         status = self._note_grant_change(name, status, grant, decision.gpus, now)
 
         if process.phase == ProcessPhase.ABSENT:

@@ -9,11 +9,13 @@ the authenticated RPC server, which GPU is theirs.
 from __future__ import annotations
 
 import logging
+import math
 import shlex
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,10 @@ class GrantPublisher:
 
     def publish(self, job: str, placement: Placement) -> None:
         lines = placement.discovery_lines()
-        write_atomically(self.layout.grant_file(job), "".join(f"{line}\n" for line in lines))
+        # Atomic, not durable: after a crash the operator decides and publishes again.
+        write_atomically(
+            self.layout.grant_file(job), "".join(f"{line}\n" for line in lines), durable=False
+        )
 
     def withdraw(self, job: str) -> None:
         self.layout.grant_file(job).unlink(missing_ok=True)
@@ -75,6 +80,8 @@ class _Drain:
 
 
 DEFAULT_DRAIN_SECONDS = 30.0
+PID_CHECK_SECONDS = 1.0
+"""How often draining GPUs whose workers run on this host are checked for those workers."""
 
 
 class Allocator:
@@ -101,6 +108,10 @@ class Allocator:
         self.pool = pool
         self.drain_seconds = drain_seconds
         self._draining: dict[Slot, _Drain] = {}
+        self._next_drain_check = math.inf
+        self._batching = False
+        self._deferred: set[str] = set()
+        self._dirty = False
         self._local_hosts = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
         self.min_resize_interval = min_resize_interval
         self._clock = clock
@@ -117,15 +128,49 @@ class Allocator:
         self._resized_at: dict[str, float] = {}
         self._next_thaw: float | None = None
 
-    def request(self, demand: Demand) -> Grant:
-        """Record a job's demand, decide again for everyone, return the job's grant."""
+    def request(self, demand: Demand) -> Grant | None:
+        """Record a job's demand, decide again for everyone, return the job's grant.
+
+        Inside `batch()`, a changed demand is only recorded: the result is None and the job
+        is woken (`on_change`) once the batch's single decision is made.
+        """
         with self._lock:
             thawed = self._next_thaw is not None and self._clock() >= self._next_thaw
             drained = self._finish_drains()
-            if self._demands.get(demand.name) != demand or thawed or drained:
-                self._demands[demand.name] = demand
+            changed = self._demands.get(demand.name) != demand
+            self._demands[demand.name] = demand
+            if self._batching:
+                if changed or thawed or drained or demand.name not in self._grants:
+                    self._deferred.add(demand.name)
+                    return None
+                return self._grants[demand.name]
+            if changed or thawed or drained:
                 self._decide(caller=demand.name)
             return self._grants[demand.name]
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Make one decision for many requests (a burst of new specs, an operator restart).
+
+        Each decision weighs every job, so deciding per request would make a burst of N
+        jobs cost N full decisions.
+        """
+        with self._lock:
+            self._batching = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._batching = False
+                deferred, self._deferred = self._deferred, set()
+                if deferred or self._dirty:
+                    self._dirty = False
+                    before = {job: grant.placement for job, grant in self._grants.items()}
+                    self._decide(caller="")
+                    for job in sorted(deferred):
+                        # Those whose grant changed were told by _decide already.
+                        if job in self._grants and before.get(job) == self._grants[job].placement:
+                            self._on_change(job, self._grants[job])
 
     def release(self, job: str) -> None:
         """Forget a job: its GPUs go back to the pool (and to whoever waits)."""
@@ -135,7 +180,12 @@ class Allocator:
             self._resized_at.pop(job, None)
             # Released once its processes are gone: what it was giving back is free now.
             self._draining = {s: d for s, d in self._draining.items() if d.job != job}
-            self._decide(caller=job)
+            self._deferred.discard(job)
+            if self._batching:
+                self._grants.pop(job, None)
+                self._dirty = True  # decide at the end of the batch
+            else:
+                self._decide(caller=job)
             self._publisher.withdraw(job)
 
     def observe_world_size(self, job: str, world_size: int) -> None:
@@ -149,12 +199,28 @@ class Allocator:
                 self._decide(caller="")
 
     def _finish_drains(self) -> bool:
-        """Drop drains that are over (timed out, or their workers are gone); True if any."""
+        """Drop drains that are over (timed out, or their workers are gone); True if any.
+
+        Called on every request, so it looks only when a deadline has passed or, for
+        drains it can check through local pids, at most every PID_CHECK_SECONDS.
+        """
         now = self._clock()
+        if not self._draining or now < self._next_drain_check:
+            return False
         over = [slot for slot, drain in self._draining.items() if self._drained(drain, now)]
         for slot in over:
             del self._draining[slot]
+        self._schedule_drain_check(now)
         return bool(over)
+
+    def _schedule_drain_check(self, now: float) -> None:
+        self._next_drain_check = min(
+            (
+                min(drain.until, now + PID_CHECK_SECONDS) if drain.pids else drain.until
+                for drain in self._draining.values()
+            ),
+            default=math.inf,
+        )
 
     def _drained(self, drain: _Drain, now: float) -> bool:
         if now >= drain.until:
@@ -277,6 +343,8 @@ class Allocator:
                 )
                 self._draining[slot] = _Drain(job, now + self.drain_seconds, pids)
                 freed[slot] = job
+        if freed:
+            self._schedule_drain_check(now)
         return freed
 
     def _pool_without(self, draining: Mapping[Slot, _Drain]) -> Pool:

@@ -46,6 +46,9 @@ from specs.status import HerdJobStatus
 log = logging.getLogger(__name__)
 
 MAX_METRICS_PER_REPORT = 64
+MAX_BATCH = 10_000
+"""Most jobs reconciled under one allocator decision (a decision weighs every job anyway,
+so one decision for a whole burst is cheaper and spares the first jobs a grow-then-shrink)."""
 
 
 @dataclass(frozen=True)
@@ -340,7 +343,18 @@ class Operator:
                 name = self.queue.get(timeout=0.2)
                 if name is None:
                     continue
-                self._process(reconciler, name)
+                burst = [name]
+                while len(burst) < MAX_BATCH and (more := self.queue.get(timeout=0)) is not None:
+                    burst.append(more)
+                if len(burst) == 1:
+                    self._process(reconciler, name)
+                    continue
+                # Many jobs at once (a restart, a burst of new specs): one allocator
+                # decision for all of them instead of one each.
+                assert self.allocator is not None
+                with self.allocator.batch():
+                    for key in burst:
+                        self._process(reconciler, key)
         finally:
             self._shutdown()
         return 0

@@ -106,11 +106,16 @@ def load_spec_file(path: Path) -> SpecFile:
     return load_spec_text(text, str(path))
 
 
+# libyaml's safe loader when PyYAML was built with it: about 5x faster on a relist of many
+# files; same safety (no arbitrary tags).
+_SAFE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def load_spec_text(text: str, file: str) -> SpecFile:
     """Validate the YAML text of one spec; `file` labels the errors."""
     path = Path(file)
     try:
-        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        documents = [doc for doc in yaml.load_all(text, Loader=_SAFE_LOADER) if doc is not None]
     except yaml.MarkedYAMLError as exc:
         return _failed(path, None, _yaml_error_message(exc))
     except yaml.YAMLError as exc:

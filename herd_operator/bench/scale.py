@@ -74,6 +74,7 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
     from controllers.reconciler import JobReconciler
     from herd_operator.allocator import Allocator, GrantPublisher
     from herd_operator.layout import StateLayout
+    from herd_operator.operator import MAX_BATCH
     from herd_operator.specdir import SpecDirectory
     from herd_operator.store import Store
     from policies.arbitration import Pool
@@ -121,27 +122,39 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
     result["relist_warm"] = time.perf_counter() - started
     store = Store(layout.database)
     pool = Pool.from_counts({f"nid{n:06d}": GPUS_PER_NODE for n in range(nodes)})
-    allocator = Allocator(pool, GrantPublisher(layout), virtual=False)
+    woken: dict[str, None] = {}
+    allocator = Allocator(
+        pool,
+        GrantPublisher(layout),
+        virtual=False,
+        on_change=lambda job, grant: woken.setdefault(job),
+    )
     launcher = RecordingLauncher()
     reconciler = JobReconciler(specs, store, allocator, launcher)
-    # The first pass admits every job: one full arbitration each, so it can run for
-    # minutes with 10,000 jobs; the budget keeps the benchmark bounded.
+    # As the operator does: bursts of up to MAX_BATCH names under one allocator decision;
+    # jobs whose grant changed are woken and reconciled again in the next burst.
     done: list[str] = []
     started = time.perf_counter()
     deadline = started + budget_s
-    for name in sorted(names):
-        reconciler.reconcile(name)
-        done.append(name)
-        if time.perf_counter() > deadline:
-            break
+    queue = sorted(names)
+    while queue and time.perf_counter() <= deadline:
+        burst, queue = queue[:MAX_BATCH], queue[MAX_BATCH:]
+        with allocator.batch():
+            for name in burst:
+                reconciler.reconcile(name)
+        done.extend(burst)
+        waiting = set(queue)
+        queue += [job for job in woken if job not in waiting]
+        woken.clear()
     result["reconcile_first"] = time.perf_counter() - started
     started = time.perf_counter()
-    for name in done:
+    for name in sorted(set(done)):
         reconciler.reconcile(name)  # nothing changed: no decision, no launch
     result["reconcile_steady"] = time.perf_counter() - started
     store.close()
     result["jobs"] = len(names)
-    result["first_pass_jobs"] = len(done)
+    result["first_pass_jobs"] = len(set(done))
+    result["reconciles"] = len(done)
     result["launched"] = len(launcher.started)
     result["peak_mb"] = peak_rss_mb()
     return result

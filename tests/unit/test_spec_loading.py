@@ -209,27 +209,6 @@ def test_good_file_loads(tmp_path: Path) -> None:
             id="two-documents",
         ),
         pytest.param(
-            HEADER + "metadata:\n  name: a\nspec: {command: [x], gpus: {min: 1, max: 1}\n",
-            [
-                (
-                    "(file)",
-                    "YAML syntax error at line 6, column 1: expected ',' or '}', but got "
-                    "'<stream end>' (while parsing a flow mapping at line 5, column 7)",
-                )
-            ],
-            id="syntax-error",
-        ),
-        pytest.param(
-            "metadata:\n  name: a\n   bad: indent\n",
-            [
-                (
-                    "(file)",
-                    "YAML syntax error at line 3, column 7: mapping values are not allowed here",
-                )
-            ],
-            id="syntax-error-indentation",
-        ),
-        pytest.param(
             "spec: !!python/object/apply:os.system [echo]\n",
             [
                 (
@@ -271,10 +250,35 @@ def test_self_referential_alias_is_rejected() -> None:
     ]
 
 
+# libyaml (used when PyYAML has it) and the pure-Python parser word syntax errors
+# differently; where they are, and why, is what must be right either way.
+@pytest.mark.parametrize(
+    ("text", "where", "why"),
+    [
+        (
+            HEADER + "metadata:\n  name: a\nspec: {command: [x], gpus: {min: 1, max: 1}\n",
+            "YAML syntax error at line 6, column 1: ",
+            ("expected ',' or '}'", "(while parsing a flow mapping at line 5, column 7)"),
+        ),
+        (
+            "metadata:\n  name: a\n   bad: indent\n",
+            "YAML syntax error at line 3, column 7: ",
+            ("mapping values are not allowed",),
+        ),
+    ],
+    ids=["unclosed-flow-mapping", "bad-indentation"],
+)
+def test_syntax_errors_say_where_and_why(text: str, where: str, why: tuple[str, ...]) -> None:
+    [(field, message)] = problems(text)
+    assert field == "(file)"
+    assert message.startswith(where), message
+    assert all(part in message for part in why), message
+
+
 def test_very_deep_nesting_does_not_crash() -> None:
-    assert problems("spec: " + "[" * 5000 + "]" * 5000 + "\n") == [
-        ("(file)", "YAML is nested too deeply")
-    ]
+    [(field, message)] = problems("spec: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert field == "(file)"
+    assert "nested too deeply" in message or "exceeded maximum nesting depth" in message
 
 
 def test_name_is_recovered_from_an_invalid_file() -> None:
