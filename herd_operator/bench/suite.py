@@ -23,6 +23,7 @@ from herd_operator.bench.harness import (
 )
 from herd_operator.bench.rpcload import run_allocator_rpc
 from herd_operator.bench.scale import run_scale
+from herd_operator.bench.scrape import run_scrape
 from herd_operator.bench.training import run_resize_stall, run_training_overhead
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +73,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "authenticated bind/report requests per second on loopback, 1/64/256 concurrent clients",
         run_allocator_rpc,
         full_repeat=3,
+        quick_repeat=1,
+    ),
+    Benchmark(
+        "scrape",
+        "GET /metrics: the exporter with 8 GPUs and the operator with 1,000 jobs; CPU per scrape",
+        run_scrape,
+        full_repeat=1,
         quick_repeat=1,
     ),
     Benchmark(
