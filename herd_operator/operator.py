@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from controllers.ports import LaunchInfo
+from controllers.ports import LaunchInfo, ProcessState
 from controllers.reconciler import JobReconciler, PermanentError, Result, TemporaryError
 from controllers.workqueue import WorkQueue
 from exporters.collector import GpuCollector
@@ -113,8 +113,14 @@ class _JobLauncher:
         )
         return self._launcher.launch(request)
 
-    def __getattr__(self, name: str) -> Any:  # state, stop, forget: the launcher's own
-        return getattr(self._launcher, name)
+    def state(self, name: str) -> ProcessState:
+        return self._launcher.state(name)
+
+    def stop(self, name: str) -> None:
+        self._launcher.stop(name)
+
+    def forget(self, name: str) -> None:
+        self._launcher.forget(name)
 
 
 class Operator:

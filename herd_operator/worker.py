@@ -5,7 +5,7 @@
     binding = herd.bind_device()            # pins torch to the allocator's GPU
     state.register_reset_callbacks([herd.report_reset])
     ...
-    herd.report_epoch(epoch, {"loss": loss})  # once per epoch, any rank
+    herd.report_epoch(epoch, {"loss": loss})  # once per epoch (rank 0 sends it)
 
 Every call is a harmless no-op when the script is not run by the operator, so
 the same script runs under a bare `horovodrun`, and a script that never imports
@@ -124,6 +124,8 @@ def _report(epoch: int | None, metrics: Mapping[str, float], world_size: int | N
         return
     hvd = _horovod()
     rank = int(hvd.rank()) if hvd is not None else int(os.environ.get("HOROVOD_RANK", "0"))
+    if rank != 0:
+        return  # one report per epoch and reset is enough: rank 0 speaks for the job
     if world_size is None:
         world_size = (
             int(hvd.size()) if hvd is not None else int(os.environ.get("HOROVOD_SIZE", "1"))

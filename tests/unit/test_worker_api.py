@@ -229,6 +229,10 @@ def test_report_epoch_reaches_the_server(
     for name, value in {**allocation.env(), "HOROVOD_RANK": "1", "HOROVOD_SIZE": "3"}.items():
         monkeypatch.setenv(name, value)
     report_epoch(4, {"loss": 1, "accuracy": 0.75})
+    report_reset()
+    assert allocation.reports == [], "only rank 0 speaks for the job"
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    report_epoch(4, {"loss": 1, "accuracy": 0.75})
     report_epoch(5, world_size=2)
     report_reset()
     assert allocation.reports == [
@@ -236,11 +240,11 @@ def test_report_epoch_reaches_the_server(
             "job": "a",
             "epoch": 4,
             "world_size": 3,
-            "rank": 1,
+            "rank": 0,
             "metrics": {"loss": 1.0, "accuracy": 0.75},
         },
-        {"job": "a", "epoch": 5, "world_size": 2, "rank": 1, "metrics": {}},
-        {"job": "a", "epoch": None, "world_size": 3, "rank": 1, "metrics": {}},
+        {"job": "a", "epoch": 5, "world_size": 2, "rank": 0, "metrics": {}},
+        {"job": "a", "epoch": None, "world_size": 3, "rank": 0, "metrics": {}},
     ]
 
 
