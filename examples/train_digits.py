@@ -53,6 +53,10 @@ def parse_args() -> argparse.Namespace:
         help="seconds to sleep after each step, to stretch a demo run",
     )
     parser.add_argument(
+        "--step-log",
+        help="rank 0 appends `WALL_TIME WORLD_SIZE` here after every step (for benchmarks)",
+    )
+    parser.add_argument(
         "--hold-mb",
         type=int,
         default=0,
@@ -94,6 +98,7 @@ def main() -> None:
             herd.report_reset()
 
     state.register_reset_callbacks([on_reset])
+    step_log = open(args.step_log, "a", buffering=1) if args.step_log else None  # noqa: SIM115
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
@@ -108,6 +113,8 @@ def main() -> None:
                 optimizer.step()
                 sampler.record_batch(state.batch, args.batch_size)
                 total_loss, batches = total_loss + loss.item(), batches + 1
+                if step_log is not None and hvd.rank() == 0:  # rank 0 may move on a reset
+                    step_log.write(f"{time.time():.6f} {hvd.size()}\n")
                 if args.step_delay:
                     time.sleep(args.step_delay)
                 if state.batch % 4 == 0:

@@ -1,7 +1,7 @@
 """Real training under the operator against a bare `horovodrun`: resize-stall, training-overhead.
 
-Both run `herd_operator.bench.train_steps` (the digits example's model and data),
-whose rank 0 logs the wall time and world size of every step.
+Both run the example, `examples/train_digits.py`, with `--step-log`: its rank 0
+logs the wall time and world size of every step.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from policies.arbitration import Pool
 REPO = Path(__file__).resolve().parents[2]
 JOB = "bench-train"
 HANG_GUARD_S = 180.0
-BATCH_SIZE = 32  # train_steps.BATCH_SIZE; not imported, that would import torch here
+BATCH_SIZE = 32  # examples/train_digits.py's default --batch-size
 STEADY_STEPS = 20
 
 
 def train_command(step_log: Path) -> list[str]:
-    return ["python", "-m", "herd_operator.bench.train_steps", "--step-log", str(step_log)]
+    """The example training script itself, long enough to be stopped, logging every step."""
+    script = REPO / "examples" / "train_digits.py"
+    return ["python", str(script), "--epochs", "1000000", "--step-log", str(step_log)]
 
 
 @dataclass
