@@ -27,6 +27,8 @@ from pathlib import Path
 import psutil
 
 from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, launch_fingerprint
+from herd_operator.layout import STATE_DIR_ENV
+from herd_operator.worker import JOB_ENV
 from specs import HerdJobSpec
 
 log = logging.getLogger(__name__)
@@ -263,6 +265,56 @@ class Launcher:
                 process = self._processes[job]
             self._kill(job, process)
         return stubborn
+
+
+@dataclass(frozen=True)
+class Orphan:
+    job: str
+    launch_id: str
+    pids: tuple[int, ...]
+
+
+def find_orphans(state_dir: Path) -> list[Orphan]:
+    """Processes of jobs launched for `state_dir` by an operator that is gone (a crash).
+
+    They carry the state dir and a launch id in their environment. Left alone, they would
+    train on beside the jobs a new operator starts, on the same GPUs.
+    """
+    wanted = str(state_dir.resolve())
+    found: dict[tuple[str, str], list[int]] = {}
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        try:
+            env = proc.environ()
+            if env.get(STATE_DIR_ENV) != wanted or not env.get(LAUNCH_ID_ENV):
+                continue
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        key = (env.get(JOB_ENV, "?"), env[LAUNCH_ID_ENV])
+        found.setdefault(key, []).append(proc.pid)
+    return [
+        Orphan(job, launch, tuple(sorted(pids))) for (job, launch), pids in sorted(found.items())
+    ]
+
+
+def stop_orphans(orphans: Sequence[Orphan], grace_seconds: float) -> None:
+    """SIGTERM every orphan process, SIGKILL what outlives the grace period."""
+    procs = []
+    for orphan in orphans:
+        for pid in orphan.pids:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                proc.terminate()
+                procs.append(proc)
+    _, alive = psutil.wait_procs(procs, timeout=grace_seconds)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 def _descendants(pid: int) -> set[int]:

@@ -30,7 +30,7 @@ from exporters.nvml import NvmlGpuSource
 from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
 from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.auth import ensure_token_file
-from herd_operator.launcher import Launcher, LaunchRequest
+from herd_operator.launcher import Launcher, LaunchRequest, find_orphans, stop_orphans
 from herd_operator.layout import STATE_DIR_ENV, StateLayout, write_atomically
 from herd_operator.metrics import OperatorMetrics, StateCollector
 from herd_operator.observer import UsageObserver
@@ -212,6 +212,7 @@ class Operator:
         }
         hosts = [host_name for host_name, _ in config.pool.pool.hosts]
         job_launcher = _JobLauncher(launcher, self.layout, publisher, hosts, env)
+        self._stop_orphans(store)
         self._enqueue_known_jobs()
         log.info(
             "pool: %s; allocator on %s; specs from %s; state in %s",
@@ -321,6 +322,31 @@ class Operator:
         port = http_server.server_port
         self._metrics_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         log.info("metrics on http://%s/metrics", self._metrics_address)
+
+    def _stop_orphans(self, store: Store) -> None:
+        """Jobs a crashed operator left running are stopped before they are started again.
+
+        Nothing tells this operator what they hold or how they are doing, and the jobs it
+        is about to start would share their GPUs. (Adopting them instead is a later step.)
+        """
+        orphans = find_orphans(self.layout.root)
+        if not orphans:
+            return
+        for orphan in orphans:
+            log.warning(
+                "%s: %d process(es) of launch %s outlived the previous operator; stopping them",
+                orphan.job, len(orphan.pids), orphan.launch_id[:8],
+            )  # fmt: skip
+        stop_orphans(orphans, self.config.grace_seconds)
+        now = time.time()
+        for orphan in orphans:
+            if store.get_job(orphan.job) is not None:
+                store.add_event(
+                    orphan.job, "Warning", "Orphaned",
+                    f"{len(orphan.pids)} process(es) left by an operator that did not shut down "
+                    "cleanly were stopped; the job starts again",
+                    now,
+                )  # fmt: skip
 
     def _enqueue_known_jobs(self) -> None:
         """Reconcile every recorded job once: a previous operator stopped them on shutdown,

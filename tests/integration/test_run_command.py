@@ -85,3 +85,67 @@ def test_run_stops_its_jobs_and_leaves_no_process_on_signal(
         check=True,
     ).stdout
     assert "Started" in events and "Stopped" in events
+
+
+def test_restart_after_a_crash_stops_the_orphans_before_starting_the_job_again(
+    tmp_path: Path,
+) -> None:
+    jobs, state = tmp_path / "jobs", tmp_path / "state"
+    jobs.mkdir()
+    (jobs / "digits.yaml").write_text(
+        yaml.safe_dump(spec_document("digits", 1, 2, digits_command(500, "--step-delay", "0.05")))
+    )
+    command = [
+        HERD,
+        "run",
+        "--specs-dir",
+        str(jobs),
+        "--state-dir",
+        str(state),
+        "--hosts",
+        "localhost:2",
+        "--resync-seconds",
+        "0.5",
+        "--grace-seconds",
+        "5",
+        "--metrics-port",
+        "0",
+    ]
+    get = [HERD, "get", "-o", "json", "--state-dir", str(state)]
+    first = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_for_json(get, lambda jobs: jobs and jobs[0]["gpus"]["active"] == 2)
+        first.kill()  # a crash: no chance to stop its jobs
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    orphans = marked_processes(state)
+    assert orphans, "the crashed operator's job keeps running on its own"
+    old_launch = set(orphans.values())
+
+    second = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        events = [HERD, "events", "digits", "--state-dir", str(state)]
+
+        def relaunched() -> bool:
+            text = subprocess.run(events, capture_output=True, text=True, check=True).stdout
+            return "Orphaned" in text and text.count("Started") == 2
+
+        deadline = time.monotonic() + 120
+        while not relaunched():
+            assert time.monotonic() < deadline, "the job was not started again"
+            time.sleep(0.5)
+        wait_for_json(get, lambda jobs: jobs and jobs[0]["gpus"]["active"] == 2)
+        assert not [pid for pid, launch in marked_processes(state).items() if launch in old_launch]
+        second.send_signal(signal.SIGTERM)
+        output, _ = second.communicate(timeout=60)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    assert "outlived the previous operator; stopping them" in output
+    assert marked_processes(state) == {}
