@@ -17,6 +17,18 @@ from tests.integration.harness import REPO, digits_command, marked_processes, sp
 HERD = str(Path(sys.executable).with_name("herd-operator"))
 
 
+def one_job_operator(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A spec directory with one elastic job, and the `herd-operator run` argv for it."""
+    jobs, state = tmp_path / "jobs", tmp_path / "state"
+    jobs.mkdir()
+    spec = spec_document("digits", 1, 2, digits_command(500, "--step-delay", "0.05"))
+    (jobs / "digits.yaml").write_text(yaml.safe_dump(spec))
+    argv = [HERD, "run", "--specs-dir", str(jobs), "--state-dir", str(state),
+            "--hosts", "localhost:2", "--resync-seconds", "0.5", "--grace-seconds", "5",
+            "--metrics-port", "0"]  # fmt: skip
+    return state, argv
+
+
 def wait_for_json(command: list[str], probe, timeout: float = 120.0):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     last = None
@@ -34,26 +46,9 @@ def wait_for_json(command: list[str], probe, timeout: float = 120.0):  # type: i
 def test_run_stops_its_jobs_and_leaves_no_process_on_signal(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
-    jobs, state = tmp_path / "jobs", tmp_path / "state"
-    jobs.mkdir()
-    (jobs / "digits.yaml").write_text(
-        yaml.safe_dump(spec_document("digits", 1, 2, digits_command(500, "--step-delay", "0.05")))
-    )
+    state, argv = one_job_operator(tmp_path)
     operator = subprocess.Popen(
-        [
-            HERD,
-            "run",
-            "--specs-dir",
-            str(jobs),
-            "--state-dir",
-            str(state),
-            "--hosts",
-            "localhost:2",
-            "--resync-seconds",
-            "0.5",
-            "--grace-seconds",
-            "5",
-        ],
+        argv,
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -90,27 +85,7 @@ def test_run_stops_its_jobs_and_leaves_no_process_on_signal(
 def test_restart_after_a_crash_stops_the_orphans_before_starting_the_job_again(
     tmp_path: Path,
 ) -> None:
-    jobs, state = tmp_path / "jobs", tmp_path / "state"
-    jobs.mkdir()
-    (jobs / "digits.yaml").write_text(
-        yaml.safe_dump(spec_document("digits", 1, 2, digits_command(500, "--step-delay", "0.05")))
-    )
-    command = [
-        HERD,
-        "run",
-        "--specs-dir",
-        str(jobs),
-        "--state-dir",
-        str(state),
-        "--hosts",
-        "localhost:2",
-        "--resync-seconds",
-        "0.5",
-        "--grace-seconds",
-        "5",
-        "--metrics-port",
-        "0",
-    ]
+    state, command = one_job_operator(tmp_path)
     get = [HERD, "get", "-o", "json", "--state-dir", str(state)]
     first = subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
