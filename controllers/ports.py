@@ -29,6 +29,8 @@ class SpecView:
     job: HerdJob | None
     """The spec, or None when the file that declares the name is invalid now."""
     errors: tuple[str, ...] = ()
+    fingerprint: str = ""
+    """The spec's content hash when the source already computed it ("" otherwise)."""
 
 
 class SpecSource(Protocol):
@@ -40,6 +42,10 @@ class SpecSource(Protocol):
 class JobRecordLike(Protocol):
     @property
     def name(self) -> str: ...
+    @property
+    def spec_path(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
     @property
     def spec_json(self) -> str: ...
     @property

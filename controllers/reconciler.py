@@ -87,6 +87,9 @@ class JobReconciler:
         observer: ReconcileObserver | None = None,
     ) -> None:
         self.metrics_stale_seconds = metrics_stale_seconds
+        # The status JSON as read at the start of the current reconcile, per job, so an
+        # unchanged status is not written again.
+        self._stored_status: dict[str, str] = {}
         self.observer: ReconcileObserver = observer or NoObserver()
         self.specs = specs
         self.store = store
@@ -108,6 +111,7 @@ class JobReconciler:
             return Result()
         record = self.store.get_job(name)
         assert record is not None  # _accept_spec recorded it
+        self._stored_status[name] = record.status_json
         status = _load_status(record.status_json)
         generation = record.generation
         conditions = status.conditions
@@ -281,8 +285,11 @@ class JobReconciler:
             except PolicyError as err:
                 errors.append(f"{view.path}: {err}")
         if view.job is not None and not errors:
-            spec_json = view.job.model_dump_json(by_alias=True)
-            self.store.record_spec(view.name, view.path, spec_json, spec_fingerprint(view.job), now)
+            fingerprint = view.fingerprint or spec_fingerprint(view.job)
+            known = self.store.get_job(view.name)
+            if known is None or known.fingerprint != fingerprint or known.spec_path != view.path:
+                spec_json = view.job.model_dump_json(by_alias=True)
+                self.store.record_spec(view.name, view.path, spec_json, fingerprint, now)
             return view.job, ""
         problem = "; ".join(errors)
         record = self.store.get_job(view.name)
@@ -539,7 +546,9 @@ class JobReconciler:
 
     def _save(self, name: str, status: HerdJobStatus, generation: int, now: float) -> None:
         status = status.model_copy(update={"observed_generation": generation})
-        self.store.put_status(name, status.model_dump_json(by_alias=True), now)
+        text = status.model_dump_json(by_alias=True)
+        if text != self._stored_status.pop(name, None):  # most resyncs change nothing
+            self.store.put_status(name, text, now)
 
     def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:
         self.store.add_event(job, type, reason, message, now)

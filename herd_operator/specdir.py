@@ -90,8 +90,9 @@ class SpecDirectory:
         keys: dict[str, tuple[str, ...]] = {}
         for name, spec_file in index.jobs.items():
             assert spec_file.job is not None
-            views[name] = SpecView(name, str(spec_file.path), spec_file.job)
-            keys[name] = (str(spec_file.path), spec_fingerprint(spec_file.job))
+            fingerprint = spec_fingerprint(spec_file.job)
+            views[name] = SpecView(name, str(spec_file.path), spec_file.job, (), fingerprint)
+            keys[name] = (str(spec_file.path), fingerprint)
         for name, errors in index.invalid.items():
             messages = tuple(str(error) for error in errors)
             views[name] = SpecView(name, errors[0].file if errors else "", None, messages)
