@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from controllers.ports import (
     AllocatorPort,
     EventType,
+    JobRecordLike,
     LauncherPort,
     NoObserver,
     ProcessPhase,
@@ -90,6 +91,9 @@ class JobReconciler:
         # The status JSON as read at the start of the current reconcile, per job, so an
         # unchanged status is not written again.
         self._stored_status: dict[str, str] = {}
+        # The last status written per job, with its JSON: statuses are never changed in
+        # place (always model_copy), so the parsed one can stand for the stored text.
+        self._parsed_status: dict[str, tuple[str, HerdJobStatus]] = {}
         self.observer: ReconcileObserver = observer or NoObserver()
         self.specs = specs
         self.store = store
@@ -106,13 +110,11 @@ class JobReconciler:
         view = self.specs.view(name)
         if view is None:
             return self._finalize_deletion(name, now)
-        job, problem = self._accept_spec(view, now)
-        if job is None:
+        job, problem, record = self._accept_spec(view, now)
+        if job is None or record is None:
             return Result()
-        record = self.store.get_job(name)
-        assert record is not None  # _accept_spec recorded it
         self._stored_status[name] = record.status_json
-        status = _load_status(record.status_json)
+        status = self._status_of(record)
         generation = record.generation
         conditions = status.conditions
         if problem:
@@ -273,10 +275,13 @@ class JobReconciler:
 
     # ---- steps ----
 
-    def _accept_spec(self, view: SpecView, now: float) -> tuple[HerdJob | None, str]:
+    def _accept_spec(
+        self, view: SpecView, now: float
+    ) -> tuple[HerdJob | None, str, JobRecordLike | None]:
         """Record a good spec (bumping the generation on change); else fall back to the last good.
 
-        Returns the spec to act on and, when the file is invalid now, why.
+        Returns the spec to act on, why the file is invalid now ('' if it is not), and the
+        job's record.
         """
         errors = list(view.errors)
         if view.job is not None:
@@ -286,21 +291,27 @@ class JobReconciler:
                 errors.append(f"{view.path}: {err}")
         if view.job is not None and not errors:
             fingerprint = view.fingerprint or spec_fingerprint(view.job)
-            known = self.store.get_job(view.name)
-            if known is None or known.fingerprint != fingerprint or known.spec_path != view.path:
+            record = self.store.get_job(view.name)
+            if record is None or record.fingerprint != fingerprint or record.spec_path != view.path:
                 spec_json = view.job.model_dump_json(by_alias=True)
-                self.store.record_spec(view.name, view.path, spec_json, fingerprint, now)
-            return view.job, ""
+                record = self.store.record_spec(view.name, view.path, spec_json, fingerprint, now)
+            return view.job, "", record
         problem = "; ".join(errors)
         record = self.store.get_job(view.name)
         if record is None:
             # Never valid: like an object the API server refused, it does not exist.
             self._event(view.name, "Warning", "InvalidSpec", problem, now)
             log.warning("%s: invalid spec, not started: %s", view.name, problem)
-            return None, problem
-        return HerdJob.model_validate_json(
-            record.spec_json
-        ), f"{problem} (keeping the last good spec)"
+            return None, problem, None
+        last_good = HerdJob.model_validate_json(record.spec_json)
+        return last_good, f"{problem} (keeping the last good spec)", record
+
+    def _status_of(self, record: JobRecordLike) -> HerdJobStatus:
+        """The job's recorded status, parsed once per change rather than once per reconcile."""
+        cached = self._parsed_status.get(record.name)
+        if cached is not None and cached[0] == record.status_json:
+            return cached[1]
+        return _load_status(record.status_json)
 
     def _on_exit(
         self,
@@ -499,6 +510,7 @@ class JobReconciler:
             return Result(requeue_after=self.stop_poll_seconds)
         self.launcher.forget(name)
         self.allocator.release(name)
+        self._parsed_status.pop(name, None)
         if self.store.delete_job(name):
             self._event(name, "Normal", "Deleted", "spec deleted: job removed, GPUs freed", now)
         return Result()
@@ -549,6 +561,7 @@ class JobReconciler:
         text = status.model_dump_json(by_alias=True)
         if text != self._stored_status.pop(name, None):  # most resyncs change nothing
             self.store.put_status(name, text, now)
+        self._parsed_status[name] = (text, status)
 
     def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:
         self.store.add_event(job, type, reason, message, now)

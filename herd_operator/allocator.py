@@ -285,11 +285,13 @@ class Allocator:
                         " (its workers leave them first)",
                     )
             current = {job: grant.placement for job, grant in self._grants.items()}
-        changed = [
-            job
+        # A dict: ordered like `decided`, and membership costs O(1) (a list made this loop
+        # quadratic: 0.9 s of a 10,000-job decision).
+        changed = {
+            job: None
             for job, grant in decided.items()
             if job not in self._grants or grant.placement != self._grants[job].placement
-        ]
+        }
         for job, grant in decided.items():
             if job not in changed and grant.placement.size:
                 # Unchanged: keep the reason of the decision that made it, which is what

@@ -279,7 +279,7 @@ def configure_logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from herd_operator.operator import Operator, OperatorConfig, OperatorError
+    from herd_operator.operator import Operator, OperatorConfig, OperatorError, tune_gc
     from herd_operator.pool import discover_pool
 
     configure_logging(args.log_level)
@@ -305,6 +305,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prometheus_url=args.prometheus_url,
     )
     stop = _stop_on_signals()
+    tune_gc()
     try:
         return Operator(config).run(stop)
     except OperatorError as err:

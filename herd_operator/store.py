@@ -15,6 +15,7 @@ events and the grant history are a log and outlive it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -225,6 +226,7 @@ class Store:
         self._max_reports_per_job = max_reports_per_job
         self._max_events = max_events
         self._lock = threading.RLock()
+        self._grouping = False  # inside transaction(): writes are savepoints, not commits
         if readonly:
             self._conn = self._connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
         else:
@@ -276,6 +278,8 @@ class Store:
         writes inside it raise StoreError.
         """
         with self._lock, self._errors("read"):
+            if self._grouping:
+                raise StoreError(f"{self.path}: snapshot() cannot be used inside transaction()")
             self._conn.execute("BEGIN")
             try:
                 # WAL fixes the snapshot at the first read, not at BEGIN.
@@ -283,6 +287,38 @@ class Store:
                 yield
             finally:
                 self._conn.execute("COMMIT")
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Commit the writes made inside once, at the end, instead of once each.
+
+        Each write method stays all-or-nothing (a savepoint), and the writes that completed
+        are committed even when an exception leaves the block: the same outcome as without
+        grouping, only later. A crash inside loses the group's writes, so keep groups short
+        (the operator groups a few dozen reconciles). It holds the store's lock throughout:
+        other threads sharing this store wait. Not re-entrant; not inside snapshot().
+        """
+        with self._lock:
+            if self._grouping or self._conn.in_transaction:
+                raise StoreError(f"{self.path}: transaction() cannot be nested or in snapshot()")
+            with self._errors("write"):
+                self._conn.execute("BEGIN IMMEDIATE")
+            self._grouping = True
+            try:
+                yield
+            finally:
+                self._grouping = False
+                self._commit_group()
+
+    def _commit_group(self) -> None:
+        try:
+            with self._errors("write"):
+                self._conn.execute("COMMIT")
+        except StoreError:
+            if self._conn.in_transaction:  # e.g. disk full: leave no transaction open
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.execute("ROLLBACK")
+            raise
 
     # jobs
 
@@ -655,6 +691,17 @@ class Store:
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock, self._errors("write"):
+            if self._grouping:
+                # Inside transaction(): a savepoint keeps this method all-or-nothing.
+                self._conn.execute("SAVEPOINT write")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._conn.execute("ROLLBACK TO write")
+                    self._conn.execute("RELEASE write")
+                    raise
+                self._conn.execute("RELEASE write")
+                return
             if self._conn.in_transaction:
                 raise StoreError(f"{self.path}: cannot write inside snapshot()")
             self._conn.execute("BEGIN IMMEDIATE")

@@ -72,6 +72,14 @@ def set_condition(
     condition_type = str(type)
     previous = get_condition(conditions, condition_type)
     status = ConditionStatus(status)
+    if (
+        previous is not None
+        and previous.status == status
+        and previous.reason == reason
+        and previous.message == message
+        and previous.observed_generation == generation
+    ):
+        return tuple(conditions)  # the common case on a resync: nothing to build
     transition_time = (
         previous.last_transition_time if previous is not None and previous.status == status else now
     )

@@ -57,7 +57,9 @@ class PolicyRef(ApiModel):
     name: str = Field(
         default="static", min_length=1, json_schema_extra={"pattern": POLICY_NAME_PATTERN}
     )
-    params: dict[str, Any] = {}
+    # Factories, not shared default objects: pydantic deep-copies an unhashable default on
+    # every validation (a third of validating 10,000 specs).
+    params: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
@@ -85,7 +87,7 @@ class HorovodOptions(ApiModel):
 
     elastic_timeout_seconds: int = Field(default=600, strict=True, gt=0)
     reset_limit: int | None = Field(default=None, strict=True, ge=0)
-    extra_args: list[str] = []
+    extra_args: list[str] = Field(default_factory=list)
 
 
 class RestartPolicy(ApiModel):
@@ -113,13 +115,14 @@ class HerdJobSpec(ApiModel):
     command: list[NonEmptyStr] = Field(min_length=1)
     working_dir: str | None = None
     env: dict[EnvName, str] = Field(
-        default={}, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_PATTERN}}
+        default_factory=dict,
+        json_schema_extra={"propertyNames": {"pattern": ENV_NAME_PATTERN}},
     )
     gpus: GpuRange
     priority: int = Field(default=0, strict=True)
-    policy: PolicyRef = PolicyRef()
-    horovod: HorovodOptions = HorovodOptions()
-    restart_policy: RestartPolicy = RestartPolicy()
+    policy: PolicyRef = Field(default_factory=PolicyRef)
+    horovod: HorovodOptions = Field(default_factory=HorovodOptions)
+    restart_policy: RestartPolicy = Field(default_factory=RestartPolicy)
 
 
 class ObjectMeta(ApiModel):
@@ -128,7 +131,7 @@ class ObjectMeta(ApiModel):
     name: str = Field(
         json_schema_extra={"pattern": DNS_LABEL_PATTERN, "maxLength": DNS_LABEL_MAX_LENGTH}
     )
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod

@@ -6,7 +6,7 @@ truth (there is no `phase`). `ready` and `summary` are derived for display.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from specs.conditions import Condition, ConditionType, get_condition, is_true
@@ -31,7 +31,7 @@ class HerdJobStatus(StatusModel):
     observed_generation: int = 0
     conditions: tuple[Condition, ...] = ()
     gpus: GpuCounts | None = None
-    placement: list[tuple[str, list[int]]] = []
+    placement: list[tuple[str, list[int]]] = Field(default_factory=list)
     """Host -> GPU indices in local-rank order."""
     epoch: int | None = None
     """Last epoch the workers reported."""

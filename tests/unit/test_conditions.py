@@ -55,6 +55,23 @@ def test_same_status_keeps_the_transition_time_but_updates_the_rest() -> None:
     assert (running.reason, running.message, running.observed_generation) == ("Resized", "np=4", 2)
 
 
+def test_setting_the_same_facts_again_returns_the_same_conditions() -> None:
+    conditions = set_condition((), "Running", TRUE, "Started", "np=2", 1, now=10.0)
+    conditions = set_condition(conditions, "Admitted", TRUE, "Fits", "", 1, now=10.0)
+    again = set_condition(conditions, "Running", TRUE, "Started", "np=2", 1, now=99.0)
+    assert again == conditions
+    assert all(new is old for new, old in zip(again, conditions, strict=True))
+    # Any differing fact builds a new condition (the time only moves with the status).
+    for changed in (
+        set_condition(conditions, "Running", TRUE, "Started", "np=3", 1, now=99.0),
+        set_condition(conditions, "Running", TRUE, "Resized", "np=2", 1, now=99.0),
+        set_condition(conditions, "Running", TRUE, "Started", "np=2", 2, now=99.0),
+    ):
+        running = get_condition(changed, "Running")
+        assert running is not None and running != get_condition(conditions, "Running")
+        assert running.last_transition_time == 10.0
+
+
 def test_status_change_moves_the_transition_time() -> None:
     conditions = set_condition((), "Running", TRUE, "Started", "", 1, now=10.0)
     conditions = set_condition(conditions, "Running", FALSE, "Exited", "", 1, now=20.0)

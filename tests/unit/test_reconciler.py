@@ -260,6 +260,21 @@ def test_reconciling_again_without_change_starts_nothing_and_adds_no_event(world
     assert len(world.store.grant_history("a")) == 1
 
 
+def test_a_status_written_by_someone_else_is_read_again(world: World) -> None:
+    # The reconciler keeps the status it wrote, parsed; a different stored text (another
+    # writer: the operator's shutdown, an older version) must win over that copy.
+    started(world, herd_job())
+    world.reconcile("a")
+    changed = world.status("a").model_copy(update={"epoch": 41, "restarts": 2})
+    world.store.put_status("a", changed.model_dump_json(by_alias=True), now=T0)
+    world.clock.advance(1.0)
+
+    world.reconcile("a")
+
+    status = world.status("a")
+    assert (status.epoch, status.restarts) == (41, 2)
+
+
 # ---- 3: spec changes ----
 
 

@@ -494,3 +494,76 @@ def test_threads_share_one_store(store: Store) -> None:
     for thread in threads:
         thread.join(10.0)
     assert len(store.reports("resnet")) == 100
+
+
+# grouped transactions
+
+
+def test_transaction_commits_its_writes_once_at_the_end(store: Store) -> None:
+    with Store.open_readonly(store.path) as reader:
+        with store.transaction():
+            store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+            store.put_status("resnet", '{"epoch": 3}', now=2.0)
+            store.add_event("resnet", "Normal", "Started", "pid 1", now=2.0)
+            assert store.get_job("resnet") is not None  # the writer reads its own writes
+            assert reader.list_jobs() == []  # nobody else sees them yet
+            assert reader.events() == []
+        job = reader.get_job("resnet")
+        assert job is not None and job.status_json == '{"epoch": 3}'
+        assert [event.reason for event in reader.events()] == ["Started"]
+
+
+def test_a_failing_write_inside_a_transaction_undoes_only_itself(store: Store) -> None:
+    with store.transaction():
+        store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+        with pytest.raises(KeyError, match="no job named 'ghost'"):
+            store.replace_allocations({"resnet": [("h", [0])], "ghost": [("h", [1])]}, now=2.0)
+        store.add_grant_change("resnet", 1, "admitted", now=3.0)
+    assert store.get_job("resnet") is not None
+    assert store.allocations() == {}  # the failed replacement left nothing behind
+    assert [change.gpus for change in store.grant_history()] == [1]
+
+
+def test_an_exception_leaving_a_transaction_keeps_the_completed_writes(store: Store) -> None:
+    with pytest.raises(RuntimeError, match="boom"), store.transaction():
+        store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+        raise RuntimeError("boom")
+    assert store.get_job("resnet") is not None
+    store.record_spec("bert", "/jobs/bert.yaml", SPEC, "fp1", now=2.0)  # no transaction left open
+    with Store.open_readonly(store.path) as reader:
+        assert [job.name for job in reader.list_jobs()] == ["bert", "resnet"]
+
+
+def test_transactions_do_not_nest_or_mix_with_snapshots(store: Store) -> None:
+    nested = r"transaction\(\) cannot be nested or in snapshot"
+    with store.transaction():
+        with pytest.raises(StoreError, match=nested), store.transaction():
+            pass
+        inside = r"snapshot\(\) cannot be used inside transaction"
+        with pytest.raises(StoreError, match=inside), store.snapshot():
+            pass
+        store.add_grant_change("a", 1, "still usable", now=1.0)
+    with store.snapshot(), pytest.raises(StoreError, match=nested), store.transaction():
+        pass
+    assert len(store.grant_history()) == 1
+
+
+def test_other_threads_wait_for_a_transaction_to_end(store: Store) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    entered, written = threading.Event(), threading.Event()
+
+    def report_from_another_thread() -> None:
+        entered.set()
+        store.add_report("resnet", epoch=1, world_size=2, rank=0, metrics={}, now=5.0)
+        written.set()
+
+    with store.transaction():
+        store.put_status("resnet", '{"epoch": 1}', now=2.0)
+        thread = threading.Thread(target=report_from_another_thread)
+        thread.start()
+        assert entered.wait(5)
+        # It blocks on the store until the group commits; it does not join the group.
+        assert not written.wait(0.2)
+    thread.join(5)
+    assert written.is_set()
+    assert [report.epoch for report in store.reports("resnet")] == [1]
