@@ -20,6 +20,7 @@ from herd_operator.bench.harness import (
     Row,
     Skip,
     Stats,
+    paired_ratio_figures,
     percentile,
     render_markdown,
     run_benchmarks,
@@ -73,6 +74,18 @@ def test_stats_summarise_unsorted_samples() -> None:
     assert stats.p95 == pytest.approx(4.8)
     with pytest.raises(ValueError, match=r"^no samples to summarise$"):
         Stats.of([])
+
+
+def test_paired_ratios_cancel_a_drift_that_the_ratio_of_medians_keeps() -> None:
+    # The machine slows down run after run; ours is always 10% slower than its pair.
+    baseline = [100.0, 80.0, 60.0, 40.0]
+    ours = [110.0, 88.0, 66.0, 44.0]
+    figures = paired_ratio_figures(ours, baseline)
+    assert figures["paired_ratio_median"] == pytest.approx(1.1)
+    assert figures["paired_ratio_p5"] == pytest.approx(1.1)
+    assert figures["paired_ratio_p95"] == pytest.approx(1.1)
+    with pytest.raises(ValueError, match=r"^3 runs of ours against 4 of the baseline$"):
+        paired_ratio_figures(ours[:3], baseline)
 
 
 def test_ratio_is_ours_over_baseline_and_json_never_holds_infinity() -> None:

@@ -63,6 +63,22 @@ class Stats:
         }
 
 
+def paired_ratio_figures(ours: Sequence[float], baseline: Sequence[float]) -> dict[str, float]:
+    """Median and p5-p95 of ours[i] / baseline[i], for runs made in adjacent pairs.
+
+    On a shared machine the load drifts over minutes; a pair run back to back sees the
+    same load, so the per-pair ratio cancels the drift that the ratio of medians keeps.
+    """
+    if len(ours) != len(baseline):
+        raise ValueError(f"{len(ours)} runs of ours against {len(baseline)} of the baseline")
+    ratios = Stats.of([mine / theirs for mine, theirs in zip(ours, baseline, strict=True)])
+    return {
+        "paired_ratio_median": ratios.median,
+        "paired_ratio_p5": ratios.p5,
+        "paired_ratio_p95": ratios.p95,
+    }
+
+
 def percentile(ordered: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) of sorted values, interpolating between neighbours."""
     if not ordered:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from herd_operator.bench.harness import Context, Row, Stats
+from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures
 from herd_operator.launcher import horovodrun_executable
 from herd_operator.layout import write_atomically
 from herd_operator.operator import Operator, OperatorConfig
@@ -278,6 +278,7 @@ def run_resize_stall(ctx: Context) -> list[Row]:
             baseline_label="bare horovodrun, hosts file edited by hand",
             baseline=Stats.of(bare),
             ours=Stats.of(ours),
+            extra=paired_ratio_figures(ours, bare),
         )
         for label, ours, bare in (("2->4", ours_up, bare_up), ("4->2", ours_down, bare_down))
     ]
@@ -326,6 +327,7 @@ def run_training_overhead(ctx: Context) -> list[Row]:
             baseline=Stats.of(bare),
             ours=Stats.of(ours),
             extra={
+                **paired_ratio_figures(ours, bare),
                 "ours_bench_process_cpu_share": Stats.of(ours_cpu).median,
                 "baseline_bench_process_cpu_share": Stats.of(bare_cpu).median,
             },
