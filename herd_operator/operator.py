@@ -38,7 +38,7 @@ from herd_operator.observer import UsageObserver
 from herd_operator.pool import PoolSource
 from herd_operator.rpc import BadRequest, NotFound, RpcServer
 from herd_operator.specdir import DirectoryWatcher, SpecDirectory
-from herd_operator.store import Store
+from herd_operator.store import Store, StoreError
 from herd_operator.worker import ALLOCATOR_ENV, JOB_ENV, TOKEN_FILE_ENV
 from policies.arbitration import Grant, Placement
 from specs import ConditionStatus, ConditionType, HerdJob, is_true, set_condition
@@ -67,18 +67,38 @@ def tune_gc() -> None:
 
 def reconcile_burst(
     keys: Sequence[str], allocator: Allocator, store: Store, process: Callable[[str], object]
-) -> None:
-    """Reconcile many jobs under one allocator decision and few store commits."""
+) -> list[str]:
+    """Reconcile many jobs under one allocator decision and few store commits.
+
+    Returns the keys whose store writes were lost because a group could not be committed
+    (or begun: another writer held the database), for the caller to reconcile again.
+    """
+    lost: list[str] = []
     with allocator.batch():
         index = 0
         while index < len(keys):
-            with store.transaction():
-                group_ends = time.monotonic() + STORE_GROUP_SECONDS
-                while index < len(keys):
-                    process(keys[index])
-                    index += 1
-                    if time.monotonic() >= group_ends:
-                        break
+            first = index
+            process_failed = False
+            try:
+                with store.transaction():
+                    group_ends = time.monotonic() + STORE_GROUP_SECONDS
+                    while index < len(keys):
+                        try:
+                            process(keys[index])
+                        except BaseException:
+                            process_failed = True
+                            raise
+                        index += 1
+                        if time.monotonic() >= group_ends:
+                            break
+            except StoreError as err:
+                if process_failed:
+                    raise
+                failed = list(keys[first:index]) if index > first else list(keys[first:])
+                log.error("state store: %s; reconciling %d job(s) again", err, len(failed))
+                lost += failed
+                index = first + len(failed)
+    return lost
 
 
 @dataclass(frozen=True)
@@ -414,9 +434,11 @@ class Operator:
                 # Many jobs at once (a restart, a burst of new specs): one allocator
                 # decision for all of them instead of one each.
                 assert self.allocator is not None
-                reconcile_burst(
+                lost = reconcile_burst(
                     burst, self.allocator, self.store, lambda key: self._process(reconciler, key)
                 )
+                for key in lost:
+                    self.queue.add_after(key, self.queue.backoff(key))
         finally:
             self._shutdown()
         return 0

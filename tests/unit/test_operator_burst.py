@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from herd_operator import operator
+from herd_operator import store as store_module
 from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.layout import StateLayout
-from herd_operator.store import Store
+from herd_operator.store import Store, StoreError
 from policies.arbitration import Demand, Grant, Pool
 
 SPEC = '{"gpus": {"min": 1, "max": 1}}'
@@ -97,3 +99,35 @@ def test_a_failing_job_leaves_the_writes_before_it_and_ends_the_batch(
     grant = allocator.grant("ok")  # the batch still decided on the way out
     assert grant is not None and grant.placement.size == 1
     assert allocator.request(Demand("later", 1, 1, 1)) is not None  # not batching any more
+
+
+def test_a_group_the_store_cannot_begin_is_handed_back(
+    layout: StateLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_MS", 50)
+    allocator = Allocator(Pool.from_counts({"localhost": 1}), GrantPublisher(layout), virtual=True)
+    processed: list[str] = []
+    with Store(layout.database) as store:
+        # Another process holds the write lock: our group cannot even begin.
+        other = sqlite3.connect(layout.database, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            lost = operator.reconcile_burst(["a", "b"], allocator, store, processed.append)
+            assert (lost, processed) == (["a", "b"], [])
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+        assert operator.reconcile_burst(["a", "b"], allocator, store, processed.append) == []
+        assert processed == ["a", "b"]
+
+
+def test_a_store_error_raised_by_a_job_is_not_taken_for_a_failed_commit(
+    layout: StateLayout, store: Store
+) -> None:
+    allocator = Allocator(Pool.from_counts({"localhost": 1}), GrantPublisher(layout), virtual=True)
+
+    def broken(name: str) -> None:
+        raise StoreError(f"{name}: cannot write")
+
+    with pytest.raises(StoreError, match=r"^a: cannot write$"):
+        operator.reconcile_burst(["a", "b"], allocator, store, broken)
