@@ -295,7 +295,7 @@ class Store:
         Each write method stays all-or-nothing (a savepoint), and the writes that completed
         are committed even when an exception leaves the block: the same outcome as without
         grouping, only later. A crash inside loses the group's writes, so keep groups short
-        (the operator groups a few dozen reconciles). It holds the store's lock throughout:
+        (the operator commits every 20 ms of reconciles). It holds the store's lock throughout:
         other threads sharing this store wait. Not re-entrant; not inside snapshot().
         """
         with self._lock:

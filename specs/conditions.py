@@ -78,6 +78,7 @@ def set_condition(
         and previous.reason == reason
         and previous.message == message
         and previous.observed_generation == generation
+        and _is_canonical(conditions)
     ):
         return tuple(conditions)  # the common case on a resync: nothing to build
     transition_time = (
@@ -93,6 +94,12 @@ def set_condition(
     )
     others = [condition for condition in conditions if condition.type != condition_type]
     return tuple(sorted([*others, updated], key=_order_key))
+
+
+def _is_canonical(conditions: Sequence[Condition]) -> bool:
+    """One condition per type, in display order: what set_condition returns."""
+    keys = [_order_key(condition) for condition in conditions]
+    return keys == sorted(keys) and len({key[1] for key in keys}) == len(keys)
 
 
 def get_condition(conditions: Sequence[Condition], type: str) -> Condition | None:

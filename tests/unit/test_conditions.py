@@ -72,6 +72,16 @@ def test_setting_the_same_facts_again_returns_the_same_conditions() -> None:
         assert running.last_transition_time == 10.0
 
 
+def test_the_same_facts_on_unordered_or_duplicated_input_still_give_canonical_output() -> None:
+    running = set_condition((), "Running", TRUE, "Started", "", 1, now=10.0)[0]
+    admitted = set_condition((), "Admitted", TRUE, "Fits", "", 1, now=10.0)[0]
+    for stored in ((running, admitted), (admitted, running, running)):
+        assert set_condition(stored, "Running", TRUE, "Started", "", 1, now=20.0) == (
+            admitted,
+            running,
+        )
+
+
 def test_status_change_moves_the_transition_time() -> None:
     conditions = set_condition((), "Running", TRUE, "Started", "", 1, now=10.0)
     conditions = set_condition(conditions, "Running", FALSE, "Exited", "", 1, now=20.0)
