@@ -116,6 +116,7 @@ class StateCollector(Collector):
         counts: dict[tuple[str, str], int] = {
             (str(t), s): 0 for t in ConditionType for s in ("True", "False", "Unknown")
         }
+        latest_usage = self.store.latest_usage()
         for record in self.store.list_jobs():
             status = HerdJobStatus.model_validate_json(record.status_json or "{}")
             for condition in status.conditions:
@@ -129,9 +130,9 @@ class StateCollector(Collector):
                     active.add_metric([record.name], status.gpus.active)
             if status.epoch is not None:
                 epoch.add_metric([record.name], status.epoch)
-            samples = self.store.usage(record.name, limit=1)
-            if samples and samples[-1].total_bytes:
-                memory.add_metric([record.name], samples[-1].used_bytes / samples[-1].total_bytes)
+            sample = latest_usage.get(record.name)
+            if sample is not None and sample.total_bytes:
+                memory.add_metric([record.name], sample.used_bytes / sample.total_bytes)
             policy = json.loads(record.spec_json)["spec"].get("policy", {})
             if policy.get("name") == "memory":
                 params = policy.get("params", {})

@@ -555,6 +555,16 @@ class Store:
             ).fetchall()
         return [Usage(job, row[0], row[1], row[2], row[3]) for row in reversed(rows)]
 
+    def latest_usage(self) -> dict[str, Usage]:
+        """Each job's newest usage sample, in one query (a scrape reads every job's)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT u.job, u.time, u.gpus, u.used_bytes, u.total_bytes FROM gpu_usage AS u"
+                " JOIN (SELECT job, MAX(seq) AS seq FROM gpu_usage GROUP BY job) AS newest"
+                " ON u.job = newest.job AND u.seq = newest.seq"
+            ).fetchall()
+        return {row[0]: Usage(row[0], row[1], row[2], row[3], row[4]) for row in rows}
+
     # grant history
 
     def add_grant_change(self, job: str, gpus: int, reason: str, now: float) -> None:

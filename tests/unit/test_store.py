@@ -17,6 +17,7 @@ from herd_operator.store import (
     RuntimeRecord,
     Store,
     StoreError,
+    Usage,
 )
 
 SPEC = '{"gpus": {"min": 1, "max": 4}}'
@@ -494,6 +495,26 @@ def test_threads_share_one_store(store: Store) -> None:
     for thread in threads:
         thread.join(10.0)
     assert len(store.reports("resnet")) == 100
+
+
+# GPU usage
+
+
+def test_latest_usage_is_each_jobs_newest_sample(store: Store) -> None:
+    for name in ("resnet", "bert", "idle"):
+        store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp1", now=1.0)
+    store.add_usage("resnet", 2, 100, 1000, now=2.0)
+    store.add_usage("bert", 1, 50, 500, now=2.5)
+    store.add_usage("resnet", 2, 300, 1000, now=3.0)
+    store.add_usage("resnet", 2, 200, 1000, now=2.9)  # arrived last, so it is the newest
+
+    latest = store.latest_usage()
+
+    assert latest == {
+        "resnet": Usage("resnet", 2.9, 2, 200, 1000),
+        "bert": Usage("bert", 2.5, 1, 50, 500),
+    }
+    assert [sample.used_bytes for sample in store.usage("resnet", limit=1)] == [200]
 
 
 # grouped transactions
