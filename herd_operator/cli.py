@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--no-watch", action="store_true", help="no file events, relist only (as on NFS or Lustre)"
     )
+    run.add_argument(
+        "--runtime-dir",
+        type=Path,
+        help="where to keep grant files and discovery scripts, which Horovod reads every "
+        "second on this host (default: $XDG_RUNTIME_DIR, else /dev/shm, else the state dir)",
+    )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     exporter = commands.add_parser(
@@ -303,6 +309,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_listen or args.listen,
         metrics_port=args.metrics_port,
         prometheus_url=args.prometheus_url,
+        runtime_dir=args.runtime_dir,
     )
     stop = _stop_on_signals()
     tune_gc()

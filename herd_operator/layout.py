@@ -1,14 +1,26 @@
 """Where the operator keeps its state on disk.
 
 Everything lives under one state directory, so that a restarted operator, the
-CLI and the workers on other nodes (through a shared file system) find it.
+CLI and the workers on other nodes (through a shared file system) find it;
+except the grant files and discovery scripts. Horovod reads those once a
+second per job, only on the host that runs `horovodrun` (the operator's), and
+the operator rewrites them after a restart, so they live in a private runtime
+directory on local tmpfs when there is one: no metadata traffic to a parallel
+file system for every job every second, and no disk journal in the way of a
+burst of new grants.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 STATE_DIR_ENV = "HERD_STATE_DIR"
 DEFAULT_STATE_DIR = ".herd-state"
@@ -18,9 +30,16 @@ def default_state_dir() -> Path:
     return Path(os.environ.get(STATE_DIR_ENV, DEFAULT_STATE_DIR))
 
 
+RUNTIME_PREFIX = "herd-operator-"
+"""Name prefix of runtime directories (tempfile.mkdtemp adds a random suffix)."""
+SHARED_MEMORY = Path("/dev/shm")
+
+
 @dataclass(frozen=True)
 class StateLayout:
     root: Path
+    runtime: Path | None = None
+    """The operator's private runtime directory, or None: the grants live under `root`."""
 
     @property
     def database(self) -> Path:
@@ -42,7 +61,13 @@ class StateLayout:
 
     @property
     def grants_dir(self) -> Path:
-        return self.root / "grants"
+        return (self.runtime or self.root) / "grants"
+
+    @property
+    def runtime_record(self) -> Path:
+        """Names the runtime directory in use, so the next operator can remove it after a
+        crash."""
+        return self.root / "runtime-dir"
 
     @property
     def logs_dir(self) -> Path:
@@ -65,6 +90,40 @@ class StateLayout:
             self.scrape_targets_file.parent,
         ):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def runtime_base(requested: Path | None) -> Path | None:
+    """Where to make a runtime directory: `requested`, else the user's `$XDG_RUNTIME_DIR`,
+    else /dev/shm; None when neither is a usable directory (the state dir serves then)."""
+    if requested is not None:
+        return requested
+    candidates = [Path(xdg)] if (xdg := os.environ.get("XDG_RUNTIME_DIR")) else []
+    for candidate in [*candidates, SHARED_MEMORY]:
+        if candidate.is_dir() and os.access(candidate, os.W_OK | os.X_OK):
+            return candidate
+    return None
+
+
+def make_runtime_dir(base: Path) -> Path:
+    """A new private (0700) directory in `base`; mkdtemp makes it safe in a shared /dev/shm."""
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=base))
+
+
+def remove_runtime_dir(path: Path) -> None:
+    """Remove a runtime directory that this user made; anything else is left alone."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (
+        not stat.S_ISDIR(info.st_mode)  # a symlink is not followed
+        or info.st_uid != os.getuid()
+        or not path.name.startswith(RUNTIME_PREFIX)
+    ):
+        log.warning("not removing %s: not a runtime directory of this user", path)
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def write_atomically(path: Path, text: str, mode: int = 0o644, *, durable: bool = True) -> None:

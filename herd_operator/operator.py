@@ -32,7 +32,14 @@ from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
 from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.auth import ensure_token_file
 from herd_operator.launcher import Launcher, LaunchRequest, find_orphans, stop_orphans
-from herd_operator.layout import STATE_DIR_ENV, StateLayout, write_atomically
+from herd_operator.layout import (
+    STATE_DIR_ENV,
+    StateLayout,
+    make_runtime_dir,
+    remove_runtime_dir,
+    runtime_base,
+    write_atomically,
+)
 from herd_operator.metrics import OperatorMetrics, StateCollector
 from herd_operator.observer import UsageObserver
 from herd_operator.pool import PoolSource
@@ -126,6 +133,9 @@ class OperatorConfig:
     """Read the GPU memory signal back from this Prometheus server (PromQL) instead of
     from this host's GPUs or the registered exporters."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    runtime_dir: Path | None = None
+    """Where to make the private directory for grant files and discovery scripts (default:
+    $XDG_RUNTIME_DIR, else /dev/shm, else the state dir)."""
 
 
 class OperatorError(Exception):
@@ -197,7 +207,7 @@ class Operator:
 
     def _open(self) -> JobReconciler:
         config = self.config
-        self.layout.create()
+        self.layout.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_handle = open(self.layout.root / "operator.lock", "w")  # noqa: SIM115
         try:
             fcntl.flock(self._lock_handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -205,6 +215,8 @@ class Operator:
             raise OperatorError(
                 f"another herd-operator is running on state dir {self.layout.root}"
             ) from err
+        previous_runtime = self._use_runtime_dir()
+        self.layout.create()
         self.store = store = Store(self.layout.database)
         token = ensure_token_file(self.layout.token_file)
         publisher = GrantPublisher(self.layout)
@@ -263,6 +275,9 @@ class Operator:
         hosts = [host_name for host_name, _ in config.pool.pool.hosts]
         job_launcher = _JobLauncher(launcher, self.layout, publisher, hosts, env)
         self._stop_orphans(store)
+        if previous_runtime is not None and previous_runtime != self.layout.runtime:
+            # A crashed operator's grants: its jobs were just stopped, nothing reads them.
+            remove_runtime_dir(previous_runtime)
         self._enqueue_known_jobs()
         log.info(
             "pool: %s; allocator on %s; specs from %s; state in %s",
@@ -280,6 +295,34 @@ class Operator:
             metrics_stale_seconds=max(15.0, 10 * config.sample_seconds),
             observer=self.metrics,
         )
+
+    def _use_runtime_dir(self) -> Path | None:
+        """Make this run's runtime directory and record it; returns the one recorded before."""
+        record = self.layout.runtime_record
+        try:
+            previous: Path | None = Path(record.read_text().strip())
+        except FileNotFoundError:
+            previous = None
+        base = runtime_base(self.config.runtime_dir)
+        runtime = None
+        if base is not None:
+            try:
+                runtime = make_runtime_dir(base)
+            except OSError as err:
+                if self.config.runtime_dir is not None:
+                    raise OperatorError(
+                        f"cannot make a runtime directory in {base}: {err}"
+                    ) from err
+                log.warning(
+                    "no runtime directory in %s (%s); grants go to the state dir", base, err
+                )
+        self.layout = StateLayout(self.layout.root, runtime)
+        if runtime is None:
+            record.unlink(missing_ok=True)
+        else:
+            write_atomically(record, f"{runtime}\n")
+        log.info("grants and discovery scripts in %s", self.layout.grants_dir)
+        return previous
 
     def _local_gpus(self, allocator: Allocator) -> GpuSource | None:
         """This host's GPUs, when the pool is this one host: NVML, or virtual GPUs whose
@@ -490,6 +533,9 @@ class Operator:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self.layout.endpoint_file.unlink(missing_ok=True)
+        if self.layout.runtime is not None:
+            remove_runtime_dir(self.layout.runtime)
+            self.layout.runtime_record.unlink(missing_ok=True)
         if self.store is not None:
             self.store.close()
         if self._lock_handle is not None:

@@ -77,7 +77,12 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
     from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, launch_fingerprint
     from controllers.reconciler import JobReconciler
     from herd_operator.allocator import Allocator, GrantPublisher
-    from herd_operator.layout import StateLayout
+    from herd_operator.layout import (
+        StateLayout,
+        make_runtime_dir,
+        remove_runtime_dir,
+        runtime_base,
+    )
     from herd_operator.operator import MAX_BATCH, reconcile_burst, tune_gc
     from herd_operator.specdir import SpecDirectory
     from herd_operator.store import Store
@@ -115,7 +120,9 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
             self.started.pop(name, None)
 
     tune_gc()  # as `herd-operator run` does
-    layout = StateLayout(state)
+    # Grants where the operator puts them: a private runtime dir on tmpfs when there is one.
+    base = runtime_base(None)
+    layout = StateLayout(state, make_runtime_dir(base) if base is not None else None)
     layout.create()
     specs = SpecDirectory(directory)
     result: dict[str, float] = {}
@@ -155,6 +162,8 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
         reconciler.reconcile(name)  # nothing changed: no decision, no launch
     result["reconcile_steady"] = time.perf_counter() - started
     store.close()
+    if layout.runtime is not None:
+        remove_runtime_dir(layout.runtime)
     result["jobs"] = len(names)
     result["first_pass_jobs"] = len(set(done))
     result["reconciles"] = len(done)

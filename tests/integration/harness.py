@@ -84,7 +84,9 @@ class OperatorHarness:
 
     @property
     def layout(self) -> StateLayout:
-        return StateLayout(self.root / "state")
+        """The running operator's layout (with its runtime dir), else the state dir's."""
+        operator = getattr(self, "operator", None)
+        return operator.layout if operator is not None else StateLayout(self.root / "state")
 
     def start(self) -> None:
         self.specs_dir.mkdir(parents=True, exist_ok=True)
