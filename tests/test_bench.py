@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from herd_operator.bench.harness import (
 )
 from herd_operator.bench.scale import write_specs
 from herd_operator.bench.suite import BENCHMARKS
-from herd_operator.bench.training import StepLog, samples_per_second
+from herd_operator.bench.training import StepLog, job_cpu_seconds, samples_per_second
 from herd_operator.cli import main
 from policies.arbitration import Demand, Placement, Pool
 from specs import load_spec_file
@@ -186,6 +189,27 @@ def test_markdown_lists_secondary_figures() -> None:
 
 
 # ---- benchmark helpers ----
+
+
+def test_job_cpu_counts_only_the_processes_that_name_the_marker(tmp_path: Path) -> None:
+    marker = str(tmp_path / "steps.txt")
+    spin = (
+        "import time\n"
+        "end = time.process_time() + 0.3\n"
+        "while time.process_time() < end:\n"
+        "    pass\n"
+        "time.sleep(60)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", spin, "--step-log", marker])
+    try:
+        deadline = time.monotonic() + 30
+        while job_cpu_seconds(marker) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job_cpu_seconds(marker) >= 0.25
+        assert job_cpu_seconds(str(tmp_path / "another-run.txt")) == 0.0
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_generated_spec_files_are_valid_and_distinct(tmp_path: Path) -> None:
