@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from policies.arbitration import Demand, Grant
 from specs import HerdJob, HerdJobSpec
+from specs.values import Demand, Grant
 
 EventType = Literal["Normal", "Warning"]
 
@@ -31,6 +31,13 @@ class SpecView:
     errors: tuple[str, ...] = ()
     fingerprint: str = ""
     """The spec's content hash when the source already computed it ("" otherwise)."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the queue should do next with a reconciled key (None: nothing until an event)."""
+
+    requeue_after: float | None = None
 
 
 class SpecSource(Protocol):
@@ -80,6 +87,7 @@ class UsageLike(Protocol):
 
 class StorePort(Protocol):
     def get_job(self, name: str) -> JobRecordLike | None: ...
+    def list_jobs(self) -> Sequence[JobRecordLike]: ...
     def record_spec(
         self, name: str, spec_path: str, spec_json: str, fingerprint: str, now: float
     ) -> JobRecordLike: ...

@@ -14,8 +14,8 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from controllers.errors import PermanentError, TemporaryError
 from controllers.ports import (
     AllocatorPort,
     EventType,
@@ -25,13 +25,13 @@ from controllers.ports import (
     ProcessPhase,
     ProcessState,
     ReconcileObserver,
+    Result,
     SpecSource,
     SpecView,
     StorePort,
     launch_fingerprint,
 )
-from policies.arbitration import Demand, Grant
-from policies.base import EpochEnd, JobObservations, PolicyError, UsageSample
+from policies.base import JobObservations, PolicyError
 from policies.registry import load_policy
 from specs import (
     Condition,
@@ -44,6 +44,7 @@ from specs import (
     spec_fingerprint,
 )
 from specs.status import GpuCounts, HerdJobStatus
+from specs.values import Demand, Grant, Report, UsageSample
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +52,6 @@ TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
 USAGE_HISTORY_SECONDS = 3600.0
 """GPU usage samples older than this are not read for a policy (an epoch longer than an hour
 is averaged over its last hour)."""
-
-
-@dataclass(frozen=True)
-class Result:
-    """What the queue should do next with this key (None: nothing until an event)."""
-
-    requeue_after: float | None = None
-
-
-class TemporaryError(Exception):
-    """Worth retrying: the queue backs off and tries the key again."""
-
-
-class PermanentError(Exception):
-    """Retrying cannot help until the spec changes."""
 
 
 def restart_delay(restarts: int, base: float = 1.0, cap: float = 60.0) -> float:
@@ -103,9 +89,69 @@ class JobReconciler:
         self.resync_seconds = resync_seconds
         self.stop_poll_seconds = stop_poll_seconds
 
-    # ---- entry point ----
+    # ---- entry points ----
 
     def reconcile(self, name: str) -> Result:
+        """One step towards the spec. A `PermanentError` is shown as `Stalled`, then raised."""
+        try:
+            result = self._reconcile(name)
+        except PermanentError as err:
+            self._record_stalled(name, err)
+            raise
+        return result
+
+    def known_jobs(self) -> list[str]:
+        return [record.name for record in self.store.list_jobs()]
+
+    def record_shutdown(self, name: str) -> None:
+        """The operator stopped the job with itself: it no longer runs or holds GPUs."""
+        record = self.store.get_job(name)
+        if record is None:
+            return
+        status = self._status_of(record)
+        if not is_true(status.conditions, ConditionType.Running):
+            return
+        now = self.clock()
+        self._event(name, "Normal", "Stopped", "operator shut down", now)
+        conditions = status.conditions
+        for condition_type in (ConditionType.Running, ConditionType.Resizing):
+            conditions = set_condition(
+                conditions,
+                condition_type,
+                FALSE,
+                "OperatorStopped",
+                "the operator shut down",
+                status.observed_generation,
+                now,
+            )
+        gpus = (
+            status.gpus.model_copy(update={"allocated": 0, "active": None}) if status.gpus else None
+        )
+        status = status.model_copy(update={"conditions": conditions, "gpus": gpus, "placement": []})
+        self._stored_status[name] = record.status_json
+        self._write(name, status)
+
+    def _record_stalled(self, name: str, err: PermanentError) -> None:
+        record = self.store.get_job(name)
+        if record is None:
+            return
+        now = self.clock()
+        status = self._status_of(record)
+        conditions = set_condition(
+            status.conditions,
+            ConditionType.Stalled,
+            TRUE,
+            err.reason,
+            str(err),
+            record.generation,
+            now,
+        )
+        if conditions is not status.conditions:
+            self._event(name, "Warning", err.reason, str(err), now)
+        self._stored_status[name] = record.status_json
+        self._write(name, status.model_copy(update={"conditions": conditions}))
+
+    def _reconcile(self, name: str) -> Result:
         now = self.clock()
         view = self.specs.view(name)
         if view is None:
@@ -184,7 +230,7 @@ class JobReconciler:
         try:
             policy = load_policy(job.spec.policy)
         except PolicyError as err:  # validated in _accept_spec; a plug-in can still vanish
-            raise PermanentError(str(err)) from err
+            raise PermanentError(str(err), reason="PolicyUnavailable") from err
         launch = process.launch
         since = launch.started_at if launch else now
         reports = self.store.reports(name, since=since, limit=1000)
@@ -196,7 +242,7 @@ class JobReconciler:
             if status.last_resize_at and status.last_resize_at >= since
             else None,
             epochs=[
-                EpochEnd(report.epoch, report.time, report.world_size, dict(report.metrics))
+                Report(report.epoch, report.time, report.world_size, dict(report.metrics))
                 for report in reports
                 if report.epoch is not None
             ],
@@ -557,10 +603,21 @@ class JobReconciler:
             self.allocator.request(Demand(name, size, size, size, priority, arrival))
 
     def _save(self, name: str, status: HerdJobStatus, generation: int, now: float) -> None:
-        status = status.model_copy(update={"observed_generation": generation})
+        """Write the status of a reconcile that went through: a `Stalled` job has recovered."""
+        conditions = status.conditions
+        if is_true(conditions, ConditionType.Stalled):
+            conditions = set_condition(
+                conditions, ConditionType.Stalled, FALSE, "Recovered", "", generation, now
+            )
+        self._write(
+            name,
+            status.model_copy(update={"observed_generation": generation, "conditions": conditions}),
+        )
+
+    def _write(self, name: str, status: HerdJobStatus) -> None:
         text = status.model_dump_json(by_alias=True)
         if text != self._stored_status.pop(name, None):  # most resyncs change nothing
-            self.store.put_status(name, text, now)
+            self.store.put_status(name, text, self.clock())
         self._parsed_status[name] = (text, status)
 
     def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:

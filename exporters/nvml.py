@@ -201,3 +201,20 @@ def _process_memory(processes: Any) -> tuple[ProcessMemory, ...]:
         pid = int(process.pid)
         used_by_pid[pid] = used_by_pid.get(pid, 0) + int(process.usedGpuMemory)
     return tuple(ProcessMemory(pid, used) for pid, used in used_by_pid.items())
+
+
+def nvml_gpu_count() -> int:
+    """GPUs NVML sees on this host; 0 without the library, a driver or devices."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+    except Exception as err:  # NVMLError has many subclasses; any of them means "no GPUs here"
+        log.debug("NVML unavailable: %s", err)
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()

@@ -20,9 +20,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from herd_operator.environment import STATE_DIR_ENV
+
 log = logging.getLogger(__name__)
 
-STATE_DIR_ENV = "HERD_STATE_DIR"
 DEFAULT_STATE_DIR = ".herd-state"
 
 

@@ -1,155 +1,17 @@
-"""The worker API: what a training script may call to cooperate with the operator.
+"""The worker API for training scripts: `from herd_operator import worker as herd`.
 
-    from herd_operator import worker as herd
-
-    binding = herd.bind_device()            # pins torch to the allocator's GPU
-    state.register_reset_callbacks([herd.report_reset])
-    ...
-    herd.report_epoch(epoch, {"loss": loss})  # once per epoch (rank 0 sends it)
-
-Every call is a harmless no-op when the script is not run by the operator, so
-the same script runs under a bare `horovodrun`, and a script that never imports
-this module still runs and resizes under the operator; it only reports nothing.
+The public face of `herd_operator.agent.worker` (see there for what each call does).
+Scripts import this name, so it stays where it is when the internals move.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
-import sys
-import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from herd_operator.agent.worker import (
+    DeviceBinding,
+    bind_device,
+    report_epoch,
+    report_reset,
+    under_operator,
+)
 
-from herd_operator.auth import read_token_file
-from herd_operator.rpc import RpcClient, parse_address
-
-log = logging.getLogger(__name__)
-
-JOB_ENV = "HERD_JOB"
-ALLOCATOR_ENV = "HERD_ALLOCATOR"
-TOKEN_FILE_ENV = "HERD_TOKEN_FILE"
-GPU_ENV = "HERD_GPU"
-GPUS_ENV = "HERD_GPUS"
-VIRTUAL_ENV = "HERD_VIRTUAL_GPU"
-
-_client: RpcClient | None = None
-_client_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class DeviceBinding:
-    gpu: int
-    """The allocator's GPU index on this host (a virtual GPU index on CPU machines)."""
-    ordinal: int
-    """The CUDA device number inside this process (after CUDA_VISIBLE_DEVICES)."""
-    virtual: bool
-
-
-def under_operator() -> bool:
-    return bool(os.environ.get(JOB_ENV) and os.environ.get(ALLOCATOR_ENV))
-
-
-def client_from_env(label: str) -> RpcClient:
-    """An authenticated client to the allocator, from the variables the operator sets."""
-    missing = [
-        name for name in (JOB_ENV, ALLOCATOR_ENV, TOKEN_FILE_ENV) if not os.environ.get(name)
-    ]
-    if missing:
-        raise RuntimeError(f"not started by herd-operator: {', '.join(missing)} unset")
-    token = read_token_file(Path(os.environ[TOKEN_FILE_ENV]))
-    return RpcClient(parse_address(os.environ[ALLOCATOR_ENV]), token, client=label, timeout=10.0)
-
-
-def _shared_client() -> RpcClient:
-    global _client
-    with _client_lock:
-        if _client is None:
-            _client = client_from_env(f"worker:{os.environ.get(JOB_ENV)}:{os.getpid()}")
-        return _client
-
-
-def host_name() -> str:
-    """The host name as Horovod's discovery script spelled it."""
-    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-
-
-def _horovod() -> Any:
-    """horovod.torch if the script already imported and initialized it."""
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is None:
-        return None
-    try:
-        hvd.size()
-    except ValueError:  # not initialized yet
-        return None
-    return hvd
-
-
-def _local_rank() -> int:
-    hvd = _horovod()
-    if hvd is not None:
-        return int(hvd.local_rank())
-    return int(os.environ.get("HOROVOD_LOCAL_RANK", "0"))
-
-
-def bind_device() -> DeviceBinding:
-    """Bind this worker to the GPU the allocator gave its (job, host, local rank).
-
-    Under the operator, the shim asked the allocator before this process started
-    and exported the answer; elsewhere it is the usual `local_rank` convention.
-    When CUDA is usable, torch is pinned to that device. Never raises for a
-    passing reason: a worker that fails makes Horovod blacklist its host.
-    """
-    local_rank = _local_rank()
-    gpu_text = os.environ.get(GPU_ENV)
-    if gpu_text is not None:
-        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", os.environ.get(GPUS_ENV, gpu_text)).split(",")
-        ordinal = gpus.index(gpu_text) if gpu_text in gpus else local_rank
-        binding = DeviceBinding(int(gpu_text), ordinal, os.environ.get(VIRTUAL_ENV) == "1")
-    else:
-        binding = DeviceBinding(local_rank, local_rank, virtual=False)
-    if not binding.virtual:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            torch.cuda.set_device(binding.ordinal)
-    return binding
-
-
-def _report(epoch: int | None, metrics: Mapping[str, float], world_size: int | None) -> None:
-    if not under_operator():
-        return
-    hvd = _horovod()
-    rank = int(hvd.rank()) if hvd is not None else int(os.environ.get("HOROVOD_RANK", "0"))
-    if rank != 0:
-        return  # one report per epoch and reset is enough: rank 0 speaks for the job
-    if world_size is None:
-        world_size = (
-            int(hvd.size()) if hvd is not None else int(os.environ.get("HOROVOD_SIZE", "1"))
-        )
-    try:
-        _shared_client().call(
-            "report",
-            job=os.environ[JOB_ENV],
-            epoch=epoch,
-            world_size=world_size,
-            rank=rank,
-            metrics={key: float(value) for key, value in metrics.items()},
-        )
-    except Exception as err:  # reporting must never break training
-        log.warning("herd: report failed: %s", err)
-
-
-def report_epoch(
-    epoch: int, metrics: Mapping[str, float] | None = None, *, world_size: int | None = None
-) -> None:
-    """Tell the operator an epoch ended, with the world size it ran at."""
-    _report(epoch, metrics or {}, world_size)
-
-
-def report_reset() -> None:
-    """Reset callback for `state.register_reset_callbacks`: reports the new world size."""
-    _report(None, {}, None)
+__all__ = ["DeviceBinding", "bind_device", "report_epoch", "report_reset", "under_operator"]

@@ -25,153 +25,15 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import ClassVar
 
-Slot = tuple[str, int]
-HostGpus = tuple[tuple[str, tuple[int, ...]], ...]
-JsonPlacement = list[list[str | list[int]]]
-
-
-def _check_hosts(hosts: HostGpus, what: str) -> None:
-    seen: set[str] = set()
-    for host, gpus in hosts:
-        if host in seen:
-            raise ValueError(f"{what}: host {host!r} is listed twice")
-        seen.add(host)
-        if len(set(gpus)) != len(gpus):
-            raise ValueError(f"{what}: host {host!r} lists a GPU twice: {list(gpus)}")
-        if any(gpu < 0 for gpu in gpus):
-            raise ValueError(f"{what}: host {host!r} has a negative GPU index: {list(gpus)}")
+from specs.values import Demand, Grant, Placement, Pool, Slot
 
 
 def _gpus(count: int) -> str:
     return f"{count} GPU" if count == 1 else f"{count} GPUs"
-
-
-@dataclass(frozen=True)
-class Pool:
-    """The GPUs the allocator owns; host order is the order of `--hosts`."""
-
-    hosts: HostGpus
-
-    def __post_init__(self) -> None:
-        _check_hosts(self.hosts, "pool")
-
-    @classmethod
-    def from_counts(cls, counts: Mapping[str, int]) -> Pool:
-        """A pool with GPUs 0..n-1 on each host, hosts in the mapping's order."""
-        for host, count in counts.items():
-            if count < 0:
-                raise ValueError(f"pool: host {host!r} has a negative GPU count: {count}")
-        return cls(tuple((host, tuple(range(count))) for host, count in counts.items()))
-
-    @property
-    def size(self) -> int:
-        return sum(len(gpus) for _, gpus in self.hosts)
-
-    def slots(self) -> tuple[Slot, ...]:
-        return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A job's GPUs by host: hosts in the order the job got them, GPUs in local-rank order."""
-
-    hosts: HostGpus = ()
-    EMPTY: ClassVar[Placement]
-
-    def __post_init__(self) -> None:
-        _check_hosts(self.hosts, "placement")
-
-    @property
-    def size(self) -> int:
-        return sum(len(gpus) for _, gpus in self.hosts)
-
-    def slots(self) -> tuple[Slot, ...]:
-        return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
-
-    def gpus_on(self, host: str) -> tuple[int, ...]:
-        """The job's GPUs on `host`; position i is the GPU of local rank i."""
-        for name, gpus in self.hosts:
-            if name == host:
-                return gpus
-        return ()
-
-    def discovery_lines(self) -> list[str]:
-        """What a Horovod host-discovery script prints for this placement."""
-        return [f"{host}:{len(gpus)}" for host, gpus in self.hosts if gpus]
-
-    def to_json(self) -> JsonPlacement:
-        return [[host, list(gpus)] for host, gpus in self.hosts]
-
-    @classmethod
-    def from_json(cls, data: object) -> Placement:
-        """Parse `[[host, [gpu, ...]], ...]`; raises ValueError on any other shape."""
-        if not isinstance(data, list):
-            raise ValueError(f"placement: expected a list of [host, [gpus]], got {data!r}")
-        hosts: list[tuple[str, tuple[int, ...]]] = []
-        for entry in data:
-            if not (isinstance(entry, list | tuple) and len(entry) == 2):
-                raise ValueError(f"placement: expected [host, [gpus]], got {entry!r}")
-            host, gpus = entry
-            if not isinstance(host, str) or not isinstance(gpus, list | tuple):
-                raise ValueError(f"placement: expected [host, [gpus]], got {entry!r}")
-            if not all(isinstance(gpu, int) and not isinstance(gpu, bool) for gpu in gpus):
-                raise ValueError(f"placement: GPU indices must be integers, got {entry!r}")
-            hosts.append((host, tuple(gpus)))
-        return cls(tuple(hosts))
-
-
-Placement.EMPTY = Placement()
-
-
-@dataclass(frozen=True)
-class Demand:
-    """What one job asks of the allocator in this decision."""
-
-    name: str
-    min: int
-    max: int
-    desired: int
-    priority: int = 0
-    arrival: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("demand: name must not be empty")
-        if not 1 <= self.min <= self.max:
-            raise ValueError(
-                f"demand {self.name}: need 1 <= min <= max, got min {self.min} max {self.max}"
-            )
-        if not math.isfinite(self.arrival):
-            raise ValueError(f"demand {self.name}: arrival must be finite, got {self.arrival}")
-
-    @property
-    def wanted(self) -> int:
-        """`desired` clamped into [min, max]."""
-        return max(self.min, min(self.max, self.desired))
-
-
-@dataclass(frozen=True)
-class Grant:
-    """The allocator's answer for one job."""
-
-    placement: Placement
-    reason: str
-
-    @property
-    def admitted(self) -> bool:
-        return self.placement.size > 0
-
-
-def free_slots(pool: Pool, placements: Mapping[str, Placement]) -> tuple[Slot, ...]:
-    """Slots of `pool` in no placement, in pool order."""
-    taken = {slot for placement in placements.values() for slot in placement.slots()}
-    return tuple(slot for slot in pool.slots() if slot not in taken)
 
 
 def _rank(demand: Demand) -> tuple[int, float, str]:

@@ -7,35 +7,12 @@ exhaustively without processes. The allocator turns the wish into a grant.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from specs import HerdJob
-
-
-@dataclass(frozen=True)
-class EpochEnd:
-    """A completed epoch, as the workers reported it."""
-
-    epoch: int
-    time: float
-    world_size: int
-    metrics: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class UsageSample:
-    """GPU memory of the job's GPUs at one instant (summed over the GPUs it holds)."""
-
-    time: float
-    gpus: int
-    used_bytes: int
-    total_bytes: int
-
-    @property
-    def utilization(self) -> float:
-        return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
+from specs.values import Report, UsageSample
 
 
 @dataclass(frozen=True)
@@ -50,7 +27,8 @@ class JobObservations:
     """The world size the workers last reported (None: they report nothing)."""
     last_resize: float | None = None
     """When the job's grant last changed (None: not since it started)."""
-    epochs: Sequence[EpochEnd] = ()
+    epochs: Sequence[Report] = ()
+    """Reports of completed epochs (epoch set), oldest first."""
     usage: Sequence[UsageSample] = ()
 
 

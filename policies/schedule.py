@@ -113,7 +113,11 @@ def _triggered_at(step: ScheduleStep, observed: JobObservations, now: float) -> 
         return observed.started_at
     # Epoch N begins when the workers report the end of epoch N-1.
     return next(
-        (end.time for end in observed.epochs if end.epoch >= step.at_epoch - 1),
+        (
+            end.time
+            for end in observed.epochs
+            if end.epoch is not None and end.epoch >= step.at_epoch - 1
+        ),
         None,
     )
 

@@ -22,6 +22,9 @@ class ConditionType(StrEnum):
     Resizing = "Resizing"
     Succeeded = "Succeeded"
     Failed = "Failed"
+    Stalled = "Stalled"
+    """The operator cannot make progress with this spec (a permanent error); not retried
+    until the spec changes."""
     MetricsStale = "MetricsStale"
 
 

@@ -50,6 +50,7 @@ class HerdJobStatus(StatusModel):
         for condition_type, word in (
             (ConditionType.Succeeded, "Succeeded"),
             (ConditionType.Failed, "Failed"),
+            (ConditionType.Stalled, "Stalled"),
             (ConditionType.Resizing, "Resizing"),
             (ConditionType.Running, "Running"),
         ):

@@ -34,8 +34,8 @@ from herd_operator.bench.scale import write_specs
 from herd_operator.bench.suite import BENCHMARKS
 from herd_operator.bench.training import StepLog, job_cpu_seconds, samples_per_second
 from herd_operator.cli import main
-from policies.arbitration import Demand, Placement, Pool
 from specs import load_spec_file
+from specs.values import Demand, Placement, Pool
 
 CHEAP = [b.name for b in BENCHMARKS if b.name not in ("resize-stall", "training-overhead")]
 

@@ -4,7 +4,7 @@ Use it from a job spec as `name: herd_example_policy:LossPlateauPolicy` with thi
 folder on the operator's PYTHONPATH, or install it as a plug-in that registers it under the
 `herd_operator.policies` entry point group (see docs/policies.md).
 
-The workers report a `loss` metric with each epoch end (`EpochEnd.metrics`). When the best
+The workers report a `loss` metric with each epoch end (`Report.metrics`). When the best
 loss of the last `patience` epochs is not lower than the best before them by more than
 `minDelta`, the job has plateaued at its size: ask for `step` more GPUs.
 """

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from herd_operator.bench.harness import Context, Row, Stats, timed_repeats
-from policies.arbitration import Demand, Placement, Pool, arbitrate
+from policies.arbitration import arbitrate
+from specs.values import Demand, Placement, Pool
 
 
 def perlmutter_pool(nodes: int, gpus_per_node: int = 4) -> Pool:

@@ -22,13 +22,13 @@ from unittest import mock
 
 import yaml
 
-from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.bench.harness import Context, Row, Stats
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.operator import Operator, OperatorConfig
-from herd_operator.pool import PoolSource
-from herd_operator.store import Store
-from policies.arbitration import Demand, Placement, Pool
+from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.store import Store
+from specs.values import Demand, Placement, Pool
 
 MARK_ENV = "HERD_BENCH_MARK"
 POLL_SECONDS = 0.010
@@ -108,7 +108,7 @@ def running_operator(root: Path, fake: Path, *, watch_events: bool) -> Iterator[
     )
     operator = Operator(config)
     stop = threading.Event()
-    with mock.patch("herd_operator.launcher.horovodrun_executable", return_value=str(fake)):
+    with mock.patch("herd_operator.runtime.launcher.horovodrun_executable", return_value=str(fake)):
         thread = threading.Thread(target=operator.run, args=(stop,), daemon=True)
         thread.start()
         try:

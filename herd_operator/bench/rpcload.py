@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.bench.harness import Context, Row, Stats, percentile
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, RpcClient, RpcServer
-from herd_operator.store import Store
-from policies.arbitration import Demand, Pool
+from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.store import Store
+from specs.values import Demand, Pool
 
 TOKEN = b"bench-token-0123456789abcdef0123"
 HANG_GUARD_S = 120.0

@@ -74,20 +74,22 @@ def measure_yaml(directory: Path) -> dict[str, float]:
 def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) -> dict[str, float]:
     """Relist cold and warm, then reconcile every job once (stopping after `budget_s`)
     and again (the steady state) the jobs that the first pass reached."""
-    from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, launch_fingerprint
+    from controllers.loop import ControlLoop
+    from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, Result, launch_fingerprint
     from controllers.reconciler import JobReconciler
-    from herd_operator.allocator import Allocator, GrantPublisher
+    from controllers.workqueue import WorkQueue
     from herd_operator.layout import (
         StateLayout,
         make_runtime_dir,
         remove_runtime_dir,
         runtime_base,
     )
-    from herd_operator.operator import MAX_BATCH, reconcile_burst, tune_gc
-    from herd_operator.specdir import SpecDirectory
-    from herd_operator.store import Store
-    from policies.arbitration import Pool
+    from herd_operator.runtime.allocator import Allocator, GrantPublisher
+    from herd_operator.runtime.operator import tune_gc
+    from herd_operator.runtime.specdir import SpecDirectory
+    from herd_operator.runtime.store import Store
     from specs import HerdJob
+    from specs.values import Pool
 
     @dataclass
     class RecordingLauncher:
@@ -134,28 +136,34 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
     result["relist_warm"] = time.perf_counter() - started
     store = Store(layout.database)
     pool = Pool.from_counts({f"nid{n:06d}": GPUS_PER_NODE for n in range(nodes)})
-    woken: dict[str, None] = {}
-    allocator = Allocator(
-        pool,
-        GrantPublisher(layout),
-        virtual=False,
-        on_change=lambda job, grant: woken.setdefault(job),
-    )
+    allocator = Allocator(pool, GrantPublisher(layout), virtual=False)
     launcher = RecordingLauncher()
     reconciler = JobReconciler(specs, store, allocator, launcher)
-    # As the operator does: bursts of up to MAX_BATCH names under one allocator decision;
-    # jobs whose grant changed are woken and reconciled again in the next burst.
     done: list[str] = []
+
+    class Recording:
+        """The reconciler, noting each name it is asked for."""
+
+        def reconcile(self, name: str) -> Result:
+            done.append(name)
+            return reconciler.reconcile(name)
+
+        def record_shutdown(self, name: str) -> None:
+            reconciler.record_shutdown(name)
+
+        def known_jobs(self) -> list[str]:
+            return reconciler.known_jobs()
+
+    # The operator's own loop: bursts of up to MAX_BATCH names under one allocator decision;
+    # jobs whose grant changed are woken and reconciled again in the next burst.
+    queue = WorkQueue()
+    loop = ControlLoop(queue, Recording(), allocator, store)
+    for name in sorted(names):
+        queue.add(name)
     started = time.perf_counter()
     deadline = started + budget_s
-    queue = sorted(names)
-    while queue and time.perf_counter() <= deadline:
-        burst, queue = queue[:MAX_BATCH], queue[MAX_BATCH:]
-        reconcile_burst(burst, allocator, store, reconciler.reconcile)
-        done.extend(burst)
-        waiting = set(queue)
-        queue += [job for job in woken if job not in waiting]
-        woken.clear()
+    while time.perf_counter() <= deadline and loop.run_once(timeout=0):
+        pass
     result["reconcile_first"] = time.perf_counter() - started
     started = time.perf_counter()
     for name in sorted(set(done)):

@@ -28,11 +28,11 @@ from prometheus_client.registry import Collector
 from exporters.collector import GpuCollector
 from exporters.gpu import GpuReading, ProcessMemory
 from herd_operator.bench.harness import Context, Row, Stats
-from herd_operator.metrics import StateCollector
-from herd_operator.store import Store
-from policies.arbitration import Placement, Pool
+from herd_operator.runtime.metrics import StateCollector
+from herd_operator.runtime.store import Store
 from specs import Condition, ConditionStatus
 from specs.status import GpuCounts, HerdJobStatus
+from specs.values import Placement, Pool
 
 
 class EightGpus:

@@ -21,11 +21,11 @@ import psutil
 import yaml
 
 from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures
-from herd_operator.launcher import horovodrun_executable
 from herd_operator.layout import write_atomically
-from herd_operator.operator import Operator, OperatorConfig
-from herd_operator.pool import PoolSource
-from policies.arbitration import Pool
+from herd_operator.runtime.launcher import horovodrun_executable
+from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.pools import PoolSource
+from specs.values import Pool
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "bench-train"

@@ -17,13 +17,13 @@ from typing import Any, TypeVar
 import psutil
 import yaml
 
-from herd_operator.cli import job_object
-from herd_operator.launcher import LAUNCH_ID_ENV
-from herd_operator.layout import STATE_DIR_ENV, StateLayout
-from herd_operator.operator import Operator, OperatorConfig
-from herd_operator.pool import PoolSource
-from herd_operator.store import Store
-from policies.arbitration import Pool
+from herd_operator.cli.views import job_object
+from herd_operator.environment import LAUNCH_ID_ENV, STATE_DIR_ENV
+from herd_operator.layout import StateLayout
+from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.store import Store
+from specs.values import Pool
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")

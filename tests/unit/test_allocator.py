@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, NotFound
-from policies.arbitration import Demand, Grant, Placement, Pool
+from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from specs.values import Demand, Grant, Placement, Pool
 
 # Hang guard for running a discovery script; never a performance expectation.
 GUARD_S = 10.0

@@ -10,15 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.arbitration import (
-    Demand,
-    Grant,
-    HostGpus,
-    Placement,
-    Pool,
-    arbitrate,
-    free_slots,
-)
+from policies.arbitration import arbitrate
+from specs.values import Demand, Grant, HostGpus, Placement, Pool, Slot
 
 
 def place(*hosts: tuple[str, tuple[int, ...]]) -> Placement:
@@ -658,13 +651,13 @@ def test_placement_from_bad_json_is_refused(data: object, message: str) -> None:
     assert str(raised.value) == message
 
 
-def test_free_slots_are_the_pool_minus_placements_in_pool_order() -> None:
-    pool = Pool.from_counts({"h0": 2, "h1": 2})
-    placements = {"a": place(("h1", (0,))), "b": place(("h0", (1,)), ("gone", (0,)))}
-    assert free_slots(pool, placements) == (("h0", 0), ("h1", 1))
-
-
 # Property-based tests: random pools, jobs and sequences of decisions.
+
+
+def free_slots(pool: Pool, placements: Mapping[str, Placement]) -> tuple[Slot, ...]:
+    """Slots of `pool` in no placement, in pool order."""
+    taken = {slot for placement in placements.values() for slot in placement.slots()}
+    return tuple(slot for slot in pool.slots() if slot not in taken)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import yaml
 
 from herd_operator.cli import main
 from herd_operator.layout import StateLayout
-from herd_operator.store import Store
+from herd_operator.runtime.store import Store
 from specs import ConditionStatus, ConditionType, HerdJob, set_condition, spec_fingerprint
 from specs.status import GpuCounts, HerdJobStatus
 

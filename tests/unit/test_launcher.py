@@ -16,8 +16,9 @@ import psutil
 import pytest
 
 from controllers.ports import ProcessPhase, ProcessState
-from herd_operator import launcher as launcher_module
-from herd_operator.launcher import LAUNCH_ID_ENV, Launcher, LaunchRequest, horovodrun_argv
+from herd_operator.environment import LAUNCH_ID_ENV
+from herd_operator.runtime import launcher as launcher_module
+from herd_operator.runtime.launcher import Launcher, LaunchRequest, horovodrun_argv
 from specs import HerdJobSpec
 
 # Hang guard for waiting on processes; never a performance expectation.
@@ -73,7 +74,7 @@ def test_argv_minimal_on_one_local_host(tmp_path: Path) -> None:
         "lo",
         PYTHON,
         "-m",
-        "herd_operator.shim",
+        "herd_operator.agent.shim",
         "--",
         "python",
         "train.py",
@@ -109,7 +110,7 @@ def test_argv_with_horovod_options_on_remote_hosts(tmp_path: Path) -> None:
         "--verbose",
         PYTHON,
         "-m",
-        "herd_operator.shim",
+        "herd_operator.agent.shim",
         "--",
         "python",
         "train.py",

@@ -9,12 +9,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.gpu import GpuReading
-from herd_operator.metrics import OperatorMetrics, StateCollector
-from herd_operator.observer import UsageObserver, job_usage
-from herd_operator.store import Store
-from policies.arbitration import Placement, Pool
+from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
+from herd_operator.runtime.observer import UsageObserver, job_usage
+from herd_operator.runtime.store import Store
 from specs import Condition, ConditionStatus
 from specs.status import GpuCounts, HerdJobStatus
+from specs.values import Placement, Pool
 
 SPEC = {
     "apiVersion": "herd/v1alpha1",

@@ -11,11 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Decision, EpochEnd, JobObservations, Policy, PolicyError, UsageSample
+from policies.base import Decision, JobObservations, Policy, PolicyError
 from policies.memory import MemoryPolicy
 from policies.registry import load_policy
 from policies.schedule import SchedulePolicy
 from specs import HerdJob, PolicyRef
+from specs.values import Report, UsageSample
 
 PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 GIB = 1 << 30
@@ -51,9 +52,9 @@ def policy_error(name: str, params: dict[str, Any]) -> PolicyError:
     return caught.value
 
 
-def epoch_ends(*times: float, world_size: int = 4) -> list[EpochEnd]:
+def epoch_ends(*times: float, world_size: int = 4) -> list[Report]:
     """Epochs 0, 1, ... ending at the given times."""
-    return [EpochEnd(number, time, world_size) for number, time in enumerate(times)]
+    return [Report(number, time, world_size) for number, time in enumerate(times)]
 
 
 def samples(
@@ -70,7 +71,7 @@ def decide(
     job: HerdJob | None = None,
     started_at: float = 0.0,
     last_resize: float | None = None,
-    epochs: Sequence[EpochEnd] = (),
+    epochs: Sequence[Report] = (),
     usage: Sequence[UsageSample] = (),
 ) -> Decision:
     observed = JobObservations(
@@ -361,7 +362,7 @@ def simulate(
     started_at = 0
     allocated = policy.desired(job, JobObservations(started_at=0, allocated=0), 0).gpus
     last_resize: int | None = None
-    ends: list[EpochEnd] = []
+    ends: list[Report] = []
     usage: list[UsageSample] = []
     resizes: list[tuple[int, int]] = []
     for now in range(1, epochs * epoch_seconds + 1):
@@ -369,7 +370,7 @@ def simulate(
         used = round(utilization(epoch, allocated) * allocated * 80 * GIB)
         usage.append(UsageSample(now, allocated, used, allocated * 80 * GIB))
         if now % epoch_seconds == 0:
-            ends.append(EpochEnd(epoch, now, allocated))
+            ends.append(Report(epoch, now, allocated))
         if now % 3 == 0:
             observed = JobObservations(started_at, allocated, allocated, last_resize, ends, usage)
             wanted = policy.desired(job, observed, now).gpus
@@ -745,7 +746,7 @@ def observations(draw: st.DrawFn) -> tuple[JobObservations, float]:
         started_at=0.0,
         allocated=allocated,
         last_resize=draw(st.none() | st.floats(0, 200)),
-        epochs=tuple(EpochEnd(n, time, allocated) for n, time in enumerate(epoch_times)),
+        epochs=tuple(Report(n, time, allocated) for n, time in enumerate(epoch_times)),
         usage=usage,
     )
     now = max([200.0, *(float(t) for t in epoch_times)]) + draw(st.floats(0, 100))
@@ -836,7 +837,7 @@ def test_memory_never_moves_on_an_empty_or_partial_window(
     observed, now = situation
     allocated = min(max(observed.allocated, job.spec.gpus.min), job.spec.gpus.max)
     policy = memory(**{**params, "cooldownSeconds": 0})
-    epochs = observed.epochs or (EpochEnd(0, 10.0, allocated),)
+    epochs = observed.epochs or (Report(0, 10.0, allocated),)
     if window == "no-samples":
         changed = JobObservations(observed.started_at, allocated, epochs=epochs)
     elif window == "partial-epoch":
@@ -871,7 +872,7 @@ def test_example_plugin_loads_by_module_and_class_and_grows_on_a_plateau(
         PolicyRef(name="herd_example_policy:LossPlateauPolicy", params={"patience": 2})
     )
     losses = [1.0, 0.5, 0.499, 0.498]
-    ends = [EpochEnd(n, 10.0 * (n + 1), 2, {"loss": loss}) for n, loss in enumerate(losses)]
+    ends = [Report(n, 10.0 * (n + 1), 2, {"loss": loss}) for n, loss in enumerate(losses)]
     plateau = JobObservations(started_at=0.0, allocated=2, epochs=ends)
     assert policy.desired(make_job(1, 4), plateau, 50.0) == Decision(
         3, "loss plateau: loss improved by only 0.002 over 2 epochs: 2 -> 3"

@@ -8,8 +8,9 @@ import types
 
 import pytest
 
-from herd_operator import pool as pool_module
-from herd_operator.pool import discover_pool, nvml_gpu_count, parse_hosts
+from exporters.nvml import nvml_gpu_count
+from herd_operator.runtime import pools as pool_module
+from herd_operator.runtime.pools import discover_pool, parse_hosts
 
 EXAMPLE = " (for example localhost:4 or nid001:4,nid002:4)"
 

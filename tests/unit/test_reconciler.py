@@ -21,12 +21,12 @@ from controllers.ports import (
     launch_fingerprint,
 )
 from controllers.reconciler import JobReconciler, Result, TemporaryError, restart_delay
-from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.layout import StateLayout
-from herd_operator.store import Event, GrantChange, Store
-from policies.arbitration import Pool
+from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.store import Event, GrantChange, Store
 from specs import Condition, ConditionType, HerdJob, get_condition
 from specs.status import GpuCounts, HerdJobStatus
+from specs.values import Pool
 
 RESYNC_S = 5.0
 STOP_POLL_S = 0.5

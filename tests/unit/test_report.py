@@ -11,8 +11,7 @@ import pytest
 import yaml
 
 from herd_operator.cli import main
-from herd_operator.layout import StateLayout
-from herd_operator.report import (
+from herd_operator.cli.report import (
     GrantStep,
     JobSeries,
     format_duration,
@@ -24,7 +23,8 @@ from herd_operator.report import (
     time_unit,
     world_size_steps,
 )
-from herd_operator.store import Store
+from herd_operator.layout import StateLayout
+from herd_operator.runtime.store import Store
 from specs import ConditionStatus, ConditionType, HerdJob, set_condition, spec_fingerprint
 from specs.status import HerdJobStatus
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from herd_operator import specdir as specdir_module
-from herd_operator.specdir import SpecDirectory
+from herd_operator.runtime import specdir as specdir_module
+from herd_operator.runtime.specdir import SpecDirectory
 from specs import SpecFile, load_spec_file
 
 # Every write gets a distinct mtime, so the stat cache sees each edit even when the

@@ -1,4 +1,4 @@
-"""Tests for herd_operator.store."""
+"""Tests for herd_operator.runtime.store."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from herd_operator.store import (
+from herd_operator.runtime.store import (
     DB_FILENAME,
     SCHEMA_VERSION,
     GrantChange,
     RuntimeRecord,
     Store,
     StoreError,
-    Usage,
 )
+from specs.values import UsageSample
 
 SPEC = '{"gpus": {"min": 1, "max": 4}}'
 
@@ -511,8 +511,8 @@ def test_latest_usage_is_each_jobs_newest_sample(store: Store) -> None:
     latest = store.latest_usage()
 
     assert latest == {
-        "resnet": Usage("resnet", 2.9, 2, 200, 1000),
-        "bert": Usage("bert", 2.5, 1, 50, 500),
+        "resnet": UsageSample(2.9, 2, 200, 1000),
+        "bert": UsageSample(2.5, 1, 50, 500),
     }
     assert [sample.used_bytes for sample in store.usage("resnet", limit=1)] == [200]
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from herd_operator import worker
-from herd_operator.allocator import Allocator, GrantPublisher
+from herd_operator.agent import worker
+from herd_operator.agent.worker import DeviceBinding, bind_device, report_epoch, report_reset
 from herd_operator.auth import ensure_token_file
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import NotFound, RpcServer
-from herd_operator.worker import DeviceBinding, bind_device, report_epoch, report_reset
-from policies.arbitration import Demand, Pool
+from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from specs.values import Demand, Pool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Hang guard for the shim subprocesses; never a performance expectation.
@@ -139,7 +139,7 @@ def shim(tmp_path: Path, env: dict[str, str], *command: str) -> subprocess.Popen
     base = {k: v for k, v in os.environ.items() if not k.startswith(OPERATOR_PREFIXES)}
     base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), base.get("PYTHONPATH")]))
     return subprocess.Popen(
-        [sys.executable, "-m", "herd_operator.shim", "--", *command],
+        [sys.executable, "-m", "herd_operator.agent.shim", "--", *command],
         cwd=tmp_path,
         env={**base, **env},
         stdout=subprocess.PIPE,
@@ -217,7 +217,11 @@ def test_shim_outside_the_operator_runs_the_command_untouched(tmp_path: Path) ->
 
 def test_shim_usage_and_missing_command(tmp_path: Path) -> None:
     code, out, err = finish(shim(tmp_path, {}))
-    assert (code, out, err) == (2, "", "usage: python -m herd_operator.shim -- COMMAND [ARG...]\n")
+    assert (code, out, err) == (
+        2,
+        "",
+        "usage: python -m herd_operator.agent.shim -- COMMAND [ARG...]\n",
+    )
     code, out, err = finish(shim(tmp_path, {}, "no-such-command-here"))
     assert code == 127
     assert err.startswith("herd shim: cannot run 'no-such-command-here': ")
@@ -256,7 +260,7 @@ def test_report_failure_never_raises(
 ) -> None:
     for name, value in allocation.env(job="gone").items():
         monkeypatch.setenv(name, value)
-    with caplog.at_level(logging.WARNING, logger="herd_operator.worker"):
+    with caplog.at_level(logging.WARNING, logger="herd_operator.agent.worker"):
         report_epoch(1)
     assert allocation.reports == []
     assert [record.getMessage() for record in caplog.records] == [

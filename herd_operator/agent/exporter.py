@@ -22,12 +22,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from exporters.collector import GpuCollector
 from exporters.gpu import GpuSource, VirtualGpuSource
-from exporters.nvml import NvmlGpuSource
+from exporters.nvml import NvmlGpuSource, nvml_gpu_count
 from herd_operator.auth import read_token_file
 from herd_operator.layout import StateLayout
-from herd_operator.pool import nvml_gpu_count
 from herd_operator.rpc import RpcClient, parse_address
-from policies.arbitration import Placement
+from specs.values import Placement
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from exporters.gpu import GpuReading, GpuSource
-from policies.arbitration import Placement
+from specs.values import Placement
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,18 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from herd_operator.store import Store
-from policies.arbitration import Placement, Pool
+from controllers.loop import Outcome
+from herd_operator.runtime.store import Store
 from specs import ConditionType
 from specs.status import HerdJobStatus
+from specs.values import Placement, Pool
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_ERROR_KINDS = {
+    Outcome.TEMPORARY_ERROR: "temporary",
+    Outcome.PERMANENT_ERROR: "permanent",
+    Outcome.UNEXPECTED_ERROR: "unexpected",
+}
 RESIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -44,6 +50,13 @@ class OperatorMetrics:
             ["kind"],
             registry=registry,
         )
+        self.reconciles = Counter(
+            "herd_reconcile",
+            "Reconciles by outcome: success, permanent_error, temporary_error, "
+            "unexpected_error, lost (the store could not commit them; redone).",
+            ["outcome"],
+            registry=registry,
+        )
         self.resizes = Counter(
             "herd_resizes",
             "Grant size changes of running jobs, by direction.",
@@ -53,6 +66,8 @@ class OperatorMetrics:
         # Known label values start at zero, so dashboards and rate() see them from the start.
         for kind in ("temporary", "permanent", "unexpected"):
             self.reconcile_errors.labels(kind=kind)
+        for outcome in Outcome:
+            self.reconciles.labels(outcome=outcome.value)
         for direction in ("grow", "shrink"):
             self.resizes.labels(direction=direction)
         self.resize_duration = Histogram(
@@ -61,6 +76,16 @@ class OperatorMetrics:
             buckets=RESIZE_BUCKETS,
             registry=registry,
         )
+
+    # LoopObserver (controllers.loop)
+    def reconciled(self, outcome: Outcome, seconds: float) -> None:
+        self.reconciles.labels(outcome=outcome.value).inc()
+        if outcome is Outcome.LOST:
+            return  # counted already when it ran
+        self.reconcile_duration.observe(seconds)
+        kind = _ERROR_KINDS.get(outcome)
+        if kind is not None:
+            self.reconcile_errors.labels(kind=kind).inc()
 
     # ReconcileObserver (controllers.ports)
     def resized(self, job: str, before: int, after: int) -> None:

@@ -12,7 +12,8 @@ import re
 import socket
 from dataclasses import dataclass
 
-from policies.arbitration import Pool
+from exporters.nvml import nvml_gpu_count
+from specs.values import Pool
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +47,6 @@ def parse_hosts(text: str) -> Pool:
             raise ValueError(f"--hosts: {host} is listed twice")
         counts[host] = count
     return Pool.from_counts(counts)
-
-
-def nvml_gpu_count() -> int:
-    """GPUs NVML sees on this host; 0 without the library, a driver or devices."""
-    try:
-        import pynvml
-    except ImportError:
-        return 0
-    try:
-        pynvml.nvmlInit()
-    except Exception as err:  # NVMLError has many subclasses; any of them means "no GPUs here"
-        log.debug("NVML unavailable: %s", err)
-        return 0
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def discover_pool(hosts: str | None, virtual_gpus: int = DEFAULT_VIRTUAL_GPUS) -> PoolSource:

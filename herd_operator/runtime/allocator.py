@@ -24,7 +24,8 @@ import psutil
 
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.rpc import BadRequest, NotFound
-from policies.arbitration import Demand, Grant, Placement, Pool, Slot, arbitrate
+from policies.arbitration import arbitrate
+from specs.values import Demand, Grant, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Allocator:
         self._clock = clock
         self.virtual = virtual
         self._publisher = publisher
-        self._on_change = on_change
+        self._listeners: list[Callable[[str, Grant], None]] = [on_change]
         self._on_decision = on_decision
         self._lock = threading.RLock()
         self._demands: dict[str, Demand] = {}
@@ -127,6 +128,16 @@ class Allocator:
         # after that, since every change costs a Horovod reset.
         self._resized_at: dict[str, float] = {}
         self._next_thaw: float | None = None
+
+    def watch(self, listener: Callable[[str, Grant], None]) -> None:
+        """Call `listener(job, grant)` for each job whose grant a decision changed, except the
+        job whose own request made the decision (it gets its grant as the answer)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _changed(self, job: str, grant: Grant) -> None:
+        for listener in self._listeners:
+            listener(job, grant)
 
     def request(self, demand: Demand) -> Grant | None:
         """Record a job's demand, decide again for everyone, return the job's grant.
@@ -170,7 +181,7 @@ class Allocator:
                     for job in sorted(deferred):
                         # Those whose grant changed were told by _decide already.
                         if job in self._grants and before.get(job) == self._grants[job].placement:
-                            self._on_change(job, self._grants[job])
+                            self._changed(job, self._grants[job])
 
     def release(self, job: str) -> None:
         """Forget a job: its GPUs go back to the pool (and to whoever waits)."""
@@ -322,7 +333,7 @@ class Allocator:
         self._on_decision({job: grant.placement for job, grant in decided.items()})
         for job in changed:
             if job != caller:
-                self._on_change(job, decided[job])
+                self._changed(job, decided[job])
 
     def _start_drains(
         self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float

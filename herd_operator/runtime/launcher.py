@@ -27,13 +27,11 @@ from pathlib import Path
 import psutil
 
 from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, launch_fingerprint
-from herd_operator.layout import STATE_DIR_ENV
-from herd_operator.worker import JOB_ENV
+from herd_operator.environment import JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
 from specs import HerdJobSpec
 
 log = logging.getLogger(__name__)
 
-LAUNCH_ID_ENV = "HERD_LAUNCH_ID"
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -84,7 +82,7 @@ def horovodrun_argv(request: LaunchRequest, horovodrun: str, python: str) -> lis
         # Without it an elastic job on one host waits for a second host forever.
         argv += ["--network-interface", "lo"]
     argv += spec.horovod.extra_args
-    argv += [python, "-m", "herd_operator.shim", "--", *spec.command]
+    argv += [python, "-m", "herd_operator.agent.shim", "--", *spec.command]
     return argv
 
 

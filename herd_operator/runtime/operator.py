@@ -15,52 +15,44 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from controllers.loop import ControlLoop
 from controllers.ports import LaunchInfo, ProcessState
-from controllers.reconciler import JobReconciler, PermanentError, Result, TemporaryError
+from controllers.reconciler import JobReconciler
 from controllers.workqueue import WorkQueue
 from exporters.collector import GpuCollector
 from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.nvml import NvmlGpuSource
 from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
-from herd_operator.allocator import Allocator, GrantPublisher
 from herd_operator.auth import ensure_token_file
-from herd_operator.launcher import Launcher, LaunchRequest, find_orphans, stop_orphans
+from herd_operator.environment import ALLOCATOR_ENV, JOB_ENV, STATE_DIR_ENV, TOKEN_FILE_ENV
 from herd_operator.layout import (
-    STATE_DIR_ENV,
     StateLayout,
     make_runtime_dir,
     remove_runtime_dir,
     runtime_base,
     write_atomically,
 )
-from herd_operator.metrics import OperatorMetrics, StateCollector
-from herd_operator.observer import UsageObserver
-from herd_operator.pool import PoolSource
-from herd_operator.rpc import BadRequest, NotFound, RpcServer
-from herd_operator.specdir import DirectoryWatcher, SpecDirectory
-from herd_operator.store import Store, StoreError
-from herd_operator.worker import ALLOCATOR_ENV, JOB_ENV, TOKEN_FILE_ENV
-from policies.arbitration import Grant, Placement
-from specs import ConditionStatus, ConditionType, HerdJob, is_true, set_condition
-from specs.status import HerdJobStatus
+from herd_operator.rpc import RpcServer
+from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.handlers import ExporterRegistry, ReportHandler
+from herd_operator.runtime.launcher import Launcher, LaunchRequest, find_orphans, stop_orphans
+from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
+from herd_operator.runtime.observer import UsageObserver
+from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
+from herd_operator.runtime.store import Store
+from specs import HerdJob
+from specs.values import Placement
 
 log = logging.getLogger(__name__)
 
-MAX_METRICS_PER_REPORT = 64
-MAX_BATCH = 10_000
-"""Most jobs reconciled under one allocator decision (a decision weighs every job anyway,
-so one decision for a whole burst is cheaper and spares the first jobs a grow-then-shrink)."""
-STORE_GROUP_SECONDS = 0.02
-"""Within a burst, the store commits the reconciles of up to this long at once: one commit
-per reconcile was a third of a 10,000-job pass, and the RPC thread, which shares the store,
-waits at most this long (plus one reconcile) for it."""
 GC_THRESHOLDS = (50_000, 20, 100)
 """The collector's thresholds for the operator process. Python's default (700, 10, 10)
 is made for short scripts: with tens of thousands of live objects (one spec model per
@@ -70,42 +62,6 @@ job) it spent a third of a 10,000-file relist walking them again and again."""
 def tune_gc() -> None:
     """Collect less often: the operator allocates in bursts and holds its objects long."""
     gc.set_threshold(*GC_THRESHOLDS)
-
-
-def reconcile_burst(
-    keys: Sequence[str], allocator: Allocator, store: Store, process: Callable[[str], object]
-) -> list[str]:
-    """Reconcile many jobs under one allocator decision and few store commits.
-
-    Returns the keys whose store writes were lost because a group could not be committed
-    (or begun: another writer held the database), for the caller to reconcile again.
-    """
-    lost: list[str] = []
-    with allocator.batch():
-        index = 0
-        while index < len(keys):
-            first = index
-            process_failed = False
-            try:
-                with store.transaction():
-                    group_ends = time.monotonic() + STORE_GROUP_SECONDS
-                    while index < len(keys):
-                        try:
-                            process(keys[index])
-                        except BaseException:
-                            process_failed = True
-                            raise
-                        index += 1
-                        if time.monotonic() >= group_ends:
-                            break
-            except StoreError as err:
-                if process_failed:
-                    raise
-                failed = list(keys[first:index]) if index > first else list(keys[first:])
-                log.error("state store: %s; reconciling %d job(s) again", err, len(failed))
-                lost += failed
-                index = first + len(failed)
-    return lost
 
 
 @dataclass(frozen=True)
@@ -198,14 +154,14 @@ class Operator:
         self.metrics = OperatorMetrics(CollectorRegistry())
         self._metrics_server: Any = None
         self._metrics_address: str | None = None
-        self._exporters: set[str] = set()
-        self._exporters_lock = threading.Lock()
+        self.exporters: ExporterRegistry | None = None
+        self.loop: ControlLoop | None = None
         self.specs = SpecDirectory(config.specs_dir)
         self.ready = threading.Event()
 
     # ---- lifecycle ----
 
-    def _open(self) -> JobReconciler:
+    def _open(self) -> ControlLoop:
         config = self.config
         self.layout.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_handle = open(self.layout.root / "operator.lock", "w")  # noqa: SIM115
@@ -224,7 +180,6 @@ class Operator:
             config.pool.pool,
             publisher,
             virtual=config.pool.virtual,
-            on_change=self._on_grant_change,
             on_decision=lambda placements: store.replace_allocations(
                 _placement_rows(placements), time.time()
             ),
@@ -236,8 +191,8 @@ class Operator:
                 "bind": allocator.handle_bind,
                 "grant": allocator.handle_grant,
                 "placements": allocator.handle_placements,
-                "report": self._handle_report,
-                "register_exporter": self._handle_register_exporter,
+                "report": ReportHandler(store, allocator, self.queue.add),
+                "register_exporter": self._register_exporter,
                 "ping": lambda args: {"pid": os.getpid()},
             },
             host=config.listen_host,
@@ -245,7 +200,8 @@ class Operator:
         host, port = server.start()
         local = self._local_gpus(allocator)
         self._serve_metrics(local, store, allocator, server)
-        self._write_scrape_targets()
+        self.exporters = ExporterRegistry(self.layout.scrape_targets_file, self._metrics_address)
+        self.exporters.write_targets()
         self.observer = UsageObserver(
             self._observed_gpus(local),
             allocator.placements,
@@ -286,7 +242,7 @@ class Operator:
             config.specs_dir,
             self.layout.root,
         )
-        return JobReconciler(
+        reconciler = JobReconciler(
             self.specs,
             store,
             allocator,
@@ -295,6 +251,8 @@ class Operator:
             metrics_stale_seconds=max(15.0, 10 * config.sample_seconds),
             observer=self.metrics,
         )
+        self.loop = ControlLoop(self.queue, reconciler, allocator, store, observer=self.metrics)
+        return self.loop
 
     def _use_runtime_dir(self) -> Path | None:
         """Make this run's runtime directory and record it; returns the one recorded before."""
@@ -354,35 +312,11 @@ class Operator:
         return ScrapeGpuSource(self._exporter_urls)
 
     def _exporter_urls(self) -> list[str]:
-        with self._exporters_lock:
-            return [f"http://{address}/metrics" for address in sorted(self._exporters)]
+        return self.exporters.urls() if self.exporters is not None else []
 
-    def _handle_register_exporter(self, args: dict[str, Any]) -> dict[str, Any]:
-        """A node exporter says where it serves, so Prometheus and the observer find it."""
-        host, port = args.get("host"), args.get("port")
-        if not isinstance(host, str) or not host or "/" in host:
-            raise BadRequest("'host' must be a host name or address")
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise BadRequest("'port' must be a TCP port number")
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        with self._exporters_lock:
-            known = address in self._exporters
-            self._exporters.add(address)
-        if not known:
-            log.info("exporter registered: %s", address)
-            self._write_scrape_targets()
-        return {}
-
-    def _write_scrape_targets(self) -> None:
-        """Prometheus file_sd targets: the operator and every registered node exporter."""
-        groups = []
-        if self._metrics_address:
-            groups.append({"targets": [self._metrics_address], "labels": {"herd_role": "operator"}})
-        with self._exporters_lock:
-            exporters = sorted(self._exporters)
-        if exporters:
-            groups.append({"targets": exporters, "labels": {"herd_role": "exporter"}})
-        write_atomically(self.layout.scrape_targets_file, json.dumps(groups, indent=2) + "\n")
+    def _register_exporter(self, args: dict[str, Any]) -> dict[str, Any]:
+        assert self.exporters is not None
+        return self.exporters(args)
 
     def _serve_metrics(
         self, local: GpuSource | None, store: Store, allocator: Allocator, server: RpcServer
@@ -451,11 +385,10 @@ class Operator:
 
     def run(self, stop: threading.Event) -> int:
         """Serve until `stop` is set; then stop every job and release everything."""
-        reconciler = self._open()
-        assert self.launcher is not None and self.store is not None
+        loop = self._open()
         self.watcher = DirectoryWatcher(
             self.specs,
-            self._enqueue_all,
+            loop.wake_all,
             relist_seconds=self.config.relist_seconds,
             use_events=self.config.watch_events,
         )
@@ -464,56 +397,10 @@ class Operator:
             self.observer.start()
         self.ready.set()
         try:
-            while not stop.is_set():
-                name = self.queue.get(timeout=0.2)
-                if name is None:
-                    continue
-                burst = [name]
-                while len(burst) < MAX_BATCH and (more := self.queue.get(timeout=0)) is not None:
-                    burst.append(more)
-                if len(burst) == 1:
-                    self._process(reconciler, name)
-                    continue
-                # Many jobs at once (a restart, a burst of new specs): one allocator
-                # decision for all of them instead of one each.
-                assert self.allocator is not None
-                lost = reconcile_burst(
-                    burst, self.allocator, self.store, lambda key: self._process(reconciler, key)
-                )
-                for key in lost:
-                    self.queue.add_after(key, self.queue.backoff(key))
+            loop.run(stop)
         finally:
             self._shutdown()
         return 0
-
-    def _process(self, reconciler: JobReconciler, name: str) -> None:
-        started = time.perf_counter()
-        try:
-            result = reconciler.reconcile(name)
-        except PermanentError as err:
-            self.metrics.reconcile_errors.labels(kind="permanent").inc()
-            log.error("%s: %s (not retried until the spec changes)", name, err)
-            self.queue.forget(name)
-            result = Result()
-        except TemporaryError as err:
-            self.metrics.reconcile_errors.labels(kind="temporary").inc()
-            delay = self.queue.backoff(name)
-            log.warning("%s: %s; retrying in %.1fs", name, err, delay)
-            result = Result(requeue_after=delay)
-        except Exception:
-            self.metrics.reconcile_errors.labels(kind="unexpected").inc()
-            delay = self.queue.backoff(name)
-            log.exception("%s: reconcile failed; retrying in %.1fs", name, delay)
-            result = Result(requeue_after=delay)
-        else:
-            self.queue.forget(name)
-        finally:
-            self.queue.done(name)
-        if result.requeue_after is not None:
-            self.queue.add_after(name, result.requeue_after)
-        elapsed = time.perf_counter() - started
-        self.metrics.reconcile_duration.observe(elapsed)
-        log.debug("reconciled %s in %.1f ms", name, elapsed * 1000)
 
     def _shutdown(self) -> None:
         log.info("shutting down: stopping jobs")
@@ -543,78 +430,11 @@ class Operator:
         log.info("stopped")
 
     def _record_shutdown(self) -> None:
-        """Jobs were stopped with the operator: say so in their status, free every GPU."""
-        assert self.store is not None and self.allocator is not None
-        now = time.time()
-        for record in self.store.list_jobs():
-            status = HerdJobStatus.model_validate_json(record.status_json or "{}")
-            if not is_true(status.conditions, ConditionType.Running):
-                continue
-            self.store.add_event(record.name, "Normal", "Stopped", "operator shut down", now)
-            conditions = status.conditions
-            for condition_type in (ConditionType.Running, ConditionType.Resizing):
-                conditions = set_condition(
-                    conditions,
-                    condition_type,
-                    ConditionStatus.FALSE,
-                    "OperatorStopped",
-                    "the operator shut down",
-                    status.observed_generation,
-                    now,
-                )
-            gpus = (
-                status.gpus.model_copy(update={"allocated": 0, "active": None})
-                if status.gpus
-                else None
-            )
-            status = status.model_copy(
-                update={"conditions": conditions, "gpus": gpus, "placement": []}
-            )
-            self.store.put_status(record.name, status.model_dump_json(by_alias=True), now)
-        self.allocator.release_all()
-
-    # ---- callbacks from other threads ----
-
-    def _enqueue_all(self, names: set[str]) -> None:
-        for name in sorted(names):
-            self.queue.add(name)
-
-    def _on_grant_change(self, job: str, grant: Grant) -> None:
-        self.queue.add(job)
-
-    def _handle_report(self, args: dict[str, Any]) -> dict[str, Any]:
-        assert self.store is not None
-        job = args.get("job")
-        epoch = args.get("epoch")
-        world_size = args.get("world_size")
-        rank = args.get("rank", 0)
-        metrics = args.get("metrics") or {}
-        if not isinstance(job, str) or not job:
-            raise BadRequest("'job' must be a non-empty string")
-        if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
-            raise BadRequest("'epoch' must be a non-negative integer or null")
-        if not isinstance(world_size, int) or world_size < 1:
-            raise BadRequest("'world_size' must be a positive integer")
-        if not isinstance(rank, int) or rank < 0:
-            raise BadRequest("'rank' must be a non-negative integer")
-        if (
-            not isinstance(metrics, dict)
-            or len(metrics) > MAX_METRICS_PER_REPORT
-            or not all(
-                isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
-                for k, v in metrics.items()
-            )
-        ):
-            raise BadRequest(
-                f"'metrics' must map at most {MAX_METRICS_PER_REPORT} names to numbers"
-            )
-        if self.store.get_job(job) is None:
-            raise NotFound(f"no job {job!r}")
-        self.store.add_report(job, epoch, world_size, rank, metrics, time.time())
+        """Jobs were stopped with the operator: their status says so; every GPU is free."""
         assert self.allocator is not None
-        self.allocator.observe_world_size(job, world_size)
-        self.queue.add(job)
-        return {}
+        if self.loop is not None:
+            self.loop.record_shutdown()
+        self.allocator.release_all()
 
 
 def _placement_rows(placements: Mapping[str, Placement]) -> dict[str, list[tuple[str, list[int]]]]:

@@ -25,18 +25,28 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import yaml
 
-from herd_operator.layout import StateLayout, default_state_dir
-from herd_operator.store import Event, JobRecord, Store, StoreError
+from herd_operator.cli.views import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    dash,
+    format_age,
+    format_events,
+    format_table,
+    job_object,
+    open_store,
+)
+from herd_operator.layout import default_state_dir
+from herd_operator.runtime.store import StoreError
 from policies.base import PolicyError
 from policies.registry import load_policy
 from specs import SpecFile, index_specs, json_schema, load_spec_file
 from specs.status import HerdJobStatus
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 _Number = TypeVar("_Number", int, float)
 
 
@@ -285,8 +295,8 @@ def configure_logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from herd_operator.operator import Operator, OperatorConfig, OperatorError, tune_gc
-    from herd_operator.pool import discover_pool
+    from herd_operator.runtime.operator import Operator, OperatorConfig, OperatorError, tune_gc
+    from herd_operator.runtime.pools import discover_pool
 
     configure_logging(args.log_level)
     try:
@@ -336,7 +346,7 @@ def _stop_on_signals() -> threading.Event:
 
 
 def cmd_exporter(args: argparse.Namespace) -> int:
-    from herd_operator.exporter import run_exporter
+    from herd_operator.agent.exporter import run_exporter
 
     configure_logging(args.log_level)
     stop = _stop_on_signals()
@@ -359,69 +369,6 @@ def cmd_exporter(args: argparse.Namespace) -> int:
 
 
 # ---- reading commands ----
-
-
-def open_store(state_dir: Path) -> Store:
-    path = StateLayout(state_dir).database
-    if not path.exists():
-        raise StoreError(
-            f"no operator state in {state_dir} (run `herd-operator run --state-dir {state_dir}`"
-            " first, or pass the --state-dir it used)"
-        )
-    return Store.open_readonly(path)
-
-
-def job_object(record: JobRecord) -> dict[str, Any]:
-    """The JSON shape of a job for `get -o json`: spec, status and identity."""
-    status = HerdJobStatus.model_validate(json.loads(record.status_json or "{}"))
-    spec = json.loads(record.spec_json)
-    gpus = status.gpus
-    return {
-        "name": record.name,
-        "uid": record.uid,
-        "specPath": record.spec_path,
-        "generation": record.generation,
-        "observedGeneration": status.observed_generation,
-        "status": status.summary(),
-        "conditions": [c.model_dump(by_alias=True, mode="json") for c in status.conditions],
-        "gpus": {
-            "min": spec["spec"]["gpus"]["min"],
-            "max": spec["spec"]["gpus"]["max"],
-            "desired": gpus.desired if gpus else None,
-            "allocated": gpus.allocated if gpus else 0,
-            "active": gpus.active if gpus else None,
-        },
-        "placement": {host: gpu_list for host, gpu_list in status.placement},
-        "epoch": status.epoch,
-        "restarts": status.restarts,
-        "priority": spec["spec"].get("priority", 0),
-        "policy": spec["spec"].get("policy", {}).get("name", "static"),
-        "createdAt": record.created_at,
-        "spec": spec["spec"],
-    }
-
-
-def format_age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 120:
-        return f"{seconds}s"
-    if seconds < 7200:
-        return f"{seconds // 60}m"
-    if seconds < 172800:
-        return f"{seconds // 3600}h"
-    return f"{seconds // 86400}d"
-
-
-def format_table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
-
-
-def _dash(value: object) -> str:
-    return "-" if value is None else str(value)
 
 
 def cmd_get(args: argparse.Namespace) -> int:
@@ -455,9 +402,9 @@ def cmd_get(args: argparse.Namespace) -> int:
             obj["status"],
             str(gpus["min"]),
             str(gpus["max"]),
-            _dash(gpus["desired"]),
+            dash(gpus["desired"]),
             str(gpus["allocated"]),
-            _dash(gpus["active"]),
+            dash(gpus["active"]),
             format_age(now - obj["createdAt"]),
         ]
         if wide:
@@ -466,7 +413,7 @@ def cmd_get(args: argparse.Namespace) -> int:
                 for host, gpu_list in obj["placement"].items()
             )
             row += [
-                _dash(obj["epoch"]),
+                dash(obj["epoch"]),
                 str(obj["restarts"]),
                 f"{obj['observedGeneration']}/{obj['generation']}",
                 obj["policy"],
@@ -475,18 +422,6 @@ def cmd_get(args: argparse.Namespace) -> int:
         rows.append(row)
     print(format_table(rows))
     return EXIT_OK
-
-
-def format_events(events: Sequence[Event], now: float, with_object: bool) -> str:
-    header = ["LAST SEEN", "TYPE", "REASON"] + (["OBJECT"] if with_object else []) + ["MESSAGE"]
-    rows = [header]
-    for event in events:
-        message = event.message + (f" (x{event.count})" if event.count > 1 else "")
-        row = [format_age(now - event.last_time), event.type, event.reason]
-        if with_object:
-            row.append(f"herdjob/{event.job}" if event.job else "-")
-        rows.append([*row, message])
-    return format_table(rows)
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
@@ -509,9 +444,9 @@ def cmd_describe(args: argparse.Namespace) -> int:
         f"Priority:     {obj['priority']}",
         f"Policy:       {obj['policy']}"
         + (f" ({status.policy_reason})" if status.policy_reason else ""),
-        f"GPUs:         min {gpus['min']}, max {gpus['max']}, desired {_dash(gpus['desired'])}, "
-        f"allocated {gpus['allocated']}, active {_dash(gpus['active'])}",
-        f"Epoch:        {_dash(obj['epoch'])}",
+        f"GPUs:         min {gpus['min']}, max {gpus['max']}, desired {dash(gpus['desired'])}, "
+        f"allocated {gpus['allocated']}, active {dash(gpus['active'])}",
+        f"Epoch:        {dash(obj['epoch'])}",
         f"Restarts:     {obj['restarts']}",
         f"Age:          {format_age(now - obj['createdAt'])}",
         "Placement:" + ("" if obj["placement"] else "    none"),
@@ -580,7 +515,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from herd_operator.report import run_report
+    from herd_operator.cli.report import run_report
 
     return run_report(args)
 
@@ -591,7 +526,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from herd_operator.demo import run_demo
+    from herd_operator.cli.demo import run_demo
 
     configure_logging("INFO")
     code: int = run_demo(args.state_dir, args.virtual_gpus, args.timeout)

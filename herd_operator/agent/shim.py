@@ -1,6 +1,6 @@
 """The command horovodrun starts on each host, before the user's command.
 
-    python -m herd_operator.shim -- python train.py ...
+    python -m herd_operator.agent.shim -- python train.py ...
 
 It asks the allocator which GPUs this job holds on this host, exports them in
 local-rank order as CUDA_VISIBLE_DEVICES (so that an unmodified script calling
@@ -21,7 +21,8 @@ import os
 import sys
 import time
 
-from herd_operator import worker
+from herd_operator.agent import worker
+from herd_operator.environment import GPU_ENV, GPUS_ENV, JOB_ENV, VIRTUAL_ENV
 from herd_operator.rpc import AuthError, RpcError
 
 BIND_WAIT_SECONDS = float(os.environ.get("HERD_BIND_TIMEOUT", "600"))
@@ -30,30 +31,28 @@ BIND_WAIT_SECONDS = float(os.environ.get("HERD_BIND_TIMEOUT", "600"))
 def bind_environment(env: dict[str, str], reply: dict[str, object], local_rank: int) -> None:
     gpus = [str(gpu) for gpu in reply["gpus"]]  # type: ignore[attr-defined]
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    env[worker.GPUS_ENV] = ",".join(gpus)
-    env[worker.GPU_ENV] = str(reply["gpu"])
-    env[worker.VIRTUAL_ENV] = "1" if reply["virtual"] else "0"
+    env[GPUS_ENV] = ",".join(gpus)
+    env[GPU_ENV] = str(reply["gpu"])
+    env[VIRTUAL_ENV] = "1" if reply["virtual"] else "0"
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m herd_operator.shim -- COMMAND [ARG...]", file=sys.stderr)
+        print("usage: python -m herd_operator.agent.shim -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     env = dict(os.environ)
     if worker.under_operator():
         local_rank = int(env.get("HOROVOD_LOCAL_RANK", "0"))
-        client = worker.client_from_env(
-            f"shim:{env[worker.JOB_ENV]}:{worker.host_name()}:{local_rank}"
-        )
+        client = worker.client_from_env(f"shim:{env[JOB_ENV]}:{worker.host_name()}:{local_rank}")
         deadline = time.monotonic() + BIND_WAIT_SECONDS
         warned = False
         while True:
             try:
                 reply = client.call(
                     "bind",
-                    job=env[worker.JOB_ENV],
+                    job=env[JOB_ENV],
                     host=worker.host_name(),
                     local_rank=local_rank,
                     pid=os.getpid(),  # exec keeps the pid: this is the worker's

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from herd_operator.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, open_store
-from herd_operator.store import MAX_REPORTS_PER_JOB, JobRecord, Report, Store, Usage
-from herd_operator.store import GrantChange as StoredGrantChange
+from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, open_store
+from herd_operator.runtime.store import MAX_REPORTS_PER_JOB, JobRecord, Store
+from herd_operator.runtime.store import GrantChange as StoredGrantChange
 from policies.memory import MemoryParams
 from specs.status import HerdJobStatus
+from specs.values import Report, UsageSample
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -124,7 +125,7 @@ def job_series(
     record: JobRecord,
     grants: Sequence[StoredGrantChange],
     reports: Sequence[Report],
-    usage: Sequence[Usage],
+    usage: Sequence[UsageSample],
     origin: float,
 ) -> JobSeries:
     """One job's series relative to ``origin``; records before it only set the starting grant."""

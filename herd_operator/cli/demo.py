@@ -20,14 +20,14 @@ from typing import Any
 
 import yaml
 
-from herd_operator.cli import format_table, job_object
+from herd_operator.cli.views import format_table, job_object
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.operator import Operator, OperatorConfig
-from herd_operator.pool import PoolSource
-from herd_operator.store import Store
-from policies.arbitration import Pool
+from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.store import Store
+from specs.values import Pool
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_SPECS = REPO / "examples" / "specs"
 DEMO_MARKER = ".herd-demo"
 

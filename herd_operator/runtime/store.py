@@ -24,10 +24,13 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Literal
+
+from controllers.errors import TemporaryError
+from specs.values import Report, UsageSample
 
 _log = logging.getLogger(__name__)
 
@@ -120,8 +123,12 @@ CREATE TABLE meta (
 """
 
 
-class StoreError(Exception):
-    """The state database cannot be opened, read or written."""
+class StoreError(TemporaryError):
+    """The state database cannot be opened, read or written.
+
+    Temporary to the control loop: another process may hold the database, a full disk
+    may be freed; the reconciles whose writes were lost are redone with backoff.
+    """
 
 
 @dataclass(frozen=True)
@@ -150,29 +157,6 @@ class RuntimeRecord:
     generation: int
     restarts: int
     launched_max: int
-
-
-@dataclass(frozen=True)
-class Report:
-    """One report a worker sent (an epoch end, or a world size change when epoch is None)."""
-
-    job: str
-    epoch: int | None
-    world_size: int
-    rank: int
-    time: float
-    metrics: Mapping[str, float] = field(hash=False)
-
-
-@dataclass(frozen=True)
-class Usage:
-    """The summed memory of a job's GPUs at one instant."""
-
-    job: str
-    time: float
-    gpus: int
-    used_bytes: int
-    total_bytes: int
 
 
 @dataclass(frozen=True)
@@ -545,7 +529,7 @@ class Store:
                 (job, seq - self._max_reports_per_job),
             )
 
-    def usage(self, job: str, since: float | None = None, limit: int = 10_000) -> list[Usage]:
+    def usage(self, job: str, since: float | None = None, limit: int = 10_000) -> list[UsageSample]:
         """The job's newest ``limit`` usage samples with time >= ``since``, oldest first."""
         with self._read() as conn:
             rows = conn.execute(
@@ -553,9 +537,9 @@ class Store:
                 " WHERE job = ? AND (? IS NULL OR time >= ?) ORDER BY seq DESC LIMIT ?",
                 (job, since, since, limit),
             ).fetchall()
-        return [Usage(job, row[0], row[1], row[2], row[3]) for row in reversed(rows)]
+        return [UsageSample(row[0], row[1], row[2], row[3]) for row in reversed(rows)]
 
-    def latest_usage(self) -> dict[str, Usage]:
+    def latest_usage(self) -> dict[str, UsageSample]:
         """Each job's newest usage sample, in one query (a scrape reads every job's)."""
         with self._read() as conn:
             rows = conn.execute(
@@ -563,7 +547,7 @@ class Store:
                 " JOIN (SELECT job, MAX(seq) AS seq FROM gpu_usage GROUP BY job) AS newest"
                 " ON u.job = newest.job AND u.seq = newest.seq"
             ).fetchall()
-        return {row[0]: Usage(row[0], row[1], row[2], row[3], row[4]) for row in rows}
+        return {row[0]: UsageSample(row[1], row[2], row[3], row[4]) for row in rows}
 
     # grant history
 
@@ -767,12 +751,11 @@ def _runtime(row: sqlite3.Row) -> RuntimeRecord:
 
 def _report(row: sqlite3.Row) -> Report:
     return Report(
-        job=row["job"],
         epoch=row["epoch"],
-        world_size=row["world_size"],
-        rank=row["rank"],
         time=row["time"],
+        world_size=row["world_size"],
         metrics=MappingProxyType(json.loads(row["metrics_json"])),
+        rank=row["rank"],
     )
 
 

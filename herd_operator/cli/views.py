@@ -1,0 +1,92 @@
+"""How the CLI shows what the store holds: the job object, tables, ages, events.
+
+Shared by the commands, the report and the demo (which import it, never each other).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from herd_operator.layout import StateLayout
+from herd_operator.runtime.store import Event, JobRecord, Store, StoreError
+from specs.status import HerdJobStatus
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def open_store(state_dir: Path) -> Store:
+    path = StateLayout(state_dir).database
+    if not path.exists():
+        raise StoreError(
+            f"no operator state in {state_dir} (run `herd-operator run --state-dir {state_dir}`"
+            " first, or pass the --state-dir it used)"
+        )
+    return Store.open_readonly(path)
+
+
+def job_object(record: JobRecord) -> dict[str, Any]:
+    """The JSON shape of a job for `get -o json`: spec, status and identity."""
+    status = HerdJobStatus.model_validate(json.loads(record.status_json or "{}"))
+    spec = json.loads(record.spec_json)
+    gpus = status.gpus
+    return {
+        "name": record.name,
+        "uid": record.uid,
+        "specPath": record.spec_path,
+        "generation": record.generation,
+        "observedGeneration": status.observed_generation,
+        "status": status.summary(),
+        "conditions": [c.model_dump(by_alias=True, mode="json") for c in status.conditions],
+        "gpus": {
+            "min": spec["spec"]["gpus"]["min"],
+            "max": spec["spec"]["gpus"]["max"],
+            "desired": gpus.desired if gpus else None,
+            "allocated": gpus.allocated if gpus else 0,
+            "active": gpus.active if gpus else None,
+        },
+        "placement": {host: gpu_list for host, gpu_list in status.placement},
+        "epoch": status.epoch,
+        "restarts": status.restarts,
+        "priority": spec["spec"].get("priority", 0),
+        "policy": spec["spec"].get("policy", {}).get("name", "static"),
+        "createdAt": record.created_at,
+        "spec": spec["spec"],
+    }
+
+
+def format_age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    if seconds < 172800:
+        return f"{seconds // 3600}h"
+    return f"{seconds // 86400}d"
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def format_events(events: Sequence[Event], now: float, with_object: bool) -> str:
+    header = ["LAST SEEN", "TYPE", "REASON"] + (["OBJECT"] if with_object else []) + ["MESSAGE"]
+    rows = [header]
+    for event in events:
+        message = event.message + (f" (x{event.count})" if event.count > 1 else "")
+        row = [format_age(now - event.last_time), event.type, event.reason]
+        if with_object:
+            row.append(f"herdjob/{event.job}" if event.job else "-")
+        rows.append([*row, message])
+    return format_table(rows)

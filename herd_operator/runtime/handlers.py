@@ -1,0 +1,120 @@
+"""The operator's own RPC operations: workers' reports and node exporters' registrations.
+
+(The allocator serves `bind`, `grant` and `placements` itself.) Each handler checks
+its arguments and answers `BadRequest` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from herd_operator.layout import write_atomically
+from herd_operator.rpc import BadRequest, NotFound
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_METRICS_PER_REPORT = 64
+
+
+class ReportHandler:
+    """`report`: a job's rank 0 says an epoch ended or the world size changed.
+
+    The report is stored for the policies, tells the allocator the job's real size (a
+    finished shrink frees the GPUs it was draining) and wakes the job's reconcile.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        allocator: Allocator,
+        wake: Callable[[str], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.allocator = allocator
+        self.wake = wake
+        self.clock = clock
+
+    def __call__(self, args: dict[str, Any]) -> dict[str, Any]:
+        job = args.get("job")
+        epoch = args.get("epoch")
+        world_size = args.get("world_size")
+        rank = args.get("rank", 0)
+        metrics = args.get("metrics") or {}
+        if not isinstance(job, str) or not job:
+            raise BadRequest("'job' must be a non-empty string")
+        if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
+            raise BadRequest("'epoch' must be a non-negative integer or null")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise BadRequest("'world_size' must be a positive integer")
+        if not isinstance(rank, int) or rank < 0:
+            raise BadRequest("'rank' must be a non-negative integer")
+        if (
+            not isinstance(metrics, dict)
+            or len(metrics) > MAX_METRICS_PER_REPORT
+            or not all(
+                isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+                for k, v in metrics.items()
+            )
+        ):
+            raise BadRequest(
+                f"'metrics' must map at most {MAX_METRICS_PER_REPORT} names to numbers"
+            )
+        if self.store.get_job(job) is None:
+            raise NotFound(f"no job {job!r}")
+        self.store.add_report(job, epoch, world_size, rank, metrics, self.clock())
+        self.allocator.observe_world_size(job, world_size)
+        self.wake(job)
+        return {}
+
+
+class ExporterRegistry:
+    """`register_exporter`: node exporters say where they serve.
+
+    Kept as Prometheus file_sd targets (with the operator's own endpoint) and as the
+    URLs the usage observer scrapes when the pool spans several hosts.
+    """
+
+    def __init__(self, targets_file: Path, operator_address: str | None) -> None:
+        self.targets_file = targets_file
+        self.operator_address = operator_address
+        self._exporters: set[str] = set()
+        self._lock = threading.Lock()
+
+    def urls(self) -> list[str]:
+        with self._lock:
+            return [f"http://{address}/metrics" for address in sorted(self._exporters)]
+
+    def __call__(self, args: dict[str, Any]) -> dict[str, Any]:
+        host, port = args.get("host"), args.get("port")
+        if not isinstance(host, str) or not host or "/" in host:
+            raise BadRequest("'host' must be a host name or address")
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise BadRequest("'port' must be a TCP port number")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        with self._lock:
+            known = address in self._exporters
+            self._exporters.add(address)
+        if not known:
+            log.info("exporter registered: %s", address)
+            self.write_targets()
+        return {}
+
+    def write_targets(self) -> None:
+        """Prometheus file_sd targets: the operator and every registered node exporter."""
+        groups = []
+        if self.operator_address:
+            groups.append({"targets": [self.operator_address], "labels": {"herd_role": "operator"}})
+        with self._lock:
+            exporters = sorted(self._exporters)
+        if exporters:
+            groups.append({"targets": exporters, "labels": {"herd_role": "exporter"}})
+        write_atomically(self.targets_file, json.dumps(groups, indent=2) + "\n")

@@ -1,0 +1,172 @@
+"""Plain value types that every layer shares: the pool, placements, demands and grants,
+and what is observed of a running job (worker reports, GPU memory samples).
+
+One definition each. They import nothing of ours, so `specs`, `policies`,
+`controllers`, the runtime and the exporters can all speak them. Decisions on them
+live elsewhere (`policies.arbitration`, the policies).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import ClassVar
+
+Slot = tuple[str, int]
+HostGpus = tuple[tuple[str, tuple[int, ...]], ...]
+JsonPlacement = list[list[str | list[int]]]
+
+
+def _check_hosts(hosts: HostGpus, what: str) -> None:
+    seen: set[str] = set()
+    for host, gpus in hosts:
+        if host in seen:
+            raise ValueError(f"{what}: host {host!r} is listed twice")
+        seen.add(host)
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"{what}: host {host!r} lists a GPU twice: {list(gpus)}")
+        if any(gpu < 0 for gpu in gpus):
+            raise ValueError(f"{what}: host {host!r} has a negative GPU index: {list(gpus)}")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The GPUs the allocator owns; host order is the order of `--hosts`."""
+
+    hosts: HostGpus
+
+    def __post_init__(self) -> None:
+        _check_hosts(self.hosts, "pool")
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int]) -> Pool:
+        """A pool with GPUs 0..n-1 on each host, hosts in the mapping's order."""
+        for host, count in counts.items():
+            if count < 0:
+                raise ValueError(f"pool: host {host!r} has a negative GPU count: {count}")
+        return cls(tuple((host, tuple(range(count))) for host, count in counts.items()))
+
+    @property
+    def size(self) -> int:
+        return sum(len(gpus) for _, gpus in self.hosts)
+
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A job's GPUs by host: hosts in the order the job got them, GPUs in local-rank order."""
+
+    hosts: HostGpus = ()
+    EMPTY: ClassVar[Placement]
+
+    def __post_init__(self) -> None:
+        _check_hosts(self.hosts, "placement")
+
+    @property
+    def size(self) -> int:
+        return sum(len(gpus) for _, gpus in self.hosts)
+
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
+
+    def gpus_on(self, host: str) -> tuple[int, ...]:
+        """The job's GPUs on `host`; position i is the GPU of local rank i."""
+        for name, gpus in self.hosts:
+            if name == host:
+                return gpus
+        return ()
+
+    def discovery_lines(self) -> list[str]:
+        """What a Horovod host-discovery script prints for this placement."""
+        return [f"{host}:{len(gpus)}" for host, gpus in self.hosts if gpus]
+
+    def to_json(self) -> JsonPlacement:
+        return [[host, list(gpus)] for host, gpus in self.hosts]
+
+    @classmethod
+    def from_json(cls, data: object) -> Placement:
+        """Parse `[[host, [gpu, ...]], ...]`; raises ValueError on any other shape."""
+        if not isinstance(data, list):
+            raise ValueError(f"placement: expected a list of [host, [gpus]], got {data!r}")
+        hosts: list[tuple[str, tuple[int, ...]]] = []
+        for entry in data:
+            if not (isinstance(entry, list | tuple) and len(entry) == 2):
+                raise ValueError(f"placement: expected [host, [gpus]], got {entry!r}")
+            host, gpus = entry
+            if not isinstance(host, str) or not isinstance(gpus, list | tuple):
+                raise ValueError(f"placement: expected [host, [gpus]], got {entry!r}")
+            if not all(isinstance(gpu, int) and not isinstance(gpu, bool) for gpu in gpus):
+                raise ValueError(f"placement: GPU indices must be integers, got {entry!r}")
+            hosts.append((host, tuple(gpus)))
+        return cls(tuple(hosts))
+
+
+Placement.EMPTY = Placement()
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one job asks of the allocator in this decision."""
+
+    name: str
+    min: int
+    max: int
+    desired: int
+    priority: int = 0
+    arrival: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("demand: name must not be empty")
+        if not 1 <= self.min <= self.max:
+            raise ValueError(
+                f"demand {self.name}: need 1 <= min <= max, got min {self.min} max {self.max}"
+            )
+        if not math.isfinite(self.arrival):
+            raise ValueError(f"demand {self.name}: arrival must be finite, got {self.arrival}")
+
+    @property
+    def wanted(self) -> int:
+        """`desired` clamped into [min, max]."""
+        return max(self.min, min(self.max, self.desired))
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The allocator's answer for one job."""
+
+    placement: Placement
+    reason: str
+
+    @property
+    def admitted(self) -> bool:
+        return self.placement.size > 0
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a job's workers said once: an epoch end, or a new world size when epoch is None."""
+
+    epoch: int | None
+    time: float
+    world_size: int
+    metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class UsageSample:
+    """GPU memory of a job's GPUs at one instant (summed over the GPUs it holds)."""
+
+    time: float
+    gpus: int
+    used_bytes: int
+    total_bytes: int
+
+    @property
+    def utilization(self) -> float:
+        return self.used_bytes / self.total_bytes if self.total_bytes else 0.0

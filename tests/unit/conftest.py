@@ -1,0 +1,7 @@
+"""Fixtures shared by several unit test modules."""
+
+from __future__ import annotations
+
+# A real store and allocator with fake processes and specs, for tests that drive the
+# reconciler (test_reconciler) or the loop around it (test_control_loop).
+from tests.unit.test_reconciler import world  # noqa: F401

@@ -1,0 +1,516 @@
+"""Tests for controllers.loop: results and errors to queue actions, bursts, wake-ups, shutdown.
+
+Four tests here guard against mutations that once survived every unit test, when this
+code lived in the operator's wiring file:
+- `test_a_permanent_error_is_not_retried_and_shows_as_stalled`: a permanent error retried
+  like a temporary one.
+- `test_a_grant_change_wakes_the_other_jobs_it_touched`: other jobs not requeued when a
+  decision changed their grant (they would keep running at the old size until a resync).
+- `test_shutdown_writes_every_running_jobs_status`: the shutdown not written to the jobs'
+  status (they would say Running after the operator stopped them).
+- `test_a_report_of_the_smaller_world_frees_a_draining_gpu_at_once`: a worker's report not
+  passed to the allocator (a shrink's GPUs would drain for the full timeout).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controllers.errors import PermanentError, TemporaryError
+from controllers.loop import ControlLoop, Outcome
+from controllers.ports import Result
+from controllers.workqueue import WorkQueue
+from herd_operator.layout import StateLayout
+from herd_operator.rpc import BadRequest
+from herd_operator.runtime import store as store_module
+from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.handlers import ReportHandler
+from herd_operator.runtime.metrics import OperatorMetrics
+from herd_operator.runtime.store import Store, StoreError
+from policies.base import PolicyError
+from specs import ConditionType, get_condition
+from specs.values import Demand, Grant, Pool
+from tests.unit.test_reconciler import World, facts, herd_job, started
+
+SPEC = '{"gpus": {"min": 1, "max": 1}}'
+
+
+class FunctionReconciler:
+    """A reconciler that runs a test's function for each key."""
+
+    def __init__(self, body: Callable[[str], Result | None]) -> None:
+        self.body = body
+        self.shut_down: list[str] = []
+
+    def reconcile(self, name: str) -> Result:
+        return self.body(name) or Result()
+
+    def record_shutdown(self, name: str) -> None:
+        self.shut_down.append(name)
+
+    def known_jobs(self) -> list[str]:
+        return ["x", "y"]
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.seen: list[Outcome] = []
+
+    def reconciled(self, outcome: Outcome, seconds: float) -> None:
+        self.seen.append(outcome)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> StateLayout:
+    state = StateLayout(tmp_path / "state")
+    state.create()
+    return state
+
+
+@pytest.fixture
+def store(layout: StateLayout) -> Iterator[Store]:
+    with Store(layout.database) as opened:
+        yield opened
+
+
+def loop_for(
+    body: Callable[[str], Result | None],
+    allocator: Allocator,
+    store: Store,
+    queue: WorkQueue | None = None,
+    **options: float,
+) -> tuple[ControlLoop, WorkQueue, Outcomes]:
+    queue = WorkQueue() if queue is None else queue
+    outcomes = Outcomes()
+    loop = ControlLoop(
+        queue, FunctionReconciler(body), allocator, store, observer=outcomes, **options
+    )
+    return loop, queue, outcomes
+
+
+def one_gpu(layout: StateLayout) -> Allocator:
+    return Allocator(Pool.from_counts({"localhost": 1}), GrantPublisher(layout), virtual=True)
+
+
+def taken(queue: WorkQueue, *keys: str) -> list[str]:
+    """Put `keys` on the queue and take them off, as the loop does before it handles them."""
+    for key in keys:
+        queue.add(key)
+    got = [queue.get(timeout=0) for _ in keys]
+    assert got == list(keys)
+    return list(keys)
+
+
+def handle(loop: ControlLoop, key: str) -> Outcome:
+    taken(loop.queue, key)
+    return loop.handle(key)
+
+
+def ready(queue: WorkQueue) -> list[str]:
+    keys = []
+    while (key := queue.get(timeout=0)) is not None:
+        keys.append(key)
+        queue.done(key)
+    return keys
+
+
+# ---- one key: results and errors to queue actions ----
+
+
+def test_success_forgets_the_backoff_and_requeues_only_when_asked(
+    layout: StateLayout, store: Store
+) -> None:
+    clock = Clock()
+    queue = WorkQueue(base_delay=1.0, clock=clock)
+    answers = {"a": Result(requeue_after=5.0), "b": Result()}
+    loop, queue, _ = loop_for(answers.get, one_gpu(layout), store, queue)
+    queue.backoff("a")  # an earlier failure
+    assert [handle(loop, "a"), handle(loop, "b")] == [Outcome.SUCCESS, Outcome.SUCCESS]
+    assert queue.failures("a") == 0
+    clock.now += 4.9
+    assert ready(queue) == []
+    clock.now += 0.2
+    assert ready(queue) == ["a"]  # b waits for an event
+
+
+def test_a_temporary_error_is_retried_with_growing_backoff(
+    layout: StateLayout, store: Store
+) -> None:
+    clock = Clock()
+    queue = WorkQueue(base_delay=1.0, clock=clock)
+
+    def fail(name: str) -> Result:
+        raise StoreError("disk full")  # the store's errors are temporary to the loop
+
+    loop, queue, outcomes = loop_for(fail, one_gpu(layout), store, queue)
+    assert handle(loop, "a") == Outcome.TEMPORARY_ERROR
+    clock.now += 1.0
+    assert ready(queue) == ["a"]
+    assert handle(loop, "a") == Outcome.TEMPORARY_ERROR
+    clock.now += 1.5
+    assert ready(queue) == []  # the second retry waits 2 s
+    clock.now += 0.5
+    assert ready(queue) == ["a"]
+    assert outcomes.seen == [Outcome.TEMPORARY_ERROR, Outcome.TEMPORARY_ERROR]
+
+
+def test_a_bug_is_retried_with_backoff_and_does_not_end_the_loop(
+    layout: StateLayout, store: Store
+) -> None:
+    clock = Clock()
+    queue = WorkQueue(base_delay=1.0, clock=clock)
+
+    def bug(name: str) -> Result:
+        raise KeyError(name)
+
+    loop, queue, _ = loop_for(bug, one_gpu(layout), store, queue)
+    assert handle(loop, "a") == Outcome.UNEXPECTED_ERROR
+    assert queue.failures("a") == 1
+    clock.now += 1.0
+    assert ready(queue) == ["a"]
+
+
+def test_a_permanent_error_is_not_retried_and_shows_as_stalled(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guards: permanent errors retried (they would spin with backoff forever)."""
+    clock = Clock()
+    queue = WorkQueue(base_delay=1.0, clock=clock)
+    loop = ControlLoop(queue, world.reconciler, world.allocator, world.store)
+    started(world, herd_job("a", policy="static"))
+    queue.backoff("a")
+
+    def vanished(ref: object) -> object:
+        raise PolicyError("spec.policy.name", "plug-in 'gone:Policy' cannot be imported")
+
+    monkeypatch.setattr("controllers.reconciler.load_policy", vanished)
+    assert handle(loop, "a") == Outcome.PERMANENT_ERROR
+    assert queue.failures("a") == 0
+    clock.now += 3600.0
+    assert ready(queue) == []  # never retried by the queue
+    stalled = world.condition("a", ConditionType.Stalled)
+    assert facts(stalled) == (
+        "True",
+        "PolicyUnavailable",
+        "spec.policy.name: plug-in 'gone:Policy' cannot be imported",
+    )
+    assert world.status("a").summary() == "Stalled"
+    assert ("Warning", "PolicyUnavailable") in [e[:2] for e in world.events("a")]
+
+    monkeypatch.undo()  # the plug-in is back: the next reconcile recovers
+    assert handle(loop, "a") == Outcome.SUCCESS
+    assert facts(world.condition("a", ConditionType.Stalled))[:2] == ("False", "Recovered")
+    assert world.status("a").summary() != "Stalled"
+
+
+def test_a_permanent_error_on_a_job_without_a_record_raises_without_status(
+    layout: StateLayout, store: Store
+) -> None:
+    def fail(name: str) -> Result:
+        raise PermanentError("no way", reason="Nope")
+
+    loop, _queue, outcomes = loop_for(fail, one_gpu(layout), store)
+    assert handle(loop, "ghost") == Outcome.PERMANENT_ERROR
+    assert outcomes.seen == [Outcome.PERMANENT_ERROR]
+
+
+def test_each_outcome_is_counted_in_the_operator_metrics(layout: StateLayout, store: Store) -> None:
+    metrics = OperatorMetrics(CollectorRegistry())
+    errors: dict[str, Exception] = {
+        "t": TemporaryError("later"),
+        "p": PermanentError("never"),
+        "u": ValueError("bug"),
+    }
+
+    def body(name: str) -> Result:
+        if name in errors:
+            raise errors[name]
+        return Result()
+
+    loop = ControlLoop(
+        WorkQueue(), FunctionReconciler(body), one_gpu(layout), store, observer=metrics
+    )
+    for name in ["ok", "ok", "t", "p", "u"]:
+        handle(loop, name)
+
+    def count(outcome: str) -> float:
+        value = metrics.registry.get_sample_value("herd_reconcile_total", {"outcome": outcome})
+        assert value is not None
+        return value
+
+    assert [count(o) for o in Outcome] == [2, 1, 1, 1, 0]
+    assert metrics.registry.get_sample_value("herd_reconcile_duration_seconds_count") == 5
+    errors_by_kind = {
+        kind: metrics.registry.get_sample_value("herd_reconcile_errors_total", {"kind": kind})
+        for kind in ("temporary", "permanent", "unexpected")
+    }
+    assert errors_by_kind == {"temporary": 1, "permanent": 1, "unexpected": 1}
+
+
+# ---- wake-ups ----
+
+
+def test_a_grant_change_wakes_the_other_jobs_it_touched(layout: StateLayout, store: Store) -> None:
+    """Guards: other jobs not requeued on a grant change."""
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 2}), GrantPublisher(layout), virtual=True, drain_seconds=0
+    )
+    low = Demand("low", 1, 2, 2, priority=0, arrival=1.0)
+    high = Demand("high", 1, 1, 1, priority=5, arrival=2.0)
+    _loop, queue, _ = loop_for(lambda name: None, allocator, store)
+    grant = allocator.request(low)
+    assert grant is not None and grant.placement.size == 2
+    assert ready(queue) == []  # the asker gets its grant as the answer: no wake-up
+    allocator.request(high)  # takes one of low's GPUs
+    assert allocator.placements()["low"].size == 1
+    assert ready(queue) == ["low"]
+
+
+def test_a_burst_is_decided_once_after_every_job_asked(layout: StateLayout, store: Store) -> None:
+    allocator = Allocator(Pool.from_counts({"localhost": 2}), GrantPublisher(layout), virtual=True)
+    answers: dict[str, Grant | None] = {}
+
+    def ask(name: str) -> None:
+        answers[name] = allocator.request(Demand(name, 1, 1, 1, arrival=float(len(answers))))
+
+    loop, queue, _ = loop_for(ask, allocator, store)
+    assert loop.reconcile_burst(taken(loop.queue, "a", "b", "c")) == []
+
+    assert answers == {"a": None, "b": None, "c": None}  # nobody decided alone
+    assert sorted(ready(queue)) == ["a", "b", "c"]  # each is woken to act on the one decision
+    sizes = {name: placement.size for name, placement in allocator.placements().items()}
+    assert sizes == {"a": 1, "b": 1, "c": 0}  # first come, first served on 2 GPUs
+
+
+def test_run_once_takes_every_ready_key_as_one_burst(layout: StateLayout, store: Store) -> None:
+    allocator = Allocator(Pool.from_counts({"localhost": 2}), GrantPublisher(layout), virtual=True)
+    asked: list[str] = []
+
+    def ask(name: str) -> None:
+        asked.append(name)
+        allocator.request(Demand(name, 1, 1, 1, arrival=float(len(asked))))
+
+    loop, queue, _ = loop_for(ask, allocator, store, max_batch=2)
+    for name in ["a", "b", "c"]:
+        queue.add(name)
+    assert loop.run_once(timeout=0) == 2
+    assert loop.run_once(timeout=0) >= 1  # c, then the woken ones
+    assert loop.run_once(timeout=0.01) >= 0
+    assert asked[:3] == ["a", "b", "c"]
+
+
+# ---- store groups ----
+
+
+@pytest.mark.parametrize(
+    ("group_seconds", "seen_by_others"),
+    [
+        (3600.0, [[], [], []]),  # one group: nothing visible before the end
+        (0.0, [[], ["j0"], ["j0", "j1"]]),  # a commit after every job
+    ],
+)
+def test_a_burst_commits_its_writes_in_groups(
+    layout: StateLayout,
+    store: Store,
+    group_seconds: float,
+    seen_by_others: list[list[str]],
+) -> None:
+    seen: list[list[str]] = []
+    with Store.open_readonly(store.path) as reader:
+
+        def record(name: str) -> None:
+            seen.append([job.name for job in reader.list_jobs()])
+            store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
+
+        loop, _, _ = loop_for(record, one_gpu(layout), store, group_seconds=group_seconds)
+        loop.reconcile_burst(taken(loop.queue, "j0", "j1", "j2"))
+
+        assert seen == seen_by_others
+        assert [job.name for job in reader.list_jobs()] == ["j0", "j1", "j2"]
+
+
+def test_a_failing_job_does_not_stop_the_burst(layout: StateLayout, store: Store) -> None:
+    allocator = one_gpu(layout)
+
+    def record(name: str) -> None:
+        if name == "bad":
+            raise RuntimeError("reconcile bug")
+        store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
+        allocator.request(Demand(name, 1, 1, 1, arrival=float(len(store.list_jobs()))))
+
+    loop, queue, outcomes = loop_for(record, allocator, store)
+    assert loop.reconcile_burst(taken(loop.queue, "ok", "bad", "after")) == []
+
+    assert [job.name for job in store.list_jobs()] == ["after", "ok"]
+    assert outcomes.seen == [Outcome.SUCCESS, Outcome.UNEXPECTED_ERROR, Outcome.SUCCESS]
+    assert queue.failures("bad") == 1  # retried with backoff
+    grant = allocator.grant("ok")  # the batch decided on the way out
+    assert grant is not None and grant.placement.size == 1
+    assert allocator.request(Demand("later", 1, 1, 1)) is not None  # not batching any more
+
+
+def test_a_group_the_store_cannot_begin_is_handed_back(
+    layout: StateLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_MS", 50)
+    processed: list[str] = []
+    with Store(layout.database) as store:
+        loop, queue, outcomes = loop_for(processed.append, one_gpu(layout), store)
+        # Another process holds the write lock: our group cannot even begin.
+        other = sqlite3.connect(layout.database, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            assert (loop.reconcile_burst(taken(loop.queue, "a", "b")), processed) == (
+                ["a", "b"],
+                [],
+            )
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+        assert outcomes.seen == [Outcome.LOST, Outcome.LOST]
+        assert queue.failures("a") == queue.failures("b") == 1  # back with backoff
+        again = sorted(key for key in (queue.get(timeout=2), queue.get(timeout=2)) if key)
+        assert loop.reconcile_burst(again) == []  # once their backoff passed
+        assert processed == ["a", "b"]
+
+
+def test_a_store_error_raised_by_a_job_is_its_own_temporary_error(
+    layout: StateLayout, store: Store
+) -> None:
+    def broken(name: str) -> None:
+        if name == "a":
+            raise StoreError(f"{name}: cannot write")
+        store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
+
+    loop, _queue, outcomes = loop_for(broken, one_gpu(layout), store)
+    assert loop.reconcile_burst(taken(loop.queue, "a", "b")) == []  # the group itself committed
+    assert outcomes.seen == [Outcome.TEMPORARY_ERROR, Outcome.SUCCESS]
+    assert [job.name for job in store.list_jobs()] == ["b"]
+
+
+def test_a_decision_the_store_cannot_record_hands_the_whole_burst_back(
+    layout: StateLayout, store: Store
+) -> None:
+    def refuse(placements: object) -> None:
+        raise StoreError("disk full")
+
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 1}),
+        GrantPublisher(layout),
+        virtual=True,
+        on_decision=refuse,
+    )
+    asked: list[str] = []
+
+    def ask(name: str) -> None:
+        asked.append(name)
+        allocator.request(Demand(name, 1, 1, 1))
+
+    loop, queue, outcomes = loop_for(ask, allocator, store)
+    assert loop.reconcile_burst(taken(loop.queue, "a", "b")) == ["a", "b"]
+    assert asked == ["a", "b"]
+    assert outcomes.seen[-2:] == [Outcome.LOST, Outcome.LOST]
+    assert queue.failures("a") == 1
+
+
+# ---- shutdown ----
+
+
+def test_shutdown_writes_every_running_jobs_status(world: World) -> None:
+    """Guards: the shutdown not written to the jobs' status."""
+    loop = ControlLoop(WorkQueue(), world.reconciler, world.allocator, world.store)
+    started(world, herd_job("a", gpus=(1, 2)))
+    started(world, herd_job("b", gpus=(1, 2)))
+    world.specs.put(herd_job("done"))
+    world.reconcile("done")
+    world.launcher.exit("done", 0)
+    world.reconcile("done")  # finished: not running, its status stays as it is
+    finished = world.status("done")
+
+    loop.record_shutdown()
+
+    for name in ("a", "b"):
+        status = world.status(name)
+        running = get_condition(status.conditions, ConditionType.Running)
+        assert running is not None
+        assert facts(running) == ("False", "OperatorStopped", "the operator shut down")
+        assert status.gpus is not None and status.gpus.allocated == 0
+        assert status.placement == []
+        assert ("Normal", "Stopped", "operator shut down") in world.events(name)
+    assert world.status("done") == finished
+
+
+def test_shutdown_goes_on_past_a_job_whose_status_cannot_be_written(
+    layout: StateLayout, store: Store
+) -> None:
+    reconciler = FunctionReconciler(lambda name: None)
+    failing = {"x"}
+
+    def record(name: str) -> None:
+        if name in failing:
+            raise RuntimeError("broken")
+        reconciler.shut_down.append(name)
+
+    reconciler.record_shutdown = record  # type: ignore[method-assign]
+    loop = ControlLoop(WorkQueue(), reconciler, one_gpu(layout), store)
+    loop.record_shutdown()
+    assert reconciler.shut_down == ["y"]
+
+
+# ---- the report handler ----
+
+
+def test_a_report_of_the_smaller_world_frees_a_draining_gpu_at_once(
+    layout: StateLayout, store: Store
+) -> None:
+    """Guards: a report not passed to the allocator."""
+    allocator = Allocator(
+        Pool.from_counts({"remote": 2}), GrantPublisher(layout), virtual=True, drain_seconds=600
+    )
+    woken: list[str] = []
+    handler = ReportHandler(store, allocator, woken.append, clock=lambda: 50.0)
+    for name in ("a", "b"):
+        store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
+    allocator.request(Demand("a", 1, 2, 2, arrival=1.0))
+    allocator.request(Demand("a", 1, 2, 1, arrival=1.0))  # a shrinks: one GPU drains
+    b = allocator.request(Demand("b", 1, 1, 1, arrival=2.0))
+    assert b is not None and not b.admitted  # waiting for the drain
+
+    assert handler({"job": "a", "epoch": None, "world_size": 1}) == {}
+
+    assert woken == ["a"]
+    b = allocator.request(Demand("b", 1, 1, 1, arrival=2.0))
+    assert b is not None and b.admitted  # freed by the report, not by the 600 s timeout
+    report = store.reports("a")[-1]
+    assert (report.epoch, report.world_size, report.time) == (None, 1, 50.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"world_size": 1}, "'job' must be a non-empty string"),
+        ({"job": "a", "world_size": 0}, "'world_size' must be a positive integer"),
+        ({"job": "a", "world_size": 1, "epoch": -1}, "'epoch' must be a non-negative integer"),
+        ({"job": "a", "world_size": 1, "rank": "0"}, "'rank' must be a non-negative integer"),
+        ({"job": "a", "world_size": 1, "metrics": {"loss": True}}, "'metrics' must map"),
+    ],
+)
+def test_a_bad_report_names_the_field(
+    layout: StateLayout, store: Store, args: dict[str, object], message: str
+) -> None:
+    handler = ReportHandler(store, one_gpu(layout), lambda name: None)
+    with pytest.raises(BadRequest, match=message):
+        handler(dict(args))
