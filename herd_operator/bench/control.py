@@ -26,7 +26,7 @@ from herd_operator.bench.harness import Context, Row, Stats
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.allocator import Allocator, GrantPublisher
 from herd_operator.runtime.operator import Operator, OperatorConfig
-from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Placement, Pool
 
@@ -100,7 +100,7 @@ def running_operator(root: Path, fake: Path, *, watch_events: bool) -> Iterator[
     config = OperatorConfig(
         specs_dir=specs_dir,
         state_dir=root / "state",
-        pool=PoolSource(Pool.from_counts({"localhost": 4}), True, "bench pool"),
+        pool=StaticPool(Pool.from_counts({"localhost": 4}), True, "bench pool"),
         relist_seconds=60.0 if watch_events else 1.0,
         watch_events=watch_events,
         grace_seconds=2.0,

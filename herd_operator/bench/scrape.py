@@ -182,7 +182,7 @@ def run_scrape(ctx: Context) -> list[Row]:
         rows += measure(
             f"operator, {jobs} jobs",
             f"GET /metrics of the operator state collector: {jobs} running jobs from the store",
-            StateCollector(store, pool, lambda: placements, lambda: {("bind", "ok"): 1}),
+            StateCollector(store, lambda: pool, lambda: placements, lambda: {("bind", "ok"): 1}),
             scrapes,
         )
     finally:

@@ -24,7 +24,7 @@ from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figure
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.launcher import horovodrun_executable
 from herd_operator.runtime.operator import Operator, OperatorConfig
-from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.pools import StaticPool
 from specs.values import Pool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def running_operator(root: Path) -> Iterator[Operator]:
     config = OperatorConfig(
         specs_dir=specs_dir,
         state_dir=root / "state",
-        pool=PoolSource(Pool.from_counts({"localhost": 4}), True, "bench pool"),
+        pool=StaticPool(Pool.from_counts({"localhost": 4}), True, "bench pool"),
         relist_seconds=1.0,
         grace_seconds=5.0,
         # The trigger is the grant change itself; a resize freeze would only delay it.

@@ -23,7 +23,7 @@ import yaml
 from herd_operator.cli.views import format_table, job_object
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.operator import Operator, OperatorConfig
-from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
 from specs.values import Pool
 
@@ -136,7 +136,7 @@ def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
     config = OperatorConfig(
         specs_dir=jobs_dir,
         state_dir=layout.root,
-        pool=PoolSource(pool, True, f"localhost: {virtual_gpus} virtual GPUs (demo)"),
+        pool=StaticPool(pool, True, f"localhost: {virtual_gpus} virtual GPUs (demo)"),
         resync_seconds=1.0,
         relist_seconds=2.0,
         grace_seconds=5.0,

@@ -199,6 +199,25 @@ class Allocator:
                 self._decide(caller=job)
             self._publisher.withdraw(job)
 
+    def set_pool(self, pool: Pool) -> None:
+        """The pool changed while the operator runs (a node lost, or back): decide again.
+
+        Jobs on GPUs that left keep the rest of their placement and are told of the
+        change; those left under their min are pending again. GPUs that come back are
+        granted like any free GPU.
+        """
+        with self._lock:
+            if pool == self.pool:
+                return
+            log.info("pool: %s", _describe_pool(pool))
+            self.pool = pool
+            slots = set(pool.slots())
+            self._draining = {s: d for s, d in self._draining.items() if s in slots}
+            if self._batching:
+                self._dirty = True  # decide at the end of the batch
+            else:
+                self._decide(caller="")
+
     def observe_world_size(self, job: str, world_size: int) -> None:
         """The job's workers say how many they are: a finished shrink frees its GPUs."""
         with self._lock:
@@ -427,6 +446,10 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _describe_pool(pool: Pool) -> str:
+    return ", ".join(f"{host}:{len(gpus)}" for host, gpus in pool.hosts) or "no GPUs"
 
 
 def _describe(placement: Placement) -> str:

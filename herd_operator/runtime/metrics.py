@@ -101,7 +101,7 @@ class StateCollector(Collector):
     def __init__(
         self,
         store: Store,
-        pool: Pool,
+        pool: Callable[[], Pool],
         placements: Callable[[], Mapping[str, Placement]],
         request_counts: Callable[[], Mapping[tuple[str, str], int]],
     ) -> None:
@@ -170,7 +170,7 @@ class StateCollector(Collector):
         held = sum(placement.size for placement in self.placements().values())
         pool = GaugeMetricFamily("herd_pool_gpus", "GPUs of the pool by state.", labels=["state"])
         pool.add_metric(["allocated"], held)
-        pool.add_metric(["free"], self.pool.size - held)
+        pool.add_metric(["free"], self.pool().size - held)
         yield pool
 
         requests = CounterMetricFamily(

@@ -324,7 +324,7 @@ class Operator:
         registry = self.metrics.registry
         registry.register(
             StateCollector(
-                store, self.config.pool.pool, allocator.placements, server.request_counts
+                store, lambda: allocator.pool, allocator.placements, server.request_counts
             )
         )
         if local is not None:
@@ -395,6 +395,9 @@ class Operator:
         self.watcher.start()
         if self.observer is not None:
             self.observer.start()
+        assert self.allocator is not None
+        # A node lost or back: the allocator decides again and wakes the jobs it moved.
+        self.config.pool.start(self.allocator.set_pool)
         self.ready.set()
         try:
             loop.run(stop)
@@ -404,6 +407,7 @@ class Operator:
 
     def _shutdown(self) -> None:
         log.info("shutting down: stopping jobs")
+        self.config.pool.stop()
         if self.watcher is not None:
             self.watcher.stop()
         if self.observer is not None:

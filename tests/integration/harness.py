@@ -21,7 +21,7 @@ from herd_operator.cli.views import job_object
 from herd_operator.environment import LAUNCH_ID_ENV, STATE_DIR_ENV
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.operator import Operator, OperatorConfig
-from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
 from specs.values import Pool
 
@@ -90,7 +90,7 @@ class OperatorHarness:
 
     def start(self) -> None:
         self.specs_dir.mkdir(parents=True, exist_ok=True)
-        pool = PoolSource(Pool.from_counts({"localhost": self.gpus}), True, "test pool")
+        pool = StaticPool(Pool.from_counts({"localhost": self.gpus}), True, "test pool")
         config = OperatorConfig(
             specs_dir=self.specs_dir,
             state_dir=self.layout.root,

@@ -65,7 +65,7 @@ def test_state_collector_reads_jobs_pool_and_requests_at_scrape_time(tmp_path: P
     registry.register(
         StateCollector(
             store,
-            Pool.from_counts({"h": 4}),
+            lambda: Pool.from_counts({"h": 4}),
             lambda: placements,
             lambda: {("bind", "ok"): 5, ("report", "bad_request"): 1},
         )

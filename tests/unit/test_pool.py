@@ -9,10 +9,16 @@ import types
 import pytest
 
 from exporters.nvml import nvml_gpu_count
-from herd_operator.runtime import pools as pool_module
-from herd_operator.runtime.pools import discover_pool, parse_hosts
+from herd_operator.runtime.pools import discover_pool, hosts, local
+from herd_operator.runtime.pools.hosts import parse_hosts
 
 EXAMPLE = " (for example localhost:4 or nid001:4,nid002:4)"
+
+
+def nvml_sees(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """NVML finds `count` GPUs on this host, for every pool source that asks."""
+    for module in (hosts, local):
+        monkeypatch.setattr(module, "nvml_gpu_count", lambda: count)
 
 
 def test_parse_hosts_single_host() -> None:
@@ -48,7 +54,7 @@ def test_parse_hosts_rejects_with_exact_message(text: str, message: str) -> None
 def test_discover_pool_without_nvml_gives_localhost_virtual_gpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(pool_module, "nvml_gpu_count", lambda: 0)
+    nvml_sees(monkeypatch, 0)
     source = discover_pool(None, 3)
     assert source.pool.hosts == (("localhost", (0, 1, 2)),)
     assert source.virtual is True
@@ -58,7 +64,7 @@ def test_discover_pool_without_nvml_gives_localhost_virtual_gpus(
 def test_discover_pool_explicit_hosts_are_virtual_without_nvml(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(pool_module, "nvml_gpu_count", lambda: 0)
+    nvml_sees(monkeypatch, 0)
     source = discover_pool("nid001:2,nid002:1", 8)
     assert source.pool.hosts == (("nid001", (0, 1)), ("nid002", (0,)))
     assert source.virtual is True
@@ -66,14 +72,14 @@ def test_discover_pool_explicit_hosts_are_virtual_without_nvml(
 
 
 def test_discover_pool_explicit_hosts_are_real_with_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool_module, "nvml_gpu_count", lambda: 4)
+    nvml_sees(monkeypatch, 4)
     source = discover_pool("nid001:4", 8)
     assert source.virtual is False
     assert source.description == "--hosts nid001:4 (NVML GPUs)"
 
 
 def test_discover_pool_propagates_bad_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool_module, "nvml_gpu_count", lambda: 0)
+    nvml_sees(monkeypatch, 0)
     with pytest.raises(ValueError, match=r"^--hosts: 'x' is not HOST:GPUS"):
         discover_pool("x", 4)
 
@@ -139,6 +145,6 @@ def test_nvml_gpus_make_a_real_pool_on_this_host(monkeypatch: pytest.MonkeyPatch
 
 
 def test_explicitly_empty_hosts_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool_module, "nvml_gpu_count", lambda: 0)
+    nvml_sees(monkeypatch, 0)
     with pytest.raises(ValueError, match=r"^--hosts: '' is not HOST:GPUS"):
         discover_pool("", 4)

@@ -1,66 +1,63 @@
-"""Discovers the pool of GPUs the operator owns.
+"""Where the operator's GPUs come from, and how that pool changes while it runs.
 
-Sources, in order: an explicit `--hosts` list; the GPUs that NVML sees on this
-host; else `localhost` with virtual GPUs (CPU machines: CI, laptops). A Slurm
-allocation is a later source behind the same `PoolSource` result.
+A `PoolSource` gives the pool at start and may report changes later (a node lost, or
+back); the operator hands each change to the allocator, which decides again for every
+job. Sources, one module each:
+
+- `hosts`: an explicit `--hosts` list (NVML GPUs when this host has any, else virtual);
+- `local`: this host's NVML GPUs, or `localhost` with virtual GPUs (CPU machines: CI,
+  laptops), the fallback.
+
+Without `--hosts`, the detectors in `POOL_SOURCES` are asked in order and the first
+that finds its kind of pool wins; virtual GPUs are the fallback. A new source is one
+module plus one line there.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import socket
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from exporters.nvml import nvml_gpu_count
-from specs.values import Pool
+from herd_operator.runtime.pools import hosts, local
+from herd_operator.runtime.pools.base import (
+    DEFAULT_VIRTUAL_GPUS,
+    PoolListener,
+    PoolOptions,
+    PoolSource,
+    StaticPool,
+)
+
+__all__ = [
+    "DEFAULT_VIRTUAL_GPUS",
+    "POOL_SOURCES",
+    "PoolListener",
+    "PoolOptions",
+    "PoolSource",
+    "StaticPool",
+    "discover_pool",
+]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_VIRTUAL_GPUS = 4
-_HOST_ENTRY = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*):(?P<count>[0-9]+)$")
+PoolDetector = Callable[[PoolOptions], PoolSource | None]
+
+POOL_SOURCES: dict[str, PoolDetector] = {
+    "nvml": local.detect_nvml,
+}
+"""Auto-detected sources, asked in this order when no `--hosts` is given."""
 
 
-@dataclass(frozen=True)
-class PoolSource:
-    pool: Pool
-    virtual: bool
-    """True when the GPUs are virtual (CPU workers); False for real devices."""
-    description: str
-
-
-def parse_hosts(text: str) -> Pool:
-    """Parse `host:gpus[,host:gpus...]`, e.g. `localhost:4` or `nid001:4,nid002:4`."""
-    counts: dict[str, int] = {}
-    for raw in text.split(","):
-        entry = raw.strip()
-        match = _HOST_ENTRY.match(entry)
-        if not match:
-            raise ValueError(
-                f"--hosts: {entry!r} is not HOST:GPUS"
-                " (for example localhost:4 or nid001:4,nid002:4)"
-            )
-        host, count = match["host"], int(match["count"])
-        if count < 1:
-            raise ValueError(f"--hosts: {host} has {count} GPUs; each host needs at least 1")
-        if host in counts:
-            raise ValueError(f"--hosts: {host} is listed twice")
-        counts[host] = count
-    return Pool.from_counts(counts)
-
-
-def discover_pool(hosts: str | None, virtual_gpus: int = DEFAULT_VIRTUAL_GPUS) -> PoolSource:
-    if hosts is not None:
-        pool = parse_hosts(hosts)
-        virtual = nvml_gpu_count() == 0
-        kind = "virtual" if virtual else "NVML"
-        return PoolSource(pool, virtual, f"--hosts {hosts} ({kind} GPUs)")
-    count = nvml_gpu_count()
-    if count:
-        host = socket.gethostname()
-        return PoolSource(Pool.from_counts({host: count}), False, f"{host}: {count} GPUs from NVML")
-    return PoolSource(
-        Pool.from_counts({"localhost": virtual_gpus}),
-        True,
-        f"localhost: {virtual_gpus} virtual GPUs (no NVML GPUs found)",
-    )
+def discover_pool(hosts_text: str | None, virtual_gpus: int = DEFAULT_VIRTUAL_GPUS) -> PoolSource:
+    """The pool to run on: `--hosts` when given, else the first detector that finds one,
+    else `localhost` with `virtual_gpus` virtual GPUs."""
+    if hosts_text is not None:
+        pool, virtual, description = hosts.host_list(hosts_text)
+        return StaticPool(pool, virtual, description)
+    options = PoolOptions(virtual_gpus)
+    for name, detect in POOL_SOURCES.items():
+        source = detect(options)
+        if source is not None:
+            log.debug("pool source %s: %s", name, source.description)
+            return source
+    pool, description = local.virtual(virtual_gpus)
+    return StaticPool(pool, True, description)

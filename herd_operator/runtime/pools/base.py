@@ -1,0 +1,58 @@
+"""The pool source protocol, and the simplest source: a pool that never changes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from specs.values import Pool
+
+DEFAULT_VIRTUAL_GPUS = 4
+
+PoolListener = Callable[[Pool], None]
+
+
+class PoolSource(Protocol):
+    @property
+    def pool(self) -> Pool:
+        """The pool now."""
+        ...
+
+    @property
+    def virtual(self) -> bool:
+        """True when the GPUs are virtual (CPU workers); False for real devices."""
+        ...
+
+    @property
+    def description(self) -> str:
+        """One line for logs and the endpoint file, e.g. `nid001: 4 GPUs from NVML`."""
+        ...
+
+    def start(self, on_change: PoolListener) -> None:
+        """Begin watching; call `on_change(pool)` from any thread when the pool changes."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """What the command line says about the pool."""
+
+    virtual_gpus: int = DEFAULT_VIRTUAL_GPUS
+
+
+@dataclass(frozen=True)
+class StaticPool:
+    """A pool that never changes while the operator runs."""
+
+    pool: Pool
+    virtual: bool
+    description: str
+
+    def start(self, on_change: PoolListener) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
