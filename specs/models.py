@@ -106,8 +106,8 @@ class EngineRef(ApiModel):
 
     The kinds are the runtime's engine registry, checked where specs are loaded; `specs`
     knows only the built-in `horovod`, whose options are `HorovodOptions` (the same as the
-    top-level `horovod` field). Other kinds' options are plain JSON data that their engine
-    reads.
+    top-level `horovod` field; an empty `options` gives none). Other kinds' options are
+    plain JSON data that their engine reads.
     """
 
     kind: str = Field(
@@ -131,7 +131,7 @@ class EngineRef(ApiModel):
         problem = _json_problem(options)
         if problem is not None:
             raise ValueError(problem)
-        if info.data.get("kind") == HOROVOD_ENGINE:
+        if options and info.data.get("kind") == HOROVOD_ENGINE:
             # Raised as is, pydantic keeps each error's place: spec.engine.options.<field>.
             # Kept in their full form, so that a dumped spec reads back the same.
             return _dump_horovod(HorovodOptions.model_validate(options))
@@ -186,14 +186,7 @@ class HerdJobSpec(ApiModel):
                     f"{self.engine.kind!r} (its options go under engine.options)"
                 )
             return self
-        from_engine = "engine" in given and "options" in self.engine.model_fields_set
-        if not from_engine:
-            # Frozen model: set in place during validation, before anyone sees it.
-            object.__setattr__(
-                self,
-                "engine",
-                self.engine.model_copy(update={"options": _dump_horovod(self.horovod)}),
-            )
+        if not self.engine.options:  # none given there: an empty mapping says nothing
             return self
         options = HorovodOptions.model_validate(self.engine.options)
         if "horovod" in given and options != self.horovod:
@@ -202,6 +195,7 @@ class HerdJobSpec(ApiModel):
                 f"and they differ: {_dump_horovod(self.horovod)} vs {self.engine.options}; "
                 "keep one of them"
             )
+        # Frozen model: set in place during validation, before anyone sees it.
         object.__setattr__(self, "horovod", options)
         return self
 
@@ -237,11 +231,11 @@ class HerdJob(ApiModel):
 
 def spec_fingerprint(job: HerdJob) -> str:
     """sha256 of the spec's canonical JSON; labels and formatting do not change it."""
-    spec = job.spec.model_dump(mode="json", by_alias=True)
-    if job.spec.engine.kind == HOROVOD_ENGINE:
-        # Said again by `horovod`: leaving it out keeps the fingerprint (and generation) of
-        # the specs written before `engine`, and makes both spellings the same spec.
-        del spec["engine"]
+    # A horovod job's engine options are said again by `horovod`: leaving `engine` out keeps
+    # the fingerprint (and generation) of specs written before it, and makes both spellings
+    # the same spec.
+    horovod = job.spec.engine.kind == HOROVOD_ENGINE
+    spec = job.spec.model_dump(mode="json", by_alias=True, exclude={"engine"} if horovod else None)
     canonical = json.dumps(
         spec,
         sort_keys=True,
