@@ -1,15 +1,13 @@
 """The small interfaces through which the controllers reach the world.
 
-`herd_operator` implements them (SQLite store, central allocator, horovodrun
-launcher, spec directory) and hands them in, so the control loop never imports
-the runtime and is tested with in-memory parts.
+`herd_operator` implements them (SQLite store, central allocator, a launcher that
+starts each job as its engine says, spec directory) and hands them in, so the
+control loop never imports the runtime and is tested with in-memory parts.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -127,8 +125,10 @@ class LaunchInfo:
     pid: int
     started_at: float
     generation: int
-    fingerprint: str
-    launched_max: int
+    command: str
+    """What was started, as messages name it: "horovodrun exited with status 1"."""
+    spec: HerdJobSpec
+    """The spec it was started for, which the launcher compares with later specs."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,13 @@ class ProcessState:
 class LauncherPort(Protocol):
     def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo: ...
     def state(self, name: str) -> ProcessState: ...
+    def relaunch_reason(self, launch: LaunchInfo, job: HerdJob) -> str:
+        """Why the running `launch` cannot follow this spec without a relaunch ('' if it can).
+
+        The job's engine decides: what it fixes at launch differs by engine.
+        """
+        ...
+
     def stop(self, name: str) -> None: ...
     def forget(self, name: str) -> None: ...
 
@@ -159,19 +166,3 @@ class NoObserver:
 
     def resize_completed(self, job: str, seconds: float) -> None:
         pass
-
-
-def launch_fingerprint(spec: HerdJobSpec) -> str:
-    """What `horovodrun` fixes at launch: a change here needs a relaunch.
-
-    `gpus.max` is not in it: lowering max is applied live through the grant;
-    raising it past the launched `--max-np` is checked on its own.
-    """
-    fixed = {
-        "command": spec.command,
-        "workingDir": spec.working_dir,
-        "env": spec.env,
-        "min": spec.gpus.min,
-        "horovod": spec.horovod.model_dump(by_alias=True),
-    }
-    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()

@@ -29,7 +29,6 @@ from controllers.ports import (
     SpecSource,
     SpecView,
     StorePort,
-    launch_fingerprint,
 )
 from policies.base import JobObservations, PolicyError
 from policies.registry import load_policy
@@ -175,7 +174,7 @@ class JobReconciler:
 
         process = self.launcher.state(name)
         if process.phase == ProcessPhase.EXITED:
-            superseded = _relaunch_reason(process, job)
+            superseded = self._relaunch_reason(process, job)
             if superseded:
                 # It exited while the spec moved on to something it could not have run:
                 # that exit says nothing about the new spec, which runs from scratch.
@@ -204,7 +203,7 @@ class JobReconciler:
             status = self._restart_fresh(status, generation, now)
 
         if process.phase in (ProcessPhase.RUNNING, ProcessPhase.STOPPING):
-            reason = _relaunch_reason(process, job)
+            reason = self._relaunch_reason(process, job)
             if reason and process.phase == ProcessPhase.RUNNING:
                 self.launcher.stop(name)
                 self._event(name, "Normal", "Relaunching", reason, now)
@@ -392,7 +391,7 @@ class JobReconciler:
                 ConditionType.Succeeded,
                 TRUE,
                 "Completed",
-                "horovodrun exited with status 0",
+                f"{_command(process)} exited with status 0",
                 generation,
                 now,
             )
@@ -407,7 +406,7 @@ class JobReconciler:
                 }
             )
         restart = job.spec.restart_policy
-        message = f"horovodrun exited with status {code}"
+        message = f"{_command(process)} exited with status {code}"
         if restart.on_failure and status.restarts < restart.backoff_limit:
             restarts = status.restarts + 1
             delay = restart_delay(restarts)
@@ -493,7 +492,7 @@ class JobReconciler:
         except (OSError, RuntimeError) as err:
             raise TemporaryError(f"cannot launch {name}: {err}") from err
         self._event(
-            name, "Normal", "Started", f"horovodrun pid {launch.pid} with {size} workers", now
+            name, "Normal", "Started", f"{launch.command} pid {launch.pid} with {size} workers", now
         )
         conditions = set_condition(
             conditions, ConditionType.Admitted, TRUE, "Admitted", grant.reason, generation, now
@@ -591,6 +590,12 @@ class JobReconciler:
             now,
         )
 
+    def _relaunch_reason(self, process: ProcessState, job: HerdJob) -> str:
+        """Why the running processes cannot follow this spec without a relaunch ('' if they can)."""
+        if process.launch is None:
+            return ""
+        return self.launcher.relaunch_reason(process.launch, job)
+
     def _hold_gpus(self, name: str, priority: int, arrival: float) -> None:
         """A stopping job keeps every GPU it holds until its processes are gone.
 
@@ -641,13 +646,6 @@ def _counts(
     )
 
 
-def _relaunch_reason(process: ProcessState, job: HerdJob) -> str:
-    """Why the running processes cannot follow this spec without a relaunch ('' if they can)."""
-    launch = process.launch
-    if launch is None:
-        return ""
-    if launch.fingerprint != launch_fingerprint(job.spec):
-        return "command, env, workingDir, gpus.min or horovod options changed"
-    if job.spec.gpus.max > launch.launched_max:
-        return f"gpus.max raised above the launched --max-np {launch.launched_max}"
-    return ""
+def _command(process: ProcessState) -> str:
+    """What the launch started ("horovodrun"), for messages about its exit."""
+    return process.launch.command if process.launch is not None else "the job's process"

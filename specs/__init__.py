@@ -23,7 +23,9 @@ from specs.loading import (
 )
 from specs.models import (
     API_VERSION,
+    HOROVOD_ENGINE,
     KIND,
+    EngineRef,
     GpuRange,
     HerdJob,
     HerdJobSpec,
@@ -37,11 +39,13 @@ from specs.models import (
 
 __all__ = [
     "API_VERSION",
+    "HOROVOD_ENGINE",
     "KIND",
     "MAX_SPEC_BYTES",
     "Condition",
     "ConditionStatus",
     "ConditionType",
+    "EngineRef",
     "GpuRange",
     "HerdJob",
     "HerdJobSpec",

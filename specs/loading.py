@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from specs.models import HerdJob
+from specs.models import EngineRef, HerdJob, HorovodOptions
 
 MAX_SPEC_BYTES = 1 << 20
 # Bounds on the loaded YAML: aliases can expand a small file into billions of values, and
@@ -310,6 +310,10 @@ def _allowed_fields(location: tuple[int | str, ...]) -> list[str]:
     """YAML names of the fields of the model at `location`, in declaration order."""
     model: type[BaseModel] = HerdJob
     for segment in location:
+        if model is EngineRef and segment == "options":
+            # Free-form for other engines; an unknown field there came from horovod's.
+            model = HorovodOptions
+            continue
         field = next(
             (
                 info

@@ -7,7 +7,15 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 API_VERSION = "herd/v1alpha1"
@@ -27,6 +35,9 @@ POLICY_NAME_PATTERN = (
     r"^([A-Za-z][A-Za-z0-9_-]*"
     r"|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
 )
+# An engine kind names an entry of the runtime's engine registry ("horovod").
+ENGINE_KIND_PATTERN = r"^[a-z][a-z0-9-]*$"
+HOROVOD_ENGINE = "horovod"
 
 
 class ApiModel(BaseModel):
@@ -90,6 +101,43 @@ class HorovodOptions(ApiModel):
     extra_args: list[str] = Field(default_factory=list)
 
 
+class EngineRef(ApiModel):
+    """Which engine runs the job (launches it, makes its placement reach it), and its options.
+
+    The kinds are the runtime's engine registry, checked where specs are loaded; `specs`
+    knows only the built-in `horovod`, whose options are `HorovodOptions` (the same as the
+    top-level `horovod` field; an empty `options` gives none). Other kinds' options are
+    plain JSON data that their engine reads.
+    """
+
+    kind: str = Field(
+        default=HOROVOD_ENGINE, min_length=1, json_schema_extra={"pattern": ENGINE_KIND_PATTERN}
+    )
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kind")
+    @classmethod
+    def _kind_is_a_name(cls, kind: str) -> str:
+        if kind and not re.fullmatch(ENGINE_KIND_PATTERN, kind):
+            raise ValueError(
+                f"{kind!r} is not an engine kind (lowercase letters, digits and '-', "
+                "like 'horovod')"
+            )
+        return kind
+
+    @field_validator("options")
+    @classmethod
+    def _options_fit_the_kind(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        problem = _json_problem(options)
+        if problem is not None:
+            raise ValueError(problem)
+        if options and info.data.get("kind") == HOROVOD_ENGINE:
+            # Raised as is, pydantic keeps each error's place: spec.engine.options.<field>.
+            # Kept in their full form, so that a dumped spec reads back the same.
+            return _dump_horovod(HorovodOptions.model_validate(options))
+        return options
+
+
 class RestartPolicy(ApiModel):
     """Whether a failed job is started again, and how many times."""
 
@@ -121,8 +169,35 @@ class HerdJobSpec(ApiModel):
     gpus: GpuRange
     priority: int = Field(default=0, strict=True)
     policy: PolicyRef = Field(default_factory=PolicyRef)
+    engine: EngineRef = Field(default_factory=EngineRef)
     horovod: HorovodOptions = Field(default_factory=HorovodOptions)
+    """The horovod engine's options: the spelling from before `engine`, still read. After
+    validation it holds the options in effect for a horovod job, whichever field gave them."""
     restart_policy: RestartPolicy = Field(default_factory=RestartPolicy)
+
+    @model_validator(mode="after")
+    def _one_set_of_horovod_options(self) -> HerdJobSpec:
+        given = self.model_fields_set
+        if self.engine.kind != HOROVOD_ENGINE:
+            # Compared with the defaults, not by presence: a dumped spec lists every field.
+            if self.horovod != HorovodOptions():
+                raise ValueError(
+                    f"horovod: options of the horovod engine only, but engine.kind is "
+                    f"{self.engine.kind!r} (its options go under engine.options)"
+                )
+            return self
+        if not self.engine.options:  # none given there: an empty mapping says nothing
+            return self
+        options = HorovodOptions.model_validate(self.engine.options)
+        if "horovod" in given and options != self.horovod:
+            raise ValueError(
+                "horovod and engine.options both give the horovod engine's options, "
+                f"and they differ: {_dump_horovod(self.horovod)} vs {self.engine.options}; "
+                "keep one of them"
+            )
+        # Frozen model: set in place during validation, before anyone sees it.
+        object.__setattr__(self, "horovod", options)
+        return self
 
 
 class ObjectMeta(ApiModel):
@@ -156,8 +231,13 @@ class HerdJob(ApiModel):
 
 def spec_fingerprint(job: HerdJob) -> str:
     """sha256 of the spec's canonical JSON; labels and formatting do not change it."""
+    # A horovod job's engine options are said again by `horovod`: leaving `engine` out keeps
+    # the fingerprint (and generation) of specs written before it, and makes both spellings
+    # the same spec.
+    horovod = job.spec.engine.kind == HOROVOD_ENGINE
+    spec = job.spec.model_dump(mode="json", by_alias=True, exclude={"engine"} if horovod else None)
     canonical = json.dumps(
-        job.spec.model_dump(mode="json", by_alias=True),
+        spec,
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,
@@ -168,11 +248,23 @@ def spec_fingerprint(job: HerdJob) -> str:
 def json_schema() -> dict[str, Any]:
     """JSON Schema of a HerdJob file, for editors (yaml-language-server) and docs."""
     schema = HerdJob.model_json_schema(by_alias=True)
+    # The horovod engine's options are described where they are given; an absent `kind`
+    # means horovod too (`properties` only constrains what is there).
+    schema["$defs"]["EngineRef"].update(
+        {
+            "if": {"properties": {"kind": {"const": HOROVOD_ENGINE}}},
+            "then": {"properties": {"options": {"$ref": "#/$defs/HorovodOptions"}}},
+        }
+    )
     return {
         "$schema": JSON_SCHEMA_DIALECT,
         **schema,
         "title": f"{KIND} ({API_VERSION})",
     }
+
+
+def _dump_horovod(options: HorovodOptions) -> dict[str, Any]:
+    return options.model_dump(mode="json", by_alias=True)
 
 
 def _json_problem(params: dict[str, Any]) -> str | None:

@@ -80,10 +80,6 @@ class Placement:
                 return gpus
         return ()
 
-    def discovery_lines(self) -> list[str]:
-        """What a Horovod host-discovery script prints for this placement."""
-        return [f"{host}:{len(gpus)}" for host, gpus in self.hosts if gpus]
-
     def to_json(self) -> JsonPlacement:
         return [[host, list(gpus)] for host, gpus in self.hosts]
 

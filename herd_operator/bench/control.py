@@ -24,7 +24,8 @@ import yaml
 
 from herd_operator.bench.harness import Context, Row, Stats
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.operator import Operator, OperatorConfig
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
@@ -108,7 +109,9 @@ def running_operator(root: Path, fake: Path, *, watch_events: bool) -> Iterator[
     )
     operator = Operator(config)
     stop = threading.Event()
-    with mock.patch("herd_operator.runtime.launcher.horovodrun_executable", return_value=str(fake)):
+    with mock.patch(
+        "herd_operator.runtime.engines.horovod.horovodrun_executable", return_value=str(fake)
+    ):
         thread = threading.Thread(target=operator.run, args=(stop,), daemon=True)
         thread.start()
         try:

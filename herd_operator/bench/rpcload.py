@@ -15,7 +15,8 @@ from typing import Any
 from herd_operator.bench.harness import Context, Row, Stats, percentile
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, RpcClient, RpcServer
-from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Pool
 

@@ -75,7 +75,7 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
     """Relist cold and warm, then reconcile every job once (stopping after `budget_s`)
     and again (the steady state) the jobs that the first pass reached."""
     from controllers.loop import ControlLoop
-    from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, Result, launch_fingerprint
+    from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, Result
     from controllers.reconciler import JobReconciler
     from controllers.workqueue import WorkQueue
     from herd_operator.layout import (
@@ -84,7 +84,8 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
         remove_runtime_dir,
         runtime_base,
     )
-    from herd_operator.runtime.allocator import Allocator, GrantPublisher
+    from herd_operator.runtime.allocator import Allocator
+    from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
     from herd_operator.runtime.operator import tune_gc
     from herd_operator.runtime.specdir import SpecDirectory
     from herd_operator.runtime.store import Store
@@ -103,8 +104,8 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
                 pid=1,
                 started_at=time.time(),
                 generation=generation,
-                fingerprint=launch_fingerprint(job.spec),
-                launched_max=job.spec.gpus.max,
+                command="horovodrun",
+                spec=job.spec,
             )
             self.started[job.name] = info
             return info
@@ -114,6 +115,9 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
             if info is None:
                 return ProcessState(ProcessPhase.ABSENT)
             return ProcessState(ProcessPhase.RUNNING, launch=info)
+
+        def relaunch_reason(self, launch: LaunchInfo, job: HerdJob) -> str:
+            return relaunch_reason(launch.spec, job.spec)
 
         def stop(self, name: str) -> None:
             raise AssertionError(f"nothing should be stopped ({name})")

@@ -22,7 +22,7 @@ import yaml
 
 from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures
 from herd_operator.layout import write_atomically
-from herd_operator.runtime.launcher import horovodrun_executable
+from herd_operator.runtime.engines.horovod import horovodrun_executable
 from herd_operator.runtime.operator import Operator, OperatorConfig
 from herd_operator.runtime.pools import StaticPool
 from specs.values import Pool

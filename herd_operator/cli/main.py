@@ -41,6 +41,7 @@ from herd_operator.cli.views import (
     open_store,
 )
 from herd_operator.layout import default_state_dir
+from herd_operator.runtime.engines import UnknownEngineError, engine_problem
 from herd_operator.runtime.store import StoreError
 from policies.base import PolicyError
 from policies.registry import load_policy
@@ -488,7 +489,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
-    """Load each file, check its policy, and check names across the files."""
+    """Load each file, check its policy and engine, and check names across the files."""
     files = [load_spec_file(path) for path in paths]
     problems = [str(error) for spec_file in files for error in spec_file.errors]
     for spec_file in files:
@@ -497,6 +498,9 @@ def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
                 load_policy(spec_file.job.spec.policy)
             except PolicyError as err:
                 problems.append(f"{spec_file.path}: {err.field}: {err.message}")
+            engine = engine_problem(spec_file.job.spec)
+            if engine is not None:
+                problems.append(f"{spec_file.path}: {UnknownEngineError.field}: {engine}")
     index = index_specs([f for f in files if f.valid])
     for errors in index.invalid.values():
         problems += [str(error) for error in errors]

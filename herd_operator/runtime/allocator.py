@@ -1,28 +1,26 @@
 """The central allocator: the single owner of the pool.
 
 It keeps every job's demand, runs the (pure) arbitration whenever a demand
-changes, publishes the resulting grants where Horovod's discovery scripts read
-them, and tells the controller which jobs' grants changed. Workers ask it, over
-the authenticated RPC server, which GPU is theirs.
+changes, hands the resulting placements to a sink (which makes each reach its
+job: for Horovod, the file its discovery script reads), and tells the controller
+which jobs' grants changed. Workers ask it, over the authenticated RPC server,
+which GPU is theirs.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import shlex
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
-from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.rpc import BadRequest, NotFound
 from policies.arbitration import arbitrate
 from specs.values import Demand, Grant, Placement, Pool, Slot
@@ -30,35 +28,16 @@ from specs.values import Demand, Grant, Placement, Pool, Slot
 log = logging.getLogger(__name__)
 
 
-class GrantPublisher:
-    """Publishes grants as files: one `host:slots` file and one discovery script per job.
-
-    Horovod runs the discovery script every second for the life of the job, so
-    it is a two-line shell script that `cat`s the grant file: no Python start-up
-    per call. The grant file is replaced atomically, so a reader never sees half
-    of it.
-    """
-
-    def __init__(self, layout: StateLayout) -> None:
-        self.layout = layout
-
-    def discovery_script(self, job: str) -> Path:
-        script = self.layout.discovery_script(job)
-        if not script.exists():
-            grant = shlex.quote(str(self.layout.grant_file(job).resolve()))
-            write_atomically(script, f"#!/bin/sh\nexec cat {grant}\n", mode=0o755)
-        return script
+class PlacementSink(Protocol):
+    """Where the allocator hands its decisions: the engine of each job makes them reach it."""
 
     def publish(self, job: str, placement: Placement) -> None:
-        lines = placement.discovery_lines()
-        # Atomic, not durable: after a crash the operator decides and publishes again.
-        write_atomically(
-            self.layout.grant_file(job), "".join(f"{line}\n" for line in lines), durable=False
-        )
+        """The job's placement changed to `placement` (never empty)."""
+        ...
 
     def withdraw(self, job: str) -> None:
-        self.layout.grant_file(job).unlink(missing_ok=True)
-        self.layout.discovery_script(job).unlink(missing_ok=True)
+        """The job was released: it holds nothing any more."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -97,7 +76,7 @@ class Allocator:
     def __init__(
         self,
         pool: Pool,
-        publisher: GrantPublisher,
+        sink: PlacementSink,
         *,
         virtual: bool,
         on_change: Callable[[str, Grant], None] = lambda job, grant: None,
@@ -117,7 +96,7 @@ class Allocator:
         self.min_resize_interval = min_resize_interval
         self._clock = clock
         self.virtual = virtual
-        self._publisher = publisher
+        self._sink = sink
         self._listeners: list[Callable[[str, Grant], None]] = [on_change]
         self._on_decision = on_decision
         self._lock = threading.RLock()
@@ -197,7 +176,7 @@ class Allocator:
                 self._dirty = True  # decide at the end of the batch
             else:
                 self._decide(caller=job)
-            self._publisher.withdraw(job)
+            self._sink.withdraw(job)
 
     def set_pool(self, pool: Pool) -> None:
         """The pool changed while the operator runs (a node lost, or back): decide again.
@@ -270,7 +249,7 @@ class Allocator:
             self._draining.clear()
             self._next_thaw = None
             for job in jobs:
-                self._publisher.withdraw(job)
+                self._sink.withdraw(job)
             self._on_decision({})
 
     def grant(self, job: str) -> Grant | None:
@@ -341,7 +320,7 @@ class Allocator:
         for job in changed:
             placement = decided[job].placement
             if placement.size:
-                self._publisher.publish(job, placement)
+                self._sink.publish(job, placement)
             log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
         self._bindings = {
             key: binding

@@ -1,10 +1,10 @@
-"""Starts and stops `horovodrun` elastic jobs: the side effects at the edge.
+"""Starts and stops job processes: the side effects at the edge, the same for every engine.
 
-Each job runs as one `horovodrun` process in a session of its own, with stdout
-and stderr appended to a per-job log file. Horovod starts each worker in a new
-session of its own too, so a job's processes are found by the environment
-marker `HERD_LAUNCH_ID` that every one of them inherits, as well as by
-descent, and stopping a job makes sure that none of them is left.
+Each job runs as one process (its engine says which: `horovodrun` for Horovod) in a
+session of its own, with stdout and stderr appended to a per-job log file. Engines
+like Horovod start each worker in a new session of its own too, so a job's processes
+are found by the environment marker `HERD_LAUNCH_ID` that every one of them inherits,
+as well as by descent, and stopping a job makes sure that none of them is left.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -26,64 +24,28 @@ from pathlib import Path
 
 import psutil
 
-from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, launch_fingerprint
+from controllers.ports import LaunchInfo, ProcessPhase, ProcessState
 from herd_operator.environment import JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
 from specs import HerdJobSpec
 
 log = logging.getLogger(__name__)
-
-LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 @dataclass(frozen=True)
 class LaunchRequest:
     job: str
     generation: int
-    spec: HerdJobSpec
-    np: int
-    discovery_script: Path
+    argv: Sequence[str]
+    """The argument list to run (never a shell string)."""
     log_file: Path
-    hosts: Sequence[str]
-    """Hosts of the pool, to decide whether Horovod may talk over loopback only."""
+    command: str
+    """What the process is called in messages (`LaunchInfo.command`)."""
+    spec: HerdJobSpec
+    """The spec it runs, given back in `LaunchInfo.spec`."""
     env: Mapping[str, str] = field(default_factory=dict)
-    """HERD_* variables that the shim and the worker API read."""
-
-
-def horovodrun_executable() -> str:
-    """The `horovodrun` of this Python's environment, else the one on PATH."""
-    beside = Path(sys.executable).with_name("horovodrun")
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("horovodrun")
-    if not found:
-        raise FileNotFoundError("horovodrun not found: install Horovod (scripts/bootstrap.sh)")
-    return found
-
-
-def horovodrun_argv(request: LaunchRequest, horovodrun: str, python: str) -> list[str]:
-    """The argument list (never a shell string) that starts the job."""
-    spec = request.spec
-    argv = [
-        horovodrun,
-        "-np",
-        str(request.np),
-        "--min-np",
-        str(spec.gpus.min),
-        "--max-np",
-        str(spec.gpus.max),
-        "--host-discovery-script",
-        str(request.discovery_script),
-        "--elastic-timeout",
-        str(spec.horovod.elastic_timeout_seconds),
-    ]
-    if spec.horovod.reset_limit is not None:
-        argv += ["--reset-limit", str(spec.horovod.reset_limit)]
-    if request.hosts and all(host in LOCAL_HOSTS for host in request.hosts):
-        # Without it an elastic job on one host waits for a second host forever.
-        argv += ["--network-interface", "lo"]
-    argv += spec.horovod.extra_args
-    argv += [python, "-m", "herd_operator.agent.shim", "--", *spec.command]
-    return argv
+    """Set on top of the operator's environment; the launch id marker is added."""
+    working_dir: str | None = None
+    """Where it runs (default: the operator's working directory)."""
 
 
 @dataclass
@@ -102,11 +64,9 @@ class Launcher:
         on_exit: Callable[[str], None] = lambda job: None,
         *,
         grace_seconds: float = 10.0,
-        python: str = sys.executable,
     ) -> None:
         self._on_exit = on_exit
         self.grace_seconds = grace_seconds
-        self.python = python
         self._lock = threading.Lock()
         self._processes: dict[str, _Process] = {}
 
@@ -115,15 +75,11 @@ class Launcher:
             if request.job in self._processes:
                 raise RuntimeError(f"job {request.job} already has a process")
         launch_id = uuid.uuid4().hex
-        argv = horovodrun_argv(request, horovodrun_executable(), self.python)
+        argv = list(request.argv)
         env = dict(os.environ)
-        env.update(request.spec.env)
         env.update(request.env)
         env[LAUNCH_ID_ENV] = launch_id
-        env["PYTHONUNBUFFERED"] = "1"
-        # The job's `python` is this environment's, where Horovod and the shim are.
-        env["PATH"] = os.pathsep.join([str(Path(self.python).parent), env.get("PATH", "")])
-        workdir = request.spec.working_dir or os.getcwd()
+        workdir = request.working_dir or os.getcwd()
         request.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(request.log_file, "ab") as log_handle:
             header = f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} launch {launch_id}: "
@@ -143,8 +99,8 @@ class Launcher:
             pid=popen.pid,
             started_at=time.time(),
             generation=request.generation,
-            fingerprint=launch_fingerprint(request.spec),
-            launched_max=request.spec.gpus.max,
+            command=request.command,
+            spec=request.spec,
         )
         process = _Process(info, popen, {popen.pid})
         with self._lock:
@@ -152,13 +108,6 @@ class Launcher:
         threading.Thread(
             target=self._wait, args=(request.job, process), name=f"wait-{request.job}", daemon=True
         ).start()
-        log.info(
-            "launched %s: pid %d, %d workers, log %s",
-            request.job,
-            popen.pid,
-            request.np,
-            request.log_file,
-        )
         return info
 
     def _wait(self, job: str, process: _Process) -> None:
@@ -176,7 +125,7 @@ class Launcher:
         if process.exit_code is None:
             phase = ProcessPhase.STOPPING if stopped_by_us else ProcessPhase.RUNNING
             return ProcessState(phase, launch=process.info, stopped_by_us=stopped_by_us)
-        # horovodrun is gone; its workers may still be on their way out.
+        # The launched process is gone; its workers may still be on their way out.
         if self._leftovers(process):
             self._clean_up(job, process)
             return ProcessState(
@@ -204,7 +153,7 @@ class Launcher:
             process.escalation = timer
         process.known_pids |= _descendants(process.info.pid)
         _signal_group(process.info.pid, signal.SIGTERM)
-        if process.exit_code is not None:  # horovodrun is gone: signal its orphans directly
+        if process.exit_code is not None:  # the launched process is gone: signal its orphans
             for proc in self._leftovers(process):
                 with contextlib.suppress(psutil.NoSuchProcess):
                     proc.terminate()

@@ -23,7 +23,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 
 from controllers.loop import ControlLoop
-from controllers.ports import LaunchInfo, ProcessState
 from controllers.reconciler import JobReconciler
 from controllers.workqueue import WorkQueue
 from exporters.collector import GpuCollector
@@ -31,7 +30,7 @@ from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.nvml import NvmlGpuSource
 from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
 from herd_operator.auth import ensure_token_file
-from herd_operator.environment import ALLOCATOR_ENV, JOB_ENV, STATE_DIR_ENV, TOKEN_FILE_ENV
+from herd_operator.environment import ALLOCATOR_ENV, STATE_DIR_ENV, TOKEN_FILE_ENV
 from herd_operator.layout import (
     StateLayout,
     make_runtime_dir,
@@ -40,15 +39,16 @@ from herd_operator.layout import (
     write_atomically,
 )
 from herd_operator.rpc import RpcServer
-from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
+from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.handlers import ExporterRegistry, ReportHandler
-from herd_operator.runtime.launcher import Launcher, LaunchRequest, find_orphans, stop_orphans
+from herd_operator.runtime.launcher import Launcher, find_orphans, stop_orphans
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
 from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
 from herd_operator.runtime.store import Store
-from specs import HerdJob
 from specs.values import Placement
 
 log = logging.getLogger(__name__)
@@ -98,47 +98,6 @@ class OperatorError(Exception):
     """The operator cannot start (bad state dir, another operator running, port in use)."""
 
 
-class _JobLauncher:
-    """The controllers' LauncherPort: horovodrun with this operator's discovery and env."""
-
-    def __init__(
-        self,
-        launcher: Launcher,
-        layout: StateLayout,
-        publisher: GrantPublisher,
-        hosts: list[str],
-        env: Mapping[str, str],
-    ) -> None:
-        self._launcher = launcher
-        self._layout = layout
-        self._publisher = publisher
-        self._hosts = hosts
-        self._env = env
-
-    def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo:
-        env = {**self._env, JOB_ENV: job.name}
-        request = LaunchRequest(
-            job=job.name,
-            generation=generation,
-            spec=job.spec,
-            np=np,
-            discovery_script=self._publisher.discovery_script(job.name),
-            log_file=self._layout.log_file(job.name),
-            hosts=self._hosts,
-            env=env,
-        )
-        return self._launcher.launch(request)
-
-    def state(self, name: str) -> ProcessState:
-        return self._launcher.state(name)
-
-    def stop(self, name: str) -> None:
-        self._launcher.stop(name)
-
-    def forget(self, name: str) -> None:
-        self._launcher.forget(name)
-
-
 class Operator:
     def __init__(self, config: OperatorConfig) -> None:
         self.config = config
@@ -175,10 +134,11 @@ class Operator:
         self.layout.create()
         self.store = store = Store(self.layout.database)
         token = ensure_token_file(self.layout.token_file)
-        publisher = GrantPublisher(self.layout)
+        hosts = tuple(host_name for host_name, _ in config.pool.pool.hosts)
+        engines = EngineDispatch(EngineContext(self.layout, hosts))
         self.allocator = allocator = Allocator(
             config.pool.pool,
-            publisher,
+            engines,
             virtual=config.pool.virtual,
             on_decision=lambda placements: store.replace_allocations(
                 _placement_rows(placements), time.time()
@@ -228,8 +188,7 @@ class Operator:
             STATE_DIR_ENV: str(self.layout.root.resolve()),
             **config.extra_env,
         }
-        hosts = [host_name for host_name, _ in config.pool.pool.hosts]
-        job_launcher = _JobLauncher(launcher, self.layout, publisher, hosts, env)
+        job_launcher = JobLauncher(launcher, engines, self.layout, env)
         self._stop_orphans(store)
         if previous_runtime is not None and previous_runtime != self.layout.runtime:
             # A crashed operator's grants: its jobs were just stopped, nothing reads them.

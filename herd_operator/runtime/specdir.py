@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controllers.ports import SpecView
-from specs import SpecFile, index_specs, is_spec_filename, load_spec_file, spec_fingerprint
+from herd_operator.runtime.engines import UnknownEngineError, engine_problem
+from specs import (
+    SpecError,
+    SpecFile,
+    index_specs,
+    is_spec_filename,
+    load_spec_file,
+    spec_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +92,7 @@ class SpecDirectory:
                 spec_file = dataclasses.replace(spec_file, name=self._declared[file_name])
             if spec_file.name is not None:
                 declared[file_name] = spec_file.name
-            spec_files.append(spec_file)
+            spec_files.append(_with_known_engine(spec_file))
         index = index_specs(spec_files)
         views: dict[str, SpecView] = {}
         keys: dict[str, tuple[str, ...]] = {}
@@ -110,6 +118,18 @@ class SpecDirectory:
         for message in sorted(new_unnamed):
             log.warning("invalid spec file: %s", message)
         return changed
+
+
+def _with_known_engine(spec_file: SpecFile) -> SpecFile:
+    """The file as an invalid one if its engine kind is not in this operator's registry:
+    like an unknown policy, a spec error (SpecValid=False), and the job never starts."""
+    if spec_file.job is None:
+        return spec_file
+    problem = engine_problem(spec_file.job.spec)
+    if problem is None:
+        return spec_file
+    error = SpecError(str(spec_file.path), UnknownEngineError.field, problem)
+    return dataclasses.replace(spec_file, job=None, errors=(error,))
 
 
 class DirectoryWatcher:

@@ -11,7 +11,8 @@ import pytest
 
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, NotFound
-from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
 from specs.values import Demand, Grant, Placement, Pool
 
 # Hang guard for running a discovery script; never a performance expectation.
@@ -81,14 +82,6 @@ def test_request_publishes_the_grant_and_the_script_prints_it(
     grant_path = shlex.quote(str(layout.grant_file("a").resolve()))
     assert script.read_text() == f"#!/bin/sh\nexec cat {grant_path}\n"
     assert run_discovery(script) == "localhost:4\n"
-
-
-def test_discovery_script_path_is_quoted(tmp_path: Path) -> None:
-    layout = StateLayout(tmp_path / "state dir; with 'quotes'")
-    layout.create()
-    publisher = GrantPublisher(layout)
-    publisher.publish("a", Placement((("localhost", (0, 1)),)))
-    assert run_discovery(publisher.discovery_script("a")) == "localhost:2\n"
 
 
 def test_multi_host_grant_lists_every_host(layout: StateLayout) -> None:

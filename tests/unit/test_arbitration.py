@@ -621,9 +621,7 @@ def test_placement_basics() -> None:
     assert placement.slots() == (("n2", 3), ("n2", 1), ("n0", 0))
     assert placement.gpus_on("n2") == (3, 1)
     assert placement.gpus_on("missing") == ()
-    assert placement.discovery_lines() == ["n2:2", "n0:1"]
     assert Placement.EMPTY.size == 0
-    assert Placement.EMPTY.discovery_lines() == []
     assert not Grant(Placement.EMPTY, "pending").admitted
     assert Grant(placement, "holding 3").admitted
 

@@ -28,7 +28,8 @@ from controllers.workqueue import WorkQueue
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest
 from herd_operator.runtime import store as store_module
-from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import ReportHandler
 from herd_operator.runtime.metrics import OperatorMetrics
 from herd_operator.runtime.store import Store, StoreError

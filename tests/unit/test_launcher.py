@@ -1,4 +1,8 @@
-"""The launcher: the exact horovodrun command, and real processes started and stopped."""
+"""The launcher: real processes started and stopped, whatever engine's argv they run.
+
+The fake "horovodrun" scripts behave like Horovod's: a launcher process whose workers
+live in sessions of their own. (The Horovod argv is tested in test_horovod_engine.py.)
+"""
 
 from __future__ import annotations
 
@@ -17,14 +21,11 @@ import pytest
 
 from controllers.ports import ProcessPhase, ProcessState
 from herd_operator.environment import LAUNCH_ID_ENV
-from herd_operator.runtime import launcher as launcher_module
-from herd_operator.runtime.launcher import Launcher, LaunchRequest, horovodrun_argv
+from herd_operator.runtime.launcher import Launcher, LaunchRequest
 from specs import HerdJobSpec
 
 # Hang guard for waiting on processes; never a performance expectation.
 GUARD_S = 20.0
-PYTHON = "/opt/env/bin/python"
-HOROVODRUN = "/opt/env/bin/horovodrun"
 
 
 def make_spec(**fields: Any) -> HerdJobSpec:
@@ -34,114 +35,22 @@ def make_spec(**fields: Any) -> HerdJobSpec:
 
 
 def make_request(
-    spec: HerdJobSpec,
+    argv: Sequence[str],
     tmp_path: Path,
     *,
-    np: int = 2,
-    hosts: Sequence[str] = ("localhost",),
+    spec: HerdJobSpec | None = None,
     env: Mapping[str, str] | None = None,
 ) -> LaunchRequest:
     return LaunchRequest(
         job="train",
         generation=1,
-        spec=spec,
-        np=np,
-        discovery_script=tmp_path / "grants" / "train.discover.sh",
+        argv=argv,
         log_file=tmp_path / "logs" / "train.log",
-        hosts=hosts,
+        command="horovodrun",
+        spec=spec or make_spec(),
         env=dict(env or {}),
+        working_dir=str(tmp_path),
     )
-
-
-# ---- horovodrun_argv ----
-
-
-def test_argv_minimal_on_one_local_host(tmp_path: Path) -> None:
-    request = make_request(make_spec(), tmp_path, np=3)
-    assert horovodrun_argv(request, HOROVODRUN, PYTHON) == [
-        HOROVODRUN,
-        "-np",
-        "3",
-        "--min-np",
-        "1",
-        "--max-np",
-        "4",
-        "--host-discovery-script",
-        str(tmp_path / "grants" / "train.discover.sh"),
-        "--elastic-timeout",
-        "600",
-        "--network-interface",
-        "lo",
-        PYTHON,
-        "-m",
-        "herd_operator.agent.shim",
-        "--",
-        "python",
-        "train.py",
-    ]
-
-
-def test_argv_with_horovod_options_on_remote_hosts(tmp_path: Path) -> None:
-    spec = make_spec(
-        gpus={"min": 2, "max": 8},
-        horovod={
-            "elasticTimeoutSeconds": 60,
-            "resetLimit": 0,
-            "extraArgs": ["--gloo-timeout-seconds", "30", "--verbose"],
-        },
-    )
-    request = make_request(spec, tmp_path, np=4, hosts=("nid001", "localhost"))
-    assert horovodrun_argv(request, HOROVODRUN, PYTHON) == [
-        HOROVODRUN,
-        "-np",
-        "4",
-        "--min-np",
-        "2",
-        "--max-np",
-        "8",
-        "--host-discovery-script",
-        str(tmp_path / "grants" / "train.discover.sh"),
-        "--elastic-timeout",
-        "60",
-        "--reset-limit",
-        "0",
-        "--gloo-timeout-seconds",
-        "30",
-        "--verbose",
-        PYTHON,
-        "-m",
-        "herd_operator.agent.shim",
-        "--",
-        "python",
-        "train.py",
-    ]
-
-
-@pytest.mark.parametrize(
-    ("hosts", "loopback"),
-    [
-        (("localhost",), True),
-        (("127.0.0.1", "::1", "localhost"), True),
-        (("localhost", "nid001"), False),
-        (("nid001",), False),
-        ((), False),
-    ],
-)
-def test_loopback_interface_only_when_every_host_is_local(
-    tmp_path: Path, hosts: tuple[str, ...], loopback: bool
-) -> None:
-    argv = horovodrun_argv(make_request(make_spec(), tmp_path, hosts=hosts), HOROVODRUN, PYTHON)
-    assert (argv[11:13] == ["--network-interface", "lo"]) is loopback
-    assert argv.count("--network-interface") == int(loopback)
-
-
-def test_user_strings_stay_single_arguments(tmp_path: Path) -> None:
-    command = ["python", "train.py", "--name", "my run", "--note", 'it\'s "quoted"; rm -rf /']
-    spec = make_spec(command=command, horovod={"extraArgs": ["--log-level", "a b;c"]})
-    argv = horovodrun_argv(make_request(spec, tmp_path), HOROVODRUN, PYTHON)
-    assert argv[-len(command) :] == command
-    assert argv[argv.index("--") + 1 :] == command
-    assert argv[argv.index("--log-level") + 1] == "a b;c"
 
 
 # ---- Launcher with a fake horovodrun ----
@@ -175,14 +84,6 @@ echo "job=$HERD_JOB launch=$HERD_LAUNCH_ID"
 printf '<%s>\\n' "$@"
 exit "$FAKE_EXIT"
 """
-
-
-@pytest.fixture
-def use_horovodrun(monkeypatch: pytest.MonkeyPatch) -> Callable[[Path], None]:
-    def use(path: Path) -> None:
-        monkeypatch.setattr(launcher_module, "horovodrun_executable", lambda: str(path))
-
-    return use
 
 
 class Exits:
@@ -238,15 +139,13 @@ def is_dead(pid: int) -> bool:
 
 
 def test_stop_escalates_to_sigkill_for_a_worker_in_its_own_session(
-    tmp_path: Path, launcher: Launcher, exits: Exits, use_horovodrun: Callable[[Path], None]
+    tmp_path: Path, launcher: Launcher, exits: Exits
 ) -> None:
     fake = write_script(tmp_path / "horovodrun", f"#!{sys.executable}\n{STUBBORN_HOROVODRUN}")
-    use_horovodrun(fake)
     ready = tmp_path / "worker.pid"
-    request = make_request(
-        make_spec(workingDir=str(tmp_path)), tmp_path, env={"FAKE_READY": str(ready)}
-    )
+    request = make_request([str(fake)], tmp_path, env={"FAKE_READY": str(ready)})
     info = launcher.launch(request)
+    assert (info.command, info.spec, info.generation) == ("horovodrun", request.spec, 1)
     wait_for(ready.exists, "the worker to start")
     worker_pid = int(ready.read_text())
     assert os.getsid(worker_pid) != os.getsid(info.pid)
@@ -264,7 +163,7 @@ def test_stop_escalates_to_sigkill_for_a_worker_in_its_own_session(
     wait_for(lambda: launcher.state("train").phase is ProcessPhase.EXITED, "the job to exit")
     final = launcher.state("train")
     assert final.stopped_by_us is True
-    assert final.exit_code == -15  # horovodrun itself went on SIGTERM
+    assert final.exit_code == -15  # the launched process itself went on SIGTERM
     assert final.launch == info
     assert is_dead(worker_pid)
     assert marked_pids(info.launch_id) == set()
@@ -273,18 +172,11 @@ def test_stop_escalates_to_sigkill_for_a_worker_in_its_own_session(
 
 
 @pytest.mark.parametrize("code", [0, 3])
-def test_natural_exit(
-    tmp_path: Path,
-    launcher: Launcher,
-    exits: Exits,
-    use_horovodrun: Callable[[Path], None],
-    code: int,
-) -> None:
+def test_natural_exit(tmp_path: Path, launcher: Launcher, exits: Exits, code: int) -> None:
     fake = write_script(tmp_path / "horovodrun", EXITING_HOROVODRUN)
-    use_horovodrun(fake)
     command = ["python", "train.py", "--name", "my run", "it's; rm -rf x"]
-    spec = make_spec(command=command, workingDir=str(tmp_path), env={"FAKE_EXIT": str(code)})
-    request = make_request(spec, tmp_path, env={"HERD_JOB": "train"})
+    argv = [str(fake), "-np", "2", "--", *command]
+    request = make_request(argv, tmp_path, env={"HERD_JOB": "train", "FAKE_EXIT": str(code)})
     info = launcher.launch(request)
     assert exits.called.wait(GUARD_S), "on_exit was not called"
     assert exits.jobs == ["train"]
@@ -296,21 +188,45 @@ def test_natural_exit(
     match = re.fullmatch(r"==== \S+ launch ([0-9a-f]{32}): (.*)", header)
     assert match is not None, header
     assert match[1] == info.launch_id
-    assert json.loads(match[2]) == horovodrun_argv(request, str(fake), sys.executable)
+    assert json.loads(match[2]) == argv
     assert marker == f"job=train launch={info.launch_id}"
-    assert args[-len(command) :] == [f"<{arg}>" for arg in command]
+    assert args == [f"<{arg}>" for arg in argv[1:]]
 
     launcher.forget("train")
     assert launcher.state("train") == ProcessState(ProcessPhase.ABSENT)
     assert launcher.jobs() == []
 
 
-def test_stop_after_a_natural_exit_is_not_a_stop_by_us(
-    tmp_path: Path, launcher: Launcher, exits: Exits, use_horovodrun: Callable[[Path], None]
+def test_runs_in_its_working_dir_with_the_operators_env_and_the_requests(
+    tmp_path: Path, launcher: Launcher, exits: Exits, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    use_horovodrun(write_script(tmp_path / "horovodrun", EXITING_HOROVODRUN))
-    spec = make_spec(workingDir=str(tmp_path), env={"FAKE_EXIT": "0"})
-    info = launcher.launch(make_request(spec, tmp_path))
+    monkeypatch.setenv("FROM_OPERATOR", "kept")
+    monkeypatch.setenv("OVERRIDDEN", "operator")
+    script = 'echo "cwd=$(pwd) op=$FROM_OPERATOR over=$OVERRIDDEN launch=$HERD_LAUNCH_ID"\n'
+    work = tmp_path / "work"
+    work.mkdir()
+    request = LaunchRequest(
+        job="train",
+        generation=1,
+        argv=["/bin/sh", "-c", script],
+        log_file=tmp_path / "logs" / "train.log",
+        command="sh",
+        spec=make_spec(),
+        # The request cannot forge the launch marker that finds its processes.
+        env={"OVERRIDDEN": "request", LAUNCH_ID_ENV: "forged"},
+        working_dir=str(work),
+    )
+    info = launcher.launch(request)
+    assert exits.called.wait(GUARD_S), "on_exit was not called"
+    line = request.log_file.read_text().splitlines()[1]
+    assert line == f"cwd={work} op=kept over=request launch={info.launch_id}"
+
+
+def test_stop_after_a_natural_exit_is_not_a_stop_by_us(
+    tmp_path: Path, launcher: Launcher, exits: Exits
+) -> None:
+    fake = write_script(tmp_path / "horovodrun", EXITING_HOROVODRUN)
+    info = launcher.launch(make_request([str(fake)], tmp_path, env={"FAKE_EXIT": "0"}))
     assert exits.called.wait(GUARD_S), "on_exit was not called"
     # The controller read RUNNING a moment ago and now decides to stop: the job beat it.
     launcher.stop("train")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from herd_operator.layout import StateLayout
-from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.pools import (
     POOL_SOURCES,
     PoolListener,

@@ -18,11 +18,11 @@ from controllers.ports import (
     ProcessPhase,
     ProcessState,
     SpecView,
-    launch_fingerprint,
 )
 from controllers.reconciler import JobReconciler, Result, TemporaryError, restart_delay
 from herd_operator.layout import StateLayout
-from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
 from herd_operator.runtime.store import Event, GrantChange, Store
 from specs import Condition, ConditionType, HerdJob, get_condition
 from specs.status import GpuCounts, HerdJobStatus
@@ -87,14 +87,18 @@ class FakeLauncher:
             pid=4000 + len(self.starts),
             started_at=self.clock(),
             generation=generation,
-            fingerprint=launch_fingerprint(job.spec),
-            launched_max=job.spec.gpus.max,
+            command="horovodrun",
+            spec=job.spec,
         )
         self.states[job.name] = ProcessState(ProcessPhase.RUNNING, launch=launch)
         return launch
 
     def state(self, name: str) -> ProcessState:
         return self.states.get(name, ProcessState(ProcessPhase.ABSENT))
+
+    def relaunch_reason(self, launch: LaunchInfo, job: HerdJob) -> str:
+        # The real launcher asks the job's engine; these jobs run on Horovod.
+        return relaunch_reason(launch.spec, job.spec)
 
     def stop(self, name: str) -> None:
         self.stops.append(name)

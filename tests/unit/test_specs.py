@@ -308,6 +308,7 @@ def test_json_schema_structure() -> None:
         "gpus",
         "priority",
         "policy",
+        "engine",
         "horovod",
         "restartPolicy",
     }

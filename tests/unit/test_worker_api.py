@@ -18,7 +18,8 @@ from herd_operator.agent.worker import DeviceBinding, bind_device, report_epoch,
 from herd_operator.auth import ensure_token_file
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import NotFound, RpcServer
-from herd_operator.runtime.allocator import Allocator, GrantPublisher
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
 from specs.values import Demand, Pool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

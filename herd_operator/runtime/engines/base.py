@@ -1,0 +1,77 @@
+"""What an engine is: the part of running a job that depends on how the job trains.
+
+An engine says how a job is started (its argument list and environment), which spec
+changes its running processes cannot follow (they need a relaunch), and how a new
+placement reaches the running job. Process supervision, the allocator and the
+reconciler are the same for every engine.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from herd_operator.layout import StateLayout
+from specs import HerdJob, HerdJobSpec
+from specs.values import Placement
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What the operator gives each engine it makes (one engine per kind and operator)."""
+
+    layout: StateLayout
+    """The state dir and the private runtime dir, where an engine may keep per-job files."""
+    hosts: tuple[str, ...]
+    """The pool's hosts, in pool order."""
+    python: str = sys.executable
+    """The Python of the operator's environment, where the job-side agent is installed."""
+
+
+class Engine(Protocol):
+    @property
+    def command(self) -> str:
+        """What the started process is called in events: "horovodrun exited with status 1"."""
+        ...
+
+    def launch_argv(self, job: HerdJob, np: int) -> list[str]:
+        """The argument list (never a shell string) that starts `job` on `np` workers.
+
+        It may prepare what the launch needs first (Horovod: the discovery script).
+        """
+        ...
+
+    def environment(self, job: HerdJob, env: Mapping[str, str]) -> dict[str, str]:
+        """Variables the engine sets for the job's processes, on top of `env` (the operator's
+        environment, the spec's `env` and the HERD_* variables the agent reads)."""
+        ...
+
+    def relaunch_reason(self, launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
+        """Why processes started for `launched` cannot follow `wanted` ('' if they can)."""
+        ...
+
+    def publish(self, job: str, placement: Placement) -> None:
+        """Make the job's new placement reach it (also called once before it starts)."""
+        ...
+
+    def withdraw(self, job: str) -> None:
+        """The job holds nothing any more: remove what publishing left behind."""
+        ...
+
+
+EngineFactory = Callable[[EngineContext], Engine]
+
+
+class UnknownEngineError(LookupError):
+    """A spec names an engine kind this operator does not have."""
+
+    field = "spec.engine.kind"
+
+    def __init__(self, kind: str, known: list[str]) -> None:
+        super().__init__(f"unknown engine kind {kind!r} (known: {', '.join(known)})")
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -1,0 +1,163 @@
+"""Elastic Horovod: `horovodrun` polls a discovery script that prints the job's grant.
+
+The job is one `horovodrun` process that starts the workers (each through the shim,
+which binds it to the allocator's GPU). A placement reaches it as a `host:slots` grant
+file that the job's discovery script `cat`s; Horovod runs that script every second and
+resizes the job when the answer changes.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from herd_operator.layout import StateLayout, write_atomically
+from herd_operator.runtime.engines.base import EngineContext
+from specs import HerdJob, HerdJobSpec
+from specs.values import Placement
+
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+FIXED_AT_LAUNCH_CHANGED = "command, env, workingDir, gpus.min or horovod options changed"
+
+
+def horovodrun_executable() -> str:
+    """The `horovodrun` of this Python's environment, else the one on PATH."""
+    beside = Path(sys.executable).with_name("horovodrun")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("horovodrun")
+    if not found:
+        raise FileNotFoundError("horovodrun not found: install Horovod (scripts/bootstrap.sh)")
+    return found
+
+
+def horovodrun_argv(
+    spec: HerdJobSpec,
+    np: int,
+    discovery_script: Path,
+    hosts: Sequence[str],
+    horovodrun: str,
+    python: str,
+) -> list[str]:
+    """The argument list (never a shell string) that starts the job.
+
+    `hosts` are the pool's, to decide whether Horovod may talk over loopback only.
+    """
+    argv = [
+        horovodrun,
+        "-np",
+        str(np),
+        "--min-np",
+        str(spec.gpus.min),
+        "--max-np",
+        str(spec.gpus.max),
+        "--host-discovery-script",
+        str(discovery_script),
+        "--elastic-timeout",
+        str(spec.horovod.elastic_timeout_seconds),
+    ]
+    if spec.horovod.reset_limit is not None:
+        argv += ["--reset-limit", str(spec.horovod.reset_limit)]
+    if hosts and all(host in LOCAL_HOSTS for host in hosts):
+        # Without it an elastic job on one host waits for a second host forever.
+        argv += ["--network-interface", "lo"]
+    argv += spec.horovod.extra_args
+    argv += [python, "-m", "herd_operator.agent.shim", "--", *spec.command]
+    return argv
+
+
+def discovery_lines(placement: Placement) -> list[str]:
+    """What a Horovod host-discovery script prints for this placement."""
+    return [f"{host}:{len(gpus)}" for host, gpus in placement.hosts if gpus]
+
+
+def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:
+    """What `horovodrun` fixes at launch: a change here needs a relaunch.
+
+    `gpus.max` is not in it: lowering max is applied live through the grant;
+    raising it past the launched `--max-np` is checked on its own.
+    """
+    return {
+        "command": spec.command,
+        "workingDir": spec.working_dir,
+        "env": spec.env,
+        "min": spec.gpus.min,
+        "horovod": spec.horovod.model_dump(by_alias=True),
+    }
+
+
+def relaunch_reason(launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
+    """Why a `horovodrun` started for `launched` cannot follow `wanted` ('' if it can)."""
+    if fixed_at_launch(launched) != fixed_at_launch(wanted):
+        return FIXED_AT_LAUNCH_CHANGED
+    if wanted.gpus.max > launched.gpus.max:
+        return f"gpus.max raised above the launched --max-np {launched.gpus.max}"
+    return ""
+
+
+class GrantPublisher:
+    """Publishes grants as files: one `host:slots` file and one discovery script per job.
+
+    Horovod runs the discovery script every second for the life of the job, so
+    it is a two-line shell script that `cat`s the grant file: no Python start-up
+    per call. The grant file is replaced atomically, so a reader never sees half
+    of it.
+    """
+
+    def __init__(self, layout: StateLayout) -> None:
+        self.layout = layout
+
+    def discovery_script(self, job: str) -> Path:
+        script = self.layout.discovery_script(job)
+        if not script.exists():
+            grant = shlex.quote(str(self.layout.grant_file(job).resolve()))
+            write_atomically(script, f"#!/bin/sh\nexec cat {grant}\n", mode=0o755)
+        return script
+
+    def publish(self, job: str, placement: Placement) -> None:
+        lines = discovery_lines(placement)
+        # Atomic, not durable: after a crash the operator decides and publishes again.
+        write_atomically(
+            self.layout.grant_file(job), "".join(f"{line}\n" for line in lines), durable=False
+        )
+
+    def withdraw(self, job: str) -> None:
+        self.layout.grant_file(job).unlink(missing_ok=True)
+        self.layout.discovery_script(job).unlink(missing_ok=True)
+
+
+class HorovodEngine:
+    """Runs a job as `horovodrun --min-np --max-np --host-discovery-script`."""
+
+    command = "horovodrun"
+
+    def __init__(self, context: EngineContext) -> None:
+        self.grants = GrantPublisher(context.layout)
+        self.hosts = context.hosts
+        self.python = context.python
+
+    def launch_argv(self, job: HerdJob, np: int) -> list[str]:
+        script = self.grants.discovery_script(job.name)
+        return horovodrun_argv(
+            job.spec, np, script, self.hosts, horovodrun_executable(), self.python
+        )
+
+    def environment(self, job: HerdJob, env: Mapping[str, str]) -> dict[str, str]:
+        return {
+            "PYTHONUNBUFFERED": "1",
+            # The job's `python` is this environment's, where Horovod and the shim are.
+            "PATH": os.pathsep.join([str(Path(self.python).parent), env.get("PATH", "")]),
+        }
+
+    def relaunch_reason(self, launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
+        return relaunch_reason(launched, wanted)
+
+    def publish(self, job: str, placement: Placement) -> None:
+        self.grants.publish(job, placement)
+
+    def withdraw(self, job: str) -> None:
+        self.grants.withdraw(job)

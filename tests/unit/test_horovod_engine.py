@@ -1,0 +1,331 @@
+"""The Horovod engine: the exact horovodrun command, the grant files its discovery script
+reads, what needs a relaunch, and the environment it adds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controllers.ports import ProcessPhase, ProcessState
+from herd_operator.layout import StateLayout
+from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
+from herd_operator.runtime.engines import ENGINES, EngineContext
+from herd_operator.runtime.engines import horovod as horovod_module
+from herd_operator.runtime.engines.horovod import (
+    FIXED_AT_LAUNCH_CHANGED,
+    GrantPublisher,
+    HorovodEngine,
+    discovery_lines,
+    horovodrun_argv,
+    relaunch_reason,
+)
+from herd_operator.runtime.launcher import Launcher
+from specs import HerdJob, HerdJobSpec
+from specs.values import Placement
+
+# Hang guard for waiting on processes; never a performance expectation.
+GUARD_S = 20.0
+PYTHON = "/opt/env/bin/python"
+HOROVODRUN = "/opt/env/bin/horovodrun"
+
+
+def make_spec(**fields: Any) -> HerdJobSpec:
+    data: dict[str, Any] = {"command": ["python", "train.py"], "gpus": {"min": 1, "max": 4}}
+    data.update(fields)
+    return HerdJobSpec.model_validate(data)
+
+
+def make_job(name: str = "train", **fields: Any) -> HerdJob:
+    return HerdJob.model_validate(
+        {
+            "apiVersion": "herd/v1alpha1",
+            "kind": "HerdJob",
+            "metadata": {"name": name},
+            "spec": make_spec(**fields).model_dump(by_alias=True),
+        }
+    )
+
+
+def argv_for(
+    spec: HerdJobSpec, tmp_path: Path, *, np: int = 2, hosts: Sequence[str] = ("localhost",)
+) -> list[str]:
+    script = tmp_path / "grants" / "train.discover.sh"
+    return horovodrun_argv(spec, np, script, hosts, HOROVODRUN, PYTHON)
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> StateLayout:
+    layout = StateLayout(tmp_path / "state")
+    layout.create()
+    return layout
+
+
+def test_horovod_is_the_registered_default_engine() -> None:
+    assert ENGINES[make_spec().engine.kind] is HorovodEngine
+    assert HorovodEngine.command == "horovodrun"
+
+
+# ---- horovodrun_argv ----
+
+
+def test_argv_minimal_on_one_local_host(tmp_path: Path) -> None:
+    assert argv_for(make_spec(), tmp_path, np=3) == [
+        HOROVODRUN,
+        "-np",
+        "3",
+        "--min-np",
+        "1",
+        "--max-np",
+        "4",
+        "--host-discovery-script",
+        str(tmp_path / "grants" / "train.discover.sh"),
+        "--elastic-timeout",
+        "600",
+        "--network-interface",
+        "lo",
+        PYTHON,
+        "-m",
+        "herd_operator.agent.shim",
+        "--",
+        "python",
+        "train.py",
+    ]
+
+
+HOROVOD_OPTIONS = {
+    "elasticTimeoutSeconds": 60,
+    "resetLimit": 0,
+    "extraArgs": ["--gloo-timeout-seconds", "30", "--verbose"],
+}
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [{"horovod": HOROVOD_OPTIONS}, {"engine": {"kind": "horovod", "options": HOROVOD_OPTIONS}}],
+    ids=["horovod-field", "engine-options"],
+)
+def test_argv_with_horovod_options_on_remote_hosts(
+    tmp_path: Path, spelling: dict[str, Any]
+) -> None:
+    spec = make_spec(gpus={"min": 2, "max": 8}, **spelling)
+    assert argv_for(spec, tmp_path, np=4, hosts=("nid001", "localhost")) == [
+        HOROVODRUN,
+        "-np",
+        "4",
+        "--min-np",
+        "2",
+        "--max-np",
+        "8",
+        "--host-discovery-script",
+        str(tmp_path / "grants" / "train.discover.sh"),
+        "--elastic-timeout",
+        "60",
+        "--reset-limit",
+        "0",
+        "--gloo-timeout-seconds",
+        "30",
+        "--verbose",
+        PYTHON,
+        "-m",
+        "herd_operator.agent.shim",
+        "--",
+        "python",
+        "train.py",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("hosts", "loopback"),
+    [
+        (("localhost",), True),
+        (("127.0.0.1", "::1", "localhost"), True),
+        (("localhost", "nid001"), False),
+        (("nid001",), False),
+        ((), False),
+    ],
+)
+def test_loopback_interface_only_when_every_host_is_local(
+    tmp_path: Path, hosts: tuple[str, ...], loopback: bool
+) -> None:
+    argv = argv_for(make_spec(), tmp_path, hosts=hosts)
+    assert (argv[11:13] == ["--network-interface", "lo"]) is loopback
+    assert argv.count("--network-interface") == int(loopback)
+
+
+def test_user_strings_stay_single_arguments(tmp_path: Path) -> None:
+    command = ["python", "train.py", "--name", "my run", "--note", 'it\'s "quoted"; rm -rf /']
+    spec = make_spec(command=command, horovod={"extraArgs": ["--log-level", "a b;c"]})
+    argv = argv_for(spec, tmp_path)
+    assert argv[-len(command) :] == command
+    assert argv[argv.index("--") + 1 :] == command
+    assert argv[argv.index("--log-level") + 1] == "a b;c"
+
+
+# ---- grants: the files the discovery script reads ----
+
+
+def run_discovery(script: Path) -> str:
+    done = subprocess.run(
+        [str(script)], capture_output=True, text=True, timeout=GUARD_S, check=True
+    )
+    assert done.stderr == ""
+    return done.stdout
+
+
+def test_discovery_lines_list_hosts_with_slots_in_placement_order() -> None:
+    placement = Placement((("n2", (3, 1)), ("n1", ()), ("n0", (0,))))
+    assert discovery_lines(placement) == ["n2:2", "n0:1"]
+    assert discovery_lines(Placement.EMPTY) == []
+
+
+def test_discovery_script_path_is_quoted(tmp_path: Path) -> None:
+    layout = StateLayout(tmp_path / "state dir; with 'quotes'")
+    layout.create()
+    publisher = GrantPublisher(layout)
+    publisher.publish("a", Placement((("localhost", (0, 1)),)))
+    assert run_discovery(publisher.discovery_script("a")) == "localhost:2\n"
+
+
+def test_engine_publishes_and_withdraws_the_grant_files(layout: StateLayout) -> None:
+    engine = HorovodEngine(EngineContext(layout, ("n1", "n2")))
+    engine.publish("a", Placement((("n1", (0, 1)), ("n2", (3,)))))
+    script = engine.grants.discovery_script("a")
+    assert run_discovery(script) == "n1:2\nn2:1\n"
+    engine.publish("a", Placement((("n2", (3,)),)))
+    assert run_discovery(script) == "n2:1\n"
+    engine.withdraw("a")
+    assert not layout.grant_file("a").exists()
+    assert not layout.discovery_script("a").exists()
+
+
+# ---- what needs a relaunch ----
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"command": ["python", "train_v2.py"]},
+        {"workingDir": "/elsewhere"},
+        {"env": {"SEED": "1"}},
+        {"gpus": {"min": 2, "max": 4}},
+        {"horovod": {"elasticTimeoutSeconds": 30}},
+        {"engine": {"options": {"extraArgs": ["--verbose"]}}},
+    ],
+)
+def test_what_horovodrun_fixes_at_launch_needs_a_relaunch(change: dict[str, Any]) -> None:
+    assert relaunch_reason(make_spec(), make_spec(**change)) == FIXED_AT_LAUNCH_CHANGED
+
+
+def test_max_needs_a_relaunch_only_above_the_launched_max_np() -> None:
+    launched = make_spec(gpus={"min": 1, "max": 4})
+    assert relaunch_reason(launched, make_spec(gpus={"min": 1, "max": 2})) == ""
+    assert relaunch_reason(launched, make_spec(gpus={"min": 1, "max": 8})) == (
+        "gpus.max raised above the launched --max-np 4"
+    )
+
+
+def test_priority_policy_and_the_other_spelling_of_the_same_options_are_live() -> None:
+    launched = make_spec(horovod={"resetLimit": 2})
+    assert relaunch_reason(launched, make_spec(horovod={"resetLimit": 2}, priority=5)) == ""
+    assert relaunch_reason(launched, make_spec(engine={"options": {"resetLimit": 2}})) == ""
+    same = {"horovod": {"resetLimit": 2}}
+    assert relaunch_reason(launched, make_spec(policy={"name": "memory"}, **same)) == ""
+
+
+def test_environment_puts_this_python_first_and_unbuffers_it(layout: StateLayout) -> None:
+    engine = HorovodEngine(EngineContext(layout, ("localhost",), python=PYTHON))
+    env = engine.environment(make_job(), {"PATH": "/usr/bin"})
+    assert env == {"PYTHONUNBUFFERED": "1", "PATH": f"/opt/env/bin{os.pathsep}/usr/bin"}
+
+
+# ---- through the operator's job launcher, with a fake horovodrun ----
+
+# Prints what it was started with, the environment the engine and operator gave it and
+# the grant its discovery script prints; then exits with $FAKE_EXIT.
+EXITING_HOROVODRUN = """\
+#!/bin/sh
+echo "job=$HERD_JOB launch=$HERD_LAUNCH_ID unbuffered=$PYTHONUNBUFFERED seed=$SEED"
+echo "path=$PATH"
+echo "cwd=$(pwd)"
+previous=""
+for arg in "$@"; do
+  if [ "$previous" = "--host-discovery-script" ]; then "$arg"; fi
+  previous="$arg"
+done
+printf '<%s>\\n' "$@"
+exit "$FAKE_EXIT"
+"""
+
+
+class Exits:
+    def __init__(self) -> None:
+        self.called = threading.Event()
+
+    def __call__(self, job: str) -> None:
+        self.called.set()
+
+
+@pytest.fixture
+def exits() -> Exits:
+    return Exits()
+
+
+@pytest.fixture
+def launcher(exits: Exits) -> Iterator[Launcher]:
+    launcher = Launcher(exits, grace_seconds=1)
+    yield launcher
+    launcher.stop_all(timeout=GUARD_S)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
+    tmp_path: Path,
+    layout: StateLayout,
+    launcher: Launcher,
+    exits: Exits,
+    monkeypatch: pytest.MonkeyPatch,
+    code: int,
+) -> None:
+    fake = tmp_path / "horovodrun"
+    fake.write_text(EXITING_HOROVODRUN, encoding="utf-8")
+    fake.chmod(0o755)
+    monkeypatch.setattr(horovod_module, "horovodrun_executable", lambda: str(fake))
+    engines = EngineDispatch(EngineContext(layout, ("localhost",)))
+    jobs = JobLauncher(launcher, engines, layout, {"HERD_ALLOCATOR": "127.0.0.1:1"})
+    command = ["python", "train.py", "--name", "my run", "it's; rm -rf x"]
+    job = make_job(
+        command=command, workingDir=str(tmp_path), env={"FAKE_EXIT": str(code), "SEED": "7"}
+    )
+    # Decided before the start, as the allocator does: the discovery script finds it.
+    engines.publish("train", Placement((("localhost", (0, 1)),)))
+
+    info = jobs.start(job, 1, 2)
+    assert exits.called.wait(GUARD_S), "on_exit was not called"
+    assert (info.command, info.spec, info.generation) == ("horovodrun", job.spec, 1)
+    assert jobs.state("train") == ProcessState(ProcessPhase.EXITED, code, info, False)
+
+    header, marker, path, cwd, grant, *args = layout.log_file("train").read_text().splitlines()
+    match = re.fullmatch(r"==== \S+ launch ([0-9a-f]{32}): (.*)", header)
+    assert match is not None, header
+    assert match[1] == info.launch_id
+    script = layout.discovery_script("train")
+    assert json.loads(match[2]) == horovodrun_argv(
+        job.spec, 2, script, ("localhost",), str(fake), sys.executable
+    )
+    assert marker == f"job=train launch={info.launch_id} unbuffered=1 seed=7"
+    assert path.startswith(f"path={Path(sys.executable).parent}{os.pathsep}")
+    assert cwd == f"cwd={tmp_path}"
+    assert grant == "localhost:2"
+    assert args[-len(command) :] == [f"<{arg}>" for arg in command]
+    assert jobs.relaunch_reason(info, job) == ""
+    moved = make_job(command=command, workingDir=str(tmp_path), env={"FAKE_EXIT": "0"})
+    assert jobs.relaunch_reason(info, moved) == FIXED_AT_LAUNCH_CHANGED
