@@ -129,7 +129,7 @@ class World:
     def status(self, name: str) -> HerdJobStatus:
         record = self.store.get_job(name)
         assert record is not None, f"{name} is not in the store"
-        return HerdJobStatus.model_validate_json(record.status_json)
+        return record.status
 
     def condition(self, name: str, condition_type: ConditionType) -> Condition:
         found = get_condition(self.status(name).conditions, condition_type)
@@ -261,12 +261,12 @@ def test_reconciling_again_without_change_starts_nothing_and_adds_no_event(world
 
 
 def test_a_status_written_by_someone_else_is_read_again(world: World) -> None:
-    # The reconciler keeps the status it wrote, parsed; a different stored text (another
+    # The store keeps the status it wrote, parsed; a different stored text (another
     # writer: the operator's shutdown, an older version) must win over that copy.
     started(world, herd_job())
     world.reconcile("a")
     changed = world.status("a").model_copy(update={"epoch": 41, "restarts": 2})
-    world.store.put_status("a", changed.model_dump_json(by_alias=True), now=T0)
+    world.store.put_status("a", changed, now=T0)
     world.clock.advance(1.0)
 
     world.reconcile("a")
