@@ -92,16 +92,20 @@ def _check_observes(policy: Policy, name: str) -> None:
     """Check what a policy declares it observes; fill it in for an older plug-in."""
     declared: object = getattr(policy, "observes", None)
     if declared is None:
-        # Declared on its class once, so the reconciler reads the attribute of every policy.
+        # Filled in here, so the reconciler reads the attribute of every policy. On the
+        # instance: a class of the plug-in's may subclass another that does declare it.
         legacy = LEGACY_OBSERVES
         if getattr(policy, "needs_usage", False):
             legacy |= {Signal.USAGE}
         try:
-            type(policy).observes = legacy
-        except (AttributeError, TypeError) as err:
-            raise PolicyError(
-                "spec.policy.name", f"{name!r} does not declare what it observes: {err}"
-            ) from err
+            policy.observes = legacy
+        except (AttributeError, TypeError):  # __slots__ or a frozen instance
+            try:
+                type(policy).observes = legacy
+            except (AttributeError, TypeError) as err:
+                raise PolicyError(
+                    "spec.policy.name", f"{name!r} does not declare what it observes: {err}"
+                ) from err
         return
     known = {signal.value for signal in Signal}
     if not isinstance(declared, set | frozenset) or not all(
