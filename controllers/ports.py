@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from specs import HerdJob, HerdJobSpec
@@ -59,14 +59,21 @@ class JobRecord:
     uid: str
     """Changes when a job is deleted and declared again under the same name."""
     spec_path: str
-    spec: HerdJob
-    """The last good spec: the one the operator acts on while the file is invalid."""
     fingerprint: str
     generation: int
-    """Bumped by each change of the spec's fingerprint."""
+    """Bumped by each change of the spec's fingerprint: (uid, generation) fixes the spec."""
     status: HerdJobStatus
     created_at: float
     updated_at: float
+    load_spec: Callable[[], HerdJob] = field(repr=False, compare=False)
+    """Gives `spec`. The reconciler reads the spec from the spec directory and needs the
+    stored one only while the file is invalid, so the store parses it on first use: a
+    restarted operator does not hold a second parsed copy of every spec."""
+
+    @property
+    def spec(self) -> HerdJob:
+        """The last good spec: the one the operator acts on while the file is invalid."""
+        return self.load_spec()
 
 
 class StorePort(Protocol):

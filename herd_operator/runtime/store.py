@@ -20,6 +20,7 @@ model) and skips writing a status equal to the stored one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -189,9 +190,10 @@ class Store:
         # the same text reuses the model, a write of the same text is skipped. Keyed by
         # the exact text, so a reader never gets a model of text it did not just read.
         self._statuses: dict[str, tuple[str, HerdJobStatus]] = {}
-        # Per job, the spec of one (uid, generation): record_spec writes a spec only with
-        # a new generation and a re-declared job gets a new uid, so the pair fixes the
-        # text, and no text needs to be kept to know the cached model is still right.
+        # Per job, the spec of one (uid, generation), once a record's spec was asked for:
+        # record_spec writes a spec only with a new generation and a re-declared job gets a
+        # new uid, so the pair fixes the text, and no text needs to be kept to know the
+        # cached model is still right.
         self._specs: dict[str, tuple[str, int, HerdJob]] = {}
         if readonly:
             self._conn = self._connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
@@ -324,7 +326,7 @@ class Store:
                 stored = conn.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone()
             if row is None or row["fingerprint"] != fingerprint:
                 # What was just written is this model: no need to parse it back.
-                self._specs[name] = (stored["uid"], stored["generation"], job)
+                return self._job(stored, lambda: job)
             return self._job(stored)
 
     def get_job(self, name: str) -> JobRecord | None:
@@ -644,8 +646,8 @@ class Store:
         # A reader opens an older store as it is (the operator that owns it migrates it):
         # every version it can meet has the tables and columns it reads.
 
-    def _job(self, row: sqlite3.Row) -> JobRecord:
-        """The record of a row, parsing its spec and status only when not parsed before.
+    def _job(self, row: sqlite3.Row, spec: Callable[[], HerdJob] | None = None) -> JobRecord:
+        """The record of a row: its status parsed unless parsed before, its spec on demand.
 
         Called with the lock held (the caches are shared by the store's threads).
         """
@@ -659,23 +661,29 @@ class Store:
             self._statuses[name] = (text, status)
         uid: str = row["uid"]
         generation: int = row["generation"]
-        cached_spec = self._specs.get(name)
-        if cached_spec is not None and cached_spec[:2] == (uid, generation):
-            spec = cached_spec[2]
-        else:
-            spec = self._parse(name, "spec", lambda: HerdJob.model_validate_json(row["spec_json"]))
-            self._specs[name] = (uid, generation, spec)
+        if spec is None:
+            spec = functools.partial(self._spec, name, uid, generation, row["spec_json"])
         return JobRecord(
             name=name,
             uid=uid,
             spec_path=row["spec_path"],
-            spec=spec,
             fingerprint=row["fingerprint"],
             generation=generation,
             status=status,
             created_at=row["created_at"],
             updated_at=row["updated_at"],
+            load_spec=spec,
         )
+
+    def _spec(self, name: str, uid: str, generation: int, text: str) -> HerdJob:
+        """The spec of a record, parsed once per (uid, generation); ``text`` is its row's."""
+        with self._lock:
+            cached = self._specs.get(name)
+            if cached is not None and cached[:2] == (uid, generation):
+                return cached[2]
+            spec = self._parse(name, "spec", lambda: HerdJob.model_validate_json(text))
+            self._specs[name] = (uid, generation, spec)
+            return spec
 
     def _parse(self, name: str, what: str, parse: Callable[[], _Model]) -> _Model:
         try:

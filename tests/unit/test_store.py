@@ -301,6 +301,7 @@ def test_first_record_gets_generation_one_and_a_fresh_uid(store: Store) -> None:
     assert job.name == "resnet"
     assert len(job.uid) == 32 and int(job.uid, 16) >= 0
     assert (job.generation, job.fingerprint, job.spec) == (1, "fp1", SPEC)
+    assert job.spec is SPEC  # what was just written is not parsed back
     assert (job.status, job.created_at, job.updated_at) == (HerdJobStatus(), 100.0, 100.0)
     assert store.get_job("resnet") == job
     assert store.get_job("missing") is None
@@ -350,8 +351,11 @@ def test_a_stored_spec_or_status_that_no_longer_parses_is_a_store_error(store: S
     raw.execute("UPDATE jobs SET status_json = '{}', spec_json = '{}', generation = 2")
     raw.commit()
     raw.close()
+    # The spec is parsed when it is asked for, not with every read of the job.
+    (job,) = store.list_jobs()
+    assert job.generation == 2
     with pytest.raises(StoreError, match=r"the stored spec of job 'resnet' is unreadable"):
-        store.list_jobs()
+        job.spec  # noqa: B018
 
 
 def test_put_status_replaces_status_and_refuses_unknown_job(store: Store) -> None:
