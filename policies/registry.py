@@ -25,6 +25,7 @@ ENTRY_POINT_GROUP = "herd_operator.policies"
 LEGACY_OBSERVES: frozenset[Signal] = frozenset({Signal.EPOCHS})
 """What a plug-in that does not declare `observes` is given: what every policy was given
 before policies declared it (plus the GPU usage if the class sets `needs_usage = True`)."""
+_SIGNALS: frozenset[Signal] = frozenset(Signal)
 
 
 class PolicyClass(Protocol):
@@ -93,7 +94,8 @@ def _check_observes(policy: Policy, name: str) -> None:
     declared: object = getattr(policy, "observes", None)
     if declared is None:
         # Filled in here, so the reconciler reads the attribute of every policy. On the
-        # instance: a class of the plug-in's may subclass another that does declare it.
+        # instance where it can be: set on a class, it would be inherited by the plug-in's
+        # subclasses, which may say `needs_usage` themselves.
         legacy = LEGACY_OBSERVES
         if getattr(policy, "needs_usage", False):
             legacy |= {Signal.USAGE}
@@ -107,12 +109,10 @@ def _check_observes(policy: Policy, name: str) -> None:
                     "spec.policy.name", f"{name!r} does not declare what it observes: {err}"
                 ) from err
         return
-    known = {signal.value for signal in Signal}
-    if not isinstance(declared, set | frozenset) or not all(
-        isinstance(signal, str) and signal in known for signal in declared
-    ):
+    # Once per reconcile: a subset test, not a loop (plain strings equal their Signal).
+    if not (isinstance(declared, set | frozenset) and declared <= _SIGNALS):
         raise PolicyError(
             "spec.policy.name",
             f"{name!r} declares it observes {declared!r}: expected a frozenset of"
-            f" {', '.join(sorted(known))}",
+            f" {', '.join(sorted(_SIGNALS))}",
         )

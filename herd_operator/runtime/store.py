@@ -344,7 +344,9 @@ class Store:
         """Replace a job's status unless it equals the stored one; True if it was written.
 
         KeyError if there is no such job. Most reconciles change nothing, and an unchanged
-        status is not written (nor its ``updated_at`` moved).
+        status is not written (nor its ``updated_at`` moved). "Stored" is the text this store
+        last read or wrote for the job: the operator, the database's one writer (it holds
+        the state dir's lock), reads a job before it writes the job's status.
         """
         text = status.model_dump_json(by_alias=True)
         with self._lock:
