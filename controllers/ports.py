@@ -8,12 +8,13 @@ control loop never imports the runtime and is tested with in-memory parts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from specs import HerdJob, HerdJobSpec
-from specs.values import Demand, Grant
+from specs.status import HerdJobStatus
+from specs.values import Demand, Grant, Report, UsageSample
 
 EventType = Literal["Normal", "Warning"]
 
@@ -44,59 +45,56 @@ class SpecSource(Protocol):
         ...
 
 
-class JobRecordLike(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def spec_path(self) -> str: ...
-    @property
-    def fingerprint(self) -> str: ...
-    @property
-    def spec_json(self) -> str: ...
-    @property
-    def generation(self) -> int: ...
-    @property
-    def status_json(self) -> str: ...
-    @property
-    def created_at(self) -> float: ...
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as the store last recorded it: its last good spec and its status, parsed.
 
+    The store owns their serialization; specs and statuses are immutable models, so a
+    record can share them with the store's cache and with the spec directory.
+    """
 
-class ReportLike(Protocol):
-    @property
-    def epoch(self) -> int | None: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def time(self) -> float: ...
-    @property
-    def metrics(self) -> Mapping[str, float]: ...
+    name: str
+    uid: str
+    """Changes when a job is deleted and declared again under the same name."""
+    spec_path: str
+    fingerprint: str
+    generation: int
+    """Bumped by each change of the spec's fingerprint: (uid, generation) fixes the spec."""
+    status: HerdJobStatus
+    created_at: float
+    updated_at: float
+    load_spec: Callable[[], HerdJob] = field(repr=False, compare=False)
+    """Gives `spec`. The reconciler reads the spec from the spec directory and needs the
+    stored one only while the file is invalid, so the store parses it on first use: a
+    restarted operator does not hold a second parsed copy of every spec."""
 
-
-class UsageLike(Protocol):
     @property
-    def time(self) -> float: ...
-    @property
-    def gpus(self) -> int: ...
-    @property
-    def used_bytes(self) -> int: ...
-    @property
-    def total_bytes(self) -> int: ...
+    def spec(self) -> HerdJob:
+        """The last good spec: the one the operator acts on while the file is invalid."""
+        return self.load_spec()
 
 
 class StorePort(Protocol):
-    def get_job(self, name: str) -> JobRecordLike | None: ...
-    def list_jobs(self) -> Sequence[JobRecordLike]: ...
+    def get_job(self, name: str) -> JobRecord | None: ...
+    def list_jobs(self) -> Sequence[JobRecord]: ...
     def record_spec(
-        self, name: str, spec_path: str, spec_json: str, fingerprint: str, now: float
-    ) -> JobRecordLike: ...
-    def put_status(self, name: str, status_json: str, now: float) -> None: ...
+        self, name: str, spec_path: str, job: HerdJob, fingerprint: str, now: float
+    ) -> JobRecord:
+        """Record a good spec; a new fingerprint bumps the generation."""
+        ...
+
+    def put_status(self, name: str, status: HerdJobStatus, now: float) -> bool:
+        """Replace the job's status unless it equals the stored one; True if it was written."""
+        ...
+
     def delete_job(self, name: str) -> bool: ...
     def reports(
         self, job: str, since: float | None = None, limit: int = 1000
-    ) -> Sequence[ReportLike]: ...
+    ) -> Sequence[Report]: ...
+
     def usage(
         self, job: str, since: float | None = None, limit: int = 10_000
-    ) -> Sequence[UsageLike]: ...
+    ) -> Sequence[UsageSample]: ...
     def add_grant_change(self, job: str, gpus: int, reason: str, now: float) -> None: ...
     def add_event(
         self, job: str | None, type: EventType, reason: str, message: str, now: float

@@ -10,7 +10,6 @@ and not retried until the spec changes.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from controllers.errors import PermanentError, TemporaryError
 from controllers.ports import (
     AllocatorPort,
     EventType,
-    JobRecordLike,
+    JobRecord,
     LauncherPort,
     NoObserver,
     ProcessPhase,
@@ -30,7 +29,7 @@ from controllers.ports import (
     SpecView,
     StorePort,
 )
-from policies.base import JobObservations, PolicyError
+from policies.base import JobObservations, PolicyError, Signal
 from policies.registry import load_policy
 from specs import (
     Condition,
@@ -43,7 +42,7 @@ from specs import (
     spec_fingerprint,
 )
 from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Demand, Grant, Report, UsageSample
+from specs.values import Demand, Grant
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +72,6 @@ class JobReconciler:
         observer: ReconcileObserver | None = None,
     ) -> None:
         self.metrics_stale_seconds = metrics_stale_seconds
-        # The status JSON as read at the start of the current reconcile, per job, so an
-        # unchanged status is not written again.
-        self._stored_status: dict[str, str] = {}
-        # The last status written per job, with its JSON: statuses are never changed in
-        # place (always model_copy), so the parsed one can stand for the stored text.
-        self._parsed_status: dict[str, tuple[str, HerdJobStatus]] = {}
         self.observer: ReconcileObserver = observer or NoObserver()
         self.specs = specs
         self.store = store
@@ -107,7 +100,7 @@ class JobReconciler:
         record = self.store.get_job(name)
         if record is None:
             return
-        status = self._status_of(record)
+        status = record.status
         if not is_true(status.conditions, ConditionType.Running):
             return
         now = self.clock()
@@ -127,7 +120,6 @@ class JobReconciler:
             status.gpus.model_copy(update={"allocated": 0, "active": None}) if status.gpus else None
         )
         status = status.model_copy(update={"conditions": conditions, "gpus": gpus, "placement": []})
-        self._stored_status[name] = record.status_json
         self._write(name, status)
 
     def _record_stalled(self, name: str, err: PermanentError) -> None:
@@ -135,7 +127,7 @@ class JobReconciler:
         if record is None:
             return
         now = self.clock()
-        status = self._status_of(record)
+        status = record.status
         conditions = set_condition(
             status.conditions,
             ConditionType.Stalled,
@@ -147,7 +139,6 @@ class JobReconciler:
         )
         if conditions is not status.conditions:
             self._event(name, "Warning", err.reason, str(err), now)
-        self._stored_status[name] = record.status_json
         self._write(name, status.model_copy(update={"conditions": conditions}))
 
     def _reconcile(self, name: str) -> Result:
@@ -158,8 +149,7 @@ class JobReconciler:
         job, problem, record = self._accept_spec(view, now)
         if job is None or record is None:
             return Result()
-        self._stored_status[name] = record.status_json
-        status = self._status_of(record)
+        status = record.status
         generation = record.generation
         conditions = status.conditions
         if problem:
@@ -233,6 +223,8 @@ class JobReconciler:
         launch = process.launch
         since = launch.started_at if launch else now
         reports = self.store.reports(name, since=since, limit=1000)
+        # Only what the policy declares it observes is gathered: usage costs a query.
+        observes = policy.observes
         observed = JobObservations(
             started_at=since,
             allocated=status.gpus.allocated if status.gpus else 0,
@@ -240,17 +232,12 @@ class JobReconciler:
             last_resize=status.last_resize_at
             if status.last_resize_at and status.last_resize_at >= since
             else None,
-            epochs=[
-                Report(report.epoch, report.time, report.world_size, dict(report.metrics))
-                for report in reports
-                if report.epoch is not None
-            ],
-            usage=[
-                UsageSample(sample.time, sample.gpus, sample.used_bytes, sample.total_bytes)
-                for sample in self.store.usage(name, since=max(since, now - USAGE_HISTORY_SECONDS))
-            ]
-            if getattr(policy, "needs_usage", False)
-            else [],
+            epochs=[report for report in reports if report.epoch is not None]
+            if Signal.EPOCHS in observes
+            else (),
+            usage=self.store.usage(name, since=max(since, now - USAGE_HISTORY_SECONDS))
+            if Signal.USAGE in observes
+            else (),
         )
         decision = policy.desired(job, observed, now)
         grant = self.allocator.request(
@@ -297,7 +284,7 @@ class JobReconciler:
         was_resizing = get_condition(status.conditions, ConditionType.Resizing)
         if not resizing and was_resizing is not None and was_resizing.status == TRUE and active:
             self.observer.resize_completed(name, now - was_resizing.last_transition_time)
-        if getattr(policy, "needs_usage", False):
+        if Signal.USAGE in observes:
             conditions = self._metrics_condition(conditions, observed, generation, now)
         conditions = set_condition(
             conditions,
@@ -322,7 +309,7 @@ class JobReconciler:
 
     def _accept_spec(
         self, view: SpecView, now: float
-    ) -> tuple[HerdJob | None, str, JobRecordLike | None]:
+    ) -> tuple[HerdJob | None, str, JobRecord | None]:
         """Record a good spec (bumping the generation on change); else fall back to the last good.
 
         Returns the spec to act on, why the file is invalid now ('' if it is not), and the
@@ -338,8 +325,7 @@ class JobReconciler:
             fingerprint = view.fingerprint or spec_fingerprint(view.job)
             record = self.store.get_job(view.name)
             if record is None or record.fingerprint != fingerprint or record.spec_path != view.path:
-                spec_json = view.job.model_dump_json(by_alias=True)
-                record = self.store.record_spec(view.name, view.path, spec_json, fingerprint, now)
+                record = self.store.record_spec(view.name, view.path, view.job, fingerprint, now)
             return view.job, "", record
         problem = "; ".join(errors)
         record = self.store.get_job(view.name)
@@ -348,15 +334,7 @@ class JobReconciler:
             self._event(view.name, "Warning", "InvalidSpec", problem, now)
             log.warning("%s: invalid spec, not started: %s", view.name, problem)
             return None, problem, None
-        last_good = HerdJob.model_validate_json(record.spec_json)
-        return last_good, f"{problem} (keeping the last good spec)", record
-
-    def _status_of(self, record: JobRecordLike) -> HerdJobStatus:
-        """The job's recorded status, parsed once per change rather than once per reconcile."""
-        cached = self._parsed_status.get(record.name)
-        if cached is not None and cached[0] == record.status_json:
-            return cached[1]
-        return _load_status(record.status_json)
+        return record.spec, f"{problem} (keeping the last good spec)", record
 
     def _on_exit(
         self,
@@ -550,12 +528,10 @@ class JobReconciler:
                 self._event(name, "Normal", "Stopping", "spec deleted: stopping the job", now)
             record = self.store.get_job(name)
             if record is not None:
-                job = HerdJob.model_validate_json(record.spec_json)
-                self._hold_gpus(name, job.spec.priority, record.created_at)
+                self._hold_gpus(name, record.spec.spec.priority, record.created_at)
             return Result(requeue_after=self.stop_poll_seconds)
         self.launcher.forget(name)
         self.allocator.release(name)
-        self._parsed_status.pop(name, None)
         if self.store.delete_job(name):
             self._event(name, "Normal", "Deleted", "spec deleted: job removed, GPUs freed", now)
         return Result()
@@ -620,18 +596,12 @@ class JobReconciler:
         )
 
     def _write(self, name: str, status: HerdJobStatus) -> None:
-        text = status.model_dump_json(by_alias=True)
-        if text != self._stored_status.pop(name, None):  # most resyncs change nothing
-            self.store.put_status(name, text, self.clock())
-        self._parsed_status[name] = (text, status)
+        # Most resyncs change nothing: the store then writes nothing.
+        self.store.put_status(name, status, self.clock())
 
     def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:
         self.store.add_event(job, type, reason, message, now)
         (log.warning if type == "Warning" else log.info)("%s: %s: %s", job, reason, message)
-
-
-def _load_status(text: str) -> HerdJobStatus:
-    return HerdJobStatus.model_validate(json.loads(text or "{}"))
 
 
 def _counts(

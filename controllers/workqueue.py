@@ -155,12 +155,6 @@ class WorkQueue:
             self._shut_down = True
             self._cond.notify_all()
 
-    @property
-    def is_shut_down(self) -> bool:
-        """Whether ``shutdown()`` was called."""
-        with self._cond:
-            return self._shut_down
-
     def __len__(self) -> int:
         with self._cond:
             self._promote_due()

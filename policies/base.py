@@ -7,6 +7,7 @@ exhaustively without processes. The allocator turns the wish into a grant.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,9 +16,22 @@ from specs import HerdJob
 from specs.values import Report, UsageSample
 
 
+class Signal(enum.StrEnum):
+    """What a policy can observe of a job beyond its grant and world size."""
+
+    EPOCHS = "epochs"
+    """The workers' epoch-end reports (`JobObservations.epochs`)."""
+    USAGE = "usage"
+    """GPU memory samples (`JobObservations.usage`); the job's `MetricsStale` condition
+    then says when they stop coming."""
+
+
 @dataclass(frozen=True)
 class JobObservations:
-    """What has been observed of one run of a job, oldest first. Plain data: no I/O."""
+    """What has been observed of one run of a job, oldest first. Plain data: no I/O.
+
+    `epochs` and `usage` are filled only for a policy that observes them (`Policy.observes`).
+    """
 
     started_at: float
     """When this run was launched."""
@@ -30,6 +44,7 @@ class JobObservations:
     epochs: Sequence[Report] = ()
     """Reports of completed epochs (epoch set), oldest first."""
     usage: Sequence[UsageSample] = ()
+    """GPU memory samples of the last hour at most."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,11 @@ class Decision:
 
 class Policy(Protocol):
     """A scaling policy. Implementations must be deterministic and side-effect free."""
+
+    observes: frozenset[Signal]
+    """What the policy decides on (a class attribute): the reconciler gathers only these.
+    The registry gives a plug-in written before this existed its old view (see
+    `policies.registry`)."""
 
     def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
         """Return the GPU count this job should run at, within [min, max], and why."""

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from policies.base import Decision, JobObservations, clamp
+from policies.base import Decision, JobObservations, Signal, clamp
 from specs import HerdJob
 
 
@@ -68,8 +68,9 @@ class _Window:
 class MemoryPolicy:
     """Shrinks a job that uses little of its GPUs' memory and grows one that uses most of it."""
 
-    needs_usage = True
-    """It decides on GPU memory samples: the controller reports when they go stale."""
+    observes = frozenset({Signal.EPOCHS, Signal.USAGE})
+    """GPU memory samples, averaged over the last epoch: the controller reports when the
+    samples go stale."""
 
     Params = MemoryParams
 

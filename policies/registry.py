@@ -4,7 +4,7 @@ A policy is named in a spec by `spec.policy.name`: a built-in name, a name that
 a third-party package registers under the entry point group
 `herd_operator.policies`, or `package.module:ClassName`. A policy class has a
 pydantic model `Params` for its `spec.policy.params` and is built with an
-instance of it.
+instance of it, and says what it observes (`Policy.observes`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,17 @@ from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, ValidationError
 
-from policies.base import Policy, PolicyError
+from policies.base import Policy, PolicyError, Signal
 from policies.memory import MemoryPolicy
 from policies.schedule import SchedulePolicy
 from policies.static import StaticPolicy
 from specs import PolicyRef
 
 ENTRY_POINT_GROUP = "herd_operator.policies"
+LEGACY_OBSERVES: frozenset[Signal] = frozenset({Signal.EPOCHS})
+"""What a plug-in that does not declare `observes` is given: what every policy was given
+before policies declared it (plus the GPU usage if the class sets `needs_usage = True`)."""
+_SIGNALS: frozenset[Signal] = frozenset(Signal)
 
 
 class PolicyClass(Protocol):
@@ -80,4 +84,35 @@ def load_policy(ref: PolicyRef) -> Policy:
         where = ".".join(str(part) for part in first["loc"])
         field = "spec.policy.params" + (f".{where}" if where else "")
         raise PolicyError(field, first["msg"]) from err
-    return cls(params)
+    policy = cls(params)
+    _check_observes(policy, ref.name)
+    return policy
+
+
+def _check_observes(policy: Policy, name: str) -> None:
+    """Check what a policy declares it observes; fill it in for an older plug-in."""
+    declared: object = getattr(policy, "observes", None)
+    if declared is None:
+        # Filled in here, so the reconciler reads the attribute of every policy. On the
+        # instance where it can be: set on a class, it would be inherited by the plug-in's
+        # subclasses, which may say `needs_usage` themselves.
+        legacy = LEGACY_OBSERVES
+        if getattr(policy, "needs_usage", False):
+            legacy |= {Signal.USAGE}
+        try:
+            policy.observes = legacy
+        except (AttributeError, TypeError):  # __slots__ or a frozen instance
+            try:
+                type(policy).observes = legacy
+            except (AttributeError, TypeError) as err:
+                raise PolicyError(
+                    "spec.policy.name", f"{name!r} does not declare what it observes: {err}"
+                ) from err
+        return
+    # Once per reconcile: a subset test, not a loop (plain strings equal their Signal).
+    if not (isinstance(declared, set | frozenset) and declared <= _SIGNALS):
+        raise PolicyError(
+            "spec.policy.name",
+            f"{name!r} declares it observes {declared!r}: expected a frozenset of"
+            f" {', '.join(sorted(_SIGNALS))}",
+        )

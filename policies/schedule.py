@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from policies.base import Decision, JobObservations, clamp
+from policies.base import Decision, JobObservations, Signal, clamp
 from specs import HerdJob
 
 _CAMEL_CONFIG = ConfigDict(
@@ -78,6 +78,9 @@ def _trigger_point(step: ScheduleStep) -> tuple[str, float]:
 
 class SchedulePolicy:
     """Asks for the `gpus` of the last step that applies, else `initial` (default: min)."""
+
+    observes = frozenset({Signal.EPOCHS})
+    """The epochs, for `atEpoch` steps."""
 
     Params = ScheduleParams
 

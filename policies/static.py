@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.base import Decision, JobObservations, clamp
+from policies.base import Decision, JobObservations, Signal, clamp
 from specs import HerdJob
 
 
@@ -16,6 +16,9 @@ class StaticParams(BaseModel):
 
 class StaticPolicy:
     """Always asks for the same count, clamped into the job's [min, max]."""
+
+    observes: frozenset[Signal] = frozenset()
+    """Nothing: the count is fixed."""
 
     Params = StaticParams
 

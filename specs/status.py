@@ -13,7 +13,11 @@ from specs.conditions import Condition, ConditionType, get_condition, is_true
 
 
 class StatusModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", alias_generator=to_camel, populate_by_name=True)
+    # Frozen: a status is changed by model_copy, never in place, so the store can hand the
+    # same parsed status to every reader of the same stored text.
+    model_config = ConfigDict(
+        extra="ignore", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
 
 
 class GpuCounts(StatusModel):

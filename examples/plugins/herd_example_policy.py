@@ -14,7 +14,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from policies.base import Decision, JobObservations, clamp
+from policies.base import Decision, JobObservations, Signal, clamp
 from specs import HerdJob
 
 
@@ -33,6 +33,9 @@ class LossPlateauParams(BaseModel):
 
 class LossPlateauPolicy:
     """Starts at min and grows by `step` each time the loss plateaus at the current size."""
+
+    observes = frozenset({Signal.EPOCHS})
+    """It decides on the metrics the workers report with each epoch end."""
 
     Params = LossPlateauParams
 

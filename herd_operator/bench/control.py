@@ -16,13 +16,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
 import yaml
 
-from herd_operator.bench.harness import Context, Row, Stats
+from herd_operator.bench.harness import Context, Row, Stats, bench_job
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
@@ -263,17 +263,6 @@ class DiscoveryReader:
         self._process.wait()
 
 
-def placement_rows(
-    placements: Mapping[str, Placement],
-) -> dict[str, list[tuple[str, list[int]]]]:
-    """What the operator records in its store on every decision."""
-    return {
-        job: [(host, list(gpus)) for host, gpus in placement.hosts]
-        for job, placement in placements.items()
-        if placement.size
-    }
-
-
 def run_decision_to_grant(ctx: Context) -> list[Row]:
     # The job only grows, one GPU per sample: a GPU taken from a running job drains
     # before it can be granted again, and that wait is not what this measures.
@@ -281,15 +270,13 @@ def run_decision_to_grant(ctx: Context) -> list[Row]:
     layout = StateLayout(ctx.scratch / "state")
     layout.create()
     store = Store(layout.database)
-    store.record_spec("bench", "jobs/bench.yaml", "{}", "fingerprint", time.time())
+    store.record_spec("bench", "jobs/bench.yaml", bench_job("bench"), "fingerprint", time.time())
     publisher = GrantPublisher(layout)
     allocator = Allocator(
         Pool.from_counts({"localhost": gpus}),
         publisher,
         virtual=True,
-        on_decision=lambda placements: store.replace_allocations(
-            placement_rows(placements), time.time()
-        ),
+        on_decision=lambda placements: store.replace_allocations(placements, time.time()),
     )
     allocator.request(Demand("bench", 1, gpus, 1))
     hand_file = ctx.scratch / "hand.hosts"

@@ -14,7 +14,6 @@ cost is measured here; a real NVML read adds the driver's own time per call.
 from __future__ import annotations
 
 import http.server
-import json
 import threading
 import time
 import urllib.request
@@ -30,7 +29,7 @@ from exporters.gpu import GpuReading, ProcessMemory
 from herd_operator.bench.harness import Context, Row, Stats
 from herd_operator.runtime.metrics import StateCollector
 from herd_operator.runtime.store import Store
-from specs import Condition, ConditionStatus
+from specs import Condition, ConditionStatus, HerdJob
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Placement, Pool
 
@@ -69,7 +68,7 @@ def operator_store(path: Path, jobs: int) -> Store:
         ),
         gpus=GpuCounts(min=1, max=4, desired=4, allocated=4, active=4),
         epoch=3,
-    ).model_dump_json(by_alias=True)
+    )
     for n in range(jobs):
         name = f"job-{n:05d}"
         spec = {
@@ -82,7 +81,7 @@ def operator_store(path: Path, jobs: int) -> Store:
                 "policy": {"name": "memory"},
             },
         }
-        store.record_spec(name, f"{name}.yaml", json.dumps(spec), name, 1.0)
+        store.record_spec(name, f"{name}.yaml", HerdJob.model_validate(spec), name, 1.0)
         store.put_status(name, status, 2.0)
         store.add_usage(name, 4, 1 << 30, 4 << 30, 3.0)
     return store

@@ -46,7 +46,6 @@ from herd_operator.runtime.store import StoreError
 from policies.base import PolicyError
 from policies.registry import load_policy
 from specs import SpecFile, index_specs, json_schema, load_spec_file
-from specs.status import HerdJobStatus
 
 _Number = TypeVar("_Number", int, float)
 
@@ -434,7 +433,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
         print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
         return EXIT_FAILURE
     obj = job_object(record)
-    status = HerdJobStatus.model_validate(json.loads(record.status_json or "{}"))
+    status = record.status
     now = time.time()
     gpus = obj["gpus"]
     lines = [

@@ -8,7 +8,6 @@ imported only to draw, so the text summary works where it is not installed.
 from __future__ import annotations
 
 import argparse
-import json
 import struct
 import sys
 import time
@@ -20,11 +19,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from controllers.ports import JobRecord
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, open_store
-from herd_operator.runtime.store import MAX_REPORTS_PER_JOB, JobRecord, Store
+from herd_operator.runtime.store import MAX_REPORTS_PER_JOB, Store
 from herd_operator.runtime.store import GrantChange as StoredGrantChange
 from policies.memory import MemoryParams
-from specs.status import HerdJobStatus
+from specs import PolicyRef
 from specs.values import Report, UsageSample
 
 if TYPE_CHECKING:
@@ -129,8 +129,7 @@ def job_series(
     origin: float,
 ) -> JobSeries:
     """One job's series relative to ``origin``; records before it only set the starting grant."""
-    spec = json.loads(record.spec_json)["spec"]
-    policy = spec.get("policy", {})
+    spec = record.spec.spec
     earlier = [change for change in grants if change.time < origin]
     initial = level = earlier[-1].gpus if earlier else 0
     steps: list[GrantStep] = []
@@ -154,26 +153,26 @@ def job_series(
     ]
     return JobSeries(
         name=record.name,
-        status=HerdJobStatus.model_validate(json.loads(record.status_json or "{}")).summary(),
-        policy=policy.get("name", "static"),
-        min_gpus=spec["gpus"]["min"],
-        max_gpus=spec["gpus"]["max"],
+        status=record.status.summary(),
+        policy=spec.policy.name,
+        min_gpus=spec.gpus.min,
+        max_gpus=spec.gpus.max,
         created=record.created_at - origin,
         initial_gpus=initial,
         grants=tuple(steps),
         world_sizes=tuple(world_sizes),
         epoch_ends=tuple(epoch_ends),
         memory=tuple(memory),
-        thresholds=memory_thresholds(policy),
+        thresholds=memory_thresholds(spec.policy),
     )
 
 
-def memory_thresholds(policy: dict[str, object]) -> tuple[float, float] | None:
+def memory_thresholds(policy: PolicyRef) -> tuple[float, float] | None:
     """(low, high) for a job under the memory policy, with the policy's own defaults."""
-    if policy.get("name") != "memory":
+    if policy.name != "memory":
         return None
     try:
-        params = MemoryParams.model_validate(policy.get("params") or {})
+        params = MemoryParams.model_validate(policy.params)
     except ValidationError:
         return None  # the reconciler already reports bad parameters; draw no lines for them
     return params.low, params.high

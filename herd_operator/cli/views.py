@@ -5,14 +5,13 @@ Shared by the commands, the report and the demo (which import it, never each oth
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from controllers.ports import JobRecord
 from herd_operator.layout import StateLayout
-from herd_operator.runtime.store import Event, JobRecord, Store, StoreError
-from specs.status import HerdJobStatus
+from herd_operator.runtime.store import Event, Store, StoreError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -29,8 +28,8 @@ def open_store(state_dir: Path) -> Store:
 
 def job_object(record: JobRecord) -> dict[str, Any]:
     """The JSON shape of a job for `get -o json`: spec, status and identity."""
-    status = HerdJobStatus.model_validate(json.loads(record.status_json or "{}"))
-    spec = json.loads(record.spec_json)
+    status = record.status
+    spec = record.spec.spec
     gpus = status.gpus
     return {
         "name": record.name,
@@ -41,8 +40,8 @@ def job_object(record: JobRecord) -> dict[str, Any]:
         "status": status.summary(),
         "conditions": [c.model_dump(by_alias=True, mode="json") for c in status.conditions],
         "gpus": {
-            "min": spec["spec"]["gpus"]["min"],
-            "max": spec["spec"]["gpus"]["max"],
+            "min": spec.gpus.min,
+            "max": spec.gpus.max,
             "desired": gpus.desired if gpus else None,
             "allocated": gpus.allocated if gpus else 0,
             "active": gpus.active if gpus else None,
@@ -50,10 +49,10 @@ def job_object(record: JobRecord) -> dict[str, Any]:
         "placement": {host: gpu_list for host, gpu_list in status.placement},
         "epoch": status.epoch,
         "restarts": status.restarts,
-        "priority": spec["spec"].get("priority", 0),
-        "policy": spec["spec"].get("policy", {}).get("name", "static"),
+        "priority": spec.priority,
+        "policy": spec.policy.name,
         "createdAt": record.created_at,
-        "spec": spec["spec"],
+        "spec": spec.model_dump(mode="json", by_alias=True),
     }
 
 

@@ -10,7 +10,6 @@ itself sets `job` to the scrape job's name.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -20,7 +19,6 @@ from prometheus_client.registry import Collector
 from controllers.loop import Outcome
 from herd_operator.runtime.store import Store
 from specs import ConditionType
-from specs.status import HerdJobStatus
 from specs.values import Placement, Pool
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -143,7 +141,7 @@ class StateCollector(Collector):
         }
         latest_usage = self.store.latest_usage()
         for record in self.store.list_jobs():
-            status = HerdJobStatus.model_validate_json(record.status_json or "{}")
+            status = record.status
             for condition in status.conditions:
                 key = (condition.type, str(condition.status))
                 counts[key] = counts.get(key, 0) + 1
@@ -158,9 +156,9 @@ class StateCollector(Collector):
             sample = latest_usage.get(record.name)
             if sample is not None and sample.total_bytes:
                 memory.add_metric([record.name], sample.used_bytes / sample.total_bytes)
-            policy = json.loads(record.spec_json)["spec"].get("policy", {})
-            if policy.get("name") == "memory":
-                params = policy.get("params", {})
+            policy = record.spec.spec.policy
+            if policy.name == "memory":
+                params = policy.params
                 thresholds.add_metric([record.name, "low"], float(params.get("low", 0.25)))
                 thresholds.add_metric([record.name, "high"], float(params.get("high", 0.75)))
         for (condition_type, condition_status), count in sorted(counts.items()):

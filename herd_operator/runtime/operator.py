@@ -49,7 +49,6 @@ from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
 from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
 from herd_operator.runtime.store import Store
-from specs.values import Placement
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +139,7 @@ class Operator:
             config.pool.pool,
             engines,
             virtual=config.pool.virtual,
-            on_decision=lambda placements: store.replace_allocations(
-                _placement_rows(placements), time.time()
-            ),
+            on_decision=lambda placements: store.replace_allocations(placements, time.time()),
             min_resize_interval=config.min_resize_interval,
         )
         self.server = server = RpcServer(
@@ -398,11 +395,3 @@ class Operator:
         if self.loop is not None:
             self.loop.record_shutdown()
         self.allocator.release_all()
-
-
-def _placement_rows(placements: Mapping[str, Placement]) -> dict[str, list[tuple[str, list[int]]]]:
-    return {
-        job: [(host, list(gpus)) for host, gpus in placement.hosts]
-        for job, placement in placements.items()
-        if placement.size
-    }

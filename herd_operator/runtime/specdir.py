@@ -58,10 +58,6 @@ class SpecDirectory:
         with self._lock:
             return sorted(self._views)
 
-    def unnamed_errors(self) -> tuple[str, ...]:
-        with self._lock:
-            return self._unnamed
-
     def relist(self) -> set[str]:
         """Re-read the directory; returns the names whose view changed (new and deleted too)."""
         files: dict[str, tuple[_Stamp, SpecFile]] = {}

@@ -9,35 +9,44 @@ transaction across several calls so what they show is consistent.
 
 All times are unix seconds passed in by the caller (``now``), so tests control
 them. Jobs are keyed by name; a job that is deleted and re-created gets a new
-uid. Runtime rows, allocations and reports belong to their job and go with it;
+uid. Allocations, reports and usage samples belong to their job and go with it;
 events and the grant history are a log and outlive it.
+
+Specs and statuses cross the store's interface as models (``JobRecord``): the store
+serializes them, parses each stored text once (later reads of the same text reuse the
+model) and skips writing a status equal to the stored one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import re
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, TracebackType
-from typing import Literal
+from typing import Literal, TypeVar
 
 from controllers.errors import TemporaryError
-from specs.values import Report, UsageSample
+from controllers.ports import JobRecord
+from specs import HerdJob
+from specs.status import HerdJobStatus
+from specs.values import Placement, Report, UsageSample
 
 _log = logging.getLogger(__name__)
 
 DB_FILENAME = "state.db"
 """The store's file name inside the operator's state directory."""
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""1: the first release. 2: the unused ``runtime`` table is dropped."""
 MAX_REPORTS_PER_JOB = 10_000
 MAX_EVENTS = 100_000
 BUSY_TIMEOUT_MS = 5_000
@@ -45,8 +54,9 @@ BUSY_TIMEOUT_MS = 5_000
 EventType = Literal["Normal", "Warning"]
 _EVENT_TYPES: frozenset[str] = frozenset({"Normal", "Warning"})
 _UPPER_CAMEL_CASE = re.compile(r"[A-Z][A-Za-z0-9]*")
+_Model = TypeVar("_Model")
 
-_SCHEMA_V1 = """
+_SCHEMA = """
 CREATE TABLE jobs (
     name TEXT PRIMARY KEY,
     uid TEXT NOT NULL UNIQUE,
@@ -57,15 +67,6 @@ CREATE TABLE jobs (
     status_json TEXT NOT NULL DEFAULT '{}',
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
-);
-CREATE TABLE runtime (
-    name TEXT PRIMARY KEY REFERENCES jobs(name) ON DELETE CASCADE,
-    launch_id TEXT NOT NULL,
-    pid INTEGER NOT NULL,
-    started_at REAL NOT NULL,
-    generation INTEGER NOT NULL,
-    restarts INTEGER NOT NULL,
-    launched_max INTEGER NOT NULL
 );
 CREATE TABLE allocations (
     host TEXT NOT NULL,
@@ -121,6 +122,12 @@ CREATE TABLE meta (
     value TEXT NOT NULL
 );
 """
+"""The current schema, for a new store."""
+
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("DROP TABLE runtime",),
+}
+"""What takes a store from the version before to the key's version."""
 
 
 class StoreError(TemporaryError):
@@ -129,34 +136,6 @@ class StoreError(TemporaryError):
     Temporary to the control loop: another process may hold the database, a full disk
     may be freed; the reconciles whose writes were lost are redone with backoff.
     """
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A job as last recorded: its last good spec and its status."""
-
-    name: str
-    uid: str
-    spec_path: str
-    spec_json: str
-    fingerprint: str
-    generation: int
-    status_json: str
-    created_at: float
-    updated_at: float
-
-
-@dataclass(frozen=True)
-class RuntimeRecord:
-    """What the launcher started for a job, so a restarted operator can re-adopt it."""
-
-    name: str
-    launch_id: str
-    pid: int
-    started_at: float
-    generation: int
-    restarts: int
-    launched_max: int
 
 
 @dataclass(frozen=True)
@@ -183,10 +162,6 @@ class Event:
     last_time: float
 
 
-Placement = list[tuple[str, list[int]]]
-"""A job's GPUs: (host, [gpu, ...]) in host order, GPUs in local-rank order."""
-
-
 class Store:
     """The SQLite state store; see the module docstring for the guarantees."""
 
@@ -211,6 +186,15 @@ class Store:
         self._max_events = max_events
         self._lock = threading.RLock()
         self._grouping = False  # inside transaction(): writes are savepoints, not commits
+        # Per job, the status text last read or written here with its model: a read of
+        # the same text reuses the model, a write of the same text is skipped. Keyed by
+        # the exact text, so a reader never gets a model of text it did not just read.
+        self._statuses: dict[str, tuple[str, HerdJobStatus]] = {}
+        # Per job, the spec of one (uid, generation), once a record's spec was asked for:
+        # record_spec writes a spec only with a new generation and a re-declared job gets a
+        # new uid, so the pair fixes the text, and no text needs to be kept to know the
+        # cached model is still right.
+        self._specs: dict[str, tuple[str, int, HerdJob]] = {}
         if readonly:
             self._conn = self._connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
         else:
@@ -302,124 +286,109 @@ class Store:
             if self._conn.in_transaction:  # e.g. disk full: leave no transaction open
                 with contextlib.suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
+            # The cached texts may be of writes that were just rolled back.
+            self._forget_cached()
             raise
 
     # jobs
 
     def record_spec(
-        self, name: str, spec_path: str, spec_json: str, fingerprint: str, now: float
+        self, name: str, spec_path: str, job: HerdJob, fingerprint: str, now: float
     ) -> JobRecord:
-        """Record a job's good spec; a new fingerprint bumps the generation."""
-        _require_json(spec_json, "spec_json")
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT fingerprint, spec_path FROM jobs WHERE name = ?", (name,)
-            ).fetchone()
-            if row is None:
-                conn.execute(
-                    "INSERT INTO jobs (name, uid, spec_path, spec_json, fingerprint, generation,"
-                    " status_json, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 1, '{}', ?, ?)",
-                    (name, uuid.uuid4().hex, spec_path, spec_json, fingerprint, now, now),
-                )
-            elif row["fingerprint"] != fingerprint:
-                conn.execute(
-                    "UPDATE jobs SET spec_path = ?, spec_json = ?, fingerprint = ?,"
-                    " generation = generation + 1, updated_at = ? WHERE name = ?",
-                    (spec_path, spec_json, fingerprint, now, name),
-                )
-            elif row["spec_path"] != spec_path:
-                conn.execute(
-                    "UPDATE jobs SET spec_path = ?, updated_at = ? WHERE name = ?",
-                    (spec_path, now, name),
-                )
-            return _job(conn.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone())
+        """Record a job's good spec; a new fingerprint bumps the generation.
+
+        With the same fingerprint the stored spec stays (only its path may move): the
+        record returned is what is stored, like ``get_job``.
+        """
+        with self._lock:
+            with self._write() as conn:
+                row = conn.execute(
+                    "SELECT fingerprint, spec_path FROM jobs WHERE name = ?", (name,)
+                ).fetchone()
+                if row is None:
+                    conn.execute(
+                        "INSERT INTO jobs (name, uid, spec_path, spec_json, fingerprint,"
+                        " generation, status_json, created_at, updated_at)"
+                        " VALUES (?, ?, ?, ?, ?, 1, '{}', ?, ?)",
+                        (name, uuid.uuid4().hex, spec_path, _spec_json(job), fingerprint, now, now),
+                    )
+                elif row["fingerprint"] != fingerprint:
+                    conn.execute(
+                        "UPDATE jobs SET spec_path = ?, spec_json = ?, fingerprint = ?,"
+                        " generation = generation + 1, updated_at = ? WHERE name = ?",
+                        (spec_path, _spec_json(job), fingerprint, now, name),
+                    )
+                elif row["spec_path"] != spec_path:
+                    conn.execute(
+                        "UPDATE jobs SET spec_path = ?, updated_at = ? WHERE name = ?",
+                        (spec_path, now, name),
+                    )
+                stored = conn.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone()
+            if row is None or row["fingerprint"] != fingerprint:
+                # What was just written is this model: no need to parse it back.
+                return self._job(stored, lambda: job)
+            return self._job(stored)
 
     def get_job(self, name: str) -> JobRecord | None:
         """The job named ``name``, or None."""
         with self._read() as conn:
             row = conn.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone()
-        return None if row is None else _job(row)
+            return None if row is None else self._job(row)
 
     def list_jobs(self) -> list[JobRecord]:
         """All jobs, by name."""
         with self._read() as conn:
-            return [_job(row) for row in conn.execute("SELECT * FROM jobs ORDER BY name")]
+            return [self._job(row) for row in conn.execute("SELECT * FROM jobs ORDER BY name")]
 
-    def put_status(self, name: str, status_json: str, now: float) -> None:
-        """Replace a job's status (JSON text); KeyError if there is no such job."""
-        _require_json(status_json, "status_json")
-        with self._write() as conn:
-            updated = conn.execute(
-                "UPDATE jobs SET status_json = ?, updated_at = ? WHERE name = ?",
-                (status_json, now, name),
-            ).rowcount
-            if updated == 0:
-                raise _unknown_job(name)
+    def put_status(self, name: str, status: HerdJobStatus, now: float) -> bool:
+        """Replace a job's status unless it equals the stored one; True if it was written.
+
+        KeyError if there is no such job. Most reconciles change nothing, and an unchanged
+        status is not written (nor its ``updated_at`` moved). "Stored" is the text this store
+        last read or wrote for the job: the operator, the database's one writer (it holds
+        the state dir's lock), reads a job before it writes the job's status.
+        """
+        text = status.model_dump_json(by_alias=True)
+        with self._lock:
+            cached = self._statuses.get(name)
+            if cached is not None and cached[0] == text:
+                return False
+            with self._write() as conn:
+                updated = conn.execute(
+                    "UPDATE jobs SET status_json = ?, updated_at = ? WHERE name = ?",
+                    (text, now, name),
+                ).rowcount
+                if updated == 0:
+                    raise _unknown_job(name)
+            self._statuses[name] = (text, status)
+            return True
 
     def delete_job(self, name: str) -> bool:
-        """Delete a job with its runtime, allocations and reports; False if it did not exist."""
+        """Delete a job with its allocations, reports and usage; False if it did not exist."""
         with self._write() as conn:
             deleted: int = conn.execute("DELETE FROM jobs WHERE name = ?", (name,)).rowcount
+            self._statuses.pop(name, None)
+            self._specs.pop(name, None)
             return deleted > 0
-
-    # runtime
-
-    def put_runtime(self, rec: RuntimeRecord) -> None:
-        """Insert or replace a job's runtime record; KeyError if there is no such job."""
-        with self._write() as conn:
-            _require_job(conn, rec.name)
-            conn.execute(
-                "INSERT INTO runtime (name, launch_id, pid, started_at, generation, restarts,"
-                " launched_max) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
-                " launch_id = excluded.launch_id, pid = excluded.pid,"
-                " started_at = excluded.started_at, generation = excluded.generation,"
-                " restarts = excluded.restarts, launched_max = excluded.launched_max",
-                (
-                    rec.name,
-                    rec.launch_id,
-                    rec.pid,
-                    rec.started_at,
-                    rec.generation,
-                    rec.restarts,
-                    rec.launched_max,
-                ),
-            )
-
-    def get_runtime(self, name: str) -> RuntimeRecord | None:
-        """The runtime record of job ``name``, or None."""
-        with self._read() as conn:
-            row = conn.execute("SELECT * FROM runtime WHERE name = ?", (name,)).fetchone()
-        return None if row is None else _runtime(row)
-
-    def delete_runtime(self, name: str) -> bool:
-        """Delete a job's runtime record; False if there was none."""
-        with self._write() as conn:
-            deleted: int = conn.execute("DELETE FROM runtime WHERE name = ?", (name,)).rowcount
-            return deleted > 0
-
-    def list_runtime(self) -> list[RuntimeRecord]:
-        """All runtime records, by job name."""
-        with self._read() as conn:
-            return [_runtime(row) for row in conn.execute("SELECT * FROM runtime ORDER BY name")]
 
     # allocations
 
     def replace_allocations(self, placements: Mapping[str, Placement], now: float) -> None:
         """Replace all allocations with ``placements`` (job -> placement) in one transaction.
 
-        ValueError if a GPU is placed twice, a host repeats within a job or has no GPUs;
-        KeyError if a job does not exist. On error nothing changes.
+        A job with an empty placement holds nothing and is not stored (the allocator's
+        decisions name pending jobs too). ValueError if a GPU is placed twice or a host of
+        a placement has no GPUs; KeyError if a job that holds GPUs does not exist. On
+        error nothing changes.
         """
+        held = {job: placement for job, placement in placements.items() if placement.size}
         rows: list[tuple[str, int, str, int, int]] = []
         owner: dict[tuple[str, int], str] = {}
-        for job, placement in placements.items():
-            seen_hosts: set[str] = set()
-            for host_ordinal, (host, gpus) in enumerate(placement):
-                if host in seen_hosts:
-                    raise ValueError(f"job {job!r}: host {host!r} appears twice in its placement")
+        for job, placement in held.items():
+            # A Placement has no host twice and no GPU twice on a host already.
+            for host_ordinal, (host, gpus) in enumerate(placement.hosts):
                 if not gpus:
                     raise ValueError(f"job {job!r}: host {host!r} has an empty GPU list")
-                seen_hosts.add(host)
                 for local_rank, gpu in enumerate(gpus):
                     other = owner.get((host, gpu))
                     if other is not None:
@@ -429,7 +398,7 @@ class Store:
                     owner[(host, gpu)] = job
                     rows.append((host, gpu, job, host_ordinal, local_rank))
         with self._write() as conn:
-            for job in placements:
+            for job in held:
                 _require_job(conn, job)
             conn.execute("DELETE FROM allocations")
             conn.executemany(
@@ -445,17 +414,20 @@ class Store:
 
     def allocations(self) -> dict[str, Placement]:
         """Job -> placement, jobs by name, hosts and GPUs in the order they were given."""
-        result: dict[str, Placement] = {}
+        hosts: dict[str, list[tuple[str, list[int]]]] = {}
         with self._read() as conn:
             rows = conn.execute(
                 "SELECT job, host, gpu FROM allocations ORDER BY job, host_ordinal, local_rank"
             ).fetchall()
         for row in rows:
-            placement = result.setdefault(row["job"], [])
+            placement = hosts.setdefault(row["job"], [])
             if not placement or placement[-1][0] != row["host"]:
                 placement.append((row["host"], []))
             placement[-1][1].append(row["gpu"])
-        return result
+        return {
+            job: Placement(tuple((host, tuple(gpus)) for host, gpus in placement))
+            for job, placement in hosts.items()
+        }
 
     def allocations_updated_at(self) -> float | None:
         """When ``replace_allocations`` last ran, or None if it never did."""
@@ -492,14 +464,6 @@ class Store:
                 "DELETE FROM reports WHERE job = ? AND seq <= ?",
                 (job, seq - self._max_reports_per_job),
             )
-
-    def last_report(self, job: str) -> Report | None:
-        """The job's newest report, or None."""
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT * FROM reports WHERE job = ? ORDER BY seq DESC LIMIT 1", (job,)
-            ).fetchone()
-        return None if row is None else _report(row)
 
     def reports(self, job: str, since: float | None = None, limit: int = 1000) -> list[Report]:
         """The job's newest ``limit`` reports with time >= ``since``, oldest first."""
@@ -645,16 +609,28 @@ class Store:
             _log.warning("state store %s: WAL mode unavailable, using %s journal", self.path, mode)
 
     def _ensure_schema(self) -> None:
+        """Create the schema of a new store, or migrate an older one, in one transaction."""
         with self._write() as conn:
             version = self._user_version()
+            if version == SCHEMA_VERSION:
+                return
+            self._check_version(version, readonly=False)
             if version == 0:
                 # executescript() would commit our transaction first; run statement by statement.
-                for statement in _SCHEMA_V1.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                statements = tuple(part for part in _SCHEMA.split(";") if part.strip())
             else:
-                self._check_version(version, readonly=False)
+                statements = tuple(
+                    statement
+                    for step in range(version + 1, SCHEMA_VERSION + 1)
+                    for statement in _MIGRATIONS[step]
+                )
+                _log.info(
+                    "state store %s: migrating schema %d -> %d", self.path, version, SCHEMA_VERSION
+                )
+            for statement in statements:
+                conn.execute(statement)
+            # user_version lives in the database header: it commits with the statements.
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _user_version(self) -> int:
         with self._errors("open"):
@@ -669,6 +645,60 @@ class Store:
             )
         if readonly and version == 0:
             raise StoreError(f"{self.path}: not a herd-operator state store (it has no schema)")
+        # A reader opens an older store as it is (the operator that owns it migrates it):
+        # every version it can meet has the tables and columns it reads.
+
+    def _job(self, row: sqlite3.Row, spec: Callable[[], HerdJob] | None = None) -> JobRecord:
+        """The record of a row: its status parsed unless parsed before, its spec on demand.
+
+        Called with the lock held (the caches are shared by the store's threads).
+        """
+        name: str = row["name"]
+        text: str = row["status_json"]
+        cached_status = self._statuses.get(name)
+        if cached_status is not None and cached_status[0] == text:
+            status = cached_status[1]
+        else:
+            status = self._parse(name, "status", lambda: _parse_status(text))
+            self._statuses[name] = (text, status)
+        uid: str = row["uid"]
+        generation: int = row["generation"]
+        if spec is None:
+            spec = functools.partial(self._spec, name, uid, generation, row["spec_json"])
+        return JobRecord(
+            name=name,
+            uid=uid,
+            spec_path=row["spec_path"],
+            fingerprint=row["fingerprint"],
+            generation=generation,
+            status=status,
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            load_spec=spec,
+        )
+
+    def _spec(self, name: str, uid: str, generation: int, text: str) -> HerdJob:
+        """The spec of a record, parsed once per (uid, generation); ``text`` is its row's."""
+        with self._lock:
+            cached = self._specs.get(name)
+            if cached is not None and cached[:2] == (uid, generation):
+                return cached[2]
+            spec = self._parse(name, "spec", lambda: HerdJob.model_validate_json(text))
+            self._specs[name] = (uid, generation, spec)
+            return spec
+
+    def _parse(self, name: str, what: str, parse: Callable[[], _Model]) -> _Model:
+        try:
+            return parse()
+        except ValueError as exc:  # pydantic's ValidationError is one
+            raise StoreError(
+                f"state store {self.path}: the stored {what} of job {name!r} is unreadable: {exc}"
+            ) from exc
+
+    def _forget_cached(self) -> None:
+        with self._lock:
+            self._statuses.clear()
+            self._specs.clear()
 
     @contextmanager
     def _errors(self, action: str) -> Iterator[None]:
@@ -707,11 +737,8 @@ class Store:
             self._conn.execute("COMMIT")
 
 
-def _require_json(text: str, what: str) -> None:
-    try:
-        json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{what} is not valid JSON: {exc}") from exc
+def _spec_json(job: HerdJob) -> str:
+    return job.model_dump_json(by_alias=True)
 
 
 def _unknown_job(name: str) -> KeyError:
@@ -723,30 +750,13 @@ def _require_job(conn: sqlite3.Connection, name: str) -> None:
         raise _unknown_job(name)
 
 
-def _job(row: sqlite3.Row) -> JobRecord:
-    return JobRecord(
-        name=row["name"],
-        uid=row["uid"],
-        spec_path=row["spec_path"],
-        spec_json=row["spec_json"],
-        fingerprint=row["fingerprint"],
-        generation=row["generation"],
-        status_json=row["status_json"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-    )
+def _parse_status(text: str) -> HerdJobStatus:
+    if text in ("", "{}"):  # a job not reconciled yet: no need to parse
+        return _EMPTY_STATUS
+    return HerdJobStatus.model_validate_json(text)
 
 
-def _runtime(row: sqlite3.Row) -> RuntimeRecord:
-    return RuntimeRecord(
-        name=row["name"],
-        launch_id=row["launch_id"],
-        pid=row["pid"],
-        started_at=row["started_at"],
-        generation=row["generation"],
-        restarts=row["restarts"],
-        launched_max=row["launched_max"],
-    )
+_EMPTY_STATUS = HerdJobStatus()
 
 
 def _report(row: sqlite3.Row) -> Report:

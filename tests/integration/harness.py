@@ -155,7 +155,7 @@ class OperatorHarness:
     def launch_id(self, name: str) -> str | None:
         with self.store() as store:
             record = store.get_job(name)
-        return None if record is None else json.loads(record.status_json).get("launchId")
+        return None if record is None else record.status.launch_id
 
     def diagnostics(self, name: str | None) -> str:
         parts = []

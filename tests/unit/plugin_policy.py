@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.base import Decision, JobObservations, clamp
+from policies.base import Decision, JobObservations, Signal, clamp
 from specs import HerdJob
 
 
@@ -17,6 +19,8 @@ class HalfParams(BaseModel):
 class HalfPolicy:
     """Asks for half of the job's max, clamped into [min, max]."""
 
+    observes: frozenset[Signal] = frozenset()
+
     Params = HalfParams
 
     def __init__(self, params: HalfParams) -> None:
@@ -27,6 +31,61 @@ class HalfPolicy:
         half = (most + 1) // 2 if self.params.round_up else most // 2
         gpus = clamp(job, half)
         return Decision(gpus, f"half: {gpus} of max {most}")
+
+
+class RecordingPolicy:
+    """Asks for max and keeps what it was shown, for the reconciler's tests."""
+
+    observes = frozenset({Signal.EPOCHS})
+    seen: ClassVar[list[JobObservations]] = []
+
+    Params = HalfParams
+
+    def __init__(self, params: HalfParams) -> None:
+        self.params = params
+
+    def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
+        self.seen.append(observed)
+        return Decision(job.spec.gpus.max, "recording")
+
+
+class LegacyPolicy:
+    """A plug-in written before policies declared what they observe: it sees the epochs."""
+
+    seen: ClassVar[list[JobObservations]] = []
+
+    Params = HalfParams
+
+    def __init__(self, params: HalfParams) -> None:
+        self.params = params
+
+    def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
+        self.seen.append(observed)
+        return Decision(job.spec.gpus.max, f"legacy: {len(observed.epochs)} epochs")
+
+
+class LegacyUsagePolicy(LegacyPolicy):
+    """A plug-in of that time that asked for GPU usage the way the reconciler then looked."""
+
+    needs_usage = True
+
+
+class SlottedLegacyPolicy:
+    """An older plug-in whose instances take no new attributes."""
+
+    __slots__ = ("params",)
+
+    Params = HalfParams
+
+    def __init__(self, params: HalfParams) -> None:
+        self.params = params
+
+    def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
+        return Decision(job.spec.gpus.max, "slotted")
+
+
+class BadObservesPolicy(LegacyPolicy):
+    observes = frozenset({"temperature"})
 
 
 class NoParamsPolicy:

@@ -160,9 +160,7 @@ def make_job(name: str, low: int, high: int) -> HerdJob:
 
 def record(store: Store, job: HerdJob, now: float) -> None:
     path = f"/jobs/{job.name}.yaml"
-    store.record_spec(
-        job.name, path, job.model_dump_json(by_alias=True), spec_fingerprint(job), now
-    )
+    store.record_spec(job.name, path, job, spec_fingerprint(job), now)
 
 
 @pytest.fixture
@@ -195,7 +193,7 @@ def state(tmp_path: Path) -> Path:
             policy_reason="static: max 4",
             grant_reason="admitted 0 -> 2: min 1 fits",
         )
-        store.put_status("train", status.model_dump_json(by_alias=True), created)
+        store.put_status("train", status, created)
         store.add_grant_change("train", 2, "admitted 0 -> 2: min 1 fits", created)
         now = time.time()
         store.add_event(None, "Normal", "OperatorStarted", "pool localhost:4", now - 1200)

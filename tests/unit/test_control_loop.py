@@ -38,7 +38,7 @@ from specs import ConditionType, get_condition
 from specs.values import Demand, Grant, Pool
 from tests.unit.test_reconciler import World, facts, herd_job, started
 
-SPEC = '{"gpus": {"min": 1, "max": 1}}'
+SPEC = herd_job(gpus=(1, 1))
 
 
 class FunctionReconciler:

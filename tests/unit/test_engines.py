@@ -43,7 +43,6 @@ from specs import (
     load_spec_text,
     spec_fingerprint,
 )
-from specs.status import HerdJobStatus
 from specs.values import Demand, Placement, Pool
 
 # Hang guard for waiting on processes; never a performance expectation.
@@ -132,8 +131,7 @@ class Runtime:
     def condition(self, name: str, condition_type: ConditionType) -> tuple[str, str]:
         record = self.store.get_job(name)
         assert record is not None
-        status = HerdJobStatus.model_validate_json(record.status_json)
-        found = get_condition(status.conditions, condition_type)
+        found = get_condition(record.status.conditions, condition_type)
         assert found is not None
         return found.status.value, found.message
 

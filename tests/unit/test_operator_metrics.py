@@ -12,7 +12,7 @@ from exporters.gpu import GpuReading
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver, job_usage
 from herd_operator.runtime.store import Store
-from specs import Condition, ConditionStatus
+from specs import Condition, ConditionStatus, HerdJob
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Placement, Pool
 
@@ -38,7 +38,7 @@ def record(store: Store, name: str, policy: dict[str, object] | None = None, **g
     spec["metadata"]["name"] = name
     if policy:
         spec["spec"]["policy"] = policy
-    store.record_spec(name, f"{name}.yaml", json.dumps(spec), name, 1.0)
+    store.record_spec(name, f"{name}.yaml", HerdJob.model_validate(spec), name, 1.0)
     status = HerdJobStatus(
         conditions=(
             Condition(
@@ -52,7 +52,7 @@ def record(store: Store, name: str, policy: dict[str, object] | None = None, **g
         gpus=GpuCounts(min=1, max=4, **gpus),
         epoch=3,
     )
-    store.put_status(name, status.model_dump_json(by_alias=True), 2.0)
+    store.put_status(name, status, 2.0)
 
 
 def test_state_collector_reads_jobs_pool_and_requests_at_scrape_time(tmp_path: Path) -> None:

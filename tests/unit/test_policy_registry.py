@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from importlib.metadata import EntryPoint, EntryPoints
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from policies import registry
-from policies.base import JobObservations, PolicyError
+from policies.base import JobObservations, PolicyError, Signal
 from policies.registry import ENTRY_POINT_GROUP, find_policy_class, load_policy
 from policies.static import StaticPolicy
 from specs import HerdJob, PolicyRef
 from tests.unit.plugin_policy import HalfPolicy
 
 PLUGIN = "tests.unit.plugin_policy"
+EXAMPLE_PLUGINS = Path(__file__).parents[2] / "examples" / "plugins"
 NOTHING_OBSERVED = JobObservations(started_at=0.0, allocated=0)
 
 
@@ -91,6 +93,52 @@ def test_plugin_params_are_validated_by_its_model() -> None:
     assert error.message == "Input should be a valid boolean"
     error = policy_error(PolicyRef(name=f"{PLUGIN}:HalfPolicy", params={"whole": 1}))
     assert error.field == "spec.policy.params.whole"
+
+
+@pytest.mark.parametrize(
+    ("name", "observes"),
+    [
+        ("static", set()),
+        ("memory", {Signal.EPOCHS, Signal.USAGE}),
+        ("schedule", {Signal.EPOCHS}),
+        (f"{PLUGIN}:HalfPolicy", set()),
+        ("herd_example_policy:LossPlateauPolicy", {Signal.EPOCHS}),
+    ],
+)
+def test_policies_declare_what_they_observe(
+    name: str, observes: set[Signal], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLE_PLUGINS))
+    params = {"steps": [{"atEpoch": 1, "gpus": 2}]} if name == "schedule" else {}
+    assert load_policy(PolicyRef(name=name, params=params)).observes == observes
+
+
+@pytest.mark.parametrize(
+    ("name", "observes"),
+    [
+        ("LegacyPolicy", {Signal.EPOCHS}),
+        ("LegacyUsagePolicy", {Signal.EPOCHS, Signal.USAGE}),
+        ("SlottedLegacyPolicy", {Signal.EPOCHS}),
+    ],
+)
+def test_a_plugin_that_declares_nothing_observes_what_every_policy_once_did(
+    name: str, observes: set[Signal]
+) -> None:
+    # Before policies declared it, every policy saw the epochs, and the GPU usage when its
+    # class said `needs_usage = True`: such a plug-in keeps working as it did.
+    for _ in range(2):  # filling it in once changes nothing for the next load
+        assert load_policy(PolicyRef(name=f"{PLUGIN}:{name}")).observes == observes
+    assert load_policy(PolicyRef(name=f"{PLUGIN}:LegacyPolicy")).observes == {Signal.EPOCHS}
+
+
+def test_observing_something_unknown_is_refused_naming_the_policy() -> None:
+    name = f"{PLUGIN}:BadObservesPolicy"
+    error = policy_error(PolicyRef(name=name))
+    assert error.field == "spec.policy.name"
+    assert error.message == (
+        f"{name!r} declares it observes frozenset({{'temperature'}}): expected a frozenset of"
+        " epochs, usage"
+    )
 
 
 def test_class_without_params_is_not_a_policy() -> None:

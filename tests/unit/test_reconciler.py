@@ -26,7 +26,8 @@ from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reaso
 from herd_operator.runtime.store import Event, GrantChange, Store
 from specs import Condition, ConditionType, HerdJob, get_condition
 from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Pool
+from specs.values import Pool, Report
+from tests.unit.plugin_policy import LegacyPolicy, RecordingPolicy
 
 RESYNC_S = 5.0
 STOP_POLL_S = 0.5
@@ -133,7 +134,7 @@ class World:
     def status(self, name: str) -> HerdJobStatus:
         record = self.store.get_job(name)
         assert record is not None, f"{name} is not in the store"
-        return HerdJobStatus.model_validate_json(record.status_json)
+        return record.status
 
     def condition(self, name: str, condition_type: ConditionType) -> Condition:
         found = get_condition(self.status(name).conditions, condition_type)
@@ -265,12 +266,12 @@ def test_reconciling_again_without_change_starts_nothing_and_adds_no_event(world
 
 
 def test_a_status_written_by_someone_else_is_read_again(world: World) -> None:
-    # The reconciler keeps the status it wrote, parsed; a different stored text (another
+    # The store keeps the status it wrote, parsed; a different stored text (another
     # writer: the operator's shutdown, an older version) must win over that copy.
     started(world, herd_job())
     world.reconcile("a")
     changed = world.status("a").model_copy(update={"epoch": 41, "restarts": 2})
-    world.store.put_status("a", changed.model_dump_json(by_alias=True), now=T0)
+    world.store.put_status("a", changed, now=T0)
     world.clock.advance(1.0)
 
     world.reconcile("a")
@@ -832,3 +833,88 @@ def test_grant_shrunk_to_admit_another_job_is_a_resized_event(world: World) -> N
     assert status.last_resize_at == T0 + 11.0
     assert world.launcher.stops == []
     assert world.launcher.starts == [("a", 1, 4), ("b", 1, 2)]
+
+
+# ---- what the policy is shown ----
+
+PLUGIN = "tests.unit.plugin_policy"
+
+
+def test_the_policy_is_shown_the_epochs_it_observes_as_the_store_returned_them(
+    world: World,
+) -> None:
+    RecordingPolicy.seen.clear()
+    started(world, herd_job(policy=f"{PLUGIN}:RecordingPolicy"))
+    world.clock.advance(1.0)
+    world.store.add_report("a", 0, 4, 1, {"loss": 0.5}, world.clock())
+    world.store.add_report("a", None, 3, 0, {}, world.clock() + 0.5)
+    world.store.add_usage("a", 4, 100, 1000, world.clock())
+    world.clock.advance(1.0)
+
+    world.reconcile("a")
+
+    observed = RecordingPolicy.seen[-1]
+    assert (observed.started_at, observed.allocated, observed.world_size) == (T0, 4, 3)
+    # The store's own values, rank and metrics included: nothing is copied field by field.
+    assert list(observed.epochs) == [Report(0, T0 + 1.0, 4, {"loss": 0.5}, rank=1)]
+    assert list(observed.usage) == []  # not observed: not even read
+    assert get_condition(world.status("a").conditions, ConditionType.MetricsStale) is None
+
+
+def test_a_policy_that_observes_usage_gets_samples_and_a_metrics_stale_condition(
+    world: World,
+) -> None:
+    started(world, herd_job(policy="memory"))
+    world.clock.advance(1.0)
+    world.store.add_usage("a", 4, 100, 1000, world.clock())
+    world.reconcile("a")
+    assert facts(world.condition("a", ConditionType.MetricsStale)) == ("False", "Fresh", "")
+
+    world.clock.advance(60.0)
+    world.reconcile("a")
+
+    assert facts(world.condition("a", ConditionType.MetricsStale)) == (
+        "True",
+        "NoRecentSamples",
+        "no GPU memory sample for 60s; the policy holds the job's size",
+    )
+
+
+def test_an_older_plugin_that_declares_nothing_is_shown_what_it_was_shown_before(
+    world: World,
+) -> None:
+    LegacyPolicy.seen.clear()
+    started(world, herd_job(policy=f"{PLUGIN}:LegacyPolicy"))
+    world.specs.put(herd_job("b", policy=f"{PLUGIN}:LegacyUsagePolicy"))
+    world.reconcile("b")
+    world.clock.advance(1.0)
+    for name in ("a", "b"):
+        world.store.add_report(name, 0, 4, 0, {}, world.clock())
+        world.store.add_usage(name, 4, 100, 1000, world.clock())
+    world.clock.advance(1.0)
+    LegacyPolicy.seen.clear()
+
+    world.reconcile("a")
+    world.reconcile("b")
+
+    plain, with_usage = LegacyPolicy.seen
+    assert (len(plain.epochs), len(plain.usage)) == (1, 0)
+    assert (len(with_usage.epochs), len(with_usage.usage)) == (1, 1)
+    assert get_condition(world.status("a").conditions, ConditionType.MetricsStale) is None
+    assert world.condition("b", ConditionType.MetricsStale).reason == "Fresh"
+
+
+def test_an_unchanged_status_is_not_written_again(world: World) -> None:
+    started(world, herd_job())
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")  # settles (Resizing and the like are set once)
+    record = world.store.get_job("a")
+    assert record is not None
+
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")
+
+    again = world.store.get_job("a")
+    assert again is not None
+    assert again.updated_at == record.updated_at  # nothing was written
+    assert again.status is record.status  # and nothing was parsed again

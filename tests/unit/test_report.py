@@ -45,10 +45,10 @@ def spec_json(name: str, low: int, high: int, policy: str = "") -> str:
 
 def add_job(store: Store, name: str, spec: str, created: float, condition: str, at: float) -> None:
     job = HerdJob.model_validate_json(spec)
-    store.record_spec(name, f"jobs/{name}.yaml", spec, spec_fingerprint(job), created)
+    store.record_spec(name, f"jobs/{name}.yaml", job, spec_fingerprint(job), created)
     conditions = set_condition((), condition, ConditionStatus.TRUE, condition, "", 1, at)
     status = HerdJobStatus(observed_generation=1, conditions=conditions)
-    store.put_status(name, status.model_dump_json(by_alias=True), at)
+    store.put_status(name, status, at)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,12 +170,18 @@ def test_duplicate_names_make_both_files_invalid(jobs: Path, specs: SpecDirector
     assert view is not None and view.job is not None and view.job.spec.gpus.max == 4
 
 
-def test_unnamed_broken_file_is_reported_apart(jobs: Path, specs: SpecDirectory) -> None:
+def test_unnamed_broken_file_is_reported_apart(
+    jobs: Path, specs: SpecDirectory, caplog: pytest.LogCaptureFixture
+) -> None:
     write(jobs / "broken.yaml", "spec: [unclosed\n")
-    assert specs.relist() == set()
+    with caplog.at_level(logging.WARNING, logger="herd_operator.runtime.specdir"):
+        assert specs.relist() == set()
+        assert specs.relist() == set()  # logged once, not on every relist
     assert specs.names() == []
-    (message,) = specs.unnamed_errors()
-    assert message.startswith(f"{jobs / 'broken.yaml'}: (file): YAML syntax error at line 2")
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        f"invalid spec file: {jobs / 'broken.yaml'}: (file): YAML syntax error at line 2"
+    )
 
 
 def test_syntax_error_in_a_known_file_keeps_the_name_as_invalid(

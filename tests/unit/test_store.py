@@ -9,18 +9,37 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from herd_operator.runtime import store as store_module
 from herd_operator.runtime.store import (
     DB_FILENAME,
     SCHEMA_VERSION,
     GrantChange,
-    RuntimeRecord,
     Store,
     StoreError,
 )
-from specs.values import UsageSample
+from specs import HerdJob
+from specs.status import GpuCounts, HerdJobStatus
+from specs.values import Placement, UsageSample
 
-SPEC = '{"gpus": {"min": 1, "max": 4}}'
+
+def make_spec(low: int = 1, high: int = 4, name: str = "resnet") -> HerdJob:
+    return HerdJob.model_validate(
+        {
+            "apiVersion": "herd/v1alpha1",
+            "kind": "HerdJob",
+            "metadata": {"name": name},
+            "spec": {"command": ["python", "train.py"], "gpus": {"min": low, "max": high}},
+        }
+    )
+
+
+SPEC = make_spec()
+
+
+def placed(*hosts: tuple[str, list[int]]) -> Placement:
+    return Placement(tuple((host, tuple(gpus)) for host, gpus in hosts))
 
 
 @pytest.fixture
@@ -32,18 +51,6 @@ def db_path(tmp_path: Path) -> Path:
 def store(db_path: Path) -> Iterator[Store]:
     with Store(db_path) as opened:
         yield opened
-
-
-def runtime(name: str, pid: int = 4242, generation: int = 1) -> RuntimeRecord:
-    return RuntimeRecord(
-        name=name,
-        launch_id=f"{name}-launch",
-        pid=pid,
-        started_at=10.0,
-        generation=generation,
-        restarts=0,
-        launched_max=4,
-    )
 
 
 # opening
@@ -109,6 +116,183 @@ def test_closed_store_raises_store_error(db_path: Path) -> None:
         store.list_jobs()
 
 
+# schema versions
+
+SCHEMA_V1 = """
+CREATE TABLE jobs (
+    name TEXT PRIMARY KEY,
+    uid TEXT NOT NULL UNIQUE,
+    spec_path TEXT NOT NULL,
+    spec_json TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    status_json TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE runtime (
+    name TEXT PRIMARY KEY REFERENCES jobs(name) ON DELETE CASCADE,
+    launch_id TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    generation INTEGER NOT NULL,
+    restarts INTEGER NOT NULL,
+    launched_max INTEGER NOT NULL
+);
+CREATE TABLE allocations (
+    host TEXT NOT NULL,
+    gpu INTEGER NOT NULL,
+    job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    host_ordinal INTEGER NOT NULL,
+    local_rank INTEGER NOT NULL,
+    PRIMARY KEY (host, gpu)
+);
+CREATE INDEX allocations_by_job ON allocations (job, host_ordinal, local_rank);
+CREATE TABLE reports (
+    job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    epoch INTEGER,
+    world_size INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    time REAL NOT NULL,
+    metrics_json TEXT NOT NULL,
+    PRIMARY KEY (job, seq)
+);
+CREATE TABLE gpu_usage (
+    job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    time REAL NOT NULL,
+    gpus INTEGER NOT NULL,
+    used_bytes INTEGER NOT NULL,
+    total_bytes INTEGER NOT NULL,
+    PRIMARY KEY (job, seq)
+);
+CREATE INDEX gpu_usage_by_time ON gpu_usage (job, time);
+CREATE TABLE grant_history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job TEXT NOT NULL,
+    time REAL NOT NULL,
+    gpus INTEGER NOT NULL,
+    reason TEXT NOT NULL
+);
+CREATE INDEX grant_history_by_job ON grant_history (job, id);
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    job TEXT,
+    type TEXT NOT NULL CHECK (type IN ('Normal', 'Warning')),
+    reason TEXT NOT NULL,
+    message TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    last_time REAL NOT NULL
+);
+CREATE INDEX events_by_job ON events (job, id);
+CREATE INDEX events_by_last_time ON events (last_time, id);
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+"""The schema of a version 1 store, as herd-operator 0.1 created it."""
+
+
+def make_v1_store(path: Path) -> None:
+    """A store as the first release left it: a job, with a row in the runtime table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = sqlite3.connect(path)
+    try:
+        raw.executescript(SCHEMA_V1)
+        raw.execute(
+            "INSERT INTO jobs (name, uid, spec_path, spec_json, fingerprint, generation,"
+            " status_json, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 1, ?, 1.0, 2.0)",
+            (
+                "resnet",
+                "0" * 32,
+                "/jobs/resnet.yaml",
+                SPEC.model_dump_json(by_alias=True),
+                "fp1",
+                '{"epoch": 3}',
+            ),
+        )
+        raw.execute("INSERT INTO runtime VALUES ('resnet', 'resnet-1', 4242, 1.0, 1, 0, 4)")
+        raw.execute("PRAGMA user_version = 1")
+        raw.commit()
+    finally:
+        raw.close()
+
+
+def tables(path: Path) -> set[str]:
+    raw = sqlite3.connect(path)
+    try:
+        rows = raw.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+        return {row[0] for row in rows} - {"sqlite_sequence"}
+    finally:
+        raw.close()
+
+
+def user_version(path: Path) -> int:
+    raw = sqlite3.connect(path)
+    try:
+        version: int = raw.execute("PRAGMA user_version").fetchone()[0]
+        return version
+    finally:
+        raw.close()
+
+
+def test_a_new_store_is_created_at_the_current_version_without_the_runtime_table(
+    db_path: Path,
+) -> None:
+    Store(db_path).close()
+    assert SCHEMA_VERSION == 2
+    assert user_version(db_path) == 2
+    assert tables(db_path) == {
+        "jobs",
+        "allocations",
+        "reports",
+        "gpu_usage",
+        "grant_history",
+        "events",
+        "meta",
+    }
+
+
+def test_a_reader_reads_a_version_1_store_as_it_is(db_path: Path) -> None:
+    make_v1_store(db_path)
+    with Store.open_readonly(db_path) as reader:
+        job = reader.get_job("resnet")
+        assert job is not None
+        assert (job.spec, job.status.epoch, job.generation) == (SPEC, 3, 1)
+        assert [record.name for record in reader.list_jobs()] == ["resnet"]
+        assert reader.allocations() == {}
+    assert user_version(db_path) == 1  # a reader never migrates
+    assert "runtime" in tables(db_path)
+
+
+def test_the_writer_migrates_a_version_1_store(db_path: Path) -> None:
+    make_v1_store(db_path)
+    with Store(db_path) as store:
+        job = store.get_job("resnet")
+        assert job is not None and (job.uid, job.status.epoch) == ("0" * 32, 3)
+    assert user_version(db_path) == SCHEMA_VERSION
+    assert "runtime" not in tables(db_path)
+    with Store(db_path) as again:  # migrated once: opening again changes nothing
+        assert again.get_job("resnet") == job
+
+
+def test_a_failed_migration_leaves_the_store_at_its_version(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_v1_store(db_path)
+    monkeypatch.setitem(
+        store_module._MIGRATIONS, 2, ("DROP TABLE runtime", "SELECT * FROM no_such_table")
+    )
+    with pytest.raises(StoreError, match="no such table: no_such_table"):
+        Store(db_path)
+    # One transaction: the table dropped before the failure is back, the version unchanged.
+    assert user_version(db_path) == 1
+    assert "runtime" in tables(db_path)
+
+
 # jobs
 
 
@@ -116,8 +300,9 @@ def test_first_record_gets_generation_one_and_a_fresh_uid(store: Store) -> None:
     job = store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=100.0)
     assert job.name == "resnet"
     assert len(job.uid) == 32 and int(job.uid, 16) >= 0
-    assert (job.generation, job.fingerprint, job.spec_json) == (1, "fp1", SPEC)
-    assert (job.status_json, job.created_at, job.updated_at) == ("{}", 100.0, 100.0)
+    assert (job.generation, job.fingerprint, job.spec) == (1, "fp1", SPEC)
+    assert job.spec is SPEC  # what was just written is not parsed back
+    assert (job.status, job.created_at, job.updated_at) == (HerdJobStatus(), 100.0, 100.0)
     assert store.get_job("resnet") == job
     assert store.get_job("missing") is None
 
@@ -135,11 +320,11 @@ def test_same_fingerprint_keeps_generation_and_may_move_spec_path(store: Store) 
 
 def test_new_fingerprint_bumps_generation_and_replaces_spec(store: Store) -> None:
     first = store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=100.0)
-    new_spec = '{"gpus": {"min": 2, "max": 8}}'
+    new_spec = make_spec(2, 8)
     second = store.record_spec("resnet", "/jobs/r.yaml", new_spec, "fp2", now=200.0)
     third = store.record_spec("resnet", "/jobs/r.yaml", SPEC, "fp1", now=300.0)
-    assert (second.generation, second.spec_json, second.spec_path) == (2, new_spec, "/jobs/r.yaml")
-    assert (third.generation, third.spec_json) == (3, SPEC)
+    assert (second.generation, second.spec, second.spec_path) == (2, new_spec, "/jobs/r.yaml")
+    assert (third.generation, third.spec) == (3, SPEC)
     assert third.uid == first.uid
     assert third.created_at == 100.0
     assert third.updated_at == 300.0
@@ -156,57 +341,110 @@ def test_recreated_job_gets_a_new_uid_and_starts_over(store: Store) -> None:
     assert recreated.created_at == 200.0
 
 
-def test_invalid_json_is_refused(store: Store) -> None:
-    with pytest.raises(ValueError, match=r"^spec_json is not valid JSON: "):
-        store.record_spec("resnet", "/jobs/resnet.yaml", "{not json", "fp1", now=1.0)
-    assert store.get_job("resnet") is None
+def test_a_stored_spec_or_status_that_no_longer_parses_is_a_store_error(store: Store) -> None:
     store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
-    with pytest.raises(ValueError, match=r"^status_json is not valid JSON: "):
-        store.put_status("resnet", "", now=2.0)
+    raw = sqlite3.connect(store.path)
+    raw.execute('UPDATE jobs SET status_json = \'{"epoch": "many"}\'')
+    raw.commit()
+    with pytest.raises(StoreError, match=r"the stored status of job 'resnet' is unreadable"):
+        store.get_job("resnet")
+    raw.execute("UPDATE jobs SET status_json = '{}', spec_json = '{}', generation = 2")
+    raw.commit()
+    raw.close()
+    # The spec is parsed when it is asked for, not with every read of the job.
+    (job,) = store.list_jobs()
+    assert job.generation == 2
+    with pytest.raises(StoreError, match=r"the stored spec of job 'resnet' is unreadable"):
+        job.spec  # noqa: B018
 
 
 def test_put_status_replaces_status_and_refuses_unknown_job(store: Store) -> None:
     store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=100.0)
-    store.put_status("resnet", '{"observedGeneration": 1}', now=150.0)
+    assert store.put_status("resnet", HerdJobStatus(observed_generation=1), now=150.0) is True
     job = store.get_job("resnet")
     assert job is not None
-    assert (job.status_json, job.updated_at, job.generation) == (
-        '{"observedGeneration": 1}',
+    assert (job.status, job.updated_at, job.generation) == (
+        HerdJobStatus(observed_generation=1),
         150.0,
         1,
     )
     with pytest.raises(KeyError) as excinfo:
-        store.put_status("ghost", "{}", now=1.0)
+        store.put_status("ghost", HerdJobStatus(epoch=1), now=1.0)
     assert excinfo.value.args == ("no job named 'ghost' in the state store",)
+
+
+def test_a_status_equal_to_the_stored_one_is_not_written(store: Store) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=100.0)
+    status = HerdJobStatus(epoch=3, gpus=GpuCounts(min=1, max=4, allocated=2))
+    assert store.put_status("resnet", status, now=150.0) is True
+    # An equal status, as another model (a reconcile builds a new one each time).
+    again = status.model_copy(update={"epoch": 3})
+    assert store.put_status("resnet", again, now=160.0) is False
+    job = store.get_job("resnet")
+    assert job is not None and (job.status, job.updated_at) == (status, 150.0)
+    assert store.put_status("resnet", status.model_copy(update={"epoch": 4}), now=170.0) is True
+    job = store.get_job("resnet")
+    assert job is not None and (job.status.epoch, job.updated_at) == (4, 170.0)
+    # Not written is not written: a reader sees the same row.
+    with Store.open_readonly(store.path) as reader:
+        assert reader.get_job("resnet") == job
+
+
+def test_the_stored_status_is_compared_as_last_read(db_path: Path) -> None:
+    """Another writer's change is seen by the next read, and then written over."""
+    with Store(db_path) as store, Store(db_path) as other:
+        store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+        mine = HerdJobStatus(epoch=1)
+        assert store.put_status("resnet", mine, now=2.0) is True
+        assert other.put_status("resnet", HerdJobStatus(epoch=2), now=3.0) is True
+        job = store.get_job("resnet")
+        assert job is not None and job.status.epoch == 2
+        assert store.put_status("resnet", mine, now=4.0) is True
+        job = other.get_job("resnet")
+        assert job is not None and job.status == mine
+
+
+def test_reads_of_an_unchanged_row_share_the_parsed_models(store: Store) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    store.put_status("resnet", HerdJobStatus(epoch=1), now=2.0)
+    with Store.open_readonly(store.path) as reader:
+        first, second = reader.get_job("resnet"), reader.get_job("resnet")
+        assert first is not None and second is not None
+        assert first.status is second.status and first.spec is second.spec
+        # A write by the operator is seen by the reader's next read, never its cache.
+        store.put_status("resnet", HerdJobStatus(epoch=2), now=3.0)
+        store.record_spec("resnet", "/jobs/resnet.yaml", make_spec(2, 8), "fp2", now=3.0)
+        third = reader.get_job("resnet")
+        assert third is not None
+        assert (third.status.epoch, third.spec.spec.gpus.min, third.generation) == (2, 2, 2)
+    writer_view = store.get_job("resnet")
+    assert writer_view is not None and writer_view.spec == make_spec(2, 8)
+
+
+def test_statuses_are_immutable(store: Store) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    job = store.get_job("resnet")
+    assert job is not None
+    with pytest.raises(ValidationError, match="frozen"):
+        job.status.epoch = 3  # type: ignore[misc]
+
+
+def test_a_failed_group_commit_forgets_what_it_wrote(store: Store) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    status = HerdJobStatus(epoch=1)
+    with pytest.raises(StoreError), store.transaction():
+        store.put_status("resnet", status, now=2.0)
+        store._conn.execute("ROLLBACK")  # as a failed COMMIT leaves it (e.g. disk full)
+    # Written again at once, without a read in between: the rolled-back text is not trusted.
+    assert store.put_status("resnet", status, now=3.0) is True
+    job = store.get_job("resnet")
+    assert job is not None and (job.status, job.updated_at) == (status, 3.0)
 
 
 def test_list_jobs_is_sorted_by_name(store: Store) -> None:
     for name in ["zeta", "alpha", "mid"]:
         store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
     assert [job.name for job in store.list_jobs()] == ["alpha", "mid", "zeta"]
-
-
-# runtime
-
-
-def test_runtime_put_get_replace_list_delete(store: Store) -> None:
-    for name in ["b", "a"]:
-        store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
-        store.put_runtime(runtime(name))
-    replaced = RuntimeRecord("a", "a-launch-2", 777, 20.0, 2, 1, 8)
-    store.put_runtime(replaced)
-    assert store.get_runtime("a") == replaced
-    assert store.list_runtime() == [replaced, runtime("b")]
-    assert store.delete_runtime("a") is True
-    assert store.delete_runtime("a") is False
-    assert store.get_runtime("a") is None
-    assert store.get_job("a") is not None
-
-
-def test_runtime_of_unknown_job_is_refused(store: Store) -> None:
-    with pytest.raises(KeyError, match="no job named 'ghost'"):
-        store.put_runtime(runtime("ghost"))
-    assert store.list_runtime() == []
 
 
 # allocations
@@ -216,8 +454,8 @@ def test_allocations_keep_host_and_local_rank_order(store: Store) -> None:
     for name in ["resnet", "bert"]:
         store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
     placements = {
-        "resnet": [("nid0009", [3, 1]), ("nid0002", [2, 0])],
-        "bert": [("nid0002", [3]), ("nid0009", [0, 2])],
+        "resnet": placed(("nid0009", [3, 1]), ("nid0002", [2, 0])),
+        "bert": placed(("nid0002", [3]), ("nid0009", [0, 2])),
     }
     store.replace_allocations(placements, now=50.0)
     assert store.allocations() == placements
@@ -229,10 +467,16 @@ def test_replace_allocations_replaces_the_whole_table(store: Store) -> None:
     for name in ["resnet", "bert"]:
         store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
     assert store.allocations_updated_at() is None
-    store.replace_allocations({"resnet": [("h", [0, 1])], "bert": [("h", [2])]}, now=1.0)
+    store.replace_allocations(
+        {"resnet": placed(("h", [0, 1])), "bert": placed(("h", [2]))}, now=1.0
+    )
     # The GPU bert had moves to resnet: legal because the old rows go in the same transaction.
-    store.replace_allocations({"resnet": [("h", [0, 1, 2])], "bert": []}, now=2.0)
-    assert store.allocations() == {"resnet": [("h", [0, 1, 2])]}
+    # A job that holds nothing (bert, and a pending job not recorded yet) has no rows.
+    store.replace_allocations(
+        {"resnet": placed(("h", [0, 1, 2])), "bert": Placement.EMPTY, "new": Placement.EMPTY},
+        now=2.0,
+    )
+    assert store.allocations() == {"resnet": placed(("h", [0, 1, 2]))}
     store.replace_allocations({}, now=3.0)
     assert store.allocations() == {}
     assert store.allocations_updated_at() == 3.0
@@ -241,13 +485,13 @@ def test_replace_allocations_replaces_the_whole_table(store: Store) -> None:
 def test_gpu_placed_for_two_jobs_is_refused_and_nothing_changes(store: Store) -> None:
     for name in ["resnet", "bert"]:
         store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
-    before = {"resnet": [("h", [0])]}
+    before = {"resnet": placed(("h", [0]))}
     store.replace_allocations(before, now=1.0)
     with pytest.raises(ValueError) as excinfo:
-        store.replace_allocations({"resnet": [("h", [0, 1])], "bert": [("h", [1])]}, now=2.0)
+        store.replace_allocations(
+            {"resnet": placed(("h", [0, 1])), "bert": placed(("h", [1]))}, now=2.0
+        )
     assert str(excinfo.value) == "GPU h:1 is placed twice (jobs 'resnet' and 'bert')"
-    with pytest.raises(ValueError, match=r"^GPU h:1 is placed twice \(jobs 'bert' and 'bert'\)$"):
-        store.replace_allocations({"bert": [("h", [1, 1])]}, now=2.0)
     assert store.allocations() == before
     assert store.allocations_updated_at() == 1.0
 
@@ -256,7 +500,7 @@ def test_schema_primary_key_refuses_a_gpu_in_two_jobs(db_path: Path) -> None:
     with Store(db_path) as store:
         for name in ["resnet", "bert"]:
             store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
-        store.replace_allocations({"resnet": [("h", [0])]}, now=1.0)
+        store.replace_allocations({"resnet": placed(("h", [0]))}, now=1.0)
     raw = sqlite3.connect(db_path)
     try:
         with pytest.raises(sqlite3.IntegrityError, match="UNIQUE constraint failed"):
@@ -270,39 +514,39 @@ def test_schema_primary_key_refuses_a_gpu_in_two_jobs(db_path: Path) -> None:
 
 def test_bad_placements_are_refused(store: Store) -> None:
     store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp", now=1.0)
-    with pytest.raises(
-        ValueError, match=r"^job 'resnet': host 'h' appears twice in its placement$"
-    ):
-        store.replace_allocations({"resnet": [("h", [0]), ("g", [0]), ("h", [1])]}, now=1.0)
+    # A host twice, or a GPU twice on a host, is refused by Placement itself.
     with pytest.raises(ValueError, match=r"^job 'resnet': host 'h' has an empty GPU list$"):
-        store.replace_allocations({"resnet": [("h", [])]}, now=1.0)
+        store.replace_allocations({"resnet": placed(("g", [0]), ("h", []))}, now=1.0)
     with pytest.raises(KeyError, match="no job named 'ghost'"):
-        store.replace_allocations({"resnet": [("h", [0])], "ghost": [("h", [1])]}, now=1.0)
+        store.replace_allocations(
+            {"resnet": placed(("h", [0])), "ghost": placed(("h", [1]))}, now=1.0
+        )
     assert store.allocations() == {}
 
 
 # cascades
 
 
-def test_delete_job_takes_runtime_allocations_and_reports_but_keeps_logs(store: Store) -> None:
+def test_delete_job_takes_allocations_reports_and_usage_but_keeps_logs(store: Store) -> None:
     for name in ["resnet", "bert"]:
         store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
-        store.put_runtime(runtime(name))
         store.add_report(name, 1, 2, 0, {"loss": 0.5}, now=2.0)
+        store.add_usage(name, 2, 100, 1000, now=2.0)
         store.add_event(name, "Normal", "Launched", "started", now=3.0)
         store.add_grant_change(name, 2, "admitted", now=3.0)
-    store.replace_allocations({"resnet": [("h", [0, 1])], "bert": [("h", [2])]}, now=4.0)
+    store.replace_allocations(
+        {"resnet": placed(("h", [0, 1])), "bert": placed(("h", [2]))}, now=4.0
+    )
 
     store.delete_job("resnet")
 
-    assert store.get_runtime("resnet") is None
-    assert store.allocations() == {"bert": [("h", [2])]}
-    assert store.last_report("resnet") is None
+    assert store.allocations() == {"bert": placed(("h", [2]))}
     assert store.reports("resnet") == []
+    assert store.usage("resnet") == []
     assert [event.job for event in store.events()] == ["resnet", "bert"]
     assert [change.job for change in store.grant_history()] == ["resnet", "bert"]
-    assert store.get_runtime("bert") == runtime("bert")
-    assert store.last_report("bert") is not None
+    assert len(store.reports("bert")) == 1
+    assert len(store.usage("bert")) == 1
 
 
 # reports
@@ -316,8 +560,7 @@ def test_reports_are_returned_oldest_first_with_since_and_limit(store: Store) ->
     assert [r.epoch for r in store.reports("resnet")] == [0, 1, 2, 3, 4, None]
     assert [r.epoch for r in store.reports("resnet", since=13.0)] == [3, 4, None]
     assert [r.epoch for r in store.reports("resnet", limit=2)] == [4, None]
-    last = store.last_report("resnet")
-    assert last is not None
+    last = store.reports("resnet", limit=1)[-1]
     assert (last.epoch, last.world_size, last.rank, last.time, dict(last.metrics)) == (
         None,
         2,
@@ -451,11 +694,11 @@ def test_snapshot_holds_one_consistent_view(store: Store) -> None:
             # The view is fixed on entry, before any read inside.
             store.record_spec("bert", "/jobs/bert.yaml", SPEC, "fp1", now=2.0)
             assert len(reader.list_jobs()) == 1
-            store.replace_allocations({"bert": [("h", [0])]}, now=2.0)
+            store.replace_allocations({"bert": placed(("h", [0]))}, now=2.0)
             assert len(reader.list_jobs()) == 1
             assert reader.allocations() == {}
         assert len(reader.list_jobs()) == 2
-        assert reader.allocations() == {"bert": [("h", [0])]}
+        assert reader.allocations() == {"bert": placed(("h", [0]))}
 
 
 def test_writes_inside_a_snapshot_are_refused(store: Store) -> None:
@@ -468,16 +711,16 @@ def test_writes_inside_a_snapshot_are_refused(store: Store) -> None:
 def test_data_survives_reopening(db_path: Path) -> None:
     writer = Store(db_path)
     writer.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
-    writer.put_runtime(runtime("resnet"))
+    writer.put_status("resnet", HerdJobStatus(launch_id="resnet-1"), now=1.0)
     # A second writer while the first is still open (as after a crash without close()).
     with Store(db_path) as second:
         job = second.get_job("resnet")
         assert job is not None and job.generation == 1
-        assert second.get_runtime("resnet") == runtime("resnet")
+        assert job.status.launch_id == "resnet-1"
         second.add_event("resnet", "Normal", "Adopted", "pid 4242", now=2.0)
     writer.close()
     with Store(db_path) as reopened:
-        assert reopened.get_runtime("resnet") == runtime("resnet")
+        assert reopened.get_job("resnet") == job
         assert [e.reason for e in reopened.events()] == ["Adopted"]
         assert reopened.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", 3.0) == job
 
@@ -524,13 +767,13 @@ def test_transaction_commits_its_writes_once_at_the_end(store: Store) -> None:
     with Store.open_readonly(store.path) as reader:
         with store.transaction():
             store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
-            store.put_status("resnet", '{"epoch": 3}', now=2.0)
+            store.put_status("resnet", HerdJobStatus(epoch=3), now=2.0)
             store.add_event("resnet", "Normal", "Started", "pid 1", now=2.0)
             assert store.get_job("resnet") is not None  # the writer reads its own writes
             assert reader.list_jobs() == []  # nobody else sees them yet
             assert reader.events() == []
         job = reader.get_job("resnet")
-        assert job is not None and job.status_json == '{"epoch": 3}'
+        assert job is not None and job.status == HerdJobStatus(epoch=3)
         assert [event.reason for event in reader.events()] == ["Started"]
 
 
@@ -538,7 +781,9 @@ def test_a_failing_write_inside_a_transaction_undoes_only_itself(store: Store) -
     with store.transaction():
         store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
         with pytest.raises(KeyError, match="no job named 'ghost'"):
-            store.replace_allocations({"resnet": [("h", [0])], "ghost": [("h", [1])]}, now=2.0)
+            store.replace_allocations(
+                {"resnet": placed(("h", [0])), "ghost": placed(("h", [1]))}, now=2.0
+            )
         store.add_grant_change("resnet", 1, "admitted", now=3.0)
     assert store.get_job("resnet") is not None
     assert store.allocations() == {}  # the failed replacement left nothing behind
@@ -579,7 +824,7 @@ def test_other_threads_wait_for_a_transaction_to_end(store: Store) -> None:
         written.set()
 
     with store.transaction():
-        store.put_status("resnet", '{"epoch": 1}', now=2.0)
+        store.put_status("resnet", HerdJobStatus(epoch=1), now=2.0)
         thread = threading.Thread(target=report_from_another_thread)
         thread.start()
         assert entered.wait(5)
