@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from controllers.errors import PermanentError, TemporaryError
 from controllers.ports import (
@@ -29,7 +29,7 @@ from controllers.ports import (
     SpecView,
     StorePort,
 )
-from policies.base import JobObservations, PolicyError, Signal
+from policies.base import JobObservations, Policy, PolicyError, Signal
 from policies.registry import load_policy
 from specs import (
     Condition,
@@ -42,7 +42,7 @@ from specs import (
     spec_fingerprint,
 )
 from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Demand, Grant
+from specs.values import Demand, Grant, Report
 
 log = logging.getLogger(__name__)
 
@@ -149,96 +149,29 @@ class JobReconciler:
         job, problem, record = self._accept_spec(view, now)
         if job is None or record is None:
             return Result()
-        status = record.status
         generation = record.generation
-        conditions = status.conditions
-        if problem:
-            conditions = set_condition(
-                conditions, ConditionType.SpecValid, FALSE, "InvalidSpec", problem, generation, now
-            )
-        else:
-            conditions = set_condition(
-                conditions, ConditionType.SpecValid, TRUE, "Valid", "", generation, now
-            )
-        status = status.model_copy(update={"conditions": conditions})
+        status = _with_spec_validity(record.status, problem, generation, now)
 
         process = self.launcher.state(name)
         if process.phase == ProcessPhase.EXITED:
-            superseded = self._relaunch_reason(process, job)
-            if superseded:
-                # It exited while the spec moved on to something it could not have run:
-                # that exit says nothing about the new spec, which runs from scratch.
-                self.launcher.forget(name)
-                self._event(name, "Normal", "Relaunching", superseded, now)
-                status = self._restart_fresh(status, generation, now)
-            else:
-                status = self._on_exit(name, job, status, process, generation, now)
+            status = self._after_exit(name, job, status, process, generation, now)
             process = ProcessState(ProcessPhase.ABSENT)
 
-        finished = is_true(status.conditions, ConditionType.Succeeded) or is_true(
-            status.conditions, ConditionType.Failed
-        )
-        if finished and status.observed_generation == generation:
-            self.allocator.release(name)
-            status = status.model_copy(
-                update={
-                    "gpus": _counts(job, status, None, 0, None),
-                    "placement": [],
-                    "grant_reason": "",
-                }
-            )
-            self._save(name, status, generation, now)
-            return Result()
-        if finished:  # the spec changed since it finished: run it again
-            status = self._restart_fresh(status, generation, now)
+        if _finished(status):
+            if status.observed_generation == generation:
+                return self._stay_finished(name, job, status, generation, now)
+            status = self._restart_fresh(status, generation, now)  # the spec changed since
 
         if process.phase in (ProcessPhase.RUNNING, ProcessPhase.STOPPING):
-            reason = self._relaunch_reason(process, job)
-            if reason and process.phase == ProcessPhase.RUNNING:
-                self.launcher.stop(name)
-                self._event(name, "Normal", "Relaunching", reason, now)
-                process = ProcessState(ProcessPhase.STOPPING, launch=process.launch)
-            if process.phase == ProcessPhase.STOPPING:
-                self._hold_gpus(name, job.spec.priority, record.created_at)
-                status = status.model_copy(
-                    update={
-                        "conditions": set_condition(
-                            status.conditions,
-                            ConditionType.Running,
-                            FALSE,
-                            "Stopping",
-                            reason or "waiting for the job's processes to exit",
-                            generation,
-                            now,
-                        )
-                    }
-                )
-                self._save(name, status, generation, now)
-                return Result(requeue_after=self.stop_poll_seconds)
+            stopping = self._stop_if_superseded(name, job, record, status, process, now)
+            if stopping is not None:
+                return stopping
 
-        try:
-            policy = load_policy(job.spec.policy)
-        except PolicyError as err:  # validated in _accept_spec; a plug-in can still vanish
-            raise PermanentError(str(err), reason="PolicyUnavailable") from err
+        policy = self._policy(job)
         launch = process.launch
         since = launch.started_at if launch else now
         reports = self.store.reports(name, since=since, limit=1000)
-        # Only what the policy declares it observes is gathered: usage costs a query.
-        observes = policy.observes
-        observed = JobObservations(
-            started_at=since,
-            allocated=status.gpus.allocated if status.gpus else 0,
-            world_size=reports[-1].world_size if reports else None,
-            last_resize=status.last_resize_at
-            if status.last_resize_at and status.last_resize_at >= since
-            else None,
-            epochs=[report for report in reports if report.epoch is not None]
-            if Signal.EPOCHS in observes
-            else (),
-            usage=self.store.usage(name, since=max(since, now - USAGE_HISTORY_SECONDS))
-            if Signal.USAGE in observes
-            else (),
-        )
+        observed = self._observe(name, policy, status, reports, since, now)
         decision = policy.desired(job, observed, now)
         grant = self.allocator.request(
             Demand(
@@ -258,7 +191,129 @@ class JobReconciler:
 
         if process.phase == ProcessPhase.ABSENT:
             return self._start_or_wait(name, job, status, grant, decision.gpus, generation, now)
+        return self._running(
+            name, job, status, grant, decision.gpus, reports, observed, policy, generation, now
+        )
 
+    # ---- steps ----
+
+    def _after_exit(
+        self,
+        name: str,
+        job: HerdJob,
+        status: HerdJobStatus,
+        process: ProcessState,
+        generation: int,
+        now: float,
+    ) -> HerdJobStatus:
+        """The job's processes exited: a success, a failure to retry or give up on, or a run
+        the spec had already moved past."""
+        superseded = self._relaunch_reason(process, job)
+        if not superseded:
+            return self._on_exit(name, job, status, process, generation, now)
+        # It exited while the spec moved on to something it could not have run: that exit
+        # says nothing about the new spec, which runs from scratch.
+        self.launcher.forget(name)
+        self._event(name, "Normal", "Relaunching", superseded, now)
+        return self._restart_fresh(status, generation, now)
+
+    def _stay_finished(
+        self, name: str, job: HerdJob, status: HerdJobStatus, generation: int, now: float
+    ) -> Result:
+        """A job that succeeded or failed for this spec holds nothing and waits for an edit."""
+        self.allocator.release(name)
+        status = status.model_copy(
+            update={
+                "gpus": _counts(job, status, None, 0, None),
+                "placement": [],
+                "grant_reason": "",
+            }
+        )
+        self._save(name, status, generation, now)
+        return Result()
+
+    def _stop_if_superseded(
+        self,
+        name: str,
+        job: HerdJob,
+        record: JobRecord,
+        status: HerdJobStatus,
+        process: ProcessState,
+        now: float,
+    ) -> Result | None:
+        """Stop processes the spec has moved past; while they stop, hold their GPUs.
+
+        None when the running processes can follow the spec.
+        """
+        reason = self._relaunch_reason(process, job)
+        if reason and process.phase == ProcessPhase.RUNNING:
+            self.launcher.stop(name)
+            self._event(name, "Normal", "Relaunching", reason, now)
+            process = ProcessState(ProcessPhase.STOPPING, launch=process.launch)
+        if process.phase != ProcessPhase.STOPPING:
+            return None
+        self._hold_gpus(name, job.spec.priority, record.created_at)
+        conditions = set_condition(
+            status.conditions,
+            ConditionType.Running,
+            FALSE,
+            "Stopping",
+            reason or "waiting for the job's processes to exit",
+            record.generation,
+            now,
+        )
+        self._save(
+            name, status.model_copy(update={"conditions": conditions}), record.generation, now
+        )
+        return Result(requeue_after=self.stop_poll_seconds)
+
+    def _policy(self, job: HerdJob) -> Policy:
+        try:
+            return load_policy(job.spec.policy)
+        except PolicyError as err:  # validated in _accept_spec; a plug-in can still vanish
+            raise PermanentError(str(err), reason="PolicyUnavailable") from err
+
+    def _observe(
+        self,
+        name: str,
+        policy: Policy,
+        status: HerdJobStatus,
+        reports: Sequence[Report],
+        since: float,
+        now: float,
+    ) -> JobObservations:
+        """What the policy sees of this run; only what it declares it observes is gathered
+        (usage costs a query)."""
+        observes = policy.observes
+        return JobObservations(
+            started_at=since,
+            allocated=status.gpus.allocated if status.gpus else 0,
+            world_size=reports[-1].world_size if reports else None,
+            last_resize=status.last_resize_at
+            if status.last_resize_at and status.last_resize_at >= since
+            else None,
+            epochs=[report for report in reports if report.epoch is not None]
+            if Signal.EPOCHS in observes
+            else (),
+            usage=self.store.usage(name, since=max(since, now - USAGE_HISTORY_SECONDS))
+            if Signal.USAGE in observes
+            else (),
+        )
+
+    def _running(
+        self,
+        name: str,
+        job: HerdJob,
+        status: HerdJobStatus,
+        grant: Grant,
+        desired: int,
+        reports: Sequence[Report],
+        observed: JobObservations,
+        policy: Policy,
+        generation: int,
+        now: float,
+    ) -> Result:
+        """A running job: its conditions and counts from the grant and the workers' reports."""
         active = reports[-1].world_size if reports else None
         epochs = [report.epoch for report in reports if report.epoch is not None]
         epoch = epochs[-1] if epochs else status.epoch
@@ -284,7 +339,7 @@ class JobReconciler:
         was_resizing = get_condition(status.conditions, ConditionType.Resizing)
         if not resizing and was_resizing is not None and was_resizing.status == TRUE and active:
             self.observer.resize_completed(name, now - was_resizing.last_transition_time)
-        if Signal.USAGE in observes:
+        if Signal.USAGE in policy.observes:
             conditions = self._metrics_condition(conditions, observed, generation, now)
         conditions = set_condition(
             conditions,
@@ -298,14 +353,12 @@ class JobReconciler:
         status = status.model_copy(
             update={
                 "conditions": conditions,
-                "gpus": _counts(job, status, decision.gpus, grant.placement.size, active),
+                "gpus": _counts(job, status, desired, grant.placement.size, active),
                 "epoch": epoch,
             }
         )
         self._save(name, status, generation, now)
         return Result(requeue_after=self.resync_seconds)
-
-    # ---- steps ----
 
     def _accept_spec(
         self, view: SpecView, now: float
@@ -602,6 +655,32 @@ class JobReconciler:
     def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:
         self.store.add_event(job, type, reason, message, now)
         (log.warning if type == "Warning" else log.info)("%s: %s: %s", job, reason, message)
+
+
+def _with_spec_validity(
+    status: HerdJobStatus, problem: str, generation: int, now: float
+) -> HerdJobStatus:
+    if problem:
+        conditions = set_condition(
+            status.conditions,
+            ConditionType.SpecValid,
+            FALSE,
+            "InvalidSpec",
+            problem,
+            generation,
+            now,
+        )
+    else:
+        conditions = set_condition(
+            status.conditions, ConditionType.SpecValid, TRUE, "Valid", "", generation, now
+        )
+    return status.model_copy(update={"conditions": conditions})
+
+
+def _finished(status: HerdJobStatus) -> bool:
+    return is_true(status.conditions, ConditionType.Succeeded) or is_true(
+        status.conditions, ConditionType.Failed
+    )
 
 
 def _counts(
