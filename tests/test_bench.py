@@ -212,6 +212,20 @@ def test_job_cpu_counts_only_the_processes_that_name_the_marker(tmp_path: Path) 
         process.wait()
 
 
+def test_the_scale_child_starts_without_the_spec_models() -> None:
+    """The `scale` baseline (libyaml loads in a child) is measured against its own peak memory:
+    a child that imported pydantic and the models would lift the baseline by ~15 MB."""
+    probe = (
+        "import sys, herd_operator.bench.scale; "
+        "heavy = ('pydantic', 'specs', 'herd_operator.runtime'); "
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
+
+
 def test_generated_spec_files_are_valid_and_distinct(tmp_path: Path) -> None:
     write_specs(tmp_path, 25)
     loaded = [load_spec_file(path) for path in sorted(tmp_path.iterdir())]

@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from specs import HerdJob
-
 Better = Literal["lower", "higher"]
 
 
@@ -400,15 +398,3 @@ def write_results(
     report = output / "benchmarks.json"
     report.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
     return markdown, report
-
-
-def bench_job(name: str) -> HerdJob:
-    """A job for benchmarks that need one in the store but never run it."""
-    return HerdJob.model_validate(
-        {
-            "apiVersion": "herd/v1alpha1",
-            "kind": "HerdJob",
-            "metadata": {"name": name},
-            "spec": {"command": ["true"], "gpus": {"min": 1, "max": 1}},
-        }
-    )
