@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# A real launcher and its exit callback, for the launcher's and the Horovod engine's tests.
+from tests.unit.test_launcher import exits, launcher  # noqa: F401
+
 # A real store and allocator with fake processes and specs, for tests that drive the
 # reconciler (test_reconciler) or the loop around it (test_control_loop).
 from tests.unit.test_reconciler import world  # noqa: F401

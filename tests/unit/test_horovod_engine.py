@@ -8,8 +8,7 @@ import os
 import re
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,8 @@ from specs import HerdJob, HerdJobSpec
 from specs.values import Placement
 
 # Hang guard for waiting on processes; never a performance expectation.
-GUARD_S = 20.0
+from tests.unit.test_launcher import GUARD_S, Exits
+
 PYTHON = "/opt/env/bin/python"
 HOROVODRUN = "/opt/env/bin/horovodrun"
 
@@ -264,26 +264,6 @@ done
 printf '<%s>\\n' "$@"
 exit "$FAKE_EXIT"
 """
-
-
-class Exits:
-    def __init__(self) -> None:
-        self.called = threading.Event()
-
-    def __call__(self, job: str) -> None:
-        self.called.set()
-
-
-@pytest.fixture
-def exits() -> Exits:
-    return Exits()
-
-
-@pytest.fixture
-def launcher(exits: Exits) -> Iterator[Launcher]:
-    launcher = Launcher(exits, grace_seconds=1)
-    yield launcher
-    launcher.stop_all(timeout=GUARD_S)
 
 
 @pytest.mark.parametrize("code", [0, 3])
