@@ -71,6 +71,9 @@ say "installing $(basename "$wheel")"
 say "installing herd-operator (editable) with its train, report and dev extras"
 "${pip[@]}" install -q -e "$root[train,report,dev]"
 
-"$venv/bin/horovodrun" --check-build | grep -q '\[X\] PyTorch' || { say "Horovod has no PyTorch support"; exit 1; }
+# Read the whole report before matching: `grep -q` stops reading at the first match, and
+# horovodrun then dies of a broken pipe, which pipefail turns into a failed check.
+build_report=$("$venv/bin/horovodrun" --check-build)
+grep -q '\[X\] PyTorch' <<<"$build_report" || { say "Horovod has no PyTorch support"; exit 1; }
 echo "$stamp" > "$venv/.herd-bootstrap"
 say "ready: $venv"
