@@ -328,10 +328,14 @@ class Allocator:
             if binding.job in decided
             and binding.local_rank < len(decided[binding.job].placement.gpus_on(binding.host))
         }
-        self._on_decision({job: grant.placement for job, grant in decided.items()})
-        for job in changed:
-            if job != caller:
-                self._changed(job, decided[job])
+        try:
+            self._on_decision({job: grant.placement for job, grant in decided.items()})
+        finally:
+            # The decision stands (grants are published) even when recording it failed: the
+            # jobs it moved must hear of it, or a job admitted here would wait unwoken.
+            for job in changed:
+                if job != caller:
+                    self._changed(job, decided[job])
 
     def _start_drains(
         self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float

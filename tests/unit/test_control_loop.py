@@ -515,3 +515,31 @@ def test_a_bad_report_names_the_field(
     handler = ReportHandler(store, one_gpu(layout), lambda name: None)
     with pytest.raises(BadRequest, match=message):
         handler(dict(args))
+
+
+def test_jobs_a_decision_moved_are_woken_even_when_the_store_refuses_it(
+    layout: StateLayout, store: Store
+) -> None:
+    refusing = False
+
+    def record(placements: object) -> None:
+        if refusing:
+            raise StoreError("disk full")
+
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 1}),
+        GrantPublisher(layout),
+        virtual=True,
+        drain_seconds=0,
+        on_decision=record,
+    )
+    _, queue, _ = loop_for(lambda name: None, allocator, store)
+    allocator.request(Demand("first", 1, 1, 1, arrival=1.0))
+    waiting = allocator.request(Demand("second", 1, 1, 1, arrival=2.0))
+    assert waiting is not None and not waiting.admitted
+    refusing = True
+    with pytest.raises(StoreError):
+        allocator.release("first")  # frees the GPU: second is admitted in this decision
+    grant = allocator.grant("second")
+    assert grant is not None and grant.admitted
+    assert ready(queue) == ["second"]
