@@ -23,6 +23,7 @@ from unittest import mock
 import yaml
 
 from herd_operator.bench.harness import Context, Row, Stats
+from herd_operator.bench.jobs import bench_job
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
@@ -270,7 +271,7 @@ def run_decision_to_grant(ctx: Context) -> list[Row]:
     layout = StateLayout(ctx.scratch / "state")
     layout.create()
     store = Store(layout.database)
-    store.record_spec("bench", "jobs/bench.yaml"("bench"), "fingerprint", time.time())
+    store.record_spec("bench", "jobs/bench.yaml", bench_job("bench"), "fingerprint", time.time())
     publisher = GrantPublisher(layout)
     allocator = Allocator(
         Pool.from_counts({"localhost": gpus}),

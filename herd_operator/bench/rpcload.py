@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from herd_operator.bench.harness import Context, Row, Stats, percentile
+from herd_operator.bench.jobs import bench_job
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, RpcClient, RpcServer
 from herd_operator.runtime.allocator import Allocator
@@ -178,7 +179,7 @@ def run_allocator_rpc(ctx: Context) -> list[Row]:
     layout = StateLayout(ctx.scratch / "state")
     layout.create()
     store = Store(layout.database)
-    store.record_spec(JOB, "jobs/bench.yaml"(JOB), "fingerprint", time.time())
+    store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
     allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
     allocator.request(Demand(JOB, 1, 4, 4))
     handlers = {"bind": allocator.handle_bind, "report": report_handler(store)}
