@@ -117,7 +117,17 @@ _SAFE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoad
 
 
 def load_spec_text(text: str, file: str) -> SpecFile:
-    """Validate the YAML text of one spec; `file` labels the errors."""
+    """Validate the YAML text of one spec; `file` labels the errors. Never raises: a file
+    that trips an error nobody foresaw is one more invalid spec, not a stopped operator."""
+    try:
+        return _load_spec_text(text, file)
+    except Exception as exc:
+        return _failed(
+            Path(file), None, f"cannot be loaded: {type(exc).__name__}: {_clip(str(exc))}"
+        )
+
+
+def _load_spec_text(text: str, file: str) -> SpecFile:
     path = Path(file)
     try:
         documents = [doc for doc in yaml.load_all(text, Loader=_SAFE_LOADER) if doc is not None]
@@ -127,6 +137,11 @@ def load_spec_text(text: str, file: str) -> SpecFile:
         return _failed(path, None, f"invalid YAML: {exc}")
     except RecursionError:
         return _failed(path, None, "YAML is nested too deeply")
+    except (ValueError, KeyError, AttributeError, TypeError, OverflowError, IndexError) as exc:
+        # PyYAML's constructors raise these for values its grammar accepts but cannot build:
+        # `2024-02-30` (a date that does not exist), `!!int abc`, `!!bool abc`, integers of
+        # more digits than Python converts. A bad value is a spec error like any other.
+        return _failed(path, None, _unreadable_value_message(text, exc))
     if not documents:
         return _failed(path, None, "file is empty")
     raw = documents[0]
@@ -236,6 +251,41 @@ def _yaml_error_message(exc: yaml.MarkedYAMLError) -> str:
     if exc.context and exc.context_mark is not None and exc.problem:
         message += f" ({exc.context} at {_where(exc.context_mark)})"
     return message
+
+
+def _unreadable_value_message(text: str, exc: Exception) -> str:
+    """Where the value is that PyYAML parsed but could not build, and why.
+
+    PyYAML's error carries no position, so the scalars are built again one at a time (only
+    when loading failed: the usual path pays nothing) to find the first that fails.
+    """
+    constructor = yaml.constructor.SafeConstructor()
+    try:
+        pending = [node for node in yaml.compose_all(text, Loader=yaml.SafeLoader) if node]
+    except (yaml.YAMLError, RecursionError):
+        pending = []
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, yaml.MappingNode):
+            pending[:0] = [item for pair in node.value for item in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            pending[:0] = list(node.value)
+        elif isinstance(node, yaml.ScalarNode):
+            try:
+                constructor.construct_object(node)
+            except Exception as err:
+                tag = node.tag.rsplit(":", 1)[-1]
+                return (
+                    f"YAML error at {_where(node.start_mark)}: {_clip(node.value, 40)!r} is not"
+                    f" a valid {tag} ({_clip(str(err) or type(err).__name__, 80)})"
+                )
+    return f"YAML value that cannot be read: {_clip(str(exc) or type(exc).__name__)}"
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    """A library's message, shortened: it may quote the file, and logs repeat it."""
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _where(mark: yaml.Mark) -> str:

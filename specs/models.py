@@ -39,6 +39,17 @@ POLICY_NAME_PATTERN = (
 ENGINE_KIND_PATTERN = r"^[a-z][a-z0-9-]*$"
 HOROVOD_ENGINE = "horovod"
 
+# Upper bounds on every integer a spec holds: far above any real value, low enough that no
+# arithmetic, JSON encoding or Prometheus sample on them can overflow or fail.
+MAX_GPUS = 65_536
+"""GPUs of one job: 16,384 nodes of 4 GPUs."""
+MAX_PRIORITY = 1_000_000
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
+MAX_COUNT = 1_000_000
+"""Restarts and resets."""
+MAX_JSON_INT = 2**63
+"""Integers in policy params: what JSON readers everywhere take exactly."""
+
 
 class ApiModel(BaseModel):
     """Base of every API model: camelCase in YAML, snake_case in Python, immutable."""
@@ -52,8 +63,8 @@ class GpuRange(ApiModel):
     """How many GPUs the job can run on; the operator keeps it within [min, max]."""
 
     # Strict so that YAML like `min: "2"` or `min: true` is an error, not a silent coercion.
-    min: int = Field(strict=True, ge=1)
-    max: int = Field(strict=True, ge=1)
+    min: int = Field(strict=True, ge=1, le=MAX_GPUS)
+    max: int = Field(strict=True, ge=1, le=MAX_GPUS)
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> GpuRange:
@@ -96,8 +107,8 @@ class PolicyRef(ApiModel):
 class HorovodOptions(ApiModel):
     """Options passed through to `horovodrun` for elastic training."""
 
-    elastic_timeout_seconds: int = Field(default=600, strict=True, gt=0)
-    reset_limit: int | None = Field(default=None, strict=True, ge=0)
+    elastic_timeout_seconds: int = Field(default=600, strict=True, gt=0, le=MAX_TIMEOUT_SECONDS)
+    reset_limit: int | None = Field(default=None, strict=True, ge=0, le=MAX_COUNT)
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -142,7 +153,7 @@ class RestartPolicy(ApiModel):
     """Whether a failed job is started again, and how many times."""
 
     on_failure: bool = Field(default=False, strict=True)
-    backoff_limit: int = Field(default=3, strict=True, ge=0)
+    backoff_limit: int = Field(default=3, strict=True, ge=0, le=MAX_COUNT)
 
 
 def _check_env_name(name: str) -> str:
@@ -167,7 +178,7 @@ class HerdJobSpec(ApiModel):
         json_schema_extra={"propertyNames": {"pattern": ENV_NAME_PATTERN}},
     )
     gpus: GpuRange
-    priority: int = Field(default=0, strict=True)
+    priority: int = Field(default=0, strict=True, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     policy: PolicyRef = Field(default_factory=PolicyRef)
     engine: EngineRef = Field(default_factory=EngineRef)
     horovod: HorovodOptions = Field(default_factory=HorovodOptions)
@@ -289,6 +300,8 @@ def _json_problem(params: dict[str, Any]) -> str | None:
                 pending.append((f"{path}.{key}", child, False))
         elif isinstance(item, list):
             pending.extend((f"{path}[{index}]", child, False) for index, child in enumerate(item))
+        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_JSON_INT:
+            return f"{path}: integers must be within +-2^63, got one of {item.bit_length()} bits"
         elif item is not None and not isinstance(item, str | int | float | bool):
             return (
                 f"{path}: must be a string, number, boolean, null, list or mapping, "

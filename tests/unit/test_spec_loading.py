@@ -275,6 +275,65 @@ def test_syntax_errors_say_where_and_why(text: str, where: str, why: tuple[str, 
     assert all(part in message for part in why), message
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("2024-02-30", "'2024-02-30' is not a valid timestamp (day is out of range for month)"),
+        ("!!int abc", "'abc' is not a valid int (invalid literal for int() with base 10: 'abc')"),
+        ("!!bool abc", "'abc' is not a valid bool ("),
+        ("!!timestamp abc", "'abc' is not a valid timestamp ("),
+        ("9" * 5000, "is not a valid int (Exceeds the limit (4300 digits)"),
+    ],
+    ids=["impossible-date", "int-tag", "bool-tag", "timestamp-tag", "5000-digit-int"],
+)
+def test_a_value_yaml_parses_but_cannot_build_is_a_spec_error(value: str, message: str) -> None:
+    # PyYAML raises ValueError, KeyError or AttributeError for these, not a YAMLError.
+    [(field, said)] = problems(
+        job_yaml("a", f"{{command: [x], gpus: {{min: 1, max: 1}}, priority: {value}}}")
+    )
+    assert field == "(file)"
+    assert said.startswith("YAML error at line 4, column "), said
+    assert message in said, said
+    assert len(said) < 200, "a long value is clipped, not repeated in every log line"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "message"),
+    [
+        ("gpus: {min: 1, max: 1%s}" % ("0" * 400), "spec.gpus.max", "less than or equal to 65536"),
+        (
+            "gpus: {min: 1, max: 1}, priority: 2000000",
+            "spec.priority",
+            "less than or equal to 1000000",
+        ),
+        (
+            "gpus: {min: 1, max: 1}, policy: {name: static, params: {x: 0x%s}}" % ("f" * 5000),
+            "spec.policy.params",
+            "x: integers must be within +-2^63, got one of 20000 bits",
+        ),
+        (
+            "gpus: {min: 1, max: 1}, restartPolicy: {backoffLimit: 10000000}",
+            "spec.restartPolicy.backoffLimit",
+            "less than or equal to 1000000",
+        ),
+    ],
+    ids=["huge-max", "huge-priority", "huge-param", "huge-backoff"],
+)
+def test_every_integer_has_an_upper_bound(spec: str, field: str, message: str) -> None:
+    [(said_field, said)] = problems(job_yaml("a", f"{{command: [x], {spec}}}"))
+    assert said_field == field
+    assert message in said, said
+
+
+def test_an_unforeseen_loader_error_is_a_spec_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(text: str, file: str) -> SpecFile:
+        raise LookupError("a bug nobody foresaw")
+
+    monkeypatch.setattr(loading, "_load_spec_text", broken)
+    [(field, message)] = problems(GOOD)
+    assert (field, message) == ("(file)", "cannot be loaded: LookupError: a bug nobody foresaw")
+
+
 def test_very_deep_nesting_does_not_crash() -> None:
     [(field, message)] = problems("spec: " + "[" * 5000 + "]" * 5000 + "\n")
     assert field == "(file)"

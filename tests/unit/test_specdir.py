@@ -228,3 +228,21 @@ def test_files_are_reread_only_when_their_stat_changes(
     write(jobs / "a.yaml", spec_text("a", 2))
     assert specs.relist() == {"a"}
     assert reads == ["a.yaml", "b.yaml", "b.yaml", "a.yaml"]
+
+
+def test_a_value_yaml_cannot_build_leaves_the_other_specs_running(
+    jobs: Path, specs: SpecDirectory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One file with `priority: 2024-02-30` once froze every relist (a traceback each time)."""
+    write(jobs / "good.yaml", spec_text("good"))
+    write(jobs / "bad.yaml", spec_text("bad") + "  priority: 2024-02-30\n")
+    with caplog.at_level(logging.WARNING):
+        assert specs.relist() == {"good"}
+        good = specs.view("good")
+        assert good is not None and good.job is not None
+        assert specs.view("bad") is None  # the file could not be read far enough to name it
+        write(jobs / "later.yaml", spec_text("later"))
+        assert specs.relist() == {"later"}  # new specs still start
+    warnings = [r.getMessage() for r in caplog.records if "bad.yaml" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # said once, not on every relist
+    assert "'2024-02-30' is not a valid timestamp" in warnings[0]

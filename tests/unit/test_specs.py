@@ -316,6 +316,7 @@ def test_json_schema_structure() -> None:
     assert spec["properties"]["env"]["propertyNames"]["pattern"] == "^[A-Za-z_][A-Za-z0-9_]*$"
     assert definitions["GpuRange"]["properties"]["min"] == {
         "minimum": 1,
+        "maximum": 65536,
         "title": "Min",
         "type": "integer",
     }
