@@ -166,7 +166,10 @@ class ControlLoop:
             outcome = Outcome.TEMPORARY_ERROR
             requeue_after = self.queue.backoff(name)
             log.warning("%s: %s; retrying in %.1fs", name, err, requeue_after)
-        except Exception:
+        except (Exception, SystemExit):
+            # SystemExit too: plug-in code (a policy) may call sys.exit; one job's bug must
+            # not end the loop and stop every job. (Ctrl-C and signals stop the operator
+            # through its stop event, not through exceptions here.)
             outcome = Outcome.UNEXPECTED_ERROR
             requeue_after = self.queue.backoff(name)
             log.exception("%s: reconcile failed; retrying in %.1fs", name, requeue_after)

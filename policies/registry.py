@@ -49,8 +49,12 @@ def find_policy_class(name: str) -> PolicyClass:
         module_name, _, attr = name.partition(":")
         try:
             found: Any = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise PolicyError("spec.policy.name", f"cannot load {name!r}: {err}") from err
+        except (Exception, SystemExit) as err:
+            # A module runs code when imported: whatever it raises (even SystemExit, as
+            # `unittest.__main__` does) is this spec's problem, never the operator's end.
+            raise PolicyError(
+                "spec.policy.name", f"cannot load {name!r}: {_describe_error(err)}"
+            ) from err
     else:
         matches = entry_points(group=ENTRY_POINT_GROUP, name=name)
         if not matches:
@@ -63,8 +67,10 @@ def find_policy_class(name: str) -> PolicyClass:
             )
         try:
             found = next(iter(matches)).load()
-        except Exception as err:  # a broken plug-in must not take the operator down
-            raise PolicyError("spec.policy.name", f"cannot load plug-in {name!r}: {err}") from err
+        except (Exception, SystemExit) as err:  # a broken plug-in must not end the operator
+            raise PolicyError(
+                "spec.policy.name", f"cannot load plug-in {name!r}: {_describe_error(err)}"
+            ) from err
     params = getattr(found, "Params", None)
     if not (isinstance(params, type) and issubclass(params, BaseModel)) or not callable(found):
         raise PolicyError(
@@ -84,10 +90,22 @@ def load_policy(ref: PolicyRef) -> Policy:
         where = ".".join(str(part) for part in first["loc"])
         field = "spec.policy.params" + (f".{where}" if where else "")
         raise PolicyError(field, first["msg"]) from err
-    policy = cls(params)
+    try:
+        policy = cls(params)
+    except (Exception, SystemExit) as err:
+        raise PolicyError(
+            "spec.policy.name", f"{ref.name!r} cannot be built: {_describe_error(err)}"
+        ) from err
     if ref.name not in BUILTIN_POLICIES:  # the built-ins declare it (their tests check)
         _check_observes(policy, ref.name)
     return policy
+
+
+def _describe_error(err: BaseException) -> str:
+    text = str(err)
+    if isinstance(err, SystemExit):
+        return f"it tried to exit the process (SystemExit {text or 0})"
+    return text or type(err).__name__
 
 
 def _check_observes(policy: Policy, name: str) -> None:

@@ -543,3 +543,14 @@ def test_jobs_a_decision_moved_are_woken_even_when_the_store_refuses_it(
     grant = allocator.grant("second")
     assert grant is not None and grant.admitted
     assert ready(queue) == ["second"]
+
+
+def test_a_reconcile_that_calls_sys_exit_does_not_end_the_loop(
+    layout: StateLayout, store: Store
+) -> None:
+    def exits(name: str) -> Result:
+        raise SystemExit(1)  # a plug-in policy's desired() calling sys.exit
+
+    loop, queue, _ = loop_for(exits, one_gpu(layout), store)
+    assert handle(loop, "a") == Outcome.UNEXPECTED_ERROR
+    assert queue.failures("a") == 1

@@ -184,3 +184,33 @@ def test_broken_entry_point_plugin_is_a_policy_error(monkeypatch: pytest.MonkeyP
     error = policy_error(PolicyRef(name="broken"))
     assert error.field == "spec.policy.name"
     assert error.message == "cannot load plug-in 'broken': No module named 'no_such_module_here'"
+
+
+@pytest.mark.parametrize(
+    ("module_text", "message"),
+    [
+        ("raise SystemExit(3)\n", "it tried to exit the process (SystemExit 3)"),
+        ("raise RuntimeError('import-time bug')\n", "import-time bug"),
+        (
+            "from pydantic import BaseModel\n"
+            "class Exiting:\n"
+            "    class Params(BaseModel):\n"
+            "        pass\n"
+            "    def __init__(self, params):\n"
+            "        raise SystemExit\n",
+            "cannot be built: it tried to exit the process (SystemExit 0)",
+        ),
+    ],
+    ids=["exit-on-import", "error-on-import", "exit-on-build"],
+)
+def test_a_plugin_that_raises_anything_is_a_spec_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module_text: str, message: str
+) -> None:
+    """`policy.name: unittest.__main__:TestProgram` once ended the operator (SystemExit)."""
+    module = f"herd_test_hostile_{abs(hash(module_text))}"
+    (tmp_path / f"{module}.py").write_text(module_text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PolicyError) as caught:
+        load_policy(PolicyRef(name=f"{module}:Exiting"))
+    assert caught.value.field == "spec.policy.name"
+    assert message in str(caught.value)
