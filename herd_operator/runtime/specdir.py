@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +27,11 @@ from specs import (
     load_spec_file,
     spec_fingerprint,
 )
+from specs.models import DNS_LABEL_PATTERN
 
 log = logging.getLogger(__name__)
+
+DNS_LABEL = re.compile(DNS_LABEL_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,14 @@ class SpecDirectory:
         declared: dict[str, str] = {}
         spec_files = []
         for file_name, (_, spec_file) in files.items():
-            if spec_file.name is None and file_name in self._declared:
+            if (
+                spec_file.job is None
+                and file_name in self._declared
+                and (spec_file.name is None or not DNS_LABEL.fullmatch(spec_file.name))
+            ):
+                # A file that no longer names a job (or names one that cannot exist, like
+                # `ALPHA`) still speaks for the job it declared: that job keeps its last good
+                # spec (SpecValid=False) instead of being deleted.
                 spec_file = dataclasses.replace(spec_file, name=self._declared[file_name])
             if spec_file.name is not None:
                 declared[file_name] = spec_file.name

@@ -246,3 +246,20 @@ def test_a_value_yaml_cannot_build_leaves_the_other_specs_running(
     warnings = [r.getMessage() for r in caplog.records if "bad.yaml" in r.getMessage()]
     assert len(warnings) == 1, warnings  # said once, not on every relist
     assert "'2024-02-30' is not a valid timestamp" in warnings[0]
+
+
+def test_an_invalid_name_in_a_running_jobs_file_keeps_the_job(
+    jobs: Path, specs: SpecDirectory
+) -> None:
+    """`name: alpha` -> `name: ALPHA` once deleted the running job alpha."""
+    write(jobs / "a.yaml", spec_text("alpha"))
+    assert specs.relist() == {"alpha"}
+    write(jobs / "a.yaml", spec_text("ALPHA"))
+    assert specs.relist() == {"alpha"}
+    view = specs.view("alpha")
+    assert view is not None and view.job is None  # invalid now: the last good spec runs on
+    assert any("metadata.name" in error for error in view.errors), view.errors
+    assert specs.view("ALPHA") is None
+    write(jobs / "a.yaml", spec_text("beta"))  # a valid new name is a new job
+    assert specs.relist() == {"alpha", "beta"}
+    assert specs.view("alpha") is None
