@@ -521,7 +521,18 @@ class JobReconciler:
         try:
             launch = self.launcher.start(job, generation, size)
         except (OSError, RuntimeError) as err:
-            raise TemporaryError(f"cannot launch {name}: {err}") from err
+            # Shown where people look (a missing workingDir, no horovodrun on PATH), then
+            # retried with backoff: the cause may be fixed without touching the spec.
+            message = f"cannot launch {name}: {err}"
+            self._event(name, "Warning", "LaunchFailed", message, now)
+            conditions = set_condition(
+                conditions, ConditionType.Running, FALSE, "LaunchFailed", message, generation, now
+            )
+            status = status.model_copy(
+                update={"conditions": conditions, "gpus": _counts(job, status, desired, size, None)}
+            )
+            self._save(name, status, generation, now)
+            raise TemporaryError(message) from err
         self._event(
             name, "Normal", "Started", f"{launch.command} pid {launch.pid} with {size} workers", now
         )

@@ -164,16 +164,25 @@ def _check_env_name(name: str) -> str:
     return name
 
 
+def _check_no_nul(text: str) -> str:
+    # The OS cannot pass a NUL byte in an argument, a variable or a path: such a spec could
+    # never launch, so it is refused here rather than retried forever.
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL byte (\\0)")
+    return text
+
+
 EnvName = Annotated[str, AfterValidator(_check_env_name)]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
+LaunchStr = Annotated[str, AfterValidator(_check_no_nul)]
+NonEmptyStr = Annotated[str, Field(min_length=1), AfterValidator(_check_no_nul)]
 
 
 class HerdJobSpec(ApiModel):
     """Desired state of one elastic training job."""
 
     command: list[NonEmptyStr] = Field(min_length=1)
-    working_dir: str | None = None
-    env: dict[EnvName, str] = Field(
+    working_dir: LaunchStr | None = None
+    env: dict[EnvName, LaunchStr] = Field(
         default_factory=dict,
         json_schema_extra={"propertyNames": {"pattern": ENV_NAME_PATTERN}},
     )

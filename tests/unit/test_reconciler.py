@@ -691,6 +691,16 @@ def test_launch_error_is_temporary(world: World) -> None:
     with pytest.raises(TemporaryError, match=r"^cannot launch a: horovodrun: not found$"):
         world.reconcile("a")
     assert world.launcher.starts == []
+    # Shown where people look, not only in the operator's log.
+    running = world.condition("a", ConditionType.Running)
+    assert facts(running) == ("False", "LaunchFailed", "cannot launch a: horovodrun: not found")
+    assert world.status("a").summary() == "LaunchFailed"
+    assert ("Warning", "LaunchFailed", "cannot launch a: horovodrun: not found") in world.events(
+        "a"
+    )
+    world.launcher.start_error = None  # fixed without touching the spec: the retry starts it
+    world.reconcile("a")
+    assert facts(world.condition("a", ConditionType.Running))[:2] == ("True", "Started")
 
 
 # ---- 9: deletion ----

@@ -325,6 +325,21 @@ def test_every_integer_has_an_upper_bound(spec: str, field: str, message: str) -
     assert message in said, said
 
 
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ('{command: ["py\\0thon"], gpus: {min: 1, max: 1}}', "spec.command[0]"),
+        ('{command: [x], env: {A: "a\\0b"}, gpus: {min: 1, max: 1}}', "spec.env.A"),
+        ('{command: [x], workingDir: "/tmp\\0x", gpus: {min: 1, max: 1}}', "spec.workingDir"),
+    ],
+    ids=["command", "env", "workingDir"],
+)
+def test_a_nul_byte_that_could_never_launch_is_refused(spec: str, field: str) -> None:
+    [(said_field, said)] = problems(job_yaml("a", spec))
+    assert said_field == field
+    assert "must not contain a NUL byte" in said, said
+
+
 def test_an_unforeseen_loader_error_is_a_spec_error(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(text: str, file: str) -> SpecFile:
         raise LookupError("a bug nobody foresaw")
