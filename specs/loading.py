@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,8 +89,16 @@ def is_spec_filename(name: str) -> bool:
 def load_spec_file(path: Path) -> SpecFile:
     """Load and validate one spec file; problems are reported in `errors`."""
     try:
-        with path.open("rb") as stream:
-            size = os.fstat(stream.fileno()).st_size
+        # Non-blocking: a FIFO swapped in for the file must not hang the reader (opening one
+        # for reading blocks until a writer comes). The opened descriptor is what is checked.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(descriptor, "rb") as stream:
+            status = os.fstat(descriptor)
+            if not stat.S_ISREG(status.st_mode):
+                return _failed(
+                    path, None, f"not a regular file ({_file_kind(status.st_mode)}); not read"
+                )
+            size = status.st_size
             # Ask for the size the file has (+1 to see growth), not the limit: read(n)
             # allocates n bytes first, and 1 MiB per file was 40% of a 10,000-file relist.
             data = stream.read(min(size, MAX_SPEC_BYTES) + 1)
@@ -280,6 +289,19 @@ def _unreadable_value_message(text: str, exc: Exception) -> str:
                     f" a valid {tag} ({_clip(str(err) or type(err).__name__, 80)})"
                 )
     return f"YAML value that cannot be read: {_clip(str(exc) or type(exc).__name__)}"
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 def _clip(text: str, limit: int = 120) -> str:

@@ -53,6 +53,8 @@ class SpecDirectory:
         # The job name each file declared when it last could be read: a file that no
         # longer parses far enough to show its name still speaks for that job.
         self._declared: dict[str, str] = {}
+        # Entries named like specs that are not read, and why: said once, not every relist.
+        self._skipped: dict[str, str] = {}
 
     def view(self, name: str) -> SpecView | None:
         with self._lock:
@@ -62,9 +64,24 @@ class SpecDirectory:
         with self._lock:
             return sorted(self._views)
 
+    def _skip_reason(self, entry: os.DirEntry[str]) -> str | None:
+        """Why an entry named like a spec is not read (None: it is read)."""
+        if entry.is_symlink():
+            target = Path(entry.path).resolve()
+            if self.directory.resolve() not in target.parents:
+                # The operator's user may read what the spec's author may not (the token
+                # file, say); and errors would quote the target's lines into the log.
+                return f"a link to {target}, outside the spec directory"
+            if not target.exists():
+                return "a dangling link"
+        if not entry.is_file():
+            return "not a regular file"
+        return None
+
     def relist(self) -> set[str]:
         """Re-read the directory; returns the names whose view changed (new and deleted too)."""
         files: dict[str, tuple[_Stamp, SpecFile]] = {}
+        skipped: dict[str, str] = {}
         try:
             entries = list(os.scandir(self.directory))
         except FileNotFoundError:
@@ -74,17 +91,22 @@ class SpecDirectory:
             if not is_spec_filename(entry.name):
                 continue
             try:
-                if not entry.is_file():
-                    continue
-                st = entry.stat()
+                skip = self._skip_reason(entry)
+                st = entry.stat() if skip is None else None
             except OSError:
                 continue  # removed between listing and stat
+            if st is None:
+                skipped[entry.name] = skip or ""
+                continue
             stamp = _Stamp(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             cached = self._files.get(entry.name)
             if cached is not None and cached[0] == stamp:
                 files[entry.name] = cached
             else:
                 files[entry.name] = (stamp, load_spec_file(Path(entry.path)))
+        for file_name in sorted(skipped.keys() - self._skipped.keys()):
+            log.warning("spec directory: skipping %s: %s", file_name, skipped[file_name])
+        self._skipped = skipped
         declared: dict[str, str] = {}
         spec_files = []
         for file_name, (_, spec_file) in files.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -263,3 +264,44 @@ def test_an_invalid_name_in_a_running_jobs_file_keeps_the_job(
     write(jobs / "a.yaml", spec_text("beta"))  # a valid new name is a new job
     assert specs.relist() == {"alpha", "beta"}
     assert specs.view("alpha") is None
+
+
+def test_entries_that_are_not_regular_files_in_the_dir_are_skipped_and_said_once(
+    jobs: Path, specs: SpecDirectory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = tmp_path / "secret.yaml"
+    secret.write_text("token: 0123456789abcdef\n")
+    write(jobs / "good.yaml", spec_text("good"))
+    write(jobs / "inside.yaml", spec_text("inside"))
+    os.mkfifo(jobs / "fifo.yaml")
+    (jobs / "dir.yaml").mkdir()
+    (jobs / "out.yaml").symlink_to(secret)
+    (jobs / "dangling.yaml").symlink_to(jobs / "gone.yaml")
+    (jobs / "again.yaml").symlink_to(jobs / "inside.yaml")  # a link inside the dir is read
+    with caplog.at_level(logging.WARNING):
+        assert specs.relist() == {"good", "inside"}
+        assert specs.relist() == set()
+    said = sorted(r.getMessage() for r in caplog.records if "skipping" in r.getMessage())
+    assert said == [
+        "spec directory: skipping dangling.yaml: a dangling link",
+        "spec directory: skipping dir.yaml: not a regular file",
+        "spec directory: skipping fifo.yaml: not a regular file",
+        f"spec directory: skipping out.yaml: a link to {secret}, outside the spec directory",
+    ]
+    assert not any("0123456789abcdef" in r.getMessage() for r in caplog.records)
+    inside = specs.view("inside")
+    assert inside is not None and inside.errors  # declared twice (inside.yaml, again.yaml)
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    """A file swapped for a FIFO between listing and open once hung the relist forever."""
+    fifo = tmp_path / "job.yaml"
+    os.mkfifo(fifo)
+    loaded: list[SpecFile] = []
+    reader = threading.Thread(target=lambda: loaded.append(load_spec_file(fifo)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert loaded, "opening the FIFO blocked"
+    assert [str(e) for e in loaded[0].errors] == [
+        f"{fifo}: (file): not a regular file (a FIFO); not read"
+    ]
