@@ -91,6 +91,9 @@ class StateLayout:
             self.scrape_targets_file.parent,
         ):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Whatever existed before: the state dir holds every spec's env, the logs and
+            # the allocator's address; other users of a shared node must not read them.
+            os.chmod(directory, 0o700)
 
 
 def runtime_base(requested: Path | None) -> Path | None:

@@ -81,7 +81,11 @@ class Launcher:
         env[LAUNCH_ID_ENV] = launch_id
         workdir = request.working_dir or os.getcwd()
         request.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(request.log_file, "ab") as log_handle:
+        # 0600: a job's output is its owner's (a log may print its env or data paths).
+        log_fd = os.open(
+            request.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+        )
+        with open(log_fd, "ab") as log_handle:
             header = f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} launch {launch_id}: "
             log_handle.write((header + json.dumps(argv) + "\n").encode())
             log_handle.flush()

@@ -177,6 +177,7 @@ class Operator:
                     "pool": config.pool.description,
                 }
             ),
+            mode=0o600,
         )
         self.launcher = launcher = Launcher(self.queue.add, grace_seconds=config.grace_seconds)
         env = {

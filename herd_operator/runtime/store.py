@@ -23,6 +23,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import re
 import sqlite3
 import threading
@@ -204,6 +205,7 @@ class Store:
                 raise StoreError(
                     f"cannot create the directory of state store {self.path}: {exc}"
                 ) from exc
+            _make_private(self.path)
             self._conn = self._connect(str(self.path), uri=False)
         try:
             with self._errors("open"):
@@ -213,6 +215,10 @@ class Store:
             else:
                 self._configure_writer()
                 self._ensure_schema()
+                for suffix in ("-wal", "-shm"):  # SQLite gives them the database's mode
+                    sidecar = self.path.with_name(self.path.name + suffix)
+                    if sidecar.exists():
+                        os.chmod(sidecar, 0o600)
         except BaseException:
             self._conn.close()
             raise
@@ -743,6 +749,19 @@ def _spec_json(job: HerdJob) -> str:
 
 def _unknown_job(name: str) -> KeyError:
     return KeyError(f"no job named {name!r} in the state store")
+
+
+def _make_private(path: Path) -> None:
+    """The database readable by its owner only (it holds every spec's env), whatever the
+    umask or an older version of the file said."""
+    try:
+        descriptor = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(descriptor, 0o600)
+        finally:
+            os.close(descriptor)
+    except OSError as exc:
+        raise StoreError(f"cannot create state store {path}: {exc}") from exc
 
 
 def _require_job(conn: sqlite3.Connection, name: str) -> None:

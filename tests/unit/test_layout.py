@@ -80,3 +80,14 @@ def test_a_runtime_dir_of_another_user_is_left_alone(tmp_path: Path) -> None:
     os.chown(theirs, 65534, 65534)
     remove_runtime_dir(theirs)
     assert theirs.is_dir()
+
+
+def test_the_state_dir_is_made_private_whatever_existed_before(tmp_path: Path) -> None:
+    """A state dir that already existed as 0755 once stayed readable by every local user."""
+    root = tmp_path / "state"
+    for directory in (root, root / "logs", root / "prometheus"):
+        directory.mkdir(parents=True)
+        directory.chmod(0o755)
+    StateLayout(root).create()
+    for directory in (root, root / "logs", root / "prometheus"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory

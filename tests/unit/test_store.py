@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import stat
 import threading
@@ -833,3 +834,22 @@ def test_other_threads_wait_for_a_transaction_to_end(store: Store) -> None:
     thread.join(5)
     assert written.is_set()
     assert [report.epoch for report in store.reports("resnet")] == [1]
+
+
+def test_the_database_is_private_whatever_the_umask_or_an_older_file_said(tmp_path: Path) -> None:
+    """It holds every spec's env: once created 0644, other local users could read it."""
+    path = tmp_path / "state.db"
+    path.touch(mode=0o644)
+    path.chmod(0o644)
+    old = os.umask(0o022)
+    try:
+        with Store(path) as store:
+            store.record_spec("resnet", "jobs/resnet.yaml", SPEC, "fp", now=1.0)
+            modes = {
+                p.name: stat.S_IMODE(p.stat().st_mode)
+                for p in tmp_path.iterdir()
+                if p.name.startswith("state.db")
+            }
+    finally:
+        os.umask(old)
+    assert modes and set(modes.values()) == {0o600}, modes
