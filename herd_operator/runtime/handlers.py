@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from herd_operator.layout import write_atomically
 from herd_operator.rpc import BadRequest, NotFound
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store
+from specs.models import MAX_GPUS
 
 log = logging.getLogger(__name__)
 
 MAX_METRICS_PER_REPORT = 64
+MAX_METRIC_NAME_CHARS = 128
+MAX_EPOCH = 2**31 - 1
+MAX_WORLD_SIZE = MAX_GPUS
+"""Bounds on what a report may say: every number is stored, compared and exported."""
 
 
 class ReportHandler:
@@ -51,22 +57,27 @@ class ReportHandler:
         metrics = args.get("metrics") or {}
         if not isinstance(job, str) or not job:
             raise BadRequest("'job' must be a non-empty string")
-        if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
-            raise BadRequest("'epoch' must be a non-negative integer or null")
-        if not isinstance(world_size, int) or world_size < 1:
-            raise BadRequest("'world_size' must be a positive integer")
-        if not isinstance(rank, int) or rank < 0:
-            raise BadRequest("'rank' must be a non-negative integer")
+        if epoch is not None and not _integer_in(epoch, 0, MAX_EPOCH):
+            raise BadRequest(f"'epoch' must be an integer from 0 to {MAX_EPOCH}, or null")
+        if not _integer_in(world_size, 1, MAX_WORLD_SIZE):
+            raise BadRequest(f"'world_size' must be an integer from 1 to {MAX_WORLD_SIZE}")
+        if not _integer_in(rank, 0, MAX_WORLD_SIZE - 1):
+            raise BadRequest(f"'rank' must be an integer from 0 to {MAX_WORLD_SIZE - 1}")
         if (
             not isinstance(metrics, dict)
             or len(metrics) > MAX_METRICS_PER_REPORT
             or not all(
-                isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+                isinstance(k, str)
+                and 0 < len(k) <= MAX_METRIC_NAME_CHARS
+                and isinstance(v, int | float)
+                and not isinstance(v, bool)
+                and _finite(v)
                 for k, v in metrics.items()
             )
         ):
             raise BadRequest(
-                f"'metrics' must map at most {MAX_METRICS_PER_REPORT} names to numbers"
+                f"'metrics' must map at most {MAX_METRICS_PER_REPORT} names of 1 to"
+                f" {MAX_METRIC_NAME_CHARS} characters to finite numbers"
             )
         if self.store.get_job(job) is None:
             raise NotFound(f"no job {job!r}")
@@ -74,6 +85,17 @@ class ReportHandler:
         self.allocator.observe_world_size(job, world_size)
         self.wake(job)
         return {}
+
+
+def _integer_in(value: object, low: int, high: int) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 class ExporterRegistry:

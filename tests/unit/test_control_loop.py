@@ -503,9 +503,14 @@ def test_a_report_of_the_smaller_world_frees_a_draining_gpu_at_once(
     ("args", "message"),
     [
         ({"world_size": 1}, "'job' must be a non-empty string"),
-        ({"job": "a", "world_size": 0}, "'world_size' must be a positive integer"),
-        ({"job": "a", "world_size": 1, "epoch": -1}, "'epoch' must be a non-negative integer"),
-        ({"job": "a", "world_size": 1, "rank": "0"}, "'rank' must be a non-negative integer"),
+        ({"job": "a", "world_size": 0}, "'world_size' must be an integer from 1 to 65536"),
+        ({"job": "a", "world_size": 65537}, "'world_size' must be an integer from 1 to 65536"),
+        ({"job": "a", "world_size": 1, "epoch": -1}, "'epoch' must be an integer from 0 to"),
+        ({"job": "a", "world_size": 1, "epoch": 10**30}, "'epoch' must be an integer from 0 to"),
+        ({"job": "a", "world_size": 1, "rank": "0"}, "'rank' must be an integer from 0 to"),
+        ({"job": "a", "world_size": 1, "metrics": {"loss": 10**400}}, "'metrics' must map"),
+        ({"job": "a", "world_size": 1, "metrics": {"loss": float("nan")}}, "'metrics' must map"),
+        ({"job": "a", "world_size": 1, "metrics": {"x" * 129: 1.0}}, "'metrics' must map"),
         ({"job": "a", "world_size": 1, "metrics": {"loss": True}}, "'metrics' must map"),
     ],
 )
