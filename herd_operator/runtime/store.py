@@ -665,7 +665,20 @@ class Store:
         if cached_status is not None and cached_status[0] == text:
             status = cached_status[1]
         else:
-            status = self._parse(name, "status", lambda: _parse_status(text))
+            try:
+                status = _parse_status(text)
+            except ValueError as exc:  # pydantic's ValidationError is one
+                # Status is observed state: an unreadable one is rebuilt by the next
+                # reconcile instead of failing every read of the store (`get`, /metrics,
+                # the shutdown) for all jobs. Said once per unreadable text (it is cached).
+                _log.warning(
+                    "state store %s: the stored status of job %r is unreadable (%s);"
+                    " showing it empty until the operator observes the job again",
+                    self.path,
+                    name,
+                    str(exc).splitlines()[0],
+                )
+                status = HerdJobStatus()
             self._statuses[name] = (text, status)
         uid: str = row["uid"]
         generation: int = row["generation"]
