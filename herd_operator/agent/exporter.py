@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from exporters.collector import GpuCollector
 from exporters.gpu import GpuSource, VirtualGpuSource
+from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource, nvml_gpu_count
 from herd_operator.auth import read_token_file
 from herd_operator.layout import StateLayout
@@ -114,7 +115,7 @@ def run_exporter(
         kind = f"{virtual_gpus} virtual"
     registry = CollectorRegistry()
     registry.register(GpuCollector(source, view.owners))
-    server, _ = start_http_server(port, addr=listen, registry=registry)
+    server = serve_metrics(registry, listen, port)
     bound = server.server_port
     log.info("exporter for %s (%s GPUs) on http://%s:%d/metrics", host, kind, listen, bound)
     registered = False

@@ -21,11 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 from exporters.collector import GpuCollector
 from exporters.gpu import GpuReading, ProcessMemory
+from exporters.http import serve_metrics
 from herd_operator.bench.harness import Context, Row, Stats
 from herd_operator.runtime.metrics import StateCollector
 from herd_operator.runtime.store import Store
@@ -89,13 +90,12 @@ def operator_store(path: Path, jobs: int) -> Store:
 
 @contextmanager
 def serve(registry: CollectorRegistry) -> Iterator[str]:
-    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    server = serve_metrics(registry, "127.0.0.1", 0)  # the server the operator runs
     try:
         yield f"http://127.0.0.1:{server.server_port}/metrics"
     finally:
         server.shutdown()
         server.server_close()
-        thread.join(5)
 
 
 @contextmanager

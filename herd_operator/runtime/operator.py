@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from controllers.loop import ControlLoop
 from controllers.reconciler import JobReconciler
 from controllers.workqueue import WorkQueue
 from exporters.collector import GpuCollector
 from exporters.gpu import GpuSource, VirtualGpuSource
+from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource
 from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
 from herd_operator.auth import ensure_token_file
@@ -296,9 +297,7 @@ class Operator:
             registry.register(GpuCollector(local, owners))
         if self.config.metrics_port is None:
             return
-        http_server, _ = start_http_server(
-            self.config.metrics_port, addr=self.config.metrics_host, registry=registry
-        )
+        http_server = serve_metrics(registry, self.config.metrics_host, self.config.metrics_port)
         self._metrics_server = http_server
         host = self.config.advertise_host or self.config.metrics_host
         if host in ("0.0.0.0", "::"):
