@@ -156,6 +156,8 @@ class RpcServer:
         read_timeout: float = 10.0,
         idle_timeout: float = 300.0,
         max_connections: int = 1024,
+        max_unauthenticated: int = 64,
+        handshake_timeout: float = 5.0,
     ) -> None:
         self._token = token
         self._handlers = dict(handlers)
@@ -164,6 +166,13 @@ class RpcServer:
         self._read_timeout = read_timeout
         self._idle_timeout = idle_timeout
         self._max_connections = max_connections
+        # Connections that have not proved the token yet are a pool of their own, with a
+        # short deadline: anyone on the node can open them, and they must not crowd out
+        # workers. When it is full, the oldest is dropped for the newcomer: an idler holds
+        # its slot for seconds, a real client's handshake takes milliseconds.
+        self._max_unauthenticated = max_unauthenticated
+        self._handshake_timeout = min(handshake_timeout, read_timeout)
+        self._unauthenticated: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self._lifecycle_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -282,6 +291,12 @@ class RpcServer:
         assert task is not None  # start_server runs each connection in its own task
         at_capacity = len(self._connections) >= self._max_connections
         self._connections[task] = writer
+        if not at_capacity:
+            if len(self._unauthenticated) >= self._max_unauthenticated:
+                oldest = next(iter(self._unauthenticated))
+                self._unauthenticated.pop(oldest).transport.abort()
+                logger.debug("dropped the oldest unauthenticated connection for %s", peer)
+            self._unauthenticated[task] = writer
         try:
             if at_capacity:
                 raise _Rejected(
@@ -316,6 +331,7 @@ class RpcServer:
             logger.exception("connection from %s failed", peer)
         finally:
             self._connections.pop(task, None)
+            self._unauthenticated.pop(task, None)
             await self._close(writer)
 
     async def _converse(
@@ -324,10 +340,15 @@ class RpcServer:
         server_nonce = new_nonce()
         challenge = {"v": PROTOCOL_VERSION, "type": "challenge", "nonce": server_nonce}
         await self._send(writer, _encode_frame(challenge))
-        hello = await self._read_frame(reader, wait_timeout=self._read_timeout, authenticated=False)
+        hello = await self._read_frame(
+            reader, wait_timeout=self._handshake_timeout, authenticated=False
+        )
         if hello is None:
             return
         client_nonce, label = self._check_auth(hello, server_nonce)
+        task = asyncio.current_task()
+        if task is not None:
+            self._unauthenticated.pop(task, None)
         welcome = {
             "type": "welcome",
             "proof": prove(self._token, "server", server_nonce, client_nonce),

@@ -12,6 +12,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -57,6 +58,28 @@ GC_THRESHOLDS = (50_000, 20, 100)
 """The collector's thresholds for the operator process. Python's default (700, 10, 10)
 is made for short scripts: with tens of thousands of live objects (one spec model per
 job) it spent a third of a 10,000-file relist walking them again and again."""
+
+
+WANTED_DESCRIPTORS = 8192
+"""Open files the operator asks for: RPC connections (up to 1,024 authenticated and 64
+not yet), spec files during a relist, job logs, the database, metrics connections."""
+
+
+def raise_descriptor_limit(wanted: int = WANTED_DESCRIPTORS) -> int:
+    """Lift the soft limit on open files towards `wanted` (never above the hard limit), so a
+    flood of connections cannot starve the relist, the store or the sampler; returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        log.warning(
+            "only %d open files allowed (hard limit); under a flood of connections the"
+            " operator may run out (raise it with `ulimit -Hn`)",
+            soft,
+        )
+    return int(soft)
 
 
 def tune_gc() -> None:
@@ -130,6 +153,7 @@ class Operator:
             raise OperatorError(
                 f"another herd-operator is running on state dir {self.layout.root}"
             ) from err
+        raise_descriptor_limit()
         previous_runtime = self._use_runtime_dir()
         self.layout.create()
         self.store = store = Store(self.layout.database)

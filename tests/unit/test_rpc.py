@@ -791,3 +791,47 @@ def test_parse_address_rejects(text: str, detail: str) -> None:
     assert str(caught.value) == (
         f"invalid address {text!r}: expected HOST:PORT or [IPV6]:PORT{detail}"
     )
+
+
+def test_idle_unauthenticated_connections_cannot_lock_out_clients(
+    make_server: Callable[..., RpcServer],
+) -> None:
+    """1,100 idle local connections once made 58 of 87 real calls fail ("server is busy")."""
+    server = make_server(max_connections=16, max_unauthenticated=4)
+    idlers = [RawPeer.connect(server.address) for _ in range(12)]  # connect, never answer
+    try:
+        for idler in idlers:
+            assert idler.read() is not None  # each got its challenge before the next came
+        # Only the 4 newest are still open; the older ones were dropped for them.
+        still_open = []
+        for idler in idlers:
+            idler.sock.settimeout(0.2)
+            try:
+                still_open.append(idler.read() is not None or False)
+            except TimeoutError:
+                still_open.append(True)  # nothing to read: open, waiting
+        assert still_open == [False] * 8 + [True] * 4
+        for x in range(5):  # every real call gets through while the idlers keep coming
+            idlers.append(RawPeer.connect(server.address))
+            with RpcClient(server.address, TOKEN) as client:
+                assert client.call("add", x=x, y=1) == {"sum": x + 1}
+    finally:
+        for idler in idlers:
+            idler.close()
+
+
+def test_a_silent_handshake_is_dropped_after_the_handshake_deadline(
+    make_server: Callable[..., RpcServer],
+) -> None:
+    server = make_server(handshake_timeout=0.3)
+    peer = RawPeer.connect(server.address)
+    try:
+        assert peer.read() is not None  # the challenge
+        started = time.monotonic()
+        assert peer.read() == {
+            "type": "error",
+            "error": {"code": "timeout", "message": "timed out waiting for authentication"},
+        }
+        assert time.monotonic() - started < GUARD_S / 2
+    finally:
+        peer.close()
