@@ -120,7 +120,7 @@ class JobReconciler:
             status.gpus.model_copy(update={"allocated": 0, "active": None}) if status.gpus else None
         )
         status = status.model_copy(update={"conditions": conditions, "gpus": gpus, "placement": []})
-        self._write(name, status)
+        self._write(name, status, now)
 
     def _record_stalled(self, name: str, err: PermanentError) -> None:
         record = self.store.get_job(name)
@@ -139,16 +139,18 @@ class JobReconciler:
         )
         if conditions is not status.conditions:
             self._event(name, "Warning", err.reason, str(err), now)
-        self._write(name, status.model_copy(update={"conditions": conditions}))
+        self._write(name, status.model_copy(update={"conditions": conditions}), now)
 
     def _reconcile(self, name: str) -> Result:
         now = self.clock()
         view = self.specs.view(name)
         if view is None:
             return self._finalize_deletion(name, now)
-        job, problem, record = self._accept_spec(view, now)
+        job, problem, record, policy = self._accept_spec(view, now)
         if job is None or record is None:
             return Result()
+        if policy is None:  # acting on the last good spec; raised before any side effect
+            policy = self._policy(job)
         generation = record.generation
         status = _with_spec_validity(record.status, problem, generation, now)
 
@@ -167,7 +169,6 @@ class JobReconciler:
             if stopping is not None:
                 return stopping
 
-        policy = self._policy(job)
         launch = process.launch
         since = launch.started_at if launch else now
         reports = self.store.reports(name, since=since, limit=1000)
@@ -362,16 +363,18 @@ class JobReconciler:
 
     def _accept_spec(
         self, view: SpecView, now: float
-    ) -> tuple[HerdJob | None, str, JobRecord | None]:
+    ) -> tuple[HerdJob | None, str, JobRecord | None, Policy | None]:
         """Record a good spec (bumping the generation on change); else fall back to the last good.
 
-        Returns the spec to act on, why the file is invalid now ('' if it is not), and the
-        job's record.
+        Returns the spec to act on, why the file is invalid now ('' if it is not), the
+        job's record, and the policy of a good spec (built to check it: the reconcile uses
+        it rather than building it again).
         """
         errors = list(view.errors)
+        policy: Policy | None = None
         if view.job is not None:
             try:
-                load_policy(view.job.spec.policy)
+                policy = load_policy(view.job.spec.policy)
             except PolicyError as err:
                 errors.append(f"{view.path}: {err}")
         if view.job is not None and not errors:
@@ -379,15 +382,15 @@ class JobReconciler:
             record = self.store.get_job(view.name)
             if record is None or record.fingerprint != fingerprint or record.spec_path != view.path:
                 record = self.store.record_spec(view.name, view.path, view.job, fingerprint, now)
-            return view.job, "", record
+            return view.job, "", record, policy
         problem = "; ".join(errors)
         record = self.store.get_job(view.name)
         if record is None:
             # Never valid: like an object the API server refused, it does not exist.
             self._event(view.name, "Warning", "InvalidSpec", problem, now)
             log.warning("%s: invalid spec, not started: %s", view.name, problem)
-            return None, problem, None
-        return record.spec, f"{problem} (keeping the last good spec)", record
+            return None, problem, None, None
+        return record.spec, f"{problem} (keeping the last good spec)", record, None
 
     def _on_exit(
         self,
@@ -657,11 +660,12 @@ class JobReconciler:
         self._write(
             name,
             status.model_copy(update={"observed_generation": generation, "conditions": conditions}),
+            now,
         )
 
-    def _write(self, name: str, status: HerdJobStatus) -> None:
+    def _write(self, name: str, status: HerdJobStatus, now: float) -> None:
         # Most resyncs change nothing: the store then writes nothing.
-        self.store.put_status(name, status, self.clock())
+        self.store.put_status(name, status, now)
 
     def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:
         self.store.add_event(job, type, reason, message, now)

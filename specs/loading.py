@@ -270,15 +270,22 @@ def _unreadable_value_message(text: str, exc: Exception) -> str:
     """
     constructor = yaml.constructor.SafeConstructor()
     try:
-        pending = [node for node in yaml.compose_all(text, Loader=yaml.SafeLoader) if node]
+        documents = [node for node in yaml.compose_all(text, Loader=yaml.SafeLoader) if node]
     except (yaml.YAMLError, RecursionError):
-        pending = []
+        documents = []
+    # Depth first, in document order; each node once: aliases share nodes, and walking
+    # every path through them is exponential in a few hundred bytes.
+    pending = list(reversed(documents))
+    seen: set[int] = set()
     while pending:
-        node = pending.pop(0)
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
-            pending[:0] = [item for pair in node.value for item in pair]
+            pending.extend(reversed([item for pair in node.value for item in pair]))
         elif isinstance(node, yaml.SequenceNode):
-            pending[:0] = list(node.value)
+            pending.extend(reversed(node.value))
         elif isinstance(node, yaml.ScalarNode):
             try:
                 constructor.construct_object(node)

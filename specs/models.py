@@ -220,6 +220,11 @@ class HerdJobSpec(ApiModel):
         return self
 
 
+def is_job_name(name: str) -> bool:
+    """A DNS-1123 label: what `metadata.name` must be."""
+    return len(name) <= DNS_LABEL_MAX_LENGTH and re.fullmatch(DNS_LABEL_PATTERN, name) is not None
+
+
 class ObjectMeta(ApiModel):
     """Identity of a job: its name is the key everywhere (queue, allocator, store)."""
 
@@ -231,7 +236,7 @@ class ObjectMeta(ApiModel):
     @field_validator("name")
     @classmethod
     def _name_is_dns_label(cls, name: str) -> str:
-        if len(name) > DNS_LABEL_MAX_LENGTH or not re.fullmatch(DNS_LABEL_PATTERN, name):
+        if not is_job_name(name):
             raise ValueError(DNS_LABEL_MESSAGE)
         return name
 

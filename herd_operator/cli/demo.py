@@ -88,12 +88,13 @@ def summary(database: Path, started: float) -> str:
         rows = [["JOB", "STATUS", "MIN", "MAX", "EPOCHS", "GPUS OVER TIME", "RESTARTS", "RAN FOR"]]
         for record in records:
             obj = job_object(record)
-            history = [change.gpus for change in store.grant_history(record.name)]
+            changes = store.grant_history(record.name)
+            history = [change.gpus for change in changes]
             timeline = " -> ".join(str(gpus) for gpus in history if gpus) or "-"
             epochs = [r.epoch for r in store.reports(record.name) if r.epoch is not None]
             ran = ""
             if history:
-                first = store.grant_history(record.name)[0].time
+                first = changes[0].time
                 ran = f"{(record.updated_at - first):.0f}s"
             rows.append(
                 [

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from controllers.ports import JobRecord
-from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, open_store
+from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, format_table, open_store
 from herd_operator.runtime.store import MAX_REPORTS_PER_JOB, Store
 from herd_operator.runtime.store import GrantChange as StoredGrantChange
 from policies.memory import MemoryParams
@@ -210,11 +210,7 @@ def _table(rows: Sequence[Sequence[str]], markdown: bool) -> list[str]:
     if markdown:
         lines = ["| " + " | ".join(row) + " |" for row in rows]
         return [lines[0], "|" + "---|" * len(rows[0]), *lines[1:]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [
-        "   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
+    return format_table(rows).splitlines()
 
 
 def format_duration(seconds: float) -> str:

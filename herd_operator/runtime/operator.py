@@ -167,6 +167,8 @@ class Operator:
             on_decision=lambda placements: store.replace_allocations(placements, time.time()),
             min_resize_interval=config.min_resize_interval,
         )
+        # Ready before the RPC server starts: an exporter may register at once.
+        self.exporters = exporters = ExporterRegistry(self.layout.scrape_targets_file, None)
         self.server = server = RpcServer(
             token,
             {
@@ -174,7 +176,7 @@ class Operator:
                 "grant": allocator.handle_grant,
                 "placements": allocator.handle_placements,
                 "report": ReportHandler(store, allocator, self.queue.add),
-                "register_exporter": self._register_exporter,
+                "register_exporter": exporters,
                 "ping": lambda args: {"pid": os.getpid()},
             },
             host=config.listen_host,
@@ -182,10 +184,10 @@ class Operator:
         host, port = server.start()
         local = self._local_gpus(allocator)
         self._serve_metrics(local, store, allocator, server)
-        self.exporters = ExporterRegistry(self.layout.scrape_targets_file, self._metrics_address)
-        self.exporters.write_targets()
+        exporters.operator_address = self._metrics_address
+        exporters.write_targets()
         self.observer = UsageObserver(
-            self._observed_gpus(local),
+            self._observed_gpus(local, exporters),
             allocator.placements,
             store.add_usage,
             interval=config.sample_seconds,
@@ -285,20 +287,13 @@ class Operator:
             host, max(gpus) + 1, self.config.virtual_gpu_memory_bytes, bound_pids
         )
 
-    def _observed_gpus(self, local: GpuSource | None) -> GpuSource:
+    def _observed_gpus(self, local: GpuSource | None, exporters: ExporterRegistry) -> GpuSource:
         """Where the policies' memory signal comes from: the exported metrics, read back."""
         if self.config.prometheus_url:
             return PrometheusGpuSource(self.config.prometheus_url)
         if local is not None:
             return local
-        return ScrapeGpuSource(self._exporter_urls)
-
-    def _exporter_urls(self) -> list[str]:
-        return self.exporters.urls() if self.exporters is not None else []
-
-    def _register_exporter(self, args: dict[str, Any]) -> dict[str, Any]:
-        assert self.exporters is not None
-        return self.exporters(args)
+        return ScrapeGpuSource(exporters.urls)
 
     def _serve_metrics(
         self, local: GpuSource | None, store: Store, allocator: Allocator, server: RpcServer

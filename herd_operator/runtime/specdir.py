@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,11 +26,9 @@ from specs import (
     load_spec_file,
     spec_fingerprint,
 )
-from specs.models import DNS_LABEL_PATTERN
+from specs.models import is_job_name
 
 log = logging.getLogger(__name__)
-
-DNS_LABEL = re.compile(DNS_LABEL_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -64,19 +61,25 @@ class SpecDirectory:
         with self._lock:
             return sorted(self._views)
 
-    def _skip_reason(self, entry: os.DirEntry[str]) -> str | None:
-        """Why an entry named like a spec is not read (None: it is read)."""
+    @staticmethod
+    def _to_read(entry: os.DirEntry[str], directory: Path) -> tuple[Path | None, str]:
+        """The path to read for an entry named like a spec, or None and why it is skipped.
+
+        A link is read at the target it was checked to have, not through the link again,
+        so it cannot be turned out of the directory between the check and the read.
+        """
         if entry.is_symlink():
             target = Path(entry.path).resolve()
-            if self.directory.resolve() not in target.parents:
+            if directory not in target.parents:
                 # The operator's user may read what the spec's author may not (the token
                 # file, say); and errors would quote the target's lines into the log.
-                return f"a link to {target}, outside the spec directory"
+                return None, f"a link to {target}, outside the spec directory"
             if not target.exists():
-                return "a dangling link"
+                return None, "a dangling link"
+            return (target, "") if target.is_file() else (None, "not a regular file")
         if not entry.is_file():
-            return "not a regular file"
-        return None
+            return None, "not a regular file"
+        return Path(entry.path), ""
 
     def relist(self) -> set[str]:
         """Re-read the directory; returns the names whose view changed (new and deleted too)."""
@@ -87,23 +90,24 @@ class SpecDirectory:
         except FileNotFoundError:
             log.warning("spec directory %s does not exist (yet); no jobs declared", self.directory)
             entries = []
+        directory = self.directory.resolve()
         for entry in sorted(entries, key=lambda e: e.name):
             if not is_spec_filename(entry.name):
                 continue
             try:
-                skip = self._skip_reason(entry)
-                st = entry.stat() if skip is None else None
+                path, skip = self._to_read(entry, directory)
+                st = entry.stat() if path is not None else None
             except OSError:
                 continue  # removed between listing and stat
-            if st is None:
-                skipped[entry.name] = skip or ""
+            if path is None or st is None:
+                skipped[entry.name] = skip
                 continue
             stamp = _Stamp(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             cached = self._files.get(entry.name)
             if cached is not None and cached[0] == stamp:
                 files[entry.name] = cached
             else:
-                files[entry.name] = (stamp, load_spec_file(Path(entry.path)))
+                files[entry.name] = (stamp, load_spec_file(path))
         for file_name in sorted(skipped.keys() - self._skipped.keys()):
             log.warning("spec directory: skipping %s: %s", file_name, skipped[file_name])
         self._skipped = skipped
@@ -113,7 +117,7 @@ class SpecDirectory:
             if (
                 spec_file.job is None
                 and file_name in self._declared
-                and (spec_file.name is None or not DNS_LABEL.fullmatch(spec_file.name))
+                and (spec_file.name is None or not is_job_name(spec_file.name))
             ):
                 # A file that no longer names a job (or names one that cannot exist, like
                 # `ALPHA`) still speaks for the job it declared: that job keeps its last good

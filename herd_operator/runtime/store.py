@@ -354,9 +354,11 @@ class Store:
         last read or wrote for the job: the operator, the database's one writer (it holds
         the state dir's lock), reads a job before it writes the job's status.
         """
-        text = status.model_dump_json(by_alias=True)
         with self._lock:
             cached = self._statuses.get(name)
+            if cached is not None and cached[1] == status:  # cheaper than serializing
+                return False
+            text = status.model_dump_json(by_alias=True)
             if cached is not None and cached[0] == text:
                 return False
             with self._write() as conn:

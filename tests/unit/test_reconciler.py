@@ -928,3 +928,27 @@ def test_an_unchanged_status_is_not_written_again(world: World) -> None:
     assert again is not None
     assert again.updated_at == record.updated_at  # nothing was written
     assert again.status is record.status  # and nothing was parsed again
+
+
+def test_a_policy_that_vanished_is_raised_before_an_exit_is_consumed(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exit stays to be seen once the policy is back (it was once forgotten unrecorded)."""
+    from controllers.errors import PermanentError
+    from policies.base import PolicyError
+
+    started(world, herd_job("a", restart={"onFailure": True, "backoffLimit": 3}))
+    world.launcher.exit("a", 3)
+
+    def vanished(ref: object) -> object:
+        raise PolicyError("spec.policy.name", "gone")
+
+    monkeypatch.setattr("controllers.reconciler.load_policy", vanished)
+    with pytest.raises(PermanentError):
+        world.reconcile("a")
+    assert world.launcher.state("a").phase == ProcessPhase.EXITED  # not forgotten
+    assert world.status("a").restarts == 0
+    monkeypatch.undo()
+    world.reconcile("a")
+    assert world.status("a").restarts == 1
+    assert facts(world.condition("a", ConditionType.Running))[:2] == ("False", "BackOff")

@@ -305,3 +305,14 @@ def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     assert [str(e) for e in loaded[0].errors] == [
         f"{fifo}: (file): not a regular file (a FIFO); not read"
     ]
+
+
+def test_a_name_too_long_for_a_job_keeps_the_running_job_too(
+    jobs: Path, specs: SpecDirectory
+) -> None:
+    write(jobs / "a.yaml", spec_text("alpha"))
+    specs.relist()
+    write(jobs / "a.yaml", spec_text("a" * 64))  # the pattern holds, the length does not
+    assert specs.relist() == {"alpha"}
+    view = specs.view("alpha")
+    assert view is not None and view.job is None

@@ -92,6 +92,8 @@ def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:
 
 def relaunch_reason(launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
     """Why a `horovodrun` started for `launched` cannot follow `wanted` ('' if it can)."""
+    if launched is wanted:  # the usual resync: the spec has not changed since the launch
+        return ""
     if fixed_at_launch(launched) != fixed_at_launch(wanted):
         return FIXED_AT_LAUNCH_CHANGED
     if wanted.gpus.max > launched.gpus.max:
