@@ -440,7 +440,7 @@ class JobReconciler:
                 }
             )
         restart = job.spec.restart_policy
-        message = f"{_command(process)} exited with status {code}"
+        message = _exit_message(process)
         if restart.on_failure and status.restarts < restart.backoff_limit:
             restarts = status.restarts + 1
             delay = restart_delay(restarts)
@@ -708,6 +708,14 @@ def _counts(
         allocated=allocated,
         active=active,
     )
+
+
+def _exit_message(process: ProcessState) -> str:
+    if process.exit_code is None:
+        # Only a launch adopted after an operator restart lacks one: it ended while no
+        # operator ran, and its keeper was killed with it.
+        return f"{_command(process)} ended while no operator ran; its exit status is unknown"
+    return f"{_command(process)} exited with status {process.exit_code}"
 
 
 def _command(process: ProcessState) -> str:

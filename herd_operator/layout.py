@@ -74,6 +74,12 @@ class StateLayout:
     def logs_dir(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def launches_dir(self) -> Path:
+        """One record per running launch and the exit status its keeper wrote, so a restarted
+        operator adopts the jobs instead of starting them again."""
+        return self.root / "launches"
+
     def grant_file(self, job: str) -> Path:
         return self.grants_dir / f"{job}.hosts"
 
@@ -88,6 +94,7 @@ class StateLayout:
             self.root,
             self.grants_dir,
             self.logs_dir,
+            self.launches_dir,
             self.scrape_targets_file.parent,
         ):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -112,6 +119,20 @@ def make_runtime_dir(base: Path) -> Path:
     """A new private (0700) directory in `base`; mkdtemp makes it safe in a shared /dev/shm."""
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=base))
+
+
+def is_runtime_dir(path: Path) -> bool:
+    """Whether `path` is a runtime directory this user made (not a link, private)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.getuid()
+        and stat.S_IMODE(info.st_mode) & 0o077 == 0
+        and path.name.startswith(RUNTIME_PREFIX)
+    )
 
 
 def remove_runtime_dir(path: Path) -> None:

@@ -14,7 +14,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -103,6 +103,9 @@ class Allocator:
         self._demands: dict[str, Demand] = {}
         self._grants: dict[str, Grant] = {}
         self._bindings: dict[tuple[str, str, int], Binding] = {}
+        # Placements of jobs adopted after an operator restart whose demand has not come
+        # yet: their workers are on these GPUs, so no decision may give them to anyone else.
+        self._held: dict[str, Placement] = {}
         # When each job's size last changed; a job is left alone for min_resize_interval
         # after that, since every change costs a Horovod reset.
         self._resized_at: dict[str, float] = {}
@@ -128,6 +131,8 @@ class Allocator:
             thawed = self._next_thaw is not None and self._clock() >= self._next_thaw
             drained = self._finish_drains()
             changed = self._demands.get(demand.name) != demand
+            if self._held.pop(demand.name, None) is not None:
+                changed = True  # its restored placement is now weighed like any other
             self._demands[demand.name] = demand
             if self._batching:
                 if changed or thawed or drained or demand.name not in self._grants:
@@ -162,11 +167,44 @@ class Allocator:
                         if job in self._grants and before.get(job) == self._grants[job].placement:
                             self._changed(job, self._grants[job])
 
+    def restore(self, placements: Mapping[str, Placement], bindings: Iterable[Binding]) -> None:
+        """Take back what running jobs held under a previous operator (call before any request).
+
+        Each job keeps its placement, untouched by decisions, until its first request (the
+        controller's reconcile) says what it wants now or it is released; GPUs outside the
+        pool, or already taken by a job restored before it, are not restored.
+        """
+        with self._lock:
+            pool = set(self.pool.slots())
+            taken: set[Slot] = set()
+            for job, placement in sorted(placements.items()):
+                slots = [s for s in placement.slots() if s in pool and s not in taken]
+                if len(slots) != placement.size:
+                    log.warning(
+                        "%s: %d of its %d GPUs are not restored (gone from the pool, or held"
+                        " by another job)",
+                        job, placement.size - len(slots), placement.size,
+                    )  # fmt: skip
+                if not slots:
+                    continue
+                taken.update(slots)
+                kept = _only(placement, set(slots))
+                self._held[job] = kept
+                self._grants[job] = Grant(kept, "adopted after an operator restart")
+                self._sink.publish(job, kept)
+                log.info("grant %s: %s (adopted)", job, _describe(kept))
+            for binding in bindings:
+                held = self._held.get(binding.job)
+                if held is not None and binding.gpu in held.gpus_on(binding.host):
+                    self._bindings[(binding.job, binding.host, binding.local_rank)] = binding
+            self._on_decision(self.placements())
+
     def release(self, job: str) -> None:
         """Forget a job: its GPUs go back to the pool (and to whoever waits)."""
         with self._lock:
             if self._demands.pop(job, None) is None and job not in self._grants:
                 return
+            self._held.pop(job, None)
             self._resized_at.pop(job, None)
             # Released once its processes are gone: what it was giving back is free now.
             self._draining = {s: d for s, d in self._draining.items() if d.job != job}
@@ -245,6 +283,7 @@ class Allocator:
             self._demands.clear()
             self._grants.clear()
             self._bindings.clear()
+            self._held.clear()
             self._resized_at.clear()
             self._draining.clear()
             self._next_thaw = None
@@ -262,14 +301,15 @@ class Allocator:
 
     def _decide(self, caller: str) -> None:
         now = self._clock()
-        current = {job: grant.placement for job, grant in self._grants.items()}
+        held = {job: self._grants[job] for job in self._held}
+        current = {job: grant.placement for job, grant in self._grants.items() if job not in held}
         frozen = {
             job
             for job, at in self._resized_at.items()
             if now - at < self.min_resize_interval and current.get(job, Placement.EMPTY).size
         }
         demands = list(self._demands.values())
-        decided = arbitrate(self._pool_without(self._draining), demands, current, frozen=frozen)
+        decided = arbitrate(self._free_pool(), demands, current, frozen=frozen)
         freed = self._start_drains(current, decided, now)
         if any(
             slot in freed and freed[slot] != job
@@ -281,9 +321,7 @@ class Allocator:
             shrunk = set(freed.values())
             first = decided
             current = {**current, **{job: first[job].placement for job in shrunk}}
-            decided = arbitrate(
-                self._pool_without(self._draining), demands, current, frozen=frozen | shrunk
-            )
+            decided = arbitrate(self._free_pool(), demands, current, frozen=frozen | shrunk)
             decided.update({job: first[job] for job in shrunk})
             givers = ", ".join(sorted(shrunk))
             for job, grant in decided.items():
@@ -294,6 +332,7 @@ class Allocator:
                         " (its workers leave them first)",
                     )
             current = {job: grant.placement for job, grant in self._grants.items()}
+        decided.update(held)
         # A dict: ordered like `decided`, and membership costs O(1) (a list made this loop
         # quadratic: 0.9 s of a 10,000-job decision).
         changed = {
@@ -362,11 +401,15 @@ class Allocator:
             self._schedule_drain_check(now)
         return freed
 
-    def _pool_without(self, draining: Mapping[Slot, _Drain]) -> Pool:
-        if not draining:
+    def _free_pool(self) -> Pool:
+        """The pool a decision shares out: without draining GPUs and those of held jobs."""
+        unavailable = set(self._draining)
+        for placement in self._held.values():
+            unavailable.update(placement.slots())
+        if not unavailable:
             return self.pool
         hosts = tuple(
-            (host, tuple(gpu for gpu in gpus if (host, gpu) not in draining))
+            (host, tuple(gpu for gpu in gpus if (host, gpu) not in unavailable))
             for host, gpus in self.pool.hosts
         )
         return Pool(tuple((host, gpus) for host, gpus in hosts if gpus))
@@ -422,6 +465,15 @@ class Allocator:
             if grant is None:
                 raise NotFound(f"no job {job!r}")
             return {"placement": grant.placement.to_json(), "reason": grant.reason}
+
+
+def _only(placement: Placement, slots: set[Slot]) -> Placement:
+    """`placement` without the GPUs not in `slots`; the order stays (position i on a host
+    is the GPU of local rank i)."""
+    hosts = tuple(
+        (host, tuple(gpu for gpu in gpus if (host, gpu) in slots)) for host, gpus in placement.hosts
+    )
+    return Placement(tuple((host, gpus) for host, gpus in hosts if gpus))
 
 
 def _alive(pid: int) -> bool:

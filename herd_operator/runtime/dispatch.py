@@ -67,6 +67,15 @@ class EngineDispatch:
             if placement is not None:
                 engine.publish(job, placement)
 
+    def adopt(self, job: str, kind: str) -> None:
+        """`job` was started by a previous operator on the engine of `kind`: attach it."""
+        try:
+            engine = self.engine(kind)
+        except UnknownEngineError:
+            log.warning("%s: adopted, but this operator has no engine %r", job, kind)
+            return
+        self.attach(job, engine)
+
     def publish(self, job: str, placement: Placement) -> None:
         with self._lock:
             self._placements[job] = placement

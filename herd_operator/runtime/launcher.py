@@ -5,6 +5,12 @@ session of its own, with stdout and stderr appended to a per-job log file. Engin
 like Horovod start each worker in a new session of its own too, so a job's processes
 are found by the environment marker `HERD_LAUNCH_ID` that every one of them inherits,
 as well as by descent, and stopping a job makes sure that none of them is left.
+
+Jobs outlive the operator. With a records directory, each launch runs through a keeper
+(`keeper.py`, which writes the exit status to a file) and is recorded in a 0600 file
+(launch id, pid and its start time, generation, spec): an operator restarted after a
+crash adopts the launches still running (`adopt_recorded`) and learns how the others
+ended, instead of stopping and starting them again.
 """
 
 from __future__ import annotations
@@ -15,17 +21,21 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import pydantic
 
 from controllers.ports import LaunchInfo, ProcessPhase, ProcessState
-from herd_operator.environment import JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
+from herd_operator.environment import GPU_ENV, JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
+from herd_operator.layout import write_atomically
+from herd_operator.runtime.keeper import read_exit_file
 from specs import HerdJobSpec
 
 log = logging.getLogger(__name__)
@@ -48,14 +58,30 @@ class LaunchRequest:
     """Where it runs (default: the operator's working directory)."""
 
 
+ADOPTED_POLL_SECONDS = 1.0
+"""How often an adopted launch (not this operator's child: no wait(2)) is checked."""
+
+
 @dataclass
 class _Process:
     info: LaunchInfo
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | None
+    """None for a launch adopted from a previous operator: it is not our child."""
     known_pids: set[int] = field(default_factory=set)
     stop_requested: bool = False
     exit_code: int | None = None
+    exited: bool = False
     escalation: threading.Timer | None = None
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A launch recorded by a previous operator, as `Launcher.adopt_recorded` found it."""
+
+    job: str
+    info: LaunchInfo
+    running: bool
+    """False: it ended while no operator was there (its exit status is in the state)."""
 
 
 class Launcher:
@@ -64,11 +90,22 @@ class Launcher:
         on_exit: Callable[[str], None] = lambda job: None,
         *,
         grace_seconds: float = 10.0,
+        records_dir: Path | None = None,
     ) -> None:
         self._on_exit = on_exit
         self.grace_seconds = grace_seconds
+        self.records_dir = records_dir
+        """Where launches are recorded for a restarted operator (None: not at all, no keeper)."""
         self._lock = threading.Lock()
         self._processes: dict[str, _Process] = {}
+
+    def _record_file(self, job: str) -> Path:
+        assert self.records_dir is not None
+        return self.records_dir / f"{job}.json"
+
+    def _exit_file(self, job: str, launch_id: str) -> Path:
+        assert self.records_dir is not None
+        return self.records_dir / f"{job}.{launch_id}.exit"
 
     def launch(self, request: LaunchRequest) -> LaunchInfo:
         with self._lock:
@@ -76,6 +113,11 @@ class Launcher:
                 raise RuntimeError(f"job {request.job} already has a process")
         launch_id = uuid.uuid4().hex
         argv = list(request.argv)
+        if self.records_dir is not None:
+            self.records_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            exit_file = self._exit_file(request.job, launch_id)
+            argv = [sys.executable, "-m", "herd_operator.runtime.keeper", str(exit_file), "--"]
+            argv += request.argv
         env = dict(os.environ)
         env.update(request.env)
         env[LAUNCH_ID_ENV] = launch_id
@@ -107,6 +149,13 @@ class Launcher:
             spec=request.spec,
         )
         process = _Process(info, popen, {popen.pid})
+        if self.records_dir is not None:
+            try:
+                self._write_record(request.job, info)
+            except OSError as err:
+                # Not fatal: only a crash of this operator needs the record, and then the
+                # launch is stopped as an orphan instead of adopted.
+                log.warning("%s: cannot record the launch for a restart: %s", request.job, err)
         with self._lock:
             self._processes[request.job] = process
         threading.Thread(
@@ -114,11 +163,68 @@ class Launcher:
         ).start()
         return info
 
+    def _write_record(self, job: str, info: LaunchInfo) -> None:
+        record = {
+            "launch_id": info.launch_id,
+            "pid": info.pid,
+            "started_at": info.started_at,
+            "generation": info.generation,
+            "command": info.command,
+            "spec": info.spec.model_dump(mode="json", by_alias=True),
+        }
+        # 0600 and durable: it holds the spec's env, and it must outlive a crash.
+        write_atomically(self._record_file(job), json.dumps(record), mode=0o600)
+
     def _wait(self, job: str, process: _Process) -> None:
-        code = process.popen.wait()
+        if process.popen is not None:
+            code: int | None = process.popen.wait()
+        else:
+            code = self._wait_adopted(job, process)
         with self._lock:
             process.exit_code = code
+            process.exited = True
         self._on_exit(job)
+
+    def _wait_adopted(self, job: str, process: _Process) -> int | None:
+        """Wait for a launch that is not our child; its keeper tells how it ended."""
+        while _same_process(process.info.pid, process.info.launch_id):
+            time.sleep(ADOPTED_POLL_SECONDS)
+        return read_exit_file(self._exit_file(job, process.info.launch_id))
+
+    def adopt_recorded(self) -> list[Adopted]:
+        """Take over the launches a previous operator recorded (call before launching).
+
+        A launch whose keeper still runs is supervised as if this operator had started it;
+        one that ended while no operator was there is reported exited with the status its
+        keeper recorded (None when there is none: the keeper was killed too). A record
+        that cannot be read is dropped: its processes, if any, are orphans.
+        """
+        if self.records_dir is None or not self.records_dir.is_dir():
+            return []
+        adopted = []
+        for path in sorted(self.records_dir.glob("*.json")):
+            job = path.stem
+            try:
+                info = _read_record(path)
+            except (OSError, ValueError) as err:
+                log.warning("%s: dropping the unreadable launch record %s: %s", job, path, err)
+                path.unlink(missing_ok=True)
+                continue
+            running = _same_process(info.pid, info.launch_id)
+            process = _Process(info, None, {info.pid})
+            if not running:
+                process.exit_code = read_exit_file(self._exit_file(job, info.launch_id))
+                process.exited = True
+            with self._lock:
+                if job in self._processes:
+                    continue
+                self._processes[job] = process
+            if running:
+                threading.Thread(
+                    target=self._wait, args=(job, process), name=f"wait-{job}", daemon=True
+                ).start()
+            adopted.append(Adopted(job, info, running))
+        return adopted
 
     def state(self, job: str) -> ProcessState:
         with self._lock:
@@ -126,7 +232,7 @@ class Launcher:
         if process is None:
             return ProcessState(ProcessPhase.ABSENT)
         stopped_by_us = process.stop_requested
-        if process.exit_code is None:
+        if not process.exited:
             phase = ProcessPhase.STOPPING if stopped_by_us else ProcessPhase.RUNNING
             return ProcessState(phase, launch=process.info, stopped_by_us=stopped_by_us)
         # The launched process is gone; its workers may still be on their way out.
@@ -141,7 +247,7 @@ class Launcher:
         """Start stopping a job: SIGTERM now, SIGKILL to what is left after the grace period."""
         with self._lock:
             process = self._processes.get(job)
-            if process is None or process.stop_requested or process.exit_code is not None:
+            if process is None or process.stop_requested or process.exited:
                 return  # nothing to stop: an exit of its own is not a stop by us
             process.stop_requested = True
         log.info("stopping %s (pid %d)", job, process.info.pid)
@@ -157,7 +263,7 @@ class Launcher:
             process.escalation = timer
         process.known_pids |= _descendants(process.info.pid)
         _signal_group(process.info.pid, signal.SIGTERM)
-        if process.exit_code is not None:  # the launched process is gone: signal its orphans
+        if process.exited:  # the launched process is gone: signal its orphans
             for proc in self._leftovers(process):
                 with contextlib.suppress(psutil.NoSuchProcess):
                     proc.terminate()
@@ -192,10 +298,14 @@ class Launcher:
         """Drop an exited job's record, once the controller has acted on its exit."""
         with self._lock:
             process = self._processes.get(job)
-            if process is not None and process.exit_code is not None:
-                del self._processes[job]
-                if process.escalation is not None:
-                    process.escalation.cancel()
+            if process is None or not process.exited:
+                return
+            del self._processes[job]
+            if process.escalation is not None:
+                process.escalation.cancel()
+        if self.records_dir is not None:
+            self._record_file(job).unlink(missing_ok=True)
+            self._exit_file(job, process.info.launch_id).unlink(missing_ok=True)
 
     def jobs(self) -> list[str]:
         with self._lock:
@@ -225,14 +335,28 @@ class Orphan:
     pids: tuple[int, ...]
 
 
-def find_orphans(state_dir: Path) -> list[Orphan]:
-    """Processes of jobs launched for `state_dir` by an operator that is gone (a crash).
+@dataclass(frozen=True)
+class JobProcess:
+    """A live process of a job launched for some state dir, as its environment says."""
 
-    They carry the state dir and a launch id in their environment. Left alone, they would
-    train on beside the jobs a new operator starts, on the same GPUs.
+    pid: int
+    job: str
+    launch_id: str
+    env: Mapping[str, str]
+    """The few variables that say where it stands (see `_KEPT_ENV`)."""
+
+
+_KEPT_ENV = (GPU_ENV, "HOROVOD_HOSTNAME", "HOROVOD_LOCAL_RANK")
+
+
+def job_processes(state_dir: Path) -> list[JobProcess]:
+    """Every live process of the jobs launched for `state_dir`, by any operator.
+
+    They carry the state dir and a launch id in their environment (one pass over the
+    process table: it costs ~1 ms per 100 processes).
     """
     wanted = str(state_dir.resolve())
-    found: dict[tuple[str, str], list[int]] = {}
+    found = []
     me = os.getpid()
     for proc in psutil.process_iter():
         if proc.pid == me:
@@ -245,8 +369,20 @@ def find_orphans(state_dir: Path) -> list[Orphan]:
                 continue
         except psutil.Error:
             continue
-        key = (env.get(JOB_ENV, "?"), env[LAUNCH_ID_ENV])
-        found.setdefault(key, []).append(proc.pid)
+        kept = {name: env[name] for name in _KEPT_ENV if name in env}
+        found.append(JobProcess(proc.pid, env.get(JOB_ENV, "?"), env[LAUNCH_ID_ENV], kept))
+    return found
+
+
+def find_orphans(processes: Sequence[JobProcess], adopted: Set[str] = frozenset()) -> list[Orphan]:
+    """The processes of launches nobody adopted (`adopted`: launch ids), grouped by launch.
+
+    Left alone, they would train on beside the jobs this operator starts, on the same GPUs.
+    """
+    found: dict[tuple[str, str], list[int]] = {}
+    for proc in processes:
+        if proc.launch_id not in adopted:
+            found.setdefault((proc.job, proc.launch_id), []).append(proc.pid)
     return [
         Orphan(job, launch, tuple(sorted(pids))) for (job, launch), pids in sorted(found.items())
     ]
@@ -266,6 +402,35 @@ def stop_orphans(orphans: Sequence[Orphan], grace_seconds: float) -> None:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(alive, timeout=5)
+
+
+def _same_process(pid: int, launch_id: str) -> bool:
+    """Whether `pid` is still the live process of that launch (not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        return (
+            proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(LAUNCH_ID_ENV) == launch_id
+        )
+    except psutil.Error:
+        return False
+
+
+def _read_record(path: Path) -> LaunchInfo:
+    """A launch record written by `Launcher._write_record`; ValueError if it is not one."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    try:
+        return LaunchInfo(
+            launch_id=str(data["launch_id"]),
+            pid=int(data["pid"]),
+            started_at=float(data["started_at"]),
+            generation=int(data["generation"]),
+            command=str(data["command"]),
+            spec=HerdJobSpec.model_validate(data["spec"]),
+        )
+    except (KeyError, TypeError, pydantic.ValidationError) as err:
+        raise ValueError(f"not a launch record: {err}") from err
 
 
 def _descendants(pid: int) -> set[int]:

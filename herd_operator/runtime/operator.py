@@ -32,25 +32,34 @@ from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource
 from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
 from herd_operator.auth import ensure_token_file
-from herd_operator.environment import ALLOCATOR_ENV, STATE_DIR_ENV, TOKEN_FILE_ENV
+from herd_operator.environment import ALLOCATOR_ENV, GPU_ENV, STATE_DIR_ENV, TOKEN_FILE_ENV
 from herd_operator.layout import (
     StateLayout,
+    is_runtime_dir,
     make_runtime_dir,
     remove_runtime_dir,
     runtime_base,
     write_atomically,
 )
-from herd_operator.rpc import RpcServer
-from herd_operator.runtime.allocator import Allocator
+from herd_operator.rpc import Handler, RpcServer, parse_address
+from herd_operator.runtime.allocator import Allocator, Binding
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.handlers import ExporterRegistry, ReportHandler
-from herd_operator.runtime.launcher import Launcher, find_orphans, stop_orphans
+from herd_operator.runtime.launcher import (
+    Adopted,
+    JobProcess,
+    Launcher,
+    find_orphans,
+    job_processes,
+    stop_orphans,
+)
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
 from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
 from herd_operator.runtime.store import Store
+from specs.values import Placement
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +102,9 @@ class OperatorConfig:
     state_dir: Path
     pool: PoolSource
     listen_host: str = "127.0.0.1"
+    listen_port: int | None = None
+    """The allocator's port; None: the previous operator's (its jobs' workers know that
+    one), else any free port."""
     advertise_host: str | None = None
     """Address workers use to reach the allocator (default: listen_host)."""
     resync_seconds: float = 5.0
@@ -167,9 +179,16 @@ class Operator:
             on_decision=lambda placements: store.replace_allocations(placements, time.time()),
             min_resize_interval=config.min_resize_interval,
         )
+        self.launcher = launcher = Launcher(
+            self.queue.add, grace_seconds=config.grace_seconds, records_dir=self.layout.launches_dir
+        )
+        # Before the RPC server starts: a worker's first call must find its GPUs held.
+        self._adopt(store, allocator, launcher, engines)
+        if previous_runtime is not None and previous_runtime != self.layout.runtime:
+            remove_runtime_dir(previous_runtime)  # nothing adopted reads it
         # Ready before the RPC server starts: an exporter may register at once.
         self.exporters = exporters = ExporterRegistry(self.layout.scrape_targets_file, None)
-        self.server = server = RpcServer(
+        self.server = server = self._start_rpc_server(
             token,
             {
                 "bind": allocator.handle_bind,
@@ -179,9 +198,8 @@ class Operator:
                 "register_exporter": exporters,
                 "ping": lambda args: {"pid": os.getpid()},
             },
-            host=config.listen_host,
         )
-        host, port = server.start()
+        host, port = server.address
         local = self._local_gpus(allocator)
         self._serve_metrics(local, store, allocator, server)
         exporters.operator_address = self._metrics_address
@@ -206,7 +224,6 @@ class Operator:
             ),
             mode=0o600,
         )
-        self.launcher = launcher = Launcher(self.queue.add, grace_seconds=config.grace_seconds)
         env = {
             ALLOCATOR_ENV: address,
             TOKEN_FILE_ENV: str(self.layout.token_file.resolve()),
@@ -214,10 +231,6 @@ class Operator:
             **config.extra_env,
         }
         job_launcher = JobLauncher(launcher, engines, self.layout, env)
-        self._stop_orphans(store)
-        if previous_runtime is not None and previous_runtime != self.layout.runtime:
-            # A crashed operator's grants: its jobs were just stopped, nothing reads them.
-            remove_runtime_dir(previous_runtime)
         self._enqueue_known_jobs()
         log.info(
             "pool: %s; allocator on %s; specs from %s; state in %s",
@@ -238,8 +251,41 @@ class Operator:
         self.loop = ControlLoop(self.queue, reconciler, allocator, store, observer=self.metrics)
         return self.loop
 
+    def _start_rpc_server(self, token: bytes, handlers: Mapping[str, Handler]) -> RpcServer:
+        """The allocator's RPC server, on the previous operator's port when none is asked for:
+        the workers of adopted jobs reach the allocator at the address they were given."""
+        config = self.config
+        port = config.listen_port
+        previous = self._previous_port() if port is None else None
+        if previous is not None:
+            server = RpcServer(token, handlers, host=config.listen_host, port=previous)
+            try:
+                server.start()
+                return server
+            except OSError as err:
+                log.warning(
+                    "cannot listen on the previous operator's port %d (%s); the workers of"
+                    " jobs it started cannot reach this allocator until they are restarted",
+                    previous, err,
+                )  # fmt: skip
+        server = RpcServer(token, handlers, host=config.listen_host, port=port or 0)
+        server.start()
+        return server
+
+    def _previous_port(self) -> int | None:
+        """The port in the endpoint file a previous operator left (after a crash)."""
+        try:
+            endpoint = json.loads(self.layout.endpoint_file.read_text(encoding="utf-8"))
+            return parse_address(str(endpoint["address"]))[1]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def _use_runtime_dir(self) -> Path | None:
-        """Make this run's runtime directory and record it; returns the one recorded before."""
+        """Pick this run's runtime directory and record it; returns the one recorded before.
+
+        The previous operator's is used again when it is still there: the jobs it started
+        run on (they are adopted) and their discovery scripts read their grants from it.
+        """
         record = self.layout.runtime_record
         try:
             previous: Path | None = Path(record.read_text().strip())
@@ -247,7 +293,9 @@ class Operator:
             previous = None
         base = runtime_base(self.config.runtime_dir)
         runtime = None
-        if base is not None:
+        if previous is not None and is_runtime_dir(previous):
+            runtime = previous
+        elif base is not None:
             try:
                 runtime = make_runtime_dir(base)
             except OSError as err:
@@ -325,35 +373,77 @@ class Operator:
         self._metrics_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         log.info("metrics on http://%s/metrics", self._metrics_address)
 
-    def _stop_orphans(self, store: Store) -> None:
-        """Jobs a crashed operator left running are stopped before they are started again.
+    def _adopt(
+        self, store: Store, allocator: Allocator, launcher: Launcher, engines: EngineDispatch
+    ) -> None:
+        """Take over what a previous operator left running (crash-only start-up).
 
-        Nothing tells this operator what they hold or how they are doing, and the jobs it
-        is about to start would share their GPUs. (Adopting them instead is a later step.)
+        The launches it recorded whose keeper still runs are adopted: supervised, their
+        GPUs held (from the store's allocations and the GPUs their workers are bound to),
+        their grants published where their discovery scripts read them. Launches that
+        ended while no operator was there are reported with the exit status their keeper
+        recorded, so a finished job is not run again. Processes of any other launch are
+        orphans (a launch never recorded: the crash came between start and record) and
+        are stopped: nothing says what they hold.
         """
-        orphans = find_orphans(self.layout.root)
-        if not orphans:
-            return
-        for orphan in orphans:
-            log.warning(
-                "%s: %d process(es) of launch %s outlived the previous operator; stopping them",
-                orphan.job, len(orphan.pids), orphan.launch_id[:8],
-            )  # fmt: skip
-        stop_orphans(orphans, self.config.grace_seconds)
+        started = time.monotonic()
+        adopted = launcher.adopt_recorded()
+        running = {item.info.launch_id: item for item in adopted if item.running}
+        processes = job_processes(self.layout.root)
+        stored = store.allocations()
+        bound = _bindings(processes, running)
+        placements = {}
+        for item in running.values():
+            placement = stored.get(item.job) or _placement_of(bound, item.job)
+            if placement.size:
+                placements[item.job] = placement
+        for item in adopted:
+            engines.adopt(item.job, item.info.spec.engine.kind)
+        allocator.restore(placements, bound)
         now = time.time()
-        for orphan in orphans:
-            if store.get_job(orphan.job) is not None:
+        for item in running.values():
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(item.info.started_at))
+            log.info(
+                "%s: adopted launch %s (pid %d), running since %s on %d GPU(s)",
+                item.job, item.info.launch_id[:8], item.info.pid, since,
+                placements.get(item.job, Placement.EMPTY).size,
+            )  # fmt: skip
+            if store.get_job(item.job) is not None:
                 store.add_event(
-                    orphan.job, "Warning", "Orphaned",
-                    f"{len(orphan.pids)} process(es) left by an operator that did not shut down "
-                    "cleanly were stopped; the job starts again",
+                    item.job, "Normal", "Adopted",
+                    f"running since {since} (pid {item.info.pid}): taken over by a restarted"
+                    " operator",
                     now,
                 )  # fmt: skip
+        orphans = find_orphans(processes, set(running))
+        for orphan in orphans:
+            log.warning(
+                "%s: %d process(es) of launch %s were never recorded (the previous operator"
+                " stopped between starting and recording them); stopping them",
+                orphan.job, len(orphan.pids), orphan.launch_id[:8],
+            )  # fmt: skip
+        if orphans:
+            stop_orphans(orphans, self.config.grace_seconds)
+            for orphan in orphans:
+                if store.get_job(orphan.job) is not None:
+                    store.add_event(
+                        orphan.job, "Warning", "Orphaned",
+                        f"{len(orphan.pids)} process(es) of an unrecorded launch were stopped;"
+                        " the job starts again",
+                        now,
+                    )  # fmt: skip
+        if adopted or orphans:
+            log.info(
+                "adopted %d running job(s), %d ended while no operator ran, %d orphan"
+                " launch(es) stopped, in %.2f s",
+                len(running), len(adopted) - len(running), len(orphans),
+                time.monotonic() - started,
+            )  # fmt: skip
 
     def _enqueue_known_jobs(self) -> None:
-        """Reconcile every recorded job once: a previous operator stopped them on shutdown,
-        so they start again if their spec is still there (re-adopting jobs that outlived a
-        crashed operator is a later step)."""
+        """Reconcile every recorded job once: adopted jobs converge from where they are,
+        jobs a previous operator stopped on shutdown start again if their spec is still
+        there, and jobs whose spec went away while no operator ran are removed."""
         assert self.store is not None
         for record in self.store.list_jobs():
             self.queue.add(record.name)
@@ -414,3 +504,30 @@ class Operator:
         if self.loop is not None:
             self.loop.record_shutdown()
         self.allocator.release_all()
+
+
+def _bindings(processes: list[JobProcess], running: Mapping[str, Adopted]) -> list[Binding]:
+    """The GPU each live worker of an adopted launch is bound to, as the shim exported it."""
+    found = []
+    for proc in processes:
+        if proc.launch_id not in running or GPU_ENV not in proc.env:
+            continue
+        try:
+            gpu, local_rank = int(proc.env[GPU_ENV]), int(proc.env.get("HOROVOD_LOCAL_RANK", "0"))
+        except ValueError:
+            continue
+        host = proc.env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        found.append(Binding(proc.job, host, local_rank, gpu, proc.pid))
+    return found
+
+
+def _placement_of(bindings: list[Binding], job: str) -> Placement:
+    """A job's placement as its bound workers show it (when the store has none: the crash
+    came before the decision that placed them was committed)."""
+    hosts: dict[str, dict[int, int]] = {}
+    for binding in bindings:
+        if binding.job == job:
+            hosts.setdefault(binding.host, {})[binding.local_rank] = binding.gpu
+    return Placement(
+        tuple((host, tuple(ranks[r] for r in sorted(ranks))) for host, ranks in hosts.items())
+    )

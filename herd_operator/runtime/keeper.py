@@ -1,0 +1,81 @@
+"""Keeps a job's exit status for an operator that may not be there to see it.
+
+    python -m herd_operator.runtime.keeper EXIT_FILE -- COMMAND [ARG...]
+
+The launcher runs every job through a keeper, in a session of its own. The keeper
+starts the command in its own process group, waits for it, writes how it ended to
+EXIT_FILE (atomically) and then ends the same way: the same status, or death by the
+same signal, so an operator that is still its parent sees what the command did.
+
+Jobs outlive the operator (crash-only): an operator that was killed and restarted
+adopts the jobs still running and learns from their exit files how the others ended
+while it was away, instead of running a finished job again.
+
+SIGTERM, SIGINT and SIGHUP sent to the group reach the command as well; the keeper
+only stays to record the command's end. A SIGKILL of the group ends both, and then
+nothing is recorded: only an operator that is there sends one, and it knows why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from herd_operator.layout import write_atomically
+
+STAYS_FOR = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def exit_record(returncode: int) -> str:
+    """The exit file's content: `returncode` as subprocess gives it (-N: killed by signal N)."""
+    return json.dumps({"returncode": returncode, "ended_at": time.time()}) + "\n"
+
+
+def read_exit_file(path: Path) -> int | None:
+    """The recorded return code, or None when there is none (or it cannot be read)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    code = data.get("returncode") if isinstance(data, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def _stay(signum: int, frame: FrameType | None) -> None:
+    """A handler, not SIG_IGN: an ignored signal would stay ignored in the command."""
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m herd_operator.runtime.keeper EXIT_FILE -- COMMAND [ARG...]")
+        return 2
+    exit_file, command = Path(argv[0]), argv[2:]
+    for signum in STAYS_FOR:
+        signal.signal(signum, _stay)
+    try:
+        child = subprocess.Popen(command)  # inherits stdio, environment, cwd and group
+    except OSError as err:
+        print(f"herd keeper: cannot run {command[0]!r}: {err}", file=sys.stderr, flush=True)
+        returncode = 127
+    else:
+        returncode = child.wait()
+    try:
+        write_atomically(exit_file, exit_record(returncode), mode=0o600)
+    except OSError as err:  # a full disk: the operator that is there still sees the status
+        print(f"herd keeper: cannot record the exit status: {err}", file=sys.stderr, flush=True)
+    if returncode < 0:
+        if -returncode in STAYS_FOR:
+            signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+        return 128 - returncode  # the shell's convention, if the signal did not end us
+    return returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

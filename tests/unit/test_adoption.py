@@ -1,0 +1,337 @@
+"""Crash-only start-up: jobs outlive the operator, and a restarted one adopts them.
+
+Real processes: the keeper records how a command ended; a second `Launcher` on the same
+records directory (what a restarted operator makes) takes over a launch the first one
+started, or learns how it ended while no operator ran. The allocator holds the GPUs of
+adopted jobs until their first request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from controllers.ports import ProcessPhase
+from herd_operator.runtime.allocator import Allocator, Binding
+from herd_operator.runtime.keeper import read_exit_file
+from herd_operator.runtime.launcher import (
+    Adopted,
+    JobProcess,
+    Launcher,
+    LaunchRequest,
+    find_orphans,
+)
+from herd_operator.runtime.operator import _bindings, _placement_of
+from specs import HerdJobSpec
+from specs.values import Demand, Placement, Pool
+
+GUARD_S = 30.0
+"""Hang guard for waiting on processes; never a performance expectation."""
+
+
+def spec() -> HerdJobSpec:
+    return HerdJobSpec.model_validate(
+        {"command": ["python", "train.py"], "gpus": {"min": 1, "max": 4}, "env": {"A": "1"}}
+    )
+
+
+def request(tmp_path: Path, script: str, job: str = "train") -> LaunchRequest:
+    return LaunchRequest(
+        job=job,
+        generation=3,
+        argv=[sys.executable, "-c", script],
+        log_file=tmp_path / "logs" / f"{job}.log",
+        command="fake-run",
+        spec=spec(),
+        working_dir=str(tmp_path),
+    )
+
+
+def wait_until(probe: object, what: str) -> None:
+    deadline = time.monotonic() + GUARD_S
+    while not probe():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+class Exits:
+    def __init__(self) -> None:
+        self.jobs: list[str] = []
+        self.event = threading.Event()
+
+    def __call__(self, job: str) -> None:
+        self.jobs.append(job)
+        self.event.set()
+
+
+@pytest.fixture
+def records(tmp_path: Path) -> Path:
+    return tmp_path / "launches"
+
+
+@pytest.fixture
+def launchers(records: Path) -> Iterator[list[Launcher]]:
+    made: list[Launcher] = []
+    yield made
+    for launcher in made:
+        launcher.stop_all(timeout=10)
+
+
+def launcher_on(records: Path, made: list[Launcher], exits: Exits | None = None) -> Launcher:
+    launcher = Launcher(exits or Exits(), grace_seconds=2.0, records_dir=records)
+    made.append(launcher)
+    return launcher
+
+
+# ---- the keeper ----
+
+
+def keep(tmp_path: Path, *command: str) -> tuple[int, int | None]:
+    exit_file = tmp_path / "exit"
+    done = subprocess.run(
+        [sys.executable, "-m", "herd_operator.runtime.keeper", str(exit_file), "--", *command],
+        timeout=GUARD_S,
+    )
+    return done.returncode, read_exit_file(exit_file)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_keeper_records_the_exit_status_and_ends_with_it(tmp_path: Path, code: int) -> None:
+    assert keep(tmp_path, sys.executable, "-c", f"raise SystemExit({code})") == (code, code)
+    assert stat.S_IMODE((tmp_path / "exit").stat().st_mode) == 0o600
+
+
+def test_keeper_records_a_death_by_signal_and_dies_of_the_same(tmp_path: Path) -> None:
+    command = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert keep(tmp_path, sys.executable, "-c", command) == (-signal.SIGKILL, -signal.SIGKILL)
+
+
+def test_keeper_stays_for_a_sigterm_to_its_group_and_records_how_the_command_ended(
+    tmp_path: Path,
+) -> None:
+    """A stop signals the whole group: the command exits its own way, the keeper records it."""
+    ready = tmp_path / "ready"
+    script = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(60)\n"
+    )
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "herd_operator.runtime.keeper", str(tmp_path / "exit"), "--",
+         sys.executable, "-c", script],
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_until(ready.exists, "the command to start")
+        os.killpg(keeper.pid, signal.SIGTERM)
+        assert keeper.wait(GUARD_S) == 7
+    finally:
+        if keeper.poll() is None:
+            os.killpg(keeper.pid, signal.SIGKILL)
+    assert read_exit_file(tmp_path / "exit") == 7
+
+
+def test_keeper_cannot_run_the_command(tmp_path: Path) -> None:
+    assert keep(tmp_path, str(tmp_path / "no-such-program")) == (127, 127)
+
+
+# ---- a restarted operator's launcher ----
+
+SLEEPER = "import time; time.sleep(120)"
+
+
+def sleeper(ready: Path) -> str:
+    """Sleeps once started; `ready` says so (then the keeper has its handlers too)."""
+    return f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(120)"
+
+
+def test_a_running_launch_is_adopted_and_supervised_by_the_next_launcher(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    first = launcher_on(records, launchers)
+    info = first.launch(request(tmp_path, sleeper(tmp_path / "ready")))
+    wait_until((tmp_path / "ready").exists, "the command to start")
+    record = records / "train.json"
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600, "the record holds the spec's env"
+    assert "SLEEPER" not in record.read_text()
+
+    exits = Exits()
+    second = launcher_on(records, launchers, exits)  # the first one "crashed": never stopped
+    (adopted,) = second.adopt_recorded()
+    assert (adopted.job, adopted.running) == ("train", True)
+    assert adopted.info.launch_id == info.launch_id and adopted.info.pid == info.pid
+    assert adopted.info.generation == 3 and adopted.info.spec == spec()
+    state = second.state("train")
+    assert state.phase == ProcessPhase.RUNNING and state.launch == adopted.info
+
+    second.stop("train")
+    assert exits.event.wait(GUARD_S), "the adopted launch's end was not noticed"
+    state = second.state("train")
+    assert state.phase == ProcessPhase.EXITED and state.stopped_by_us
+    assert state.exit_code == -signal.SIGTERM
+    second.forget("train")
+    assert list(records.iterdir()) == [], "the record and the exit file are removed"
+
+
+def test_a_launch_that_ended_while_no_operator_ran_is_reported_with_its_status(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    first = launcher_on(records, launchers)
+    info = first.launch(request(tmp_path, "raise SystemExit(4)"))
+    wait_until(lambda: not psutil.pid_exists(info.pid) or _zombie(info.pid), "the exit")
+
+    second = launcher_on(records, launchers)
+    (adopted,) = second.adopt_recorded()
+    assert not adopted.running
+    state = second.state("train")
+    assert (state.phase, state.exit_code, state.stopped_by_us) == (ProcessPhase.EXITED, 4, False)
+
+
+def test_a_launch_whose_keeper_was_killed_too_has_an_unknown_status(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    first = launcher_on(records, launchers)
+    info = first.launch(request(tmp_path, SLEEPER))
+    os.killpg(info.pid, signal.SIGKILL)
+    wait_until(lambda: _zombie(info.pid) or not psutil.pid_exists(info.pid), "the kill")
+
+    (adopted,) = launcher_on(records, launchers).adopt_recorded()
+    assert not adopted.running
+    assert launchers[-1].state("train").exit_code is None
+
+
+def test_a_pid_reused_by_another_process_is_not_adopted(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    """The record's pid now belongs to a process of another launch (or none): not ours."""
+    first = launcher_on(records, launchers)
+    info = first.launch(request(tmp_path, SLEEPER))
+    record = json.loads((records / "train.json").read_text())
+    record["launch_id"] = "0" * 32  # as if the pid had been reused by a stranger
+    (records / "train.json").write_text(json.dumps(record))
+    (adopted,) = launcher_on(records, launchers).adopt_recorded()
+    assert not adopted.running
+    assert psutil.pid_exists(info.pid), "the pid lives on, under another launch id"
+
+
+def test_an_unreadable_record_is_dropped(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    """Its processes are then nobody's: the operator stops them as orphans (find_orphans)."""
+    first = launcher_on(records, launchers)
+    info = first.launch(request(tmp_path, SLEEPER))
+    (records / "train.json").write_text("{not json")
+    second = launcher_on(records, launchers)
+    assert second.adopt_recorded() == []
+    assert not (records / "train.json").exists()
+    assert second.state("train").phase == ProcessPhase.ABSENT
+    orphan = JobProcess(info.pid, "train", info.launch_id, {})
+    assert [o.launch_id for o in find_orphans([orphan], adopted=set())] == [info.launch_id]
+    assert find_orphans([orphan], adopted={info.launch_id}) == []
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+# ---- the allocator takes back what adopted jobs hold ----
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.published: dict[str, Placement] = {}
+
+    def publish(self, job: str, placement: Placement) -> None:
+        self.published[job] = placement
+
+    def withdraw(self, job: str) -> None:
+        self.published.pop(job, None)
+
+
+def allocator(gpus: int = 4) -> tuple[Allocator, Sink, list[dict[str, Placement]]]:
+    sink, decisions = Sink(), []
+    made = Allocator(
+        Pool.from_counts({"localhost": gpus}),
+        sink,
+        virtual=True,
+        on_decision=lambda placements: decisions.append(dict(placements)),
+    )
+    return made, sink, decisions
+
+
+def place(*gpus: int, host: str = "localhost") -> Placement:
+    return Placement(((host, gpus),))
+
+
+def test_restored_gpus_are_held_for_their_job_until_it_asks_again() -> None:
+    alloc, sink, decisions = allocator(4)
+    alloc.restore({"a": place(3, 1)}, [])
+    assert sink.published == {"a": place(3, 1)}, "the grant is where its discovery reads it"
+    assert decisions[-1] == {"a": place(3, 1)}, "recorded at once"
+
+    b = alloc.request(Demand("b", 1, 4, 4, arrival=2))
+    assert b is not None and set(b.placement.slots()).isdisjoint(place(3, 1).slots())
+    assert alloc.grant("a") is not None and alloc.grant("a").placement == place(3, 1)  # type: ignore[union-attr]
+
+    a = alloc.request(Demand("a", 1, 2, 2, arrival=1))
+    assert a is not None and a.placement == place(3, 1), "a running job keeps its GPUs and order"
+
+
+def test_a_restored_job_released_before_it_asks_frees_its_gpus() -> None:
+    alloc, sink, _ = allocator(2)
+    alloc.restore({"a": place(0, 1)}, [])
+    pending = alloc.request(Demand("b", 2, 2, 2, arrival=2))
+    assert pending is not None and not pending.admitted
+    alloc.release("a")
+    assert "a" not in sink.published
+    assert alloc.grant("b") is not None and alloc.grant("b").placement.size == 2  # type: ignore[union-attr]
+
+
+def test_restore_drops_gpus_outside_the_pool_and_gpus_claimed_twice() -> None:
+    alloc, _, _ = allocator(2)
+    alloc.restore({"a": place(0, 5), "b": place(0, 1)}, [])
+    assert alloc.placements() == {"a": place(0), "b": place(1)}
+
+
+def test_restore_keeps_the_bindings_of_live_workers_on_held_gpus() -> None:
+    alloc, _, _ = allocator(4)
+    workers = [
+        Binding("a", "localhost", 0, 2, 111),
+        Binding("a", "localhost", 1, 3, 112),
+        Binding("a", "localhost", 2, 0, 113),  # GPU 0 is not a's: not restored
+        Binding("z", "localhost", 0, 1, 114),  # no such adopted job
+    ]
+    alloc.restore({"a": place(2, 3)}, workers)
+    assert sorted(b.pid for b in alloc.bindings() if b.pid) == [111, 112]
+
+
+def test_bindings_and_placement_from_the_workers_environment() -> None:
+    """What the shim exported tells which GPU each live worker has, when the store does not."""
+    adopted = {"L1": Adopted("a", object(), True)}  # type: ignore[arg-type]
+    processes = [
+        JobProcess(10, "a", "L1", {}),  # horovodrun itself: no GPU
+        JobProcess(11, "a", "L1", {"HERD_GPU": "3", "HOROVOD_LOCAL_RANK": "1",
+                                   "HOROVOD_HOSTNAME": "localhost"}),
+        JobProcess(12, "a", "L1", {"HERD_GPU": "2", "HOROVOD_LOCAL_RANK": "0",
+                                   "HOROVOD_HOSTNAME": "localhost"}),
+        JobProcess(13, "b", "L2", {"HERD_GPU": "0", "HOROVOD_LOCAL_RANK": "0"}),  # not adopted
+        JobProcess(14, "a", "L1", {"HERD_GPU": "x"}),
+    ]  # fmt: skip
+    found = _bindings(processes, adopted)
+    assert sorted((b.pid, b.gpu, b.local_rank) for b in found) == [(11, 3, 1), (12, 2, 0)]
+    assert _placement_of(found, "a") == place(2, 3), "local-rank order"
