@@ -16,6 +16,7 @@ an instance of it, and says what it observes (`Policy.observes`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
@@ -34,6 +35,8 @@ LEGACY_OBSERVES: frozenset[Signal] = frozenset({Signal.EPOCHS})
 """What a plug-in that does not declare `observes` is given: what every policy was given
 before policies declared it (plus the GPU usage if the class sets `needs_usage = True`)."""
 _SIGNALS: frozenset[Signal] = frozenset(Signal)
+
+log = logging.getLogger(__name__)
 
 
 class PolicyClass(Protocol):
@@ -144,7 +147,9 @@ def _load_plugin(name: str, point: EntryPoint) -> PolicyClass | _Refused:
         found: Any = point.load()
     except (Exception, SystemExit) as err:
         # A module runs code when imported: whatever it raises (even SystemExit) is this
-        # spec's problem, never the operator's end.
+        # spec's problem, never the operator's end. Logged with its traceback once: the
+        # job's condition repeats only the message, and the import is not tried again.
+        log.warning("plug-in policy %r (%s) cannot be loaded", name, point.value, exc_info=True)
         return _Refused(f"cannot load plug-in {name!r}: {_describe_error(err)}")
     params = getattr(found, "Params", None)
     if not (isinstance(params, type) and issubclass(params, BaseModel)) or not callable(found):

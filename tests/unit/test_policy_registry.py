@@ -304,7 +304,7 @@ def test_a_plugin_that_raises_anything_is_a_spec_error(
 
 
 def test_a_broken_plugin_is_imported_once_until_a_reset(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its module would otherwise run again on every reconcile of every job that names it."""
     imports = tmp_path / "imports"
@@ -319,6 +319,12 @@ def test_a_broken_plugin_is_imported_once_until_a_reset(
     for _ in range(3):
         assert policy_error(PolicyRef(name="broken")).message == expected
     assert imports.read_text().splitlines() == ["imported"]
+    # Its traceback is logged once, since the message alone is kept.
+    (record,) = [r for r in caplog.records if r.name == "policies.registry"]
+    assert record.getMessage() == (
+        "plug-in policy 'broken' (herd_test_broken:Policy) cannot be loaded"
+    )
+    assert record.exc_info is not None
     reset_plugin_cache()
     assert policy_error(PolicyRef(name="broken")).message == expected
     assert imports.read_text().splitlines() == ["imported", "imported"]
