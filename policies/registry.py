@@ -1,31 +1,42 @@
 """Finds a policy by name and validates its parameters.
 
-A policy is named in a spec by `spec.policy.name`: a built-in name, a name that
-a third-party package registers under the entry point group
-`herd_operator.policies`, or `package.module:ClassName`. A policy class has a
-pydantic model `Params` for its `spec.policy.params` and is built with an
-instance of it, and says what it observes (`Policy.observes`).
+A policy is named in a spec by `spec.policy.name`: a built-in name, or a name that an
+installed package registers under the entry point group `herd_operator.policies` in its
+package metadata. Nothing else is resolved: a spec is data, and naming a module in it
+(`package.module:ClassName`) must not make the operator import that module, so such a name
+is refused like any unknown one, without importing anything.
+
+The group's entry points are read once and each plug-in class is loaded once per process
+(reading the installed packages' metadata took milliseconds per reconcile). A plug-in
+installed while the operator runs is seen after `reset_plugin_cache()` or a restart.
+
+A policy class has a pydantic model `Params` for its `spec.policy.params` and is built with
+an instance of it, and says what it observes (`Policy.observes`).
 """
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
+import logging
+import threading
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, ValidationError
 
-from policies.base import Policy, PolicyError, Signal
+from policies.base import Decision, JobObservations, Policy, PolicyError, Signal
 from policies.memory import MemoryPolicy
 from policies.schedule import SchedulePolicy
 from policies.static import StaticPolicy
-from specs import PolicyRef
+from specs import HerdJob, PolicyRef
 
 ENTRY_POINT_GROUP = "herd_operator.policies"
 LEGACY_OBSERVES: frozenset[Signal] = frozenset({Signal.EPOCHS})
 """What a plug-in that does not declare `observes` is given: what every policy was given
 before policies declared it (plus the GPU usage if the class sets `needs_usage = True`)."""
 _SIGNALS: frozenset[Signal] = frozenset(Signal)
+
+log = logging.getLogger(__name__)
 
 
 class PolicyClass(Protocol):
@@ -41,41 +52,110 @@ BUILTIN_POLICIES: dict[str, PolicyClass] = {
 }
 
 
+@dataclass(frozen=True)
+class _Refused:
+    """Why an installed plug-in cannot be used: kept, so that a broken plug-in's module is
+    not run again on every reconcile, and raised as a new error each time it is asked for."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class _Plugins:
+    """What the registry knows of the installed plug-ins, filled as they are asked for."""
+
+    points: dict[str, EntryPoint]
+    """The group's entry points by name; the first found wins a name taken twice."""
+    loaded: dict[str, PolicyClass | _Refused]
+    """Each entry point asked for: its class, or why it is not one."""
+
+
+_plugins: _Plugins | None = None
+# Reentrant: a plug-in's module may look a policy up while it is being imported.
+_plugins_lock = threading.RLock()
+
+
+def reset_plugin_cache() -> None:
+    """Forget the installed plug-ins: the next lookup reads the entry points again.
+
+    For a plug-in installed (or mended) while the process runs, and for tests that install
+    one. A plug-in module already imported stays imported (Python does not unload it)."""
+    global _plugins
+    with _plugins_lock:
+        _plugins = None
+
+
+def _installed() -> _Plugins:
+    global _plugins
+    with _plugins_lock:
+        if _plugins is None:
+            points: dict[str, EntryPoint] = {}
+            for point in entry_points(group=ENTRY_POINT_GROUP):
+                points.setdefault(point.name, point)
+            _plugins = _Plugins(points, {})
+        return _plugins
+
+
+def plugin_names() -> list[str]:
+    """The names installed plug-ins register, sorted; a built-in's name stays the built-in."""
+    return sorted(set(_installed().points) - set(BUILTIN_POLICIES))
+
+
+def allowed_names() -> str:
+    """The names a spec may use and how to add one, for an error message."""
+    return (
+        f"allowed: {', '.join(sorted(BUILTIN_POLICIES))} (built-in),"
+        f" {', '.join(plugin_names()) or 'none'} (installed plug-ins); a plug-in registers its"
+        f" class under the entry point group {ENTRY_POINT_GROUP!r} in its package's metadata"
+        " and is installed where the operator runs (docs/policies.md)"
+    )
+
+
 def find_policy_class(name: str) -> PolicyClass:
-    """Resolve a policy name; raises PolicyError naming `spec.policy.name`."""
-    if name in BUILTIN_POLICIES:
-        return BUILTIN_POLICIES[name]
+    """Resolve a policy name; raises PolicyError naming `spec.policy.name`.
+
+    Only a built-in or an installed entry point is resolved; for any other name nothing
+    is imported."""
+    builtin = BUILTIN_POLICIES.get(name)
+    if builtin is not None:
+        return builtin
+    with _plugins_lock:
+        plugins = _installed()
+        point = plugins.points.get(name)
+        if point is None:
+            # Not kept: unknown names cost two dict lookups, and specs can invent any number.
+            raise PolicyError("spec.policy.name", f"{_describe_unknown(name)}; {allowed_names()}")
+        found = plugins.loaded.get(name)
+        if found is None:
+            found = plugins.loaded[name] = _load_plugin(name, point)
+    if isinstance(found, _Refused):
+        raise PolicyError("spec.policy.name", found.message)
+    return found
+
+
+def _describe_unknown(name: str) -> str:
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            found: Any = getattr(importlib.import_module(module_name), attr)
-        except (Exception, SystemExit) as err:
-            # A module runs code when imported: whatever it raises (even SystemExit, as
-            # `unittest.__main__` does) is this spec's problem, never the operator's end.
-            raise PolicyError(
-                "spec.policy.name", f"cannot load {name!r}: {_describe_error(err)}"
-            ) from err
-    else:
-        matches = entry_points(group=ENTRY_POINT_GROUP, name=name)
-        if not matches:
-            known = sorted(
-                {*BUILTIN_POLICIES, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
-            )
-            raise PolicyError(
-                "spec.policy.name",
-                f"unknown policy {name!r} (known: {', '.join(known)}; or use 'module:Class')",
-            )
-        try:
-            found = next(iter(matches)).load()
-        except (Exception, SystemExit) as err:  # a broken plug-in must not end the operator
-            raise PolicyError(
-                "spec.policy.name", f"cannot load plug-in {name!r}: {_describe_error(err)}"
-            ) from err
+        return (
+            f"{name!r} is a module:Class reference, which is not loaded (a spec does not"
+            " make the operator import a module)"
+        )
+    return f"unknown policy {name!r}"
+
+
+def _load_plugin(name: str, point: EntryPoint) -> PolicyClass | _Refused:
+    try:
+        found: Any = point.load()
+    except (Exception, SystemExit) as err:
+        # A module runs code when imported: whatever it raises (even SystemExit) is this
+        # spec's problem, never the operator's end. Logged with its traceback once: the
+        # job's condition repeats only the message, and the import is not tried again.
+        log.warning("plug-in policy %r (%s) cannot be loaded", name, point.value, exc_info=True)
+        return _Refused(f"cannot load plug-in {name!r}: {_describe_error(err)}")
     params = getattr(found, "Params", None)
     if not (isinstance(params, type) and issubclass(params, BaseModel)) or not callable(found):
-        raise PolicyError(
-            "spec.policy.name",
-            f"{name!r} is not a policy class (it needs a pydantic 'Params' model)",
+        return _Refused(
+            f"plug-in {name!r} ({point.value}) is not a policy class"
+            " (it needs a pydantic 'Params' model)"
         )
     return cast(PolicyClass, found)
 
@@ -96,9 +176,9 @@ def load_policy(ref: PolicyRef) -> Policy:
         raise PolicyError(
             "spec.policy.name", f"{ref.name!r} cannot be built: {_describe_error(err)}"
         ) from err
-    if ref.name not in BUILTIN_POLICIES:  # the built-ins declare it (their tests check)
-        _check_observes(policy, ref.name)
-    return policy
+    if ref.name in BUILTIN_POLICIES:  # the built-ins declare it (their tests check)
+        return policy
+    return _with_observes(policy, ref.name)
 
 
 def _describe_error(err: BaseException) -> str:
@@ -108,26 +188,31 @@ def _describe_error(err: BaseException) -> str:
     return text or type(err).__name__
 
 
-def _check_observes(policy: Policy, name: str) -> None:
-    """Check what a policy declares it observes; fill it in for an older plug-in."""
+class LegacyPlugin:
+    """A plug-in written before policies declared what they observe, with what it is given.
+
+    A wrapper rather than an attribute set on the plug-in: its instance may refuse one
+    (`__slots__`), and one set on its class would be inherited by its subclasses, which may
+    say `needs_usage` themselves."""
+
+    __slots__ = ("observes", "policy")
+
+    def __init__(self, policy: Policy, observes: frozenset[Signal]) -> None:
+        self.policy = policy
+        self.observes = observes
+
+    def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
+        return self.policy.desired(job, observed, now)
+
+
+def _with_observes(policy: Policy, name: str) -> Policy:
+    """The plug-in if it declares what it observes; an older one wrapped with its old view."""
     declared: object = getattr(policy, "observes", None)
     if declared is None:
-        # Filled in here, so the reconciler reads the attribute of every policy. On the
-        # instance where it can be: set on a class, it would be inherited by the plug-in's
-        # subclasses, which may say `needs_usage` themselves.
         legacy = LEGACY_OBSERVES
         if getattr(policy, "needs_usage", False):
             legacy |= {Signal.USAGE}
-        try:
-            policy.observes = legacy
-        except (AttributeError, TypeError):  # __slots__ or a frozen instance
-            try:
-                type(policy).observes = legacy
-            except (AttributeError, TypeError) as err:
-                raise PolicyError(
-                    "spec.policy.name", f"{name!r} does not declare what it observes: {err}"
-                ) from err
-        return
+        return LegacyPlugin(policy, legacy)
     # Once per reconcile: a subset test, not a loop (plain strings equal their Signal).
     if not (isinstance(declared, set | frozenset) and declared <= _SIGNALS):
         raise PolicyError(
@@ -135,3 +220,4 @@ def _check_observes(policy: Policy, name: str) -> None:
             f"{name!r} declares it observes {declared!r}: expected a frozenset of"
             f" {', '.join(sorted(_SIGNALS))}",
         )
+    return policy

@@ -30,7 +30,9 @@ DNS_LABEL_MESSAGE = (
     "with a letter or digit, at most 63 characters)"
 )
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-# A registered policy name ("memory") or an import reference ("my_pkg.policies:Greedy").
+# A policy name ("memory"). A module reference ("my_pkg.policies:Greedy") is well formed
+# here only so that the policy registry, which knows the installed plug-ins, refuses it
+# saying what is allowed: no policy is imported by such a name.
 POLICY_NAME_PATTERN = (
     r"^([A-Za-z][A-Za-z0-9_-]*"
     r"|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
@@ -88,8 +90,8 @@ class PolicyRef(ApiModel):
     def _name_is_policy_reference(cls, name: str) -> str:
         if name and not re.fullmatch(POLICY_NAME_PATTERN, name):
             raise ValueError(
-                f"{name!r} is neither a registered policy name (like 'memory') "
-                "nor an import reference 'module.path:ClassName'"
+                f"{name!r} is not a policy name: a built-in's or an installed plug-in's"
+                " name, letters, digits, '-' and '_' (like 'memory')"
             )
         return name
 

@@ -1,8 +1,8 @@
 """A third-party HERD policy: give a job one more GPU when its loss stops improving.
 
-Use it from a job spec as `name: herd_example_policy:LossPlateauPolicy` with this file's
-folder on the operator's PYTHONPATH, or install it as a plug-in that registers it under the
-`herd_operator.policies` entry point group (see docs/policies.md).
+Install this folder into the operator's environment (`pip install examples/plugins`): its
+pyproject.toml registers the class under the `herd_operator.policies` entry point group as
+`loss-plateau`, the name a job spec uses (see docs/policies.md).
 
 The workers report a `loss` metric with each epoch end (`Report.metrics`). When the best
 loss of the last `patience` epochs is not lower than the best before them by more than

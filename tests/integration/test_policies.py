@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from policies.registry import reset_plugin_cache
 from tests.integration.harness import OperatorHarness, digits_command, spec_document
+from tests.unit.plugin_policy import TEST_PLUGINS, install, write_distribution
+
+
+@pytest.fixture
+def test_plugin_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The unit tests' policies installed as a plug-in distribution, for the operator that
+    runs in this process."""
+    site = tmp_path / "site-packages"
+    write_distribution(site, "herd-test-plugins", TEST_PLUGINS)
+    install(site, monkeypatch)
+    yield site
+    reset_plugin_cache()
 
 
 def epochs_by_world_size(herd: OperatorHarness, name: str) -> dict[int, int]:
@@ -105,3 +123,20 @@ def test_high_priority_job_is_admitted_by_shrinking_an_elastic_job(herd: Operato
         job="elastic",
         timeout=120,
     )
+
+
+def test_an_installed_plugin_sizes_a_job_and_a_module_reference_is_refused(
+    herd: OperatorHarness, test_plugin_site: Path
+) -> None:
+    herd.write_spec(
+        spec_document("module", 1, 1, digits_command(1), policy={"name": "unittest.__main__:Main"})
+    )
+    # The plug-in `half` asks for half of max: 2 of 4.
+    herd.write_spec(spec_document("half", 1, 4, digits_command(2), policy={"name": "half"}))
+    herd.wait_for(lambda: succeeded(herd, "half"), "the plug-in's job to finish", job="half")
+    assert set(epochs_by_world_size(herd, "half").values()) == {2}
+    refused = [e.message for e in herd.events("module") if e.reason == "InvalidSpec"]
+    assert refused, herd.diagnostics("module")
+    assert "spec.policy.name: 'unittest.__main__:Main' is a module:Class reference" in refused[0]
+    assert herd.job("module") is None  # never started
+    assert "unittest.__main__" not in sys.modules

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+# The test policies, installed as a plug-in distribution (entry points).
+from tests.unit.plugin_policy import (  # noqa: F401
+    example_plugin_installed,
+    plugins_installed,
+)
+
 # A real launcher and its exit callback, for the launcher's and the Horovod engine's tests.
 from tests.unit.test_launcher import exits, launcher  # noqa: F401
 

@@ -1,13 +1,90 @@
-"""A policy outside the built-ins, loaded by `module:Class` in the registry tests."""
+"""Policies outside the built-ins, and a real installed distribution that registers them.
+
+`plugins_installed` writes a `*.dist-info` folder (what `pip install` leaves) whose
+`entry_points.txt` names these classes under the `herd_operator.policies` group, and puts
+its folder on sys.path: `importlib.metadata` finds it as it finds any installed package.
+A subprocess finds it with that folder on its PYTHONPATH.
+"""
 
 from __future__ import annotations
 
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import ClassVar
 
+import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.base import Decision, JobObservations, Signal, clamp
+from policies.registry import ENTRY_POINT_GROUP, reset_plugin_cache
 from specs import HerdJob
+
+HERE = "tests.unit.plugin_policy"
+EXAMPLE_PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins"
+TEST_PLUGINS: dict[str, str] = {
+    "half": f"{HERE}:HalfPolicy",
+    "recording": f"{HERE}:RecordingPolicy",
+    "legacy": f"{HERE}:LegacyPolicy",
+    "legacy-usage": f"{HERE}:LegacyUsagePolicy",
+    "slotted-legacy": f"{HERE}:SlottedLegacyPolicy",
+    "slotted-legacy-usage": f"{HERE}:SlottedLegacyUsagePolicy",
+    "bad-observes": f"{HERE}:BadObservesPolicy",
+    "no-params": f"{HERE}:NoParamsPolicy",
+    "missing-class": f"{HERE}:Missing",
+    "missing-module": "no_such_module_here:Policy",
+}
+"""The entry points the test distribution registers: name -> `module:attribute`."""
+
+
+def write_distribution(
+    site: Path,
+    project: str,
+    points: Mapping[str, str],
+    group: str = ENTRY_POINT_GROUP,
+) -> Path:
+    """Install the metadata of a distribution `project` registering `points` in `site`."""
+    dist_info = site / f"{project.replace('-', '_')}-0.1.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project}\nVersion: 0.1\n")
+    lines = [f"[{group}]", *(f"{name} = {value}" for name, value in points.items())]
+    (dist_info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return dist_info
+
+
+def write_distribution_of(pyproject: Path, site: Path) -> Path:
+    """Install the metadata a project's pyproject.toml declares (its policy entry points)."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    points: dict[str, str] = project["entry-points"][ENTRY_POINT_GROUP]
+    return write_distribution(site, project["name"], points)
+
+
+def install(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put `site` on sys.path and make the registry read the entry points again."""
+    monkeypatch.syspath_prepend(str(site))
+    reset_plugin_cache()
+
+
+@pytest.fixture
+def plugins_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The policies of this module, installed as a plug-in distribution; yields its folder."""
+    site = tmp_path / "site-packages"
+    write_distribution(site, "herd-test-plugins", TEST_PLUGINS)
+    install(site, monkeypatch)
+    yield site
+    reset_plugin_cache()  # a later test must not see this distribution
+
+
+@pytest.fixture
+def example_plugin_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """examples/plugins installed as its pyproject.toml declares: the module on the path,
+    the entry point in the distribution's metadata. Yields the metadata's folder."""
+    site = tmp_path / "site-packages"
+    write_distribution_of(EXAMPLE_PLUGINS / "pyproject.toml", site)
+    monkeypatch.syspath_prepend(str(EXAMPLE_PLUGINS))
+    install(site, monkeypatch)
+    yield site
+    reset_plugin_cache()
 
 
 class HalfParams(BaseModel):
@@ -82,6 +159,14 @@ class SlottedLegacyPolicy:
 
     def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
         return Decision(job.spec.gpus.max, "slotted")
+
+
+class SlottedLegacyUsagePolicy(SlottedLegacyPolicy):
+    """Its subclass, asking for usage: it must not inherit what its base was given."""
+
+    __slots__ = ()
+
+    needs_usage = True
 
 
 class BadObservesPolicy(LegacyPolicy):

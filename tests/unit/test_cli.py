@@ -106,7 +106,7 @@ def test_validate_unknown_policy_names_the_field(
     code, _, err = run_cli(capsys, "validate", str(path))
     assert code == EXIT_FAILURE
     (line,) = err.splitlines()
-    assert line.startswith(f"{path}: spec.policy.name: unknown policy 'nope' (known: ")
+    assert line.startswith(f"{path}: spec.policy.name: unknown policy 'nope'; allowed: ")
     assert "static" in line
 
 

@@ -18,7 +18,6 @@ from policies.schedule import SchedulePolicy
 from specs import HerdJob, PolicyRef
 from specs.values import Report, UsageSample
 
-PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 GIB = 1 << 30
 PROPERTY_SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -864,13 +863,10 @@ def test_memory_never_moves_on_an_empty_or_partial_window(
 # --- the example plug-in -----------------------------------------------------------------
 
 
-def test_example_plugin_loads_by_module_and_class_and_grows_on_a_plateau(
-    monkeypatch: pytest.MonkeyPatch,
+def test_example_plugin_loads_by_its_entry_point_and_grows_on_a_plateau(
+    example_plugin_installed: Path,
 ) -> None:
-    monkeypatch.syspath_prepend(str(PLUGINS))
-    policy = load_policy(
-        PolicyRef(name="herd_example_policy:LossPlateauPolicy", params={"patience": 2})
-    )
+    policy = load_policy(PolicyRef(name="loss-plateau", params={"patience": 2}))
     losses = [1.0, 0.5, 0.499, 0.498]
     ends = [Report(n, 10.0 * (n + 1), 2, {"loss": loss}) for n, loss in enumerate(losses)]
     plateau = JobObservations(started_at=0.0, allocated=2, epochs=ends)

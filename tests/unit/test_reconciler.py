@@ -6,6 +6,7 @@ only the processes are faked, so each test drives a job's lifecycle by hand.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -463,6 +464,29 @@ def test_unknown_policy_in_a_later_spec_keeps_the_last_good_one(world: World) ->
     assert spec_valid.message.endswith("(keeping the last good spec)")
 
 
+def test_a_module_reference_in_a_later_spec_is_refused_and_imports_nothing(
+    world: World, plugins_installed: Path
+) -> None:
+    """A policy is a built-in or an installed plug-in's entry point: a spec naming a module
+    (here one that runs unittest when imported) no longer makes the operator import it."""
+    started(world, herd_job(policy="half"))
+    assert world.granted("a") == 2
+    world.specs.put(herd_job(command=["python", "other.py"], policy="unittest.__main__:Main"))
+
+    world.reconcile("a")
+
+    assert "unittest.__main__" not in sys.modules
+    assert world.launcher.stops == []
+    spec_valid = world.condition("a", ConditionType.SpecValid)
+    assert (spec_valid.status, spec_valid.reason) == ("False", "InvalidSpec")
+    assert (
+        "spec.policy.name: 'unittest.__main__:Main' is a module:Class reference, which is not"
+        " loaded" in spec_valid.message
+    )
+    assert "half" in spec_valid.message  # what is allowed
+    assert spec_valid.message.endswith("(keeping the last good spec)")
+
+
 # ---- 6: admission ----
 
 
@@ -847,14 +871,12 @@ def test_grant_shrunk_to_admit_another_job_is_a_resized_event(world: World) -> N
 
 # ---- what the policy is shown ----
 
-PLUGIN = "tests.unit.plugin_policy"
-
 
 def test_the_policy_is_shown_the_epochs_it_observes_as_the_store_returned_them(
-    world: World,
+    world: World, plugins_installed: Path
 ) -> None:
     RecordingPolicy.seen.clear()
-    started(world, herd_job(policy=f"{PLUGIN}:RecordingPolicy"))
+    started(world, herd_job(policy="recording"))
     world.clock.advance(1.0)
     world.store.add_report("a", 0, 4, 1, {"loss": 0.5}, world.clock())
     world.store.add_report("a", None, 3, 0, {}, world.clock() + 0.5)
@@ -891,11 +913,11 @@ def test_a_policy_that_observes_usage_gets_samples_and_a_metrics_stale_condition
 
 
 def test_an_older_plugin_that_declares_nothing_is_shown_what_it_was_shown_before(
-    world: World,
+    world: World, plugins_installed: Path
 ) -> None:
     LegacyPolicy.seen.clear()
-    started(world, herd_job(policy=f"{PLUGIN}:LegacyPolicy"))
-    world.specs.put(herd_job("b", policy=f"{PLUGIN}:LegacyUsagePolicy"))
+    started(world, herd_job(policy="legacy"))
+    world.specs.put(herd_job("b", policy="legacy-usage"))
     world.reconcile("b")
     world.clock.advance(1.0)
     for name in ("a", "b"):

@@ -169,8 +169,8 @@ def test_policy_names_rejected(name: str) -> None:
         PolicyRef(name=name)
     assert only_error(exc) == (
         ("name",),
-        f"{name!r} is neither a registered policy name (like 'memory') "
-        "nor an import reference 'module.path:ClassName'",
+        f"{name!r} is not a policy name: a built-in's or an installed plug-in's"
+        " name, letters, digits, '-' and '_' (like 'memory')",
     )
 
 
