@@ -1,0 +1,195 @@
+"""Crash-only: `herd-operator run` killed with SIGKILL at random moments, and started again.
+
+Two real elastic jobs (one resized by a schedule) run through every kill. After each
+restart the operator must adopt them: no job is stopped or started again, no epoch is
+trained twice or lost, and at no moment do two jobs' workers sit on one GPU (a sampler
+reads the GPU each live worker was bound to, from its environment, all along).
+
+The number of kills is HERD_CHAOS_KILLS (default 3, so the suite stays short; the
+figures in docs/reliability.md come from a run with 20), the moments come from
+HERD_CHAOS_SEED (default 11), and HERD_CHAOS_REPORT names a JSON file for the figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from herd_operator.cli.views import job_object
+from herd_operator.runtime.launcher import job_processes
+from herd_operator.runtime.store import Store
+from tests.integration.harness import REPO, digits_command, marked_processes, spec_document
+
+HERD = str(Path(sys.executable).with_name("herd-operator"))
+KILLS = int(os.environ.get("HERD_CHAOS_KILLS", "3"))
+SEED = int(os.environ.get("HERD_CHAOS_SEED", "11"))
+EPOCHS = max(10, 2 * KILLS)
+"""Long enough for every kill to land while the jobs train (~2 epochs between kills)."""
+GUARD_S = 600.0
+"""Hang guard for the whole run; never a performance expectation."""
+
+
+class GpuSharingSampler:
+    """Samples, every `interval` s, the GPU each live worker of the state dir is bound to
+    (HERD_GPU, exported by the shim) and keeps every moment two jobs shared one."""
+
+    def __init__(self, state: Path, interval: float = 0.2) -> None:
+        self.state = state
+        self.interval = interval
+        self.samples = 0
+        self.shared: list[tuple[float, str, list[str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GpuSharingSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            holders: dict[str, set[str]] = {}
+            for proc in job_processes(self.state):
+                gpu = proc.env.get("HERD_GPU")
+                if gpu is not None:
+                    host = proc.env.get("HOROVOD_HOSTNAME", "localhost")
+                    holders.setdefault(f"{host}:{gpu}", set()).add(proc.job)
+            self.samples += 1
+            for slot, jobs in holders.items():
+                if len(jobs) > 1:
+                    self.shared.append((time.time(), slot, sorted(jobs)))
+
+
+def start_operator(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+
+
+def stored_jobs(state: Path) -> dict[str, dict[str, Any]]:
+    with Store.open_readonly(state / "state.db") as store:
+        return {record.name: job_object(record) for record in store.list_jobs()}
+
+
+def conditions(job: dict[str, Any]) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in job["conditions"]}
+
+
+def finished(state: Path, names: list[str]) -> bool:
+    try:
+        records = stored_jobs(state)
+    except Exception:  # the database may be mid-creation right after a kill
+        return False
+    return all(
+        name in records
+        and "True" in (conditions(records[name]).get(t) for t in ("Succeeded", "Failed"))
+        for name in names
+    )
+
+
+@pytest.fixture
+def chaos_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    jobs, state = tmp_path / "jobs", tmp_path / "state"
+    jobs.mkdir()
+    yield jobs, state
+    for pid in marked_processes(state):  # whatever a failed run left
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+
+
+def test_operator_killed_at_random_moments_never_stops_restarts_or_overlaps_jobs(
+    chaos_dirs: tuple[Path, Path],
+) -> None:
+    jobs, state = chaos_dirs
+    resized = spec_document(
+        "resized", 1, 3, digits_command(EPOCHS, "--step-delay", "0.03"),
+        policy={"name": "schedule", "params": {
+            "initial": 2, "steps": [{"atEpoch": 3, "gpus": 3}, {"atEpoch": 6, "gpus": 1}]}},
+    )  # fmt: skip
+    steady = spec_document("steady", 1, 1, digits_command(EPOCHS, "--step-delay", "0.03"))
+    for document in (resized, steady):
+        (jobs / f"{document['metadata']['name']}.yaml").write_text(yaml.safe_dump(document))
+    names = ["resized", "steady"]
+    log = state.parent / "operator.log"
+    argv = [HERD, "run", "--specs-dir", str(jobs), "--state-dir", str(state),
+            "--hosts", "localhost:4", "--resync-seconds", "0.5", "--grace-seconds", "5",
+            "--min-resize-interval", "1", "--metrics-port", "0"]  # fmt: skip
+    rng = random.Random(SEED)
+    kills: list[float] = []
+    deadline = time.monotonic() + GUARD_S
+    operator = start_operator(argv, log)
+    try:
+        with GpuSharingSampler(state) as sampler:
+            while len(kills) < KILLS and not finished(state, names):
+                assert time.monotonic() < deadline, "timed out"
+                # Some kills land in the middle of start-up, most while jobs train.
+                time.sleep(rng.uniform(0.3, 6.0))
+                operator.send_signal(signal.SIGKILL)
+                operator.wait(30)
+                kills.append(time.time())
+                time.sleep(rng.uniform(0.0, 1.5))  # down for a moment
+                operator = start_operator(argv, log)
+            while not finished(state, names):
+                assert time.monotonic() < deadline, "timed out"
+                assert operator.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.5)
+    finally:
+        operator.send_signal(signal.SIGTERM)
+        try:
+            operator.wait(60)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+    text = log.read_text()
+    context = f"seed {SEED}, {len(kills)} kills; operator log:\n{text[-4000:]}"
+    assert len(kills) == KILLS, f"the jobs finished before all kills: {context}"
+    assert sampler.samples > 50 and sampler.shared == [], f"GPUs shared: {sampler.shared[:5]}"
+
+    records = stored_jobs(state)
+    with Store.open_readonly(state / "state.db") as store:
+        events = {name: store.events(name) for name in names}
+    for name in names:
+        final = conditions(records[name])
+        assert final.get("Succeeded") == "True", f"{name}: {final}; {context}"
+        reasons = [event.reason for event in events[name]]
+        assert reasons.count("Started") == 1, f"{name} was started again: {reasons}; {context}"
+        assert "Orphaned" not in reasons and "BackOff" not in reasons, reasons
+        job_log = (state / "logs" / f"{name}.log").read_text()
+        assert job_log.count("==== ") == 1, f"{name} launched more than once:\n{job_log}"
+        epochs = [int(e) for e in re.findall(r"<stdout>:epoch (\d+):", job_log)]
+        assert epochs == list(range(EPOCHS)), f"{name}: epochs trained {epochs}\n{job_log}"
+        assert f"done: {EPOCHS} epochs" in job_log
+    resizes = [e.message for e in events["resized"] if e.reason == "Resized"]
+    assert resizes, "the schedule should have resized a job across the kills"
+
+    adoption = [float(s) for s in re.findall(r"adopted \d+ running job.* in ([\d.]+) s", text)]
+    figures = {
+        "kills": len(kills),
+        "seed": SEED,
+        "gpu_samples": sampler.samples,
+        "gpus_shared": len(sampler.shared),
+        "restarts_by_operator": 0,
+        "epochs_lost": 0,
+        "adoption_seconds_max": max(adoption, default=None),
+        "adoption_seconds": adoption,
+        "resizes": len(resizes),
+    }
+    if report := os.environ.get("HERD_CHAOS_REPORT"):
+        Path(report).write_text(json.dumps(figures, indent=2))
+    print(json.dumps(figures))
