@@ -147,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to keep grant files and discovery scripts, which Horovod reads every "
         "second on this host (default: $XDG_RUNTIME_DIR, else /dev/shm, else the state dir)",
     )
+    run.add_argument(
+        "--leave-jobs-running",
+        action="store_true",
+        help="on SIGTERM/SIGINT stop only the operator: the jobs train on, and the next "
+        "operator started on this state dir adopts them (for an upgrade or a restart)",
+    )
+    run.add_argument(
+        "--port",
+        type=_port,
+        help="the allocator's port (default: the previous operator's, whose jobs' workers "
+        "know it; else any free port)",
+    )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     exporter = commands.add_parser(
@@ -320,6 +332,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         prometheus_url=args.prometheus_url,
         runtime_dir=args.runtime_dir,
+        listen_port=args.port,
+        leave_jobs_running=args.leave_jobs_running,
     )
     stop = _stop_on_signals()
     tune_gc()

@@ -124,6 +124,8 @@ class OperatorConfig:
     """Read the GPU memory signal back from this Prometheus server (PromQL) instead of
     from this host's GPUs or the registered exporters."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    leave_jobs_running: bool = False
+    """On shutdown, stop only the operator: the next one on this state dir adopts the jobs."""
     runtime_dir: Path | None = None
     """Where to make the private directory for grant files and discovery scripts (default:
     $XDG_RUNTIME_DIR, else /dev/shm, else the state dir)."""
@@ -471,14 +473,15 @@ class Operator:
         return 0
 
     def _shutdown(self) -> None:
-        log.info("shutting down: stopping jobs")
+        leave = self.config.leave_jobs_running
+        log.info("shutting down: %s", "leaving the jobs running" if leave else "stopping jobs")
         self.config.pool.stop()
         if self.watcher is not None:
             self.watcher.stop()
         if self.observer is not None:
             self.observer.stop()
         self.queue.shutdown()
-        if self.launcher is not None:
+        if self.launcher is not None and not leave:
             stubborn = self.launcher.stop_all(timeout=self.config.grace_seconds + 5)
             if stubborn:
                 log.error("processes of %s would not exit", ", ".join(stubborn))
@@ -488,10 +491,19 @@ class Operator:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        self.layout.endpoint_file.unlink(missing_ok=True)
-        if self.layout.runtime is not None:
-            remove_runtime_dir(self.layout.runtime)
-            self.layout.runtime_record.unlink(missing_ok=True)
+        if leave:
+            # The next operator adopts the jobs: it needs their grants where their discovery
+            # scripts read them, and the port their workers know (in the endpoint file).
+            running = self.launcher.jobs() if self.launcher is not None else []
+            log.info(
+                "left %d job(s) running: %s; start `herd-operator run` on %s to adopt them",
+                len(running), ", ".join(running) or "none", self.layout.root,
+            )  # fmt: skip
+        else:
+            self.layout.endpoint_file.unlink(missing_ok=True)
+            if self.layout.runtime is not None:
+                remove_runtime_dir(self.layout.runtime)
+                self.layout.runtime_record.unlink(missing_ok=True)
         if self.store is not None:
             self.store.close()
         if self._lock_handle is not None:

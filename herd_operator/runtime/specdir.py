@@ -40,8 +40,10 @@ class _Stamp:
 
 
 class SpecDirectory:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, owner_uid: int | None = None) -> None:
         self.directory = directory
+        self.owner_uid = os.geteuid() if owner_uid is None else owner_uid
+        """Only files of this user are read: their commands run as the operator's user."""
         self._lock = threading.Lock()
         self._files: dict[str, tuple[_Stamp, SpecFile]] = {}
         self._views: dict[str, SpecView] = {}
@@ -52,6 +54,7 @@ class SpecDirectory:
         self._declared: dict[str, str] = {}
         # Entries named like specs that are not read, and why: said once, not every relist.
         self._skipped: dict[str, str] = {}
+        self._warned_writable = False
 
     def view(self, name: str) -> SpecView | None:
         with self._lock:
@@ -81,6 +84,22 @@ class SpecDirectory:
             return None, "not a regular file"
         return Path(entry.path), ""
 
+    def _warn_if_writable_by_others(self, directory: Path) -> None:
+        """Say once that others may drop files here; only the operator's user's are read."""
+        if self._warned_writable:
+            return
+        try:
+            mode = directory.stat().st_mode
+        except OSError:
+            return
+        if mode & 0o022:
+            self._warned_writable = True
+            log.warning(
+                "spec directory %s is writable by other users (mode %o): only spec files owned"
+                " by the operator's user are read; make it private with `chmod go-w %s`",
+                directory, mode & 0o777, directory,
+            )  # fmt: skip
+
     def relist(self) -> set[str]:
         """Re-read the directory; returns the names whose view changed (new and deleted too)."""
         files: dict[str, tuple[_Stamp, SpecFile]] = {}
@@ -91,6 +110,7 @@ class SpecDirectory:
             log.warning("spec directory %s does not exist (yet); no jobs declared", self.directory)
             entries = []
         directory = self.directory.resolve()
+        self._warn_if_writable_by_others(directory)
         for entry in sorted(entries, key=lambda e: e.name):
             if not is_spec_filename(entry.name):
                 continue
@@ -99,6 +119,16 @@ class SpecDirectory:
                 st = entry.stat() if path is not None else None
             except OSError:
                 continue  # removed between listing and stat
+            if st is not None and st.st_uid != self.owner_uid:
+                # A spec's command runs as the operator's user: a file someone else wrote
+                # (in a shared or group-writable directory) must not make us run it.
+                path, skip = (
+                    None,
+                    (
+                        f"owned by uid {st.st_uid}, not by the operator's user (uid"
+                        f" {os.geteuid()}); its command would run as the operator's user"
+                    ),
+                )
             if path is None or st is None:
                 skipped[entry.name] = skip
                 continue

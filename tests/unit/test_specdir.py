@@ -316,3 +316,24 @@ def test_a_name_too_long_for_a_job_keeps_the_running_job_too(
     assert specs.relist() == {"alpha"}
     view = specs.view("alpha")
     assert view is not None and view.job is None
+
+
+def test_spec_files_of_other_users_are_not_read_and_a_shared_dir_is_said_once(
+    jobs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A spec's command runs as the operator's user: only that user's files may declare one.
+
+    The directory is made to belong to someone else by telling it another owner uid (a
+    test cannot make files of another user without root).
+    """
+    write(jobs / "mine.yaml", spec_text("mine"))
+    jobs.chmod(0o777)
+    stranger = SpecDirectory(jobs, owner_uid=os.geteuid() + 1)
+    with caplog.at_level(logging.WARNING):
+        assert stranger.relist() == set()
+        assert stranger.relist() == set()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("writable by other users (mode 777)" in m for m in said) == 1, said
+    assert sum("skipping mine.yaml: owned by uid" in m for m in said) == 1, said
+    jobs.chmod(0o700)
+    assert SpecDirectory(jobs).relist() == {"mine"}, "the owner's own files are read"
