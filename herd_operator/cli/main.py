@@ -400,8 +400,8 @@ def cmd_get(args: argparse.Namespace) -> int:
         row = [
             obj["name"],
             obj["status"],
-            str(gpus["min"]),
-            str(gpus["max"]),
+            dash(gpus["min"]),
+            dash(gpus["max"]),
             dash(gpus["desired"]),
             str(gpus["allocated"]),
             dash(gpus["active"]),
@@ -416,7 +416,7 @@ def cmd_get(args: argparse.Namespace) -> int:
                 dash(obj["epoch"]),
                 str(obj["restarts"]),
                 f"{obj['observedGeneration']}/{obj['generation']}",
-                obj["policy"],
+                dash(obj["policy"]),
                 placement or "-",
             ]
         rows.append(row)
@@ -441,10 +441,12 @@ def cmd_describe(args: argparse.Namespace) -> int:
         f"Spec file:    {obj['specPath']}",
         f"Generation:   {obj['generation']} (observed {obj['observedGeneration']})",
         f"Status:       {obj['status']}",
-        f"Priority:     {obj['priority']}",
-        f"Policy:       {obj['policy']}"
+        *([f"Spec:         {obj['specError']}"] if "specError" in obj else []),
+        f"Priority:     {dash(obj['priority'])}",
+        f"Policy:       {dash(obj['policy'])}"
         + (f" ({status.policy_reason})" if status.policy_reason else ""),
-        f"GPUs:         min {gpus['min']}, max {gpus['max']}, desired {dash(gpus['desired'])}, "
+        f"GPUs:         min {dash(gpus['min'])}, max {dash(gpus['max'])},"
+        f" desired {dash(gpus['desired'])}, "
         f"allocated {gpus['allocated']}, active {dash(gpus['active'])}",
         f"Epoch:        {dash(obj['epoch'])}",
         f"Restarts:     {obj['restarts']}",
