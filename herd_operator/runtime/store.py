@@ -221,7 +221,9 @@ class Store:
         self._unwritable_since: float | None = None
         self._failed_writes = 0
         self._last_unwritable_log: float | None = None  # monotonic
+        self._said_unwritable = False  # the last word in the log on it was "writes fail"
         self._group_wrote = False
+        self._group_lost = False  # SQLite rolled the group back (a full disk, an I/O error)
         self._grouping = False  # inside transaction(): writes are savepoints, not commits
         # Per job, the status text last read or written here with its model: a read of
         # the same text reuses the model, a write of the same text is skipped. Keyed by
@@ -360,7 +362,8 @@ class Store:
 
     def _commit_group(self) -> None:
         wrote, self._group_wrote = self._group_wrote, False
-        if not self._conn.in_transaction:
+        lost, self._group_lost = self._group_lost, False
+        if lost or not self._conn.in_transaction:
             # A full disk or an I/O error inside made SQLite roll back the whole group.
             self._forget_cached()
             raise StoreError(f"state store {self.path}: a failed write rolled back the group")
@@ -902,16 +905,22 @@ class Store:
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock, self._errors("write"):
             if self._grouping:
+                if self._group_lost:
+                    # A savepoint now would begin a new transaction and commit this write
+                    # without the earlier ones of the group.
+                    raise StoreError(
+                        f"state store {self.path}: a failed write rolled back the group"
+                    )
                 # Inside transaction(): a savepoint keeps this method all-or-nothing.
                 self._conn.execute("SAVEPOINT write")
                 try:
                     yield self._conn
                 except BaseException:
-                    # A full disk or an I/O error may have rolled back the whole group
-                    # already; then the group's commit fails and its reconciles are redone.
                     if self._conn.in_transaction:
                         self._conn.execute("ROLLBACK TO write")
                         self._conn.execute("RELEASE write")
+                    else:  # SQLite rolled back the whole group (a full disk, an I/O error)
+                        self._group_lost = True
                     raise
                 self._conn.execute("RELEASE write")
                 self._group_wrote = True  # proven by the group's commit
@@ -929,19 +938,19 @@ class Store:
         self._writes_work()
 
     def _writes_fail(self, exc: sqlite3.Error) -> None:
-        """A write the storage refused: say so when it starts, then at most once a minute
-        (every reconcile while the disk is full would flood the log)."""
+        """A write the storage refused. Said at most once a minute: every reconcile fails
+        while the disk is full, and near full small writes fit and big ones do not, so the
+        state may flap many times a second (the gauge and the event count show it all)."""
         self._failed_writes += 1
-        now = time.monotonic()
         if self.writable:
             self.writable = False
             self._unwritable_since = self._clock()
-        elif (
-            self._last_unwritable_log is not None
-            and now - self._last_unwritable_log < UNWRITABLE_LOG_SECONDS
-        ):
+        now = time.monotonic()
+        last = self._last_unwritable_log
+        if last is not None and now - last < UNWRITABLE_LOG_SECONDS:
             return
         self._last_unwritable_log = now
+        self._said_unwritable = True
         _log.error(
             "state store %s: writes fail (%s; %d so far); the jobs keep running, and what"
             " could not be recorded is recorded once writes work again",
@@ -957,20 +966,18 @@ class Store:
             since = self._unwritable_since
             self.writable = True
             self._unwritable_since = None
-            self._last_unwritable_log = None
             now = self._clock()
-            failed, self._failed_writes = self._failed_writes, 0
-            _log.warning(
-                "state store %s: writes work again, after %d failed over %.0f s",
-                self.path,
-                failed,
-                now - (since if since is not None else now),
-            )
+            if self._said_unwritable:  # each "writes fail" in the log gets its answer
+                self._said_unwritable = False
+                _log.warning(
+                    "state store %s: writes work again (%d failed so far, the last %.0f s)",
+                    self.path,
+                    self._failed_writes,
+                    now - (since if since is not None else now),
+                )
             # A constant message: flapping near a full disk bumps one event's count.
             with contextlib.suppress(StoreError):
-                self.add_event(
-                    None, "Normal", "StoreWritable", "state store writes work again", now
-                )
+                self.add_event(None, "Normal", "StoreWritable", "store writes work again", now)
 
 
 def _spec_json(job: HerdJob) -> str:

@@ -17,6 +17,7 @@ from herd_operator.runtime.store import Store, StoreError
 from specs import Condition, ConditionStatus, HerdJob
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Placement, Pool
+from tests.unit.full_disk import fill_up, make_room
 
 SPEC = {
     "apiVersion": "herd/v1alpha1",
@@ -114,19 +115,18 @@ def test_a_job_whose_stored_spec_is_unreadable_keeps_the_scrape_and_its_status_s
 
 
 def test_the_store_writable_gauge_shows_a_full_disk_and_its_end(tmp_path: Path) -> None:
-    """Writes fail for real: SQLite may not grow the file past `max_page_count`."""
+    """Writes fail for real (see tests/unit/full_disk.py)."""
     store = Store(tmp_path / "state.db")
     record(store, "a", desired=2, allocated=2)
     registry = CollectorRegistry()
     registry.register(StateCollector(store, lambda: Pool.from_counts({"h": 4}), dict, dict))
-    pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
-    store._conn.execute(f"PRAGMA max_page_count = {pages}")
+    fill_up(store)
     with pytest.raises(StoreError):
         store.add_event("a", "Normal", "Big", "x" * 100_000, 3.0)
     got = samples(registry)
     assert got[("herd_store_writable", ())] == 0
     assert got[("herd_job_gpus_allocated", (("herd_job", "a"),))] == 2  # reads go on
-    store._conn.execute("PRAGMA max_page_count = 1073741823")
+    make_room(store)
     store.add_event("a", "Normal", "Small", "x", 4.0)
     assert samples(registry)[("herd_store_writable", ())] == 1
 

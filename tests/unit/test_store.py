@@ -27,6 +27,7 @@ from herd_operator.runtime.store import (
 from specs import HerdJob
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Placement, UsageSample
+from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
 
 
 def make_spec(low: int = 1, high: int = 4, name: str = "resnet") -> HerdJob:
@@ -983,25 +984,14 @@ def test_the_database_is_private_whatever_the_umask_or_an_older_file_said(tmp_pa
 # writes the storage refuses
 
 
-def fill_up(store: Store) -> None:
-    """Make the store's writes fail for real, as on a full disk: SQLite refuses (SQLITE_FULL)
-    to grow the file past ``max_page_count``, set on the store's own connection."""
-    pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
-    store._conn.execute(f"PRAGMA max_page_count = {pages}")
-
-
-def make_room(store: Store) -> None:
-    store._conn.execute("PRAGMA max_page_count = 1073741823")
-
-
 def test_refused_writes_mark_the_store_unwritable_until_one_works_again(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
     assert store.writable
-    fill_up(store)
     big = "x" * 100_000  # needs new pages
     with caplog.at_level("ERROR"):
+        fill_up(store)
         for attempt in range(5):
             with pytest.raises(StoreError, match="database or disk is full"):
                 store.add_event("resnet", "Warning", "Big", f"{attempt}{big}", now=2.0)
@@ -1016,21 +1006,23 @@ def test_refused_writes_mark_the_store_unwritable_until_one_works_again(
     with caplog.at_level("WARNING"):
         store.add_event("resnet", "Normal", "Small", "fits", now=3.0)
     assert store.writable
-    assert any("writes work again, after 10 failed" in r.getMessage() for r in caplog.records)
-    (back,) = [event for event in store.events() if event.reason == "StoreWritable"]
-    assert back.job is None and back.type == "Normal"
+    assert len([r for r in caplog.records if "writes fail" in r.getMessage()]) == 1
+    (back,) = store.events(limit=1)  # timed by the store's clock, after the test's times
+    assert (back.job, back.type, back.reason) == (None, "Normal", "StoreWritable")
 
 
 def test_a_group_a_full_disk_rolled_back_is_lost_and_proves_nothing(store: Store) -> None:
     store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
-    fill_up(store)
-    with pytest.raises(StoreError):
-        store.add_event("resnet", "Warning", "Big", "x" * 100_000, now=2.0)
-    # SQLite rolls back a whole transaction on a full disk: the group is lost (and redone).
+    cap_at_present_size(store)
+    # SQLite rolls back a whole transaction on a full disk: the group is lost (and redone),
+    # including what it wrote before, and what it would write after.
     rolled_back = pytest.raises(StoreError, match="a failed write rolled back the group")
     with rolled_back, store.transaction():
         store.record_spec("bert", "/jobs/bert.yaml", make_spec(name="bert"), "fp", now=2.0)
         with pytest.raises(StoreError, match="database or disk is full"):
             store.add_event("resnet", "Warning", "Big", "y" * 100_000, now=2.0)
-    assert not store.writable
+        with pytest.raises(StoreError, match="a failed write rolled back the group"):
+            store.add_event("resnet", "Normal", "Small", "after", now=2.0)
+    assert not store.writable  # the group's one good write proves nothing
     assert store.get_job("bert") is None
+    assert [event.reason for event in store.events()] == []
