@@ -33,3 +33,8 @@ def fill_up(store: Store) -> None:
 
 def make_room(store: Store) -> None:
     store._conn.execute(f"PRAGMA max_page_count = {NO_LIMIT}")
+
+
+def refuse_writes(store: Store) -> None:
+    """Every write fails with SQLITE_READONLY, as on a file system remounted read-only."""
+    store._conn.execute("PRAGMA query_only = ON")
