@@ -16,6 +16,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
 from specs import ConditionStatus, ConditionType, HerdJob, set_condition, spec_fingerprint
 from specs.status import GpuCounts, HerdJobStatus
+from tests.unit.test_store import corrupt_a_table_page
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 HOURS_AGO = 5 * 3600
@@ -417,3 +418,16 @@ def test_get_and_describe_show_a_job_whose_stored_spec_is_unreadable(
     assert code == EXIT_OK
     assert "Spec:         state store" in out and "is unreadable" in out
     assert "Status:       Running" in out and "Priority:     -" in out
+
+
+def test_check_state_passes_a_sound_store_and_names_the_damage_of_another(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    database = StateLayout(state).database
+    code, out, err = run_cli(capsys, "check-state", "--full", "--state-dir", str(state))
+    assert (code, out, err) == (EXIT_OK, f"state store {database}: no damage found (2 jobs)\n", "")
+    corrupt_a_table_page(database)  # bytes overwritten behind SQLite's back
+    code, out, err = run_cli(capsys, "check-state", "--state-dir", str(state))
+    assert (code, out) == (EXIT_FAILURE, "")
+    assert err.startswith(f"herd-operator: state store {database} is damaged: ")
+    assert "move the file aside" in err
