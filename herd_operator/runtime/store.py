@@ -275,6 +275,7 @@ class Store:
         tables, three times as long (``herd-operator check-state --full``).
         """
         pragma = "integrity_check" if full else "quick_check"
+        started = time.perf_counter()
         with self._lock, self._errors("check"):
             rows = self._conn.execute(f"PRAGMA {pragma}(5)").fetchall()
             tables = {
@@ -284,6 +285,15 @@ class Store:
         problems = [str(row[0]) for row in rows if row[0] != "ok"]
         if problems:
             raise self._damaged(f"SQLite's {pragma} found: {'; '.join(problems)}")
+        elapsed = time.perf_counter() - started
+        # It reads the whole file: say so when that delays the start noticeably.
+        _log.log(
+            logging.INFO if elapsed >= 1.0 else logging.DEBUG,
+            "state store %s: %s passed in %.2f s",
+            self.path,
+            pragma,
+            elapsed,
+        )
         version = self._user_version()
         if version == 0:
             if tables - {"sqlite_sequence"}:
