@@ -14,7 +14,13 @@ events and the grant history are a log and outlive it.
 
 Specs and statuses cross the store's interface as models (``JobRecord``): the store
 serializes them, parses each stored text once (later reads of the same text reuse the
-model) and skips writing a status equal to the stored one.
+model) and skips writing a status equal to the stored one. A stored text that no longer
+parses spoils only its job: an unreadable status reads as empty, an unreadable spec raises
+``UnreadableSpecError`` when asked for and is recorded again from the spec file.
+
+The writer refuses a damaged file at open (``check()``; ``DamagedStoreError`` says how to
+move it aside). A write the storage refuses (a full disk) fails like any ``StoreError``, for
+the caller to retry; ``writable`` says whether the last one did, for the metrics.
 """
 
 from __future__ import annotations
