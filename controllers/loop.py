@@ -226,12 +226,27 @@ class ControlLoop:
             self.queue.add_after(key, self.queue.backoff(key))
         return lost
 
-    def record_shutdown(self) -> None:
-        """Every job's status says the operator stopped it (its processes are gone)."""
-        names = self.reconciler.known_jobs()
-        with self.transactions.transaction():
-            for name in names:
-                try:
-                    self.reconciler.record_shutdown(name)
-                except Exception:  # one job's status must not keep the others' unwritten
-                    log.exception("%s: cannot record the shutdown in its status", name)
+    def record_shutdown(self) -> bool:
+        """Every job's status says the operator stopped it (its processes are gone).
+
+        Returns False when the store could not take it (a full disk): the jobs are stopped
+        all the same, and the next operator finds no process behind a `Running` status.
+        """
+        try:
+            names = self.reconciler.known_jobs()
+            with self.transactions.transaction():
+                for name in names:
+                    try:
+                        self.reconciler.record_shutdown(name)
+                    except TemporaryError as err:  # the store: the group is lost anyway
+                        log.error("%s: cannot record the shutdown in its status: %s", name, err)
+                    except Exception:  # one job's status must not keep the others' unwritten
+                        log.exception("%s: cannot record the shutdown in its status", name)
+        except TemporaryError as err:
+            log.error(
+                "cannot record the shutdown in the state store (%s): the jobs were stopped,"
+                " but their statuses may still say Running until the next operator starts",
+                err,
+            )
+            return False
+        return True

@@ -595,7 +595,11 @@ class JobReconciler:
                 self._event(name, "Normal", "Stopping", "spec deleted: stopping the job", now)
             record = self.store.get_job(name)
             if record is not None:
-                self._hold_gpus(name, record.spec.spec.priority, record.created_at)
+                try:
+                    priority = record.spec.spec.priority
+                except TemporaryError:  # its stored spec is unreadable and the file is gone
+                    priority = 0  # the spec's default: the job only needs to finish stopping
+                self._hold_gpus(name, priority, record.created_at)
             return Result(requeue_after=self.stop_poll_seconds)
         self.launcher.forget(name)
         self.allocator.release(name)

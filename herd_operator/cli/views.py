@@ -11,7 +11,8 @@ from typing import Any
 
 from controllers.ports import JobRecord
 from herd_operator.layout import StateLayout
-from herd_operator.runtime.store import Event, Store, StoreError
+from herd_operator.runtime.store import Event, Store, StoreError, UnreadableSpecError
+from specs.models import HerdJobSpec
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -27,11 +28,19 @@ def open_store(state_dir: Path) -> Store:
 
 
 def job_object(record: JobRecord) -> dict[str, Any]:
-    """The JSON shape of a job for `get -o json`: spec, status and identity."""
+    """The JSON shape of a job for `get -o json`: spec, status and identity.
+
+    A job whose stored spec is unreadable shows with its status, the spec's fields None
+    and `specError` saying why (the operator records the spec file again).
+    """
     status = record.status
-    spec = record.spec.spec
+    spec: HerdJobSpec | None
+    try:
+        spec, spec_error = record.spec.spec, None
+    except UnreadableSpecError as err:
+        spec, spec_error = None, str(err)
     gpus = status.gpus
-    return {
+    shown = {
         "name": record.name,
         "uid": record.uid,
         "specPath": record.spec_path,
@@ -40,8 +49,8 @@ def job_object(record: JobRecord) -> dict[str, Any]:
         "status": status.summary(),
         "conditions": [c.model_dump(by_alias=True, mode="json") for c in status.conditions],
         "gpus": {
-            "min": spec.gpus.min,
-            "max": spec.gpus.max,
+            "min": spec.gpus.min if spec else None,
+            "max": spec.gpus.max if spec else None,
             "desired": gpus.desired if gpus else None,
             "allocated": gpus.allocated if gpus else 0,
             "active": gpus.active if gpus else None,
@@ -49,11 +58,14 @@ def job_object(record: JobRecord) -> dict[str, Any]:
         "placement": {host: gpu_list for host, gpu_list in status.placement},
         "epoch": status.epoch,
         "restarts": status.restarts,
-        "priority": spec.priority,
-        "policy": spec.policy.name,
+        "priority": spec.priority if spec else None,
+        "policy": spec.policy.name if spec else None,
         "createdAt": record.created_at,
-        "spec": spec.model_dump(mode="json", by_alias=True),
+        "spec": spec.model_dump(mode="json", by_alias=True) if spec else None,
     }
+    if spec_error is not None:
+        shown["specError"] = spec_error
+    return shown
 
 
 def format_age(seconds: float) -> str:

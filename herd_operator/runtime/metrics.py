@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from controllers.loop import Outcome
-from herd_operator.runtime.store import Store
+from herd_operator.runtime.store import Store, UnreadableSpecError
 from specs import ConditionType
 from specs.values import Placement, Pool
 
@@ -156,7 +156,10 @@ class StateCollector(Collector):
             sample = latest_usage.get(record.name)
             if sample is not None and sample.total_bytes:
                 memory.add_metric([record.name], sample.used_bytes / sample.total_bytes)
-            policy = record.spec.spec.policy
+            try:
+                policy = record.spec.spec.policy
+            except UnreadableSpecError:  # the store said so once; the job's other series stay
+                continue
             if policy.name == "memory":
                 params = policy.params
                 thresholds.add_metric([record.name, "low"], float(params.get("low", 0.25)))
@@ -164,6 +167,12 @@ class StateCollector(Collector):
         for (condition_type, condition_status), count in sorted(counts.items()):
             jobs.add_metric([condition_type, condition_status], count)
         yield from (jobs, desired, allocated, active, epoch, memory, thresholds)
+        yield GaugeMetricFamily(
+            "herd_store_writable",
+            "1 while the state store takes writes; 0 from a write the storage refused (a full"
+            " disk) until one works again. The jobs keep running meanwhile.",
+            value=1 if self.store.writable else 0,
+        )
 
         held = sum(placement.size for placement in self.placements().values())
         pool = GaugeMetricFamily("herd_pool_gpus", "GPUs of the pool by state.", labels=["state"])

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
@@ -58,7 +58,7 @@ from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
 from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
-from herd_operator.runtime.store import Store
+from herd_operator.runtime.store import Store, StoreError
 from specs.values import Placement
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,13 @@ class Operator:
         raise_descriptor_limit()
         previous_runtime = self._use_runtime_dir()
         self.layout.create()
-        self.store = store = Store(self.layout.database)
+        try:
+            # The token is made right after the store first opened: with it there, a 0-byte
+            # database was truncated, not new.
+            store = Store(self.layout.database, previous_state=(self.layout.token_file,))
+        except StoreError as err:
+            raise OperatorError(str(err)) from err
+        self.store = store
         token = ensure_token_file(self.layout.token_file)
         hosts = tuple(host_name for host_name, _ in config.pool.pool.hosts)
         engines = EngineDispatch(EngineContext(self.layout, hosts))
@@ -410,13 +416,11 @@ class Operator:
                 item.job, item.info.launch_id[:8], item.info.pid, since,
                 placements.get(item.job, Placement.EMPTY).size,
             )  # fmt: skip
-            if store.get_job(item.job) is not None:
-                store.add_event(
-                    item.job, "Normal", "Adopted",
-                    f"running since {since} (pid {item.info.pid}): taken over by a restarted"
-                    " operator",
-                    now,
-                )  # fmt: skip
+            _event_if_known(
+                store, item.job, "Normal", "Adopted",
+                f"running since {since} (pid {item.info.pid}): taken over by a restarted operator",
+                now,
+            )  # fmt: skip
         orphans = find_orphans(processes, set(running))
         for orphan in orphans:
             log.warning(
@@ -427,13 +431,12 @@ class Operator:
         if orphans:
             stop_orphans(orphans, self.config.grace_seconds)
             for orphan in orphans:
-                if store.get_job(orphan.job) is not None:
-                    store.add_event(
-                        orphan.job, "Warning", "Orphaned",
-                        f"{len(orphan.pids)} process(es) of an unrecorded launch were stopped;"
-                        " the job starts again",
-                        now,
-                    )  # fmt: skip
+                _event_if_known(
+                    store, orphan.job, "Warning", "Orphaned",
+                    f"{len(orphan.pids)} process(es) of an unrecorded launch were stopped;"
+                    " the job starts again",
+                    now,
+                )  # fmt: skip
         if adopted or orphans:
             log.info(
                 "adopted %d running job(s), %d ended while no operator ran, %d orphan"
@@ -452,7 +455,12 @@ class Operator:
 
     def run(self, stop: threading.Event) -> int:
         """Serve until `stop` is set; then stop every job and release everything."""
-        loop = self._open()
+        recorded = self._recorded_runtime_dir()
+        try:
+            loop = self._open()
+        except BaseException:
+            self._abandon_start(recorded)
+            raise
         self.watcher = DirectoryWatcher(
             self.specs,
             loop.wake_all,
@@ -471,6 +479,34 @@ class Operator:
         finally:
             self._shutdown()
         return 0
+
+    def _recorded_runtime_dir(self) -> Path | None:
+        try:
+            return Path(self.layout.runtime_record.read_text().strip())
+        except FileNotFoundError:
+            return None
+
+    def _abandon_start(self, recorded: Path | None) -> None:
+        """Undo what a refused start made (a runtime dir in /dev/shm, the servers' threads),
+        so that retrying a start that keeps failing leaks nothing. What an earlier operator
+        left (the runtime dir `recorded`) stays for the next start to deal with."""
+        if self.server is not None:
+            self.server.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        made = self.layout.runtime
+        if made is not None and made != recorded:
+            remove_runtime_dir(made)
+            if self._recorded_runtime_dir() == made:
+                if recorded is None:
+                    self.layout.runtime_record.unlink(missing_ok=True)
+                else:
+                    write_atomically(self.layout.runtime_record, f"{recorded}\n")
+        if self.store is not None:
+            self.store.close()
+        if self._lock_handle is not None:
+            self._lock_handle.close()
 
     def _shutdown(self) -> None:
         leave = self.config.leave_jobs_running
@@ -514,8 +550,28 @@ class Operator:
         """Jobs were stopped with the operator: their status says so; every GPU is free."""
         assert self.allocator is not None
         if self.loop is not None:
-            self.loop.record_shutdown()
-        self.allocator.release_all()
+            self.loop.record_shutdown()  # logs what the store could not take
+        try:
+            self.allocator.release_all()
+        except StoreError as err:  # a full disk: the GPUs are free all the same
+            log.error("cannot record in the state store that every GPU is free: %s", err)
+
+
+def _event_if_known(
+    store: Store,
+    job: str,
+    kind: Literal["Normal", "Warning"],
+    reason: str,
+    message: str,
+    now: float,
+) -> None:
+    """An event for a job the store knows; a store that cannot take it (a full disk) must
+    not refuse the start: the log says it too."""
+    try:
+        if store.get_job(job) is not None:
+            store.add_event(job, kind, reason, message, now)
+    except StoreError as err:
+        log.warning("%s: cannot record the event %s: %s", job, reason, err)
 
 
 def _bindings(processes: list[JobProcess], running: Mapping[str, Adopted]) -> list[Binding]:

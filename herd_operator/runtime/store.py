@@ -14,7 +14,13 @@ events and the grant history are a log and outlive it.
 
 Specs and statuses cross the store's interface as models (``JobRecord``): the store
 serializes them, parses each stored text once (later reads of the same text reuse the
-model) and skips writing a status equal to the stored one.
+model) and skips writing a status equal to the stored one. A stored text that no longer
+parses spoils only its job: an unreadable status reads as empty, an unreadable spec raises
+``UnreadableSpecError`` when asked for and is recorded again from the spec file.
+
+The writer refuses a damaged file at open (``check()``; ``DamagedStoreError`` says how to
+move it aside). A write the storage refuses (a full disk) fails like any ``StoreError``, for
+the caller to retry; ``writable`` says whether the last one did, for the metrics.
 """
 
 from __future__ import annotations
@@ -25,15 +31,17 @@ import json
 import logging
 import os
 import re
+import shlex
 import sqlite3
 import threading
+import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, TracebackType
-from typing import Literal, TypeVar
+from typing import Literal
 
 from controllers.errors import TemporaryError
 from controllers.ports import JobRecord
@@ -52,10 +60,17 @@ MAX_REPORTS_PER_JOB = 10_000
 MAX_EVENTS = 100_000
 BUSY_TIMEOUT_MS = 5_000
 
+UNWRITABLE_LOG_SECONDS = 60.0
+"""While writes keep failing (a full disk), the store says so at most this often."""
+WRITE_FAILURE_CODES = frozenset({8, 10, 13, 14})
+"""SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN (primary codes): the
+storage refuses writes, as opposed to another process holding the database (BUSY)."""
+DAMAGE_CODES = frozenset({11, 26})
+"""SQLITE_CORRUPT, SQLITE_NOTADB: the file is not a database one can trust."""
+
 EventType = Literal["Normal", "Warning"]
 _EVENT_TYPES: frozenset[str] = frozenset({"Normal", "Warning"})
 _UPPER_CAMEL_CASE = re.compile(r"[A-Z][A-Za-z0-9]*")
-_Model = TypeVar("_Model")
 
 _SCHEMA = """
 CREATE TABLE jobs (
@@ -124,6 +139,7 @@ CREATE TABLE meta (
 );
 """
 """The current schema, for a new store."""
+_TABLES = frozenset(re.findall(r"CREATE TABLE (\w+)", _SCHEMA))
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("DROP TABLE runtime",),
@@ -137,6 +153,17 @@ class StoreError(TemporaryError):
     Temporary to the control loop: another process may hold the database, a full disk
     may be freed; the reconciles whose writes were lost are redone with backoff.
     """
+
+
+class DamagedStoreError(StoreError):
+    """The state database is corrupt, not a database, or was truncated: nothing waiting
+    can help, so the operator refuses to start on it (the message says how to recover)."""
+
+
+class UnreadableSpecError(StoreError):
+    """A job's stored spec no longer parses (a damaged row, or a spec format this version
+    no longer reads). Only that job's spec is affected; the operator records the spec
+    file's again when the job is next reconciled with a good file."""
 
 
 @dataclass(frozen=True)
@@ -173,11 +200,18 @@ class Store:
         max_reports_per_job: int = MAX_REPORTS_PER_JOB,
         max_events: int = MAX_EVENTS,
         readonly: bool = False,
+        previous_state: Sequence[Path] = (),
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """Open the store at ``path`` (the database file).
 
-        Writable: creates the file, its schema and its parent directory (mode 0700) as needed.
+        Writable: creates the file, its schema and its parent directory (mode 0700) as needed,
+        after ``check()``: a damaged store raises ``DamagedStoreError``. A 0-byte file is a
+        store never set up (SQLite writes the header when it first opens one) unless its
+        ``-wal`` file or one of ``previous_state`` (files made only after a store opened
+        here) exists: then it was truncated, and is refused rather than started over empty.
         Read-only: the store must exist already; see ``open_readonly``.
+        ``clock`` times the event that says writes work again after they failed.
         """
         if max_reports_per_job < 1 or max_events < 1:
             raise ValueError("max_reports_per_job and max_events must be at least 1")
@@ -185,7 +219,17 @@ class Store:
         self.readonly = readonly
         self._max_reports_per_job = max_reports_per_job
         self._max_events = max_events
+        self._clock = clock
         self._lock = threading.RLock()
+        self.writable = True
+        """False from a write the storage refused (disk full, read-only, I/O error) until
+        a write succeeds again."""
+        self._unwritable_since: float | None = None
+        self._failed_writes = 0
+        self._last_unwritable_log: float | None = None  # monotonic
+        self._said_unwritable = False  # the last word in the log on it was "writes fail"
+        self._group_wrote = False
+        self._group_lost = False  # SQLite rolled the group back (a full disk, an I/O error)
         self._grouping = False  # inside transaction(): writes are savepoints, not commits
         # Per job, the status text last read or written here with its model: a read of
         # the same text reuses the model, a write of the same text is skipped. Keyed by
@@ -196,9 +240,12 @@ class Store:
         # new uid, so the pair fixes the text, and no text needs to be kept to know the
         # cached model is still right.
         self._specs: dict[str, tuple[str, int, HerdJob]] = {}
+        # Per job, the (uid, generation) whose stored spec was found not to parse.
+        self._unreadable_specs: dict[str, tuple[str, int]] = {}
         if readonly:
             self._conn = self._connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
         else:
+            self._refuse_truncated(previous_state)
             try:
                 self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             except OSError as exc:
@@ -213,8 +260,10 @@ class Store:
             if readonly:
                 self._check_version(self._user_version(), readonly=True)
             else:
+                self.check()
                 self._configure_writer()
                 self._ensure_schema()
+                self._find_unreadable_specs()
                 for suffix in ("-wal", "-shm"):  # SQLite gives them the database's mode
                     sidecar = self.path.with_name(self.path.name + suffix)
                     if sidecar.exists():
@@ -222,6 +271,46 @@ class Store:
         except BaseException:
             self._conn.close()
             raise
+
+    def check(self, *, full: bool = False) -> None:
+        """Raise ``DamagedStoreError`` unless the file passes SQLite's ``quick_check`` and
+        holds this store's tables (or none yet, and no schema version).
+
+        ``quick_check`` reads every page once (about 90 ms for a 38 MB store of 10,000
+        jobs); ``full`` runs ``integrity_check``, which also checks indexes against their
+        tables, three times as long (``herd-operator check-state --full``).
+        """
+        pragma = "integrity_check" if full else "quick_check"
+        started = time.perf_counter()
+        with self._lock, self._errors("check"):
+            rows = self._conn.execute(f"PRAGMA {pragma}(5)").fetchall()
+            tables = {
+                row[0]
+                for row in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            }
+        problems = [str(row[0]) for row in rows if row[0] != "ok"]
+        if problems:
+            raise self._damaged(f"SQLite's {pragma} found: {'; '.join(problems)}")
+        elapsed = time.perf_counter() - started
+        # It reads the whole file: say so when that delays the start noticeably.
+        _log.log(
+            logging.INFO if elapsed >= 1.0 else logging.DEBUG,
+            "state store %s: %s passed in %.2f s",
+            self.path,
+            pragma,
+            elapsed,
+        )
+        version = self._user_version()
+        if version == 0:
+            if tables - {"sqlite_sequence"}:
+                raise self._damaged(
+                    "it holds tables but no herd-operator schema version"
+                    " (another program's database, or its header was overwritten)"
+                )
+            return
+        missing = sorted(_TABLES - tables)
+        if missing and version <= SCHEMA_VERSION:
+            raise self._damaged(f"schema version {version} but table(s) missing: {missing}")
 
     @classmethod
     def open_readonly(cls, path: Path) -> Store:
@@ -285,6 +374,12 @@ class Store:
                 self._commit_group()
 
     def _commit_group(self) -> None:
+        wrote, self._group_wrote = self._group_wrote, False
+        lost, self._group_lost = self._group_lost, False
+        if lost or not self._conn.in_transaction:
+            # A full disk or an I/O error inside made SQLite roll back the whole group.
+            self._forget_cached()
+            raise StoreError(f"state store {self.path}: a failed write rolled back the group")
         try:
             with self._errors("write"):
                 self._conn.execute("COMMIT")
@@ -295,6 +390,8 @@ class Store:
             # The cached texts may be of writes that were just rolled back.
             self._forget_cached()
             raise
+        if wrote:
+            self._writes_work()
 
     # jobs
 
@@ -309,8 +406,13 @@ class Store:
         with self._lock:
             with self._write() as conn:
                 row = conn.execute(
-                    "SELECT fingerprint, spec_path FROM jobs WHERE name = ?", (name,)
+                    "SELECT uid, generation, fingerprint, spec_path FROM jobs WHERE name = ?",
+                    (name,),
                 ).fetchone()
+                unreadable = row is not None and self._unreadable_specs.get(name) == (
+                    row["uid"],
+                    row["generation"],
+                )
                 if row is None:
                     conn.execute(
                         "INSERT INTO jobs (name, uid, spec_path, spec_json, fingerprint,"
@@ -324,13 +426,26 @@ class Store:
                         " generation = generation + 1, updated_at = ? WHERE name = ?",
                         (spec_path, _spec_json(job), fingerprint, now, name),
                     )
+                elif unreadable:
+                    # The spec file says what the damaged text was (same fingerprint): repair
+                    # the text and keep the generation, since nothing about the job changed.
+                    conn.execute(
+                        "UPDATE jobs SET spec_path = ?, spec_json = ?, updated_at = ?"
+                        " WHERE name = ?",
+                        (spec_path, _spec_json(job), now, name),
+                    )
+                    _log.info(
+                        "state store %s: the spec of job %r is recorded again", self.path, name
+                    )
                 elif row["spec_path"] != spec_path:
                     conn.execute(
                         "UPDATE jobs SET spec_path = ?, updated_at = ? WHERE name = ?",
                         (spec_path, now, name),
                     )
                 stored = conn.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone()
-            if row is None or row["fingerprint"] != fingerprint:
+            if unreadable:
+                del self._unreadable_specs[name]
+            if row is None or row["fingerprint"] != fingerprint or unreadable:
                 # What was just written is this model: no need to parse it back.
                 return self._job(stored, lambda: job)
             return self._job(stored)
@@ -377,6 +492,7 @@ class Store:
             deleted: int = conn.execute("DELETE FROM jobs WHERE name = ?", (name,)).rowcount
             self._statuses.pop(name, None)
             self._specs.pop(name, None)
+            self._unreadable_specs.pop(name, None)
             return deleted > 0
 
     # allocations
@@ -686,11 +802,16 @@ class Store:
         generation: int = row["generation"]
         if spec is None:
             spec = functools.partial(self._spec, name, uid, generation, row["spec_json"])
+        fingerprint: str = row["fingerprint"]
+        if self._unreadable_specs.get(name) == (uid, generation):
+            # The stored spec cannot serve as the last good one: a fingerprint no spec file
+            # has makes the reconciler record the file's spec again (see record_spec).
+            fingerprint = ""
         return JobRecord(
             name=name,
             uid=uid,
             spec_path=row["spec_path"],
-            fingerprint=row["fingerprint"],
+            fingerprint=fingerprint,
             generation=generation,
             status=status,
             created_at=row["created_at"],
@@ -704,17 +825,46 @@ class Store:
             cached = self._specs.get(name)
             if cached is not None and cached[:2] == (uid, generation):
                 return cached[2]
-            spec = self._parse(name, "spec", lambda: HerdJob.model_validate_json(text))
+            try:
+                spec = HerdJob.model_validate_json(text)
+            except ValueError as exc:  # pydantic's ValidationError is one
+                raise self._unreadable_spec(name, uid, generation, exc) from exc
             self._specs[name] = (uid, generation, spec)
             return spec
 
-    def _parse(self, name: str, what: str, parse: Callable[[], _Model]) -> _Model:
+    def _unreadable_spec(
+        self, name: str, uid: str, generation: int, exc: Exception
+    ) -> UnreadableSpecError:
+        """Said once per stored spec text (its job's uid and generation fix it)."""
+        problem = str(exc).splitlines()[0]
+        if self._unreadable_specs.get(name) != (uid, generation):
+            self._unreadable_specs[name] = (uid, generation)
+            _log.warning(
+                "state store %s: the stored spec of job %r is unreadable (%s); the job shows"
+                " without it until the operator records its spec file again",
+                self.path,
+                name,
+                problem,
+            )
+        return UnreadableSpecError(
+            f"state store {self.path}: the stored spec of job {name!r} is unreadable ({problem});"
+            " it is recorded again from the spec file when the file is valid"
+        )
+
+    def _find_unreadable_specs(self) -> None:
+        """Mark the specs that are not even JSON (a damaged row) at start, so the first
+        reconcile records them again: parsing every spec would cost ~0.4 s per 10,000 jobs."""
         try:
-            return parse()
-        except ValueError as exc:  # pydantic's ValidationError is one
-            raise StoreError(
-                f"state store {self.path}: the stored {what} of job {name!r} is unreadable: {exc}"
-            ) from exc
+            with self._lock:
+                rows = self._conn.execute(
+                    "SELECT name, uid, generation FROM jobs WHERE NOT json_valid(spec_json)"
+                ).fetchall()
+        except sqlite3.OperationalError:  # an SQLite built without JSON: found on first use
+            return
+        for row in rows:
+            self._unreadable_spec(
+                row["name"], row["uid"], row["generation"], ValueError("not JSON")
+            )
 
     def _forget_cached(self) -> None:
         with self._lock:
@@ -726,7 +876,38 @@ class Store:
         try:
             yield
         except sqlite3.Error as exc:
+            code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+            if code in DAMAGE_CODES:
+                raise self._damaged(str(exc)) from exc
+            if action == "write" and code in WRITE_FAILURE_CODES:
+                self._writes_fail(exc)
             raise StoreError(f"cannot {action} state store {self.path}: {exc}") from exc
+
+    def _refuse_truncated(self, previous_state: Sequence[Path]) -> None:
+        try:
+            if self.path.stat().st_size > 0:
+                return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StoreError(f"cannot open state store {self.path}: {exc}") from exc
+        wal = self.path.with_name(self.path.name + "-wal")
+        evidence = [path for path in (wal, *previous_state) if path.exists()]
+        if evidence:
+            raise self._damaged(
+                f"it is empty (0 bytes), yet {evidence[0]} shows a store was set up here"
+                " before: it was truncated, and opening it would start over with no jobs"
+            )
+
+    def _damaged(self, problem: str) -> DamagedStoreError:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = shlex.quote(str(self.path.with_name(f"damaged-{stamp}")))
+        return DamagedStoreError(
+            f"state store {self.path} is damaged: {problem}. To start over without it, stop"
+            f" the operator and move the file aside with its -wal and -shm files: `mkdir {aside}"
+            f" && mv {shlex.quote(str(self.path))}* {aside}/`. The jobs then start again from"
+            " their spec files; their events and history stay in the moved files."
+        )
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -737,15 +918,25 @@ class Store:
     def _write(self) -> Iterator[sqlite3.Connection]:
         with self._lock, self._errors("write"):
             if self._grouping:
+                if self._group_lost:
+                    # A savepoint now would begin a new transaction and commit this write
+                    # without the earlier ones of the group.
+                    raise StoreError(
+                        f"state store {self.path}: a failed write rolled back the group"
+                    )
                 # Inside transaction(): a savepoint keeps this method all-or-nothing.
                 self._conn.execute("SAVEPOINT write")
                 try:
                     yield self._conn
                 except BaseException:
-                    self._conn.execute("ROLLBACK TO write")
-                    self._conn.execute("RELEASE write")
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK TO write")
+                        self._conn.execute("RELEASE write")
+                    else:  # SQLite rolled back the whole group (a full disk, an I/O error)
+                        self._group_lost = True
                     raise
                 self._conn.execute("RELEASE write")
+                self._group_wrote = True  # proven by the group's commit
                 return
             if self._conn.in_transaction:
                 raise StoreError(f"{self.path}: cannot write inside snapshot()")
@@ -753,9 +944,53 @@ class Store:
             try:
                 yield self._conn
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                if self._conn.in_transaction:  # SQLite rolls back itself on some errors
+                    self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+        self._writes_work()
+
+    def _writes_fail(self, exc: sqlite3.Error) -> None:
+        """A write the storage refused. Said at most once a minute: every reconcile fails
+        while the disk is full, and near full small writes fit and big ones do not, so the
+        state may flap many times a second (the gauge and the event count show it all)."""
+        self._failed_writes += 1
+        if self.writable:
+            self.writable = False
+            self._unwritable_since = self._clock()
+        now = time.monotonic()
+        last = self._last_unwritable_log
+        if last is not None and now - last < UNWRITABLE_LOG_SECONDS:
+            return
+        self._last_unwritable_log = now
+        self._said_unwritable = True
+        _log.error(
+            "state store %s: writes fail (%s; %d so far); the jobs keep running, and what"
+            " could not be recorded is recorded once writes work again",
+            self.path,
+            exc,
+            self._failed_writes,
+        )
+
+    def _writes_work(self) -> None:
+        with self._lock:
+            if self.writable:
+                return
+            since = self._unwritable_since
+            self.writable = True
+            self._unwritable_since = None
+            now = self._clock()
+            if self._said_unwritable:  # each "writes fail" in the log gets its answer
+                self._said_unwritable = False
+                _log.warning(
+                    "state store %s: writes work again (%d failed so far, the last %.0f s)",
+                    self.path,
+                    self._failed_writes,
+                    now - (since if since is not None else now),
+                )
+            # A constant message: flapping near a full disk bumps one event's count.
+            with contextlib.suppress(StoreError):
+                self.add_event(None, "Normal", "StoreWritable", "store writes work again", now)
 
 
 def _spec_json(job: HerdJob) -> str:

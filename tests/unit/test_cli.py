@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
 from specs import ConditionStatus, ConditionType, HerdJob, set_condition, spec_fingerprint
 from specs.status import GpuCounts, HerdJobStatus
+from tests.unit.test_store import corrupt_a_table_page
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 HOURS_AGO = 5 * 3600
@@ -394,3 +396,38 @@ def test_run_with_bad_hosts_starts_nothing(
     )
     assert not state.exists()
     assert not specs.exists()
+
+
+def test_get_and_describe_show_a_job_whose_stored_spec_is_unreadable(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The row is corrupted with sqlite3 while the other job's stays good."""
+    raw = sqlite3.connect(StateLayout(state).database)
+    raw.execute("UPDATE jobs SET spec_json = 'garbage{' WHERE name = 'train'")
+    raw.commit()
+    raw.close()
+    code, out, err = run_cli(capsys, "get", "--state-dir", str(state))
+    assert (code, err) == (EXIT_OK, "")
+    _, idle, train = out.splitlines()
+    assert idle.split() == ["idle", "Unknown", "2", "2", "-", "0", "-", "5h"]
+    assert train.split() == ["train", "Running", "-", "-", "3", "2", "2", "5h"]
+    code, out, _ = run_cli(capsys, "get", "train", "-o", "json", "--state-dir", str(state))
+    (shown,) = json.loads(out)
+    assert shown["spec"] is None and "the stored spec of job 'train'" in shown["specError"]
+    code, out, _ = run_cli(capsys, "describe", "train", "--state-dir", str(state))
+    assert code == EXIT_OK
+    assert "Spec:         state store" in out and "is unreadable" in out
+    assert "Status:       Running" in out and "Priority:     -" in out
+
+
+def test_check_state_passes_a_sound_store_and_names_the_damage_of_another(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    database = StateLayout(state).database
+    code, out, err = run_cli(capsys, "check-state", "--full", "--state-dir", str(state))
+    assert (code, out, err) == (EXIT_OK, f"state store {database}: no damage found (2 jobs)\n", "")
+    corrupt_a_table_page(database)  # bytes overwritten behind SQLite's back
+    code, out, err = run_cli(capsys, "check-state", "--state-dir", str(state))
+    assert (code, out) == (EXIT_FAILURE, "")
+    assert err.startswith(f"herd-operator: state store {database} is damaged: ")
+    assert "move the file aside" in err

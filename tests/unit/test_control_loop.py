@@ -36,6 +36,7 @@ from herd_operator.runtime.store import Store, StoreError
 from policies.base import PolicyError
 from specs import ConditionType, get_condition
 from specs.values import Demand, Grant, Pool
+from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
 from tests.unit.test_reconciler import World, facts, herd_job, started
 
 SPEC = herd_job(gpus=(1, 1))
@@ -452,6 +453,50 @@ def test_shutdown_writes_every_running_jobs_status(world: World) -> None:
         assert status.placement == []
         assert ("Normal", "Stopped", "operator shut down") in world.events(name)
     assert world.status("done") == finished
+
+
+def test_a_full_disk_keeps_the_jobs_running_and_the_loop_catches_up_when_space_returns(
+    world: World,
+) -> None:
+    """Writes fail for real (see tests/unit/full_disk.py): the new jobs' specs need room."""
+    loop = ControlLoop(WorkQueue(), world.reconciler, world.allocator, world.store)
+    started(world, herd_job("a", gpus=(1, 2)))
+    cap_at_present_size(world.store)
+    big = ["python", "train.py", "x" * 50_000]
+    world.specs.put(herd_job("b", gpus=(1, 2), command=big))
+    world.specs.put(herd_job("c", gpus=(1, 2), command=big))
+
+    lost = loop.reconcile_burst(taken(loop.queue, "a", "b", "c"))
+
+    assert not world.store.writable
+    assert world.launcher.stops == []  # the running job is left alone
+    assert world.store.get_job("b") is None  # not recorded, so not started either
+    assert [name for name, _, _ in world.launcher.starts] == ["a"]
+    make_room(world.store)
+    # Each job comes back once its backoff passed (lost with its group or failed itself);
+    # the new ones start once the allocator's decision wakes them.
+    for _ in range(6):
+        loop.run_once(timeout=0.5)
+    assert set(lost) == {"a", "b", "c"}
+    assert world.store.writable
+    assert sorted(name for name, _, _ in world.launcher.starts) == ["a", "b", "c"]
+    assert world.launcher.stops == []
+    assert [event.reason for event in world.store.events() if event.job is None] == [
+        "StoreWritable"
+    ]
+
+
+def test_the_shutdown_on_a_full_disk_stops_nothing_less_and_says_what_it_could_not_record(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    loop = ControlLoop(WorkQueue(), world.reconciler, world.allocator, world.store)
+    started(world, herd_job("a", gpus=(1, 2)))
+    fill_up(world.store)
+
+    assert loop.record_shutdown() is False
+
+    assert any("cannot record the shutdown" in r.getMessage() for r in caplog.records)
+    assert facts(get_condition(world.status("a").conditions, ConditionType.Running))[0] == "True"
 
 
 def test_shutdown_goes_on_past_a_job_whose_status_cannot_be_written(

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.gpu import GpuReading
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver, job_usage
-from herd_operator.runtime.store import Store
+from herd_operator.runtime.store import Store, StoreError
 from specs import Condition, ConditionStatus, HerdJob
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Placement, Pool
+from tests.unit.full_disk import fill_up, make_room
 
 SPEC = {
     "apiVersion": "herd/v1alpha1",
@@ -89,6 +92,43 @@ def test_state_collector_reads_jobs_pool_and_requests_at_scrape_time(tmp_path: P
     # Read at scrape time: a change shows in the next scrape.
     record(store, "a", desired=4, allocated=4, active=2)
     assert samples(registry)[("herd_job_gpus_allocated", (("herd_job", "a"),))] == 4
+
+
+def test_a_job_whose_stored_spec_is_unreadable_keeps_the_scrape_and_its_status_series(
+    tmp_path: Path,
+) -> None:
+    """The spec row is corrupted with sqlite3; the store stays writable throughout."""
+    store = Store(tmp_path / "state.db")
+    record(store, "a", {"name": "memory"}, desired=2, allocated=2)
+    record(store, "b", {"name": "memory"}, desired=1, allocated=1)
+    raw = sqlite3.connect(store.path)
+    raw.execute("UPDATE jobs SET spec_json = '{\"spec\": 3}' WHERE name = 'a'")
+    raw.commit()
+    raw.close()
+    registry = CollectorRegistry()
+    registry.register(StateCollector(store, lambda: Pool.from_counts({"h": 4}), dict, dict))
+    got = samples(registry)
+    assert got[("herd_job_gpus_allocated", (("herd_job", "a"),))] == 2
+    assert got[("herd_job_policy_threshold_ratio", (("bound", "low"), ("herd_job", "b")))] == 0.25
+    assert ("herd_job_policy_threshold_ratio", (("bound", "low"), ("herd_job", "a"))) not in got
+    assert got[("herd_store_writable", ())] == 1
+
+
+def test_the_store_writable_gauge_shows_a_full_disk_and_its_end(tmp_path: Path) -> None:
+    """Writes fail for real (see tests/unit/full_disk.py)."""
+    store = Store(tmp_path / "state.db")
+    record(store, "a", desired=2, allocated=2)
+    registry = CollectorRegistry()
+    registry.register(StateCollector(store, lambda: Pool.from_counts({"h": 4}), dict, dict))
+    fill_up(store)
+    with pytest.raises(StoreError):
+        store.add_event("a", "Normal", "Big", "x" * 100_000, 3.0)
+    got = samples(registry)
+    assert got[("herd_store_writable", ())] == 0
+    assert got[("herd_job_gpus_allocated", (("herd_job", "a"),))] == 2  # reads go on
+    make_room(store)
+    store.add_event("a", "Normal", "Small", "x", 4.0)
+    assert samples(registry)[("herd_store_writable", ())] == 1
 
 
 def test_operator_metrics_count_resizes_and_reconciles() -> None:

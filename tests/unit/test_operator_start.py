@@ -1,10 +1,27 @@
-"""What the operator sets up for itself before it serves."""
+"""What the operator sets up for itself before it serves, and what a refused start undoes."""
 
 from __future__ import annotations
 
 import resource
+import socket
+import threading
+from pathlib import Path
+from typing import Any
 
-from herd_operator.runtime.operator import raise_descriptor_limit
+import pytest
+
+from herd_operator.layout import StateLayout, make_runtime_dir
+from herd_operator.runtime.operator import (
+    Operator,
+    OperatorConfig,
+    OperatorError,
+    raise_descriptor_limit,
+)
+from herd_operator.runtime.pools import StaticPool
+from specs import ConditionStatus, ConditionType, HerdJob, set_condition
+from specs.status import HerdJobStatus
+from specs.values import Pool
+from tests.unit.full_disk import refuse_writes
 
 
 def test_the_operator_lifts_its_open_file_limit_within_the_hard_limit() -> None:
@@ -16,3 +33,95 @@ def test_the_operator_lifts_its_open_file_limit_within_the_hard_limit() -> None:
         assert got == expected == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def refused_start_config(tmp_path: Path, **options: Any) -> OperatorConfig:
+    return OperatorConfig(
+        specs_dir=tmp_path / "specs",
+        state_dir=tmp_path / "state",
+        pool=StaticPool(Pool.from_counts({"localhost": 1}), True, "test pool"),
+        runtime_dir=tmp_path / "runtime",
+        **options,
+    )
+
+
+def rpc_threads() -> list[str]:
+    return [thread.name for thread in threading.enumerate() if thread.name.startswith("rpc-")]
+
+
+def test_a_damaged_store_refuses_the_start_and_the_start_leaves_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    config = refused_start_config(tmp_path)
+    database = StateLayout(config.state_dir).database
+    database.parent.mkdir(parents=True)
+    database.write_bytes(b"not a database, " * 100)
+    for _ in range(2):  # the first released the state dir's lock: the second gets as far
+        with pytest.raises(OperatorError) as refused:
+            Operator(config).run(threading.Event())
+        assert str(refused.value).startswith(
+            f"state store {database} is damaged: file is not a database."
+        )
+    assert list((tmp_path / "runtime").iterdir()) == []
+    assert not StateLayout(config.state_dir).runtime_record.exists()
+
+
+def test_a_store_truncated_to_0_bytes_refuses_the_start(tmp_path: Path) -> None:
+    config = refused_start_config(tmp_path)
+    layout = StateLayout(config.state_dir)
+    layout.root.mkdir(parents=True)
+    layout.token_file.write_text("from the run that set the store up")
+    layout.database.write_bytes(b"")
+    with pytest.raises(OperatorError, match=r"is damaged: it is empty \(0 bytes\), yet"):
+        Operator(config).run(threading.Event())
+    assert layout.database.stat().st_size == 0
+
+
+def test_a_start_refused_for_a_port_in_use_stops_its_servers_and_keeps_a_crashed_runs_dir(
+    tmp_path: Path,
+) -> None:
+    base = tmp_path / "runtime"
+    crashed = make_runtime_dir(base)  # a crashed operator's, named in the record
+    layout = StateLayout(tmp_path / "state")
+    layout.root.mkdir(parents=True)
+    layout.runtime_record.write_text(f"{crashed}\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = refused_start_config(tmp_path, metrics_port=taken.getsockname()[1])
+        with pytest.raises(OSError):
+            Operator(config).run(threading.Event())
+    assert list(base.iterdir()) == [crashed]  # for the next start to deal with
+    assert layout.runtime_record.read_text() == f"{crashed}\n"
+    assert rpc_threads() == []
+
+
+def test_a_shutdown_the_store_cannot_record_still_removes_the_runtime_dir_and_endpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store refuses writes for real (SQLITE_READONLY, see tests/unit/full_disk.py)."""
+    operator = Operator(refused_start_config(tmp_path))
+    operator._open()
+    store, layout = operator.store, operator.layout
+    assert store is not None and layout.runtime is not None
+    job = HerdJob.model_validate(
+        {
+            "apiVersion": "herd/v1alpha1",
+            "kind": "HerdJob",
+            "metadata": {"name": "a"},
+            "spec": {"command": ["python", "train.py"], "gpus": {"min": 1, "max": 1}},
+        }
+    )
+    store.record_spec("a", "a.yaml", job, "fp", 1.0)
+    running = set_condition((), ConditionType.Running, ConditionStatus.TRUE, "Started", "", 1, 1.0)
+    store.put_status("a", HerdJobStatus(conditions=running), 1.0)
+    refuse_writes(store)
+
+    operator._shutdown()
+
+    assert not layout.runtime.exists() and not layout.runtime_record.exists()
+    assert not layout.endpoint_file.exists()
+    assert rpc_threads() == []
+    said = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith("cannot record the shutdown in the state store") for m in said)
+    assert any(m.startswith("cannot record in the state store that every GPU") for m in said)

@@ -6,6 +6,7 @@ only the processes are faked, so each test drives a job's lifecycle by hand.
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -24,7 +25,7 @@ from controllers.reconciler import JobReconciler, Result, TemporaryError, restar
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
-from herd_operator.runtime.store import Event, GrantChange, Store
+from herd_operator.runtime.store import Event, GrantChange, Store, UnreadableSpecError
 from specs import Condition, ConditionType, HerdJob, get_condition
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Pool, Report
@@ -745,6 +746,45 @@ def test_deletion_while_running_stops_the_job_and_keeps_its_gpus(world: World) -
     world.reconcile("b")
     assert world.granted("b") == 0
     assert world.launcher.starts == [("a", 1, 4)]
+
+
+def corrupt_stored_spec(world: World, name: str) -> None:
+    """What a damaged row looks like: the spec text no longer parses (written by sqlite3)."""
+    raw = sqlite3.connect(world.store.path)
+    raw.execute("UPDATE jobs SET spec_json = 'garbage{' WHERE name = ?", (name,))
+    raw.commit()
+    raw.close()
+
+
+def test_deleting_a_job_whose_stored_spec_is_unreadable_still_stops_it(world: World) -> None:
+    started(world, herd_job("a", gpus=(4, 4)))
+    corrupt_stored_spec(world, "a")
+    world.specs.delete("a")
+
+    assert world.reconcile("a") == Result(requeue_after=STOP_POLL_S)
+
+    assert world.launcher.stops == ["a"]
+    assert world.granted("a") == 4  # held until its processes are gone
+    world.launcher.exit("a", -15)
+    assert world.reconcile("a") == Result()
+    assert world.store.get_job("a") is None
+
+
+def test_an_unreadable_stored_spec_is_recorded_again_from_the_file(world: World) -> None:
+    job = herd_job("a", gpus=(2, 2))
+    started(world, job)
+    before = world.store.get_job("a")
+    assert before is not None
+    corrupt_stored_spec(world, "a")
+    with pytest.raises(UnreadableSpecError):
+        world.store.get_job("a").spec  # type: ignore[union-attr]  # noqa: B018
+
+    world.reconcile("a")
+
+    after = world.store.get_job("a")
+    assert after is not None and after.spec == job
+    assert (after.generation, after.fingerprint) == (before.generation, before.fingerprint)
+    assert world.launcher.starts == [("a", 1, 2)]  # the same spec: the job runs on
 
 
 def test_stopping_elastic_job_keeps_all_its_gpus(world: World) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import stat
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +18,16 @@ from herd_operator.runtime import store as store_module
 from herd_operator.runtime.store import (
     DB_FILENAME,
     SCHEMA_VERSION,
+    DamagedStoreError,
     GrantChange,
     Store,
     StoreError,
+    UnreadableSpecError,
 )
 from specs import HerdJob
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Placement, UsageSample
+from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
 
 
 def make_spec(low: int = 1, high: int = 4, name: str = "resnet") -> HerdJob:
@@ -86,14 +91,91 @@ def test_refuses_a_newer_schema_version(db_path: Path) -> None:
     assert str(readonly.value) == expected
 
 
-def test_corrupt_file_raises_store_error_naming_path_and_sqlite_message(db_path: Path) -> None:
+def test_a_file_that_is_not_sqlite_is_refused_with_a_recovery_that_works(db_path: Path) -> None:
     db_path.parent.mkdir(parents=True)
     db_path.write_bytes(b"this is not sqlite at all, " * 100)
-    with pytest.raises(StoreError) as excinfo:
+    with pytest.raises(DamagedStoreError) as excinfo:
         Store(db_path)
-    assert str(excinfo.value) == f"cannot open state store {db_path}: file is not a database"
-    with pytest.raises(StoreError, match="file is not a database"):
+    message = str(excinfo.value)
+    assert message.startswith(f"state store {db_path} is damaged: file is not a database.")
+    with pytest.raises(DamagedStoreError, match="file is not a database"):
         Store.open_readonly(db_path)
+    # The command the message gives moves the file aside, and a new store starts empty.
+    command = re.search(r"`(mkdir .*)`", message)
+    assert command is not None
+    subprocess.run(["sh", "-c", command.group(1)], check=True)
+    (aside,) = db_path.parent.glob("damaged-*")
+    assert (aside / DB_FILENAME).read_bytes().startswith(b"this is not sqlite")
+    with Store(db_path) as fresh:
+        assert fresh.list_jobs() == []
+
+
+def corrupt_a_table_page(db_path: Path) -> None:
+    """Overwrite the jobs table's last page in the file (not through SQLite)."""
+    raw = sqlite3.connect(db_path)
+    page_size = raw.execute("PRAGMA page_size").fetchone()[0]
+    root = raw.execute("SELECT rootpage FROM sqlite_master WHERE name = 'jobs'").fetchone()[0]
+    raw.close()  # the last connection: SQLite checkpoints the WAL into the file
+    with open(db_path, "r+b") as handle:
+        handle.seek((root - 1) * page_size + 8)
+        handle.write(b"\xff" * (page_size - 8))
+
+
+def test_a_store_with_a_corrupt_page_is_refused_at_open(db_path: Path) -> None:
+    with Store(db_path) as store:
+        for index in range(20):
+            store.record_spec(f"job-{index}", "/jobs/a.yaml", SPEC, "fp", now=1.0)
+    corrupt_a_table_page(db_path)
+    with pytest.raises(DamagedStoreError) as excinfo:
+        Store(db_path)
+    assert str(excinfo.value).startswith(f"state store {db_path} is damaged: ")
+    assert "move the file aside" in str(excinfo.value)
+
+
+def test_a_store_truncated_to_0_bytes_is_refused_when_a_store_was_set_up_before(
+    tmp_path: Path, db_path: Path
+) -> None:
+    with Store(db_path) as store:
+        store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp", now=1.0)
+    token = db_path.parent / "allocator.token"  # what the operator makes once its store opened
+    token.write_text("secret")
+    db_path.write_bytes(b"")
+    with pytest.raises(DamagedStoreError) as excinfo:
+        Store(db_path, previous_state=[token])
+    assert "it is empty (0 bytes), yet" in str(excinfo.value)
+    assert f"{token} shows a store was set up here before: it was truncated" in str(excinfo.value)
+    assert db_path.stat().st_size == 0  # left as it was found
+    # A -wal file left next to it is evidence enough on its own.
+    db_path.with_name(DB_FILENAME + "-wal").write_bytes(b"")
+    with pytest.raises(DamagedStoreError, match=r"state\.db-wal shows a store was set up"):
+        Store(db_path)
+
+
+def test_a_0_byte_file_and_nothing_else_is_a_store_never_set_up(
+    tmp_path: Path, db_path: Path
+) -> None:
+    db_path.parent.mkdir(parents=True)
+    db_path.write_bytes(b"")  # a start that died between creating the file and the schema
+    with Store(db_path, previous_state=[tmp_path / "absent.token"]) as store:
+        assert store.list_jobs() == []
+
+
+def test_a_database_with_tables_but_no_schema_version_is_refused(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.execute("CREATE TABLE something_else (x)")
+    raw.close()
+    with pytest.raises(DamagedStoreError, match="it holds tables but no herd-operator schema"):
+        Store(db_path)
+
+
+def test_a_store_missing_a_table_of_its_version_is_refused(db_path: Path) -> None:
+    Store(db_path).close()
+    raw = sqlite3.connect(db_path)
+    raw.execute("DROP TABLE events")
+    raw.close()
+    with pytest.raises(DamagedStoreError, match=r"table\(s\) missing: \['events'\]"):
+        Store(db_path)
 
 
 def test_readonly_open_of_missing_store_fails(db_path: Path) -> None:
@@ -342,7 +424,7 @@ def test_recreated_job_gets_a_new_uid_and_starts_over(store: Store) -> None:
     assert recreated.created_at == 200.0
 
 
-def test_an_unreadable_status_reads_as_empty_and_an_unreadable_spec_is_a_store_error(
+def test_an_unreadable_status_reads_as_empty(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
@@ -358,15 +440,49 @@ def test_an_unreadable_status_reads_as_empty_and_an_unreadable_spec_is_a_store_e
     assert record is not None and record.status == HerdJobStatus()
     warnings = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
     assert len(warnings) == 1 and "the stored status of job 'resnet'" in warnings[0]
-    raw.execute("DELETE FROM jobs WHERE name = 'bert'")
-    raw.execute("UPDATE jobs SET status_json = '{}', spec_json = '{}', generation = 2")
+    raw.close()
+
+
+def test_an_unreadable_spec_spoils_only_its_job_and_is_recorded_again_from_the_file(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row corrupted with sqlite3 (valid JSON, not a spec: what a format change gives)."""
+    resnet = store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    store.record_spec("bert", "/jobs/bert.yaml", make_spec(name="bert"), "fp1", now=1.0)
+    raw = sqlite3.connect(store.path)
+    raw.execute("UPDATE jobs SET spec_json = '{\"spec\": 3}' WHERE name = 'resnet'")
     raw.commit()
     raw.close()
-    # The spec is parsed when it is asked for, not with every read of the job.
-    (job,) = store.list_jobs()
-    assert job.generation == 2
-    with pytest.raises(StoreError, match=r"the stored spec of job 'resnet' is unreadable"):
-        job.spec  # noqa: B018
+    with caplog.at_level("WARNING"):
+        # The spec is parsed when it is asked for, not with every read of the job.
+        records = {job.name: job for job in store.list_jobs()}
+        assert records["bert"].spec.metadata.name == "bert"
+        for _ in range(2):
+            with pytest.raises(UnreadableSpecError, match=r"stored spec of job 'resnet' is unr"):
+                store.list_jobs()[1].spec  # noqa: B018
+    warnings = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(warnings) == 1 and "the stored spec of job 'resnet'" in warnings[0]
+    # Known unreadable, it matches no spec file's fingerprint, so the reconciler records the
+    # file's spec again: the text is repaired, the generation (nothing changed) kept.
+    damaged = store.get_job("resnet")
+    assert damaged is not None and damaged.fingerprint == ""
+    repaired = store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=2.0)
+    assert (repaired.fingerprint, repaired.generation) == ("fp1", resnet.generation)
+    again = store.get_job("resnet")
+    assert again is not None and again.spec == SPEC and again.fingerprint == "fp1"
+
+
+def test_a_spec_that_is_not_json_is_found_when_the_writer_opens(db_path: Path) -> None:
+    with Store(db_path) as store:
+        store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    raw = sqlite3.connect(db_path)
+    raw.execute("UPDATE jobs SET spec_json = 'garbage{' WHERE name = 'resnet'")
+    raw.commit()
+    raw.close()
+    with Store(db_path) as store:
+        record = store.get_job("resnet")
+        # Without reading the spec: the first reconcile records the file's spec again.
+        assert record is not None and record.fingerprint == ""
 
 
 def test_put_status_replaces_status_and_refuses_unknown_job(store: Store) -> None:
@@ -863,3 +979,50 @@ def test_the_database_is_private_whatever_the_umask_or_an_older_file_said(tmp_pa
     finally:
         os.umask(old)
     assert modes and set(modes.values()) == {0o600}, modes
+
+
+# writes the storage refuses
+
+
+def test_refused_writes_mark_the_store_unwritable_until_one_works_again(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    assert store.writable
+    big = "x" * 100_000  # needs new pages
+    with caplog.at_level("ERROR"):
+        fill_up(store)
+        for attempt in range(5):
+            with pytest.raises(StoreError, match="database or disk is full"):
+                store.add_event("resnet", "Warning", "Big", f"{attempt}{big}", now=2.0)
+            with pytest.raises(StoreError), store.transaction():
+                store.add_event("resnet", "Warning", "Big", f"{attempt}{big}", now=2.0)
+    assert not store.writable
+    # Said when it starts, not once per refused write (a reconcile each makes one).
+    failures = [r for r in caplog.records if "writes fail" in r.getMessage()]
+    assert len(failures) == 1 and "the jobs keep running" in failures[0].getMessage()
+    assert store.get_job("resnet") is not None  # reads go on
+    make_room(store)
+    with caplog.at_level("WARNING"):
+        store.add_event("resnet", "Normal", "Small", "fits", now=3.0)
+    assert store.writable
+    assert len([r for r in caplog.records if "writes fail" in r.getMessage()]) == 1
+    (back,) = store.events(limit=1)  # timed by the store's clock, after the test's times
+    assert (back.job, back.type, back.reason) == (None, "Normal", "StoreWritable")
+
+
+def test_a_group_a_full_disk_rolled_back_is_lost_and_proves_nothing(store: Store) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    cap_at_present_size(store)
+    # SQLite rolls back a whole transaction on a full disk: the group is lost (and redone),
+    # including what it wrote before, and what it would write after.
+    rolled_back = pytest.raises(StoreError, match="a failed write rolled back the group")
+    with rolled_back, store.transaction():
+        store.record_spec("bert", "/jobs/bert.yaml", make_spec(name="bert"), "fp", now=2.0)
+        with pytest.raises(StoreError, match="database or disk is full"):
+            store.add_event("resnet", "Warning", "Big", "y" * 100_000, now=2.0)
+        with pytest.raises(StoreError, match="a failed write rolled back the group"):
+            store.add_event("resnet", "Normal", "Small", "after", now=2.0)
+    assert not store.writable  # the group's one good write proves nothing
+    assert store.get_job("bert") is None
+    assert [event.reason for event in store.events()] == []
