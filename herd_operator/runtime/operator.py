@@ -7,6 +7,7 @@ and one waiter per `horovodrun` only put names on the queue.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import json
@@ -405,6 +406,7 @@ class Operator:
             placement = stored.get(item.job) or _placement_of(bound, item.job)
             if placement.size:
                 placements[item.job] = placement
+        self._remove_stale_grants({item.job for item in running.values()})
         for item in adopted:
             engines.adopt(item.job, item.info.spec.engine.kind)
         allocator.restore(placements, bound)
@@ -444,6 +446,18 @@ class Operator:
                 len(running), len(adopted) - len(running), len(orphans),
                 time.monotonic() - started,
             )  # fmt: skip
+
+    def _remove_stale_grants(self, kept: set[str]) -> None:
+        """Grants a previous operator published for jobs that no longer run (a reused runtime
+        dir): nothing reads them, and a job started again gets fresh ones."""
+        try:
+            entries = list(os.scandir(self.layout.grants_dir))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.name.partition(".")[0] not in kept:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
     def _enqueue_known_jobs(self) -> None:
         """Reconcile every recorded job once: adopted jobs converge from where they are,

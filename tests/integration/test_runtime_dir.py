@@ -1,4 +1,5 @@
-"""The operator's runtime directory: made on start, recorded, removed on stop or after a crash."""
+"""The operator's runtime directory: made on start, recorded, used again after a crash (the
+jobs it adopts read their grants there), removed on a clean stop."""
 
 from __future__ import annotations
 
@@ -22,13 +23,17 @@ def test_grants_go_to_a_private_runtime_dir_that_goes_away_with_the_operator(
 
     with operator_harness(tmp_path, runtime_dir=base) as herd:
         layout = herd.layout
-        assert layout.runtime is not None and layout.runtime.parent == base
-        assert layout.runtime.name.startswith(RUNTIME_PREFIX) and layout.runtime != crashed
+        assert layout.runtime == crashed, "a crashed operator's runtime dir is used again"
         assert layout.grants_dir.is_dir()
         assert Path((state / "runtime-dir").read_text().strip()) == layout.runtime
-        assert not crashed.exists()  # removed once the crashed operator's jobs were stopped
+        assert not (crashed / "grants" / "old.hosts").exists(), "no job runs that read it"
         assert not (state / "grants").exists()
-        runtime = layout.runtime
 
-    assert not runtime.exists()
+    assert not crashed.exists(), "removed on a clean stop"
     assert not (state / "runtime-dir").exists()
+
+    with operator_harness(tmp_path, runtime_dir=base) as herd:
+        runtime = herd.layout.runtime
+        assert runtime is not None and runtime.parent == base and runtime != crashed
+        assert runtime.name.startswith(RUNTIME_PREFIX)
+    assert not runtime.exists()
