@@ -31,8 +31,8 @@ from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource
 from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
-from herd_operator.auth import ensure_token_file
-from herd_operator.environment import ALLOCATOR_ENV, STATE_DIR_ENV, TOKEN_FILE_ENV
+from herd_operator.auth import agent_key, ensure_token_file, write_token_file
+from herd_operator.environment import ALLOCATOR_ENV, STATE_DIR_ENV
 from herd_operator.layout import (
     StateLayout,
     make_runtime_dir,
@@ -44,7 +44,14 @@ from herd_operator.rpc import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
-from herd_operator.runtime.handlers import ExporterRegistry, ReportHandler
+from herd_operator.runtime.handlers import (
+    ExporterRegistry,
+    ReportHandler,
+    for_agents,
+    for_anyone,
+    for_own_host,
+    for_own_job,
+)
 from herd_operator.runtime.launcher import Launcher, find_orphans, stop_orphans
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
@@ -158,6 +165,7 @@ class Operator:
         self.layout.create()
         self.store = store = Store(self.layout.database)
         token = ensure_token_file(self.layout.token_file)
+        write_token_file(self.layout.agent_token_file, agent_key(token))
         hosts = tuple(host_name for host_name, _ in config.pool.pool.hosts)
         engines = EngineDispatch(EngineContext(self.layout, hosts))
         self.allocator = allocator = Allocator(
@@ -172,12 +180,12 @@ class Operator:
         self.server = server = RpcServer(
             token,
             {
-                "bind": allocator.handle_bind,
-                "grant": allocator.handle_grant,
-                "placements": allocator.handle_placements,
-                "report": ReportHandler(store, allocator, self.queue.add),
-                "register_exporter": exporters,
-                "ping": lambda args: {"pid": os.getpid()},
+                "bind": for_own_job(allocator.handle_bind),
+                "grant": for_own_job(allocator.handle_grant),
+                "placements": for_agents(allocator.handle_placements),
+                "report": for_own_job(ReportHandler(store, allocator, self.queue.add)),
+                "register_exporter": for_own_host(exporters),
+                "ping": for_anyone(lambda args: {"pid": os.getpid()}),
             },
             host=config.listen_host,
         )
@@ -209,11 +217,10 @@ class Operator:
         self.launcher = launcher = Launcher(self.queue.add, grace_seconds=config.grace_seconds)
         env = {
             ALLOCATOR_ENV: address,
-            TOKEN_FILE_ENV: str(self.layout.token_file.resolve()),
             STATE_DIR_ENV: str(self.layout.root.resolve()),
             **config.extra_env,
         }
-        job_launcher = JobLauncher(launcher, engines, self.layout, env)
+        job_launcher = JobLauncher(launcher, engines, self.layout, env, token)
         self._stop_orphans(store)
         if previous_runtime is not None and previous_runtime != self.layout.runtime:
             # A crashed operator's grants: its jobs were just stopped, nothing reads them.
