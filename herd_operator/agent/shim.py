@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from herd_operator.agent import worker
+from herd_operator.auth import TokenFileError
 from herd_operator.environment import ENV_FILE_ENV, GPU_ENV, GPUS_ENV, JOB_ENV, VIRTUAL_ENV
 from herd_operator.rpc import AuthError, RpcError
 
@@ -85,7 +86,13 @@ def main(argv: list[str]) -> int:
             return 1
     if worker.under_operator():
         local_rank = int(env.get("HOROVOD_LOCAL_RANK", "0"))
-        client = worker.client_from_env(f"shim:{env[JOB_ENV]}:{worker.host_name()}:{local_rank}")
+        try:
+            client = worker.client_from_env(
+                f"shim:{env[JOB_ENV]}:{worker.host_name()}:{local_rank}"
+            )
+        except (ValueError, TokenFileError) as err:  # no retry makes these right
+            print(f"herd shim: {err}", file=sys.stderr)
+            return 1
         deadline = time.monotonic() + BIND_WAIT_SECONDS
         warned = False
         while True:

@@ -170,6 +170,10 @@ class JobLauncher:
 
     def forget(self, name: str) -> None:
         self._launcher.forget(name)
+        if name not in self._launcher.jobs():
+            # No process of it is left to read them; a next launch writes them again.
+            self._layout.job_env_file(name).unlink(missing_ok=True)
+            self._layout.job_token_file(name).unlink(missing_ok=True)
 
     def _engine(self, job: HerdJob) -> Engine:
         try:

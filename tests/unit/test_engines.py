@@ -444,3 +444,8 @@ def test_a_launch_gets_its_own_key_and_the_spec_env_by_file_only(
     assert "RECORDED" not in environ
     for path in (token_file, env_file):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+    # Once no process of the job is left, neither is its key nor its env.
+    runtime.delete("a")
+    runtime.reconcile_until("a", lambda: runtime.store.get_job("a") is None, "the deletion")
+    assert not token_file.exists() and not env_file.exists()

@@ -441,3 +441,10 @@ def test_a_host_with_a_newline_never_reaches_the_scrape_targets(allocation: Allo
         admin.call("register_exporter", host="node1", port=9100)
     targets = json.loads(allocation.layout.scrape_targets_file.read_text())
     assert targets == [{"targets": ["node1:9100"], "labels": {"herd_role": "exporter"}}]
+
+
+def test_shim_without_its_key_says_so_in_one_line(tmp_path: Path, allocation: Allocation) -> None:
+    env = {**allocation.env(), TOKEN_FILE_ENV: str(tmp_path / "missing.token")}
+    code, out, err = finish(shim(tmp_path, env, sys.executable, "-c", SHOW_ENV))
+    assert (code, out) == (1, "")
+    assert err.startswith("herd shim: cannot open token file ") and err.count("\n") == 1
