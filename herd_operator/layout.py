@@ -64,11 +64,11 @@ class StateLayout:
 
     def job_token_file(self, job: str) -> Path:
         """The job's key: proves ``job:<job>`` and nothing more."""
-        return self.secrets_dir / f"{job}.token"
+        return self.secrets_dir / f"job-{job}.token"
 
     def job_env_file(self, job: str) -> Path:
         """The spec's `env` of the job's current launch, for the shim to load."""
-        return self.secrets_dir / f"{job}.env.json"
+        return self.secrets_dir / f"job-{job}.env.json"
 
     @property
     def endpoint_file(self) -> Path:

@@ -51,7 +51,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeGuard
 
 from herd_operator.auth import ADMIN, Identity, derive_key, is_host, new_nonce, prove, verify
 
@@ -110,7 +110,7 @@ def host_arg(args: Mapping[str, Any], key: str) -> str:
     return value
 
 
-def is_client_label(text: object) -> bool:
+def is_client_label(text: object) -> TypeGuard[str]:
     return isinstance(text, str) and _CLIENT_LABEL_PATTERN.fullmatch(text) is not None
 
 
@@ -422,7 +422,6 @@ class RpcServer:
                 " and ._:@[]/-"
             )
             raise _Rejected("bad_request", message, "malformed client label", in_handshake=True)
-        assert isinstance(label, str)
         try:
             identity = Identity.parse(claimed)
         except ValueError as error:
