@@ -1,8 +1,13 @@
-"""Shared-secret authentication between the allocator and its workers.
+"""Shared-secret authentication between the allocator and its clients.
 
-The operator writes a random token to a file only its user can read; workers on
-every node read the same file (a shared filesystem) and prove they know the token
-with an HMAC over fresh nonces, so the token itself never crosses the network.
+The operator writes a random master token to a file only its user can read. Each
+client speaks as an identity: ``admin`` (the master token itself), ``job:<name>``
+(a job's processes) or ``agent:<host>`` (a node exporter). The key of a job or of
+the agents is derived from the master token, so the server needs no per-job state
+and a restarted operator with the same master token accepts the credentials its
+predecessor handed out. A job's key proves only that job's identity: it cannot be
+turned into the master token nor into another job's key. Clients prove they know
+their key with an HMAC over fresh nonces, so no key ever crosses the network.
 """
 
 from __future__ import annotations
@@ -11,9 +16,12 @@ import contextlib
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import stat
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 TOKEN_BYTES = 32
 NONCE_BYTES = 16
@@ -22,8 +30,98 @@ _TOKEN_HEX_CHARS = 2 * TOKEN_BYTES
 _MAX_TOKEN_FILE_BYTES = 4096
 
 
+MAX_HOST_CHARS = 253
+# A DNS name (letters, digits, '-', '_', '.') or an IP address (IPv6 without brackets,
+# possibly with a zone). No spaces, quotes, slashes or control characters: a host name
+# ends up in log lines, scrape target files and URLs.
+_HOST_PATTERN = re.compile(r"[A-Za-z0-9_:][A-Za-z0-9_.:%-]*")
+# What a job's metadata.name is (specs.models.is_job_name); repeated here so the code
+# that runs inside every worker does not import the spec models.
+_JOB_NAME_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+IdentityKind = Literal["admin", "job", "agent"]
+
+
 class TokenFileError(Exception):
     """The token file is missing, unreadable, too permissive or malformed."""
+
+
+def is_host(text: str) -> bool:
+    """Whether ``text`` is a plausible host name or IP address, safe to log and to file."""
+    return len(text) <= MAX_HOST_CHARS and _HOST_PATTERN.fullmatch(text) is not None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a client speaks for, as proved in the handshake."""
+
+    kind: IdentityKind
+    name: str = ""
+    """The job's name for ``job``, the host for ``agent``; empty for ``admin``."""
+
+    @classmethod
+    def parse(cls, text: str) -> Identity:
+        """``admin``, ``job:<name>`` or ``agent:<host>``; raises ValueError otherwise."""
+        if text == "admin":
+            return ADMIN
+        kind, separator, name = text.partition(":")
+        if separator and kind == "job" and _JOB_NAME_PATTERN.fullmatch(name):
+            return cls("job", name)
+        if separator and kind == "agent" and is_host(name):
+            return cls("agent", name)
+        raise ValueError("identity must be 'admin', 'job:<job name>' or 'agent:<host>'")
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "admin" else f"{self.kind}:{self.name}"
+
+
+ADMIN = Identity("admin")
+
+
+def job_identity(name: str) -> Identity:
+    return Identity.parse(f"job:{name}")
+
+
+def agent_identity(host: str) -> Identity:
+    return Identity.parse(f"agent:{host}")
+
+
+def derive_key(master: bytes, identity: Identity) -> bytes:
+    """The key ``identity`` proves itself with: the master token for admin, else an HMAC of it.
+
+    All agents share one key (a node exporter may run on any host of the allocation);
+    each job has its own.
+    """
+    if identity.kind == "admin":
+        return master
+    if identity.kind == "job":
+        return job_key(master, identity.name)
+    return agent_key(master)
+
+
+def job_key(master: bytes, job: str) -> bytes:
+    return bytes.fromhex(prove(master, "herd-job-key", job))
+
+
+def agent_key(master: bytes) -> bytes:
+    return bytes.fromhex(prove(master, "herd-agent-key"))
+
+
+def write_token_file(path: Path, token: bytes) -> None:
+    """Put ``token`` at ``path`` (mode 0600 from its creation), replacing what is there."""
+    _make_private_dirs(path.parent)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        try:
+            os.write(fd, (token.hex() + "\n").encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def ensure_token_file(path: Path) -> bytes:

@@ -11,11 +11,21 @@ JOB_ENV = "HERD_JOB"
 ALLOCATOR_ENV = "HERD_ALLOCATOR"
 """host:port of the allocator's RPC server."""
 TOKEN_FILE_ENV = "HERD_TOKEN_FILE"
-"""Path of the 0600 file that holds the allocator token (never the token itself)."""
+"""Path of the 0600 file that holds the job's own key (never the key itself): it proves
+the identity ``job:<HERD_JOB>`` and nothing else."""
+ENV_FILE_ENV = "HERD_ENV_FILE"
+"""Path of the 0600 JSON file with the spec's `env`; the shim puts it into the worker's
+environment before the user's command starts. Horovod passes its own environment to
+workers on their command lines (`env K=V ...`), visible in `ps` to every user, so the
+values travel by file instead."""
 STATE_DIR_ENV = "HERD_STATE_DIR"
 """The operator's state directory (also the CLI's default when set)."""
 LAUNCH_ID_ENV = "HERD_LAUNCH_ID"
 """Marks every process of one launch, so a restarted operator finds what a crashed one left."""
+OPERATOR_SET = frozenset(
+    {JOB_ENV, ALLOCATOR_ENV, TOKEN_FILE_ENV, ENV_FILE_ENV, STATE_DIR_ENV, LAUNCH_ID_ENV}
+)
+"""What the operator sets for a job: a spec's `env` cannot replace these."""
 GPU_ENV = "HERD_GPU"
 """Set by the shim: the allocator's GPU index of this worker on its host."""
 GPUS_ENV = "HERD_GPUS"

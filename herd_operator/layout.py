@@ -51,6 +51,26 @@ class StateLayout:
         return self.root / "allocator.token"
 
     @property
+    def secrets_dir(self) -> Path:
+        """Keys derived from the token and the jobs' spec env, one 0600 file each.
+
+        In the state dir, not the runtime dir: workers on other nodes read them."""
+        return self.root / "secrets"
+
+    @property
+    def agent_token_file(self) -> Path:
+        """The node exporters' key: proves ``agent:<host>`` for any host, nothing more."""
+        return self.secrets_dir / "agent.token"
+
+    def job_token_file(self, job: str) -> Path:
+        """The job's key: proves ``job:<job>`` and nothing more."""
+        return self.secrets_dir / f"job-{job}.token"
+
+    def job_env_file(self, job: str) -> Path:
+        """The spec's `env` of the job's current launch, for the shim to load."""
+        return self.secrets_dir / f"job-{job}.env.json"
+
+    @property
     def endpoint_file(self) -> Path:
         """The allocator's address, for CLI commands and workers started by hand."""
         return self.root / "allocator.json"
@@ -96,6 +116,7 @@ class StateLayout:
             self.logs_dir,
             self.launches_dir,
             self.scrape_targets_file.parent,
+            self.secrets_dir,
         ):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             # Whatever existed before: the state dir holds every spec's env, the logs and

@@ -3,22 +3,28 @@
 Framing: every frame is one JSON object encoded as UTF-8 and terminated by a newline
 (``\\n``); the encoded object, without the newline, is at most ``MAX_FRAME_BYTES``.
 
-Handshake (mutual authentication; the shared token never crosses the wire):
+Handshake (mutual authentication; no key ever crosses the wire):
 
-1. server -> ``{"v": 1, "type": "challenge", "nonce": S}``
-2. client -> ``{"type": "auth", "client": C, "nonce": N,
-   "proof": prove(token, "client", S, N, C)}`` where C is a short label for logs
-   such as ``shim:job-a:host1:0``.
-3. server -> ``{"type": "welcome", "proof": prove(token, "server", S, N)}``, which the
+1. server -> ``{"v": 2, "type": "challenge", "nonce": S}``
+2. client -> ``{"type": "auth", "identity": I, "client": C, "nonce": N,
+   "proof": prove(key, "client", S, N, C, I)}`` where I is who the client speaks for
+   (``admin``, ``job:<name>`` or ``agent:<host>``, see ``herd_operator.auth``), key is
+   that identity's key (``derive_key(master, I)``), and C is a short label for logs
+   such as ``shim:job-a:host1:0`` (1 to 128 characters of letters, digits and
+   ``._:@[]/-``).
+3. server -> ``{"type": "welcome", "proof": prove(key, "server", S, N)}``, which the
    client checks, or ``{"type": "error", "error": {"code": "unauthenticated", ...}}``
    and the server closes the connection.
+
+Handlers get the proved identity with every request, never from the request itself.
 
 Requests, any number after the handshake, answered in order:
 ``{"id": int, "op": str, "args": {...}}`` -> ``{"id": id, "ok": true, "result": {...}}``
 or ``{"id": id, "ok": false, "error": {"code": str, "message": str}}``. ``args`` may be
 omitted (empty). Request error codes: ``bad_request`` (missing or mistyped fields, or
 the handler raised ``BadRequest``), ``unknown_op``, ``not_found`` (the handler raised
-``NotFound``), ``internal`` (anything else; details are logged on the server only).
+``NotFound``), ``forbidden`` (the identity may not do this: the handler raised
+``Forbidden``), ``internal`` (anything else; details are logged on the server only).
 
 Connection errors: the server answers ``{"type": "error", "error": {"code", "message"}}``
 and closes the connection when a frame is too long, not UTF-8 JSON, or not an object
@@ -38,26 +44,32 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeGuard
 
-from herd_operator.auth import new_nonce, prove, verify
+from herd_operator.auth import ADMIN, Identity, derive_key, is_host, new_nonce, prove, verify
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 * 1024
 _MAX_CLIENT_LABEL = 128
+# Labels are logged: nothing that could end a line, quote or escape.
+_CLIENT_LABEL_PATTERN = re.compile(rf"[A-Za-z0-9._:@\[\]/-]{{1,{_MAX_CLIENT_LABEL}}}")
+# Distinct (identity, op) refusals logged; further ones are only counted.
+_MAX_FORBIDDEN_LOGGED = 1024
 _MAX_NONCE_CHARS = 128
 _AUTH_LOG_INTERVAL_S = 1.0
 _UNKNOWN_OP_LABEL = "<unknown>"
 # The clock of the auth-failure log limiter (a module attribute so tests can drive it).
 _log_clock = time.monotonic
 
-Handler = Callable[[dict[str, Any]], dict[str, Any]]
+Handler = Callable[[dict[str, Any], Identity], dict[str, Any]]
+"""Answers one op: gets the request's arguments and the identity the client proved."""
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +93,25 @@ class BadRequest(Exception):
 
 class NotFound(Exception):
     """Raised by a handler when the thing a request names does not exist."""
+
+
+class Forbidden(Exception):
+    """Raised by a handler when the caller's identity may not do what it asked."""
+
+
+def host_arg(args: Mapping[str, Any], key: str) -> str:
+    """The host name in ``args[key]``; raises BadRequest naming the field if it is not one."""
+    value = args.get(key)
+    if not isinstance(value, str) or not is_host(value):
+        raise BadRequest(
+            f"'{key}' must be a host name or IP address (letters, digits, '.', '-', '_',"
+            " ':', '%'; at most 253 characters)"
+        )
+    return value
+
+
+def is_client_label(text: object) -> TypeGuard[str]:
+    return isinstance(text, str) and _CLIENT_LABEL_PATTERN.fullmatch(text) is not None
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -132,11 +163,15 @@ def _error_body(code: str, message: str) -> dict[str, str]:
 class _Rejected(Exception):
     """Ends a connection: the peer gets an error frame, the log gets the reason."""
 
-    def __init__(self, code: str, client_message: str, reason: str) -> None:
+    def __init__(
+        self, code: str, client_message: str, reason: str, *, in_handshake: bool = False
+    ) -> None:
         super().__init__(reason)
         self.code = code
         self.client_message = client_message
         self.reason = reason
+        self.in_handshake = in_handshake or code == "unauthenticated"
+        """Anyone can cause it: its log lines are rate-limited per peer host."""
 
 
 class _IdleClose(Exception):
@@ -148,7 +183,7 @@ class RpcServer:
 
     def __init__(
         self,
-        token: bytes,
+        master_token: bytes,
         handlers: Mapping[str, Handler],
         host: str = "127.0.0.1",
         port: int = 0,
@@ -159,7 +194,7 @@ class RpcServer:
         max_unauthenticated: int = 64,
         handshake_timeout: float = 5.0,
     ) -> None:
-        self._token = token
+        self._master_token = master_token
         self._handlers = dict(handlers)
         self._host = host
         self._port = port
@@ -184,6 +219,7 @@ class RpcServer:
         self._counts_lock = threading.Lock()
         # Peer host -> (time of the last auth-failure log line, lines suppressed since).
         self._auth_log_state: dict[str, tuple[float, int]] = {}
+        self._forbidden_logged: set[tuple[str, str]] = set()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -306,7 +342,7 @@ class RpcServer:
                 )
             await self._converse(reader, writer, peer)
         except _Rejected as rejected:
-            if rejected.code == "unauthenticated":
+            if rejected.in_handshake:
                 self._log_auth_failure(peer, rejected.reason)
             else:
                 logger.warning("rejected connection from %s: %s", peer, rejected.reason)
@@ -345,46 +381,61 @@ class RpcServer:
         )
         if hello is None:
             return
-        client_nonce, label = self._check_auth(hello, server_nonce)
+        client_nonce, label, identity, key = self._check_auth(hello, server_nonce)
         task = asyncio.current_task()
         if task is not None:
             self._unauthenticated.pop(task, None)
         welcome = {
             "type": "welcome",
-            "proof": prove(self._token, "server", server_nonce, client_nonce),
+            "proof": prove(key, "server", server_nonce, client_nonce),
         }
         await self._send(writer, _encode_frame(welcome))
-        logger.debug("authenticated client %r from %s", label, peer)
+        logger.debug("authenticated client %s as %s from %s", label, identity, peer)
         while True:
             request = await self._read_frame(
                 reader, wait_timeout=self._idle_timeout, authenticated=True
             )
             if request is None:
                 return
-            await self._send(writer, self._dispatch(request, peer))
+            await self._send(writer, self._dispatch(request, identity, peer))
 
-    def _check_auth(self, hello: dict[str, Any], server_nonce: str) -> tuple[str, str]:
-        """Validate the auth frame; return (client nonce, client label)."""
+    def _check_auth(
+        self, hello: dict[str, Any], server_nonce: str
+    ) -> tuple[str, str, Identity, bytes]:
+        """Validate the auth frame; return (client nonce, label, identity, its key)."""
         if hello.get("type") != "auth":
             raise _Rejected(
                 "unauthenticated", "authenticate first", "sent a frame before authenticating"
             )
         label, client_nonce, proof = hello.get("client"), hello.get("nonce"), hello.get("proof")
+        claimed = hello.get("identity")
         if not (
-            isinstance(label, str)
-            and len(label) <= _MAX_CLIENT_LABEL
-            and isinstance(client_nonce, str)
+            isinstance(client_nonce, str)
             and 0 < len(client_nonce) <= _MAX_NONCE_CHARS
             and isinstance(proof, str)
+            and isinstance(claimed, str)
         ):
             raise _Rejected("unauthenticated", "malformed auth frame", "malformed auth frame")
-        if not verify(self._token, proof, "client", server_nonce, client_nonce, label):
+        if not is_client_label(label):
+            message = (
+                f"'client' must be 1 to {_MAX_CLIENT_LABEL} characters of letters, digits"
+                " and ._:@[]/-"
+            )
+            raise _Rejected("bad_request", message, "malformed client label", in_handshake=True)
+        try:
+            identity = Identity.parse(claimed)
+        except ValueError as error:
+            raise _Rejected(
+                "bad_request", f"'identity': {error}", "malformed identity", in_handshake=True
+            ) from None
+        key = derive_key(self._master_token, identity)
+        if not verify(key, proof, "client", server_nonce, client_nonce, label, claimed):
             raise _Rejected(
                 "unauthenticated",
                 "authentication failed",
-                f"authentication failed for client {label!r} (wrong token?)",
+                f"authentication failed for client {label} as {identity} (wrong token?)",
             )
-        return client_nonce, label
+        return client_nonce, label, identity, key
 
     async def _read_frame(
         self, reader: asyncio.StreamReader, *, wait_timeout: float, authenticated: bool
@@ -435,7 +486,7 @@ class RpcServer:
         message = f"frame longer than {MAX_FRAME_BYTES} bytes"
         return _Rejected("bad_request", message, message)
 
-    def _dispatch(self, request: dict[str, Any], peer: str) -> bytes:
+    def _dispatch(self, request: dict[str, Any], identity: Identity, peer: str) -> bytes:
         """Run one request; return the encoded response frame."""
         request_id = request.get("id")
         op = request.get("op")
@@ -451,11 +502,14 @@ class RpcServer:
         if handler is None:
             return self._fail(request_id, op_label, "unknown_op", f"unknown op {_clip(op)!r}")
         try:
-            result = handler(args)
+            result = handler(args, identity)
         except BadRequest as error:
             return self._fail(request_id, op, "bad_request", _clip(str(error)))
         except NotFound as error:
             return self._fail(request_id, op, "not_found", _clip(str(error)))
+        except Forbidden as error:
+            self._log_forbidden(identity, op, peer)
+            return self._fail(request_id, op, "forbidden", _clip(str(error)))
         except Exception:
             logger.exception("handler for op %r failed (request from %s)", op, peer)
             return self._fail(request_id, op, "internal", f"internal error in op {op!r}")
@@ -474,6 +528,19 @@ class RpcServer:
     def _count(self, op: str, outcome: str) -> None:
         with self._counts_lock:
             self._counts[(op, outcome)] += 1
+
+    def _log_forbidden(self, identity: Identity, op: str, peer: str) -> None:
+        """Log the first refusal of each (identity, op); later ones are only counted."""
+        key = (str(identity), op)
+        if key in self._forbidden_logged or len(self._forbidden_logged) >= _MAX_FORBIDDEN_LOGGED:
+            return
+        self._forbidden_logged.add(key)
+        logger.warning(
+            "refused op %r to %s from %s: not its to ask (further refusals only counted)",
+            op,
+            identity,
+            peer,
+        )
 
     def _log_auth_failure(self, peer: str, reason: str) -> None:
         host = peer.rpartition(":")[0]
@@ -551,11 +618,19 @@ class RpcClient:
         address: tuple[str, int],
         token: bytes,
         *,
+        identity: Identity = ADMIN,
         client: str = "client",
         timeout: float = 10.0,
     ) -> None:
+        """``token`` is ``identity``'s key: the master token for admin, else a derived one."""
+        if not is_client_label(client):
+            raise ValueError(
+                f"client label {client!r} must be 1 to {_MAX_CLIENT_LABEL} characters"
+                " of letters, digits and ._:@[]/-"
+            )
         self._address = address
         self._token = token
+        self._identity = str(identity)
         self._label = client
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -669,8 +744,16 @@ class RpcClient:
                 f"not {PROTOCOL_VERSION}"
             )
         client_nonce = new_nonce()
-        proof = prove(self._token, "client", server_nonce, client_nonce, self._label)
-        hello = {"type": "auth", "client": self._label, "nonce": client_nonce, "proof": proof}
+        proof = prove(
+            self._token, "client", server_nonce, client_nonce, self._label, self._identity
+        )
+        hello = {
+            "type": "auth",
+            "identity": self._identity,
+            "client": self._label,
+            "nonce": client_nonce,
+            "proof": proof,
+        }
         sock.sendall(_encode_frame(hello) + b"\n")
         welcome = self._receive("waiting for the server's welcome")
         if welcome.get("type") == "error":

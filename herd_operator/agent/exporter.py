@@ -24,7 +24,7 @@ from exporters.collector import GpuCollector
 from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource, nvml_gpu_count
-from herd_operator.auth import read_token_file
+from herd_operator.auth import agent_identity, read_token_file
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import RpcClient, parse_address
 from specs.values import Placement
@@ -51,9 +51,13 @@ class AllocatorView:
         try:
             if self._client is None:
                 endpoint = json.loads(self.layout.endpoint_file.read_text())
-                token = read_token_file(self.layout.token_file)
+                # The agents' key: it may label GPUs and register this host, nothing more.
+                token = read_token_file(self.layout.agent_token_file)
                 self._client = RpcClient(
-                    parse_address(endpoint["address"]), token, client=f"exporter:{self.host}"
+                    parse_address(endpoint["address"]),
+                    token,
+                    identity=agent_identity(self.host),
+                    client=f"exporter:{self.host}",
                 )
             return self._client.call(op, **args)
         except Exception as err:  # no operator (yet, or any more): serve without job labels
@@ -105,6 +109,11 @@ def run_exporter(
     stop: threading.Event,
 ) -> int:
     host = host or socket.gethostname()
+    try:
+        agent_identity(host)
+    except ValueError:
+        log.error("%r is not a host name the operator accepts; pass --host", host)
+        return 2
     view = AllocatorView(StateLayout(state_dir), host)
     source: GpuSource
     if nvml_gpu_count():

@@ -8,6 +8,10 @@ local-rank order as CUDA_VISIBLE_DEVICES (so that an unmodified script calling
 execs the user's command in its place. On CPU machines the virtual GPU indices
 are exported the same way.
 
+The spec's `env` comes in a 0600 file named by HERD_ENV_FILE, not on the command
+line that Horovod builds for each worker (which every user can read in `ps`): the
+shim adds it to the environment the user's command gets.
+
 It must not fail for a passing reason: Horovod blacklists a host where a
 worker fails. When the grant shrank between Horovod's discovery and this
 start, the local rank is no longer granted and Horovod is about to remove this
@@ -17,15 +21,45 @@ by Horovod) instead of failing.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from herd_operator.agent import worker
-from herd_operator.environment import GPU_ENV, GPUS_ENV, JOB_ENV, VIRTUAL_ENV
+from herd_operator.auth import TokenFileError
+from herd_operator.environment import ENV_FILE_ENV, GPU_ENV, GPUS_ENV, JOB_ENV, VIRTUAL_ENV
 from herd_operator.rpc import AuthError, RpcError
 
 BIND_WAIT_SECONDS = float(os.environ.get("HERD_BIND_TIMEOUT", "600"))
+# A spec is at most a few MiB; an env file is a part of one.
+_MAX_ENV_FILE_BYTES = 16 * 1024 * 1024
+
+
+class EnvFileError(Exception):
+    """The spec's env file is missing, unreadable or not what the operator writes."""
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """The spec's `env` from the operator's file: a JSON object of strings."""
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(_MAX_ENV_FILE_BYTES + 1)
+    except OSError as err:
+        raise EnvFileError(f"cannot read the job's env file {path}: {err.strerror}") from err
+    try:
+        if len(raw) > _MAX_ENV_FILE_BYTES:
+            raise ValueError("too large")
+        decoded = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        # Its content is never quoted: it holds the spec's values.
+        raise EnvFileError(f"the job's env file {path} is malformed") from None
+    if not isinstance(decoded, dict) or not all(
+        isinstance(name, str) and isinstance(value, str) for name, value in decoded.items()
+    ):
+        raise EnvFileError(f"the job's env file {path} is not an object of strings")
+    return decoded
 
 
 def bind_environment(env: dict[str, str], reply: dict[str, object], local_rank: int) -> None:
@@ -43,9 +77,22 @@ def main(argv: list[str]) -> int:
         print("usage: python -m herd_operator.agent.shim -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     env = dict(os.environ)
+    env_file = env.pop(ENV_FILE_ENV, None)
+    if env_file:
+        try:
+            env.update(read_env_file(Path(env_file)))
+        except EnvFileError as err:
+            print(f"herd shim: {err}", file=sys.stderr)
+            return 1
     if worker.under_operator():
         local_rank = int(env.get("HOROVOD_LOCAL_RANK", "0"))
-        client = worker.client_from_env(f"shim:{env[JOB_ENV]}:{worker.host_name()}:{local_rank}")
+        try:
+            client = worker.client_from_env(
+                f"shim:{env[JOB_ENV]}:{worker.host_name()}:{local_rank}"
+            )
+        except (ValueError, TokenFileError) as err:  # no retry makes these right
+            print(f"herd shim: {err}", file=sys.stderr)
+            return 1
         deadline = time.monotonic() + BIND_WAIT_SECONDS
         warned = False
         while True:

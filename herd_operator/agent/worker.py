@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from herd_operator.auth import read_token_file
+from herd_operator.auth import job_identity, read_token_file
 from herd_operator.environment import (
     ALLOCATOR_ENV,
     GPU_ENV,
@@ -55,14 +55,22 @@ def under_operator() -> bool:
 
 
 def client_from_env(label: str) -> RpcClient:
-    """An authenticated client to the allocator, from the variables the operator sets."""
+    """A client to the allocator as this job (``job:<HERD_JOB>``), from the variables the
+    operator sets; the token file holds the job's own key."""
     missing = [
         name for name in (JOB_ENV, ALLOCATOR_ENV, TOKEN_FILE_ENV) if not os.environ.get(name)
     ]
     if missing:
         raise RuntimeError(f"not started by herd-operator: {', '.join(missing)} unset")
+    identity = job_identity(os.environ[JOB_ENV])
     token = read_token_file(Path(os.environ[TOKEN_FILE_ENV]))
-    return RpcClient(parse_address(os.environ[ALLOCATOR_ENV]), token, client=label, timeout=10.0)
+    return RpcClient(
+        parse_address(os.environ[ALLOCATOR_ENV]),
+        token,
+        identity=identity,
+        client=label,
+        timeout=10.0,
+    )
 
 
 def _shared_client() -> RpcClient:

@@ -18,6 +18,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, RpcClient, RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.handlers import for_own_job
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Pool
 
@@ -182,7 +183,10 @@ def run_allocator_rpc(ctx: Context) -> list[Row]:
     store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
     allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
     allocator.request(Demand(JOB, 1, 4, 4))
-    handlers = {"bind": allocator.handle_bind, "report": report_handler(store)}
+    handlers = {
+        "bind": for_own_job(allocator.handle_bind),
+        "report": for_own_job(report_handler(store)),
+    }
     requests: list[tuple[str, dict[str, Any]]] = [
         ("bind", {"job": JOB, "host": "localhost", "local_rank": 1, "pid": 1234}),
         ("report", {"job": JOB, "epoch": 3, "world_size": 4, "rank": 0, "metrics": {}}),

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from herd_operator.rpc import BadRequest, NotFound
+from herd_operator.rpc import BadRequest, NotFound, host_arg
 from policies.arbitration import arbitrate
 from specs.values import Demand, Grant, Placement, Pool, Slot
 
@@ -423,7 +423,7 @@ class Allocator:
 
     def handle_bind(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """Which GPU is a worker's: by (job, host, local_rank), as Horovod numbers them."""
-        job, host, local_rank = _str(args, "job"), _str(args, "host"), _int(args, "local_rank")
+        job, host, local_rank = _str(args, "job"), host_arg(args, "host"), _int(args, "local_rank")
         pid = args.get("pid")
         with self._lock:
             grant = self._grants.get(job)

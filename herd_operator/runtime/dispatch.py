@@ -8,6 +8,7 @@ placement to `EngineDispatch`, the reconciler starts and questions jobs through
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -15,8 +16,9 @@ from collections.abc import Mapping
 
 from controllers.errors import PermanentError
 from controllers.ports import LaunchInfo, ProcessState
-from herd_operator.environment import JOB_ENV
-from herd_operator.layout import StateLayout
+from herd_operator.auth import job_key, write_token_file
+from herd_operator.environment import ENV_FILE_ENV, JOB_ENV, OPERATOR_SET, TOKEN_FILE_ENV
+from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.engines import (
     Engine,
     EngineContext,
@@ -101,17 +103,26 @@ class JobLauncher:
         engines: EngineDispatch,
         layout: StateLayout,
         env: Mapping[str, str],
+        master_token: bytes,
     ) -> None:
         self._launcher = launcher
         self._engines = engines
         self._layout = layout
         self._env = env
+        self._master_token = master_token
 
     def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo:
         engine = self._engine(job)
         self._engines.attach(job.name, engine)
-        env = {**job.spec.env, **self._env, JOB_ENV: job.name}
-        env.update(engine.environment(job, {**os.environ, **env}))
+        env, worker_env = self._environments(job, engine)
+        # The job's own key, never the master token: its processes can speak for this job
+        # and no other. The same on every launch, and after an operator restart.
+        token_file = self._layout.job_token_file(job.name)
+        write_token_file(token_file, job_key(self._master_token, job.name))
+        env_file = self._layout.job_env_file(job.name)
+        write_atomically(env_file, json.dumps(worker_env), mode=0o600)
+        env[TOKEN_FILE_ENV] = str(token_file.resolve())
+        env[ENV_FILE_ENV] = str(env_file.resolve())
         request = LaunchRequest(
             job=job.name,
             generation=generation,
@@ -133,6 +144,27 @@ class JobLauncher:
         )
         return info
 
+    def _environments(self, job: HerdJob, engine: Engine) -> tuple[dict[str, str], dict[str, str]]:
+        """(the engine process's environment on top of the operator's, the spec's `env`).
+
+        Horovod copies its whole environment onto each worker's command line, so the
+        spec's values stay out of it and reach the workers through the shim. The
+        operator's own variables win over the spec's, as do the engine's where it
+        derives one from the spec's (PATH); such a derived value goes with the spec's.
+        """
+        env = {**self._env, JOB_ENV: job.name}
+        worker_env = {
+            name: value
+            for name, value in job.spec.env.items()
+            if name not in env and name not in OPERATOR_SET
+        }
+        for name, value in engine.environment(job, {**os.environ, **worker_env, **env}).items():
+            if name in worker_env:
+                worker_env[name] = value
+            else:
+                env[name] = value
+        return env, worker_env
+
     def state(self, name: str) -> ProcessState:
         return self._launcher.state(name)
 
@@ -147,6 +179,10 @@ class JobLauncher:
 
     def forget(self, name: str) -> None:
         self._launcher.forget(name)
+        if name not in self._launcher.jobs():
+            # No process of it is left to read them; a next launch writes them again.
+            self._layout.job_env_file(name).unlink(missing_ok=True)
+            self._layout.job_token_file(name).unlink(missing_ok=True)
 
     def _engine(self, job: HerdJob) -> Engine:
         try:

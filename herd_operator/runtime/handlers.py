@@ -2,6 +2,12 @@
 
 (The allocator serves `bind`, `grant` and `placements` itself.) Each handler checks
 its arguments and answers `BadRequest` naming the field and what is allowed.
+
+Who may call what is decided here, from the identity the client proved in the
+handshake (see `herd_operator.auth`): the admin (the master token) anything; a job's
+processes `bind`, `report` and `grant` for that job only; a node exporter
+`placements` and `register_exporter` for its own host only. Anyone authenticated may
+`ping`.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from herd_operator.auth import Identity
 from herd_operator.layout import write_atomically
-from herd_operator.rpc import BadRequest, NotFound
+from herd_operator.rpc import BadRequest, Forbidden, Handler, NotFound, host_arg
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store
 from specs.models import MAX_GPUS
@@ -28,6 +35,66 @@ MAX_METRIC_NAME_CHARS = 128
 MAX_EPOCH = 2**31 - 1
 MAX_WORLD_SIZE = MAX_GPUS
 """Bounds on what a report may say: every number is stored, compared and exported."""
+
+
+PlainHandler = Callable[[dict[str, Any]], dict[str, Any]]
+"""An op's work, blind to who asks; the wrappers below decide who may ask."""
+
+
+def for_anyone(handler: PlainHandler) -> Handler:
+    def serve(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
+        return handler(args)
+
+    return serve
+
+
+def for_own_job(handler: PlainHandler) -> Handler:
+    """Admin, or a job's processes for that job (the request's `job`); no agent."""
+
+    def serve(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
+        if caller.kind == "job":
+            job = args.get("job")
+            if job != caller.name:
+                raise Forbidden(
+                    f"{caller} may only speak for job {caller.name!r}, not {_shown(job)}"
+                )
+        elif caller.kind != "admin":
+            raise Forbidden(f"{caller} may not do this: it is for a job's own processes")
+        return handler(args)
+
+    return serve
+
+
+def for_agents(handler: PlainHandler) -> Handler:
+    """Admin or node exporters; not jobs (the answer is about every job)."""
+
+    def serve(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
+        if caller.kind == "job":
+            raise Forbidden(f"{caller} may not do this: it is for node exporters")
+        return handler(args)
+
+    return serve
+
+
+def for_own_host(handler: PlainHandler) -> Handler:
+    """Admin, or a node exporter for its own host (the request's `host`); not jobs."""
+
+    def serve(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
+        if caller.kind == "agent":
+            host = host_arg(args, "host")
+            if host != caller.name:
+                raise Forbidden(f"{caller} may only register host {caller.name!r}, not {host!r}")
+        elif caller.kind != "admin":
+            raise Forbidden(f"{caller} may not do this: it is for node exporters")
+        return handler(args)
+
+    return serve
+
+
+def _shown(value: object) -> str:
+    """A client's value for an error message: quoted, escaped, short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 class ReportHandler:
@@ -116,9 +183,7 @@ class ExporterRegistry:
             return [f"http://{address}/metrics" for address in sorted(self._exporters)]
 
     def __call__(self, args: dict[str, Any]) -> dict[str, Any]:
-        host, port = args.get("host"), args.get("port")
-        if not isinstance(host, str) or not host or "/" in host:
-            raise BadRequest("'host' must be a host name or address")
+        host, port = host_arg(args, "host"), args.get("port")
         if not isinstance(port, int) or not 0 < port < 65536:
             raise BadRequest("'port' must be a TCP port number")
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

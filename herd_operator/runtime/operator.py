@@ -32,8 +32,8 @@ from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource
 from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
-from herd_operator.auth import ensure_token_file
-from herd_operator.environment import ALLOCATOR_ENV, GPU_ENV, STATE_DIR_ENV, TOKEN_FILE_ENV
+from herd_operator.auth import agent_key, ensure_token_file, write_token_file
+from herd_operator.environment import ALLOCATOR_ENV, GPU_ENV, STATE_DIR_ENV
 from herd_operator.layout import (
     StateLayout,
     is_runtime_dir,
@@ -46,7 +46,14 @@ from herd_operator.rpc import Handler, RpcServer, parse_address
 from herd_operator.runtime.allocator import Allocator, Binding
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
-from herd_operator.runtime.handlers import ExporterRegistry, ReportHandler
+from herd_operator.runtime.handlers import (
+    ExporterRegistry,
+    ReportHandler,
+    for_agents,
+    for_anyone,
+    for_own_host,
+    for_own_job,
+)
 from herd_operator.runtime.launcher import (
     Adopted,
     JobProcess,
@@ -179,6 +186,7 @@ class Operator:
             raise OperatorError(str(err)) from err
         self.store = store
         token = ensure_token_file(self.layout.token_file)
+        write_token_file(self.layout.agent_token_file, agent_key(token))
         hosts = tuple(host_name for host_name, _ in config.pool.pool.hosts)
         engines = EngineDispatch(EngineContext(self.layout, hosts))
         self.allocator = allocator = Allocator(
@@ -200,12 +208,12 @@ class Operator:
         self.server = server = self._start_rpc_server(
             token,
             {
-                "bind": allocator.handle_bind,
-                "grant": allocator.handle_grant,
-                "placements": allocator.handle_placements,
-                "report": ReportHandler(store, allocator, self.queue.add),
-                "register_exporter": exporters,
-                "ping": lambda args: {"pid": os.getpid()},
+                "bind": for_own_job(allocator.handle_bind),
+                "grant": for_own_job(allocator.handle_grant),
+                "placements": for_agents(allocator.handle_placements),
+                "report": for_own_job(ReportHandler(store, allocator, self.queue.add)),
+                "register_exporter": for_own_host(exporters),
+                "ping": for_anyone(lambda args: {"pid": os.getpid()}),
             },
         )
         host, port = server.address
@@ -235,11 +243,10 @@ class Operator:
         )
         env = {
             ALLOCATOR_ENV: address,
-            TOKEN_FILE_ENV: str(self.layout.token_file.resolve()),
             STATE_DIR_ENV: str(self.layout.root.resolve()),
             **config.extra_env,
         }
-        job_launcher = JobLauncher(launcher, engines, self.layout, env)
+        job_launcher = JobLauncher(launcher, engines, self.layout, env, token)
         self._enqueue_known_jobs()
         log.info(
             "pool: %s; allocator on %s; specs from %s; state in %s",

@@ -190,12 +190,19 @@ def test_handle_bind_not_found(allocator: Allocator, args: dict[str, object], me
     assert allocator.bindings() == []
 
 
+BAD_HOST = (
+    "'host' must be a host name or IP address (letters, digits, '.', '-', '_', ':', '%';"
+    " at most 253 characters)"
+)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         ({"host": "localhost", "local_rank": 0}, "'job' must be a non-empty string"),
         ({"job": "", "host": "localhost", "local_rank": 0}, "'job' must be a non-empty string"),
-        ({"job": "a", "host": 3, "local_rank": 0}, "'host' must be a non-empty string"),
+        ({"job": "a", "host": 3, "local_rank": 0}, BAD_HOST),
+        ({"job": "a", "host": "localhost\nforged", "local_rank": 0}, BAD_HOST),
         ({"job": "a", "host": "localhost"}, "'local_rank' must be a non-negative integer"),
         (
             {"job": "a", "host": "localhost", "local_rank": -1},

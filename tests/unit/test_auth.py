@@ -9,12 +9,19 @@ from pathlib import Path
 import pytest
 
 from herd_operator.auth import (
+    ADMIN,
+    Identity,
     TokenFileError,
+    agent_identity,
+    derive_key,
     ensure_token_file,
+    is_host,
+    job_identity,
     new_nonce,
     prove,
     read_token_file,
     verify,
+    write_token_file,
 )
 
 
@@ -174,3 +181,80 @@ def test_nonces_are_fresh_hex() -> None:
 
     assert len(nonces) == 100
     assert all(re.fullmatch(r"[0-9a-f]{32}", nonce) for nonce in nonces)
+
+
+# ---- identities and derived keys ----
+
+MASTER = bytes(range(32))
+
+
+@pytest.mark.parametrize(
+    ("text", "identity"),
+    [
+        ("admin", ADMIN),
+        ("job:a", Identity("job", "a")),
+        ("job:resnet-50", Identity("job", "resnet-50")),
+        ("agent:nid001234", Identity("agent", "nid001234")),
+        ("agent:10.0.0.7", Identity("agent", "10.0.0.7")),
+        ("agent:fe80::1%eth0", Identity("agent", "fe80::1%eth0")),
+    ],
+)
+def test_identity_round_trips(text: str, identity: Identity) -> None:
+    assert Identity.parse(text) == identity
+    assert str(identity) == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "root",
+        "job:",
+        "job:A",
+        "job:-a",
+        "job:" + "a" * 64,
+        "job:a\nadmin",
+        "agent:",
+        "agent:a b",
+        "agent:host/x",
+        "agent:h\x00",
+        "agent:" + "h" * 254,
+        "admin:x",
+    ],
+)
+def test_malformed_identities_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="identity must be"):
+        Identity.parse(text)
+
+
+def test_hosts() -> None:
+    assert is_host("localhost") and is_host("nid001234.chn") and is_host("::1")
+    for bad in ("", "a b", "a\nb", "a\rb", "x'y", "-flag", "[::1]", "a/b", "h" * 254):
+        assert not is_host(bad), bad
+
+
+def test_derived_keys_separate_identities_and_are_stable() -> None:
+    keys = {
+        derive_key(MASTER, identity)
+        for identity in (ADMIN, job_identity("a"), job_identity("b"), agent_identity("h"))
+    }
+    assert len(keys) == 4
+    assert derive_key(MASTER, ADMIN) == MASTER
+    # Pure functions of the master token: an operator restarted with the same token
+    # accepts the keys its predecessor handed out. All agents share one key.
+    assert derive_key(MASTER, job_identity("a")) == derive_key(bytes(MASTER), job_identity("a"))
+    assert derive_key(MASTER, agent_identity("h")) == derive_key(MASTER, agent_identity("g"))
+    assert derive_key(b"\x01" * 32, job_identity("a")) != derive_key(MASTER, job_identity("a"))
+    assert all(len(key) == 32 for key in keys)
+
+
+def test_write_token_file_is_private_and_readable_back(
+    tmp_path: Path, permissive_umask: None
+) -> None:
+    path = tmp_path / "secrets" / "a.token"
+    key = derive_key(MASTER, job_identity("a"))
+    write_token_file(path, key)
+    write_token_file(path, key)  # a relaunch writes it again
+    assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
+    assert read_token_file(path) == key
+    assert sorted(p.name for p in path.parent.iterdir()) == ["a.token"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -25,7 +28,9 @@ from pydantic import ValidationError
 from controllers.errors import PermanentError
 from controllers.ports import ProcessPhase
 from controllers.reconciler import JobReconciler
+from herd_operator.auth import job_key, read_token_file
 from herd_operator.cli.main import validate_files
+from herd_operator.environment import ENV_FILE_ENV, TOKEN_FILE_ENV
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
@@ -47,6 +52,7 @@ from specs.values import Demand, Placement, Pool
 
 # Hang guard for waiting on processes; never a performance expectation.
 GUARD_S = 20.0
+MASTER_TOKEN = bytes(range(32))
 
 
 class RecordingEngine:
@@ -147,7 +153,9 @@ def runtime(tmp_path: Path) -> Iterator[Runtime]:
         Pool.from_counts({"localhost": 2}), engines, virtual=True, drain_seconds=0
     )
     launcher = Launcher(grace_seconds=1)
-    job_launcher = JobLauncher(launcher, engines, layout, {"HERD_STATE_DIR": str(layout.root)})
+    job_launcher = JobLauncher(
+        launcher, engines, layout, {"HERD_STATE_DIR": str(layout.root)}, MASTER_TOKEN
+    )
     specs = SpecDirectory(jobs_dir)
     with Store(layout.database) as store:
         reconciler = JobReconciler(specs, store, allocator, job_launcher, stop_poll_seconds=0.05)
@@ -407,3 +415,37 @@ def test_schema_describes_the_horovod_options_under_engine() -> None:
     ]
     bad = document(engine={"options": {"timeout": 1}})
     assert len(list(validator.iter_errors(bad))) == 1
+
+
+def test_a_launch_gets_its_own_key_and_the_spec_env_by_file_only(
+    recording: None, runtime: Runtime
+) -> None:
+    marker = "spec-env-marker-5c1e"
+    env = {"SECRET": marker, "RECORDED": f"{marker}-2", TOKEN_FILE_ENV: f"/tmp/{marker}"}
+    runtime.write("a", job_yaml("a", "{kind: recording}") + f"  env: {json.dumps(env)}\n")
+
+    runtime.reconciler.reconcile("a")
+
+    state = runtime.launcher.state("a")
+    assert state.launch is not None
+    process = psutil.Process(state.launch.pid)
+    environ = process.environ()
+    assert not [name for name, value in environ.items() if marker in value]
+    assert not [arg for arg in process.cmdline() if marker in arg]
+    # The job's key, not the master token; the same key a restarted operator derives.
+    token_file = runtime.layout.job_token_file("a")
+    assert environ[TOKEN_FILE_ENV] == str(token_file.resolve())
+    assert read_token_file(token_file) == job_key(MASTER_TOKEN, "a") != MASTER_TOKEN
+    # The spec's env, for the shim: what the engine derives from a spec value goes with it,
+    # and the operator's own variables are not the spec's to set.
+    env_file = Path(environ[ENV_FILE_ENV])
+    assert env_file == runtime.layout.job_env_file("a").resolve()
+    assert json.loads(env_file.read_text()) == {"SECRET": marker, "RECORDED": "1"}
+    assert "RECORDED" not in environ
+    for path in (token_file, env_file):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+    # Once no process of the job is left, neither is its key nor its env.
+    runtime.delete("a")
+    runtime.reconcile_until("a", lambda: runtime.store.get_job("a") is None, "the deletion")
+    assert not token_file.exists() and not env_file.exists()

@@ -249,12 +249,14 @@ def test_environment_puts_this_python_first_and_unbuffers_it(layout: StateLayout
 
 # ---- through the operator's job launcher, with a fake horovodrun ----
 
-# Prints what it was started with, the environment the engine and operator gave it and
-# the grant its discovery script prints; then exits with $FAKE_EXIT.
+# Prints what it was started with, the environment the engine and operator gave it, the
+# spec's env file (for the shim) and the grant its discovery script prints; then exits
+# with $FAKE_EXIT.
 EXITING_HOROVODRUN = """\
 #!/bin/sh
 echo "job=$HERD_JOB launch=$HERD_LAUNCH_ID unbuffered=$PYTHONUNBUFFERED seed=$SEED"
 echo "path=$PATH"
+echo "env file: $(cat "$HERD_ENV_FILE")"
 echo "cwd=$(pwd)"
 previous=""
 for arg in "$@"; do
@@ -280,11 +282,10 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     fake.chmod(0o755)
     monkeypatch.setattr(horovod_module, "horovodrun_executable", lambda: str(fake))
     engines = EngineDispatch(EngineContext(layout, ("localhost",)))
-    jobs = JobLauncher(launcher, engines, layout, {"HERD_ALLOCATOR": "127.0.0.1:1"})
+    operator_env = {"HERD_ALLOCATOR": "127.0.0.1:1", "FAKE_EXIT": str(code)}
+    jobs = JobLauncher(launcher, engines, layout, operator_env, bytes(range(32)))
     command = ["python", "train.py", "--name", "my run", "it's; rm -rf x"]
-    job = make_job(
-        command=command, workingDir=str(tmp_path), env={"FAKE_EXIT": str(code), "SEED": "7"}
-    )
+    job = make_job(command=command, workingDir=str(tmp_path), env={"SEED": "7"})
     # Decided before the start, as the allocator does: the discovery script finds it.
     engines.publish("train", Placement((("localhost", (0, 1)),)))
 
@@ -293,7 +294,8 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     assert (info.command, info.spec, info.generation) == ("horovodrun", job.spec, 1)
     assert jobs.state("train") == ProcessState(ProcessPhase.EXITED, code, info, False)
 
-    header, marker, path, cwd, grant, *args = layout.log_file("train").read_text().splitlines()
+    log_lines = layout.log_file("train").read_text().splitlines()
+    header, marker, path, env_file, cwd, grant, *args = log_lines
     match = re.fullmatch(r"==== \S+ launch ([0-9a-f]{32}): (.*)", header)
     assert match is not None, header
     assert match[1] == info.launch_id
@@ -301,7 +303,10 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     assert json.loads(match[2]) == horovodrun_argv(
         job.spec, 2, script, ("localhost",), str(fake), sys.executable
     )
-    assert marker == f"job=train launch={info.launch_id} unbuffered=1 seed=7"
+    # The spec's env is not in horovodrun's environment (Horovod would put it on every
+    # worker's command line): the shim loads it from the file.
+    assert marker == f"job=train launch={info.launch_id} unbuffered=1 seed="
+    assert env_file == 'env file: {"SEED": "7"}'
     assert path.startswith(f"path={Path(sys.executable).parent}{os.pathsep}")
     assert cwd == f"cwd={tmp_path}"
     assert grant == "localhost:2"

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from herd_operator import rpc
-from herd_operator.auth import new_nonce, prove
+from herd_operator.auth import ADMIN, Identity, derive_key, job_identity, new_nonce, prove
 from herd_operator.rpc import (
     MAX_FRAME_BYTES,
     AuthError,
     BadRequest,
+    Forbidden,
     Handler,
     NotFound,
     RpcClient,
@@ -32,32 +33,42 @@ WRONG_TOKEN = b"\xee" * 32
 GUARD_S = 10.0
 
 
-def _echo(args: dict[str, Any]) -> dict[str, Any]:
+def _echo(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
     return args
 
 
-def _add(args: dict[str, Any]) -> dict[str, Any]:
+def _add(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
     x, y = args.get("x"), args.get("y")
     if not isinstance(x, int) or not isinstance(y, int):
         raise BadRequest("x and y must be integers")
     return {"sum": x + y}
 
 
-def _lookup(args: dict[str, Any]) -> dict[str, Any]:
+def _lookup(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
     raise NotFound(f"job {args.get('job')!r} not found")
 
 
-def _boom(args: dict[str, Any]) -> dict[str, Any]:
+def _boom(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
     raise RuntimeError("database password is hunter2")
 
 
-def _not_a_dict(args: dict[str, Any]) -> dict[str, Any]:
+def _not_a_dict(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
     result: Any = ["a", "list"]
     return result  # type: ignore[no-any-return]
 
 
-def _huge(args: dict[str, Any]) -> dict[str, Any]:
+def _huge(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
     return {"blob": "a" * MAX_FRAME_BYTES}
+
+
+def _whoami(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
+    return {"identity": str(caller)}
+
+
+def _admin_only(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
+    if caller != ADMIN:
+        raise Forbidden(f"{caller} may not do this")
+    return {}
 
 
 HANDLERS: dict[str, Handler] = {
@@ -67,6 +78,8 @@ HANDLERS: dict[str, Handler] = {
     "boom": _boom,
     "not_a_dict": _not_a_dict,
     "huge": _huge,
+    "whoami": _whoami,
+    "admin_only": _admin_only,
 }
 
 
@@ -133,18 +146,26 @@ class RawPeer:
         return frame
 
     def authenticate(self, token: bytes = TOKEN) -> None:
+        welcome = self.hello(token)
+        assert welcome is not None and welcome["type"] == "welcome"
+
+    def hello(
+        self, token: bytes = TOKEN, *, identity: str = "admin", label: str = "raw"
+    ) -> dict[str, Any] | None:
+        """Answer the challenge with an auth frame for ``identity``; return the reply."""
         challenge = self.read()
         assert challenge is not None and challenge["type"] == "challenge"
         nonce = new_nonce()
-        proof = prove(token, "client", challenge["nonce"], nonce, "raw")
-        self.send({"type": "auth", "client": "raw", "nonce": nonce, "proof": proof})
-        welcome = self.read()
-        assert welcome is not None and welcome["type"] == "welcome"
+        proof = prove(token, "client", challenge["nonce"], nonce, label, identity)
+        self.send(
+            {"type": "auth", "identity": identity, "client": label, "nonce": nonce, "proof": proof}
+        )
+        return self.read()
 
     def serve_handshake(self, token: bytes) -> None:
         """Play the server's side of the handshake."""
         nonce = new_nonce()
-        self.send({"v": 1, "type": "challenge", "nonce": nonce})
+        self.send({"v": 2, "type": "challenge", "nonce": nonce})
         hello = self.read()
         assert hello is not None and hello["type"] == "auth"
         self.send({"type": "welcome", "proof": prove(token, "server", nonce, hello["nonce"])})
@@ -300,7 +321,7 @@ def test_wrong_token_is_rejected_and_the_server_keeps_serving(
     assert len(warnings) == 1
     assert re.fullmatch(
         r"rejected connection from 127\.0\.0\.1:\d+: "
-        r"authentication failed for client 'intruder' \(wrong token\?\)",
+        r"authentication failed for client intruder as admin \(wrong token\?\)",
         warnings[0],
     )
     _assert_no_secrets(rpc_log)
@@ -342,16 +363,16 @@ def test_client_rejects_a_server_that_cannot_prove_the_token() -> None:
 
 
 def test_client_refuses_another_protocol_version() -> None:
-    def challenge_v2(fake: FakeServer, peer: RawPeer) -> None:
-        peer.send({"v": 2, "type": "challenge", "nonce": new_nonce()})
+    def challenge_v1(fake: FakeServer, peer: RawPeer) -> None:
+        peer.send({"v": 1, "type": "challenge", "nonce": new_nonce()})
         assert peer.read() is None
 
-    fake = FakeServer([challenge_v2], handshake=False)
+    fake = FakeServer([challenge_v1], handshake=False)
     host, port = fake.address
     try:
         with RpcClient(fake.address, TOKEN) as client, pytest.raises(ConnectionError) as caught:
             client.call("echo")
-        assert str(caught.value) == f"{host}:{port} speaks protocol version 2, not 1"
+        assert str(caught.value) == f"{host}:{port} speaks protocol version 1, not 2"
     finally:
         fake.stop()
 
@@ -421,7 +442,7 @@ def test_protocol_violations_close_the_connection_and_are_logged(
     try:
         challenge = peer.read()
         assert challenge is not None
-        assert challenge["v"] == 1 and challenge["type"] == "challenge"
+        assert challenge["v"] == 2 and challenge["type"] == "challenge"
         assert re.fullmatch(r"[0-9a-f]{32}", challenge["nonce"])
         peer.sock.sendall(sent)
 
@@ -835,3 +856,108 @@ def test_a_silent_handshake_is_dropped_after_the_handshake_deadline(
         assert time.monotonic() - started < GUARD_S / 2
     finally:
         peer.close()
+
+
+# --- identities ----------------------------------------------------------------------------
+
+
+def test_a_job_authenticates_with_its_derived_key_and_handlers_see_who_it_is(
+    server: RpcServer,
+) -> None:
+    key = derive_key(TOKEN, job_identity("a"))
+    with RpcClient(server.address, key, identity=job_identity("a"), client="shim:a") as client:
+        assert client.call("whoami") == {"identity": "job:a"}
+        # The identity comes from the handshake: the request's arguments cannot change it.
+        assert client.call("whoami", identity="admin") == {"identity": "job:a"}
+    with RpcClient(server.address, TOKEN) as admin:
+        assert admin.call("whoami") == {"identity": "admin"}
+
+
+def test_a_restarted_server_with_the_same_master_token_accepts_the_same_job_key() -> None:
+    key = derive_key(TOKEN, job_identity("a"))
+    for _ in range(2):
+        with (
+            RpcServer(TOKEN, HANDLERS) as server,
+            RpcClient(server.address, key, identity=job_identity("a")) as client,
+        ):
+            assert client.call("whoami") == {"identity": "job:a"}
+
+
+def test_forbidden_is_its_own_code_counted_and_logged_once(
+    server: RpcServer, rpc_log: pytest.LogCaptureFixture
+) -> None:
+    key = derive_key(TOKEN, job_identity("a"))
+    with RpcClient(server.address, key, identity=job_identity("a")) as client:
+        for _ in range(3):
+            with pytest.raises(RpcError) as caught:
+                client.call("admin_only")
+            assert (caught.value.code, caught.value.message) == (
+                "forbidden",
+                "job:a may not do this",
+            )
+        assert client.call("add", x=1, y=1) == {"sum": 2}  # the connection stays
+    assert server.request_counts()[("admin_only", "forbidden")] == 3
+    warnings = _messages(rpc_log, logging.WARNING)
+    assert len(warnings) == 1
+    assert re.fullmatch(
+        r"refused op 'admin_only' to job:a from 127\.0\.0\.1:\d+: not its to ask"
+        r" \(further refusals only counted\)",
+        warnings[0],
+    )
+    _assert_no_secrets(rpc_log)
+
+
+@pytest.mark.parametrize(
+    ("identity", "label", "message"),
+    [
+        ("root", "raw", "'identity': identity must be 'admin', 'job:<job name>' or 'agent:<host>'"),
+        (
+            "agent:a\nb",
+            "raw",
+            "'identity': identity must be 'admin', 'job:<job name>' or 'agent:<host>'",
+        ),
+        (
+            "admin",
+            "raw\nWARNING forged",
+            "'client' must be 1 to 128 characters of letters, digits and ._:@[]/-",
+        ),
+        ("admin", "", "'client' must be 1 to 128 characters of letters, digits and ._:@[]/-"),
+        (
+            "admin",
+            "x" * 129,
+            "'client' must be 1 to 128 characters of letters, digits and ._:@[]/-",
+        ),
+    ],
+    ids=["unknown-kind", "newline-host", "newline-label", "empty-label", "long-label"],
+)
+def test_malformed_identities_and_labels_are_refused_and_never_logged_raw(
+    server: RpcServer,
+    rpc_log: pytest.LogCaptureFixture,
+    identity: str,
+    label: str,
+    message: str,
+) -> None:
+    peer = RawPeer.connect(server.address)
+    try:
+        reply = peer.hello(identity=identity, label=label)
+        assert reply == {"type": "error", "error": {"code": "bad_request", "message": message}}
+        assert peer.read() is None
+    finally:
+        peer.close()
+    assert "forged" not in rpc_log.text and "a\nb" not in rpc_log.text
+    assert all("\n" not in record.getMessage() for record in rpc_log.records)
+
+
+def test_the_client_refuses_a_label_the_server_would_refuse() -> None:
+    with pytest.raises(ValueError, match="client label 'a b' must be"):
+        RpcClient(("127.0.0.1", 1), TOKEN, client="a b")
+
+
+def test_a_valid_key_for_the_wrong_identity_is_refused(server: RpcServer) -> None:
+    key = derive_key(TOKEN, job_identity("a"))
+    for claimed in (job_identity("b"), ADMIN, Identity("agent", "localhost")):
+        with (
+            RpcClient(server.address, key, identity=claimed) as client,
+            pytest.raises(AuthError),
+        ):
+            client.call("whoami")

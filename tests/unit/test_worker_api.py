@@ -15,11 +15,27 @@ import pytest
 
 from herd_operator.agent import worker
 from herd_operator.agent.worker import DeviceBinding, bind_device, report_epoch, report_reset
-from herd_operator.auth import ensure_token_file
-from herd_operator.layout import StateLayout
-from herd_operator.rpc import NotFound, RpcServer
+from herd_operator.auth import (
+    Identity,
+    agent_identity,
+    agent_key,
+    ensure_token_file,
+    job_identity,
+    job_key,
+    read_token_file,
+    write_token_file,
+)
+from herd_operator.environment import ALLOCATOR_ENV, ENV_FILE_ENV, JOB_ENV, TOKEN_FILE_ENV
+from herd_operator.layout import StateLayout, write_atomically
+from herd_operator.rpc import AuthError, NotFound, RpcClient, RpcError, RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.handlers import (
+    ExporterRegistry,
+    for_agents,
+    for_own_host,
+    for_own_job,
+)
 from specs.values import Demand, Pool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +78,7 @@ def test_report_epoch_outside_the_operator_is_a_no_op(
     report_epoch(1, {"loss": 0.5})
     report_reset()
     # A job name alone (no allocator address) is not "under the operator" either.
-    monkeypatch.setenv(worker.JOB_ENV, "train")
+    monkeypatch.setenv(JOB_ENV, "train")
     report_epoch(2)
     assert worker._client is None
 
@@ -96,12 +112,13 @@ def test_bind_device_uses_what_the_shim_exported(
 
 
 class Allocation:
-    """A real Allocator behind a real RpcServer on loopback, with its token file."""
+    """A real Allocator behind a real RpcServer on loopback, with its master token and the
+    jobs' own token files, wired with the operator's authorization rules."""
 
     def __init__(self, tmp_path: Path) -> None:
-        layout = StateLayout(tmp_path / "state")
+        self.layout = layout = StateLayout(tmp_path / "state")
         layout.create()
-        self.token_file = layout.token_file
+        self.master = ensure_token_file(layout.token_file)
         self.allocator = Allocator(
             Pool.from_counts({"localhost": 3}), GrantPublisher(layout), virtual=True
         )
@@ -109,9 +126,15 @@ class Allocation:
         self.allocator.request(Demand("x", 1, 1, 1))
         self.allocator.request(Demand("a", 2, 3, 3))
         self.reports: list[dict[str, Any]] = []
+        self.exporters = ExporterRegistry(layout.scrape_targets_file, None)
         self.server = RpcServer(
-            ensure_token_file(self.token_file),
-            {"bind": self.allocator.handle_bind, "report": self.report},
+            self.master,
+            {
+                "bind": for_own_job(self.allocator.handle_bind),
+                "report": for_own_job(self.report),
+                "placements": for_agents(self.allocator.handle_placements),
+                "register_exporter": for_own_host(self.exporters),
+            },
         )
 
     def report(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -121,11 +144,14 @@ class Allocation:
         return {}
 
     def env(self, job: str = "a") -> dict[str, str]:
+        """What the operator gives a job's processes: its own key's file, not the master."""
+        token_file = self.layout.job_token_file(job)
+        write_token_file(token_file, job_key(self.master, job))
         host, port = self.server.address
         return {
-            worker.JOB_ENV: job,
-            worker.ALLOCATOR_ENV: f"{host}:{port}",
-            worker.TOKEN_FILE_ENV: str(self.token_file),
+            JOB_ENV: job,
+            ALLOCATOR_ENV: f"{host}:{port}",
+            TOKEN_FILE_ENV: str(token_file),
         }
 
 
@@ -267,3 +293,158 @@ def test_report_failure_never_raises(
     assert [record.getMessage() for record in caplog.records] == [
         "herd: report failed: not_found: no job 'gone'"
     ]
+
+
+# ---- per-job credentials ----
+
+
+def test_a_jobs_key_binds_and_reports_for_that_job_only(allocation: Allocation) -> None:
+    env = allocation.env("a")
+    key = read_token_file(Path(env[TOKEN_FILE_ENV]))
+    assert key != allocation.master
+    with RpcClient(allocation.server.address, key, identity=job_identity("a")) as client:
+        assert client.call("bind", job="a", host="localhost", local_rank=0)["gpu"] == 1
+        # Job "x" holds GPU 0: job "a" must not claim its workers' slots nor speak for it.
+        with pytest.raises(RpcError) as bind_refused:
+            client.call("bind", job="x", host="localhost", local_rank=0, pid=1)
+        with pytest.raises(RpcError) as report_refused:
+            client.call("report", job="x", epoch=1, world_size=1)
+    assert (bind_refused.value.code, report_refused.value.code) == ("forbidden", "forbidden")
+    assert bind_refused.value.message == "job:a may only speak for job 'a', not 'x'"
+    assert [binding.job for binding in allocation.allocator.bindings()] == ["a"]
+    assert allocation.reports == []
+    counts = allocation.server.request_counts()
+    assert counts[("bind", "forbidden")] == 1 and counts[("report", "forbidden")] == 1
+
+
+def test_a_jobs_key_cannot_claim_another_identity(allocation: Allocation) -> None:
+    key = read_token_file(Path(allocation.env("a")[TOKEN_FILE_ENV]))
+    for identity in (job_identity("x"), Identity("admin")):
+        with (
+            RpcClient(allocation.server.address, key, identity=identity) as client,
+            pytest.raises(AuthError),
+        ):
+            client.call("bind", job="x", host="localhost", local_rank=0)
+    assert allocation.allocator.bindings() == []
+
+
+def test_a_refusal_is_logged_once_without_the_key(
+    allocation: Allocation, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = read_token_file(Path(allocation.env("a")[TOKEN_FILE_ENV]))
+    with (
+        caplog.at_level(logging.WARNING, logger="herd_operator.rpc"),
+        RpcClient(allocation.server.address, key, identity=job_identity("a")) as client,
+    ):
+        for _ in range(3):
+            with pytest.raises(RpcError):
+                client.call("report", job="x", epoch=1, world_size=1)
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 1
+    assert messages[0].startswith("refused op 'report' to job:a from 127.0.0.1:")
+    assert key.hex() not in caplog.text and allocation.master.hex() not in caplog.text
+    assert allocation.server.request_counts()[("report", "forbidden")] == 3
+
+
+def test_a_forged_host_is_refused_before_it_reaches_the_allocator(
+    allocation: Allocation,
+) -> None:
+    key = read_token_file(Path(allocation.env("a")[TOKEN_FILE_ENV]))
+    with RpcClient(allocation.server.address, key, identity=job_identity("a")) as client:
+        for host in ("localhost\nINFO forged line", "a b", "host/x", "", "h" * 254):
+            with pytest.raises(RpcError) as caught:
+                client.call("bind", job="a", host=host, local_rank=0)
+            assert caught.value.code == "bad_request"
+            assert caught.value.message.startswith("'host' must be a host name or IP address")
+    assert allocation.allocator.bindings() == []
+
+
+# ---- the spec's env, by file ----
+
+
+def test_shim_puts_the_spec_env_file_into_the_commands_environment(
+    tmp_path: Path, allocation: Allocation
+) -> None:
+    env_file = tmp_path / "a.env.json"
+    write_atomically(env_file, json.dumps({"HERD_TEST_SECRET": "s3cret value"}), mode=0o600)
+    env = {
+        **allocation.env(),
+        ENV_FILE_ENV: str(env_file),
+        "HOROVOD_HOSTNAME": "localhost",
+        "HOROVOD_LOCAL_RANK": "0",
+    }
+    code, out, err = finish(shim(tmp_path, env, sys.executable, "-c", SHOW_ENV))
+    assert (code, err) == (0, "")
+    seen = json.loads(out)
+    assert seen["HERD_TEST_SECRET"] == "s3cret value"
+    assert ENV_FILE_ENV not in seen
+    assert seen["CUDA_VISIBLE_DEVICES"] == "1,2"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "cannot read the job's env file"),
+        ("{not json s3cret", "is malformed"),
+        ('{"A": 1}', "is not an object of strings"),
+    ],
+    ids=["missing", "not-json", "not-strings"],
+)
+def test_shim_refuses_a_bad_env_file_without_quoting_it(
+    tmp_path: Path, content: str | None, problem: str
+) -> None:
+    env_file = tmp_path / "a.env.json"
+    if content is not None:
+        write_atomically(env_file, content, mode=0o600)
+    code, out, err = finish(
+        shim(tmp_path, {ENV_FILE_ENV: str(env_file)}, sys.executable, "-c", SHOW_ENV)
+    )
+    assert (code, out) == (1, "")
+    assert err.startswith("herd shim: ") and problem in err
+    assert "s3cret" not in err
+
+
+def test_a_node_exporter_registers_its_own_host_only(allocation: Allocation) -> None:
+    address = allocation.server.address
+    with RpcClient(
+        address, agent_key(allocation.master), identity=agent_identity("node1")
+    ) as agent:
+        assert agent.call("register_exporter", host="node1", port=9100) == {}
+        with pytest.raises(RpcError) as other_host:
+            agent.call("register_exporter", host="node2", port=9100)
+        with pytest.raises(RpcError) as bind:
+            agent.call("bind", job="a", host="node1", local_rank=0)
+        assert set(agent.call("placements")["placements"]) == {"a", "x"}
+    assert other_host.value.code == bind.value.code == "forbidden"
+    assert other_host.value.message == "agent:node1 may only register host 'node1', not 'node2'"
+    assert allocation.exporters.urls() == ["http://node1:9100/metrics"]
+
+
+def test_a_job_may_not_register_exporters_nor_read_every_placement(
+    allocation: Allocation,
+) -> None:
+    key = read_token_file(Path(allocation.env("a")[TOKEN_FILE_ENV]))
+    with RpcClient(allocation.server.address, key, identity=job_identity("a")) as client:
+        for op, args in (("register_exporter", {"host": "evil", "port": 1}), ("placements", {})):
+            with pytest.raises(RpcError) as caught:
+                client.call(op, **args)
+            assert caught.value.code == "forbidden", op
+    assert allocation.exporters.urls() == []
+
+
+def test_a_host_with_a_newline_never_reaches_the_scrape_targets(allocation: Allocation) -> None:
+    with RpcClient(allocation.server.address, allocation.master) as admin:
+        for host in ("node1\n- targets: [evil:1]", "node1 evil", "evil/x", '"evil"'):
+            with pytest.raises(RpcError) as caught:
+                admin.call("register_exporter", host=host, port=9100)
+            assert caught.value.code == "bad_request"
+        admin.call("register_exporter", host="node1", port=9100)
+    targets = json.loads(allocation.layout.scrape_targets_file.read_text())
+    assert targets == [{"targets": ["node1:9100"], "labels": {"herd_role": "exporter"}}]
+
+
+def test_shim_without_its_key_says_so_in_one_line(tmp_path: Path, allocation: Allocation) -> None:
+    env = {**allocation.env(), TOKEN_FILE_ENV: str(tmp_path / "missing.token")}
+    code, out, err = finish(shim(tmp_path, env, sys.executable, "-c", SHOW_ENV))
+    assert (code, out) == (1, "")
+    assert err.startswith("herd shim: cannot open token file ") and err.count("\n") == 1

@@ -45,7 +45,11 @@ class Engine(Protocol):
 
     def environment(self, job: HerdJob, env: Mapping[str, str]) -> dict[str, str]:
         """Variables the engine sets for the job's processes, on top of `env` (the operator's
-        environment, the spec's `env` and the HERD_* variables the agent reads)."""
+        environment, the spec's `env` and the HERD_* variables the agent reads).
+
+        The engine's process gets them but not the spec's `env`, which reaches the
+        workers through the shim (HERD_ENV_FILE), off every command line; a variable
+        returned here that the spec also sets goes with the spec's."""
         ...
 
     def relaunch_reason(self, launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
