@@ -68,6 +68,14 @@ def marked_processes(state_dir: Path) -> dict[int, str]:
     return found
 
 
+def kill_marked_processes(state_dir: Path) -> None:
+    """SIGKILL whatever jobs of `state_dir` still run: jobs outlive a killed operator, so a
+    test that kills one must not leave them training after it failed."""
+    for pid in marked_processes(state_dir):
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+
+
 @dataclass
 class OperatorHarness:
     root: Path

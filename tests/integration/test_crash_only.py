@@ -26,14 +26,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import yaml
 
 from herd_operator.cli.views import job_object
 from herd_operator.runtime.launcher import job_processes
 from herd_operator.runtime.store import Store
-from tests.integration.harness import REPO, digits_command, marked_processes, spec_document
+from tests.integration.harness import (
+    REPO,
+    digits_command,
+    kill_marked_processes,
+    marked_processes,
+    spec_document,
+)
 
 HERD = str(Path(sys.executable).with_name("herd-operator"))
 KILLS = int(os.environ.get("HERD_CHAOS_KILLS", "3"))
@@ -122,21 +127,24 @@ def chaos_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     jobs, state = tmp_path / "jobs", tmp_path / "state"
     jobs.mkdir()
     yield jobs, state
-    for pid in marked_processes(state):  # whatever a failed run left
-        with contextlib.suppress(psutil.Error):
-            psutil.Process(pid).kill()
+    kill_marked_processes(state)  # whatever a failed run left
 
 
 def test_operator_killed_at_random_moments_never_stops_restarts_or_overlaps_jobs(
     chaos_dirs: tuple[Path, Path],
 ) -> None:
     jobs, state = chaos_dirs
+    # A worker started by a resize joins within Gloo's timeout (30 s by default), which a
+    # machine shared with other test runs can exceed while torch imports.
+    slow_start = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
     resized = spec_document(
-        "resized", 1, 3, digits_command(EPOCHS, "--step-delay", "0.03"),
+        "resized", 1, 3, digits_command(EPOCHS, "--step-delay", "0.03"), env=slow_start,
         policy={"name": "schedule", "params": {
             "initial": 2, "steps": [{"atEpoch": 3, "gpus": 3}, {"atEpoch": 6, "gpus": 1}]}},
     )  # fmt: skip
-    steady = spec_document("steady", 1, 1, digits_command(EPOCHS, "--step-delay", "0.03"))
+    steady = spec_document(
+        "steady", 1, 1, digits_command(EPOCHS, "--step-delay", "0.03"), env=slow_start
+    )
     for document in (resized, steady):
         (jobs / f"{document['metadata']['name']}.yaml").write_text(yaml.safe_dump(document))
     names = ["resized", "steady"]

@@ -7,12 +7,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.integration.harness import REPO, digits_command, marked_processes, spec_document
+from tests.integration.harness import (
+    REPO,
+    digits_command,
+    kill_marked_processes,
+    marked_processes,
+    spec_document,
+)
 
 HERD = str(Path(sys.executable).with_name("herd-operator"))
 
@@ -128,3 +135,10 @@ def test_restart_after_a_crash_stops_unrecorded_launches_before_starting_the_job
             second.kill()
     assert "were never recorded" in output and "stopping them" in output
     assert marked_processes(state) == {}
+
+
+@pytest.fixture(autouse=True)
+def no_job_left(tmp_path: Path) -> Iterator[None]:
+    """Jobs outlive an operator killed here (or a test that failed midway): kill them."""
+    yield
+    kill_marked_processes(tmp_path / "state")
