@@ -443,7 +443,8 @@ class RpcServer:
         """Read one frame, or None at a clean end of stream.
 
         The first byte may take ``wait_timeout``; the rest of the frame must follow
-        within ``read_timeout`` so a trickling peer cannot hold the connection.
+        within ``read_timeout`` (the handshake deadline before authentication) so a
+        trickling peer cannot hold the connection.
         """
         try:
             # asyncio.timeout, not wait_for: wait_for wraps each await in a new Task, which
@@ -456,20 +457,23 @@ class RpcServer:
             raise _Rejected(
                 "timeout",
                 "timed out waiting for authentication",
-                f"no auth frame within {self._read_timeout:g} s",
+                f"no auth frame within {wait_timeout:g} s",
             ) from None
         if not first:
             return None
         line = b""
         if first != b"\n":
+            # Before authentication the whole hello gets the handshake's short deadline: one
+            # byte must not buy an idler the read timeout in the pool of strangers.
+            rest_timeout = self._read_timeout if authenticated else self._handshake_timeout
             try:
-                async with asyncio.timeout(self._read_timeout):
+                async with asyncio.timeout(rest_timeout):
                     rest = await reader.readuntil(b"\n")
             except TimeoutError:
                 raise _Rejected(
                     "timeout",
                     "timed out reading a frame",
-                    f"frame not completed within {self._read_timeout:g} s",
+                    f"frame not completed within {rest_timeout:g} s",
                 ) from None
             except asyncio.LimitOverrunError:
                 raise self._oversize() from None

@@ -961,3 +961,18 @@ def test_a_valid_key_for_the_wrong_identity_is_refused(server: RpcServer) -> Non
             pytest.raises(AuthError),
         ):
             client.call("whoami")
+
+
+def test_a_hello_that_trickles_is_dropped_after_the_handshake_deadline(
+    make_server: Callable[..., RpcServer],
+) -> None:
+    """One byte of a hello must not buy an unauthenticated peer the (long) read timeout."""
+    server = make_server(handshake_timeout=0.3, read_timeout=GUARD_S * 2)
+    peer = RawPeer.connect(server.address)
+    try:
+        assert peer.read() is not None  # the challenge
+        peer.sock.sendall(b"{")  # then nothing more
+        reply = peer.read()
+        assert reply is not None and reply["error"]["code"] == "timeout", reply
+    finally:
+        peer.close()
