@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from herd_operator import rpc
 from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures, percentile
 from herd_operator.bench.jobs import bench_job
 from herd_operator.bench.rpcload import JOB, TOKEN, report_handler
@@ -61,6 +62,7 @@ class Phase:
     idler_drops: int = 0
     idler_connect_errors: int = 0
     stop_tracebacks: int = 0
+    server_warnings: int = 0
 
     @property
     def calls_failed(self) -> int:
@@ -71,36 +73,49 @@ class Phase:
         return self.calls_ok / self.seconds if self.seconds > 0 else 0.0
 
 
-class _CancelledCallbackCounter(logging.Filter):
-    """Counts and drops asyncio's "Exception in callback" records for cancelled tasks.
+class _Tally(logging.Filter):
+    """Counts the records of one logger that `wanted` picks, and keeps them off the output."""
 
-    On Python 3.11, `asyncio.start_server`'s done-callback calls `task.exception()`,
-    which raises CancelledError for a cancelled connection task; RpcServer.stop cancels
-    the tasks of connections still open, so each one logs a traceback (fixed in 3.12).
-    The benchmark reports how many instead of printing hundreds of them.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, wanted: Callable[[logging.LogRecord], bool]) -> None:
         super().__init__()
+        self.wanted = wanted
         self.count = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, asyncio.CancelledError):
+        if self.wanted(record):
             self.count += 1
             return False
         return True
 
 
+def _cancelled_callback(record: logging.LogRecord) -> bool:
+    """asyncio's traceback for a cancelled connection task.
+
+    On Python 3.11, `asyncio.start_server`'s done-callback calls `task.exception()`,
+    which raises CancelledError for a cancelled task; RpcServer.stop cancels the tasks
+    of connections still open, so each one logs a traceback (fixed in 3.12).
+    """
+    error = record.exc_info[1] if record.exc_info else None
+    return isinstance(error, asyncio.CancelledError)
+
+
+def _warning(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
 @contextlib.contextmanager
-def counting_stop_tracebacks() -> Iterator[_CancelledCallbackCounter]:
-    counter = _CancelledCallbackCounter()
-    asyncio_logger = logging.getLogger("asyncio")
-    asyncio_logger.addFilter(counter)
+def tallying_server_logs() -> Iterator[tuple[_Tally, _Tally]]:
+    """(stop tracebacks, RPC server warnings) while the block runs: an idler the server
+    drops for its handshake deadline is one warning line, and there are thousands."""
+    tracebacks, warnings = _Tally(_cancelled_callback), _Tally(_warning)
+    asyncio_logger, rpc_logger = logging.getLogger("asyncio"), logging.getLogger(rpc.__name__)
+    asyncio_logger.addFilter(tracebacks)
+    rpc_logger.addFilter(warnings)
     try:
-        yield counter
+        yield tracebacks, warnings
     finally:
-        asyncio_logger.removeFilter(counter)
+        asyncio_logger.removeFilter(tracebacks)
+        rpc_logger.removeFilter(warnings)
 
 
 def ensure_descriptors(wanted: int) -> tuple[int, str]:
@@ -339,11 +354,12 @@ def flood_rows(
         for round_number in range(ctx.repeat):
             for flooded in (False, True):
                 with (
-                    counting_stop_tracebacks() as stop_tracebacks,
+                    tallying_server_logs() as (stop_tracebacks, server_warnings),
                     RpcServer(TOKEN, handlers, **server_options) as server,
                 ):
                     phase = run_phase(server.address, clients, idlers if flooded else 0, seconds)
                 phase.stop_tracebacks = stop_tracebacks.count
+                phase.server_warnings = server_warnings.count
                 (floods if flooded else baselines).append(phase)
                 ctx.progress(
                     f"rpc-flood: round {round_number + 1} {'flooded' if flooded else 'baseline'}:"
@@ -385,6 +401,8 @@ def _rows(
         "idler_drops": sum(phase.idler_drops for phase in floods),
         "idler_connect_errors": sum(phase.idler_connect_errors for phase in floods),
         "server_stop_tracebacks": sum(p.stop_tracebacks for p in (*baselines, *floods)),
+        "server_warning_lines": sum(phase.server_warnings for phase in floods),
+        "baseline_server_warning_lines": sum(phase.server_warnings for phase in baselines),
         "ours_p50_ms": _p(flood_latency, 50),
         "ours_p99_ms": _p(flood_latency, 99),
         "baseline_p50_ms": _p(base_latency, 50),
