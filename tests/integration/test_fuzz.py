@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, Phase, assume, given, settings
 
 from specs import load_spec_file
@@ -27,6 +28,12 @@ from tests.integration.harness import OperatorHarness, spec_document
 GOOD = "keeper"
 # A job that holds Running without costing the shared machine anything.
 GOOD_COMMAND = ["python", "-c", "import time; time.sleep(900)"]
+CLAIMS_ON_THE_GOOD_JOB = (
+    yaml.safe_dump(spec_document(GOOD, 1, 1, GOOD_COMMAND, priority="high")),
+    yaml.safe_dump(spec_document(GOOD, 0, 1, GOOD_COMMAND)),
+    f"apiVersion: herd/v1alpha1\nkind: HerdJob\nmetadata: {{name: {GOOD}}}\n"
+    "spec: !!python/object/apply:builtins.print ['fuzz']\n",
+)
 EVIDENCE_TIMEOUT_S = 30.0
 """Hang guard for one file to be noticed; never a speed expectation."""
 
@@ -142,6 +149,13 @@ def test_bad_spec_files_dropped_live_never_hurt_the_operator_or_the_running_job(
         data = document.encode("utf-8")
         if is_invalid(data):
             fuzzer.drop(data)
+
+    # Bad files that claim the running job's name: the job keeps its last good spec.
+    for claim in CLAIMS_ON_THE_GOOD_JOB:
+        assert is_invalid(claim.encode())
+        fuzzer.drop(claim.encode())
+        running = herd.condition(GOOD, "Running")
+        assert running is not None and running["status"] == "True"
 
     # Then a fixed sequence of generated ones; no shrinking (a live operator is slow to
     # replay), and the failing file is in the assertion message anyway.
