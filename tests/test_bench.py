@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from herd_operator.bench.harness import (
     select,
     write_results,
 )
+from herd_operator.bench.rpcflood import ensure_descriptors, flood_rows
 from herd_operator.bench.scale import write_specs
 from herd_operator.bench.suite import BENCHMARKS
 from herd_operator.bench.training import StepLog, job_cpu_seconds, samples_per_second
@@ -306,3 +308,48 @@ def test_quick_run_rows_are_complete(quick_run: tuple[int, Path]) -> None:
     machine = document["machine"]
     assert machine["cores"] >= 1
     assert set(machine) >= {"cpu_model", "python", "torch", "horovod", "git_commit", "date"}
+
+
+# ---- rpc-flood ----
+
+
+def test_rpc_flood_reports_calls_failures_and_the_flood_it_ran_under(tmp_path: Path) -> None:
+    """Tiny numbers: 3 clients for a second, 70 idlers (over the server's 64 slots
+    for unauthenticated connections, so some are dropped and reconnect)."""
+    lines: list[str] = []
+    rows = flood_rows(
+        Context(quick=True, repeat=1, scratch=tmp_path, progress=lines.append),
+        clients=3,
+        idlers=70,
+        seconds=1.0,
+        server_options={},
+    )
+    throughput, latency = rows
+    assert throughput.name == "rpc-flood throughput, 3 clients, 70 idle connections"
+    assert (throughput.unit, throughput.better) == ("req/s", "higher")
+    assert (latency.unit, latency.better) == ("ms", "lower")
+    extra = throughput.extra
+    assert (extra["clients"], extra["idle_connections"], extra["seconds_per_phase"]) == (3, 70, 1.0)
+    assert extra["calls_ok"] > 0 and extra["baseline_calls_ok"] > 0
+    assert extra["calls_failed"] >= extra["calls_refused"] + extra["calls_timed_out"]
+    # Every idler connected at least once, and the server dropped some to make room.
+    assert extra["idler_connections"] >= 70
+    assert extra["idler_drops"] > 0
+    assert extra["open_file_limit"] >= 2 * (70 + 3)
+    # Server log lines are counted, not printed; without idlers nothing is rejected.
+    assert extra["server_warning_lines"] >= 0 and extra["server_stop_tracebacks"] >= 0
+    assert extra["baseline_server_warning_lines"] == 0
+    assert 0 < extra["baseline_p50_ms"] <= extra["baseline_p99_ms"]
+    assert 0 < extra["ours_p50_ms"] <= extra["ours_p99_ms"]
+    assert latency.ours.median == pytest.approx(extra["ours_p99_ms"])
+    assert throughput.ratio == pytest.approx(throughput.ours.median / throughput.baseline.median)
+    assert any("round 1 flooded:" in line for line in lines), lines
+    json.dumps([row.to_json() for row in rows], allow_nan=False)  # results files refuse NaN
+
+
+def test_descriptor_limit_is_left_alone_when_it_suffices() -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit, note = ensure_descriptors(16)
+    assert limit == soft or soft == resource.RLIM_INFINITY
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft
+    assert "already covers the 16 needed" in note

@@ -21,6 +21,7 @@ from herd_operator.bench.harness import (
     select,
     write_results,
 )
+from herd_operator.bench.rpcflood import run_rpc_flood
 from herd_operator.bench.rpcload import run_allocator_rpc
 from herd_operator.bench.scale import run_scale
 from herd_operator.bench.scrape import run_scrape
@@ -73,6 +74,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "authenticated bind/report requests per second on loopback, 1/64/256 concurrent clients",
         run_allocator_rpc,
         full_repeat=3,
+        quick_repeat=1,
+    ),
+    Benchmark(
+        "rpc-flood",
+        "256 authenticated clients calling for 60 s while 1,100 unauthenticated connections"
+        " are held open (reopened when dropped), against the same clients alone",
+        run_rpc_flood,
+        full_repeat=1,
         quick_repeat=1,
     ),
     Benchmark(
