@@ -17,6 +17,7 @@ from controllers.errors import PermanentError
 from controllers.ports import LaunchInfo, ProcessState
 from herd_operator.environment import JOB_ENV
 from herd_operator.layout import StateLayout
+from herd_operator.runtime.allocator import plain_presentation
 from herd_operator.runtime.engines import (
     Engine,
     EngineContext,
@@ -25,7 +26,7 @@ from herd_operator.runtime.engines import (
 )
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
 from specs import HerdJob
-from specs.values import Placement
+from specs.values import Placement, Slot
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,14 @@ class EngineDispatch:
             placement = self._placements.get(job)
             if placement is not None:
                 engine.publish(job, placement)
+
+    def present(self, job: str, placement: Placement) -> dict[str, tuple[Slot, ...]]:
+        """The placement under the names the job's engine shows it to its workers."""
+        with self._lock:
+            engine = self._job_engines.get(job)
+        if engine is None:
+            return plain_presentation(job, placement)
+        return engine.present(job, placement)
 
     def publish(self, job: str, placement: Placement) -> None:
         with self._lock:

@@ -166,6 +166,10 @@ class Operator:
             virtual=config.pool.virtual,
             on_decision=lambda placements: store.replace_allocations(placements, time.time()),
             min_resize_interval=config.min_resize_interval,
+            present=engines.present,
+            on_event=lambda job, type, reason, message: store.add_event(
+                job, type, reason, message, time.time()
+            ),
         )
         # Ready before the RPC server starts: an exporter may register at once.
         self.exporters = exporters = ExporterRegistry(self.layout.scrape_targets_file, None)
@@ -301,7 +305,11 @@ class Operator:
         registry = self.metrics.registry
         registry.register(
             StateCollector(
-                store, lambda: allocator.pool, allocator.placements, server.request_counts
+                store,
+                lambda: allocator.pool,
+                allocator.placements,
+                server.request_counts,
+                allocator.overdue_drains,
             )
         )
         if local is not None:
