@@ -346,10 +346,7 @@ class Allocator:
         self._schedule_drain_check(now)
         self._short_since.pop(job, None)
         freed = ", ".join(f"{host}:{gpu}" for host, gpu in given_up)
-        message = (
-            f"world size {world_size} of {len(slots)} granted: workers lost;"
-            f" GPU(s) {freed} taken back"
-        )
+        message = f"world size {world_size} of {len(slots)} granted; GPU(s) {freed} taken back"
         log.warning("%s: %s", job, message)
         self._on_event(job, "Warning", "WorkerLost", message)
         self._decide(caller="", shrink=(job, Grant(shrunk, f"workers lost: {message}")))

@@ -474,7 +474,7 @@ def test_a_job_that_lost_a_worker_shrinks_to_what_runs_and_grows_back(
             "a",
             "Warning",
             "WorkerLost",
-            "world size 3 of 4 granted: workers lost; GPU(s) localhost:1 taken back",
+            "world size 3 of 4 granted; GPU(s) localhost:1 taken back",
         )
     ]
     assert layout.grant_file("a").read_text() == "localhost:2\n127.0.0.1:1\n"
