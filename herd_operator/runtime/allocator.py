@@ -499,6 +499,8 @@ class Allocator:
                 # A size seen before a shrink we asked for is no reference for a drop: the
                 # workers leaving then were told to.
                 self._world[job] = min(self._world[job], decided[job].placement.size)
+            # A new grant gets its own grace to be filled.
+            self._short_since.pop(job, None)
         self._resized_at = {job: at for job, at in self._resized_at.items() if job in decided}
         thaws = [
             at + self.min_resize_interval

@@ -551,3 +551,54 @@ def test_the_end_of_a_shrink_the_operator_asked_for_is_no_loss(layout: StateLayo
     allocator.observe_world_size("a", 2)  # the shrink done, the grow not yet
     assert allocator.grant("a").placement.size == 4  # type: ignore[union-attr]
     assert events.raised == []
+
+
+def test_the_grace_starts_again_when_the_grant_changes(layout: StateLayout) -> None:
+    clock = Clock()
+    events = Events()
+    allocator = named_allocator(layout, on_event=events, clock=clock, lost_grace_seconds=60.0)
+    allocator.request(Demand("a", 1, 3, 3, arrival=1))
+    allocator.observe_world_size("a", 2)  # one worker still starting
+    clock.now += 50
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))  # grown to 4
+    clock.now += 11
+    allocator.observe_world_size("a", 3)
+    assert allocator.grant("a").placement.size == 4  # type: ignore[union-attr]
+    assert events.raised == []
+
+
+def test_a_host_horovod_blacklisted_is_taken_back_whole_once_its_workers_exit(
+    layout: StateLayout,
+) -> None:
+    """Two pool hosts on one machine (`--hosts localhost:2,127.0.0.1:2`): a killed worker
+    makes Horovod drop its host's other worker too, and go on with the other host."""
+    clock = Clock()
+    events = Events()
+    allocator = Allocator(
+        Pool((("localhost", (0, 1)), ("127.0.0.1", (2, 3)))),
+        GrantPublisher(layout),
+        virtual=True,
+        drain_seconds=30.0,
+        on_event=events,
+        clock=clock,
+    )
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    stopping = subprocess.Popen(["sleep", "60"])  # the other worker of 127.0.0.1, exiting
+    try:
+        pids = {("localhost", 0): os.getpid(), ("localhost", 1): os.getpid()}
+        pids |= {("127.0.0.1", 0): dead_pid(), ("127.0.0.1", 1): stopping.pid}
+        for (host, rank), pid in pids.items():
+            allocator.handle_bind({"job": "a", "host": host, "local_rank": rank, "pid": pid})
+        allocator.observe_world_size("a", 4)
+        allocator.observe_world_size("a", 2)
+        grant = allocator.grant("a")
+        assert grant is not None and grant.placement.slots() == (("localhost", 0), ("localhost", 1))
+        assert [reason for _, _, reason, _ in events.raised] == ["WorkerLost"]
+        assert allocator.draining() == {("127.0.0.1", 3): "a"}  # its worker still runs
+        assert allocator.request(Demand("b", 2, 2, 2, arrival=2)).placement.size == 0
+    finally:
+        stopping.kill()
+        stopping.wait()
+    clock.now += 1.0
+    grant = allocator.request(Demand("b", 2, 2, 2, arrival=2))
+    assert grant.placement.slots() == (("127.0.0.1", 2), ("127.0.0.1", 3))
