@@ -41,7 +41,7 @@ from herd_operator.layout import (
     write_atomically,
 )
 from herd_operator.rpc import RpcServer
-from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.allocator import DEFAULT_DRAIN_SECONDS, Allocator
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.handlers import ExporterRegistry, ReportHandler
@@ -101,6 +101,9 @@ class OperatorConfig:
     watch_events: bool = True
     min_resize_interval: float = 30.0
     """A job's size is left alone this long after it changed (each change resets Horovod)."""
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    """How long a GPU taken from a job may drain before a DrainOverdue warning (it stays
+    held until its workers are seen to leave it)."""
     virtual_gpu_memory_bytes: int = 2 << 30
     """Capacity of one virtual GPU (CPU machines), against which worker memory is measured."""
     sample_seconds: float = 1.0
@@ -166,6 +169,7 @@ class Operator:
             virtual=config.pool.virtual,
             on_decision=lambda placements: store.replace_allocations(placements, time.time()),
             min_resize_interval=config.min_resize_interval,
+            drain_seconds=config.drain_seconds,
             present=engines.present,
             on_event=lambda job, type, reason, message: store.add_event(
                 job, type, reason, message, time.time()

@@ -12,11 +12,18 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.integration.harness import OperatorHarness, digits_command, spec_document
+from specs.values import Grant, Placement
+from tests.integration.harness import (
+    OperatorHarness,
+    digits_command,
+    operator_harness,
+    spec_document,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -103,3 +110,59 @@ def rank_of(pid: int) -> int | None:
     if environ.get("HERD_JOB") != "digits" or "HOROVOD_RANK" not in environ:
         return None
     return int(environ["HOROVOD_RANK"])
+
+
+def test_a_drained_gpu_waits_for_the_worker_that_still_runs_on_it(tmp_path: Path) -> None:
+    """A job that reports nothing and commits rarely keeps the workers it lost in a shrink
+    until their next commit: their GPUs go to the next job only once they are gone, however
+    long past the drain time that is (issue 11, item 14a)."""
+    with operator_harness(tmp_path, drain_seconds=1.0) as herd:
+        slow = ["python", "examples/train_plain.py", "--epochs", "3", "--steps", "60"]
+        slow += ["--step-delay", "0.1"]  # a commit every 6 s or more
+        herd.write_spec(spec_document("slow", 1, 4, slow))
+        allocator = herd.operator.allocator
+        bound = herd.wait_for(
+            lambda: len(b := [b for b in allocator.bindings() if b.job == "slow"]) == 4 and b,
+            "4 workers of the slow job bound",
+            job="slow",
+        )
+        herd.write_spec(spec_document("urgent", 2, 2, digits_command(2), priority=10))
+        herd.wait_for(
+            lambda: (allocator.grant("slow") or Grant(Placement.EMPTY, "")).placement.size == 2,
+            "the slow job shrunk to 2",
+            job="slow",
+        )
+        kept = allocator.grant("slow")
+        assert kept is not None
+        slots = kept.placement.slots()
+        given_back = {(b.host, b.gpu): b.pid for b in bound if (b.host, b.gpu) not in slots}
+        assert len(given_back) == 2
+
+        def urgent_admitted_on_free_gpus() -> bool:
+            urgent = allocator.grant("urgent")
+            held = set(urgent.placement.slots()) if urgent else set()
+            for slot, pid in given_back.items():
+                # The invariant under test: never a GPU whose old worker still runs.
+                assert not (slot in held and pid is not None and alive(pid)), (
+                    f"{slot} granted to urgent while worker {pid} of slow still runs on it"
+                )
+            return bool(held)
+
+        herd.wait_for(urgent_admitted_on_free_gpus, "the urgent job admitted", job="urgent")
+        herd.wait_for(
+            lambda: (c := herd.condition("urgent", "Succeeded")) and c["status"] == "True",
+            "the urgent job to finish",
+            job="urgent",
+            timeout=180,
+        )
+        overdue = [e for e in herd.events("slow") if e.reason == "DrainOverdue"]
+        print(f"DrainOverdue events: {[e.message for e in overdue]}")
+        assert all(e.type == "Warning" for e in overdue)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is still a live worker process (not a zombie)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
