@@ -156,7 +156,7 @@ class Allocator:
         self._present = present
         self._on_event = on_event
         # The world size each job last reported, and since when it has been short of its
-        # grant without a drop (None once it matched).
+        # grant without a drop (absent while it is not).
         self._world: dict[str, int] = {}
         self._short_since: dict[str, float] = {}
         self._draining: dict[Slot, _Drain] = {}
@@ -332,7 +332,8 @@ class Allocator:
         for slot in given_up:
             held = bound.get(slot)
             if (
-                held is not None
+                self.drain_seconds > 0
+                and held is not None
                 and held.pid is not None
                 and slot not in dead
                 and held.host in self._local_hosts
