@@ -14,10 +14,10 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol
 
 import psutil
 
@@ -40,13 +40,29 @@ class PlacementSink(Protocol):
         ...
 
 
+Presenter = Callable[[str, Placement], Mapping[str, Sequence[Slot]]]
+"""(job, placement) -> each host name the job's workers bind with -> the slots under that
+name, in local-rank order (the job's engine may show one host under several names)."""
+
+EventSink = Callable[[str, Literal["Normal", "Warning"], str, str], object]
+"""(job, type, reason, message): an event the allocator raises on its own."""
+
+
+def plain_presentation(job: str, placement: Placement) -> dict[str, tuple[Slot, ...]]:
+    """Each host under its own name."""
+    return {host: tuple((host, gpu) for gpu in gpus) for host, gpus in placement.hosts}
+
+
 @dataclass(frozen=True)
 class Binding:
     job: str
     host: str
+    """The pool host of the GPU."""
     local_rank: int
     gpu: int
     pid: int | None
+    name: str = ""
+    """The host name the worker bound with ('' when it is `host`); local_rank counts under it."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +71,53 @@ class _Drain:
 
     job: str
     until: float
+    """When the job's workers should have left it; past it, it is overdue (and still held)."""
     pids: tuple[tuple[str, int], ...]
     """(host, pid) of the workers that were bound to it."""
+    overdue: bool = False
+    after_loss: bool = False
+    """Given back by `_lose_workers`: a report of the smaller size does not free it."""
 
 
 DEFAULT_DRAIN_SECONDS = 30.0
 PID_CHECK_SECONDS = 1.0
 """How often draining GPUs whose workers run on this host are checked for those workers."""
+LOST_GRACE_SECONDS = 60.0
+"""How long a job may report fewer workers than granted, without a drop, before the
+missing ones count as lost: a grow normally completes within seconds, but a worker that
+never came (a blacklisted host name) must not hold its GPU forever."""
+
+
+def slots_to_give_up(
+    slots: Sequence[Slot],
+    count: int,
+    *,
+    dead: frozenset[Slot],
+    bound: frozenset[Slot],
+    names: Mapping[Slot, str],
+) -> tuple[Slot, ...]:
+    """Which `count` of a job's `slots` to take back when it lost workers.
+
+    First the slots whose bound worker is gone, then slots no worker bound to (its worker
+    never came), then slots shown under the same host name as a gone worker's (Horovod
+    blacklists the whole name and stops its other workers), then the last ones.
+    """
+    dead_names = {names[slot] for slot in dead if slot in names}
+
+    def rank(indexed: tuple[int, Slot]) -> tuple[int, int]:
+        index, slot = indexed
+        if slot in dead:
+            tier = 0
+        elif slot not in bound:
+            tier = 1
+        elif names.get(slot) in dead_names:
+            tier = 2
+        else:
+            tier = 3
+        return tier, -index
+
+    ranked = sorted(enumerate(slots), key=rank)
+    return tuple(slot for _, slot in ranked[: max(count, 0)])
 
 
 class Allocator:
@@ -69,8 +125,14 @@ class Allocator:
 
     A GPU taken from a running job drains before another job gets it: Horovod
     removes the worker on it within seconds, but until then two jobs would share
-    the device. It is free again when the job reports its new world size, when
-    the workers bound to it (on this host) are gone, or after `drain_seconds`.
+    the device. It is free again only when that is observed: the job reports its
+    new world size, or the workers bound to it (on this host) are gone. Past
+    `drain_seconds` it is overdue: a Warning event, and it stays held.
+
+    Horovod also shrinks a job on its own when a worker fails: the job then reports
+    fewer workers than granted. The grant follows (`observe_world_size`), taking back
+    the GPUs of the workers that are gone, with a WorkerLost event; the policy grows
+    the job back like any job below its desire.
     """
 
     def __init__(
@@ -83,10 +145,20 @@ class Allocator:
         on_decision: Callable[[Mapping[str, Placement]], None] = lambda placements: None,
         min_resize_interval: float = 0.0,
         drain_seconds: float = DEFAULT_DRAIN_SECONDS,
+        lost_grace_seconds: float = LOST_GRACE_SECONDS,
+        present: Presenter = plain_presentation,
+        on_event: EventSink = lambda job, type, reason, message: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
         self.drain_seconds = drain_seconds
+        self.lost_grace_seconds = lost_grace_seconds
+        self._present = present
+        self._on_event = on_event
+        # The world size each job last reported, and since when it has been short of its
+        # grant without a drop (absent while it is not).
+        self._world: dict[str, int] = {}
+        self._short_since: dict[str, float] = {}
         self._draining: dict[Slot, _Drain] = {}
         self._next_drain_check = math.inf
         self._batching = False
@@ -172,7 +244,9 @@ class Allocator:
 
         Each job keeps its placement, untouched by decisions, until its first request (the
         controller's reconcile) says what it wants now or it is released; GPUs outside the
-        pool, or already taken by a job restored before it, are not restored.
+        pool, or already taken by a job restored before it, are not restored. `bindings`
+        name the host as the worker bound with it (its `name`; `host` may be that name too):
+        they are matched to the pool host through the job's presentation.
         """
         with self._lock:
             pool = set(self.pool.slots())
@@ -195,8 +269,16 @@ class Allocator:
                 log.info("grant %s: %s (adopted)", job, _describe(kept))
             for binding in bindings:
                 held = self._held.get(binding.job)
-                if held is not None and binding.gpu in held.gpus_on(binding.host):
-                    self._bindings[(binding.job, binding.host, binding.local_rank)] = binding
+                if held is None:
+                    continue
+                name = binding.name or binding.host
+                named = self._present(binding.job, held).get(name, ())
+                host = next((h for h, gpu in named if gpu == binding.gpu), None)
+                if host is not None:
+                    self._bindings[(binding.job, name, binding.local_rank)] = Binding(
+                        binding.job, host, binding.local_rank, binding.gpu, binding.pid,
+                        "" if name == host else name,
+                    )  # fmt: skip
             self._on_decision(self.placements())
 
     def release(self, job: str) -> None:
@@ -206,6 +288,8 @@ class Allocator:
                 return
             self._held.pop(job, None)
             self._resized_at.pop(job, None)
+            self._world.pop(job, None)
+            self._short_since.pop(job, None)
             # Released once its processes are gone: what it was giving back is free now.
             self._draining = {s: d for s, d in self._draining.items() if d.job != job}
             self._deferred.discard(job)
@@ -236,14 +320,87 @@ class Allocator:
                 self._decide(caller="")
 
     def observe_world_size(self, job: str, world_size: int) -> None:
-        """The job's workers say how many they are: a finished shrink frees its GPUs."""
+        """The job's workers say how many they are.
+
+        A finished shrink frees the GPUs it was draining. Fewer workers than granted, after
+        more had been seen (Horovod dropped failed ones) or for longer than
+        `lost_grace_seconds`, shrinks the grant to what runs (see `slots_to_give_up`).
+        """
         with self._lock:
+            now = self._clock()
+            previous = self._world.get(job)
+            self._world[job] = world_size
+            if job in self._held:
+                return  # adopted, not asked for yet: its first reconcile weighs it again
             grant = self._grants.get(job)
             if grant is None or world_size > grant.placement.size:
                 return
-            if any(drain.job == job for drain in self._draining.values()):
-                self._draining = {s: d for s, d in self._draining.items() if d.job != job}
+            if any(drain.job == job and not drain.after_loss for drain in self._draining.values()):
+                self._draining = {
+                    s: d for s, d in self._draining.items() if d.job != job or d.after_loss
+                }
                 self._decide(caller="")
+                grant = self._grants.get(job)
+                if grant is None:
+                    return
+            granted = grant.placement.size
+            if world_size >= granted:
+                self._short_since.pop(job, None)
+                return
+            since = self._short_since.setdefault(job, now)
+            # A drop below a size seen since the grant last shrank: Horovod removed workers
+            # on its own (see the cap in _decide).
+            dropped = previous is not None and world_size < previous
+            if dropped or now - since >= self.lost_grace_seconds:
+                self._lose_workers(job, world_size, now)
+
+    def _lose_workers(self, job: str, world_size: int, now: float) -> None:
+        """Shrink `job` to the `world_size` workers it still has: the slots of gone workers
+        are free at once; a slot whose bound worker still runs here drains like any."""
+        grant = self._grants[job]
+        slots = grant.placement.slots()
+        names = {
+            slot: name
+            for name, named in self._present(job, grant.placement).items()
+            for slot in named
+        }
+        bound = {(b.host, b.gpu): b for b in self._bindings.values() if b.job == job}
+        dead = frozenset(
+            slot
+            for slot, b in bound.items()
+            if b.pid is not None and b.host in self._local_hosts and not _alive(b.pid)
+        )
+        given_up = slots_to_give_up(
+            slots, len(slots) - world_size, dead=dead, bound=frozenset(bound), names=names
+        )
+        kept = set(slots) - set(given_up)
+        hosts = tuple(
+            (host, tuple(gpu for gpu in gpus if (host, gpu) in kept))
+            for host, gpus in grant.placement.hosts
+        )
+        shrunk = Placement(tuple((host, gpus) for host, gpus in hosts if gpus))
+        for slot in given_up:
+            held = bound.get(slot)
+            if (
+                self.drain_seconds > 0
+                and held is not None
+                and held.pid is not None
+                and slot not in dead
+                and held.host in self._local_hosts
+            ):
+                # Its worker still runs: maybe about to be stopped by Horovod, maybe the
+                # guess was wrong. Only its exit frees the GPU (the job's reports cannot
+                # tell which of its GPUs the survivors use).
+                self._draining[slot] = _Drain(
+                    job, now + self.drain_seconds, ((held.host, held.pid),), after_loss=True
+                )
+        self._schedule_drain_check(now)
+        self._short_since.pop(job, None)
+        freed = ", ".join(f"{host}:{gpu}" for host, gpu in given_up)
+        message = f"world size {world_size} of {len(slots)} granted; GPU(s) {freed} taken back"
+        log.warning("%s: %s", job, message)
+        self._on_event(job, "Warning", "WorkerLost", message)
+        self._decide(caller="", shrink=(job, Grant(shrunk, f"workers lost: {message}")))
 
     def _finish_drains(self) -> bool:
         """Drop drains that are over (timed out, or their workers are gone); True if any.
@@ -254,27 +411,57 @@ class Allocator:
         now = self._clock()
         if not self._draining or now < self._next_drain_check:
             return False
-        over = [slot for slot, drain in self._draining.items() if self._drained(drain, now)]
+        over = [slot for slot, drain in self._draining.items() if self._drained(drain)]
         for slot in over:
             del self._draining[slot]
+        self._warn_overdue(now)
         self._schedule_drain_check(now)
         return bool(over)
+
+    def _warn_overdue(self, now: float) -> None:
+        """A drain past its deadline is said once per GPU; the GPU stays held: handing it
+        over while the job's worker may still be on it would make two jobs share it."""
+        for slot, drain in list(self._draining.items()):
+            if drain.overdue or now < drain.until:
+                continue
+            self._draining[slot] = replace(drain, overdue=True)
+            host, gpu = slot
+            watched = (
+                "its workers' processes are gone"
+                if self._watchable(drain)
+                else "the job reports its smaller size"
+            )
+            message = (
+                f"GPU {host}:{gpu} given back {self.drain_seconds:.0f}s ago is still draining:"
+                f" it stays held until {watched}"
+            )
+            log.warning("%s: %s", drain.job, message)
+            self._on_event(drain.job, "Warning", "DrainOverdue", message)
 
     def _schedule_drain_check(self, now: float) -> None:
         self._next_drain_check = min(
             (
-                min(drain.until, now + PID_CHECK_SECONDS) if drain.pids else drain.until
+                min(math.inf if drain.overdue else drain.until, now + PID_CHECK_SECONDS)
+                if self._watchable(drain)
+                else (math.inf if drain.overdue else drain.until)
                 for drain in self._draining.values()
             ),
             default=math.inf,
         )
 
-    def _drained(self, drain: _Drain, now: float) -> bool:
-        if now >= drain.until:
-            return True
-        if not drain.pids or any(host not in self._local_hosts for host, _ in drain.pids):
+    def _watchable(self, drain: _Drain) -> bool:
+        """Whether this allocator can see the drain's workers (all on this host)."""
+        return bool(drain.pids) and all(host in self._local_hosts for host, _ in drain.pids)
+
+    def _drained(self, drain: _Drain) -> bool:
+        if not self._watchable(drain):
             return False  # no way to see the workers from here: wait for a report
         return not any(_alive(pid) for _, pid in drain.pids)
+
+    def overdue_drains(self) -> int:
+        """GPUs draining past `drain_seconds` (held until observed free)."""
+        with self._lock:
+            return sum(drain.overdue for drain in self._draining.values())
 
     def release_all(self) -> None:
         """Forget every job at once (operator shutdown): no re-arbitration in between."""
@@ -285,6 +472,8 @@ class Allocator:
             self._bindings.clear()
             self._held.clear()
             self._resized_at.clear()
+            self._world.clear()
+            self._short_since.clear()
             self._draining.clear()
             self._next_thaw = None
             for job in jobs:
@@ -299,7 +488,9 @@ class Allocator:
         with self._lock:
             return {job: grant.placement for job, grant in self._grants.items()}
 
-    def _decide(self, caller: str) -> None:
+    def _decide(self, caller: str, shrink: tuple[str, Grant] | None = None) -> None:
+        """Decide for every job; `shrink` is a job already cut to what it still runs (lost
+        workers): it keeps exactly that grant in this decision."""
         now = self._clock()
         held = {job: self._grants[job] for job in self._held}
         current = {job: grant.placement for job, grant in self._grants.items() if job not in held}
@@ -308,8 +499,13 @@ class Allocator:
             for job, at in self._resized_at.items()
             if now - at < self.min_resize_interval and current.get(job, Placement.EMPTY).size
         }
+        if shrink is not None:
+            current[shrink[0]] = shrink[1].placement
+            frozen.add(shrink[0])
         demands = list(self._demands.values())
         decided = arbitrate(self._free_pool(), demands, current, frozen=frozen)
+        if shrink is not None:
+            decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
         freed = self._start_drains(current, decided, now)
         if any(
             slot in freed and freed[slot] != job
@@ -331,8 +527,11 @@ class Allocator:
                         f"pending: waiting for GPUs that {givers} gave back to drain"
                         " (its workers leave them first)",
                     )
-            current = {job: grant.placement for job, grant in self._grants.items()}
+        if shrink is not None:
+            decided[shrink[0]] = shrink[1]
         decided.update(held)
+        # From here on, changes are against the grants as they were (the shrink is one).
+        current = {job: grant.placement for job, grant in self._grants.items()}
         # A dict: ordered like `decided`, and membership costs O(1) (a list made this loop
         # quadratic: 0.9 s of a 10,000-job decision).
         changed = {
@@ -348,6 +547,12 @@ class Allocator:
         for job in changed:
             if decided[job].placement.size != current.get(job, Placement.EMPTY).size:
                 self._resized_at[job] = now
+            if job in self._world:
+                # A size seen before a shrink we asked for is no reference for a drop: the
+                # workers leaving then were told to.
+                self._world[job] = min(self._world[job], decided[job].placement.size)
+            # A new grant gets its own grace to be filled.
+            self._short_since.pop(job, None)
         self._resized_at = {job: at for job, at in self._resized_at.items() if job in decided}
         thaws = [
             at + self.min_resize_interval
@@ -361,12 +566,20 @@ class Allocator:
             if placement.size:
                 self._sink.publish(job, placement)
             log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
-        self._bindings = {
-            key: binding
-            for key, binding in self._bindings.items()
-            if binding.job in decided
-            and binding.local_rank < len(decided[binding.job].placement.gpus_on(binding.host))
-        }
+        presented: dict[str, Mapping[str, Sequence[Slot]]] = {}
+        kept: dict[tuple[str, str, int], Binding] = {}
+        for key, binding in self._bindings.items():
+            if binding.job not in decided:
+                continue
+            if binding.job not in presented:
+                presented[binding.job] = self._present(binding.job, decided[binding.job].placement)
+            named = presented[binding.job].get(binding.name or binding.host, ())
+            if binding.local_rank < len(named) and named[binding.local_rank] == (
+                binding.host,
+                binding.gpu,
+            ):
+                kept[key] = binding
+        self._bindings = kept
         try:
             self._on_decision({job: grant.placement for job, grant in decided.items()})
         finally:
@@ -429,16 +642,21 @@ class Allocator:
             grant = self._grants.get(job)
             if grant is None or not grant.placement.size:
                 raise NotFound(f"job {job!r} holds no GPUs")
-            gpus = grant.placement.gpus_on(host)
-            if local_rank >= len(gpus):
+            slots = self._present(job, grant.placement).get(host, ())
+            if local_rank >= len(slots):
                 raise NotFound(
-                    f"job {job!r} holds {len(gpus)} GPU(s) on {host!r}; no local rank {local_rank}"
+                    f"job {job!r} holds {len(slots)} GPU(s) on {host!r}; no local rank {local_rank}"
                 )
-            gpu = gpus[local_rank]
+            real_host, gpu = slots[local_rank]
             self._bindings[(job, host, local_rank)] = Binding(
-                job, host, local_rank, gpu, pid if isinstance(pid, int) else None
+                job,
+                real_host,
+                local_rank,
+                gpu,
+                pid if isinstance(pid, int) else None,
+                "" if host == real_host else host,
             )
-        return {"gpu": gpu, "gpus": list(gpus), "virtual": self.virtual}
+        return {"gpu": gpu, "gpus": [g for _, g in slots], "virtual": self.virtual}
 
     def bindings(self) -> list[Binding]:
         with self._lock:

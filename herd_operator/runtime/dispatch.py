@@ -19,6 +19,7 @@ from controllers.ports import LaunchInfo, ProcessState
 from herd_operator.auth import job_key, write_token_file
 from herd_operator.environment import ENV_FILE_ENV, JOB_ENV, OPERATOR_SET, TOKEN_FILE_ENV
 from herd_operator.layout import StateLayout, write_atomically
+from herd_operator.runtime.allocator import plain_presentation
 from herd_operator.runtime.engines import (
     Engine,
     EngineContext,
@@ -27,7 +28,7 @@ from herd_operator.runtime.engines import (
 )
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
 from specs import HerdJob
-from specs.values import Placement
+from specs.values import Placement, Slot
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,14 @@ class EngineDispatch:
             log.warning("%s: adopted, but this operator has no engine %r", job, kind)
             return
         self.attach(job, engine)
+
+    def present(self, job: str, placement: Placement) -> dict[str, tuple[Slot, ...]]:
+        """The placement under the names the job's engine shows it to its workers."""
+        with self._lock:
+            engine = self._job_engines.get(job)
+        if engine is None:
+            return plain_presentation(job, placement)
+        return engine.present(job, placement)
 
     def publish(self, job: str, placement: Placement) -> None:
         with self._lock:

@@ -102,11 +102,13 @@ class StateCollector(Collector):
         pool: Callable[[], Pool],
         placements: Callable[[], Mapping[str, Placement]],
         request_counts: Callable[[], Mapping[tuple[str, str], int]],
+        overdue_drains: Callable[[], int] = lambda: 0,
     ) -> None:
         self.store = store
         self.pool = pool
         self.placements = placements
         self.request_counts = request_counts
+        self.overdue_drains = overdue_drains
 
     def collect(self) -> Iterator[Metric]:
         jobs = GaugeMetricFamily(
@@ -179,6 +181,13 @@ class StateCollector(Collector):
         pool.add_metric(["allocated"], held)
         pool.add_metric(["free"], self.pool().size - held)
         yield pool
+        overdue = GaugeMetricFamily(
+            "herd_drains_overdue",
+            "GPUs given back by a job whose workers have not been seen to leave them within"
+            " the drain time; held until they are.",
+        )
+        overdue.add_metric([], self.overdue_drains())
+        yield overdue
 
         requests = CounterMetricFamily(
             "herd_allocator_requests",

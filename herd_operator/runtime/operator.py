@@ -43,7 +43,7 @@ from herd_operator.layout import (
     write_atomically,
 )
 from herd_operator.rpc import Handler, RpcServer, parse_address
-from herd_operator.runtime.allocator import Allocator, Binding
+from herd_operator.runtime.allocator import DEFAULT_DRAIN_SECONDS, Allocator, Binding
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.handlers import (
@@ -67,7 +67,7 @@ from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
 from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
 from herd_operator.runtime.store import Store, StoreError
-from specs.values import Placement
+from specs.values import Placement, Pool
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,9 @@ class OperatorConfig:
     watch_events: bool = True
     min_resize_interval: float = 30.0
     """A job's size is left alone this long after it changed (each change resets Horovod)."""
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    """How long a GPU taken from a job may drain before a DrainOverdue warning (it stays
+    held until its workers are seen to leave it)."""
     virtual_gpu_memory_bytes: int = 2 << 30
     """Capacity of one virtual GPU (CPU machines), against which worker memory is measured."""
     sample_seconds: float = 1.0
@@ -195,6 +198,11 @@ class Operator:
             virtual=config.pool.virtual,
             on_decision=lambda placements: store.replace_allocations(placements, time.time()),
             min_resize_interval=config.min_resize_interval,
+            drain_seconds=config.drain_seconds,
+            present=engines.present,
+            on_event=lambda job, type, reason, message: store.add_event(
+                job, type, reason, message, time.time()
+            ),
         )
         self.launcher = launcher = Launcher(
             self.queue.add, grace_seconds=config.grace_seconds, records_dir=self.layout.launches_dir
@@ -365,7 +373,11 @@ class Operator:
         registry = self.metrics.registry
         registry.register(
             StateCollector(
-                store, lambda: allocator.pool, allocator.placements, server.request_counts
+                store,
+                lambda: allocator.pool,
+                allocator.placements,
+                server.request_counts,
+                allocator.overdue_drains,
             )
         )
         if local is not None:
@@ -410,7 +422,7 @@ class Operator:
         bound = _bindings(processes, running)
         placements = {}
         for item in running.values():
-            placement = stored.get(item.job) or _placement_of(bound, item.job)
+            placement = stored.get(item.job) or _placement_of(bound, item.job, allocator.pool)
             if placement.size:
                 placements[item.job] = placement
         self._remove_stale_grants({item.job for item in running.values()})
@@ -596,7 +608,11 @@ def _event_if_known(
 
 
 def _bindings(processes: list[JobProcess], running: Mapping[str, Adopted]) -> list[Binding]:
-    """The GPU each live worker of an adopted launch is bound to, as the shim exported it."""
+    """The GPU each live worker of an adopted launch is bound to, as the shim exported it.
+
+    The host is the name the worker bound with (Horovod's `HOROVOD_HOSTNAME`), which may be
+    another name of a pool host; the allocator resolves it (`Allocator.restore`).
+    """
     found = []
     for proc in processes:
         if proc.launch_id not in running or GPU_ENV not in proc.env:
@@ -605,18 +621,25 @@ def _bindings(processes: list[JobProcess], running: Mapping[str, Adopted]) -> li
             gpu, local_rank = int(proc.env[GPU_ENV]), int(proc.env.get("HOROVOD_LOCAL_RANK", "0"))
         except ValueError:
             continue
-        host = proc.env.get("HOROVOD_HOSTNAME") or socket.gethostname()
-        found.append(Binding(proc.job, host, local_rank, gpu, proc.pid))
+        name = proc.env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        found.append(Binding(proc.job, name, local_rank, gpu, proc.pid, name))
     return found
 
 
-def _placement_of(bindings: list[Binding], job: str) -> Placement:
-    """A job's placement as its bound workers show it (when the store has none: the crash
-    came before the decision that placed them was committed)."""
-    hosts: dict[str, dict[int, int]] = {}
+def _placement_of(bindings: list[Binding], job: str, pool: Pool) -> Placement:
+    """A job's placement as its bound workers show it, when the store has none (the crash
+    came before the decision that placed them was committed). A name that is not a pool
+    host is taken for the pool's host when there is one: the names a lone host is shown
+    under. GPUs in index order: the order of the lost decision is not known."""
+    hosts: dict[str, set[int]] = {}
+    pool_hosts = [host for host, _ in pool.hosts]
     for binding in bindings:
-        if binding.job == job:
-            hosts.setdefault(binding.host, {})[binding.local_rank] = binding.gpu
-    return Placement(
-        tuple((host, tuple(ranks[r] for r in sorted(ranks))) for host, ranks in hosts.items())
-    )
+        if binding.job != job:
+            continue
+        host = binding.host
+        if host not in pool_hosts:
+            if len(pool_hosts) != 1:
+                continue
+            host = pool_hosts[0]
+        hosts.setdefault(host, set()).add(binding.gpu)
+    return Placement(tuple((host, tuple(sorted(gpus))) for host, gpus in hosts.items()))

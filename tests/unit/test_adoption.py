@@ -333,5 +333,32 @@ def test_bindings_and_placement_from_the_workers_environment() -> None:
         JobProcess(14, "a", "L1", {"HERD_GPU": "x"}),
     ]  # fmt: skip
     found = _bindings(processes, adopted)
-    assert sorted((b.pid, b.gpu, b.local_rank) for b in found) == [(11, 3, 1), (12, 2, 0)]
-    assert _placement_of(found, "a") == place(2, 3), "local-rank order"
+    assert sorted((b.pid, b.gpu, b.local_rank, b.name) for b in found) == [
+        (11, 3, 1, "localhost"),
+        (12, 2, 0, "localhost"),
+    ]
+    pool = Pool.from_counts({"localhost": 4})
+    assert _placement_of(found, "a", pool) == place(2, 3)
+    aliased = [Binding("a", "127.0.0.1", 0, 1, 15, "127.0.0.1"), *found]
+    assert _placement_of(aliased, "a", pool) == place(1, 2, 3), "another name of the lone host"
+
+
+def test_restored_bindings_under_another_name_of_the_host_find_their_pool_host() -> None:
+    """A lone local host is shown to Horovod under several names; a worker bound under one of
+    them is matched to the pool host through the job's presentation."""
+
+    def two_names(job: str, placement: Placement) -> dict[str, tuple[tuple[str, int], ...]]:
+        slots = placement.slots()
+        return {"localhost": slots[0::2], "127.0.0.1": slots[1::2]}
+
+    alloc = Allocator(Pool.from_counts({"localhost": 4}), Sink(), virtual=True, present=two_names)
+    alloc.restore(
+        {"a": place(0, 1, 2)},
+        [
+            Binding("a", "127.0.0.1", 0, 1, 21, "127.0.0.1"),  # local rank 0 of the 2nd name
+            Binding("a", "localhost", 1, 2, 22, "localhost"),
+            Binding("a", "127.0.0.1", 1, 3, 23, "127.0.0.1"),  # GPU 3 is not a's
+        ],
+    )
+    restored = sorted((b.pid, b.host, b.name, b.gpu) for b in alloc.bindings())
+    assert restored == [(21, "localhost", "127.0.0.1", 1), (22, "localhost", "", 2)]

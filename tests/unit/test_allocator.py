@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, NotFound
-from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.allocator import Allocator, slots_to_give_up
+from herd_operator.runtime.engines.horovod import GrantPublisher, present
 from specs.values import Demand, Grant, Placement, Pool
 
 # Hang guard for running a discovery script; never a performance expectation.
@@ -298,17 +300,49 @@ def test_gpus_taken_from_a_job_drain_until_its_workers_report_the_new_size(
     assert ("b", grant) in recorder.changes, "the waiting job is woken"
 
 
-def test_a_drain_ends_after_its_timeout_for_workers_that_report_nothing(
+class Events:
+    def __init__(self) -> None:
+        self.raised: list[tuple[str, str, str, str]] = []
+
+    def __call__(self, job: str, type: str, reason: str, message: str) -> None:
+        self.raised.append((job, type, reason, message))
+
+
+def test_a_drain_past_its_timeout_warns_once_and_keeps_the_gpus(
     layout: StateLayout, recorder: Recorder
 ) -> None:
+    """A timeout alone never hands a GPU over: the job's worker may still be on it."""
     clock = Clock()
-    allocator = draining_allocator(layout, recorder, clock)
+    events = Events()
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 4}),
+        GrantPublisher(layout),
+        virtual=True,
+        drain_seconds=30.0,
+        on_event=events,
+        clock=clock,
+    )
     allocator.request(Demand("a", 1, 4, 4, arrival=1))
     allocator.request(Demand("b", 2, 2, 2, arrival=2))
     clock.now += 29
     assert not allocator.request(Demand("b", 2, 2, 2, arrival=2)).admitted
+    assert events.raised == [] and allocator.overdue_drains() == 0
     clock.now += 2
-    assert allocator.request(Demand("b", 2, 2, 2, arrival=2)).admitted
+    assert not allocator.request(Demand("b", 2, 2, 2, arrival=2)).admitted
+    assert allocator.draining() == {("localhost", 2): "a", ("localhost", 3): "a"}
+    assert allocator.overdue_drains() == 2
+    assert [(job, type, reason) for job, type, reason, _ in events.raised] == [
+        ("a", "Warning", "DrainOverdue"),
+        ("a", "Warning", "DrainOverdue"),
+    ]
+    assert "GPU localhost:2 given back 30s ago is still draining" in events.raised[0][3]
+    clock.now += 600
+    assert not allocator.request(Demand("b", 2, 2, 2, arrival=2)).admitted
+    assert len(events.raised) == 2, "said once per GPU"
+
+    allocator.observe_world_size("a", 2)  # observed: the shrink is done
+    assert allocator.grant("b").admitted  # type: ignore[union-attr]
+    assert allocator.overdue_drains() == 0
 
 
 def test_a_drain_ends_when_the_bound_workers_are_gone(
@@ -344,3 +378,234 @@ def test_a_released_job_frees_its_draining_gpus_at_once(
     grant = allocator.grant("b")
     assert grant is not None and grant.placement.size == 3
     assert allocator.draining() == {}
+
+
+# ---- one host under several names (the Horovod engine's presentation) ----
+
+NAMES = {"localhost": ("localhost", "127.0.0.1")}
+
+
+def named_allocator(layout: StateLayout, **kwargs: Any) -> Allocator:
+    return Allocator(
+        Pool.from_counts({"localhost": 4}),
+        GrantPublisher(layout, NAMES),
+        virtual=True,
+        present=lambda job, placement: present(placement, NAMES),
+        drain_seconds=0,
+        **kwargs,
+    )
+
+
+def test_a_worker_binds_to_the_gpu_shown_under_its_host_name(layout: StateLayout) -> None:
+    allocator = named_allocator(layout)
+    allocator.request(demand("a", 1, 4))
+    assert layout.grant_file("a").read_text() == "localhost:2\n127.0.0.1:2\n"
+    reply = allocator.handle_bind({"job": "a", "host": "127.0.0.1", "local_rank": 1, "pid": 9})
+    assert reply == {"gpu": 3, "gpus": [1, 3], "virtual": True}
+    reply = allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": 1})
+    assert reply["gpu"] == 2
+    bindings = {(b.name, b.local_rank): (b.host, b.gpu) for b in allocator.bindings()}
+    assert bindings == {("127.0.0.1", 1): ("localhost", 3), ("", 1): ("localhost", 2)}
+    with pytest.raises(NotFound):
+        allocator.handle_bind({"job": "a", "host": "127.0.0.1", "local_rank": 2})
+
+    allocator.request(demand("b", 1, 1))  # a: 4 -> 3 gives back GPU 3
+    assert allocator.grant("a").placement.gpus_on("localhost") == (0, 1, 2)  # type: ignore[union-attr]
+    assert {(b.name, b.local_rank) for b in allocator.bindings()} == {("", 1)}
+
+
+# ---- workers Horovod dropped on its own ----
+
+
+@pytest.mark.parametrize(
+    ("count", "dead", "bound", "expected"),
+    [
+        # The dead worker's slot first, wherever it is.
+        (1, {0}, {0, 1, 2, 3}, (0,)),
+        # Then one no worker ever bound to.
+        (2, {1}, {0, 1, 3}, (1, 2)),
+        # Then the slots under the dead worker's name (Horovod stopped the name's workers).
+        (2, {0}, {0, 1, 2, 3}, (0, 2)),
+        # Then the last ones.
+        (2, {1}, {0, 1, 2, 3}, (1, 3)),
+        (1, set(), {0, 1, 2, 3}, (3,)),
+        (3, set(), {0, 1, 2, 3}, (3, 2, 1)),
+        (0, {0}, {0, 1, 2, 3}, ()),
+        (9, {3}, set(), (3, 2, 1, 0)),
+    ],
+)
+def test_slots_to_give_up_prefer_what_is_gone(
+    count: int, dead: set[int], bound: set[int], expected: tuple[int, ...]
+) -> None:
+    slots = tuple(("h", gpu) for gpu in range(4))
+    names = {("h", gpu): ("h", "h2")[gpu % 2] for gpu in range(4)}
+    given_up = slots_to_give_up(
+        slots,
+        count,
+        dead=frozenset(("h", g) for g in dead),
+        bound=frozenset(("h", g) for g in bound),
+        names=names,
+    )
+    assert given_up == tuple(("h", g) for g in expected)
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_a_job_that_lost_a_worker_shrinks_to_what_runs_and_grows_back(
+    layout: StateLayout,
+) -> None:
+    clock = Clock()
+    events = Events()
+    allocator = named_allocator(layout, on_event=events, clock=clock, min_resize_interval=30.0)
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    clock.now += 60
+    alive = os.getpid()
+    for name, rank in [("localhost", 0), ("127.0.0.1", 0), ("localhost", 1), ("127.0.0.1", 1)]:
+        allocator.handle_bind({"job": "a", "host": name, "local_rank": rank, "pid": alive})
+    # The worker of GPU 1 (127.0.0.1, local rank 0) was killed; it bound again under a
+    # pid that is gone now.
+    allocator.handle_bind({"job": "a", "host": "127.0.0.1", "local_rank": 0, "pid": dead_pid()})
+    allocator.observe_world_size("a", 4)
+    assert events.raised == []
+    allocator.observe_world_size("a", 3)  # Horovod went on without it
+
+    grant = allocator.grant("a")
+    assert grant is not None and grant.placement.gpus_on("localhost") == (0, 2, 3)
+    assert grant.reason.startswith("workers lost: ")
+    assert events.raised == [
+        (
+            "a",
+            "Warning",
+            "WorkerLost",
+            "world size 3 of 4 granted; GPU(s) localhost:1 taken back",
+        )
+    ]
+    assert layout.grant_file("a").read_text() == "localhost:2\n127.0.0.1:1\n"
+    # The freed GPU is free at once (its worker is gone) ...
+    assert allocator.request(Demand("b", 1, 1, 1, arrival=2)).placement.slots() == (
+        ("localhost", 1),
+    )
+    allocator.release("b")
+    # ... and the job grows back once its resize freeze is over.
+    assert allocator.request(Demand("a", 1, 4, 4, arrival=1)).placement.size == 3
+    clock.now += 30
+    assert allocator.request(Demand("a", 1, 4, 4, arrival=1)).placement.size == 4
+
+
+def test_a_live_worker_on_a_taken_back_gpu_keeps_it_until_it_exits(layout: StateLayout) -> None:
+    clock = Clock()
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 2}),
+        GrantPublisher(layout),
+        virtual=True,
+        drain_seconds=30.0,
+        clock=clock,
+    )
+    allocator.request(Demand("a", 1, 2, 2, arrival=1))
+    worker = subprocess.Popen(["sleep", "60"])
+    try:
+        for rank in (0, 1):
+            allocator.handle_bind(
+                {"job": "a", "host": "localhost", "local_rank": rank, "pid": worker.pid}
+            )
+        allocator.observe_world_size("a", 2)
+        allocator.observe_world_size("a", 1)  # which worker left cannot be seen: both run
+        assert allocator.grant("a").placement.size == 1  # type: ignore[union-attr]
+        assert allocator.draining() == {("localhost", 1): "a"}
+        allocator.observe_world_size("a", 1)  # a report does not free it: only the exit
+        assert not allocator.request(Demand("b", 1, 1, 1, arrival=2)).admitted
+    finally:
+        worker.kill()
+        worker.wait()
+    clock.now += 1.0
+    assert allocator.request(Demand("b", 1, 1, 1, arrival=2)).placement.slots() == (
+        ("localhost", 1),
+    )
+
+
+def test_fewer_workers_than_granted_count_as_lost_only_after_the_grace(
+    layout: StateLayout,
+) -> None:
+    """A grow takes Horovod a while; a worker that never comes must not hold its GPU."""
+    clock = Clock()
+    events = Events()
+    allocator = named_allocator(layout, on_event=events, clock=clock, lost_grace_seconds=60.0)
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    allocator.observe_world_size("a", 2)
+    clock.now += 59
+    allocator.observe_world_size("a", 3)
+    assert allocator.grant("a").placement.size == 4  # type: ignore[union-attr]
+    assert events.raised == []
+    clock.now += 1
+    allocator.observe_world_size("a", 3)
+    assert allocator.grant("a").placement.size == 3  # type: ignore[union-attr]
+    assert [reason for _, _, reason, _ in events.raised] == ["WorkerLost"]
+
+
+def test_the_end_of_a_shrink_the_operator_asked_for_is_no_loss(layout: StateLayout) -> None:
+    events = Events()
+    allocator = named_allocator(layout, on_event=events)
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    allocator.observe_world_size("a", 4)
+    allocator.request(Demand("b", 2, 2, 2, arrival=2))  # a: 4 -> 2
+    allocator.release("b")
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))  # and back to 4 before it reported
+    assert allocator.grant("a").placement.size == 4  # type: ignore[union-attr]
+    allocator.observe_world_size("a", 2)  # the shrink done, the grow not yet
+    assert allocator.grant("a").placement.size == 4  # type: ignore[union-attr]
+    assert events.raised == []
+
+
+def test_the_grace_starts_again_when_the_grant_changes(layout: StateLayout) -> None:
+    clock = Clock()
+    events = Events()
+    allocator = named_allocator(layout, on_event=events, clock=clock, lost_grace_seconds=60.0)
+    allocator.request(Demand("a", 1, 3, 3, arrival=1))
+    allocator.observe_world_size("a", 2)  # one worker still starting
+    clock.now += 50
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))  # grown to 4
+    clock.now += 11
+    allocator.observe_world_size("a", 3)
+    assert allocator.grant("a").placement.size == 4  # type: ignore[union-attr]
+    assert events.raised == []
+
+
+def test_a_host_horovod_blacklisted_is_taken_back_whole_once_its_workers_exit(
+    layout: StateLayout,
+) -> None:
+    """Two pool hosts on one machine (`--hosts localhost:2,127.0.0.1:2`): a killed worker
+    makes Horovod drop its host's other worker too, and go on with the other host."""
+    clock = Clock()
+    events = Events()
+    allocator = Allocator(
+        Pool((("localhost", (0, 1)), ("127.0.0.1", (2, 3)))),
+        GrantPublisher(layout),
+        virtual=True,
+        drain_seconds=30.0,
+        on_event=events,
+        clock=clock,
+    )
+    allocator.request(Demand("a", 1, 4, 4, arrival=1))
+    stopping = subprocess.Popen(["sleep", "60"])  # the other worker of 127.0.0.1, exiting
+    try:
+        pids = {("localhost", 0): os.getpid(), ("localhost", 1): os.getpid()}
+        pids |= {("127.0.0.1", 0): dead_pid(), ("127.0.0.1", 1): stopping.pid}
+        for (host, rank), pid in pids.items():
+            allocator.handle_bind({"job": "a", "host": host, "local_rank": rank, "pid": pid})
+        allocator.observe_world_size("a", 4)
+        allocator.observe_world_size("a", 2)
+        grant = allocator.grant("a")
+        assert grant is not None and grant.placement.slots() == (("localhost", 0), ("localhost", 1))
+        assert [reason for _, _, reason, _ in events.raised] == ["WorkerLost"]
+        assert allocator.draining() == {("127.0.0.1", 3): "a"}  # its worker still runs
+        assert allocator.request(Demand("b", 2, 2, 2, arrival=2)).placement.size == 0
+    finally:
+        stopping.kill()
+        stopping.wait()
+    clock.now += 1.0
+    grant = allocator.request(Demand("b", 2, 2, 2, arrival=2))
+    assert grant.placement.slots() == (("127.0.0.1", 2), ("127.0.0.1", 3))

@@ -48,7 +48,7 @@ from specs import (
     load_spec_text,
     spec_fingerprint,
 )
-from specs.values import Demand, Placement, Pool
+from specs.values import Demand, Placement, Pool, Slot
 
 # Hang guard for waiting on processes; never a performance expectation.
 GUARD_S = 20.0
@@ -75,6 +75,9 @@ class RecordingEngine:
     def relaunch_reason(self, launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
         self.calls.append(("relaunch_reason", launched.engine.options, wanted.engine.options))
         return "recorder options changed" if launched.engine != wanted.engine else ""
+
+    def present(self, job: str, placement: Placement) -> dict[str, tuple[Slot, ...]]:
+        return {host: tuple((host, gpu) for gpu in gpus) for host, gpus in placement.hosts}
 
     def publish(self, job: str, placement: Placement) -> None:
         self.calls.append(("publish", job, placement.size))
@@ -229,7 +232,12 @@ def test_changing_the_engine_kind_relaunches_on_the_new_engine(
     # The horovod engine takes the job over: the recorder withdraws, the grant file appears.
     runtime.engines.attach("a", runtime.engines.engine("horovod"))
     assert recorder.calls[-1] == ("withdraw", "a")
-    assert runtime.layout.grant_file("a").read_text() == "localhost:2\n"
+    horovod = runtime.engines.engine("horovod")
+    assert isinstance(horovod, HorovodEngine)
+    slots = horovod.present("a", Placement((("localhost", (0, 1)),)))
+    assert runtime.layout.grant_file("a").read_text() == "".join(
+        f"{name}:{len(named)}\n" for name, named in slots.items()
+    )
 
 
 def test_an_unknown_kind_is_a_spec_error_and_never_starts(runtime: Runtime) -> None:

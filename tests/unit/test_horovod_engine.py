@@ -25,6 +25,9 @@ from herd_operator.runtime.engines.horovod import (
     HorovodEngine,
     discovery_lines,
     horovodrun_argv,
+    host_aliases,
+    local_names,
+    present,
     relaunch_reason,
 )
 from herd_operator.runtime.launcher import Launcher
@@ -90,6 +93,9 @@ def test_argv_minimal_on_one_local_host(tmp_path: Path) -> None:
         str(tmp_path / "grants" / "train.discover.sh"),
         "--elastic-timeout",
         "600",
+        "--blacklist-cooldown-range",
+        "10",
+        "30",
         "--network-interface",
         "lo",
         PYTHON,
@@ -129,6 +135,9 @@ def test_argv_with_horovod_options_on_remote_hosts(
         str(tmp_path / "grants" / "train.discover.sh"),
         "--elastic-timeout",
         "60",
+        "--blacklist-cooldown-range",
+        "10",
+        "30",
         "--reset-limit",
         "0",
         "--gloo-timeout-seconds",
@@ -157,7 +166,7 @@ def test_loopback_interface_only_when_every_host_is_local(
     tmp_path: Path, hosts: tuple[str, ...], loopback: bool
 ) -> None:
     argv = argv_for(make_spec(), tmp_path, hosts=hosts)
-    assert (argv[11:13] == ["--network-interface", "lo"]) is loopback
+    assert (argv[14:16] == ["--network-interface", "lo"]) is loopback
     assert argv.count("--network-interface") == int(loopback)
 
 
@@ -185,6 +194,79 @@ def test_discovery_lines_list_hosts_with_slots_in_placement_order() -> None:
     placement = Placement((("n2", (3, 1)), ("n1", ()), ("n0", (0,))))
     assert discovery_lines(placement) == ["n2:2", "n0:1"]
     assert discovery_lines(Placement.EMPTY) == []
+
+
+def test_a_cooldown_given_in_extra_args_replaces_the_default(tmp_path: Path) -> None:
+    spec = make_spec(horovod={"extraArgs": ["--blacklist-cooldown-range", "5", "600"]})
+    argv = argv_for(spec, tmp_path)
+    assert argv.count("--blacklist-cooldown-range") == 1
+    at = argv.index("--blacklist-cooldown-range")
+    assert argv[at + 1 : at + 3] == ["5", "600"]
+
+
+# ---- one host under several names ----
+
+ALIASES = {"n0": ("n0", "127.0.0.1", "10.0.0.5")}
+
+
+def test_each_gpu_is_shown_under_the_name_its_index_picks() -> None:
+    placement = Placement((("n0", (0, 1, 2, 3, 4)), ("n1", (7,))))
+    assert present(placement, ALIASES) == {
+        "n0": (("n0", 0), ("n0", 3)),
+        "127.0.0.1": (("n0", 1), ("n0", 4)),
+        "10.0.0.5": (("n0", 2),),
+        "n1": (("n1", 7),),
+    }
+    assert discovery_lines(placement, ALIASES) == ["n0:2", "127.0.0.1:2", "10.0.0.5:1", "n1:1"]
+
+
+def test_a_gpu_keeps_its_name_and_local_rank_when_others_leave() -> None:
+    """Horovod knows a running worker by (host name, local rank): a change elsewhere in the
+    placement must not move it to another GPU."""
+    before = present(Placement((("n0", (0, 1, 2, 3)),)), ALIASES)
+    after = present(Placement((("n0", (0, 1, 3)),)), ALIASES)  # GPU 2 given back
+    assert before["n0"] == after["n0"] == (("n0", 0), ("n0", 3))
+    assert before["127.0.0.1"] == after["127.0.0.1"] == (("n0", 1),)
+    assert "10.0.0.5" not in after
+
+
+@pytest.mark.parametrize(
+    ("hosts", "expected"),
+    [
+        (("localhost",), {"localhost": ("localhost", "127.0.0.1", "vm")}),
+        (("vm",), {"vm": ("vm", "localhost", "127.0.0.1")}),
+        (
+            ("localhost", "nid001"),
+            {"localhost": ("localhost", "127.0.0.1", "vm"), "nid001": ("nid001",)},
+        ),
+        # Two pool hosts on this machine (a test pool): each keeps its own name only.
+        (("localhost", "127.0.0.1"), {"localhost": ("localhost",), "127.0.0.1": ("127.0.0.1",)}),
+        (("nid001", "nid002"), {"nid001": ("nid001",), "nid002": ("nid002",)}),
+    ],
+)
+def test_only_a_lone_local_host_gets_this_machines_other_names(
+    hosts: tuple[str, ...], expected: dict[str, tuple[str, ...]]
+) -> None:
+    assert host_aliases(hosts, ("localhost", "127.0.0.1", "vm")) == expected
+
+
+def test_local_names_are_those_horovod_runs_without_ssh() -> None:
+    names = local_names()
+    assert names[:2] == ("localhost", "127.0.0.1")
+    # Another loopback address is not an interface address: Horovod would ssh to it.
+    assert "127.0.0.2" not in names
+    assert len(set(names)) == len(names)
+
+
+def test_the_engine_shows_a_lone_local_host_under_its_names(
+    layout: StateLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(horovod_module, "local_names", lambda: ("localhost", "127.0.0.1"))
+    engine = HorovodEngine(EngineContext(layout, ("localhost",)))
+    placement = Placement((("localhost", (0, 1, 2)),))
+    engine.publish("a", placement)
+    assert run_discovery(engine.grants.discovery_script("a")) == "localhost:2\n127.0.0.1:1\n"
+    assert engine.present("a", placement)["127.0.0.1"] == (("localhost", 1),)
 
 
 def test_discovery_script_path_is_quoted(tmp_path: Path) -> None:
@@ -281,6 +363,7 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     fake.write_text(EXITING_HOROVODRUN, encoding="utf-8")
     fake.chmod(0o755)
     monkeypatch.setattr(horovod_module, "horovodrun_executable", lambda: str(fake))
+    monkeypatch.setattr(horovod_module, "local_names", lambda: ("localhost", "127.0.0.1"))
     engines = EngineDispatch(EngineContext(layout, ("localhost",)))
     operator_env = {"HERD_ALLOCATOR": "127.0.0.1:1", "FAKE_EXIT": str(code)}
     jobs = JobLauncher(launcher, engines, layout, operator_env, bytes(range(32)))
@@ -295,7 +378,7 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     assert jobs.state("train") == ProcessState(ProcessPhase.EXITED, code, info, False)
 
     log_lines = layout.log_file("train").read_text().splitlines()
-    header, marker, path, env_file, cwd, grant, *args = log_lines
+    header, marker, path, env_file, cwd, grant, alias_grant, *args = log_lines
     match = re.fullmatch(r"==== \S+ launch ([0-9a-f]{32}): (.*)", header)
     assert match is not None, header
     assert match[1] == info.launch_id
@@ -309,7 +392,8 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     assert env_file == 'env file: {"SEED": "7"}'
     assert path.startswith(f"path={Path(sys.executable).parent}{os.pathsep}")
     assert cwd == f"cwd={tmp_path}"
-    assert grant == "localhost:2"
+    # The pool's one local host, shown under two of its names (a worker failure costs one).
+    assert (grant, alias_grant) == ("localhost:1", "127.0.0.1:1")
     assert args[-len(command) :] == [f"<{arg}>" for arg in command]
     assert jobs.relaunch_reason(info, job) == ""
     moved = make_job(command=command, workingDir=str(tmp_path), env={"FAKE_EXIT": "0"})

@@ -71,6 +71,7 @@ def test_state_collector_reads_jobs_pool_and_requests_at_scrape_time(tmp_path: P
             lambda: Pool.from_counts({"h": 4}),
             lambda: placements,
             lambda: {("bind", "ok"): 5, ("report", "bad_request"): 1},
+            lambda: 2,
         )
     )
     got = samples(registry)
@@ -88,6 +89,7 @@ def test_state_collector_reads_jobs_pool_and_requests_at_scrape_time(tmp_path: P
     assert got[("herd_pool_gpus", (("state", "allocated"),))] == 3
     assert got[("herd_pool_gpus", (("state", "free"),))] == 1
     assert got[("herd_allocator_requests_total", (("op", "bind"), ("result", "ok")))] == 5
+    assert got[("herd_drains_overdue", ())] == 2
 
     # Read at scrape time: a change shows in the next scrape.
     record(store, "a", desired=4, allocated=4, active=2)

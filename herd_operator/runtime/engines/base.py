@@ -15,7 +15,7 @@ from typing import Protocol
 
 from herd_operator.layout import StateLayout
 from specs import HerdJob, HerdJobSpec
-from specs.values import Placement
+from specs.values import Placement, Slot
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ class Engine(Protocol):
 
     def relaunch_reason(self, launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
         """Why processes started for `launched` cannot follow `wanted` ('' if they can)."""
+        ...
+
+    def present(self, job: str, placement: Placement) -> dict[str, tuple[Slot, ...]]:
+        """The placement as the job's workers name it: each host name a worker binds with ->
+        the slots under that name, in local-rank order."""
         ...
 
     def publish(self, job: str, placement: Placement) -> None:

@@ -4,6 +4,15 @@ The job is one `horovodrun` process that starts the workers (each through the sh
 which binds it to the allocator's GPU). A placement reaches it as a `host:slots` grant
 file that the job's discovery script `cat`s; Horovod runs that script every second and
 resizes the job when the answer changes.
+
+Horovod blacklists a whole host when one of its workers fails, and a job whose hosts
+are all blacklisted stops. So the slots of one machine are presented under several of
+its names (`localhost`, `127.0.0.1`, its host name, its interface addresses: Horovod
+starts a worker without ssh when the name resolves to a local address): a failed worker
+costs the job only the slots shown under its name, and `--blacklist-cooldown-range`
+lets that name come back. The allocator keeps its pool per real host; `present` maps a
+placement to the names, and the shim's bind maps (name, local rank) back to a GPU
+through the same function.
 """
 
 from __future__ import annotations
@@ -11,16 +20,22 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+
+import psutil
 
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.engines.base import EngineContext
 from specs import HerdJob, HerdJobSpec
-from specs.values import Placement
+from specs.values import Placement, Slot
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+BLACKLIST_COOLDOWN_SECONDS = (10, 30)
+"""Horovod's cool-down range for a blacklisted host name: the first blacklisting lasts 20 to
+30 s (twice the lower bound plus jitter, capped by the upper), each later one the upper."""
 FIXED_AT_LAUNCH_CHANGED = "command, env, workingDir, gpus.min or horovod options changed"
 
 
@@ -60,6 +75,10 @@ def horovodrun_argv(
         "--elastic-timeout",
         str(spec.horovod.elastic_timeout_seconds),
     ]
+    if "--blacklist-cooldown-range" not in spec.horovod.extra_args:
+        # Without it a host name blacklisted after a worker failure never comes back.
+        low, high = BLACKLIST_COOLDOWN_SECONDS
+        argv += ["--blacklist-cooldown-range", str(low), str(high)]
     if spec.horovod.reset_limit is not None:
         argv += ["--reset-limit", str(spec.horovod.reset_limit)]
     if hosts and all(host in LOCAL_HOSTS for host in hosts):
@@ -70,9 +89,66 @@ def horovodrun_argv(
     return argv
 
 
-def discovery_lines(placement: Placement) -> list[str]:
+Presentation = dict[str, tuple[Slot, ...]]
+"""Host name as Horovod sees it -> the slots shown under it, in local-rank order."""
+
+
+def present(placement: Placement, aliases: Mapping[str, Sequence[str]]) -> Presentation:
+    """The names under which Horovod sees the placement's slots.
+
+    GPU g of a host with names n_0..n_k-1 is shown under n_(g mod k): a GPU keeps its
+    name whatever else the placement holds, so a running worker (known to Horovod by
+    name and local rank) keeps its slot when the placement changes elsewhere.
+    """
+    presented: dict[str, list[Slot]] = {}
+    for host, gpus in placement.hosts:
+        names = aliases.get(host) or (host,)
+        for gpu in gpus:
+            presented.setdefault(names[gpu % len(names)], []).append((host, gpu))
+    return {name: tuple(slots) for name, slots in presented.items()}
+
+
+def discovery_lines(placement: Placement, aliases: Mapping[str, Sequence[str]] = {}) -> list[str]:
     """What a Horovod host-discovery script prints for this placement."""
-    return [f"{host}:{len(gpus)}" for host, gpus in placement.hosts if gpus]
+    return [f"{name}:{len(slots)}" for name, slots in present(placement, aliases).items()]
+
+
+def host_aliases(hosts: Iterable[str], local_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Each pool host's names for Horovod: its own first, then this machine's other names
+    if it is the pool's only local host (two local pool hosts would share the names)."""
+    hosts = list(hosts)
+    local = [host for host in hosts if host in local_names or host in LOCAL_HOSTS]
+    aliases: dict[str, tuple[str, ...]] = {host: (host,) for host in hosts}
+    if len(local) == 1:
+        (host,) = local
+        aliases[host] = (host, *(name for name in local_names if name != host))
+    return aliases
+
+
+def local_names() -> tuple[str, ...]:
+    """Names of this machine that Horovod starts workers under without ssh.
+
+    Horovod runs a worker locally when its host name resolves to an IPv4 address of a local
+    interface (`horovod.runner.util.network.get_local_host_addresses`): `localhost`, the
+    interface addresses, the host name when it resolves to one of them. Another loopback
+    address such as 127.0.0.2 is not an interface address: Horovod would ssh to it.
+    """
+    addresses = [
+        address.address
+        for entries in psutil.net_if_addrs().values()
+        for address in entries
+        if address.family == socket.AF_INET
+    ]
+    names = ["localhost", *addresses, socket.gethostname()]
+    found: list[str] = []
+    for name in names:
+        try:
+            resolved = socket.gethostbyname(name)
+        except OSError:
+            continue
+        if resolved in addresses and name not in found:
+            found.append(name)
+    return tuple(found)
 
 
 def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:
@@ -110,8 +186,9 @@ class GrantPublisher:
     of it.
     """
 
-    def __init__(self, layout: StateLayout) -> None:
+    def __init__(self, layout: StateLayout, aliases: Mapping[str, Sequence[str]] = {}) -> None:
         self.layout = layout
+        self.aliases = aliases
 
     def discovery_script(self, job: str) -> Path:
         script = self.layout.discovery_script(job)
@@ -121,7 +198,7 @@ class GrantPublisher:
         return script
 
     def publish(self, job: str, placement: Placement) -> None:
-        lines = discovery_lines(placement)
+        lines = discovery_lines(placement, self.aliases)
         # Atomic, not durable: after a crash the operator decides and publishes again.
         write_atomically(
             self.layout.grant_file(job), "".join(f"{line}\n" for line in lines), durable=False
@@ -138,8 +215,9 @@ class HorovodEngine:
     command = "horovodrun"
 
     def __init__(self, context: EngineContext) -> None:
-        self.grants = GrantPublisher(context.layout)
         self.hosts = context.hosts
+        self.aliases = host_aliases(context.hosts, local_names())
+        self.grants = GrantPublisher(context.layout, self.aliases)
         self.python = context.python
 
     def launch_argv(self, job: HerdJob, np: int) -> list[str]:
@@ -157,6 +235,9 @@ class HorovodEngine:
 
     def relaunch_reason(self, launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
         return relaunch_reason(launched, wanted)
+
+    def present(self, job: str, placement: Placement) -> Presentation:
+        return present(placement, self.aliases)
 
     def publish(self, job: str, placement: Placement) -> None:
         self.grants.publish(job, placement)

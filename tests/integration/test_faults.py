@@ -1,0 +1,168 @@
+"""A worker killed under a real elastic horovodrun job on the default one-host pool.
+
+Horovod blacklists the host name of a failed worker and stops the job when every name
+is blacklisted. The operator shows the one host under several names, so the job goes on
+at a smaller size; the operator takes back the dead worker's GPU, says so, and grows the
+job back. Marked `faults` (each test runs a job through a worker failure: about a minute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from specs.values import Grant, Placement
+from tests.integration.harness import (
+    OperatorHarness,
+    digits_command,
+    operator_harness,
+    spec_document,
+)
+
+pytestmark = pytest.mark.faults
+
+EPOCHS = 12
+
+
+def test_a_killed_worker_costs_the_job_one_gpu_not_the_run(herd: OperatorHarness) -> None:
+    # The survivors notice the dead worker after Gloo's timeout (30 s). A shorter one would
+    # fail the worker that rejoins later: it must start (import torch) within it.
+    herd.write_spec(spec_document("digits", 1, 4, digits_command(EPOCHS)))
+    herd.wait_for(
+        lambda: any(r.epoch is not None and r.world_size == 4 for r in herd.reports("digits")),
+        "an epoch at 4 workers",
+        job="digits",
+    )
+    launch = herd.launch_id("digits")
+    allocator = herd.operator.allocator
+    # A worker bound under a second name of the host, and not rank 0: killing rank 0 in the
+    # middle of an allreduce can take a second worker down with it (a Gloo abort).
+    victims = [
+        b
+        for b in allocator.bindings()
+        if b.job == "digits" and b.name and b.pid is not None and rank_of(b.pid) not in (None, 0)
+    ]
+    assert victims, f"no worker of rank > 0 under a second host name: {allocator.bindings()}"
+    victim = victims[0]
+    assert victim.pid is not None
+    epoch_at_kill = max(r.epoch for r in herd.reports("digits") if r.epoch is not None)
+    killed_at = time.time()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(victim.pid, signal.SIGKILL)
+
+    lost = herd.wait_for(
+        lambda: next((e for e in herd.events("digits") if e.reason == "WorkerLost"), None),
+        "a WorkerLost event",
+        job="digits",
+    )
+    assert lost.type == "Warning"
+    assert f"localhost:{victim.gpu}" in lost.message, lost.message
+    smaller = herd.wait_for(
+        lambda: next(
+            (
+                r.world_size
+                for r in herd.reports("digits")
+                if r.time > killed_at and r.epoch is not None and r.world_size < 4
+            ),
+            None,
+        ),
+        "an epoch at fewer workers",
+        job="digits",
+    )
+    shrink = next(
+        e
+        for e in herd.events("digits")
+        if e.reason == "Resized" and e.message.startswith(f"4 -> {smaller} GPUs: workers lost")
+    )
+    assert shrink.time >= lost.time
+
+    done = herd.wait_for(
+        lambda: (c := herd.condition("digits", "Succeeded")) and c["status"] == "True" and c,
+        "the job to succeed",
+        job="digits",
+        timeout=180,
+    )
+    assert done is not None
+    assert herd.launch_id("digits") == launch, "the job was relaunched"
+    reasons = [e.reason for e in herd.events("digits")]
+    assert reasons.count("Started") == 1, reasons
+    after = [r.epoch for r in herd.reports("digits") if r.time > killed_at and r.epoch is not None]
+    # Elastic Horovod resumes from the last commit: at most the epoch in flight is redone.
+    assert after and min(after) >= epoch_at_kill, (epoch_at_kill, after)
+    assert max(after) == EPOCHS - 1
+    # The policy grew it back: the grant returned to 4 after the loss.
+    grown = [e for e in herd.events("digits") if e.reason == "Resized" and e.time >= shrink.time]
+    assert any(e.message.startswith(f"{smaller} -> 4 GPUs") for e in grown), reasons
+
+
+def rank_of(pid: int) -> int | None:
+    """The Horovod rank of a worker process, from the environment horovodrun gave it."""
+    try:
+        environ = psutil.Process(pid).environ()
+    except psutil.Error:
+        return None
+    if environ.get("HERD_JOB") != "digits" or "HOROVOD_RANK" not in environ:
+        return None
+    return int(environ["HOROVOD_RANK"])
+
+
+def test_a_drained_gpu_waits_for_the_worker_that_still_runs_on_it(tmp_path: Path) -> None:
+    """A job that reports nothing and commits rarely keeps the workers it lost in a shrink
+    until their next commit: their GPUs go to the next job only once they are gone, however
+    long past the drain time that is (issue 11, item 14a)."""
+    with operator_harness(tmp_path, drain_seconds=1.0) as herd:
+        slow = ["python", "examples/train_plain.py", "--epochs", "3", "--steps", "60"]
+        slow += ["--step-delay", "0.1"]  # a commit every 6 s or more
+        herd.write_spec(spec_document("slow", 1, 4, slow))
+        allocator = herd.operator.allocator
+        bound = herd.wait_for(
+            lambda: len(b := [b for b in allocator.bindings() if b.job == "slow"]) == 4 and b,
+            "4 workers of the slow job bound",
+            job="slow",
+        )
+        herd.write_spec(spec_document("urgent", 2, 2, digits_command(2), priority=10))
+        herd.wait_for(
+            lambda: (allocator.grant("slow") or Grant(Placement.EMPTY, "")).placement.size == 2,
+            "the slow job shrunk to 2",
+            job="slow",
+        )
+        kept = allocator.grant("slow")
+        assert kept is not None
+        slots = kept.placement.slots()
+        given_back = {(b.host, b.gpu): b.pid for b in bound if (b.host, b.gpu) not in slots}
+        assert len(given_back) == 2
+
+        def urgent_admitted_on_free_gpus() -> bool:
+            urgent = allocator.grant("urgent")
+            held = set(urgent.placement.slots()) if urgent else set()
+            for slot, pid in given_back.items():
+                # The invariant under test: never a GPU whose old worker still runs.
+                assert not (slot in held and pid is not None and alive(pid)), (
+                    f"{slot} granted to urgent while worker {pid} of slow still runs on it"
+                )
+            return bool(held)
+
+        herd.wait_for(urgent_admitted_on_free_gpus, "the urgent job admitted", job="urgent")
+        herd.wait_for(
+            lambda: (c := herd.condition("urgent", "Succeeded")) and c["status"] == "True",
+            "the urgent job to finish",
+            job="urgent",
+            timeout=180,
+        )
+        overdue = [e for e in herd.events("slow") if e.reason == "DrainOverdue"]
+        print(f"DrainOverdue events: {[e.message for e in overdue]}")
+        assert all(e.type == "Warning" for e in overdue)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is still a live worker process (not a zombie)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
