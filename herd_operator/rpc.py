@@ -30,11 +30,23 @@ Connection errors: the server answers ``{"type": "error", "error": {"code", "mes
 and closes the connection when a frame is too long, not UTF-8 JSON, or not an object
 (``bad_request``), when the handshake fails or a request comes before it
 (``unauthenticated``), when the server is at its connection limit (``unavailable``),
+when too many connections are in their handshake and none can be dropped for this one
+(``busy``: a client may retry shortly, and ``RpcClient`` does),
 when a started frame or the handshake takes longer than ``read_timeout`` (``timeout``),
 and when an authenticated connection sits idle longer than ``idle_timeout``
 (``idle_timeout``). The last one is only sent while no byte of a next request has been
 read, so a client that gets it in place of a response knows its request was not
 processed and may resend it on a new connection.
+
+Connections that have not authenticated yet are a pool of their own (``max_unauthenticated``)
+since anyone who can reach the port can open them. When the pool is full, a newcomer takes
+the slot of the oldest connection that has sent no byte of its hello and is older than
+``eviction_age`` (a real client answers the challenge in milliseconds, so that one is an
+idler); a connection whose hello has begun is never dropped for a newcomer (its handshake
+deadline still applies). If every silent connection is younger, the newcomer is refused
+at once with ``busy``. ``RpcClient`` retries a connection refused or dropped before the
+welcome, with jittered exponential backoff, so a burst of workers larger than the pool
+all get in.
 """
 
 from __future__ import annotations
@@ -44,12 +56,14 @@ import contextlib
 import itertools
 import json
 import logging
+import random
 import re
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeGuard
 
@@ -65,8 +79,14 @@ _MAX_FORBIDDEN_LOGGED = 1024
 _MAX_NONCE_CHARS = 128
 _AUTH_LOG_INTERVAL_S = 1.0
 _UNKNOWN_OP_LABEL = "<unknown>"
+# RpcClient's retries of a refused connection: the first pause is about this long...
+_RETRY_FIRST_PAUSE_S = 0.05
+# ...and it doubles with each retry up to this.
+_RETRY_MAX_PAUSE_S = 2.0
 # The clock of the auth-failure log limiter (a module attribute so tests can drive it).
 _log_clock = time.monotonic
+# The clock that ages unauthenticated connections (a module attribute for the same reason).
+_pool_clock = time.monotonic
 
 Handler = Callable[[dict[str, Any], Identity], dict[str, Any]]
 """Answers one op: gets the request's arguments and the identity the client proved."""
@@ -178,6 +198,26 @@ class _IdleClose(Exception):
     """An authenticated connection was idle too long."""
 
 
+class _Refused(ConnectionError):
+    """The server refused or dropped the connection; before its welcome, worth a retry."""
+
+
+class _ConnectTimeout(TimeoutError):
+    """A connect timed out; worth a retry."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A connection's standing in the pool of those that have not authenticated."""
+
+    writer: asyncio.StreamWriter
+    opened: float
+    """``_pool_clock()`` when the connection was accepted."""
+    speaking: bool = False
+    """Whether the first byte of its hello has arrived."""
+    authenticated: bool = False
+
+
 class RpcServer:
     """Serves ``handlers`` to authenticated clients from an asyncio loop in a thread."""
 
@@ -191,8 +231,9 @@ class RpcServer:
         read_timeout: float = 10.0,
         idle_timeout: float = 300.0,
         max_connections: int = 1024,
-        max_unauthenticated: int = 64,
+        max_unauthenticated: int = 256,
         handshake_timeout: float = 5.0,
+        eviction_age: float = 1.0,
     ) -> None:
         self._master_token = master_token
         self._handlers = dict(handlers)
@@ -203,11 +244,13 @@ class RpcServer:
         self._max_connections = max_connections
         # Connections that have not proved the token yet are a pool of their own, with a
         # short deadline: anyone on the node can open them, and they must not crowd out
-        # workers. When it is full, the oldest is dropped for the newcomer: an idler holds
-        # its slot for seconds, a real client's handshake takes milliseconds.
+        # workers. When it is full, a newcomer takes the slot of the oldest silent one
+        # older than eviction_age, or is refused (see the module docstring).
         self._max_unauthenticated = max_unauthenticated
         self._handshake_timeout = min(handshake_timeout, read_timeout)
-        self._unauthenticated: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._eviction_age = eviction_age
+        # In the order they came (dicts keep it), so the first evictable one is the oldest.
+        self._unauthenticated: dict[asyncio.Task[None], _Pending] = {}
         self._lifecycle_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -322,27 +365,31 @@ class RpcServer:
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        try:
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            # stop() cancels the connections still open. Ending the task normally matters on
+            # Python 3.11, whose start_server callback logs a traceback for a cancelled one.
+            writer.transport.abort()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = _peer_label(writer.get_extra_info("peername"))
         task = asyncio.current_task()
         assert task is not None  # start_server runs each connection in its own task
-        at_capacity = len(self._connections) >= self._max_connections
+        pending = _Pending(writer, _pool_clock())
         self._connections[task] = writer
-        if not at_capacity:
-            if len(self._unauthenticated) >= self._max_unauthenticated:
-                oldest = next(iter(self._unauthenticated))
-                self._unauthenticated.pop(oldest).transport.abort()
-                logger.debug("dropped the oldest unauthenticated connection for %s", peer)
-            self._unauthenticated[task] = writer
         try:
-            if at_capacity:
+            if len(self._connections) > self._max_connections:
                 raise _Rejected(
                     "unavailable",
                     "server is busy",
                     f"at the limit of {self._max_connections} connections",
                 )
-            await self._converse(reader, writer, peer)
+            self._admit(task, pending, peer)
+            await self._converse(reader, writer, peer, pending)
         except _Rejected as rejected:
-            if rejected.in_handshake:
+            if rejected.in_handshake or not pending.authenticated:
+                # Anyone who can reach the port can cause these: rate-limited per host.
                 self._log_auth_failure(peer, rejected.reason)
             else:
                 logger.warning("rejected connection from %s: %s", peer, rejected.reason)
@@ -370,18 +417,49 @@ class RpcServer:
             self._unauthenticated.pop(task, None)
             await self._close(writer)
 
+    def _admit(self, task: asyncio.Task[None], pending: _Pending, peer: str) -> None:
+        """Put a new connection in the unauthenticated pool, or raise _Rejected (busy)."""
+        if len(self._unauthenticated) >= self._max_unauthenticated:
+            oldest_allowed = pending.opened - self._eviction_age
+            for other_task, other in self._unauthenticated.items():
+                if other.opened > oldest_allowed:
+                    # This one and every later one is too young to be taken for an idler.
+                    raise _Rejected(
+                        "busy",
+                        "too many connections are authenticating; retry shortly",
+                        f"{self._max_unauthenticated} connections are authenticating"
+                        f" and none has been silent for {self._eviction_age:g} s",
+                    )
+                if not other.speaking:
+                    del self._unauthenticated[other_task]
+                    other.writer.transport.abort()
+                    logger.debug("dropped a silent unauthenticated connection for %s", peer)
+                    break
+            else:
+                raise _Rejected(
+                    "busy",
+                    "too many connections are authenticating; retry shortly",
+                    f"{self._max_unauthenticated} connections are sending their hello",
+                )
+        self._unauthenticated[task] = pending
+
     async def _converse(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str,
+        pending: _Pending,
     ) -> None:
         server_nonce = new_nonce()
         challenge = {"v": PROTOCOL_VERSION, "type": "challenge", "nonce": server_nonce}
         await self._send(writer, _encode_frame(challenge))
         hello = await self._read_frame(
-            reader, wait_timeout=self._handshake_timeout, authenticated=False
+            reader, wait_timeout=self._handshake_timeout, pending=pending
         )
         if hello is None:
             return
         client_nonce, label, identity, key = self._check_auth(hello, server_nonce)
+        pending.authenticated = True
         task = asyncio.current_task()
         if task is not None:
             self._unauthenticated.pop(task, None)
@@ -392,9 +470,7 @@ class RpcServer:
         await self._send(writer, _encode_frame(welcome))
         logger.debug("authenticated client %s as %s from %s", label, identity, peer)
         while True:
-            request = await self._read_frame(
-                reader, wait_timeout=self._idle_timeout, authenticated=True
-            )
+            request = await self._read_frame(reader, wait_timeout=self._idle_timeout)
             if request is None:
                 return
             await self._send(writer, self._dispatch(request, identity, peer))
@@ -438,14 +514,20 @@ class RpcServer:
         return client_nonce, label, identity, key
 
     async def _read_frame(
-        self, reader: asyncio.StreamReader, *, wait_timeout: float, authenticated: bool
+        self,
+        reader: asyncio.StreamReader,
+        *,
+        wait_timeout: float,
+        pending: _Pending | None = None,
     ) -> dict[str, Any] | None:
         """Read one frame, or None at a clean end of stream.
 
-        The first byte may take ``wait_timeout``; the rest of the frame must follow
+        ``pending`` is the connection's standing while it is not authenticated (None
+        after). The first byte may take ``wait_timeout``; the rest of the frame must follow
         within ``read_timeout`` (the handshake deadline before authentication) so a
         trickling peer cannot hold the connection.
         """
+        authenticated = pending is None
         try:
             # asyncio.timeout, not wait_for: wait_for wraps each await in a new Task, which
             # was the largest avoidable cost per request (three per request).
@@ -461,6 +543,8 @@ class RpcServer:
             ) from None
         if not first:
             return None
+        if pending is not None:
+            pending.speaking = True  # never dropped for a newcomer from now on
         line = b""
         if first != b"\n":
             # Before authentication the whole hello gets the handshake's short deadline: one
@@ -625,8 +709,19 @@ class RpcClient:
         identity: Identity = ADMIN,
         client: str = "client",
         timeout: float = 10.0,
+        connect_attempts: int = 8,
+        connect_deadline: float | None = None,
     ) -> None:
-        """``token`` is ``identity``'s key: the master token for admin, else a derived one."""
+        """``token`` is ``identity``'s key: the master token for admin, else a derived one.
+
+        A connection the server refuses as ``busy``, or closes or resets before its
+        welcome, or a connect that times out, is tried again up to ``connect_attempts``
+        times in all, after a jittered pause that doubles each time, as long as the next
+        try starts within ``connect_deadline`` seconds (default: ``timeout``) of the
+        first. Authentication failures and other refusals are never retried.
+        """
+        if connect_attempts < 1:
+            raise ValueError("connect_attempts must be at least 1")
         if not is_client_label(client):
             raise ValueError(
                 f"client label {client!r} must be 1 to {_MAX_CLIENT_LABEL} characters"
@@ -637,6 +732,8 @@ class RpcClient:
         self._identity = str(identity)
         self._label = client
         self._timeout = timeout
+        self._connect_attempts = connect_attempts
+        self._connect_deadline = timeout if connect_deadline is None else connect_deadline
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._buffer = bytearray()
@@ -721,10 +818,29 @@ class RpcClient:
     def _connected(self) -> socket.socket:
         if self._sock is not None and self._connection_is_fresh():
             return self._sock
+        deadline = time.monotonic() + self._connect_deadline
+        for attempt in range(1, self._connect_attempts + 1):
+            try:
+                return self._connect_once()
+            except (_Refused, _ConnectTimeout) as error:
+                # Equal jitter: half the doubled pause, plus up to as much again at random,
+                # so a burst of clients refused together spreads out.
+                pause = min(_RETRY_MAX_PAUSE_S, _RETRY_FIRST_PAUSE_S * 2 ** (attempt - 1))
+                pause *= random.uniform(0.5, 1.0)
+                if attempt == self._connect_attempts or time.monotonic() + pause > deadline:
+                    text = str(error) if attempt == 1 else f"{error} (tried {attempt} times)"
+                    if isinstance(error, _ConnectTimeout):
+                        raise TimeoutError(text) from None
+                    raise ConnectionError(text) from error
+                logger.debug("%s; trying again in %.2f s", error, pause)
+                time.sleep(pause)
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _connect_once(self) -> socket.socket:
         try:
             sock = socket.create_connection(self._address, timeout=self._timeout)
         except TimeoutError:
-            raise TimeoutError(f"connecting to {self._where()} timed out") from None
+            raise _ConnectTimeout(f"connecting to {self._where()} timed out") from None
         except OSError as error:
             raise ConnectionError(f"cannot connect to {self._where()}: {error}") from error
         self._sock = sock
@@ -758,7 +874,14 @@ class RpcClient:
             "nonce": client_nonce,
             "proof": proof,
         }
-        sock.sendall(_encode_frame(hello) + b"\n")
+        try:
+            sock.sendall(_encode_frame(hello) + b"\n")
+        except TimeoutError:
+            raise TimeoutError(f"sending the hello to {self._where()} timed out") from None
+        except OSError as error:
+            raise _Refused(
+                f"connection to {self._where()} broke sending the hello: {error}"
+            ) from error
         welcome = self._receive("waiting for the server's welcome")
         if welcome.get("type") == "error":
             self._raise_connection_error(welcome)
@@ -780,6 +903,8 @@ class RpcClient:
         text = message if isinstance(message, str) else "no message"
         if code == "unauthenticated":
             raise AuthError(code, f"server at {self._where()} rejected us: {text}")
+        if code == "busy":
+            raise _Refused(f"server at {self._where()} refused the connection: {code}: {text}")
         raise ConnectionError(f"server at {self._where()} refused the connection: {code}: {text}")
 
     def _receive(self, doing: str) -> dict[str, Any]:
@@ -805,11 +930,11 @@ class RpcClient:
                 except TimeoutError:
                     raise TimeoutError(f"timed out {doing} from {self._where()}") from None
                 except OSError as error:
-                    raise ConnectionError(
+                    raise _Refused(
                         f"connection to {self._where()} broke {doing}: {error}"
                     ) from error
                 if not chunk:
-                    raise ConnectionError(f"{self._where()} closed the connection {doing}")
+                    raise _Refused(f"{self._where()} closed the connection {doing}")
                 self._buffer += chunk
             try:
                 return _decode_frame(line)

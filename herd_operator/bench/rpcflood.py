@@ -2,8 +2,9 @@
 
 An attacker on a node can open connections to the allocator's port without knowing the
 token and hold them open, reconnecting whenever the server drops them. The server keeps
-those in a small pool of its own (64 by default, the oldest dropped for a newcomer), so
-workers should still get through. This benchmark measures it: N authenticated clients
+those in a pool of its own (256 by default; a newcomer takes the slot of a silent one
+older than a second, or is refused as busy and retried by `RpcClient`), so workers
+should still get through. This benchmark measures it: N authenticated clients
 call the real `bind` and `report` handlers for D seconds, first alone (the baseline),
 then while M unauthenticated connections are held open and reopened as soon as the
 server drops them. Everything runs on loopback in this process; it ends with the run.
@@ -28,9 +29,10 @@ from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figure
 from herd_operator.bench.jobs import bench_job
 from herd_operator.bench.rpcload import JOB, TOKEN, report_handler
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import RpcClient, RpcError, RpcServer
+from herd_operator.rpc import Handler, RpcClient, RpcError, RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.handlers import for_anyone
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Pool
 
@@ -347,9 +349,9 @@ def flood_rows(
             Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True
         )
         allocator.request(Demand(JOB, 1, 4, 4))
-        handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-            "bind": allocator.handle_bind,
-            "report": report_handler(store),
+        handlers: dict[str, Handler] = {
+            "bind": for_anyone(allocator.handle_bind),
+            "report": for_anyone(report_handler(store)),
         }
         for round_number in range(ctx.repeat):
             for flooded in (False, True):

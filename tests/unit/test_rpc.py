@@ -670,6 +670,61 @@ def test_client_resends_once_when_the_server_closed_for_idleness_before_reading(
         fake.stop()
 
 
+def _refuse_busy(fake: FakeServer, peer: RawPeer) -> None:
+    peer.send(BUSY)
+
+
+def _close_after_the_hello(fake: FakeServer, peer: RawPeer) -> None:
+    peer.send({"v": 2, "type": "challenge", "nonce": new_nonce()})
+    assert peer.read() is not None
+
+
+def _serve(fake: FakeServer, peer: RawPeer) -> None:
+    peer.serve_handshake(fake.token)
+    _answer(fake, peer)
+
+
+def test_client_retries_a_connection_refused_or_dropped_before_the_welcome() -> None:
+    fake = FakeServer([_refuse_busy, _close_after_the_hello, _serve], handshake=False)
+    try:
+        with RpcClient(fake.address, TOKEN) as client:
+            assert client.call("echo") == {"served": 3}
+        assert [request["op"] for request in fake.requests] == ["echo"]
+    finally:
+        fake.stop()
+
+
+def test_client_gives_up_after_its_connect_attempts() -> None:
+    fake = FakeServer([_refuse_busy] * 3 + [_serve], handshake=False)
+    host, port = fake.address
+    try:
+        client = RpcClient(fake.address, TOKEN, connect_attempts=3)
+        with client, pytest.raises(ConnectionError) as caught:
+            client.call("echo")
+        assert str(caught.value) == (
+            f"server at {host}:{port} refused the connection: busy: too many connections"
+            " are authenticating; retry shortly (tried 3 times)"
+        )
+        assert fake.connections == 3
+    finally:
+        fake.stop()
+
+
+def test_client_never_retries_a_failed_authentication() -> None:
+    def reject(fake: FakeServer, peer: RawPeer) -> None:
+        peer.send({"v": 2, "type": "challenge", "nonce": new_nonce()})
+        assert peer.read() is not None
+        peer.send({"type": "error", "error": {"code": "unauthenticated", "message": "no"}})
+
+    fake = FakeServer([reject, _serve], handshake=False)
+    try:
+        with RpcClient(fake.address, TOKEN) as client, pytest.raises(AuthError):
+            client.call("echo")
+        assert fake.connections == 1
+    finally:
+        fake.stop()
+
+
 def test_client_times_out_when_the_server_never_answers() -> None:
     def never_answer(fake: FakeServer, peer: RawPeer) -> None:
         fake.read_request(peer)
@@ -814,31 +869,135 @@ def test_parse_address_rejects(text: str, detail: str) -> None:
     )
 
 
-def test_idle_unauthenticated_connections_cannot_lock_out_clients(
-    make_server: Callable[..., RpcServer],
+BUSY = {
+    "type": "error",
+    "error": {"code": "busy", "message": "too many connections are authenticating; retry shortly"},
+}
+
+
+def _is_open(peer: RawPeer) -> bool:
+    """Whether the server still holds ``peer``'s connection: it still answers a hello."""
+    nonce = new_nonce()
+    # The challenge was read already; this hello will not verify, so any open connection
+    # answers with an error frame, and a dropped one reads as closed.
+    peer.send(
+        {"type": "auth", "identity": "admin", "client": "probe", "nonce": nonce, "proof": "0"}
+    )
+    try:
+        reply = peer.read()
+    except ConnectionResetError:
+        return False
+    return reply is not None
+
+
+@pytest.fixture
+def pool_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Drives the clock that ages unauthenticated connections: set ``[0]`` to move it."""
+    now = [1000.0]
+    monkeypatch.setattr(rpc, "_pool_clock", lambda: now[0])
+    return now
+
+
+def test_silent_connections_older_than_the_eviction_age_make_room_for_newcomers(
+    make_server: Callable[..., RpcServer], pool_clock: list[float]
 ) -> None:
     """1,100 idle local connections once made 58 of 87 real calls fail ("server is busy")."""
-    server = make_server(max_connections=16, max_unauthenticated=4)
-    idlers = [RawPeer.connect(server.address) for _ in range(12)]  # connect, never answer
+    server = make_server(max_connections=64, max_unauthenticated=4, eviction_age=1.0)
+    idlers = [RawPeer.connect(server.address) for _ in range(4)]  # connect, never answer
+    newcomers: list[RawPeer] = []
     try:
         for idler in idlers:
             assert idler.read() is not None  # each got its challenge before the next came
-        # Only the 4 newest are still open; the older ones were dropped for them.
-        still_open = []
-        for idler in idlers:
-            idler.sock.settimeout(0.2)
-            try:
-                still_open.append(idler.read() is not None or False)
-            except TimeoutError:
-                still_open.append(True)  # nothing to read: open, waiting
-        assert still_open == [False] * 8 + [True] * 4
-        for x in range(5):  # every real call gets through while the idlers keep coming
-            idlers.append(RawPeer.connect(server.address))
-            with RpcClient(server.address, TOKEN) as client:
-                assert client.call("add", x=x, y=1) == {"sum": x + 1}
+        # The pool is full of silent connections, all younger than the eviction age: a
+        # newcomer is refused at once rather than taking the place of one of them.
+        pool_clock[0] += 0.5
+        refused = RawPeer.connect(server.address)
+        newcomers.append(refused)
+        assert refused.read() == BUSY
+        assert refused.read() is None
+        # Older than the eviction age: each newcomer takes the oldest idler's place.
+        pool_clock[0] += 1.0
+        for _ in range(2):
+            newcomer = RawPeer.connect(server.address)
+            newcomers.append(newcomer)
+            assert (newcomer.read() or {}).get("type") == "challenge"
+        assert [_is_open(idler) for idler in idlers[:2]] == [False, False]
+        with RpcClient(server.address, TOKEN, connect_attempts=1) as client:
+            assert client.call("add", x=1, y=1) == {"sum": 2}  # took the third idler's slot
+        # The pool holds the fourth idler (old) and the two newcomers (young), and a slot
+        # is free: the first late one takes it, the second the idler's, the third is refused.
+        for expected in ("challenge", "challenge", "error"):
+            late = RawPeer.connect(server.address)
+            newcomers.append(late)
+            assert (late.read() or {}).get("type") == expected
+        assert not _is_open(idlers[3])
+        assert _is_open(newcomers[1])  # young: kept (this probe ends it)
     finally:
-        for idler in idlers:
-            idler.close()
+        for peer in idlers + newcomers:
+            peer.close()
+
+
+def test_a_client_that_has_begun_its_hello_is_never_dropped_for_a_newcomer(
+    make_server: Callable[..., RpcServer], pool_clock: list[float]
+) -> None:
+    server = make_server(max_unauthenticated=4, eviction_age=1.0, handshake_timeout=GUARD_S)
+    slow = RawPeer.connect(server.address)
+    newcomers: list[RawPeer] = []
+    try:
+        challenge = slow.read()
+        assert challenge is not None
+        nonce = new_nonce()
+        proof = prove(TOKEN, "client", challenge["nonce"], nonce, "slow", "admin")
+        hello = json.dumps(
+            {"type": "auth", "identity": "admin", "client": "slow", "nonce": nonce, "proof": proof}
+        ).encode()
+        slow.sock.sendall(hello[:10])  # the hello has begun, then the client stalls
+        # A flood of newcomers, each arriving when every other connection is old enough
+        # to be an idler. The first three fill the pool (the server has read the slow
+        # client's first byte by the time it answered them); the rest take one another's
+        # places, never the slow client's.
+        for _ in range(20):
+            pool_clock[0] += 5.0
+            newcomer = RawPeer.connect(server.address)
+            newcomers.append(newcomer)
+            assert (newcomer.read() or {}).get("type") == "challenge"
+        slow.sock.sendall(hello[10:] + b"\n")
+        welcome = slow.read()
+        assert welcome is not None and welcome["type"] == "welcome", welcome
+        # Three slots are held by the last three newcomers, the fourth was the slow one's
+        # and is free again: the 17 older newcomers were dropped.
+        assert sum(_is_open(peer) for peer in newcomers) == 3
+    finally:
+        for peer in [slow, *newcomers]:
+            peer.close()
+
+
+def test_a_burst_of_clients_larger_than_the_pool_all_authenticate(
+    make_server: Callable[..., RpcServer],
+) -> None:
+    """256 workers starting at once against a pool of 64 once lost up to 249 handshakes."""
+    # Nobody is ever old enough to be dropped: every client that finds the pool full is
+    # refused as busy and must get in by retrying.
+    server = make_server(max_unauthenticated=2, eviction_age=GUARD_S * 100)
+    clients = 24
+    start = threading.Barrier(clients)
+
+    def worker(index: int) -> int:
+        with RpcClient(
+            server.address,
+            TOKEN,
+            client=f"burst-{index}",
+            timeout=GUARD_S,
+            connect_attempts=1000,
+            connect_deadline=GUARD_S * 6,
+        ) as client:
+            start.wait(GUARD_S)
+            return int(client.call("add", x=index, y=1)["sum"])
+
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        sums = list(pool.map(worker, range(clients)))
+    assert sums == [index + 1 for index in range(clients)]
+    assert server.request_counts() == {("add", "ok"): clients}
 
 
 def test_a_silent_handshake_is_dropped_after_the_handshake_deadline(
