@@ -372,6 +372,7 @@ def test_soak_reports_its_figures_and_leaves_nothing_running(tmp_path: Path) -> 
         assert key in rss.extra
     assert rss.extra["threads_max"] >= 1 and rss.extra["fds_max"] >= 3
     assert state.extra["store_mb_end"] > 0
+    assert state.extra["events_per_job"] > 0 and state.extra["logs_kb_per_job"] > 0
     assert state.ours.median >= state.extra["store_mb_end"]
     assert processes_under(tmp_path) == []
 

@@ -170,6 +170,18 @@ def store_bytes(database: Path) -> int:
     return int(pages) * int(page_size)
 
 
+def history_rows(database: Path) -> tuple[int, int]:
+    """Rows of the two tables that outlive a job: (events, grant_history)."""
+    with contextlib.closing(sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True)) as conn:
+        (events,) = conn.execute("SELECT count(*) FROM events").fetchone()
+        (grants,) = conn.execute("SELECT count(*) FROM grant_history").fetchone()
+    return int(events), int(grants)
+
+
+def files_bytes(root: Path) -> int:
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+
+
 def state_bytes(layout: StateLayout) -> tuple[int, int]:
     """(everything under the state dir, the store's share): the store counted by its
     logical size, the other files (logs, launch records, grants) by their sizes."""
@@ -406,6 +418,8 @@ def soak(ctx: Context, plan: SoakPlan) -> list[Row]:
         end_sample = operator.sample(time.monotonic() - started)
         samples.append(end_sample)
         end_state, end_store = state_bytes(operator.layout)
+        end_logs = files_bytes(operator.layout.logs_dir)
+        events, grant_changes = history_rows(operator.layout.database)
         end_tally = churn.tally
         cpu = psutil.Process(operator.pid).cpu_times()
     if job_processes(operator.layout.root):
@@ -466,6 +480,11 @@ def soak(ctx: Context, plan: SoakPlan) -> list[Row]:
                 "store_mb_end": end_store / MB,
                 "store_kb_per_job_since_warmup": (end_store - warm_store) / 1e3 / jobs_since_warm,
                 "jobs_forgotten_since_warmup": end_tally.gone - gone_warm,
+                # What stays after a job is deleted: its log file, its events (the store
+                # keeps the last 100,000) and its grant changes (kept for ever).
+                "logs_kb_per_job": end_logs / 1e3 / max(1, end_tally.written),
+                "events_per_job": events / max(1, end_tally.written),
+                "grant_changes_per_job": grant_changes / max(1, end_tally.written),
             },
         ),
     ]
