@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from herd_operator.bench.arbitration import first_fit, seeded_demands
@@ -24,6 +25,7 @@ from herd_operator.bench.harness import (
     Row,
     Skip,
     Stats,
+    missing_modules,
     paired_ratio_figures,
     percentile,
     render_markdown,
@@ -33,13 +35,15 @@ from herd_operator.bench.harness import (
 )
 from herd_operator.bench.rpcflood import ensure_descriptors, flood_rows
 from herd_operator.bench.scale import write_specs
+from herd_operator.bench.soak import Sample, SoakPlan, job_processes, slope_per_hour, soak
 from herd_operator.bench.suite import BENCHMARKS
 from herd_operator.bench.training import StepLog, job_cpu_seconds, samples_per_second
 from herd_operator.cli import main
 from specs import load_spec_file
 from specs.values import Demand, Placement, Pool
 
-CHEAP = [b.name for b in BENCHMARKS if b.name not in ("resize-stall", "training-overhead")]
+# Without the real-training benchmarks and `soak` (30 s even with --quick; its own tests below).
+CHEAP = [b.name for b in BENCHMARKS if b.name not in ("resize-stall", "training-overhead", "soak")]
 
 
 def row(ours: list[float], baseline: list[float], better: Any = "lower") -> Row:
@@ -353,3 +357,80 @@ def test_descriptor_limit_is_left_alone_when_it_suffices() -> None:
     assert limit == soft or soft == resource.RLIM_INFINITY
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == soft
     assert "already covers the 16 needed" in note
+
+
+# ---- soak ----
+
+needs_training = pytest.mark.skipif(
+    bool(missing_modules(("torch", "horovod.torch"))), reason="soak jobs need torch and horovod"
+)
+
+
+def tiny_soak_plan(seconds: float) -> SoakPlan:
+    return SoakPlan(
+        duration_s=seconds,
+        warmup_s=6.0,
+        sample_every_s=1.0,
+        arrival_every_s=2.0,
+        concurrency=2,
+        resize_after_s=3.0,
+        cancel_every=2,
+        epochs=1,
+        steps=10,
+        step_delay_s=0.05,
+        report_every_s=2.0,
+    )
+
+
+def processes_under(root: Path) -> list[int]:
+    """The operator (its argv names the scratch dir) and the jobs (the launch-id marker)."""
+    found = [pid for pid, _ in psutil_cmdline_hits(str(root))]
+    found += [proc.pid for proc in job_processes(root / "soak" / "state")]
+    return found
+
+
+def psutil_cmdline_hits(marker: str) -> list[tuple[int, str]]:
+    hits = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if marker in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            hits.append((proc.pid, cmdline))
+    return hits
+
+
+def test_slope_is_least_squares_in_mb_per_hour() -> None:
+    samples = [
+        Sample(at=h * 3600.0, rss=int((100 + 2 * h) * 1e6), uss=0, threads=1, fds=1)
+        for h in range(4)
+    ]
+    assert slope_per_hour(samples) == pytest.approx(2.0)
+    assert slope_per_hour(samples[:1]) == 0.0
+
+
+@needs_training
+def test_soak_reports_its_figures_and_leaves_nothing_running(tmp_path: Path) -> None:
+    ctx = Context(quick=True, repeat=1, scratch=tmp_path)
+    rss, state = soak(ctx, tiny_soak_plan(25.0))
+    assert rss.name == "soak: operator RSS"
+    assert rss.baseline.median > 0 and rss.ours.median > 0
+    assert rss.extra["jobs_written"] >= 2
+    assert rss.extra["jobs_started"] >= 1
+    for key in ("rss_slope_mb_per_hour", "threads_max", "fds_max", "uss_end_mb"):
+        assert key in rss.extra
+    assert rss.extra["threads_max"] >= 1 and rss.extra["fds_max"] >= 3
+    assert state.extra["store_mb_end"] > 0
+    assert state.extra["events_per_job"] > 0 and state.extra["logs_kb_per_job"] > 0
+    assert state.ours.median >= state.extra["store_mb_end"]
+    assert processes_under(tmp_path) == []
+
+
+@needs_training
+def test_an_interrupted_soak_stops_the_operator_and_its_jobs(tmp_path: Path) -> None:
+    def interrupt_once_jobs_run(line: str) -> None:
+        if "started 0," not in line:
+            raise KeyboardInterrupt
+
+    ctx = Context(quick=True, repeat=1, scratch=tmp_path, progress=interrupt_once_jobs_run)
+    with pytest.raises(KeyboardInterrupt):
+        soak(ctx, tiny_soak_plan(120.0))
+    assert processes_under(tmp_path) == []

@@ -25,6 +25,7 @@ from herd_operator.bench.rpcflood import run_rpc_flood
 from herd_operator.bench.rpcload import run_allocator_rpc
 from herd_operator.bench.scale import run_scale
 from herd_operator.bench.scrape import run_scrape
+from herd_operator.bench.soak import run_soak
 from herd_operator.bench.training import run_resize_stall, run_training_overhead
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,6 +105,15 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         run_arbitration,
         full_repeat=15,
         quick_repeat=2,
+    ),
+    Benchmark(
+        "soak",
+        "a real `herd-operator run` for 30 min (HERD_BENCH_SOAK_MINUTES) with jobs coming,"
+        " resizing and going: its RSS, threads, fds and state dir over time",
+        run_soak,
+        full_repeat=1,
+        quick_repeat=1,
+        requires=("torch", "horovod.torch"),  # examples/train_plain.py
     ),
 )
 

@@ -78,7 +78,7 @@ job) it spent a third of a 10,000-file relist walking them again and again."""
 
 
 WANTED_DESCRIPTORS = 8192
-"""Open files the operator asks for: RPC connections (up to 1,024 authenticated and 64
+"""Open files the operator asks for: RPC connections (up to 1,024 authenticated and 256
 not yet), spec files during a relist, job logs, the database, metrics connections."""
 
 

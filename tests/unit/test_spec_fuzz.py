@@ -65,19 +65,19 @@ def check(loaded: SpecFile, label: str) -> None:
     assert loaded.name is None or loaded.name in index.invalid or loaded.name in index.jobs
 
 
-@settings(FUZZ, max_examples=1000)
+@settings(FUZZ, max_examples=300)
 @given(text=structured_specs())
 def test_structured_documents_give_spec_errors(text: str) -> None:
     check(load_spec_text(text, "jobs/fuzz.yaml"), "jobs/fuzz.yaml")
 
 
-@settings(FUZZ, max_examples=1000)
+@settings(FUZZ, max_examples=300)
 @given(text=tagged_specs())
 def test_tags_aliases_and_odd_documents_give_spec_errors(text: str) -> None:
     check(load_spec_text(text, "jobs/fuzz.yaml"), "jobs/fuzz.yaml")
 
 
-@settings(FUZZ, max_examples=1000)
+@settings(FUZZ, max_examples=300)
 @given(data=st.one_of(mutated_specs(), spec_bytes()))
 def test_any_file_bytes_give_spec_errors(scratch: Path, data: bytes) -> None:
     path = scratch / "fuzz.yaml"
