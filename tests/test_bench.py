@@ -318,15 +318,16 @@ def test_quick_run_rows_are_complete(quick_run: tuple[int, Path]) -> None:
 
 
 def test_rpc_flood_reports_calls_failures_and_the_flood_it_ran_under(tmp_path: Path) -> None:
-    """Tiny numbers: 3 clients for a second, 70 idlers (over the server's 64 slots
-    for unauthenticated connections, so some are dropped and reconnect)."""
+    """Tiny numbers: 3 clients for a second, 70 idlers (over a server with 16 slots for
+    unauthenticated connections that evicts silent ones after 0.1 s, so some are dropped
+    and reconnect)."""
     lines: list[str] = []
     rows = flood_rows(
         Context(quick=True, repeat=1, scratch=tmp_path, progress=lines.append),
         clients=3,
         idlers=70,
         seconds=1.0,
-        server_options={},
+        server_options={"max_unauthenticated": 16, "eviction_age": 0.1},
     )
     throughput, latency = rows
     assert throughput.name == "rpc-flood throughput, 3 clients, 70 idle connections"
