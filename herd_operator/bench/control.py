@@ -24,6 +24,7 @@ import yaml
 
 from herd_operator.bench.harness import Context, Row, Stats
 from herd_operator.bench.jobs import bench_job
+from herd_operator.environment import JOB_ENV
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
@@ -32,13 +33,15 @@ from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Placement, Pool
 
-MARK_ENV = "HERD_BENCH_MARK"
+MARKS_ENV = "HERD_BENCH_MARKS"
+"""The directory where the fake horovodrun writes its start time, to a file named after the
+job: set by the operator (a spec's `env` reaches the workers only, not horovodrun)."""
 POLL_SECONDS = 0.010
 HANG_GUARD_S = 60.0
 
 # Stands in for horovodrun: records its start (wall clock, as time.time()) and waits.
 FAKE_HOROVODRUN = f"""#!/bin/sh
-date +%s.%N > "${MARK_ENV}"
+date +%s.%N > "${MARKS_ENV}/${JOB_ENV}"
 exec sleep 600
 """
 
@@ -70,17 +73,13 @@ def wait_until(probe: Callable[[], bool], what: str, timeout: float = HANG_GUARD
         time.sleep(0.005)
 
 
-def spec_text(name: str, mark: Path) -> str:
+def spec_text(name: str) -> str:
     return yaml.safe_dump(
         {
             "apiVersion": "herd/v1alpha1",
             "kind": "HerdJob",
             "metadata": {"name": name},
-            "spec": {
-                "command": ["true"],
-                "gpus": {"min": 1, "max": 1},
-                "env": {MARK_ENV: str(mark)},
-            },
+            "spec": {"command": ["true"], "gpus": {"min": 1, "max": 1}},
         }
     )
 
@@ -95,8 +94,10 @@ def rename_into(directory: Path, file_name: str, text: str) -> float:
 
 
 @contextlib.contextmanager
-def running_operator(root: Path, fake: Path, *, watch_events: bool) -> Iterator[Operator]:
-    """A real operator in a thread, its horovodrun replaced by `fake`."""
+def running_operator(
+    root: Path, fake: Path, marks: Path, *, watch_events: bool
+) -> Iterator[Operator]:
+    """A real operator in a thread, its horovodrun replaced by `fake` writing to `marks`."""
     specs_dir = root / "jobs"
     specs_dir.mkdir(parents=True)
     config = OperatorConfig(
@@ -107,6 +108,7 @@ def running_operator(root: Path, fake: Path, *, watch_events: bool) -> Iterator[
         watch_events=watch_events,
         grace_seconds=2.0,
         min_resize_interval=0.0,
+        extra_env={MARKS_ENV: str(marks)},
     )
     operator = Operator(config)
     stop = threading.Event()
@@ -130,14 +132,14 @@ def _operator_samples(ctx: Context, fake: Path, *, watch_events: bool) -> list[f
     marks.mkdir(parents=True)
     samples = []
     rng = random.Random(3)
-    with running_operator(root, fake, watch_events=watch_events) as operator:
+    with running_operator(root, fake, marks, watch_events=watch_events) as operator:
         specs_dir = operator.config.specs_dir
         for index in range(ctx.repeat + 1):  # the first one warms up
             name = f"bench-{index}"
             mark = marks / name
             # Users write at any moment, not just after a relist: a random phase.
             time.sleep(rng.uniform(0, operator.config.relist_seconds if not watch_events else 0.05))
-            renamed_at = rename_into(specs_dir, f"{name}.yaml", spec_text(name, mark))
+            renamed_at = rename_into(specs_dir, f"{name}.yaml", spec_text(name))
             latency = read_mark(mark) - renamed_at
             if index:
                 samples.append(latency)
@@ -157,7 +159,7 @@ def _poll_then_launch(
         except FileNotFoundError:
             time.sleep(POLL_SECONDS)
             continue
-        env = {**os.environ, MARK_ENV: str(mark)}
+        env = {**os.environ, MARKS_ENV: str(mark.parent), JOB_ENV: mark.name}
         started.append(subprocess.Popen([str(fake)], env=env, start_new_session=True))
         return
 
