@@ -141,7 +141,6 @@ class Allocator:
         sink: PlacementSink,
         *,
         virtual: bool,
-        on_change: Callable[[str, Grant], None] = lambda job, grant: None,
         on_decision: Callable[[Mapping[str, Placement]], None] = lambda placements: None,
         min_resize_interval: float = 0.0,
         drain_seconds: float = DEFAULT_DRAIN_SECONDS,
@@ -169,7 +168,7 @@ class Allocator:
         self._clock = clock
         self.virtual = virtual
         self._sink = sink
-        self._listeners: list[Callable[[str, Grant], None]] = [on_change]
+        self._listeners: list[Callable[[str, Grant], None]] = []
         self._on_decision = on_decision
         self._lock = threading.RLock()
         self._demands: dict[str, Demand] = {}
@@ -197,7 +196,7 @@ class Allocator:
         """Record a job's demand, decide again for everyone, return the job's grant.
 
         Inside `batch()`, a changed demand is only recorded: the result is None and the job
-        is woken (`on_change`) once the batch's single decision is made.
+        is woken (the `watch` listeners) once the batch's single decision is made.
         """
         with self._lock:
             thawed = self._next_thaw is not None and self._clock() >= self._next_thaw
@@ -373,12 +372,7 @@ class Allocator:
         given_up = slots_to_give_up(
             slots, len(slots) - world_size, dead=dead, bound=frozenset(bound), names=names
         )
-        kept = set(slots) - set(given_up)
-        hosts = tuple(
-            (host, tuple(gpu for gpu in gpus if (host, gpu) in kept))
-            for host, gpus in grant.placement.hosts
-        )
-        shrunk = Placement(tuple((host, gpus) for host, gpus in hosts if gpus))
+        shrunk = _only(grant.placement, set(slots) - set(given_up))
         for slot in given_up:
             held = bound.get(slot)
             if (

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +27,8 @@ from herd_operator.runtime.store import Store
 from specs.values import Pool
 
 REPO = Path(__file__).resolve().parents[2]
+HERD = str(Path(sys.executable).with_name("herd-operator"))
+"""The CLI of this environment, as users run it."""
 T = TypeVar("T")
 
 

@@ -19,7 +19,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from herd_operator.cli.views import job_object
 from herd_operator.runtime.launcher import job_processes
 from herd_operator.runtime.store import Store
 from tests.integration.harness import (
+    HERD,
     REPO,
     digits_command,
     kill_marked_processes,
@@ -40,7 +40,6 @@ from tests.integration.harness import (
     spec_document,
 )
 
-HERD = str(Path(sys.executable).with_name("herd-operator"))
 KILLS = int(os.environ.get("HERD_CHAOS_KILLS", "3"))
 SEED = int(os.environ.get("HERD_CHAOS_SEED", "11"))
 EPOCHS = max(10, 2 * KILLS)
@@ -81,6 +80,15 @@ class GpuSharingSampler:
             for slot, jobs in holders.items():
                 if len(jobs) > 1:
                     self.shared.append((time.time(), slot, sorted(jobs)))
+
+
+def stop_operator(operator: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, as a user stops it; SIGKILL if it will not go."""
+    operator.send_signal(signal.SIGTERM)
+    try:
+        operator.wait(60)
+    except subprocess.TimeoutExpired:
+        operator.kill()
 
 
 def start_operator(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -179,11 +187,7 @@ def test_operator_killed_at_random_moments_never_stops_restarts_or_overlaps_jobs
                 assert operator.poll() is None, log.read_text()[-3000:]
                 time.sleep(0.5)
     finally:
-        operator.send_signal(signal.SIGTERM)
-        try:
-            operator.wait(60)
-        except subprocess.TimeoutExpired:
-            operator.kill()
+        stop_operator(operator)
     text = log.read_text()
     context = f"seed {SEED}, {len(kills)} kills; operator log:\n{text[-4000:]}"
     assert len(kills) == KILLS, f"the jobs finished before all kills: {context}"
@@ -259,11 +263,7 @@ def test_an_operator_told_to_leave_its_jobs_hands_them_to_the_next_one(
             assert time.monotonic() < deadline and operator.poll() is None, log.read_text()
             time.sleep(0.5)
     finally:
-        operator.send_signal(signal.SIGTERM)
-        try:
-            operator.wait(60)
-        except subprocess.TimeoutExpired:
-            operator.kill()
+        stop_operator(operator)
     with Store.open_readonly(state / "state.db") as store:
         reasons = [event.reason for event in store.events("kept")]
     assert reasons.count("Started") == 1 and "Adopted" in reasons, reasons

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,14 +13,13 @@ import pytest
 import yaml
 
 from tests.integration.harness import (
+    HERD,
     REPO,
     digits_command,
     kill_marked_processes,
     marked_processes,
     spec_document,
 )
-
-HERD = str(Path(sys.executable).with_name("herd-operator"))
 
 
 def one_job_operator(tmp_path: Path) -> tuple[Path, list[str]]:

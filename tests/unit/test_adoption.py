@@ -14,7 +14,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from herd_operator.runtime.launcher import (
 from herd_operator.runtime.operator import _bindings, _placement_of
 from specs import HerdJobSpec
 from specs.values import Demand, Placement, Pool
+from tests.unit.test_launcher import Exits
 
 GUARD_S = 30.0
 """Hang guard for waiting on processes; never a performance expectation."""
@@ -63,16 +63,6 @@ def wait_until(probe: object, what: str) -> None:
     while not probe():  # type: ignore[operator]
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-class Exits:
-    def __init__(self) -> None:
-        self.jobs: list[str] = []
-        self.event = threading.Event()
-
-    def __call__(self, job: str) -> None:
-        self.jobs.append(job)
-        self.event.set()
 
 
 @pytest.fixture
@@ -177,7 +167,7 @@ def test_a_running_launch_is_adopted_and_supervised_by_the_next_launcher(
     assert state.phase == ProcessPhase.RUNNING and state.launch == adopted.info
 
     second.stop("train")
-    assert exits.event.wait(GUARD_S), "the adopted launch's end was not noticed"
+    assert exits.called.wait(GUARD_S), "the adopted launch's end was not noticed"
     state = second.state("train")
     assert state.phase == ProcessPhase.EXITED and state.stopped_by_us
     assert state.exit_code == -signal.SIGTERM

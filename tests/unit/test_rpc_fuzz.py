@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from herd_operator import rpc
 from herd_operator.auth import Identity, new_nonce, prove
-from herd_operator.rpc import MAX_FRAME_BYTES, BadRequest, Handler, NotFound, RpcClient, RpcServer
+from herd_operator.rpc import MAX_FRAME_BYTES, Handler, NotFound, RpcClient, RpcServer
+from tests.unit.test_rpc import _add, _echo
 
 # A failing example's repr may hold a 190 kB frame; hypothesis warns that it is large.
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
@@ -41,17 +42,6 @@ FUZZ = settings(
 CONNECTION_CODES = {"bad_request", "unauthenticated", "timeout"}
 LABEL = re.compile(r"[A-Za-z0-9._:@\[\]/-]{1,128}")
 """A client label the protocol accepts (rpc.py's docstring)."""
-
-
-def _echo(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
-    return args
-
-
-def _add(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
-    x, y = args.get("x"), args.get("y")
-    if not isinstance(x, int) or not isinstance(y, int):
-        raise BadRequest("x and y must be integers")
-    return {"sum": x + y}
 
 
 def _lookup(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
