@@ -50,14 +50,15 @@ def recorder() -> Recorder:
 @pytest.fixture
 def allocator(layout: StateLayout, recorder: Recorder) -> Allocator:
     # Given-back GPUs are free at once here; the draining tests at the end build their own.
-    return Allocator(
+    made = Allocator(
         Pool.from_counts({"localhost": 4}),
         GrantPublisher(layout),
         virtual=True,
-        on_change=recorder.on_change,
         on_decision=recorder.on_decision,
         drain_seconds=0,
     )
+    made.watch(recorder.on_change)
+    return made
 
 
 def demand(name: str, low: int, high: int, desired: int | None = None) -> Demand:
@@ -266,14 +267,15 @@ class Clock:
 
 
 def draining_allocator(layout: StateLayout, recorder: Recorder, clock: Clock) -> Allocator:
-    return Allocator(
+    made = Allocator(
         Pool.from_counts({"localhost": 4}),
         GrantPublisher(layout),
         virtual=True,
-        on_change=recorder.on_change,
         drain_seconds=30.0,
         clock=clock,
     )
+    made.watch(recorder.on_change)
+    return made
 
 
 def test_gpus_taken_from_a_job_drain_until_its_workers_report_the_new_size(
