@@ -52,8 +52,11 @@ def test_memory_policy_moves_gpus_from_the_idle_job_to_the_hungry_one(
     # with --hold-mb 1400 it uses ~1.7 GiB (~85%).
     idle = digits_command(14, "--step-delay", "0.05")
     hungry = digits_command(16, "--step-delay", "0.05", "--hold-mb", "1400")
-    herd.write_spec(spec_document("idle", 1, 3, idle, policy=memory))
-    # The idle job first takes 3 of the 4 GPUs; the hungry one starts on the last one.
+    # The idle job first takes 3 of the 4 GPUs; the hungry one starts on the last one. Its
+    # higher priority keeps the allocator's fair share from splitting them 2/2 when the
+    # hungry job arrives after the idle job's resize freeze (a race on a loaded machine):
+    # only the memory policy moves GPUs here.
+    herd.write_spec(spec_document("idle", 1, 3, idle, policy=memory, priority=1))
     herd.wait_for(
         lambda: (herd.job("idle") or {}).get("gpus", {}).get("allocated") == 3,
         "the idle job on 3 GPUs",
