@@ -542,7 +542,8 @@ class Operator:
             self._lock_handle.close()
 
     def _shutdown(self) -> None:
-        leave = self.config.leave_jobs_running
+        # With nothing running there is nothing to hand over: clean up as on any stop.
+        leave = self.config.leave_jobs_running and bool(self.launcher and self.launcher.jobs())
         log.info("shutting down: %s", "leaving the jobs running" if leave else "stopping jobs")
         self.config.pool.stop()
         if self.watcher is not None:

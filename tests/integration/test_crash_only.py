@@ -270,3 +270,5 @@ def test_an_operator_told_to_leave_its_jobs_hands_them_to_the_next_one(
     assert conditions(stored_jobs(state)["kept"]).get("Succeeded") == "True"
     job_log = (state / "logs" / "kept.log").read_text()
     assert [int(e) for e in re.findall(r"<stdout>:epoch (\d+):", job_log)] == list(range(8))
+    # The last operator had nothing left to hand over: it cleaned up like any stop.
+    assert not (state / "runtime-dir").exists() and not (state / "allocator.json").exists()
