@@ -7,9 +7,11 @@ and the source then reports itself down (`up == False`) with no readings.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from exporters.gpu import GpuReading, ProcessMemory
@@ -218,3 +220,51 @@ def nvml_gpu_count() -> int:
         return int(pynvml.nvmlDeviceGetCount())
     finally:
         pynvml.nvmlShutdown()
+
+
+NVIDIA_DEVICE = re.compile(r"^nvidia[0-9]+$")
+
+
+def nvidia_device_files(dev: Path = Path("/dev")) -> list[Path]:
+    """The NVIDIA GPU device files of this host (`/dev/nvidia0`, ...), sorted."""
+    try:
+        return sorted(path for path in dev.iterdir() if NVIDIA_DEVICE.match(path.name))
+    except OSError:
+        return []
+
+
+def nvml_failure() -> str:
+    """Why NVML gives no GPUs here, in words ('' when it gives some)."""
+    try:
+        import pynvml
+    except ImportError:
+        return "the nvidia-ml-py package is not installed (pip install 'herd-operator[gpu]')"
+    try:
+        pynvml.nvmlInit()
+    except Exception as err:
+        return f"NVML cannot start: {err}"
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+    return "" if count else "NVML sees no GPU"
+
+
+def check_no_unseen_gpus(dev: Path = Path("/dev")) -> None:
+    """Refuse virtual GPUs on a host that has NVIDIA devices NVML cannot read.
+
+    Training there on virtual GPUs would put every worker on the CPU (or on GPUs nobody
+    accounts for) without a word; the fix is nearly always the missing package or driver.
+    Raises ValueError naming both the devices and why NVML failed.
+    """
+    devices = nvidia_device_files(dev)
+    if not devices:
+        return
+    reason = nvml_failure()
+    if not reason:
+        return
+    shown = ", ".join(str(path) for path in devices[:4]) + (", ..." if len(devices) > 4 else "")
+    raise ValueError(
+        f"this host has NVIDIA devices ({shown}) but {reason}; fix that, or pass "
+        "--virtual-gpus N to share virtual GPUs on purpose"
+    )

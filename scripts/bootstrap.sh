@@ -19,20 +19,30 @@ torch_version=2.13.0
 
 say() { echo "bootstrap: $*" >&2; }
 
-# Debian's Prometheus: the observability tests start a real server. Checked on every run
-# (cheap), since a new machine can come with an old venv.
-if ! command -v prometheus >/dev/null; then
-  if [[ $(id -u) == 0 ]]; then
-    say "installing Debian's prometheus"
-    apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
-  elif sudo -n true 2>/dev/null; then
-    say "installing Debian's prometheus (sudo)"
-    sudo apt-get update -q >/dev/null
-    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
+# Debian packages the tests start for real: Prometheus (observability), and for the
+# multi-node tests a real Slurm (slurmctld, slurmd, munge), sshd per namespace host and
+# iproute2. Checked on every run (cheap), since a new machine can come with an old venv.
+# Each pair is a command that shows the package is there, and the package.
+debian_needs=(
+  prometheus:prometheus
+  scontrol:slurm-client slurmctld:slurmctld slurmd:slurmd munged:munge
+  /usr/sbin/sshd:openssh-server ssh:openssh-client ip:iproute2
+)
+missing=()
+for need in "${debian_needs[@]}"; do
+  command -v "${need%%:*}" >/dev/null || missing+=("${need#*:}")
+done
+if ((${#missing[@]})); then
+  sudo=()
+  [[ $(id -u) == 0 ]] || sudo=(sudo -n)
+  if [[ $(id -u) == 0 ]] || sudo -n true 2>/dev/null; then
+    say "installing Debian's ${missing[*]}"
+    "${sudo[@]}" apt-get update -q >/dev/null
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
   else
-    say "Prometheus is missing and this user cannot install it: apt-get install prometheus"
-    say "(the observability tests need it; everything else works without)"
+    say "missing and this user cannot install them: apt-get install ${missing[*]}"
+    say "(the observability and multi-node tests need them; everything else works without)"
   fi
 fi
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from exporters.collector import GpuCollector
 from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
-from exporters.nvml import NvmlGpuSource, nvml_gpu_count
+from exporters.nvml import NvmlGpuSource, check_no_unseen_gpus, nvml_gpu_count
 from herd_operator.auth import agent_identity, read_token_file
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import RpcClient, parse_address
@@ -107,6 +107,8 @@ def run_exporter(
     virtual_gpus: int,
     virtual_gpu_memory: int,
     stop: threading.Event,
+    *,
+    virtual_requested: bool = False,
 ) -> int:
     host = host or socket.gethostname()
     try:
@@ -120,6 +122,12 @@ def run_exporter(
         source = NvmlGpuSource(host)
         kind = "NVML"
     else:
+        if not virtual_requested:
+            try:
+                check_no_unseen_gpus()
+            except ValueError as err:
+                log.error("%s", err)
+                return 2
         source = VirtualGpuSource(host, virtual_gpus, virtual_gpu_memory, view.bound_pids)
         kind = f"{virtual_gpus} virtual"
     registry = CollectorRegistry()

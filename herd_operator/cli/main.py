@@ -77,23 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--hosts",
-        help="pool as HOST:GPUS[,HOST:GPUS...] "
-        "(default: the GPUs NVML sees, else localhost with --virtual-gpus)",
+        help="pool as HOSTS:GPUS[,HOSTS:GPUS...]; HOSTS may be a Slurm host list and GPUS "
+        "may name a type: 'nid[001-004]:4', nodeA:a100:4 (default: the Slurm allocation "
+        "this runs in, else the GPUs NVML sees, else localhost with --virtual-gpus)",
     )
     run.add_argument(
         "--virtual-gpus",
         type=_positive_int,
-        default=4,
-        help="virtual GPUs on a machine without GPUs (default: 4)",
+        help="virtual GPUs (CPU workers) per host where no GPU is found (default: 4); "
+        "given, virtual GPUs are used even on a host whose NVIDIA devices NVML cannot read",
     )
     run.add_argument(
         "--listen",
-        default="127.0.0.1",
-        help="address the allocator listens on (default: 127.0.0.1)",
+        help="address the allocator listens on (default: 127.0.0.1 for a pool on this host; "
+        "for several nodes, this node's address on --network-interface)",
     )
     run.add_argument(
         "--advertise",
         help="address workers use to reach the allocator (default: the --listen address)",
+    )
+    run.add_argument(
+        "--network-interface",
+        metavar="NAME",
+        help="interface between the pool's nodes, for Horovod and the allocator's address "
+        "(hsn0 on Perlmutter; default: the one holding --listen or this host's address)",
     )
     run.add_argument(
         "--resync-seconds",
@@ -171,7 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument(
         "--host", help="this node's name as the pool spells it (default: the host name)"
     )
-    exporter.add_argument("--virtual-gpus", type=_positive_int, default=4)
+    exporter.add_argument(
+        "--virtual-gpus",
+        type=_positive_int,
+        help="virtual GPUs where NVML finds none (default: 4); given, also on a host whose "
+        "NVIDIA devices NVML cannot read",
+    )
     exporter.add_argument("--virtual-gpu-memory", type=parse_bytes, default=2 << 30)
     exporter.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -318,28 +330,47 @@ def configure_logging(level: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from herd_operator.runtime.engines.horovod import local_names
     from herd_operator.runtime.operator import Operator, OperatorConfig, OperatorError, tune_gc
-    from herd_operator.runtime.pools import discover_pool
+    from herd_operator.runtime.pools import DEFAULT_VIRTUAL_GPUS, PoolOptions, discover_pool
+    from herd_operator.runtime.reach import local_interfaces, own_address, plan_reach
 
     configure_logging(args.log_level)
+    virtual_gpus = args.virtual_gpus or DEFAULT_VIRTUAL_GPUS
     try:
-        pool = discover_pool(args.hosts, args.virtual_gpus)
+        pool = discover_pool(
+            args.hosts,
+            virtual_gpus,
+            PoolOptions(virtual_gpus, virtual_requested=args.virtual_gpus is not None),
+        )
+        reach = plan_reach(
+            [host for host, _ in pool.pool.hosts],
+            local_names(),
+            local_interfaces(),
+            listen=args.listen,
+            advertise=args.advertise,
+            network_interface=args.network_interface,
+            own_address=own_address(),
+        )
     except ValueError as err:
         print(f"herd-operator: {err}", file=sys.stderr)
         return EXIT_USAGE
+    for warning in reach.warnings:
+        logging.getLogger("herd_operator").warning("%s", warning)
     config = OperatorConfig(
         specs_dir=args.specs_dir,
         state_dir=args.state_dir,
         pool=pool,
-        listen_host=args.listen,
-        advertise_host=args.advertise,
+        listen_host=reach.listen,
+        advertise_host=reach.advertise,
+        network_interface=reach.network_interface,
         resync_seconds=args.resync_seconds,
         relist_seconds=args.relist_seconds,
         grace_seconds=args.grace_seconds,
         watch_events=not args.no_watch,
         min_resize_interval=args.min_resize_interval,
         virtual_gpu_memory_bytes=args.virtual_gpu_memory,
-        metrics_host=args.metrics_listen or args.listen,
+        metrics_host=args.metrics_listen or reach.listen,
         metrics_port=args.metrics_port,
         prometheus_url=args.prometheus_url,
         runtime_dir=args.runtime_dir,
@@ -381,9 +412,10 @@ def cmd_exporter(args: argparse.Namespace) -> int:
             args.host,
             args.listen,
             args.port,
-            args.virtual_gpus,
+            args.virtual_gpus or 4,
             args.virtual_gpu_memory,
             stop,
+            virtual_requested=args.virtual_gpus is not None,
         )
     except OSError as err:
         print(

@@ -115,6 +115,8 @@ class OperatorConfig:
     one), else any free port."""
     advertise_host: str | None = None
     """Address workers use to reach the allocator (default: listen_host)."""
+    network_interface: str | None = None
+    """The interface between the pool's nodes, for Horovod (None: a pool on this host)."""
     resync_seconds: float = 5.0
     relist_seconds: float = 10.0
     grace_seconds: float = 10.0
@@ -191,7 +193,9 @@ class Operator:
         token = ensure_token_file(self.layout.token_file)
         write_token_file(self.layout.agent_token_file, agent_key(token))
         hosts = tuple(host_name for host_name, _ in config.pool.pool.hosts)
-        engines = EngineDispatch(EngineContext(self.layout, hosts))
+        engines = EngineDispatch(
+            EngineContext(self.layout, hosts, network_interface=config.network_interface)
+        )
         self.allocator = allocator = Allocator(
             config.pool.pool,
             engines,

@@ -391,8 +391,8 @@ def test_run_with_bad_hosts_starts_nothing(
     )
     assert (code, out) == (EXIT_USAGE, "")
     assert err == (
-        "herd-operator: --hosts: 'bad' is not HOST:GPUS"
-        " (for example localhost:4 or nid001:4,nid002:4)\n"
+        "herd-operator: --hosts: 'bad' is not HOSTS:GPUS"
+        " (for example localhost:4, nid001:4,nid002:4, 'nid[001-004]:4' or nodeA:a100:4)\n"
     )
     assert not state.exists()
     assert not specs.exists()

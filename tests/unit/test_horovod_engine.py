@@ -235,16 +235,15 @@ def test_a_gpu_keeps_its_name_and_local_rank_when_others_leave() -> None:
     [
         (("localhost",), {"localhost": ("localhost", "127.0.0.1", "vm")}),
         (("vm",), {"vm": ("vm", "localhost", "127.0.0.1")}),
-        (
-            ("localhost", "nid001"),
-            {"localhost": ("localhost", "127.0.0.1", "vm"), "nid001": ("nid001",)},
-        ),
+        # Several nodes: real node names only, so local ranks and placements follow nodes.
+        (("vm", "nid001"), {"vm": ("vm",), "nid001": ("nid001",)}),
+        (("localhost", "nid001"), {"localhost": ("localhost",), "nid001": ("nid001",)}),
         # Two pool hosts on this machine (a test pool): each keeps its own name only.
         (("localhost", "127.0.0.1"), {"localhost": ("localhost",), "127.0.0.1": ("127.0.0.1",)}),
         (("nid001", "nid002"), {"nid001": ("nid001",), "nid002": ("nid002",)}),
     ],
 )
-def test_only_a_lone_local_host_gets_this_machines_other_names(
+def test_only_a_pool_of_one_local_host_gets_this_machines_other_names(
     hosts: tuple[str, ...], expected: dict[str, tuple[str, ...]]
 ) -> None:
     assert host_aliases(hosts, ("localhost", "127.0.0.1", "vm")) == expected

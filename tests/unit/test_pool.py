@@ -12,7 +12,7 @@ from exporters.nvml import nvml_gpu_count
 from herd_operator.runtime.pools import discover_pool, hosts, local
 from herd_operator.runtime.pools.hosts import parse_hosts
 
-EXAMPLE = " (for example localhost:4 or nid001:4,nid002:4)"
+EXAMPLE = " (for example localhost:4, nid001:4,nid002:4, 'nid[001-004]:4' or nodeA:a100:4)"
 
 
 def nvml_sees(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
@@ -33,14 +33,14 @@ def test_parse_hosts_keeps_the_order_given() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("bad", "--hosts: 'bad' is not HOST:GPUS" + EXAMPLE),
-        ("", "--hosts: '' is not HOST:GPUS" + EXAMPLE),
-        ("a:2,", "--hosts: '' is not HOST:GPUS" + EXAMPLE),
-        ("a:-1", "--hosts: 'a:-1' is not HOST:GPUS" + EXAMPLE),
-        ("a:two", "--hosts: 'a:two' is not HOST:GPUS" + EXAMPLE),
-        (":4", "--hosts: ':4' is not HOST:GPUS" + EXAMPLE),
-        ("-a:4", "--hosts: '-a:4' is not HOST:GPUS" + EXAMPLE),
-        ("a b:4", "--hosts: 'a b:4' is not HOST:GPUS" + EXAMPLE),
+        ("bad", "--hosts: 'bad' is not HOSTS:GPUS" + EXAMPLE),
+        ("", "--hosts: '' is not HOSTS:GPUS" + EXAMPLE),
+        ("a:2,", "--hosts: '' is not HOSTS:GPUS" + EXAMPLE),
+        ("a:-1", "--hosts: 'a:-1' is not HOSTS:GPUS" + EXAMPLE),
+        ("a:two", "--hosts: 'a:two' is not HOSTS:GPUS" + EXAMPLE),
+        (":4", "--hosts: ':4' is not HOSTS:GPUS" + EXAMPLE),
+        ("-a:4", "--hosts: '-a:4' is not HOSTS:GPUS" + EXAMPLE),
+        ("a b:4", "--hosts: 'a b:4' is not HOSTS:GPUS" + EXAMPLE),
         ("a:0", "--hosts: a has 0 GPUs; each host needs at least 1"),
         ("a:2,b:1,a:3", "--hosts: a is listed twice"),
     ],
@@ -80,7 +80,7 @@ def test_discover_pool_explicit_hosts_are_real_with_nvml(monkeypatch: pytest.Mon
 
 def test_discover_pool_propagates_bad_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
     nvml_sees(monkeypatch, 0)
-    with pytest.raises(ValueError, match=r"^--hosts: 'x' is not HOST:GPUS"):
+    with pytest.raises(ValueError, match=r"^--hosts: 'x' is not HOSTS:GPUS"):
         discover_pool("x", 4)
 
 
@@ -146,5 +146,5 @@ def test_nvml_gpus_make_a_real_pool_on_this_host(monkeypatch: pytest.MonkeyPatch
 
 def test_explicitly_empty_hosts_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     nvml_sees(monkeypatch, 0)
-    with pytest.raises(ValueError, match=r"^--hosts: '' is not HOST:GPUS"):
+    with pytest.raises(ValueError, match=r"^--hosts: '' is not HOSTS:GPUS"):
         discover_pool("", 4)

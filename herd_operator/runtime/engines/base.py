@@ -28,6 +28,9 @@ class EngineContext:
     """The pool's hosts, in pool order."""
     python: str = sys.executable
     """The Python of the operator's environment, where the job-side agent is installed."""
+    network_interface: str | None = None
+    """The interface between the pool's hosts (`hsn0` on Perlmutter); None for a pool on
+    this host alone, or where it is not known."""
 
 
 class Engine(Protocol):

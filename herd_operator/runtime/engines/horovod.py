@@ -57,10 +57,12 @@ def horovodrun_argv(
     hosts: Sequence[str],
     horovodrun: str,
     python: str,
+    network_interface: str | None = None,
 ) -> list[str]:
     """The argument list (never a shell string) that starts the job.
 
-    `hosts` are the pool's, to decide whether Horovod may talk over loopback only.
+    `hosts` are the pool's, to decide whether Horovod may talk over loopback only;
+    `network_interface` is the one Horovod uses between the hosts of a larger pool.
     """
     argv = [
         horovodrun,
@@ -84,6 +86,9 @@ def horovodrun_argv(
     if hosts and all(host in LOCAL_HOSTS for host in hosts):
         # Without it an elastic job on one host waits for a second host forever.
         argv += ["--network-interface", "lo"]
+    elif network_interface and "--network-interface" not in spec.horovod.extra_args:
+        # Without it Horovod probes every interface of every host at each start (~9 s).
+        argv += ["--network-interface", network_interface]
     argv += spec.horovod.extra_args
     argv += [python, "-m", "herd_operator.agent.shim", "--", *spec.command]
     return argv
@@ -115,12 +120,16 @@ def discovery_lines(placement: Placement, aliases: Mapping[str, Sequence[str]] =
 
 def host_aliases(hosts: Iterable[str], local_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
     """Each pool host's names for Horovod: its own first, then this machine's other names
-    if it is the pool's only local host (two local pool hosts would share the names)."""
+    if it is the pool's only host and a local one.
+
+    Only a lone host: in a pool of several nodes, Horovod's local ranks and the job's
+    placement per node must follow real node names, and a failed worker costs the job one
+    node's slots for the cool-down, not all of them.
+    """
     hosts = list(hosts)
-    local = [host for host in hosts if host in local_names or host in LOCAL_HOSTS]
     aliases: dict[str, tuple[str, ...]] = {host: (host,) for host in hosts}
-    if len(local) == 1:
-        (host,) = local
+    if len(hosts) == 1 and (hosts[0] in local_names or hosts[0] in LOCAL_HOSTS):
+        (host,) = hosts
         aliases[host] = (host, *(name for name in local_names if name != host))
     return aliases
 
@@ -219,11 +228,18 @@ class HorovodEngine:
         self.aliases = host_aliases(context.hosts, local_names())
         self.grants = GrantPublisher(context.layout, self.aliases)
         self.python = context.python
+        self.network_interface = context.network_interface
 
     def launch_argv(self, job: HerdJob, np: int) -> list[str]:
         script = self.grants.discovery_script(job.name)
         return horovodrun_argv(
-            job.spec, np, script, self.hosts, horovodrun_executable(), self.python
+            job.spec,
+            np,
+            script,
+            self.hosts,
+            horovodrun_executable(),
+            self.python,
+            self.network_interface,
         )
 
     def environment(self, job: HerdJob, env: Mapping[str, str]) -> dict[str, str]:

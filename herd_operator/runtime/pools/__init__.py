@@ -5,6 +5,7 @@ back); the operator hands each change to the allocator, which decides again for 
 job. Sources, one module each:
 
 - `hosts`: an explicit `--hosts` list (NVML GPUs when this host has any, else virtual);
+- `slurm`: the nodes and GPUs of the Slurm allocation the operator runs in;
 - `local`: this host's NVML GPUs, or `localhost` with virtual GPUs (CPU machines: CI,
   laptops), the fallback.
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from herd_operator.runtime.pools import hosts, local
+from exporters.nvml import check_no_unseen_gpus
+from herd_operator.runtime.pools import hosts, local, slurm
 from herd_operator.runtime.pools.base import (
     DEFAULT_VIRTUAL_GPUS,
     PoolListener,
@@ -42,22 +44,39 @@ log = logging.getLogger(__name__)
 PoolDetector = Callable[[PoolOptions], PoolSource | None]
 
 POOL_SOURCES: dict[str, PoolDetector] = {
+    "slurm": slurm.detect_slurm,
     "nvml": local.detect_nvml,
 }
 """Auto-detected sources, asked in this order when no `--hosts` is given."""
 
 
-def discover_pool(hosts_text: str | None, virtual_gpus: int = DEFAULT_VIRTUAL_GPUS) -> PoolSource:
+def discover_pool(
+    hosts_text: str | None,
+    virtual_gpus: int = DEFAULT_VIRTUAL_GPUS,
+    options: PoolOptions | None = None,
+) -> PoolSource:
     """The pool to run on: `--hosts` when given, else the first detector that finds one,
-    else `localhost` with `virtual_gpus` virtual GPUs."""
+    else `localhost` with `virtual_gpus` virtual GPUs.
+
+    Raises ValueError for a pool that cannot be used as asked: a bad `--hosts`, Slurm
+    variables that do not parse, or virtual GPUs on a host whose NVIDIA devices NVML
+    cannot read (unless `options.virtual_requested`).
+    """
+    options = options or PoolOptions(virtual_gpus)
+    source = _find_source(hosts_text, options)
+    if source.virtual and not options.virtual_requested:
+        check_no_unseen_gpus()
+    return source
+
+
+def _find_source(hosts_text: str | None, options: PoolOptions) -> PoolSource:
     if hosts_text is not None:
         pool, virtual, description = hosts.host_list(hosts_text)
         return StaticPool(pool, virtual, description)
-    options = PoolOptions(virtual_gpus)
     for name, detect in POOL_SOURCES.items():
         source = detect(options)
         if source is not None:
             log.debug("pool source %s: %s", name, source.description)
             return source
-    pool, description = local.virtual(virtual_gpus)
+    pool, description = local.virtual(options.virtual_gpus)
     return StaticPool(pool, True, description)

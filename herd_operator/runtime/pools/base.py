@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from specs.values import Pool
@@ -41,6 +42,10 @@ class PoolOptions:
     """What the command line says about the pool."""
 
     virtual_gpus: int = DEFAULT_VIRTUAL_GPUS
+    virtual_requested: bool = False
+    """`--virtual-gpus` was given: virtual GPUs are wanted even on a host with NVIDIA devices."""
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    """Where a source finds its allocation (Slurm's SLURM_* variables)."""
 
 
 @dataclass(frozen=True)
