@@ -1,0 +1,180 @@
+"""One operator for a whole Slurm allocation: a real `sbatch -N 3` on namespace hosts.
+
+The operator runs as the batch script, as a user would start it, with no `--hosts`: it
+must find the allocation's three nodes and their GRES GPUs from Slurm's variables, listen
+where the other nodes reach it, and run elastic jobs whose workers horovodrun starts on
+the other nodes over ssh. The test then resizes a job across nodes by editing its spec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from herd_operator.environment import LAUNCH_ID_ENV, STATE_DIR_ENV
+from tests.integration.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
+from tests.integration.harness import HERD, OperatorHarness, digits_command, spec_document
+
+UNAVAILABLE = cluster_unavailable()
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test cluster: {UNAVAILABLE}")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[NamespaceCluster]:
+    with namespace_cluster(tmp_path / "cluster", compute=3, gpus=2) as made:
+        yield made
+
+
+def workers_by_host(state_dir: Path) -> dict[str, int]:
+    """Live workers of the operator on `state_dir`, counted per host they run on (the host
+    Horovod started them for: local ones and those started over ssh alike)."""
+    counts: dict[str, int] = {}
+    wanted = str(state_dir.resolve())
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            env = process.environ()
+            # A worker has its rank in its environment (the shim execs the user's command);
+            # the `sh -c` and `ssh` that start it have it only on their command lines.
+            if (
+                env.get(STATE_DIR_ENV) == wanted
+                and env.get(LAUNCH_ID_ENV)
+                and "HOROVOD_RANK" in env
+                and process.status() != psutil.STATUS_ZOMBIE
+            ):
+                host = env.get("HOROVOD_HOSTNAME", "?")
+                counts[host] = counts.get(host, 0) + 1
+    return counts
+
+
+def operator_batch_script(root: Path, cluster: NamespaceCluster, herd: OperatorHarness) -> Path:
+    script = root / "operator.sbatch"
+    python_bin = Path(sys.executable).parent
+    script.write_text(
+        f"""#!/bin/bash
+#SBATCH -N 3
+#SBATCH --gres=gpu:2
+#SBATCH -o {root}/operator.%j.out
+export PATH={cluster.bin_dir}:{python_bin}:$PATH
+# Workers on a node that went away give up in a minute, not Gloo's default 30 min; not
+# less: on 2 loaded cores a new worker can take 20 s to join the rendezvous.
+export HOROVOD_GLOO_TIMEOUT_SECONDS=60
+exec {HERD} run --specs-dir {herd.specs_dir} --state-dir {herd.layout.root} \\
+  --resync-seconds 0.5 --relist-seconds 1 --grace-seconds 5 --min-resize-interval 1 \\
+  --metrics-port 0
+"""
+    )
+    return script
+
+
+@pytest.mark.timeout(600)
+def test_an_operator_in_an_allocation_runs_and_resizes_jobs_across_its_nodes(
+    tmp_path: Path, cluster: NamespaceCluster
+) -> None:
+    started = time.monotonic()
+
+    def mark(what: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {what}", flush=True)
+
+    herd = OperatorHarness(tmp_path / "herd")
+    herd.specs_dir.mkdir(parents=True)
+    slurm_job = cluster.sbatch(operator_batch_script(tmp_path, cluster, herd))
+    output = tmp_path / f"operator.{slurm_job}.out"
+
+    def operator_output() -> str:
+        return output.read_text() if output.exists() else "(no output yet)"
+
+    endpoint = herd.layout.endpoint_file
+    try:
+        herd.wait_for(endpoint.exists, "the operator's endpoint file", 60)
+        served = json.loads(endpoint.read_text())
+        # The pool came from Slurm alone, and the allocator listens on the batch node's
+        # address on the test network, where the other nodes reach it.
+        assert served["pool"] == (
+            f"Slurm job {slurm_job}: 3 nodes (h[1-3]) x 2 virtual GPUs (SLURM_GPUS_ON_NODE)"
+        ), operator_output()
+        assert served["address"].startswith(cluster.address("h1") + ":"), served
+
+        command = digits_command(10_000, "--step-delay", "0.05", "--batch-size", "64")
+        herd.write_spec(spec_document("wide", 2, 6, command))
+
+        def wide_on(hosts: int | None, gpus: int) -> bool:
+            job = herd.job("wide")
+            reports = herd.reports("wide")
+            return (
+                job is not None
+                and (hosts is None or len(job["placement"]) == hosts)
+                and job["gpus"]["allocated"] == gpus
+                and bool(reports)
+                and reports[-1].world_size == gpus
+            )
+
+        mark("operator serving")
+        herd.wait_for(lambda: wide_on(3, 6), "wide on 6 GPUs of 3 nodes", 180, job="wide")
+        mark("wide at 6")
+        assert workers_by_host(herd.layout.root) == {"h1": 2, "h2": 2, "h3": 2}
+
+        # Shrink by a spec edit: one node is left, and the others' workers leave.
+        herd.write_spec(spec_document("wide", 2, 2, command))
+        herd.wait_for(lambda: wide_on(1, 2), "wide shrunk to one node", 120, job="wide")
+        mark("wide at 2")
+        left = herd.wait_for(
+            lambda: (lambda found: found if sum(found.values()) == 2 else None)(
+                workers_by_host(herd.layout.root)
+            ),
+            "the shrunk job's other workers to exit",
+            60,
+            job="wide",
+        )
+        (wide_host,) = left
+        placement = herd.job("wide")
+        assert placement is not None and list(placement["placement"]) == [wide_host]
+
+        # A second job is admitted on the freed nodes.
+        herd.write_spec(spec_document("pair", 2, 2, command))
+
+        def pair_running() -> bool:
+            job = herd.job("pair")
+            reports = herd.reports("pair")
+            return (
+                job is not None
+                and job["gpus"]["allocated"] == 2
+                and bool(reports)
+                and reports[-1].world_size == 2
+            )
+
+        herd.wait_for(pair_running, "pair admitted and training", 120, job="pair")
+        mark("pair at 2")
+        pair = herd.job("pair")
+        assert pair is not None and wide_host not in pair["placement"]
+
+        # Grow back into what is free: the 2 GPUs neither job holds.
+        herd.write_spec(spec_document("wide", 2, 6, command))
+        herd.wait_for(lambda: wide_on(None, 4), "wide grown to 4 GPUs", 120, job="wide")
+        mark("grown")
+        counts = workers_by_host(herd.layout.root)
+        assert sum(counts.values()) == 6 and set(counts) == {"h1", "h2", "h3"}, counts
+
+        # Delete: no process of either job is left on any host.
+        for name in ("wide", "pair"):
+            (herd.specs_dir / f"{name}.yaml").unlink()
+        herd.wait_for(
+            lambda: not workers_by_host(herd.layout.root), "every worker on every host to exit", 60
+        )
+        mark("deleted")
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.run(cluster.controller, ["scancel", slurm_job], timeout=10)
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and cluster.job_state(slurm_job) != "GONE":
+            time.sleep(0.5)
+    text = operator_output()
+    assert "Traceback" not in text, text[-4000:]
+    assert os.path.exists(output)
