@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import yaml
 
 from controllers.ports import JobRecord
+from controllers.reconciler import REPORT_DEADLINE_SECONDS
 from herd_operator.cli.logs import show_log
 from herd_operator.cli.selectors import Selector, SelectorError, parse_selector
 from herd_operator.cli.views import (
@@ -138,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=5.0,
         help="how often a running job is reconciled without an event (default: 5)",
+    )
+    run.add_argument(
+        "--report-deadline",
+        type=_positive_float,
+        default=REPORT_DEADLINE_SECONDS,
+        metavar="SECONDS",
+        help="a launch none of whose workers reported (herd_operator.worker) within SECONDS "
+        "gets the condition Reporting=False and a Warning event; the job keeps running "
+        f"(default: {REPORT_DEADLINE_SECONDS:.0f})",
     )
     run.add_argument(
         "--relist-seconds",
@@ -431,6 +441,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         advertise_host=args.advertise,
         resync_seconds=args.resync_seconds,
         relist_seconds=args.relist_seconds,
+        report_deadline_seconds=args.report_deadline,
         grace_seconds=args.grace_seconds,
         watch_events=not args.no_watch,
         min_resize_interval=args.min_resize_interval,
