@@ -191,9 +191,11 @@ def herdjob_resource(record: JobRecord, log_file: Path | None = None) -> dict[st
 
 
 def _spec_document(spec: HerdJobSpec) -> dict[str, Any]:
-    """The spec as a file would say it: a horovod job's engine options are its `horovod`
-    field already, so `engine` (which would say them twice) is left out."""
-    document = spec.model_dump(mode="json", by_alias=True)
+    """The spec as a file would say it: unset fields left out, and a horovod job's engine
+    options are its `horovod` field already, so `engine` (which would say them twice) too."""
+    document = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    # A policy's params are the policy's to read: a null there is a value, kept as given.
+    document["policy"]["params"] = spec.model_dump(mode="json", by_alias=True)["policy"]["params"]
     if spec.engine.kind == HOROVOD_ENGINE:
         document.pop("engine", None)
     return document

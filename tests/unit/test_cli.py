@@ -454,6 +454,7 @@ def test_describe_running_job(state: Path, capsys: pytest.CaptureFixture[str]) -
     for expected in [
         "Name:         train",
         "Spec file:    /jobs/train.yaml",
+        f"Log:          {StateLayout(state).log_file('train')} (herd-operator logs train)",
         "Generation:   2 (observed 1)",
         "Status:       Running",
         "Policy:       static (static: max 4)",
