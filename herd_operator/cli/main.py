@@ -1,16 +1,18 @@
 """`herd-operator`: run the operator, and look at what it did.
 
     herd-operator run --specs-dir jobs --hosts localhost:4
-    herd-operator get [NAME] [-o json|yaml|wide]
+    herd-operator get [NAME] [-o wide|json|yaml|name] [-l SELECTOR] [--no-headers] [-w]
     herd-operator describe NAME
-    herd-operator events [NAME]
+    herd-operator logs NAME [-f] [--tail N]
+    herd-operator events [NAME] [-w]
     herd-operator check-state [--full]
     herd-operator validate FILE...
     herd-operator schema
     herd-operator demo
 
 Every command takes the same `--state-dir` (default `$HERD_STATE_DIR`, else
-`./.herd-state`); the reading commands work while the operator runs and after.
+`./.herd-state`), before the command or after it; the reading commands work while the
+operator runs and after.
 """
 
 from __future__ import annotations
