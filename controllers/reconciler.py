@@ -556,6 +556,8 @@ class JobReconciler:
         self._event(
             name, "Normal", "Started", f"{launch.command} pid {launch.pid} with {size} workers", now
         )
+        # Whether the workers report is a fact about a launch: this one has not said yet.
+        conditions = tuple(c for c in conditions if c.type != ConditionType.Reporting)
         conditions = set_condition(
             conditions, ConditionType.Admitted, TRUE, "Admitted", grant.reason, generation, now
         )

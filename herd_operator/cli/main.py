@@ -612,8 +612,13 @@ def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecor
             records = [record for record in records if record.name == args.name]
         changed = [record for record in records if last.get(record.name) != fingerprint(record)]
         gone = sorted(set(last) - {record.name for record in records})
-        if changed:
-            _print_objects(changed, args, header=not printed_header, single=bool(args.name))
+        if changed and args.output in ("json", "yaml"):
+            for record in changed:  # one object per change, as kubectl -w prints them
+                if args.output == "yaml":
+                    print("---", flush=True)
+                _print_objects([record], args, header=False, single=True)
+        elif changed:
+            _print_objects(changed, args, header=not printed_header, single=False)
             printed_header = printed_header or args.output in ("table", "wide")
         if gone and args.output in ("table", "wide", "name"):
             for name in gone:
@@ -832,8 +837,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if any(outcome.error for outcome in outcomes) else EXIT_OK
 
 
-WATCHING_COMMANDS = frozenset({"get", "events", "logs"})
-"""Commands that Ctrl-C ends normally (a watch, a follow): exit 0, no traceback."""
 WATCH_EVENTS_WINDOW = 1000
 """Events read per look by `events -w`: more than the operator adds between two looks."""
 
@@ -863,7 +866,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"herd-operator: {err}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:  # Ctrl-C ends a watch or a follow: that is how one stops them
-        if args.command in WATCHING_COMMANDS:
+        if getattr(args, "watch", False) or getattr(args, "follow", False):
             return EXIT_OK
         raise
     except BrokenPipeError:  # `herd-operator schema | head`: the reader left, that is fine

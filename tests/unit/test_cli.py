@@ -394,6 +394,29 @@ def test_get_watch_prints_a_change(state: Path, capsys: pytest.CaptureFixture[st
     ]
 
 
+def test_get_watch_yaml_prints_one_object_per_change(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def change_later() -> None:
+        time.sleep(0.7)
+        with Store(StateLayout(state).database) as store:
+            record = store.get_job("idle")
+            assert record is not None
+            store.put_status("idle", record.status.model_copy(update={"epoch": 1}), time.time())
+
+    writer = threading.Thread(target=change_later)
+    writer.start()
+    code, out, _ = run_cli(
+        capsys, "get", "-w", "-o", "yaml", "--timeout", "2.2", "--state-dir", str(state)
+    )
+    writer.join()
+    assert code == EXIT_OK
+    first, changed = list(yaml.safe_load_all(out))
+    assert first["kind"] == "List" and len(first["items"]) == 2
+    assert (changed["kind"], changed["metadata"]["name"]) == ("HerdJob", "idle")
+    assert changed["status"]["epoch"] == 1
+
+
 def test_events_watch_prints_new_and_repeated_events(
     state: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -779,7 +779,7 @@ def test_a_command_the_keeper_cannot_execute_is_a_launch_failure_not_an_exit(
 
 
 def test_workers_that_never_report_get_a_condition_and_one_event(world: World) -> None:
-    started(world, herd_job())
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 3}))
     world.clock.advance(REPORT_DEADLINE_S - 1)
     world.reconcile("a")
     assert get_condition(world.status("a").conditions, ConditionType.Reporting) is None
@@ -799,6 +799,13 @@ def test_workers_that_never_report_get_a_condition_and_one_event(world: World) -
     world.store.add_report("a", 0, 4, 0, {}, world.clock())
     world.reconcile("a")
     assert facts(world.condition("a", ConditionType.Reporting))[:2] == ("True", "Reported")
+
+    world.launcher.exit("a", 1)  # a new launch has not reported yet: nothing said of it
+    world.reconcile("a")
+    world.clock.advance(10)
+    world.reconcile("a")
+    assert world.launcher.starts == [("a", 1, 4), ("a", 1, 4)]
+    assert get_condition(world.status("a").conditions, ConditionType.Reporting) is None
 
 
 def test_status_is_not_running_while_the_spec_is_invalid(world: World) -> None:
