@@ -183,6 +183,8 @@ class Launcher:
         else:
             code = self._wait_adopted(job, process)
         launch_error = self._launch_error(job, process.info.launch_id)
+        if launch_error is None and process.popen is not None:
+            launch_error = self._keeper_failure(job, process.info.launch_id, code)
         with self._lock:
             process.exit_code = code
             process.launch_error = launch_error
@@ -193,6 +195,21 @@ class Launcher:
         if self.records_dir is None:
             return None
         return read_launch_error(self._exit_file(job, launch_id))
+
+    def _keeper_failure(self, job: str, launch_id: str, code: int | None) -> str | None:
+        """Why our keeper child ended with an error and no exit file: it could not start
+        (its Python failed, say), so the command never ran. (A keeper that ran the command
+        but could not write the file, on a full disk, looks the same; it is then tried
+        again with backoff instead of being marked Failed, which errs on the side of the
+        job.)"""
+        if self.records_dir is None or code is None or code <= 0:
+            return None
+        if self._exit_file(job, launch_id).exists():
+            return None
+        return (
+            f"the keeper ({sys.executable} -m herd_operator.runtime.keeper) exited with "
+            f"status {code} before it ran the command; its output is in the job's log"
+        )
 
     def _wait_adopted(self, job: str, process: _Process) -> int | None:
         """Wait for a launch that is not our child; its keeper tells how it ended."""

@@ -163,6 +163,35 @@ def test_the_launcher_reports_a_command_its_keeper_could_not_run(
     assert "No such file or directory" in state.launch_error
 
 
+def test_the_launcher_reports_a_keeper_that_could_not_start(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    exits = Exits()
+    launcher = launcher_on(records, launchers, exits)
+    # The keeper's Python cannot start: it finds no standard library there.
+    launched = replace(request(tmp_path, "pass"), env={"PYTHONHOME": str(tmp_path / "none")})
+    launcher.launch(launched)
+    assert exits.called.wait(GUARD_S), "the keeper's end was not noticed"
+    state = launcher.state("train")
+    assert state.phase == ProcessPhase.EXITED and state.exit_code
+    assert state.launch_error is not None
+    assert state.launch_error.startswith(
+        f"the keeper ({sys.executable} -m herd_operator.runtime.keeper) exited with status "
+    )
+    assert "Python" in (tmp_path / "logs" / "train.log").read_text()
+
+
+def test_a_command_that_fails_is_not_a_launch_error(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    exits = Exits()
+    launcher = launcher_on(records, launchers, exits)
+    launcher.launch(request(tmp_path, "raise SystemExit(3)"))
+    assert exits.called.wait(GUARD_S), "the keeper's end was not noticed"
+    state = launcher.state("train")
+    assert (state.exit_code, state.launch_error) == (3, None)
+
+
 # ---- a restarted operator's launcher ----
 
 SLEEPER = "import time; time.sleep(120)"
