@@ -545,6 +545,10 @@ class JobReconciler:
             status = status.model_copy(update={"gpus": _counts(job, status, desired, size, None)})
             self._save(name, status, generation, now)
             return Result(requeue_after=retry_at - now)
+        conditions = set_condition(
+            conditions, ConditionType.Admitted, TRUE, "Admitted", grant.reason, generation, now
+        )
+        status = status.model_copy(update={"conditions": conditions})
         try:
             launch = self.launcher.start(job, generation, size)
         except (OSError, RuntimeError) as err:
@@ -558,9 +562,6 @@ class JobReconciler:
         )
         # Whether the workers report is a fact about a launch: this one has not said yet.
         conditions = tuple(c for c in conditions if c.type != ConditionType.Reporting)
-        conditions = set_condition(
-            conditions, ConditionType.Admitted, TRUE, "Admitted", grant.reason, generation, now
-        )
         conditions = set_condition(
             conditions,
             ConditionType.Running,

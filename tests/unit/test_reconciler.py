@@ -726,6 +726,7 @@ def test_launch_error_is_a_condition_and_an_event_retried_with_backoff(world: Wo
         "cannot launch a: horovodrun: not found (attempt 1; next in 1s)",
     )
     assert world.status("a").summary() == "LaunchFailed"
+    assert facts(world.condition("a", ConditionType.Admitted))[:2] == ("True", "Admitted")
     assert world.events("a") == [
         ("Warning", "LaunchFailed", "cannot launch a: horovodrun: not found")
     ]
