@@ -31,7 +31,8 @@ def open_store(state_dir: Path) -> Store:
 
 
 def job_object(record: JobRecord) -> dict[str, Any]:
-    """The JSON shape of a job for `get -o json`: spec, status and identity.
+    """A flat view of a job (identity, spec, status) for the tables, the demo and tests;
+    `get -o json|yaml` shows `herdjob_resource` instead.
 
     A job whose stored spec is unreadable shows with its status, the spec's fields None
     and `specError` saying why (the operator records the spec file again).
