@@ -135,6 +135,8 @@ class ProcessState:
     exit_code: int | None = None
     launch: LaunchInfo | None = None
     stopped_by_us: bool = False
+    launch_error: str | None = None
+    """Why the command never ran (the keeper could not execute it); None when it ran."""
 
 
 class LauncherPort(Protocol):

@@ -52,6 +52,11 @@ USAGE_HISTORY_SECONDS = 3600.0
 is averaged over its last hour)."""
 
 
+REPORT_DEADLINE_SECONDS = 600.0
+"""How long a launch may run without any worker's report before `Reporting=False` and a
+Warning say so (workers report at each epoch end and reset through herd_operator.worker)."""
+
+
 def restart_delay(restarts: int, base: float = 1.0, cap: float = 60.0) -> float:
     """Backoff before relaunching a failed job: 1 s, 2 s, 4 s ... up to a minute."""
     return min(cap, base * 2.0 ** max(0, restarts - 1))
@@ -69,9 +74,11 @@ class JobReconciler:
         resync_seconds: float = 5.0,
         stop_poll_seconds: float = 0.5,
         metrics_stale_seconds: float = 15.0,
+        report_deadline_seconds: float = REPORT_DEADLINE_SECONDS,
         observer: ReconcileObserver | None = None,
     ) -> None:
         self.metrics_stale_seconds = metrics_stale_seconds
+        self.report_deadline_seconds = report_deadline_seconds
         self.observer: ReconcileObserver = observer or NoObserver()
         self.specs = specs
         self.store = store
@@ -209,6 +216,10 @@ class JobReconciler:
     ) -> HerdJobStatus:
         """The job's processes exited: a success, a failure to retry or give up on, or a run
         the spec had already moved past."""
+        if process.launch_error:
+            # The command never ran (the keeper could not execute it): not the job's exit.
+            self.launcher.forget(name)
+            return self._launch_failed(name, status, process.launch_error, generation, now)
         superseded = self._relaunch_reason(process, job)
         if not superseded:
             return self._on_exit(name, job, status, process, generation, now)
@@ -340,6 +351,9 @@ class JobReconciler:
         was_resizing = get_condition(status.conditions, ConditionType.Resizing)
         if not resizing and was_resizing is not None and was_resizing.status == TRUE and active:
             self.observer.resize_completed(name, now - was_resizing.last_transition_time)
+        conditions = self._reporting_condition(
+            name, conditions, bool(reports), observed.started_at, generation, now
+        )
         if Signal.USAGE in policy.observes:
             conditions = self._metrics_condition(conditions, observed, generation, now)
         conditions = set_condition(
@@ -356,6 +370,9 @@ class JobReconciler:
                 "conditions": conditions,
                 "gpus": _counts(job, status, desired, grant.placement.size, active),
                 "epoch": epoch,
+                # Workers that report got past the launch: a later failure to launch starts
+                # its backoff over.
+                **({"launch_failures": 0} if reports else {}),
             }
         )
         self._save(name, status, generation, now)
@@ -402,6 +419,7 @@ class JobReconciler:
         now: float,
     ) -> HerdJobStatus:
         self.launcher.forget(name)
+        status = status.model_copy(update={"launch_failures": 0})  # it did run
         conditions = status.conditions
         code = process.exit_code
         if process.stopped_by_us:
@@ -488,7 +506,13 @@ class JobReconciler:
                     now,
                 )
         return status.model_copy(
-            update={"conditions": conditions, "restarts": 0, "retry_at": None, "finished_at": None}
+            update={
+                "conditions": conditions,
+                "restarts": 0,
+                "launch_failures": 0,
+                "retry_at": None,
+                "finished_at": None,
+            }
         )
 
     def _start_or_wait(
@@ -521,27 +545,23 @@ class JobReconciler:
             status = status.model_copy(update={"gpus": _counts(job, status, desired, size, None)})
             self._save(name, status, generation, now)
             return Result(requeue_after=retry_at - now)
-        try:
-            launch = self.launcher.start(job, generation, size)
-        except (OSError, RuntimeError) as err:
-            # Shown where people look (a missing workingDir, no horovodrun on PATH), then
-            # retried with backoff: the cause may be fixed without touching the spec.
-            message = f"cannot launch {name}: {err}"
-            self._event(name, "Warning", "LaunchFailed", message, now)
-            conditions = set_condition(
-                conditions, ConditionType.Running, FALSE, "LaunchFailed", message, generation, now
-            )
-            status = status.model_copy(
-                update={"conditions": conditions, "gpus": _counts(job, status, desired, size, None)}
-            )
-            self._save(name, status, generation, now)
-            raise TemporaryError(message) from err
-        self._event(
-            name, "Normal", "Started", f"{launch.command} pid {launch.pid} with {size} workers", now
-        )
         conditions = set_condition(
             conditions, ConditionType.Admitted, TRUE, "Admitted", grant.reason, generation, now
         )
+        status = status.model_copy(update={"conditions": conditions})
+        try:
+            launch = self.launcher.start(job, generation, size)
+        except (OSError, RuntimeError) as err:
+            status = self._launch_failed(name, status, str(err), generation, now)
+            status = status.model_copy(update={"gpus": _counts(job, status, desired, size, None)})
+            self._save(name, status, generation, now)
+            assert status.retry_at is not None
+            return Result(requeue_after=status.retry_at - now)
+        self._event(
+            name, "Normal", "Started", f"{launch.command} pid {launch.pid} with {size} workers", now
+        )
+        # Whether the workers report is a fact about a launch: this one has not said yet.
+        conditions = tuple(c for c in conditions if c.type != ConditionType.Reporting)
         conditions = set_condition(
             conditions,
             ConditionType.Running,
@@ -566,6 +586,83 @@ class JobReconciler:
         )
         self._save(name, status, generation, now)
         return Result(requeue_after=self.resync_seconds)
+
+    def _launch_failed(
+        self, name: str, status: HerdJobStatus, error: str, generation: int, now: float
+    ) -> HerdJobStatus:
+        """The job's command could not be started (no horovodrun on PATH, a missing
+        workingDir, an executable that cannot be run): shown where people look, then tried
+        again after a growing delay, since the cause may be fixed without touching the spec.
+
+        The event's text stays the same from one attempt to the next, so that the store
+        counts the attempts on one event instead of adding a row for each.
+        """
+        failures = status.launch_failures + 1
+        delay = restart_delay(failures)
+        message = f"cannot launch {name}: {error}"
+        self._event(name, "Warning", "LaunchFailed", message, now)
+        conditions = set_condition(
+            status.conditions,
+            ConditionType.Running,
+            FALSE,
+            "LaunchFailed",
+            f"{message} (attempt {failures}; next in {delay:.0f}s)",
+            generation,
+            now,
+        )
+        return status.model_copy(
+            update={"conditions": conditions, "launch_failures": failures, "retry_at": now + delay}
+        )
+
+    def _reporting_condition(
+        self,
+        name: str,
+        conditions: tuple[Condition, ...],
+        reported: bool,
+        since: float,
+        generation: int,
+        now: float,
+    ) -> tuple[Condition, ...]:
+        """`Reporting=False ReportDeadlineExceeded` (and a Warning) when no worker of this
+        launch has reported within the deadline; True again once one does.
+
+        Workers that hang before training (a host Horovod cannot reach, a script stuck at
+        import) look like a running job otherwise. A script that never uses
+        herd_operator.worker never reports: the condition says so without stopping it.
+        """
+        previous = get_condition(conditions, ConditionType.Reporting)
+        if reported:
+            if previous is None or previous.status == TRUE:
+                return conditions
+            return set_condition(
+                conditions,
+                ConditionType.Reporting,
+                TRUE,
+                "Reported",
+                "the workers report",
+                generation,
+                now,
+            )
+        silent = now - since
+        if silent < self.report_deadline_seconds:
+            return conditions
+        message = (
+            f"no worker has reported in {self.report_deadline_seconds:.0f}s since the launch"
+            " (scripts report through herd_operator.worker at each epoch end); see"
+            f" `herd-operator logs {name}`"
+        )
+        updated = set_condition(
+            conditions,
+            ConditionType.Reporting,
+            FALSE,
+            "ReportDeadlineExceeded",
+            message,
+            generation,
+            now,
+        )
+        if previous is None or previous.status != FALSE:
+            self._event(name, "Warning", "ReportDeadlineExceeded", message, now)
+        return updated
 
     def _note_grant_change(
         self, name: str, status: HerdJobStatus, grant: Grant, desired: int, now: float

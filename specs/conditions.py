@@ -19,6 +19,8 @@ class ConditionType(StrEnum):
     SpecValid = "SpecValid"
     Admitted = "Admitted"
     Running = "Running"
+    Reporting = "Reporting"
+    """Whether the workers of the running launch report (False: none within the deadline)."""
     Resizing = "Resizing"
     Succeeded = "Succeeded"
     Failed = "Failed"

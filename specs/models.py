@@ -227,6 +227,11 @@ def is_job_name(name: str) -> bool:
     return len(name) <= DNS_LABEL_MAX_LENGTH and re.fullmatch(DNS_LABEL_PATTERN, name) is not None
 
 
+READ_ONLY_METADATA = frozenset({"uid", "generation", "creationTimestamp"})
+"""`metadata` fields the operator sets and shows; a spec file may hold them (they are
+ignored), so that `get NAME -o yaml` saved to a file is a spec again."""
+
+
 class ObjectMeta(ApiModel):
     """Identity of a job: its name is the key everywhere (queue, allocator, store)."""
 
@@ -234,6 +239,15 @@ class ObjectMeta(ApiModel):
         json_schema_extra={"pattern": DNS_LABEL_PATTERN, "maxLength": DNS_LABEL_MAX_LENGTH}
     )
     labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_read_only_fields(cls, data: Any) -> Any:
+        """The identity the operator gives a job (`get -o yaml` shows it) is not the user's
+        to declare: a spec saved from `get` loads with it ignored."""
+        if isinstance(data, dict) and READ_ONLY_METADATA & data.keys():
+            return {key: value for key, value in data.items() if key not in READ_ONLY_METADATA}
+        return data
 
     @field_validator("name")
     @classmethod
@@ -250,6 +264,15 @@ class HerdJob(ApiModel):
     kind: Literal["HerdJob"]
     metadata: ObjectMeta
     spec: HerdJobSpec
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_status(cls, data: Any) -> Any:
+        """`status` is observed, never declared: a spec saved from `get -o yaml` loads with
+        it ignored, as the Kubernetes API server ignores it in an applied object."""
+        if isinstance(data, dict) and "status" in data:
+            return {key: value for key, value in data.items() if key != "status"}
+        return data
 
     @property
     def name(self) -> str:
@@ -283,6 +306,20 @@ def json_schema() -> dict[str, Any]:
             "then": {"properties": {"options": {"$ref": "#/$defs/HorovodOptions"}}},
         }
     )
+    # What `get NAME -o yaml` adds to a spec, allowed (and ignored) in a file.
+    schema["$defs"]["ObjectMeta"]["properties"].update(
+        {
+            "uid": {"type": "string", "readOnly": True},
+            "generation": {"type": "integer", "minimum": 1, "readOnly": True},
+            "creationTimestamp": {"type": "string", "format": "date-time", "readOnly": True},
+        }
+    )
+    schema["properties"]["status"] = {
+        "type": "object",
+        "readOnly": True,
+        "description": "Observed state, written by the operator (`herd-operator get NAME "
+        "-o yaml`); ignored in a spec file.",
+    }
     return {
         "$schema": JSON_SCHEMA_DIALECT,
         **schema,

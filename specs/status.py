@@ -40,6 +40,8 @@ class HerdJobStatus(StatusModel):
     epoch: int | None = None
     """Last epoch the workers reported."""
     restarts: int = 0
+    launch_failures: int = 0
+    """Launches in a row whose command could not be started (backs off the next try)."""
     launch_id: str | None = None
     started_at: float | None = None
     finished_at: float | None = None
@@ -55,6 +57,14 @@ class HerdJobStatus(StatusModel):
             (ConditionType.Succeeded, "Succeeded"),
             (ConditionType.Failed, "Failed"),
             (ConditionType.Stalled, "Stalled"),
+        ):
+            if is_true(self.conditions, condition_type):
+                return word
+        spec_valid = get_condition(self.conditions, ConditionType.SpecValid)
+        if spec_valid is not None and spec_valid.status == "False":
+            # It may run on its last good spec, but the file needs the user's attention first.
+            return spec_valid.reason
+        for condition_type, word in (
             (ConditionType.Resizing, "Resizing"),
             (ConditionType.Running, "Running"),
         ):

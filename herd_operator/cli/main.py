@@ -1,21 +1,24 @@
 """`herd-operator`: run the operator, and look at what it did.
 
     herd-operator run --specs-dir jobs --hosts localhost:4
-    herd-operator get [NAME] [-o json|yaml|wide]
+    herd-operator get [NAME] [-o wide|json|yaml|name] [-l SELECTOR] [--no-headers] [-w]
     herd-operator describe NAME
-    herd-operator events [NAME]
+    herd-operator logs NAME [-f] [--tail N]
+    herd-operator events [NAME] [-w]
     herd-operator check-state [--full]
     herd-operator validate FILE...
     herd-operator schema
     herd-operator demo
 
 Every command takes the same `--state-dir` (default `$HERD_STATE_DIR`, else
-`./.herd-state`); the reading commands work while the operator runs and after.
+`./.herd-state`), before the command or after it; the reading commands work while the
+operator runs and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import re
@@ -23,13 +26,17 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
+from controllers.ports import JobRecord
+from controllers.reconciler import REPORT_DEADLINE_SECONDS
+from herd_operator.cli.logs import show_log
+from herd_operator.cli.selectors import Selector, SelectorError, parse_selector
 from herd_operator.cli.views import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -38,12 +45,15 @@ from herd_operator.cli.views import (
     format_age,
     format_events,
     format_table,
+    herdjob_resource,
+    job_has_ended,
     job_object,
     open_store,
+    resource_list,
 )
-from herd_operator.layout import default_state_dir
+from herd_operator.layout import StateLayout, default_state_dir
 from herd_operator.runtime.engines import UnknownEngineError, engine_problem
-from herd_operator.runtime.store import StoreError, UnreadableSpecError
+from herd_operator.runtime.store import Event, Store, StoreError, UnreadableSpecError
 from policies.base import PolicyError
 from policies.registry import load_policy
 from specs import SpecFile, index_specs, json_schema, load_spec_file
@@ -51,20 +61,51 @@ from specs import SpecFile, index_specs, json_schema, load_spec_file
 _Number = TypeVar("_Number", int, float)
 
 
+STATE_DIR_HELP = "the operator's state directory (default: $HERD_STATE_DIR or ./.herd-state)"
+WATCH_POLL_SECONDS = 0.5
+"""How often `get -w` and `events -w` read the store (one small read each)."""
+
+
 def _state_dir_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--state-dir",
-        type=Path,
-        default=default_state_dir(),
-        help="the operator's state directory (default: $HERD_STATE_DIR or ./.herd-state)",
-    )
+    # No default here: given before the command (`herd-operator --state-dir X get`) or after
+    # it, one value lands in the namespace, and `main` fills in the default when neither did.
+    parser.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS, help=STATE_DIR_HELP)
+
+
+class HerdArgumentParser(argparse.ArgumentParser):
+    """An unknown flag is refused with the usage of the command it was given to."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self.command_parsers.get(getattr(parsed, "command", None) or "")
+            (command or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    @property
+    def command_parsers(self) -> dict[str, argparse.ArgumentParser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("herd-operator")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = HerdArgumentParser(
         prog="herd-operator",
         description="Share the GPUs of an allocation among elastic Horovod jobs declared as YAML.",
     )
+    parser.add_argument("--version", action="version", version=f"herd-operator {_version()}")
+    _state_dir_option(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="run the operator in the foreground")
@@ -107,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=5.0,
         help="how often a running job is reconciled without an event (default: 5)",
+    )
+    run.add_argument(
+        "--report-deadline",
+        type=_positive_float,
+        default=REPORT_DEADLINE_SECONDS,
+        metavar="SECONDS",
+        help="a launch none of whose workers reported (herd_operator.worker) within SECONDS "
+        "gets the condition Reporting=False and a Warning event; the job keeps running "
+        f"(default: {REPORT_DEADLINE_SECONDS:.0f})",
     )
     run.add_argument(
         "--relist-seconds",
@@ -191,8 +241,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     get = commands.add_parser("get", help="list jobs (kubectl-like table)")
     _state_dir_option(get)
-    get.add_argument("name", nargs="?")
-    get.add_argument("-o", "--output", choices=["table", "wide", "json", "yaml"], default="table")
+    get.add_argument("name", nargs="?", help="only this job (-o json|yaml: the one object)")
+    get.add_argument(
+        "-o",
+        "--output",
+        choices=["table", "wide", "json", "yaml", "name"],
+        default="table",
+        help="table (default), wide, json or yaml (a HerdJob object, or a List of them), "
+        "name (herdjob/NAME)",
+    )
+    get.add_argument(
+        "-l",
+        "--selector",
+        type=_selector,
+        help="only jobs whose labels match: key=value, key!=value, key, !key, "
+        "'key in (a,b)', 'key notin (a,b)', joined by commas (all must hold)",
+    )
+    get.add_argument("--no-headers", action="store_true", help="tables without their header")
+    _watch_options(get, "after the list, print each job that changes (Ctrl-C ends)")
 
     describe = commands.add_parser("describe", help="conditions, placement and events of a job")
     _state_dir_option(describe)
@@ -202,6 +268,30 @@ def build_parser() -> argparse.ArgumentParser:
     _state_dir_option(events)
     events.add_argument("name", nargs="?", help="only this job's events")
     events.add_argument("--limit", type=_positive_int, default=100)
+    events.add_argument("--no-headers", action="store_true", help="no header line")
+    _watch_options(events, "after the list, print each new or repeated event (Ctrl-C ends)")
+
+    logs = commands.add_parser("logs", help="print a job's output (<state-dir>/logs/<job>.log)")
+    _state_dir_option(logs)
+    logs.add_argument("name", metavar="NAME")
+    logs.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing what the job writes until it ends (Ctrl-C ends sooner)",
+    )
+    logs.add_argument(
+        "--tail",
+        type=_non_negative_int,
+        metavar="N",
+        help="only the last N lines (default: all)",
+    )
+    logs.add_argument(
+        "--timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="with -f: stop following after SECONDS (default: until the job ends)",
+    )
 
     check = commands.add_parser(
         "check-state", help="check the state store for damage (exit 1 if damaged)"
@@ -241,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--state-dir",
         type=Path,
-        default=Path(".herd-demo"),
+        default=argparse.SUPPRESS,
         help="where the demo keeps its jobs, state and logs (default: ./.herd-demo; wiped first)",
     )
     demo.add_argument("--virtual-gpus", type=_positive_int, default=4)
@@ -267,6 +357,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _watch_options(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("-w", "--watch", action="store_true", help=what)
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="with -w: stop watching after SECONDS (default: until Ctrl-C)",
+    )
+
+
+def _selector(text: str) -> Selector:
+    try:
+        return parse_selector(text)
+    except SelectorError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _bounded(
     convert: Callable[[str], _Number], ok: Callable[[_Number], bool], rule: str, noun: str
 ) -> Callable[[str], _Number]:
@@ -285,6 +392,7 @@ def _bounded(
 
 
 _positive_int = _bounded(int, lambda v: v >= 1, "must be at least 1", "an integer")
+_non_negative_int = _bounded(int, lambda v: v >= 0, "must not be negative", "an integer")
 _port = _bounded(int, lambda v: 0 <= v < 65536, "a port is 0..65535", "a port number")
 _positive_float = _bounded(float, lambda v: v > 0, "must be positive", "a number")
 _non_negative_float = _bounded(float, lambda v: v >= 0, "must not be negative", "a number")
@@ -366,6 +474,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         network_interface=reach.network_interface,
         resync_seconds=args.resync_seconds,
         relist_seconds=args.relist_seconds,
+        report_deadline_seconds=args.report_deadline,
         grace_seconds=args.grace_seconds,
         watch_events=not args.no_watch,
         min_resize_interval=args.min_resize_interval,
@@ -428,57 +537,138 @@ def cmd_exporter(args: argparse.Namespace) -> int:
 # ---- reading commands ----
 
 
+def _selected(records: Sequence[JobRecord], selector: Selector | None) -> list[JobRecord]:
+    if selector is None:
+        return list(records)
+    return [record for record in records if selector.matches(_labels(record))]
+
+
+def _labels(record: JobRecord) -> dict[str, str]:
+    try:
+        return dict(record.spec.metadata.labels)
+    except UnreadableSpecError:  # its labels are unknown: no selector matches them
+        return {}
+
+
+def _table_header(wide: bool) -> list[str]:
+    header = ["NAME", "STATUS", "MIN", "MAX", "DESIRED", "ALLOCATED", "ACTIVE", "AGE"]
+    return header + (["EPOCH", "RESTARTS", "GEN", "POLICY", "PLACEMENT"] if wide else [])
+
+
+def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
+    gpus = obj["gpus"]
+    row = [
+        obj["name"],
+        obj["status"],
+        dash(gpus["min"]),
+        dash(gpus["max"]),
+        dash(gpus["desired"]),
+        str(gpus["allocated"]),
+        dash(gpus["active"]),
+        format_age(now - obj["createdAt"]),
+    ]
+    if wide:
+        placement = ",".join(
+            f"{host}:{'+'.join(map(str, gpu_list))}" for host, gpu_list in obj["placement"].items()
+        )
+        row += [
+            dash(obj["epoch"]),
+            str(obj["restarts"]),
+            f"{obj['observedGeneration']}/{obj['generation']}",
+            dash(obj["policy"]),
+            placement or "-",
+        ]
+    return row
+
+
+def _print_objects(
+    records: Sequence[JobRecord], args: argparse.Namespace, *, header: bool, single: bool
+) -> None:
+    """`records` in the `-o` format; `single`: one object, not a List (get NAME)."""
+    layout = StateLayout(args.state_dir)
+    if args.output in ("json", "yaml"):
+        objects = [herdjob_resource(r, layout.log_file(r.name)) for r in records]
+        shown = objects[0] if single and len(objects) == 1 else resource_list(objects)
+        if args.output == "json":
+            print(json.dumps(shown, indent=2), flush=True)
+        else:
+            print(yaml.safe_dump(shown, sort_keys=False), end="", flush=True)
+        return
+    if args.output == "name":
+        for record in records:
+            print(f"herdjob/{record.name}", flush=True)
+        return
+    wide = args.output == "wide"
+    now = time.time()
+    rows = [_table_row(job_object(record), now, wide) for record in records]
+    if header and not args.no_headers:
+        rows.insert(0, _table_header(wide))
+    if rows:
+        print(format_table(rows), flush=True)
+
+
 def cmd_get(args: argparse.Namespace) -> int:
     with open_store(args.state_dir) as store:
-        records = store.list_jobs()
-    if args.name:
-        records = [record for record in records if record.name == args.name]
-        if not records:
-            print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
-            return EXIT_FAILURE
-    objects = [job_object(record) for record in records]
-    if args.output == "json":
-        print(json.dumps(objects, indent=2))
-        return EXIT_OK
-    if args.output == "yaml":
-        print(yaml.safe_dump(objects, sort_keys=False), end="")
-        return EXIT_OK
-    if not objects:
-        print(f"No jobs in {args.state_dir}.")
-        return EXIT_OK
-    now = time.time()
-    header = ["NAME", "STATUS", "MIN", "MAX", "DESIRED", "ALLOCATED", "ACTIVE", "AGE"]
-    wide = args.output == "wide"
-    if wide:
-        header += ["EPOCH", "RESTARTS", "GEN", "POLICY", "PLACEMENT"]
-    rows = [header]
-    for obj in objects:
-        gpus = obj["gpus"]
-        row = [
-            obj["name"],
-            obj["status"],
-            dash(gpus["min"]),
-            dash(gpus["max"]),
-            dash(gpus["desired"]),
-            str(gpus["allocated"]),
-            dash(gpus["active"]),
-            format_age(now - obj["createdAt"]),
-        ]
-        if wide:
-            placement = ",".join(
-                f"{host}:{'+'.join(map(str, gpu_list))}"
-                for host, gpu_list in obj["placement"].items()
-            )
-            row += [
-                dash(obj["epoch"]),
-                str(obj["restarts"]),
-                f"{obj['observedGeneration']}/{obj['generation']}",
-                dash(obj["policy"]),
-                placement or "-",
-            ]
-        rows.append(row)
-    print(format_table(rows))
+        records = _selected(store.list_jobs(), args.selector)
+        if args.name:
+            records = [record for record in records if record.name == args.name]
+            if not records:
+                print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
+                return EXIT_FAILURE
+        if records or args.output in ("json", "yaml"):
+            _print_objects(records, args, header=True, single=bool(args.name))
+        elif args.output != "name":
+            print(f"No jobs in {args.state_dir}.", file=sys.stderr)
+        if args.watch:
+            _watch_jobs(store, args, records)
     return EXIT_OK
+
+
+def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecord]) -> None:
+    """Print each job again when it changes (a table row: when a cell other than AGE does);
+    a deleted job's row says `Deleted`. Ends at --timeout, or by Ctrl-C (in `main`)."""
+    wide = args.output == "wide"
+    printed_header = bool(shown)
+
+    def fingerprint(record: JobRecord) -> object:
+        if args.output in ("table", "wide"):
+            row = _table_row(job_object(record), 0.0, wide)
+            del row[7]  # AGE grows on its own: not a change of the job
+            return row
+        return (record.generation, record.status, record.spec_path)
+
+    last = {record.name: fingerprint(record) for record in shown}
+    for _ in _ticks(args.timeout):
+        records = _selected(store.list_jobs(), args.selector)
+        if args.name:
+            records = [record for record in records if record.name == args.name]
+        changed = [record for record in records if last.get(record.name) != fingerprint(record)]
+        gone = sorted(set(last) - {record.name for record in records})
+        if changed and args.output in ("json", "yaml"):
+            for record in changed:  # one object per change, as kubectl -w prints them
+                if args.output == "yaml":
+                    print("---", flush=True)
+                _print_objects([record], args, header=False, single=True)
+        elif changed:
+            _print_objects(changed, args, header=not printed_header, single=False)
+            printed_header = printed_header or args.output in ("table", "wide")
+        if gone and args.output in ("table", "wide", "name"):
+            for name in gone:
+                print(
+                    f"herdjob/{name}" if args.output == "name" else f"{name}   Deleted",
+                    flush=True,
+                )
+        last = {record.name: fingerprint(record) for record in records}
+
+
+def _ticks(timeout: float | None) -> Iterator[None]:
+    """Yield every WATCH_POLL_SECONDS, until `timeout` seconds have passed (None: forever)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        time.sleep(WATCH_POLL_SECONDS)
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        yield
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
@@ -496,6 +686,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
     lines = [
         f"Name:         {obj['name']}",
         f"Spec file:    {obj['specPath']}",
+        f"Log:          {StateLayout(args.state_dir).log_file(args.name)}"
+        f" (herd-operator logs {args.name})",
         f"Generation:   {obj['generation']} (observed {obj['observedGeneration']})",
         f"Status:       {obj['status']}",
         *([f"Spec:         {obj['specError']}"] if "specError" in obj else []),
@@ -539,10 +731,53 @@ def cmd_describe(args: argparse.Namespace) -> int:
 def cmd_events(args: argparse.Namespace) -> int:
     with open_store(args.state_dir) as store:
         events = store.events(args.name, limit=args.limit)
-    if not events:
-        print("No events.")
-        return EXIT_OK
-    print(format_events(events, time.time(), True))
+        header = not args.no_headers
+        if events:
+            print(format_events(events, time.time(), True, header=header), flush=True)
+        elif not args.watch:
+            print("No events.")
+        if args.watch:
+            _watch_events(store, args, events, header=header and not events)
+    return EXIT_OK
+
+
+def _watch_events(
+    store: Store, args: argparse.Namespace, shown: Sequence[Event], header: bool
+) -> None:
+    """Print each event that is new or happened again (its count grew) since the last look."""
+    seen = {event.id: event.count for event in shown}
+    for _ in _ticks(args.timeout):
+        # The newest events by last occurrence: any that is new or repeated is among them.
+        fresh = [
+            event
+            for event in store.events(args.name, limit=WATCH_EVENTS_WINDOW)
+            if seen.get(event.id) != event.count
+        ]
+        if fresh:
+            print(format_events(fresh, time.time(), True, header=header), flush=True)
+            header = False
+            seen.update((event.id, event.count) for event in fresh)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    log_file = StateLayout(args.state_dir).log_file(args.name)
+    with open_store(args.state_dir) as store:
+        if store.get_job(args.name) is None and not log_file.exists():
+            print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
+            return EXIT_FAILURE
+
+        def still_running() -> bool:
+            record = store.get_job(args.name)
+            return record is not None and not job_has_ended(record.status)
+
+        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        found = show_log(log_file, args.tail, args.follow, still_running, deadline)
+    if not found:
+        print(
+            f"herd-operator: job {args.name!r} has no log yet ({log_file}): it has not started",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -634,12 +869,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if any(outcome.error for outcome in outcomes) else EXIT_OK
 
 
+WATCH_EVENTS_WINDOW = 1000
+"""Events read per look by `events -w`: more than the operator adds between two looks."""
+
 COMMANDS = {
     "run": cmd_run,
     "exporter": cmd_exporter,
     "get": cmd_get,
     "describe": cmd_describe,
     "events": cmd_events,
+    "logs": cmd_logs,
     "check-state": cmd_check_state,
     "report": cmd_report,
     "validate": cmd_validate,
@@ -651,11 +890,17 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "state_dir", None) is None:
+        args.state_dir = Path(".herd-demo") if args.command == "demo" else default_state_dir()
     try:
         return COMMANDS[args.command](args)
     except StoreError as err:
         print(f"herd-operator: {err}", file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt:  # Ctrl-C ends a watch or a follow: that is how one stops them
+        if getattr(args, "watch", False) or getattr(args, "follow", False):
+            return EXIT_OK
+        raise
     except BrokenPipeError:  # `herd-operator schema | head`: the reader left, that is fine
         sys.stderr.close()
         return EXIT_OK

@@ -6,13 +6,16 @@ Shared by the commands, the report and the demo (which import it, never each oth
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from controllers.ports import JobRecord
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Event, Store, StoreError, UnreadableSpecError
-from specs.models import HerdJobSpec
+from specs.conditions import ConditionType, get_condition, is_true
+from specs.models import API_VERSION, HOROVOD_ENGINE, KIND, HerdJobSpec
+from specs.status import HerdJobStatus
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -28,7 +31,8 @@ def open_store(state_dir: Path) -> Store:
 
 
 def job_object(record: JobRecord) -> dict[str, Any]:
-    """The JSON shape of a job for `get -o json`: spec, status and identity.
+    """A flat view of a job (identity, spec, status) for the tables, the demo and tests;
+    `get -o json|yaml` shows `herdjob_resource` instead.
 
     A job whose stored spec is unreadable shows with its status, the spec's fields None
     and `specError` saying why (the operator records the spec file again).
@@ -91,13 +95,113 @@ def dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def format_events(events: Sequence[Event], now: float, with_object: bool) -> str:
-    header = ["LAST SEEN", "TYPE", "REASON"] + (["OBJECT"] if with_object else []) + ["MESSAGE"]
-    rows = [header]
+def format_events(
+    events: Sequence[Event], now: float, with_object: bool, *, header: bool = True
+) -> str:
+    titles = ["LAST SEEN", "TYPE", "REASON"] + (["OBJECT"] if with_object else []) + ["MESSAGE"]
+    rows = [titles]
     for event in events:
         message = event.message + (f" (x{event.count})" if event.count > 1 else "")
         row = [format_age(now - event.last_time), event.type, event.reason]
         if with_object:
             row.append(f"herdjob/{event.job}" if event.job else "-")
         rows.append([*row, message])
-    return format_table(rows)
+    table = format_table(rows)
+    # Aligned with the header either way, so that watched lines line up with the first ones.
+    return table if header else table.split("\n", 1)[1] if len(rows) > 1 else ""
+
+
+def job_has_ended(status: HerdJobStatus) -> bool:
+    """The job will not run again by itself: it succeeded, failed, or its operator stopped
+    it (a spec edit or a new operator starts it again)."""
+    running = get_condition(status.conditions, ConditionType.Running)
+    stopped = running is not None and running.reason == "OperatorStopped"
+    return (
+        stopped
+        or is_true(status.conditions, ConditionType.Succeeded)
+        or is_true(status.conditions, ConditionType.Failed)
+    )
+
+
+def rfc3339(seconds: float | None) -> str | None:
+    """A Unix time as Kubernetes writes times: RFC 3339 in UTC, whole seconds ("...Z")."""
+    if seconds is None:
+        return None
+    moment = datetime.fromtimestamp(seconds, UTC).replace(microsecond=0)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def herdjob_resource(record: JobRecord, log_file: Path | None = None) -> dict[str, Any]:
+    """One job as `get NAME -o yaml|json` shows it: a HerdJob object like kubectl's.
+
+    `apiVersion`, `kind`, `metadata`, `spec` are what the user declared (plus the identity
+    the operator gave it: uid, generation, creation time), so the object saved to a file
+    is a spec again (the loader ignores `status` and those read-only fields); `status` is
+    what the operator observed, times in RFC 3339.
+    """
+    status = record.status
+    try:
+        job, spec_error = record.spec, None
+    except UnreadableSpecError as err:
+        job, spec_error = None, str(err)
+    metadata: dict[str, Any] = {
+        "name": record.name,
+        "uid": record.uid,
+        "generation": record.generation,
+        "creationTimestamp": rfc3339(record.created_at),
+    }
+    if job is not None and job.metadata.labels:
+        metadata["labels"] = dict(job.metadata.labels)
+    gpus = status.gpus
+    shown_status: dict[str, Any] = {
+        "observedGeneration": status.observed_generation,
+        "conditions": [
+            {
+                **condition.model_dump(by_alias=True, mode="json"),
+                "lastTransitionTime": rfc3339(condition.last_transition_time),
+            }
+            for condition in status.conditions
+        ],
+        "summary": status.summary(),
+        "gpus": {
+            "desired": gpus.desired if gpus else None,
+            "allocated": gpus.allocated if gpus else 0,
+            "active": gpus.active if gpus else None,
+        },
+        "placement": [
+            {"host": host, "gpus": list(gpu_list)} for host, gpu_list in status.placement
+        ],
+        "epoch": status.epoch,
+        "restarts": status.restarts,
+        "startedAt": rfc3339(status.started_at),
+        "finishedAt": rfc3339(status.finished_at),
+        "lastResizeAt": rfc3339(status.last_resize_at),
+        "specFile": record.spec_path,
+    }
+    if log_file is not None:
+        shown_status["logFile"] = str(log_file)
+    if spec_error is not None:
+        shown_status["specError"] = spec_error
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": _spec_document(job.spec) if job is not None else None,
+        "status": shown_status,
+    }
+
+
+def _spec_document(spec: HerdJobSpec) -> dict[str, Any]:
+    """The spec as a file would say it: unset fields left out, and a horovod job's engine
+    options are its `horovod` field already, so `engine` (which would say them twice) too."""
+    document = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    # A policy's params are the policy's to read: a null there is a value, kept as given.
+    document["policy"]["params"] = spec.model_dump(mode="json", by_alias=True)["policy"]["params"]
+    if spec.engine.kind == HOROVOD_ENGINE:
+        document.pop("engine", None)
+    return document
+
+
+def resource_list(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several objects as kubectl prints them: a `List`."""
+    return {"apiVersion": "v1", "kind": "List", "items": list(items)}

@@ -31,9 +31,13 @@ from types import FrameType
 STAYS_FOR = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def exit_record(returncode: int) -> str:
-    """The exit file's content: `returncode` as subprocess gives it (-N: killed by signal N)."""
-    return json.dumps({"returncode": returncode, "ended_at": time.time()}) + "\n"
+def exit_record(returncode: int, launch_error: str | None = None) -> str:
+    """The exit file's content: `returncode` as subprocess gives it (-N: killed by signal N),
+    and `launchError` when the command could not be executed at all."""
+    record: dict[str, object] = {"returncode": returncode, "ended_at": time.time()}
+    if launch_error is not None:
+        record["launchError"] = launch_error
+    return json.dumps(record) + "\n"
 
 
 def read_exit_file(path: Path) -> int | None:
@@ -44,6 +48,16 @@ def read_exit_file(path: Path) -> int | None:
         return None
     code = data.get("returncode") if isinstance(data, dict) else None
     return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def read_launch_error(path: Path) -> str | None:
+    """Why the keeper could not execute the command, or None (it ran, or no record)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    error = data.get("launchError") if isinstance(data, dict) else None
+    return error if isinstance(error, str) else None
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -69,16 +83,18 @@ def main(argv: list[str]) -> int:
     exit_file, command = Path(argv[0]), argv[2:]
     for signum in STAYS_FOR:
         signal.signal(signum, _stay)
+    launch_error = None
     try:
         # Inherits stdio, environment, cwd and process group; the handlers above are reset.
         child = os.posix_spawnp(command[0], command, os.environ)
     except OSError as err:
-        print(f"herd keeper: cannot run {command[0]!r}: {err}", file=sys.stderr, flush=True)
+        launch_error = f"cannot run {command[0]!r}: {err.strerror or err}"
+        print(f"herd keeper: {launch_error}", file=sys.stderr, flush=True)
         returncode = 127
     else:
         returncode = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
     try:
-        _write_private(exit_file, exit_record(returncode))
+        _write_private(exit_file, exit_record(returncode, launch_error))
     except OSError as err:  # a full disk: the operator that is there still sees the status
         print(f"herd keeper: cannot record the exit status: {err}", file=sys.stderr, flush=True)
     if returncode < 0:

@@ -35,7 +35,7 @@ import pydantic
 from controllers.ports import LaunchInfo, ProcessPhase, ProcessState
 from herd_operator.environment import GPU_ENV, JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
 from herd_operator.layout import write_atomically
-from herd_operator.runtime.keeper import read_exit_file
+from herd_operator.runtime.keeper import read_exit_file, read_launch_error
 from specs import HerdJobSpec
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class _Process:
     known_pids: set[int] = field(default_factory=set)
     stop_requested: bool = False
     exit_code: int | None = None
+    launch_error: str | None = None
+    """Why the keeper could not execute the command (from its exit file)."""
     exited: bool = False
     escalation: threading.Timer | None = None
 
@@ -180,10 +182,34 @@ class Launcher:
             code: int | None = process.popen.wait()
         else:
             code = self._wait_adopted(job, process)
+        launch_error = self._launch_error(job, process.info.launch_id)
+        if launch_error is None and process.popen is not None:
+            launch_error = self._keeper_failure(job, process.info.launch_id, code)
         with self._lock:
             process.exit_code = code
+            process.launch_error = launch_error
             process.exited = True
         self._on_exit(job)
+
+    def _launch_error(self, job: str, launch_id: str) -> str | None:
+        if self.records_dir is None:
+            return None
+        return read_launch_error(self._exit_file(job, launch_id))
+
+    def _keeper_failure(self, job: str, launch_id: str, code: int | None) -> str | None:
+        """Why our keeper child ended with an error and no exit file: it could not start
+        (its Python failed, say), so the command never ran. (A keeper that ran the command
+        but could not write the file, on a full disk, looks the same; it is then tried
+        again with backoff instead of being marked Failed, which errs on the side of the
+        job.)"""
+        if self.records_dir is None or code is None or code <= 0:
+            return None
+        if self._exit_file(job, launch_id).exists():
+            return None
+        return (
+            f"the keeper ({sys.executable} -m herd_operator.runtime.keeper) exited with "
+            f"status {code} before it ran the command; its output is in the job's log"
+        )
 
     def _wait_adopted(self, job: str, process: _Process) -> int | None:
         """Wait for a launch that is not our child; its keeper tells how it ended."""
@@ -214,6 +240,7 @@ class Launcher:
             process = _Process(info, None, {info.pid})
             if not running:
                 process.exit_code = read_exit_file(self._exit_file(job, info.launch_id))
+                process.launch_error = self._launch_error(job, info.launch_id)
                 process.exited = True
             with self._lock:
                 if job in self._processes:
@@ -241,7 +268,13 @@ class Launcher:
             return ProcessState(
                 ProcessPhase.STOPPING, process.exit_code, process.info, stopped_by_us
             )
-        return ProcessState(ProcessPhase.EXITED, process.exit_code, process.info, stopped_by_us)
+        return ProcessState(
+            ProcessPhase.EXITED,
+            process.exit_code,
+            process.info,
+            stopped_by_us,
+            launch_error=process.launch_error,
+        )
 
     def stop(self, job: str) -> None:
         """Start stopping a job: SIGTERM now, SIGKILL to what is left after the grace period."""

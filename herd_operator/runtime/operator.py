@@ -25,7 +25,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry
 
 from controllers.loop import ControlLoop
-from controllers.reconciler import JobReconciler
+from controllers.reconciler import REPORT_DEADLINE_SECONDS, JobReconciler
 from controllers.workqueue import WorkQueue
 from exporters.collector import GpuCollector
 from exporters.gpu import GpuSource, VirtualGpuSource
@@ -119,6 +119,8 @@ class OperatorConfig:
     """The interface between the pool's nodes, for Horovod (None: a pool on this host)."""
     resync_seconds: float = 5.0
     relist_seconds: float = 10.0
+    report_deadline_seconds: float = REPORT_DEADLINE_SECONDS
+    """A launch none of whose workers reported within this long gets `Reporting=False`."""
     grace_seconds: float = 10.0
     watch_events: bool = True
     min_resize_interval: float = 30.0
@@ -274,6 +276,7 @@ class Operator:
             job_launcher,
             resync_seconds=config.resync_seconds,
             metrics_stale_seconds=max(15.0, 10 * config.sample_seconds),
+            report_deadline_seconds=config.report_deadline_seconds,
             observer=self.metrics,
         )
         self.loop = ControlLoop(self.queue, reconciler, allocator, store, observer=self.metrics)

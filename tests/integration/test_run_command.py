@@ -61,7 +61,9 @@ def test_run_stops_its_jobs_and_leaves_no_process_on_signal(
     )
     try:
         get = [HERD, "get", "-o", "json", "--state-dir", str(state)]
-        wait_for_json(get, lambda jobs: jobs and jobs[0]["gpus"]["active"] == 2)
+        wait_for_json(
+            get, lambda jobs: jobs["items"] and jobs["items"][0]["status"]["gpus"]["active"] == 2
+        )
         assert any(marked_processes(state).values()), "the job's processes should be running"
         operator.send_signal(sig)
         output, _ = operator.communicate(timeout=60)
@@ -75,9 +77,10 @@ def test_run_stops_its_jobs_and_leaves_no_process_on_signal(
     assert marked_processes(state) == {}, "processes left behind"
     # Works after the operator stopped, too.
     after = json.loads(subprocess.run(get, capture_output=True, text=True, check=True).stdout)
-    running = next(c for c in after[0]["conditions"] if c["type"] == "Running")
+    status = after["items"][0]["status"]
+    running = next(c for c in status["conditions"] if c["type"] == "Running")
     assert (running["status"], running["reason"]) == ("False", "OperatorStopped")
-    assert after[0]["gpus"]["allocated"] == 0
+    assert status["gpus"]["allocated"] == 0
     events = subprocess.run(
         [HERD, "events", "digits", "--state-dir", str(state)],
         capture_output=True,
@@ -99,7 +102,9 @@ def test_restart_after_a_crash_stops_unrecorded_launches_before_starting_the_job
         command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        wait_for_json(get, lambda jobs: jobs and jobs[0]["gpus"]["active"] == 2)
+        wait_for_json(
+            get, lambda jobs: jobs["items"] and jobs["items"][0]["status"]["gpus"]["active"] == 2
+        )
         first.kill()  # a crash: no chance to stop its jobs
         first.wait(timeout=30)
     finally:
@@ -124,7 +129,9 @@ def test_restart_after_a_crash_stops_unrecorded_launches_before_starting_the_job
         while not relaunched():
             assert time.monotonic() < deadline, "the job was not started again"
             time.sleep(0.5)
-        wait_for_json(get, lambda jobs: jobs and jobs[0]["gpus"]["active"] == 2)
+        wait_for_json(
+            get, lambda jobs: jobs["items"] and jobs["items"][0]["status"]["gpus"]["active"] == 2
+        )
         assert not [pid for pid, launch in marked_processes(state).items() if launch in old_launch]
         second.send_signal(signal.SIGTERM)
         output, _ = second.communicate(timeout=60)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -23,7 +24,7 @@ import pytest
 
 from controllers.ports import ProcessPhase
 from herd_operator.runtime.allocator import Allocator, Binding
-from herd_operator.runtime.keeper import read_exit_file
+from herd_operator.runtime.keeper import read_exit_file, read_launch_error
 from herd_operator.runtime.launcher import (
     Adopted,
     JobProcess,
@@ -134,7 +135,61 @@ def test_keeper_stays_for_a_sigterm_to_its_group_and_records_how_the_command_end
 
 
 def test_keeper_cannot_run_the_command(tmp_path: Path) -> None:
-    assert keep(tmp_path, str(tmp_path / "no-such-program")) == (127, 127)
+    program = tmp_path / "no-such-program"
+    assert keep(tmp_path, str(program)) == (127, 127)
+    assert read_launch_error(tmp_path / "exit") == (
+        f"cannot run {str(program)!r}: No such file or directory"
+    )
+
+
+def test_keeper_tells_a_command_that_ran_and_exited_127_from_one_that_never_ran(
+    tmp_path: Path,
+) -> None:
+    assert keep(tmp_path, sys.executable, "-c", "raise SystemExit(127)") == (127, 127)
+    assert read_launch_error(tmp_path / "exit") is None
+
+
+def test_the_launcher_reports_a_command_its_keeper_could_not_run(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    exits = Exits()
+    launcher = launcher_on(records, launchers, exits)
+    launched = replace(request(tmp_path, ""), argv=[str(tmp_path / "no-horovodrun")])
+    launcher.launch(launched)
+    assert exits.called.wait(GUARD_S), "the keeper's end was not noticed"
+    state = launcher.state("train")
+    assert (state.phase, state.exit_code) == (ProcessPhase.EXITED, 127)
+    assert state.launch_error is not None and "no-horovodrun" in state.launch_error
+    assert "No such file or directory" in state.launch_error
+
+
+def test_the_launcher_reports_a_keeper_that_could_not_start(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    exits = Exits()
+    launcher = launcher_on(records, launchers, exits)
+    # The keeper's Python cannot start: it finds no standard library there.
+    launched = replace(request(tmp_path, "pass"), env={"PYTHONHOME": str(tmp_path / "none")})
+    launcher.launch(launched)
+    assert exits.called.wait(GUARD_S), "the keeper's end was not noticed"
+    state = launcher.state("train")
+    assert state.phase == ProcessPhase.EXITED and state.exit_code
+    assert state.launch_error is not None
+    assert state.launch_error.startswith(
+        f"the keeper ({sys.executable} -m herd_operator.runtime.keeper) exited with status "
+    )
+    assert "Python" in (tmp_path / "logs" / "train.log").read_text()
+
+
+def test_a_command_that_fails_is_not_a_launch_error(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    exits = Exits()
+    launcher = launcher_on(records, launchers, exits)
+    launcher.launch(request(tmp_path, "raise SystemExit(3)"))
+    assert exits.called.wait(GUARD_S), "the keeper's end was not noticed"
+    state = launcher.state("train")
+    assert (state.exit_code, state.launch_error) == (3, None)
 
 
 # ---- a restarted operator's launcher ----

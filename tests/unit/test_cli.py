@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sqlite3
+import threading
 import time
+from datetime import datetime
 from pathlib import Path
-from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
 from herd_operator.cli import main
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
-from specs import ConditionStatus, ConditionType, HerdJob, set_condition, spec_fingerprint
+from specs import (
+    ConditionStatus,
+    ConditionType,
+    HerdJob,
+    json_schema,
+    load_spec_file,
+    set_condition,
+    spec_fingerprint,
+)
 from specs.status import GpuCounts, HerdJobStatus
 from tests.unit.test_store import corrupt_a_table_page
 
@@ -149,12 +160,15 @@ def test_reading_commands_without_state(
     assert not state.exists()
 
 
+LABELS = {"train": {"team": "vision", "tier": "gpu"}, "idle": {"team": "nlp"}}
+
+
 def make_job(name: str, low: int, high: int) -> HerdJob:
     return HerdJob.model_validate(
         {
             "apiVersion": "herd/v1alpha1",
             "kind": "HerdJob",
-            "metadata": {"name": name},
+            "metadata": {"name": name, "labels": LABELS.get(name, {})},
             "spec": {"command": ["python", "train.py"], "gpus": {"min": low, "max": high}},
         }
     )
@@ -239,21 +253,32 @@ def test_get_missing_name(state: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert err == f"herd-operator: no job 'nope' in {state}\n"
 
 
-def test_get_json_and_yaml_agree(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_cli(capsys, "get", "-o", "json", "--state-dir", str(state))
+def test_get_name_json_is_one_herdjob_object(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run_cli(capsys, "get", "train", "-o", "json", "--state-dir", str(state))
     assert code == EXIT_OK
-    objects: list[dict[str, Any]] = json.loads(out)
-    assert [obj["name"] for obj in objects] == ["idle", "train"]
-    idle, train = objects
-    assert (train["generation"], train["observedGeneration"]) == (2, 1)
-    assert train["status"] == "Running"
-    assert train["gpus"] == {"min": 1, "max": 4, "desired": 3, "allocated": 2, "active": 2}
-    assert train["placement"] == {"localhost": [0, 1]}
-    assert [(c["type"], c["status"], c["reason"]) for c in train["conditions"]] == [
+    train = json.loads(out)
+    assert (train["apiVersion"], train["kind"]) == ("herd/v1alpha1", "HerdJob")
+    assert list(train) == ["apiVersion", "kind", "metadata", "spec", "status"]
+    metadata = train["metadata"]
+    assert (metadata["name"], metadata["generation"]) == ("train", 2)
+    assert metadata["labels"] == {"team": "vision", "tier": "gpu"}
+    created = datetime.fromisoformat(metadata["creationTimestamp"])
+    assert metadata["creationTimestamp"].endswith("Z") and created.tzinfo is not None
+    assert abs(created.timestamp() - (time.time() - HOURS_AGO)) < 5
+    assert train["spec"]["gpus"] == {"min": 1, "max": 4}
+    status = train["status"]
+    assert status["observedGeneration"] == 1
+    assert status["gpus"] == {"desired": 3, "allocated": 2, "active": 2}
+    assert status["placement"] == [{"host": "localhost", "gpus": [0, 1]}]
+    assert status["logFile"] == str(StateLayout(state).log_file("train"))
+    assert [(c["type"], c["status"], c["reason"]) for c in status["conditions"]] == [
         ("Admitted", "True", "Admitted"),
         ("Running", "True", "Running"),
     ]
-    assert set(train["conditions"][0]) == {
+    condition = status["conditions"][0]
+    assert set(condition) == {
         "type",
         "status",
         "reason",
@@ -261,12 +286,179 @@ def test_get_json_and_yaml_agree(state: Path, capsys: pytest.CaptureFixture[str]
         "lastTransitionTime",
         "observedGeneration",
     }
-    assert (idle["generation"], idle["observedGeneration"], idle["conditions"]) == (1, 0, [])
-    assert idle["gpus"] == {"min": 2, "max": 2, "desired": None, "allocated": 0, "active": None}
+    assert datetime.fromisoformat(condition["lastTransitionTime"]).tzinfo is not None
 
-    code, out, _ = run_cli(capsys, "get", "-o", "yaml", "--state-dir", str(state))
+    code, out, _ = run_cli(capsys, "get", "train", "-o", "yaml", "--state-dir", str(state))
     assert code == EXIT_OK
-    assert yaml.safe_load(out) == objects
+    assert yaml.safe_load(out) == train
+
+
+def test_get_yaml_validates_against_the_schema_and_loads_back_as_the_same_spec(
+    state: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run_cli(capsys, "get", "train", "-o", "yaml", "--state-dir", str(state))
+    assert code == EXIT_OK
+    jsonschema.validate(yaml.safe_load(out), json_schema())
+    saved = tmp_path / "train.yaml"
+    saved.write_text(out)
+    loaded = load_spec_file(saved)
+    assert loaded.errors == ()
+    assert loaded.job is not None
+    assert loaded.job == make_job("train", 1, 4)
+    assert spec_fingerprint(loaded.job) == spec_fingerprint(make_job("train", 1, 4))
+
+
+def test_get_json_without_a_name_is_a_list(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "get", "-o", "json", "--state-dir", str(state))
+    assert code == EXIT_OK
+    shown = json.loads(out)
+    assert (shown["apiVersion"], shown["kind"]) == ("v1", "List")
+    assert [item["metadata"]["name"] for item in shown["items"]] == ["idle", "train"]
+    assert all(item["kind"] == "HerdJob" for item in shown["items"])
+    idle = shown["items"][0]
+    assert idle["status"]["conditions"] == [] and idle["status"]["observedGeneration"] == 0
+    code, out, _ = run_cli(capsys, "get", "-o", "yaml", "--state-dir", str(state))
+    assert yaml.safe_load(out) == shown
+    code, out, _ = run_cli(
+        capsys, "get", "-o", "json", "-l", "team=none", "--state-dir", str(state)
+    )
+    assert (code, json.loads(out)["items"]) == (EXIT_OK, [])
+
+
+@pytest.mark.parametrize(
+    ("selector", "names"),
+    [
+        ("team=vision", ["train"]),
+        ("team==vision", ["train"]),
+        ("team!=vision", ["idle"]),
+        ("tier", ["train"]),
+        ("!tier", ["idle"]),
+        ("team,tier!=cpu", ["idle", "train"]),  # != holds where the label is not set
+        ("team in (nlp, vision)", ["idle", "train"]),
+        ("team notin (nlp)", ["train"]),
+        ("team=vision,!tier", []),
+    ],
+)
+def test_get_label_selector(
+    state: Path, capsys: pytest.CaptureFixture[str], selector: str, names: list[str]
+) -> None:
+    code, out, err = run_cli(capsys, "get", "-l", selector, "-o", "name", "--state-dir", str(state))
+    assert (code, err) == (EXIT_OK, "")
+    assert out.splitlines() == [f"herdjob/{name}" for name in names]
+
+
+def test_get_no_headers_and_nothing_selected(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run_cli(capsys, "get", "--no-headers", "--state-dir", str(state))
+    assert code == EXIT_OK
+    assert [line.split()[0] for line in out.splitlines()] == ["idle", "train"]
+    code, out, err = run_cli(capsys, "get", "-l", "team=none", "--state-dir", str(state))
+    assert (code, out) == (EXIT_OK, "")
+    assert err == f"No jobs in {state}.\n"
+
+
+def test_state_dir_before_the_command(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--state-dir", str(state), "get", "-o", "name")
+    assert (code, out) == (EXIT_OK, "herdjob/idle\nherdjob/train\n")
+    # After the command, it wins over one given before (the nearer one).
+    code, out, err = run_cli(
+        capsys, "--state-dir", str(state), "get", "--state-dir", str(state / "nowhere")
+    )
+    assert code == EXIT_FAILURE and "no operator state" in err
+
+
+def test_get_watch_prints_a_change(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A status changes while `get -w` watches: its row is printed again, once."""
+
+    def change_later() -> None:
+        time.sleep(0.7)
+        with Store(StateLayout(state).database) as store:
+            record = store.get_job("train")
+            assert record is not None and record.status.gpus is not None
+            gpus = record.status.gpus.model_copy(update={"allocated": 3, "active": 3})
+            store.put_status("train", record.status.model_copy(update={"gpus": gpus}), time.time())
+
+    writer = threading.Thread(target=change_later)
+    writer.start()
+    code, out, _ = run_cli(
+        capsys, "get", "-w", "--timeout", "2.2", "--no-headers", "--state-dir", str(state)
+    )
+    writer.join()
+    assert code == EXIT_OK
+    rows = [line.split() for line in out.splitlines()]
+    assert [row[:7] for row in rows] == [
+        ["idle", "Unknown", "2", "2", "-", "0", "-"],
+        ["train", "Running", "1", "4", "3", "2", "2"],
+        ["train", "Running", "1", "4", "3", "3", "3"],
+    ]
+
+
+def test_get_watch_yaml_prints_one_object_per_change(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def change_later() -> None:
+        time.sleep(0.7)
+        with Store(StateLayout(state).database) as store:
+            record = store.get_job("idle")
+            assert record is not None
+            store.put_status("idle", record.status.model_copy(update={"epoch": 1}), time.time())
+
+    writer = threading.Thread(target=change_later)
+    writer.start()
+    code, out, _ = run_cli(
+        capsys, "get", "-w", "-o", "yaml", "--timeout", "2.2", "--state-dir", str(state)
+    )
+    writer.join()
+    assert code == EXIT_OK
+    first, changed = list(yaml.safe_load_all(out))
+    assert first["kind"] == "List" and len(first["items"]) == 2
+    assert (changed["kind"], changed["metadata"]["name"]) == ("HerdJob", "idle")
+    assert changed["status"]["epoch"] == 1
+
+
+def test_events_watch_prints_new_and_repeated_events(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def add_later() -> None:
+        time.sleep(0.7)
+        with Store(StateLayout(state).database) as store:
+            now = time.time()
+            store.add_event("train", "Warning", "LaunchFailed", "no horovodrun", now)
+            store.add_event("idle", "Warning", "Pending", "needs 2 GPUs, 0 free", now)
+
+    writer = threading.Thread(target=add_later)
+    writer.start()
+    code, out, _ = run_cli(
+        capsys, "events", "-w", "--timeout", "2.2", "--no-headers", "--state-dir", str(state)
+    )
+    writer.join()
+    assert code == EXIT_OK
+    reasons = [line.split()[2] for line in out.splitlines()]
+    assert reasons[:3] == ["OperatorStarted", "Scaled", "Pending"]
+    assert sorted(reasons[3:]) == ["LaunchFailed", "Pending"]  # new, and repeated
+    assert out.count("needs 2 GPUs, 0 free (x2)") == 1
+
+
+def test_watch_ends_quietly_on_ctrl_c(
+    state: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(time, "sleep", interrupted)
+    for argv in (["get", "-w"], ["events", "-w"], ["logs", "train", "-f"]):
+        code, _, err = run_cli(capsys, *argv, "--state-dir", str(state))
+        assert (code, err) == (EXIT_OK, ""), argv
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == EXIT_OK
+    assert (
+        capsys.readouterr().out == f"herd-operator {importlib.metadata.version('herd-operator')}\n"
+    )
 
 
 def section(lines: list[str], title: str) -> list[str]:
@@ -285,6 +477,7 @@ def test_describe_running_job(state: Path, capsys: pytest.CaptureFixture[str]) -
     for expected in [
         "Name:         train",
         "Spec file:    /jobs/train.yaml",
+        f"Log:          {StateLayout(state).log_file('train')} (herd-operator logs train)",
         "Generation:   2 (observed 1)",
         "Status:       Running",
         "Policy:       static (static: max 4)",
@@ -369,6 +562,10 @@ def test_events_of_one_job_and_limit(state: Path, capsys: pytest.CaptureFixture[
         (["run", "--grace-seconds", "soon"], "argument --grace-seconds: 'soon' is not a number"),
         (["events", "--limit", "0"], "argument --limit: must be at least 1, got 0"),
         (["get", "-o", "csv"], "argument -o/--output: invalid choice: 'csv'"),
+        (["get", "-l", "team=a b"], "argument -l/--selector: 'team=a b': 'a b' is not a label"),
+        (["get", "-l", "team in (a"], "argument -l/--selector: 'team in (a': '(' without ')'"),
+        (["get", "-l", ""], "argument -l/--selector: empty selector; allowed: key=value"),
+        (["logs", "x", "--tail", "-1"], "argument --tail: must not be negative, got -1"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(
@@ -376,6 +573,16 @@ def test_bad_flags_exit_2_with_a_clear_message(
 ) -> None:
     err = cli_usage_error(capsys, *argv)
     assert f"error: {message}" in err
+
+
+def test_an_unknown_flag_shows_the_usage_of_its_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = cli_usage_error(capsys, "get", "--bogus")
+    assert err.startswith("usage: herd-operator get ")
+    assert "error: unrecognized arguments: --bogus" in err
+    err = cli_usage_error(capsys, "--bogus", "events")
+    assert err.startswith("usage: herd-operator events ")
 
 
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -412,8 +619,9 @@ def test_get_and_describe_show_a_job_whose_stored_spec_is_unreadable(
     assert idle.split() == ["idle", "Unknown", "2", "2", "-", "0", "-", "5h"]
     assert train.split() == ["train", "Running", "-", "-", "3", "2", "2", "5h"]
     code, out, _ = run_cli(capsys, "get", "train", "-o", "json", "--state-dir", str(state))
-    (shown,) = json.loads(out)
-    assert shown["spec"] is None and "the stored spec of job 'train'" in shown["specError"]
+    shown = json.loads(out)
+    assert shown["spec"] is None
+    assert "the stored spec of job 'train'" in shown["status"]["specError"]
     code, out, _ = run_cli(capsys, "describe", "train", "--state-dir", str(state))
     assert code == EXIT_OK
     assert "Spec:         state store" in out and "is unreadable" in out

@@ -25,6 +25,7 @@ def test_status_values_are_the_kubernetes_strings() -> None:
         "SpecValid",
         "Admitted",
         "Running",
+        "Reporting",
         "Resizing",
         "Succeeded",
         "Failed",

@@ -21,17 +21,18 @@ from controllers.ports import (
     ProcessState,
     SpecView,
 )
-from controllers.reconciler import JobReconciler, Result, TemporaryError, restart_delay
+from controllers.reconciler import JobReconciler, Result, restart_delay
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
 from herd_operator.runtime.store import Event, GrantChange, Store, UnreadableSpecError
-from specs import Condition, ConditionType, HerdJob, get_condition
+from specs import Condition, ConditionType, HerdJob, get_condition, is_true
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Pool, Report
 from tests.unit.plugin_policy import LegacyPolicy, RecordingPolicy
 
 RESYNC_S = 5.0
+REPORT_DEADLINE_S = 120.0
 STOP_POLL_S = 0.5
 T0 = 1000.0
 COMMAND = ["python", "train.py"]
@@ -180,6 +181,7 @@ def world(tmp_path: Path) -> Iterator[World]:
             clock=clock,
             resync_seconds=RESYNC_S,
             stop_poll_seconds=STOP_POLL_S,
+            report_deadline_seconds=REPORT_DEADLINE_S,
         )
         yield World(store, allocator, specs, launcher, clock, reconciler)
 
@@ -709,23 +711,110 @@ def test_restart_delay_doubles_up_to_the_cap() -> None:
     assert [restart_delay(n) for n in range(0, 9)] == [1, 1, 2, 4, 8, 16, 32, 60, 60]
 
 
-def test_launch_error_is_temporary(world: World) -> None:
+def test_launch_error_is_a_condition_and_an_event_retried_with_backoff(world: World) -> None:
     world.specs.put(herd_job())
     world.launcher.start_error = OSError("horovodrun: not found")
 
-    with pytest.raises(TemporaryError, match=r"^cannot launch a: horovodrun: not found$"):
-        world.reconcile("a")
+    result = world.reconcile("a")
+
     assert world.launcher.starts == []
-    # Shown where people look, not only in the operator's log.
+    # Shown where people look, not only in the operator's log, within this one reconcile.
     running = world.condition("a", ConditionType.Running)
-    assert facts(running) == ("False", "LaunchFailed", "cannot launch a: horovodrun: not found")
-    assert world.status("a").summary() == "LaunchFailed"
-    assert ("Warning", "LaunchFailed", "cannot launch a: horovodrun: not found") in world.events(
-        "a"
+    assert facts(running) == (
+        "False",
+        "LaunchFailed",
+        "cannot launch a: horovodrun: not found (attempt 1; next in 1s)",
     )
+    assert world.status("a").summary() == "LaunchFailed"
+    assert facts(world.condition("a", ConditionType.Admitted))[:2] == ("True", "Admitted")
+    assert world.events("a") == [
+        ("Warning", "LaunchFailed", "cannot launch a: horovodrun: not found")
+    ]
+    assert result == Result(requeue_after=1.0)
+
+    # Woken early (a resync, another job's decision): no new try before the delay is over.
+    world.clock.advance(0.5)
+    assert world.reconcile("a") == Result(requeue_after=0.5)
+    delays = []
+    for _ in range(8):
+        world.clock.advance(world.reconcile("a").requeue_after or 0.0)
+        delays.append(world.reconcile("a").requeue_after)
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]  # not a retry storm
+    (event,) = world.raw_events("a")  # one event, counted: no row per attempt
+    assert (event.reason, event.count) == ("LaunchFailed", 9)
+    assert len(world.store.grant_history("a")) == 1  # one decision, not one per attempt
+
     world.launcher.start_error = None  # fixed without touching the spec: the retry starts it
+    world.clock.advance(60.0)
     world.reconcile("a")
     assert facts(world.condition("a", ConditionType.Running))[:2] == ("True", "Started")
+
+
+def test_a_command_the_keeper_cannot_execute_is_a_launch_failure_not_an_exit(
+    world: World,
+) -> None:
+    """The keeper started, but the command in it could not be executed: the job did not
+    fail (it never ran), so it is not marked Failed; it is tried again with backoff."""
+    started(world, herd_job())
+    state = world.launcher.states["a"]
+    world.launcher.states["a"] = replace(
+        state,
+        phase=ProcessPhase.EXITED,
+        exit_code=127,
+        launch_error="cannot run 'horovodrun': No such file or directory",
+    )
+
+    result = world.reconcile("a")
+
+    assert facts(world.condition("a", ConditionType.Running))[:2] == ("False", "LaunchFailed")
+    assert get_condition(world.status("a").conditions, ConditionType.Failed) is None
+    assert (
+        "Warning",
+        "LaunchFailed",
+        "cannot launch a: cannot run 'horovodrun': No such file or directory",
+    ) in world.events("a")
+    assert result == Result(requeue_after=1.0)
+    world.clock.advance(1.0)
+    world.reconcile("a")
+    assert world.launcher.starts == [("a", 1, 4), ("a", 1, 4)]
+
+
+def test_workers_that_never_report_get_a_condition_and_one_event(world: World) -> None:
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 3}))
+    world.clock.advance(REPORT_DEADLINE_S - 1)
+    world.reconcile("a")
+    assert get_condition(world.status("a").conditions, ConditionType.Reporting) is None
+
+    world.clock.advance(2)
+    world.reconcile("a")
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")  # still silent: no second event
+
+    reporting = world.condition("a", ConditionType.Reporting)
+    assert (reporting.status, reporting.reason) == ("False", "ReportDeadlineExceeded")
+    assert "no worker has reported in 120s since the launch" in reporting.message
+    assert "herd-operator logs a" in reporting.message
+    assert [e[1] for e in world.events("a")].count("ReportDeadlineExceeded") == 1
+    assert world.status("a").summary() == "Running"  # it runs; the condition says the rest
+
+    world.store.add_report("a", 0, 4, 0, {}, world.clock())
+    world.reconcile("a")
+    assert facts(world.condition("a", ConditionType.Reporting))[:2] == ("True", "Reported")
+
+    world.launcher.exit("a", 1)  # a new launch has not reported yet: nothing said of it
+    world.reconcile("a")
+    world.clock.advance(10)
+    world.reconcile("a")
+    assert world.launcher.starts == [("a", 1, 4), ("a", 1, 4)]
+    assert get_condition(world.status("a").conditions, ConditionType.Reporting) is None
+
+
+def test_status_is_not_running_while_the_spec_is_invalid(world: World) -> None:
+    started(world, herd_job())
+    world.specs.put_invalid("a", "jobs/a.yaml: spec.gpus.min: must be at least 1")
+    world.reconcile("a")
+    assert is_true(world.status("a").conditions, ConditionType.Running)  # on its last good spec
+    assert world.status("a").summary() == "InvalidSpec"
 
 
 # ---- 9: deletion ----
