@@ -31,7 +31,9 @@ from specs.values import Placement
 
 log = logging.getLogger(__name__)
 
-REGISTER_EVERY_SECONDS = 30.0
+REGISTER_EVERY_SECONDS = 5.0
+"""The registration is also the node's heartbeat: a node silent for the operator's
+--node-timeout (30 s) leaves the pool."""
 OWNERS_MAX_AGE_SECONDS = 1.0
 
 

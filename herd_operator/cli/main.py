@@ -138,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="address workers use to reach the allocator (default: the --listen address)",
     )
     run.add_argument(
+        "--node-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a node whose agent (herd-operator exporter) was heard and then silent this "
+        "long is cordoned, none of its free GPUs granted, until it is heard again "
+        "(default: 30)",
+    )
+    run.add_argument(
         "--network-interface",
         metavar="NAME",
         help="interface between the pool's nodes, for Horovod and the allocator's address "
@@ -472,6 +481,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         listen_host=reach.listen,
         advertise_host=reach.advertise,
         network_interface=reach.network_interface,
+        node_timeout_seconds=args.node_timeout,
         resync_seconds=args.resync_seconds,
         relist_seconds=args.relist_seconds,
         report_deadline_seconds=args.report_deadline,

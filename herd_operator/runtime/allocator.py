@@ -177,6 +177,8 @@ class Allocator:
         # Placements of jobs adopted after an operator restart whose demand has not come
         # yet: their workers are on these GPUs, so no decision may give them to anyone else.
         self._held: dict[str, Placement] = {}
+        self._cordoned: frozenset[str] = frozenset()
+        """Hosts whose free GPUs are granted to nobody (see `cordon`)."""
         # When each job's size last changed; a job is left alone for min_resize_interval
         # after that, since every change costs a Horovod reset.
         self._resized_at: dict[str, float] = {}
@@ -315,6 +317,27 @@ class Allocator:
             self._draining = {s: d for s, d in self._draining.items() if s in slots}
             if self._batching:
                 self._dirty = True  # decide at the end of the batch
+            else:
+                self._decide(caller="")
+
+    def cordon(self, hosts: Iterable[str]) -> None:
+        """These hosts are unreachable (their agents went silent): grant none of their GPUs
+        that are free, but leave the jobs running there as they are.
+
+        A job on such a host is not told to shrink: its workers there are stuck or gone, and
+        Horovod recovers best by dropping them itself (ssh keepalives, Gloo's timeout); a
+        grant change in the middle of that recovery can make it give up the whole job. Its
+        world size then drops, and `observe_world_size` takes back the GPUs it lost, which
+        stay unused while the host is cordoned. `cordon(())` lifts it.
+        """
+        with self._lock:
+            cordoned = frozenset(hosts)
+            if cordoned == self._cordoned:
+                return
+            log.info("cordoned hosts: %s", ", ".join(sorted(cordoned)) or "none")
+            self._cordoned = cordoned
+            if self._batching:
+                self._dirty = True
             else:
                 self._decide(caller="")
 
@@ -609,10 +632,20 @@ class Allocator:
         return freed
 
     def _free_pool(self) -> Pool:
-        """The pool a decision shares out: without draining GPUs and those of held jobs."""
+        """The pool a decision shares out: without draining GPUs, those of held jobs, and the
+        free GPUs of cordoned hosts (those granted stay with their jobs)."""
         unavailable = set(self._draining)
         for placement in self._held.values():
             unavailable.update(placement.slots())
+        if self._cordoned:
+            granted = {slot for grant in self._grants.values() for slot in grant.placement.slots()}
+            unavailable.update(
+                (host, gpu)
+                for host, gpus in self.pool.hosts
+                if host in self._cordoned
+                for gpu in gpus
+                if (host, gpu) not in granted
+            )
         if not unavailable:
             return self.pool
         hosts = tuple(

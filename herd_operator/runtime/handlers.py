@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 from herd_operator.auth import Identity
 from herd_operator.layout import write_atomically
@@ -163,6 +163,22 @@ def _finite(value: float) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an int too large for a float
         return False
+
+
+class Heartbeats(Protocol):
+    def heartbeat(self, host: str) -> None: ...
+
+
+def heard_from(nodes: Heartbeats, handler: PlainHandler) -> PlainHandler:
+    """`handler`, after telling `nodes` that the request's host was heard (its agent's
+    periodic registration is its heartbeat)."""
+
+    def serve(args: dict[str, Any]) -> dict[str, Any]:
+        reply = handler(args)
+        nodes.heartbeat(host_arg(args, "host"))
+        return reply
+
+    return serve
 
 
 class ExporterRegistry:

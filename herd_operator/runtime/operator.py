@@ -53,6 +53,7 @@ from herd_operator.runtime.handlers import (
     for_anyone,
     for_own_host,
     for_own_job,
+    heard_from,
 )
 from herd_operator.runtime.launcher import (
     Adopted,
@@ -65,6 +66,7 @@ from herd_operator.runtime.launcher import (
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.pools.heartbeat import DEFAULT_NODE_TIMEOUT_SECONDS, NodeWatch
 from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
 from herd_operator.runtime.store import Store, StoreError
 from specs.values import Placement, Pool
@@ -117,6 +119,9 @@ class OperatorConfig:
     """Address workers use to reach the allocator (default: listen_host)."""
     network_interface: str | None = None
     """The interface between the pool's nodes, for Horovod (None: a pool on this host)."""
+    node_timeout_seconds: float = DEFAULT_NODE_TIMEOUT_SECONDS
+    """A node whose agent was heard and then silent this long is cordoned (none of its free
+    GPUs granted) until it is heard again."""
     resync_seconds: float = 5.0
     relist_seconds: float = 10.0
     report_deadline_seconds: float = REPORT_DEADLINE_SECONDS
@@ -166,6 +171,7 @@ class Operator:
         self._metrics_server: Any = None
         self._metrics_address: str | None = None
         self.exporters: ExporterRegistry | None = None
+        self.nodes: NodeWatch | None = None
         self.loop: ControlLoop | None = None
         self.specs = SpecDirectory(config.specs_dir)
         self.ready = threading.Event()
@@ -210,6 +216,12 @@ class Operator:
                 job, type, reason, message, time.time()
             ),
         )
+        self.nodes = nodes = NodeWatch(
+            config.pool.pool,
+            allocator.cordon,
+            config.node_timeout_seconds,
+            on_node=self._node_event,
+        )
         self.launcher = launcher = Launcher(
             self.queue.add, grace_seconds=config.grace_seconds, records_dir=self.layout.launches_dir
         )
@@ -226,7 +238,7 @@ class Operator:
                 "grant": for_own_job(allocator.handle_grant),
                 "placements": for_agents(allocator.handle_placements),
                 "report": for_own_job(ReportHandler(store, allocator, self.queue.add)),
-                "register_exporter": for_own_host(exporters),
+                "register_exporter": for_own_host(heard_from(nodes, exporters)),
                 "ping": for_anyone(lambda args: {"pid": os.getpid()}),
             },
         )
@@ -513,12 +525,32 @@ class Operator:
         assert self.allocator is not None
         # A node lost or back: the allocator decides again and wakes the jobs it moved.
         self.config.pool.start(self.allocator.set_pool)
+        assert self.nodes is not None
+        self.nodes.start()
         self.ready.set()
         try:
             loop.run(stop)
         finally:
             self._shutdown()
         return 0
+
+    def _node_event(self, host: str, lost: bool, why: str) -> None:
+        """A node was cordoned or is back: an event of the operator's, not of a job's (the
+        jobs it moves get their own Resized and WorkerLost events)."""
+        if self.store is None:
+            return
+        try:
+            self.store.add_event(
+                None,
+                "Warning" if lost else "Normal",
+                "NodeLost" if lost else "NodeBack",
+                f"node {host} {'cordoned: no GPU of it is granted' if lost else 'is back'}: " + why,
+                time.time(),
+            )
+        except StoreError as err:  # a full disk must not stop the pool from following nodes
+            log.warning(
+                "could not record that node %s %s: %s", host, "left" if lost else "came back", err
+            )
 
     def _recorded_runtime_dir(self) -> Path | None:
         try:
@@ -553,6 +585,8 @@ class Operator:
         leave = self.config.leave_jobs_running and bool(self.launcher and self.launcher.jobs())
         log.info("shutting down: %s", "leaving the jobs running" if leave else "stopping jobs")
         self.config.pool.stop()
+        if self.nodes is not None:
+            self.nodes.stop()
         if self.watcher is not None:
             self.watcher.stop()
         if self.observer is not None:

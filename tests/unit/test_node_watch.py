@@ -1,0 +1,129 @@
+"""A node whose agent goes silent is cordoned, and freed when its agent is heard again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from herd_operator.layout import StateLayout
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.handlers import heard_from
+from herd_operator.runtime.pools.heartbeat import NodeWatch, lost_nodes
+from specs.values import Demand, Pool
+
+THREE = Pool.from_counts({"h1": 2, "h2": 2, "h3": 2})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("heard", "now", "expected"),
+    [
+        ({}, 50.0, set()),
+        ({"h1": 10.0, "h2": 15.0}, 40.0, {"h1"}),
+        ({"h1": 10.0}, 39.9, set()),
+        ({"h1": 10.0, "h2": 30.0}, 70.0, {"h1", "h2"}),
+    ],
+)
+def test_lost_nodes_are_those_heard_and_then_silent_too_long(
+    heard: dict[str, float], now: float, expected: set[str]
+) -> None:
+    assert lost_nodes(heard, now, 29.9) == expected
+
+
+def test_the_timeout_is_a_strict_bound() -> None:
+    assert lost_nodes({"h1": 0.0}, 30.0, 30.0) == set()
+    assert lost_nodes({"h1": 0.0}, 30.01, 30.0) == {"h1"}
+
+
+Watch = tuple[NodeWatch, Clock, list[set[str]], list[tuple[str, bool]]]
+
+
+@pytest.fixture
+def watch() -> Watch:
+    clock = Clock()
+    cordons: list[set[str]] = []
+    told: list[tuple[str, bool]] = []
+    nodes = NodeWatch(
+        THREE,
+        cordons.append,
+        timeout=30.0,
+        on_node=lambda host, lost, why: told.append((host, lost)),
+        clock=clock,
+    )
+    return nodes, clock, cordons, told
+
+
+def test_a_silent_node_is_cordoned_and_freed_when_heard_again(watch: Watch) -> None:
+    nodes, clock, cordons, told = watch
+    for host in ("h1", "h2"):
+        nodes.heartbeat(host)
+    clock.now += 20
+    nodes.heartbeat("h1")
+    assert nodes.check() == set() and not cordons
+    clock.now += 15  # h2 silent for 35 s, h1 for 15 s; h3 never heard: never cordoned
+    assert nodes.check() == {"h2"}
+    assert cordons == [{"h2"}] and told == [("h2", True)] and nodes.lost() == {"h2"}
+    assert nodes.check() == set() and len(cordons) == 1  # said once, not at every check
+    nodes.heartbeat("h2")
+    assert cordons[-1] == set() and told[-1] == ("h2", False) and not nodes.lost()
+
+
+def test_a_host_outside_the_pool_is_ignored(watch: Watch) -> None:
+    nodes, clock, cordons, told = watch
+    nodes.heartbeat("login1")
+    clock.now += 100
+    assert nodes.check() == set() and not told and not cordons
+
+
+def test_registration_is_the_heartbeat() -> None:
+    heard: list[str] = []
+
+    class Nodes:
+        def heartbeat(self, host: str) -> None:
+            heard.append(host)
+
+    def register(args: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": args["port"]}
+
+    assert heard_from(Nodes(), register)({"host": "h2", "port": 9411}) == {"ok": 9411}
+    assert heard == ["h2"]
+
+
+@pytest.fixture
+def allocator(tmp_path: Path) -> Allocator:
+    layout = StateLayout(tmp_path)
+    layout.create()
+    return Allocator(
+        THREE, GrantPublisher(layout), virtual=True, drain_seconds=0, min_resize_interval=0
+    )
+
+
+def test_a_cordoned_node_keeps_its_jobs_until_their_workers_are_seen_gone(
+    allocator: Allocator,
+) -> None:
+    allocator.request(Demand("wide", 2, 6, 6, arrival=1.0))
+    allocator.observe_world_size("wide", 6)
+    before = allocator.placements()["wide"]
+    assert before.size == 6
+    allocator.cordon({"h3"})
+    # Not told to shrink: Horovod recovers best by dropping the lost workers itself.
+    assert allocator.placements()["wide"] == before
+    # It did: the GPUs it lost on h3 are taken back, and not granted again while cordoned.
+    allocator.observe_world_size("wide", 4)
+    after = allocator.placements()["wide"]
+    assert after.size == 4 and "h3" not in dict(after.hosts)
+    allocator.request(Demand("wide", 2, 6, 6, arrival=1.0))  # still wants 6
+    assert allocator.placements()["wide"].size == 4
+    # Back: its GPUs are granted again.
+    allocator.cordon(set())
+    assert allocator.placements()["wide"].size == 6
