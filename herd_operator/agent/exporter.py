@@ -5,7 +5,8 @@ this node's GPUs (NVML, or virtual GPUs on CPU nodes) at `/metrics`, labelled
 with the job that holds each GPU (asked of the allocator), and registers itself
 with the operator, which adds it to Prometheus' file_sd targets and scrapes it
 for the policies' memory signal. Without a reachable operator it still serves,
-with empty job labels.
+with empty job labels. With `--dcgm-job-mapping-dir` it also keeps dcgm-exporter's HPC
+job mapping files for this node's GPUs (exporters/dcgm.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from exporters.collector import GpuCollector
+from exporters.dcgm import JobMappingLoop, JobMappingWriter
 from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource, nvml_gpu_count
@@ -90,6 +92,10 @@ class AllocatorView:
         self._refresh()
         return dict(self._owners)
 
+    def gpu_owners(self) -> dict[int, str]:
+        """The job holding each GPU index of this host (for dcgm-exporter's job mapping)."""
+        return {index: job for (host, index), job in self.owners().items() if host == self.host}
+
     def bound_pids(self) -> dict[int, list[int]]:
         self._refresh()
         return {gpu: list(pids) for gpu, pids in self._pids.items()}
@@ -107,6 +113,9 @@ def run_exporter(
     virtual_gpus: int,
     virtual_gpu_memory: int,
     stop: threading.Event,
+    *,
+    per_process: bool = False,
+    dcgm_job_mapping_dir: Path | None = None,
 ) -> int:
     host = host or socket.gethostname()
     try:
@@ -123,10 +132,15 @@ def run_exporter(
         source = VirtualGpuSource(host, virtual_gpus, virtual_gpu_memory, view.bound_pids)
         kind = f"{virtual_gpus} virtual"
     registry = CollectorRegistry()
-    registry.register(GpuCollector(source, view.owners))
+    registry.register(GpuCollector(source, view.owners, per_process=per_process))
     server = serve_metrics(registry, listen, port)
     bound = server.server_port
     log.info("exporter for %s (%s GPUs) on http://%s:%d/metrics", host, kind, listen, bound)
+    mapping: JobMappingLoop | None = None
+    if dcgm_job_mapping_dir is not None:
+        mapping = JobMappingLoop(JobMappingWriter(dcgm_job_mapping_dir, view.gpu_owners))
+        mapping.start()
+        log.info("writing dcgm-exporter's job mapping files in %s", dcgm_job_mapping_dir)
     registered = False
     try:
         while not stop.is_set():
@@ -136,6 +150,8 @@ def run_exporter(
             registered = ok
             stop.wait(REGISTER_EVERY_SECONDS if ok else 2.0)
     finally:
+        if mapping is not None:
+            mapping.stop()
         server.shutdown()
         server.server_close()
     return 0

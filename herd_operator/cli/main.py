@@ -60,6 +60,24 @@ def _state_dir_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _gpu_metrics_options(parser: argparse.ArgumentParser) -> None:
+    """Options of the GPU metrics that the operator (one host) and node exporters serve."""
+    parser.add_argument(
+        "--process-metrics",
+        action="store_true",
+        help="also export each GPU process's memory, labelled with its pid (new series on "
+        "every restart of a job's workers: off by default)",
+    )
+    parser.add_argument(
+        "--dcgm-job-mapping-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep NVIDIA dcgm-exporter's HPC job mapping files for this host's GPUs in DIR "
+        "(the DIR given to dcgm-exporter --hpc-job-mapping-dir), so its series carry "
+        "hpc_job=<herd job>",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="herd-operator",
@@ -140,6 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
         "http://localhost:9090 (default: this host's GPUs, or the registered node exporters)",
     )
     run.add_argument(
+        "--gpu-metrics",
+        choices=["herd", "dcgm"],
+        default="herd",
+        help="whose GPU memory metrics the memory policy reads: herd's exporters' (default) or "
+        "NVIDIA dcgm-exporter's DCGM_FI_DEV_FB_USED/FREE (from --prometheus-url if given, "
+        "else scraped from --dcgm-exporter-url)",
+    )
+    run.add_argument(
+        "--dcgm-exporter-url",
+        action="append",
+        metavar="URL",
+        help="a dcgm-exporter /metrics page to scrape with --gpu-metrics dcgm (repeat for each "
+        "node; default: http://HOST:9400/metrics for every host of the pool)",
+    )
+    _gpu_metrics_options(run)
+    run.add_argument(
         "--no-watch", action="store_true", help="no file events, relist only (as on NFS or Lustre)"
     )
     run.add_argument(
@@ -173,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exporter.add_argument("--virtual-gpus", type=_positive_int, default=4)
     exporter.add_argument("--virtual-gpu-memory", type=parse_bytes, default=2 << 30)
+    _gpu_metrics_options(exporter)
     exporter.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
@@ -342,6 +377,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_listen or args.listen,
         metrics_port=args.metrics_port,
         prometheus_url=args.prometheus_url,
+        gpu_metrics=args.gpu_metrics,
+        dcgm_exporter_urls=tuple(args.dcgm_exporter_url or ()),
+        process_metrics=args.process_metrics,
+        dcgm_job_mapping_dir=args.dcgm_job_mapping_dir,
         runtime_dir=args.runtime_dir,
         listen_port=args.port,
         leave_jobs_running=args.leave_jobs_running,
@@ -384,6 +423,8 @@ def cmd_exporter(args: argparse.Namespace) -> int:
             args.virtual_gpus,
             args.virtual_gpu_memory,
             stop,
+            per_process=args.process_metrics,
+            dcgm_job_mapping_dir=args.dcgm_job_mapping_dir,
         )
     except OSError as err:
         print(

@@ -165,20 +165,42 @@ def _finite(value: float) -> bool:
         return False
 
 
+EXPORTER_EXPIRY_SECONDS = 90.0
+"""A node exporter not heard from for this long is dropped from the scrape targets and the
+scraped URLs. Exporters register again every 30 s (`REGISTER_EVERY_SECONDS` in
+herd_operator/agent/exporter.py): three missed registrations mean it stopped."""
+
+
 class ExporterRegistry:
     """`register_exporter`: node exporters say where they serve.
 
     Kept as Prometheus file_sd targets (with the operator's own endpoint) and as the
-    URLs the usage observer scrapes when the pool spans several hosts.
+    URLs the usage observer scrapes when the pool spans several hosts. An exporter that
+    stops registering (its node or its agent stopped) expires after `expire_after`
+    seconds: `expire()` (run every few seconds by the operator, and on each
+    registration and each `urls()`) drops it and rewrites the targets file.
     """
 
-    def __init__(self, targets_file: Path, operator_address: str | None) -> None:
+    def __init__(
+        self,
+        targets_file: Path,
+        operator_address: str | None,
+        *,
+        expire_after: float = EXPORTER_EXPIRY_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.targets_file = targets_file
         self.operator_address = operator_address
-        self._exporters: set[str] = set()
+        self.expire_after = expire_after
+        self._clock = clock
+        self._exporters: dict[str, float] = {}
+        """address -> when it last registered"""
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def urls(self) -> list[str]:
+        self.expire()
         with self._lock:
             return [f"http://{address}/metrics" for address in sorted(self._exporters)]
 
@@ -189,11 +211,46 @@ class ExporterRegistry:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         with self._lock:
             known = address in self._exporters
-            self._exporters.add(address)
+            self._exporters[address] = self._clock()
         if not known:
             log.info("exporter registered: %s", address)
             self.write_targets()
+        self.expire()
         return {}
+
+    def expire(self) -> list[str]:
+        """Drop the exporters not heard from within `expire_after`; returns their addresses."""
+        now = self._clock()
+        with self._lock:
+            gone = [a for a, seen in self._exporters.items() if now - seen > self.expire_after]
+            for address in gone:
+                del self._exporters[address]
+        if gone:
+            log.info(
+                "exporter(s) %s not heard from for %gs: no longer scraped",
+                ", ".join(sorted(gone)),
+                self.expire_after,
+            )
+            self.write_targets()
+        return gone
+
+    def start(self, interval: float = 5.0) -> None:
+        """Expire exporters every `interval` seconds on a thread, until `stop()`."""
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.expire()
+                except OSError as err:  # the targets file could not be written: next time
+                    log.warning("cannot rewrite the scrape targets: %s", err)
+
+        self._thread = threading.Thread(target=run, name="exporter-expiry", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def write_targets(self) -> None:
         """Prometheus file_sd targets: the operator and every registered node exporter."""
