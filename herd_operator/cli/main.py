@@ -45,7 +45,7 @@ from herd_operator.layout import default_state_dir
 from herd_operator.runtime.engines import UnknownEngineError, engine_problem
 from herd_operator.runtime.store import StoreError, UnreadableSpecError
 from policies.base import PolicyError
-from policies.registry import load_policy
+from policies.registry import builtin_params_models, load_policy
 from specs import SpecFile, index_specs, json_schema, load_spec_file
 
 _Number = TypeVar("_Number", int, float)
@@ -585,7 +585,7 @@ def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
             try:
                 load_policy(spec_file.job.spec.policy)
             except PolicyError as err:
-                problems.append(f"{spec_file.path}: {err.field}: {err.message}")
+                problems += [f"{spec_file.path}: {field}: {what}" for field, what in err.problems]
             engine = engine_problem(spec_file.job.spec)
             if engine is not None:
                 problems.append(f"{spec_file.path}: {UnknownEngineError.field}: {engine}")
@@ -613,7 +613,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(json_schema(), indent=2))
+    print(json.dumps(json_schema(builtin_params_models()), indent=2))
     return EXIT_OK
 
 
