@@ -224,8 +224,8 @@ class StateCollector(Collector):
                 thresholds.add_metric([record.name, "high"], float(params.get("high", 0.75)))
         for (condition_type, condition_status), count in sorted(counts.items()):
             jobs.add_metric([condition_type, condition_status], count)
-        yield from (jobs, job_statuses, restarts)
-        yield from (jobs, desired, allocated, active, epoch, memory, thresholds)
+        yield from (jobs, job_statuses, restarts, desired, allocated, active, epoch, memory)
+        yield thresholds
         yield GaugeMetricFamily(
             "herd_store_writable",
             "1 while the state store takes writes; 0 from a write the storage refused (a full"
