@@ -15,6 +15,9 @@ DASHBOARD = REPO / "deploy" / "grafana" / "herd-dashboard.json"
 # Emitted only for fields real GPUs have (NVML); checked against the collector over fake NVML
 # in tests/unit/test_gpu_collector.py.
 NVML_ONLY = {"herd_gpu_utilization_ratio", "herd_gpu_power_watts"}
+# Exported only with --process-metrics (a pid label per process); checked with it on in
+# tests/unit/test_dashboard.py.
+OPT_IN = {"herd_gpu_process_memory_used_bytes"}
 
 
 def dashboard_metric_names() -> set[str]:
@@ -85,7 +88,7 @@ def test_prometheus_scrapes_the_operator_and_promql_drives_the_memory_policy(
         exposed = exposed_names(text)
         missing = {
             name
-            for name in dashboard_metric_names() - NVML_ONLY
+            for name in dashboard_metric_names() - NVML_ONLY - OPT_IN
             if not any(e == name or e.startswith(name + "_") for e in exposed)
         }
         assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
