@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,8 +37,12 @@ from exporters.dcgm import (
     dcgm_exporter_urls,
 )
 from exporters.gpu import GpuReading
+from herd_operator.cli.main import build_parser
+from herd_operator.runtime.handlers import ExporterRegistry
 from herd_operator.runtime.observer import UsageObserver
-from specs.values import Placement
+from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.pools import StaticPool
+from specs.values import Placement, Pool
 
 HELP = {
     "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
@@ -351,3 +356,53 @@ def test_the_mapping_loop_follows_the_owners_and_clears_on_stop(tmp_path: Path) 
     finally:
         loop.stop()
     assert hpc_jobs_by_gpu(tmp_path) == {}
+
+
+def operator_for(tmp_path: Path, hosts: dict[str, int], **options: Any) -> Operator:
+    return Operator(
+        OperatorConfig(
+            specs_dir=tmp_path / "specs",
+            state_dir=tmp_path / "state",
+            pool=StaticPool(Pool.from_counts(hosts), False, "test pool"),
+            **options,
+        )
+    )
+
+
+def test_run_flags_point_the_memory_signal_at_dcgm(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["run", "--specs-dir", "jobs", "--gpu-metrics", "dcgm",
+         "--dcgm-exporter-url", "http://a:9400/metrics", "--dcgm-job-mapping-dir", "/run/map",
+         "--process-metrics"]
+    )  # fmt: skip
+    assert (args.gpu_metrics, args.dcgm_exporter_url) == ("dcgm", ["http://a:9400/metrics"])
+    assert (args.dcgm_job_mapping_dir, args.process_metrics) == (Path("/run/map"), True)
+    exporter = build_parser().parse_args(["exporter", "--dcgm-job-mapping-dir", "/run/map"])
+    assert (exporter.dcgm_job_mapping_dir, exporter.process_metrics) == (Path("/run/map"), False)
+
+    registry = ExporterRegistry(tmp_path / "targets.json", None)
+    scraped = operator_for(tmp_path, {"nid001": 4, "nid002": 4}, gpu_metrics="dcgm")
+    source = scraped._observed_gpus(None, registry)
+    assert isinstance(source, DcgmScrapeGpuSource)
+    assert source._urls == ["http://nid001:9400/metrics", "http://nid002:9400/metrics"]
+    through_prometheus = operator_for(
+        tmp_path, {"nid001": 4}, gpu_metrics="dcgm", prometheus_url="http://prom:9090"
+    )
+    assert isinstance(through_prometheus._observed_gpus(None, registry), DcgmPrometheusGpuSource)
+    herd_metrics = operator_for(tmp_path, {"nid001": 4}, prometheus_url="http://prom:9090")
+    assert not isinstance(herd_metrics._observed_gpus(None, registry), DcgmPrometheusGpuSource)
+
+
+def test_a_one_host_operator_maps_the_gpus_its_jobs_hold(tmp_path: Path) -> None:
+    class Placements:
+        def placements(self) -> dict[str, Placement]:
+            return {"resnet": Placement((("nid001", (0, 2)),)), "bert": Placement.EMPTY}
+
+    operator = operator_for(tmp_path, {"nid001": 4}, dcgm_job_mapping_dir=tmp_path / "map")
+    loop = operator._job_mapping(Placements())  # type: ignore[arg-type]
+    assert loop is not None
+    loop.writer.write()
+    assert hpc_jobs_by_gpu(tmp_path / "map") == {"0": ["resnet"], "2": ["resnet"]}
+    # Many hosts: each node's exporter keeps its own node's files.
+    many = operator_for(tmp_path, {"a": 1, "b": 1}, dcgm_job_mapping_dir=tmp_path / "map")
+    assert many._job_mapping(Placements()) is None  # type: ignore[arg-type]
