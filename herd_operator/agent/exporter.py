@@ -104,6 +104,11 @@ class AllocatorView:
         with self._lock:
             return self._call("register_exporter", host=self.host, port=port) is not None
 
+    def unregister(self, port: int) -> bool:
+        """Leave the operator's scrape targets now (they would expire otherwise)."""
+        with self._lock:
+            return self._call("unregister_exporter", host=self.host, port=port) is not None
+
 
 def run_exporter(
     state_dir: Path,
@@ -150,6 +155,8 @@ def run_exporter(
             registered = ok
             stop.wait(REGISTER_EVERY_SECONDS if ok else 2.0)
     finally:
+        if registered and view.unregister(bound):
+            log.info("unregistered from the operator")
         if mapping is not None:
             mapping.stop()
         server.shutdown()

@@ -6,8 +6,8 @@ its arguments and answers `BadRequest` naming the field and what is allowed.
 Who may call what is decided here, from the identity the client proved in the
 handshake (see `herd_operator.auth`): the admin (the master token) anything; a job's
 processes `bind`, `report` and `grant` for that job only; a node exporter
-`placements` and `register_exporter` for its own host only. Anyone authenticated may
-`ping`.
+`placements`, `register_exporter` and `unregister_exporter` for its own host only.
+Anyone authenticated may `ping`.
 """
 
 from __future__ import annotations
@@ -171,6 +171,13 @@ scraped URLs. Exporters register again every 30 s (`REGISTER_EVERY_SECONDS` in
 herd_operator/agent/exporter.py): three missed registrations mean it stopped."""
 
 
+def _exporter_address(args: dict[str, Any]) -> str:
+    host, port = host_arg(args, "host"), args.get("port")
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise BadRequest("'port' must be a TCP port number")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ExporterRegistry:
     """`register_exporter`: node exporters say where they serve.
 
@@ -205,10 +212,7 @@ class ExporterRegistry:
             return [f"http://{address}/metrics" for address in sorted(self._exporters)]
 
     def __call__(self, args: dict[str, Any]) -> dict[str, Any]:
-        host, port = host_arg(args, "host"), args.get("port")
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise BadRequest("'port' must be a TCP port number")
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        address = _exporter_address(args)
         with self._lock:
             known = address in self._exporters
             self._exporters[address] = self._clock()
@@ -216,6 +220,17 @@ class ExporterRegistry:
             log.info("exporter registered: %s", address)
             self.write_targets()
         self.expire()
+        return {}
+
+    def unregister(self, args: dict[str, Any]) -> dict[str, Any]:
+        """`unregister_exporter`: an exporter that stops says so, and leaves the targets now
+        rather than when it expires."""
+        address = _exporter_address(args)
+        with self._lock:
+            known = self._exporters.pop(address, None) is not None
+        if known:
+            log.info("exporter unregistered: %s", address)
+            self.write_targets()
         return {}
 
     def expire(self) -> list[str]:

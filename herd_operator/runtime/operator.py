@@ -239,6 +239,7 @@ class Operator:
                 "placements": for_agents(allocator.handle_placements),
                 "report": for_own_job(ReportHandler(store, allocator, self.queue.add)),
                 "register_exporter": for_own_host(exporters),
+                "unregister_exporter": for_own_host(exporters.unregister),
                 "ping": for_anyone(lambda args: {"pid": os.getpid()}),
             },
         )

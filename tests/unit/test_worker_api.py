@@ -136,6 +136,7 @@ class Allocation:
                 "report": for_own_job(self.report),
                 "placements": for_agents(self.allocator.handle_placements),
                 "register_exporter": for_own_host(self.exporters),
+                "unregister_exporter": for_own_host(self.exporters.unregister),
             },
         )
 
@@ -420,6 +421,23 @@ def test_a_node_exporter_registers_its_own_host_only(allocation: Allocation) -> 
     assert other_host.value.code == bind.value.code == "forbidden"
     assert other_host.value.message == "agent:node1 may only register host 'node1', not 'node2'"
     assert allocation.exporters.urls() == ["http://node1:9100/metrics"]
+
+
+def test_a_node_exporter_that_stops_leaves_the_targets_at_once(allocation: Allocation) -> None:
+    address = allocation.server.address
+    with (
+        RpcClient(address, agent_key(allocation.master), identity=agent_identity("node1")) as one,
+        RpcClient(address, agent_key(allocation.master), identity=agent_identity("node2")) as two,
+    ):
+        one.call("register_exporter", host="node1", port=9100)
+        two.call("register_exporter", host="node2", port=9100)
+        with pytest.raises(RpcError) as other_host:
+            two.call("unregister_exporter", host="node1", port=9100)
+        assert one.call("unregister_exporter", host="node1", port=9100) == {}
+    assert other_host.value.code == "forbidden"
+    assert allocation.exporters.urls() == ["http://node2:9100/metrics"]
+    targets = json.loads(allocation.layout.scrape_targets_file.read_text())
+    assert targets == [{"targets": ["node2:9100"], "labels": {"herd_role": "exporter"}}]
 
 
 def test_a_job_may_not_register_exporters_nor_read_every_placement(
