@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.gpu import GpuReading
-from herd_operator.runtime.metrics import JOB_STATUSES, OperatorMetrics, StateCollector
+from herd_operator.runtime.metrics import JOB_STATUSES, OperatorMetrics, StateCollector, job_status
 from herd_operator.runtime.observer import UsageObserver, job_usage
 from herd_operator.runtime.store import Store, StoreError
 from specs import Condition, ConditionStatus, HerdJob
@@ -286,3 +286,25 @@ def test_restarts_are_a_counter_per_job(tmp_path: Path) -> None:
     assert current is not None
     put(store, "a", current.status.conditions, restarts=2)
     assert samples(registry)[("herd_job_restarts_total", (("herd_job", "a"),))] == 2
+
+
+@pytest.mark.parametrize(
+    ("conditions", "expected"),
+    [
+        ((), "Unknown"),  # as `get` says: nothing known yet
+        ((("Admitted", "False", "Pending"),), "Pending"),
+        ((("Admitted", "True", "Admitted"), ("Stalled", "True", "PolicyUnavailable")), "Stalled"),
+        ((("Admitted", "True", "Admitted"), ("Resizing", "True", "Shrinking")), "Resizing"),
+        ((("Admitted", "True", "Admitted"), ("Failed", "True", "BackoffLimitExceeded")), "Failed"),
+        ((("Admitted", "True", "Admitted"), ("Running", "False", "OperatorStopped")), "Stopped"),
+        ((("Admitted", "True", "Admitted"), ("Running", "False", "LaunchFailed")), "Stopped"),
+        ((("Admitted", "True", "Admitted"), ("Running", "Unknown", "Starting")), "Unknown"),
+    ],
+)
+def test_job_status_maps_conditions_to_a_fixed_set(
+    conditions: tuple[tuple[str, str, str], ...], expected: str
+) -> None:
+    status = HerdJobStatus(
+        conditions=tuple(condition(t, ConditionStatus(s), r) for t, s, r in conditions)
+    )
+    assert job_status(status) == expected
