@@ -54,21 +54,26 @@ MAX_JSON_INT = 2**63
 """Integers in policy params: what JSON readers everywhere take exactly."""
 
 
+_TITLE_WORDS = {"gpu": "GPU", "gpus": "GPUs", "api": "API"}
+"""Words a title spells in capitals wherever they stand."""
+
+
+def _title(words: list[str]) -> str:
+    shown = [_TITLE_WORDS.get(word.lower(), word.lower()) for word in words]
+    return " ".join([shown[0][:1].upper() + shown[0][1:], *shown[1:]]) if shown else ""
+
+
 def field_title(name: str, info: object) -> str:
     """A field's title in the JSON Schema, from its Python name: `elastic_timeout_seconds`
     -> "Elastic timeout seconds" (pydantic's default, from the camelCase alias, gives
     "Elastictimeoutseconds")."""
-    return name.replace("_", " ").strip().capitalize()
+    return _title(name.split("_"))
 
 
 def model_title(model: type) -> str:
     """A model's title in the JSON Schema: `HorovodOptions` -> "Horovod options"."""
     words = re.findall(r"[A-Z]+(?![a-z])|[A-Z][a-z0-9]*|[a-z0-9]+", model.__name__)
-    if not words:
-        return model.__name__
-    return " ".join(
-        [words[0], *(w if w.isupper() and len(w) > 1 else w.lower() for w in words[1:])]
-    )
+    return _title(words) or model.__name__
 
 
 SCHEMA_CONFIG = ConfigDict(

@@ -74,11 +74,14 @@ def test_every_field_has_a_description_and_a_title_of_words(schema: dict[str, An
         # A property titled like the model it refers to takes its title from there.
         target = prop.get("$ref", "#/$defs/-").split("/")[-1]
         title = prop.get("title") or schema["$defs"][target]["title"]
-        words = re.findall(r"[A-Z]?[a-z0-9]+", name)
+        words = [word.lower() for word in re.findall(r"[A-Z]?[a-z0-9]+", name)]
         # `elasticTimeoutSeconds` -> "Elastic timeout seconds", not "Elastictimeoutseconds"
-        assert title == " ".join(words).capitalize(), (definition, name, title)
+        assert title.lower().split() == words, (definition, name, title)
+        assert title[0].isupper(), (definition, name, title)
         assert "\n" not in prop["description"].split("\n\n")[0], (definition, name)
     assert schema["$defs"]["HorovodOptions"]["title"] == "Horovod options"
+    assert schema["$defs"]["GpuRange"]["title"] == "GPU range"
+    assert schema["$defs"]["HerdJobSpec"]["properties"]["gpus"]["title"] == "GPUs"
 
 
 def test_the_examples_validate(validator: jsonschema.Draft202012Validator) -> None:
