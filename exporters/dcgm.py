@@ -157,14 +157,16 @@ def dcgm_exporter_urls(hosts: Iterable[str], port: int = DEFAULT_PORT) -> list[s
 class JobMappingWriter:
     """Keeps dcgm-exporter's HPC job mapping files in `directory` for this host's GPUs.
 
-    `owners()` says which job holds each GPU index of this host. Each call to `write()`
-    brings the files in line: a held GPU's file holds its job's name and a newline, a free
-    GPU has no file. Files are replaced whole (a temporary name that is not an integer,
-    then a rename), so dcgm-exporter never reads half of one; only the integer-named files
-    are touched, whichever process wrote them, since dcgm-exporter reads them all.
+    `owners()` says which job holds each GPU index of this host, or None when that is not
+    known now (the operator cannot be reached: the files are left as they are, rather than
+    unlabel GPUs that jobs still hold). Each call to `write()` brings the files in line: a
+    held GPU's file holds its job's name and a newline, a free GPU has no file. Files are
+    replaced whole (a temporary name that is not an integer, then a rename), so
+    dcgm-exporter never reads half of one; only the integer-named files are touched,
+    whichever process wrote them, since dcgm-exporter reads them all.
     """
 
-    def __init__(self, directory: Path, owners: Callable[[], Mapping[int, str]]) -> None:
+    def __init__(self, directory: Path, owners: Callable[[], Mapping[int, str] | None]) -> None:
         self.directory = directory
         self.owners = owners
         self._written: dict[int, str] = {}
@@ -175,7 +177,10 @@ class JobMappingWriter:
         """Bring the files in line with `owners()`; an error is logged when it starts."""
         with self._lock:
             try:
-                self._write(dict(self.owners()))
+                owners = self.owners()
+                if owners is None:
+                    return
+                self._write(dict(owners))
             except OSError as err:
                 if not self._failing:
                     log.warning(

@@ -48,6 +48,8 @@ class AllocatorView:
         self._fetched = 0.0
         self._owners: dict[tuple[str, int], str] = {}
         self._pids: dict[int, list[int]] = {}
+        self.reachable = False
+        """Whether the allocator answered the last time it was asked."""
 
     def _call(self, op: str, **args: Any) -> dict[str, Any] | None:
         try:
@@ -75,6 +77,7 @@ class AllocatorView:
                 return
             self._fetched = time.monotonic()
             reply = self._call("placements")
+            self.reachable = reply is not None
             if reply is None:
                 self._owners, self._pids = {}, {}
                 return
@@ -92,9 +95,13 @@ class AllocatorView:
         self._refresh()
         return dict(self._owners)
 
-    def gpu_owners(self) -> dict[int, str]:
-        """The job holding each GPU index of this host (for dcgm-exporter's job mapping)."""
-        return {index: job for (host, index), job in self.owners().items() if host == self.host}
+    def gpu_owners(self) -> dict[int, str] | None:
+        """The job holding each GPU index of this host (for dcgm-exporter's job mapping);
+        None while the allocator cannot be asked."""
+        owners = self.owners()
+        if not self.reachable:
+            return None
+        return {index: job for (host, index), job in owners.items() if host == self.host}
 
     def bound_pids(self) -> dict[int, list[int]]:
         self._refresh()

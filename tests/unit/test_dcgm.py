@@ -406,3 +406,17 @@ def test_a_one_host_operator_maps_the_gpus_its_jobs_hold(tmp_path: Path) -> None
     # Many hosts: each node's exporter keeps its own node's files.
     many = operator_for(tmp_path, {"a": 1, "b": 1}, dcgm_job_mapping_dir=tmp_path / "map")
     assert many._job_mapping(Placements()) is None  # type: ignore[arg-type]
+
+
+def test_unknown_owners_leave_the_files_as_they_are(tmp_path: Path) -> None:
+    """The operator out of reach (a restart that leaves the jobs running): the jobs still
+    hold their GPUs, so their labels stay."""
+    owners: dict[int, str] | None = {0: "resnet"}
+    writer = JobMappingWriter(tmp_path, lambda: owners)
+    writer.write()
+    owners = None
+    writer.write()
+    assert hpc_jobs_by_gpu(tmp_path) == {"0": ["resnet"]}
+    owners = {}
+    writer.write()
+    assert hpc_jobs_by_gpu(tmp_path) == {}
