@@ -3,6 +3,11 @@
 Series are labelled `host, gpu, uuid, kind, herd_job`: `herd_job` is the HERD job
 that holds the GPU ("" when none). Not `job`, which Prometheus reserves for the
 scrape job and would rename to `exported_job`.
+
+Per-process memory (`herd_gpu_process_memory_used_bytes`, labelled `pid`) is off unless
+asked for (`per_process=True`): every restart of a job's workers brings new pids, so each
+would start new series that Prometheus keeps for its whole retention. By default a GPU's
+processes are counted instead (`herd_gpu_processes`), whose labels stay the same.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class GpuCollector:
     """Exposes `source`'s GPUs, each labelled with the job that `owners()` says holds it.
 
     With `stale_after > 0`, a read younger than that many seconds is served again
-    instead of reading the source once more (several scrapers, one NVML read).
+    instead of reading the source once more (several scrapers, one NVML read). With
+    `per_process`, each process's memory is exported too, labelled with its pid.
     """
 
     def __init__(
@@ -48,9 +54,11 @@ class GpuCollector:
         owners: Callable[[], Mapping[tuple[str, int], str]] = dict,
         *,
         stale_after: float = 0,
+        per_process: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.source = source
+        self.per_process = per_process
         self.owners = owners
         self.stale_after = stale_after
         self._clock = clock
@@ -62,7 +70,7 @@ class GpuCollector:
 
     def describe(self) -> Iterator[Metric]:
         """The families without samples, so registering does not read the GPUs."""
-        yield from _families().all()
+        yield from _families().all(self.per_process)
 
     def collect(self) -> Iterator[Metric]:
         read = self._read()
@@ -93,15 +101,17 @@ class GpuCollector:
             process_used: dict[int, int] = {}
             for process in reading.processes:  # one series per pid, even if listed twice
                 process_used[process.pid] = process_used.get(process.pid, 0) + process.used_bytes
-            for pid, process_bytes in process_used.items():
-                families.process_used.add_metric([*labels, str(pid)], process_bytes)
+            families.processes.add_metric(labels, len(process_used))
+            if self.per_process:
+                for pid, process_bytes in process_used.items():
+                    families.process_used.add_metric([*labels, str(pid)], process_bytes)
         for (host, kind), count in per_host_kind.items():
             families.gpus.add_metric([host, kind], count)
         families.up.add_metric([], 1 if read.up else 0)
         for reason, count in sorted(self._error_counts().items()):
             families.errors.add_metric([reason], count)
         families.duration.add_metric([], read.duration_seconds)
-        yield from families.all()
+        yield from families.all(self.per_process)
 
     def _read(self) -> _Read:
         with self._lock:
@@ -159,14 +169,19 @@ class _Families:
     memory_ratio: GaugeMetricFamily
     utilization: GaugeMetricFamily
     power: GaugeMetricFamily
+    processes: GaugeMetricFamily
     process_used: GaugeMetricFamily
     gpus: GaugeMetricFamily
     up: GaugeMetricFamily
     errors: CounterMetricFamily
     duration: GaugeMetricFamily
 
-    def all(self) -> list[Metric]:
-        return [getattr(self, name.name) for name in fields(self)]
+    def all(self, per_process: bool) -> list[Metric]:
+        return [
+            getattr(self, name.name)
+            for name in fields(self)
+            if per_process or name.name != "process_used"
+        ]
 
 
 def _families() -> _Families:
@@ -184,6 +199,7 @@ def _families() -> _Families:
             "herd_gpu_utilization_ratio", "Share of the last sample period a kernel ran (0..1)."
         ),
         power=gpu_gauge("herd_gpu_power_watts", "GPU power draw."),
+        processes=gpu_gauge("herd_gpu_processes", "Processes using the GPU."),
         process_used=GaugeMetricFamily(
             "herd_gpu_process_memory_used_bytes",
             "GPU memory used by one process.",

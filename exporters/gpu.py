@@ -14,7 +14,9 @@ from typing import Literal, Protocol
 
 import psutil
 
-GpuKind = Literal["nvml", "virtual"]
+GpuKind = Literal["nvml", "virtual", "dcgm"]
+"""nvml: read here with NVML; virtual: a CPU machine's stand-in; dcgm: read back from NVIDIA's
+dcgm-exporter (exporters/dcgm.py)."""
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ class ScrapeGpuSource:
         """The readings on one page; None (counted, logged on change) if it cannot be read."""
         try:
             text = _fetch(url, self.timeout).decode("utf-8")
-            readings = _readings(_exposition_samples(text), time.time(), self.max_age)
+            readings = self.page_readings(_exposition_samples(text), url)
         except urllib.error.HTTPError as err:
             self._failed(url, "http_error", err)
         except _UNREACHABLE as err:
@@ -248,6 +248,10 @@ class ScrapeGpuSource:
     def _failed(self, url: str, reason: str, err: Exception) -> None:
         with self._lock:
             self._health.failed(url, reason, err)
+
+    def page_readings(self, samples: list[_Sample], url: str) -> list[GpuReading]:
+        """The GPU readings on the page at `url` (herd's exporters' series)."""
+        return _readings(samples, time.time(), self.max_age)
 
 
 def promql(
@@ -307,11 +311,18 @@ class PrometheusGpuSource:
         self._lock = threading.Lock()
         self._health = _Health()
 
+    families: tuple[str, ...] = tuple(_FIELD_OF_FAMILY)
+    """The metric names the query asks for."""
+
     @property
     def query(self) -> str:
-        names = "|".join(_FIELD_OF_FAMILY)
+        names = "|".join(self.families)
         window_ms = math.ceil(self.max_age_seconds * 1000)
         return f'{{__name__=~"{names}"}}[{window_ms}ms]'
+
+    def series_readings(self, samples: list[_Sample]) -> list[GpuReading]:
+        """The GPU readings in the series the query returned (herd's exporters' series)."""
+        return _readings(samples, time.time(), self.max_age_seconds)
 
     def errors(self) -> dict[str, int]:
         """Failed reads so far, by reason (unreachable, query_error)."""
@@ -326,7 +337,7 @@ class PrometheusGpuSource:
                     _Sample(labels.get("__name__", ""), labels, value, timestamp)
                     for labels, timestamp, value in series
                 ]
-                readings = _readings(samples, time.time(), self.max_age_seconds)
+                readings = self.series_readings(samples)
             except _UNREACHABLE as err:
                 self._health.failed(self.base_url, "unreachable", err)
             except (PromQLError, _Malformed) as err:

@@ -69,10 +69,14 @@ class Policy(Protocol):
 
 
 class PolicyError(ValueError):
-    """A policy reference or its parameters are invalid; names the offending field."""
+    """A policy reference or its parameters are invalid; names the offending field.
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    `problems` holds every (field, message) found, the first being `field` and `message`:
+    a spec's params can be wrong in several places, and each is said once."""
+
+    def __init__(self, field: str, message: str, *, more: Sequence[tuple[str, str]] = ()) -> None:
+        self.problems: tuple[tuple[str, str], ...] = ((field, message), *more)
+        super().__init__("; ".join(f"{where}: {what}" for where, what in self.problems))
         self.field = field
         self.message = message
 

@@ -17,22 +17,34 @@ from pydantic_core import PydanticCustomError
 
 from policies.base import Decision, JobObservations, Signal, clamp
 from specs import HerdJob
+from specs.models import SCHEMA_CONFIG
 
 
 class MemoryParams(BaseModel):
     """Parameters of the `memory` policy (camelCase in YAML)."""
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True
+        extra="forbid",
+        frozen=True,
+        alias_generator=to_camel,
+        populate_by_name=True,
+        **SCHEMA_CONFIG,
     )
 
     low: float = Field(default=0.25, gt=0, le=1, strict=True)
+    """Below this share of its GPUs' memory in use, the job gives GPUs back (0..1)."""
     high: float = Field(default=0.75, gt=0, le=1, strict=True)
+    """Above this share of its GPUs' memory in use, the job asks for more GPUs (0..1)."""
     step: int = Field(default=1, ge=1, strict=True)
+    """GPUs added or taken away at each resize."""
     cooldown_epochs: int = Field(default=1, ge=0, strict=True)
+    """Full epochs to wait after a start or a resize before the next decision."""
     cooldown_seconds: float = Field(default=30.0, ge=0, strict=True, allow_inf_nan=False)
+    """Seconds to wait after a resize before the next decision."""
     window_seconds: float = Field(default=60.0, gt=0, strict=True, allow_inf_nan=False)
+    """For jobs that report no epochs: the seconds of memory samples averaged."""
     initial: Literal["max", "min"] | int = "max"
+    """GPUs to start with: `max`, `min` or a count."""
 
     @field_validator("initial", mode="before")
     @classmethod

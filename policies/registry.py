@@ -29,6 +29,7 @@ from policies.memory import MemoryPolicy
 from policies.schedule import SchedulePolicy
 from policies.static import StaticPolicy
 from specs import HerdJob, PolicyRef
+from specs.loading import error_message, format_location
 
 ENTRY_POINT_GROUP = "herd_operator.policies"
 LEGACY_OBSERVES: frozenset[Signal] = frozenset({Signal.EPOCHS})
@@ -94,6 +95,11 @@ def _installed() -> _Plugins:
                 points.setdefault(point.name, point)
             _plugins = _Plugins(points, {})
         return _plugins
+
+
+def builtin_params_models() -> dict[str, type[BaseModel]]:
+    """Each built-in policy's parameter model, by name (for the spec's JSON Schema)."""
+    return {name: cls.Params for name, cls in BUILTIN_POLICIES.items()}
 
 
 def plugin_names() -> list[str]:
@@ -166,10 +172,11 @@ def load_policy(ref: PolicyRef) -> Policy:
     try:
         params = cls.Params.model_validate(ref.params)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        field = "spec.policy.params" + (f".{where}" if where else "")
-        raise PolicyError(field, first["msg"]) from err
+        problems = [
+            (_params_field(error["loc"]), error_message(error, cls.Params))
+            for error in err.errors(include_url=False)
+        ]
+        raise PolicyError(*problems[0], more=problems[1:]) from err
     try:
         policy = cls(params)
     except (Exception, SystemExit) as err:
@@ -179,6 +186,14 @@ def load_policy(ref: PolicyRef) -> Policy:
     if ref.name in BUILTIN_POLICIES:  # the built-ins declare it (their tests check)
         return policy
     return _with_observes(policy, ref.name)
+
+
+def _params_field(location: tuple[int | str, ...]) -> str:
+    """Where in the spec a params error is: `spec.policy.params.low`."""
+    where = format_location(location) if location else ""
+    if not where or where.startswith("["):
+        return f"spec.policy.params{where}"
+    return f"spec.policy.params.{where}"
 
 
 def _describe_error(err: BaseException) -> str:

@@ -17,9 +17,10 @@ from pydantic_core import PydanticCustomError
 
 from policies.base import Decision, JobObservations, Signal, clamp
 from specs import HerdJob
+from specs.models import SCHEMA_CONFIG
 
 _CAMEL_CONFIG = ConfigDict(
-    extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True
+    extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True, **SCHEMA_CONFIG
 )
 
 
@@ -29,8 +30,11 @@ class ScheduleStep(BaseModel):
     model_config = _CAMEL_CONFIG
 
     at_epoch: int | None = Field(default=None, ge=0, strict=True)
+    """The step starts once the workers report this epoch (give this or afterSeconds)."""
     after_seconds: float | None = Field(default=None, ge=0, strict=True, allow_inf_nan=False)
+    """The step starts this many seconds after the job started (or this or atEpoch)."""
     gpus: int = Field(ge=1, strict=True)
+    """GPUs to run on from this step on."""
 
     @model_validator(mode="after")
     def _one_trigger(self) -> ScheduleStep:
@@ -50,7 +54,9 @@ class ScheduleParams(BaseModel):
     model_config = _CAMEL_CONFIG
 
     initial: int | None = Field(default=None, ge=1, strict=True)
+    """GPUs to run on before the first step (default: the job's min)."""
     steps: list[ScheduleStep] = Field(min_length=1)
+    """The plan: each step's count holds from its epoch or time on."""
 
     @field_validator("steps")
     @classmethod

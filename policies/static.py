@@ -6,12 +6,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies.base import Decision, JobObservations, Signal, clamp
 from specs import HerdJob
+from specs.models import SCHEMA_CONFIG
 
 
 class StaticParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Parameters of the `static` policy."""
 
-    gpus: int | None = Field(default=None, ge=1, description="GPU count to run at; default max.")
+    model_config = ConfigDict(extra="forbid", frozen=True, **SCHEMA_CONFIG)
+
+    gpus: int | None = Field(default=None, ge=1)
+    """GPU count to run at, kept within the job's min and max (default: its max)."""
 
 
 class StaticPolicy:

@@ -76,7 +76,7 @@ def main() -> int:
     source = NvmlGpuSource(os.uname().nodename)
     readings = source.read()
     smi = nvidia_smi()
-    text = exposition(GpuCollector(source, lambda: {(source.host, 0): "check"}))
+    text = exposition(GpuCollector(source, lambda: {(source.host, 0): "check"}, per_process=True))
     holder.terminate()
     result = {
         "torch_reserved_bytes": reserved,

@@ -8,7 +8,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -194,7 +194,7 @@ def _load_spec_text(text: str, file: str) -> SpecFile:
         job = HerdJob.model_validate(raw)
     except ValidationError as exc:
         errors = [
-            SpecError(file, _format_location(error["loc"]), _error_message(error))
+            SpecError(file, _format_location(error["loc"]), error_message(error))
             for error in exc.errors(include_url=False)
         ]
         return SpecFile(path=path, name=name, job=None, errors=_sorted(errors))
@@ -370,6 +370,11 @@ def _shape_problem(raw: dict[Any, Any]) -> str | None:
     return None
 
 
+def format_location(location: tuple[int | str, ...]) -> str:
+    """A pydantic error's location as a YAML path: `spec.gpus.min`, `spec.command[0]`."""
+    return _format_location(location)
+
+
 def _format_location(location: tuple[int | str, ...]) -> str:
     parts: list[str] = []
     for segment in location:
@@ -384,14 +389,16 @@ def _format_location(location: tuple[int | str, ...]) -> str:
     return "".join(parts) or FILE_FIELD
 
 
-def _error_message(error: ErrorDetails) -> str:
+def error_message(error: ErrorDetails, model: type[BaseModel] | None = None) -> str:
+    """One pydantic error said as a YAML user would read it. `model` is the model the
+    error's location starts from (default: the whole HerdJob), to list allowed fields."""
     kind = error["type"]
     given = error["input"]
     context = error.get("ctx", {})
     if kind == "missing":
         return "required"
     if kind == "extra_forbidden":
-        allowed = _allowed_fields(error["loc"][:-1])
+        allowed = _allowed_fields(error["loc"][:-1], model or HerdJob)
         return f"unknown field (allowed: {', '.join(allowed)})" if allowed else "unknown field"
     if kind == "literal_error":
         return f"must be {context['expected']}, got {_describe(given)}"
@@ -403,18 +410,26 @@ def _error_message(error: ErrorDetails) -> str:
     if kind in ("too_short", "string_too_short") and context.get("min_length") == 1:
         return "must not be empty"
     if kind == "greater_than_equal":
-        return f"must be at least {context['ge']}, got {_describe(given)}"
+        return f"must be at least {_bound(context['ge'])}, got {_describe(given)}"
     if kind == "greater_than":
-        return f"must be greater than {context['gt']}, got {_describe(given)}"
+        return f"must be greater than {_bound(context['gt'])}, got {_describe(given)}"
     if kind == "value_error":
         return str(context["error"])
     return error["msg"]
 
 
-def _allowed_fields(location: tuple[int | str, ...]) -> list[str]:
-    """YAML names of the fields of the model at `location`, in declaration order."""
-    model: type[BaseModel] = HerdJob
+def _bound(value: object) -> str:
+    """A bound as the YAML would say it: 0, not 0.0 (a float field's bound is a float)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _allowed_fields(location: tuple[int | str, ...], model: type[BaseModel]) -> list[str]:
+    """YAML names of the fields of the model at `location` under `model`, in order."""
     for segment in location:
+        if isinstance(segment, int):
+            continue  # an item of a list of models: the same model
         if model is EngineRef and segment == "options":
             # Free-form for other engines; an unknown field there came from horovod's.
             model = HorovodOptions
@@ -427,11 +442,17 @@ def _allowed_fields(location: tuple[int | str, ...]) -> list[str]:
             ),
             None,
         )
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
+        if field is None:
             return []
-        model = field.annotation
+        # The model itself, or the model of a list of them or of an optional one.
+        inner = [
+            candidate
+            for candidate in (field.annotation, *get_args(field.annotation))
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel)
+        ]
+        if not inner:
+            return []
+        model = inner[0]
     return [info.alias or field_name for field_name, info in model.model_fields.items()]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -53,11 +54,47 @@ MAX_JSON_INT = 2**63
 """Integers in policy params: what JSON readers everywhere take exactly."""
 
 
+_TITLE_WORDS = {"gpu": "GPU", "gpus": "GPUs", "api": "API"}
+"""Words a title spells in capitals wherever they stand."""
+
+
+def _title(words: list[str]) -> str:
+    shown = [_TITLE_WORDS.get(word.lower(), word.lower()) for word in words]
+    return " ".join([shown[0][:1].upper() + shown[0][1:], *shown[1:]]) if shown else ""
+
+
+def field_title(name: str, info: object) -> str:
+    """A field's title in the JSON Schema, from its Python name: `elastic_timeout_seconds`
+    -> "Elastic timeout seconds" (pydantic's default, from the camelCase alias, gives
+    "Elastictimeoutseconds")."""
+    return _title(name.split("_"))
+
+
+def model_title(model: type) -> str:
+    """A model's title in the JSON Schema: `HorovodOptions` -> "Horovod options"."""
+    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z][a-z0-9]*|[a-z0-9]+", model.__name__)
+    return _title(words) or model.__name__
+
+
+SCHEMA_CONFIG = ConfigDict(
+    # Each field's docstring is its description in the JSON Schema: what an editor shows
+    # on hover. Written for the person who writes the YAML.
+    use_attribute_docstrings=True,
+    field_title_generator=field_title,
+    model_title_generator=model_title,
+)
+"""The JSON Schema settings of every model a spec holds (policies' params too)."""
+
+
 class ApiModel(BaseModel):
     """Base of every API model: camelCase in YAML, snake_case in Python, immutable."""
 
     model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+        **SCHEMA_CONFIG,
     )
 
 
@@ -66,7 +103,10 @@ class GpuRange(ApiModel):
 
     # Strict so that YAML like `min: "2"` or `min: true` is an error, not a silent coercion.
     min: int = Field(strict=True, ge=1, le=MAX_GPUS)
+    """Fewest GPUs the job can train on. The job starts only when this many are free
+    together, and is never shrunk below it."""
     max: int = Field(strict=True, ge=1, le=MAX_GPUS)
+    """Most GPUs the job may be given."""
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> GpuRange:
@@ -81,9 +121,12 @@ class PolicyRef(ApiModel):
     name: str = Field(
         default="static", min_length=1, json_schema_extra={"pattern": POLICY_NAME_PATTERN}
     )
+    """The policy: `static` (a fixed count), `memory` (by GPU memory use), `schedule` (a
+    plan by epoch or time), or the name of an installed plug-in policy."""
     # Factories, not shared default objects: pydantic deep-copies an unhashable default on
     # every validation (a third of validating 10,000 specs).
     params: dict[str, Any] = Field(default_factory=dict)
+    """The policy's parameters; which ones depends on `name` (see docs/policies.md)."""
 
     @field_validator("name")
     @classmethod
@@ -110,23 +153,29 @@ class HorovodOptions(ApiModel):
     """Options passed through to `horovodrun` for elastic training."""
 
     elastic_timeout_seconds: int = Field(default=600, strict=True, gt=0, le=MAX_TIMEOUT_SECONDS)
+    """How long Horovod waits for enough workers after a resize before it gives up
+    (`horovodrun --elastic-timeout`)."""
     reset_limit: int | None = Field(default=None, strict=True, ge=0, le=MAX_COUNT)
+    """How many times Horovod may reset the job (each resize is one) before it fails
+    (`horovodrun --reset-limit`); none: no limit."""
     extra_args: list[str] = Field(default_factory=list)
+    """More arguments for `horovodrun`, placed before the command."""
 
 
 class EngineRef(ApiModel):
-    """Which engine runs the job (launches it, makes its placement reach it), and its options.
+    """Which engine runs the job (launches it, tells it of its GPUs), and its options."""
 
-    The kinds are the runtime's engine registry, checked where specs are loaded; `specs`
-    knows only the built-in `horovod`, whose options are `HorovodOptions` (the same as the
-    top-level `horovod` field; an empty `options` gives none). Other kinds' options are
-    plain JSON data that their engine reads.
-    """
+    # The kinds are the runtime's engine registry, checked where specs are loaded; `specs`
+    # knows only the built-in `horovod`, whose options are `HorovodOptions` (the same as the
+    # top-level `horovod` field; an empty `options` gives none). Other kinds' options are
+    # plain JSON data that their engine reads.
 
     kind: str = Field(
         default=HOROVOD_ENGINE, min_length=1, json_schema_extra={"pattern": ENGINE_KIND_PATTERN}
     )
+    """The engine: `horovod` (elastic Horovod through `horovodrun`)."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The engine's options; for `horovod`, the same fields as `spec.horovod`."""
 
     @field_validator("kind")
     @classmethod
@@ -155,7 +204,9 @@ class RestartPolicy(ApiModel):
     """Whether a failed job is started again, and how many times."""
 
     on_failure: bool = Field(default=False, strict=True)
+    """Start the job again when it exits with an error."""
     backoff_limit: int = Field(default=3, strict=True, ge=0, le=MAX_COUNT)
+    """How many times it is started again before it is marked Failed."""
 
 
 def _check_env_name(name: str) -> str:
@@ -183,19 +234,32 @@ class HerdJobSpec(ApiModel):
     """Desired state of one elastic training job."""
 
     command: list[NonEmptyStr] = Field(min_length=1)
+    """The training command each worker runs, one list item per argument (no shell),
+    e.g. `[python, train.py, --epochs, "10"]`."""
     working_dir: LaunchStr | None = None
+    """Directory the command runs in (default: the directory the operator was started in)."""
     env: dict[EnvName, LaunchStr] = Field(
         default_factory=dict,
         json_schema_extra={"propertyNames": {"pattern": ENV_NAME_PATTERN}},
     )
+    """Environment variables for the workers. Passed through a private file, not on
+    command lines, so other users of the nodes cannot read them."""
     gpus: GpuRange
+    """How many GPUs the job may run on."""
     priority: int = Field(default=0, strict=True, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    """Jobs of higher priority get spare GPUs first and may take them from jobs of lower
+    priority (never below their min)."""
     policy: PolicyRef = Field(default_factory=PolicyRef)
+    """What decides the job's GPU count within [min, max] while it runs."""
     engine: EngineRef = Field(default_factory=EngineRef)
+    """What launches the job and tells it of its GPUs."""
+    # The spelling from before `engine`, still read. After validation it holds the options
+    # in effect for a horovod job, whichever field gave them.
     horovod: HorovodOptions = Field(default_factory=HorovodOptions)
-    """The horovod engine's options: the spelling from before `engine`, still read. After
-    validation it holds the options in effect for a horovod job, whichever field gave them."""
+    """Options of the horovod engine (the same as `engine.options` when `engine.kind` is
+    `horovod`; give them in one place)."""
     restart_policy: RestartPolicy = Field(default_factory=RestartPolicy)
+    """Whether a job that fails is started again."""
 
     @model_validator(mode="after")
     def _one_set_of_horovod_options(self) -> HerdJobSpec:
@@ -238,7 +302,10 @@ class ObjectMeta(ApiModel):
     name: str = Field(
         json_schema_extra={"pattern": DNS_LABEL_PATTERN, "maxLength": DNS_LABEL_MAX_LENGTH}
     )
+    """The job's name, unique among the spec files: lowercase letters, digits and '-'
+    (a DNS-1123 label, at most 63 characters)."""
     labels: dict[str, str] = Field(default_factory=dict)
+    """Free-form key/value pairs to select and group jobs by."""
 
     @model_validator(mode="before")
     @classmethod
@@ -261,9 +328,13 @@ class HerdJob(ApiModel):
     """One job as declared in a YAML file."""
 
     api_version: Literal["herd/v1alpha1"]
+    """The version of this API: `herd/v1alpha1`."""
     kind: Literal["HerdJob"]
+    """Always `HerdJob`."""
     metadata: ObjectMeta
+    """The job's name and labels."""
     spec: HerdJobSpec
+    """What to run and on how many GPUs."""
 
     @model_validator(mode="before")
     @classmethod
@@ -295,12 +366,24 @@ def spec_fingerprint(job: HerdJob) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def json_schema() -> dict[str, Any]:
-    """JSON Schema of a HerdJob file, for editors (yaml-language-server) and docs."""
+SCHEMA_ID = f"urn:herd-operator:{API_VERSION}:{KIND}"
+"""The schema's `$id`: stable across releases of this API version. A name, not a place:
+editors find the schema by the path or URL in the spec's `# yaml-language-server:
+$schema=` line, not by its `$id`."""
+
+
+def json_schema(policy_params: Mapping[str, type[BaseModel]] | None = None) -> dict[str, Any]:
+    """JSON Schema of a HerdJob file, for editors (yaml-language-server) and docs.
+
+    `policy_params` maps policy names to their parameter models (the policies' registry
+    knows them; `specs` does not import policies): `spec.policy.params` is checked against
+    the model of the policy `spec.policy.name` names; other names' params stay open.
+    """
     schema = HerdJob.model_json_schema(by_alias=True)
+    defs: dict[str, Any] = schema["$defs"]
     # The horovod engine's options are described where they are given; an absent `kind`
     # means horovod too (`properties` only constrains what is there).
-    schema["$defs"]["EngineRef"].update(
+    defs["EngineRef"].update(
         {
             "if": {"properties": {"kind": {"const": HOROVOD_ENGINE}}},
             "then": {"properties": {"options": {"$ref": "#/$defs/HorovodOptions"}}},
@@ -320,11 +403,45 @@ def json_schema() -> dict[str, Any]:
         "description": "Observed state, written by the operator (`herd-operator get NAME "
         "-o yaml`); ignored in a spec file.",
     }
+    default_policy = PolicyRef.model_fields["name"].default
+    branches = []
+    for name, model in sorted((policy_params or {}).items()):
+        params = model.model_json_schema(by_alias=True)
+        for nested_name, nested in params.pop("$defs", {}).items():
+            if defs.setdefault(nested_name, nested) != nested:
+                raise ValueError(f"two different schemas named {nested_name!r}")
+        if defs.setdefault(model.__name__, params) != params:
+            raise ValueError(f"two different schemas named {model.__name__!r}")
+        # An absent name is the default policy's; any other branch needs the name given.
+        when: dict[str, Any] = {"properties": {"name": {"const": name}}}
+        if name != default_policy:
+            when["required"] = ["name"]
+        then = {"properties": {"params": {"$ref": f"#/$defs/{model.__name__}"}}}
+        branches.append({"if": when, "then": then})
+    if branches:
+        defs["PolicyRef"]["allOf"] = branches
+    _unwrap_descriptions(schema)
     return {
         "$schema": JSON_SCHEMA_DIALECT,
+        "$id": SCHEMA_ID,
         **schema,
         "title": f"{KIND} ({API_VERSION})",
     }
+
+
+def _unwrap_descriptions(node: object) -> None:
+    """Docstrings wrap at the source's line length; an editor's hover should not."""
+    pending = [node]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            description = item.get("description")
+            if isinstance(description, str):
+                paragraphs = description.split("\n\n")
+                item["description"] = "\n\n".join(" ".join(p.split()) for p in paragraphs)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
 
 
 def _dump_horovod(options: HorovodOptions) -> dict[str, Any]:

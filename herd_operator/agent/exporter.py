@@ -5,7 +5,8 @@ this node's GPUs (NVML, or virtual GPUs on CPU nodes) at `/metrics`, labelled
 with the job that holds each GPU (asked of the allocator), and registers itself
 with the operator, which adds it to Prometheus' file_sd targets and scrapes it
 for the policies' memory signal. Without a reachable operator it still serves,
-with empty job labels.
+with empty job labels. With `--dcgm-job-mapping-dir` it also keeps dcgm-exporter's HPC
+job mapping files for this node's GPUs (exporters/dcgm.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from exporters.collector import GpuCollector
+from exporters.dcgm import JobMappingLoop, JobMappingWriter
 from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource, check_no_unseen_gpus, nvml_gpu_count
@@ -48,6 +50,8 @@ class AllocatorView:
         self._fetched = 0.0
         self._owners: dict[tuple[str, int], str] = {}
         self._pids: dict[int, list[int]] = {}
+        self.reachable = False
+        """Whether the allocator answered the last time it was asked."""
 
     def _call(self, op: str, **args: Any) -> dict[str, Any] | None:
         try:
@@ -75,6 +79,7 @@ class AllocatorView:
                 return
             self._fetched = time.monotonic()
             reply = self._call("placements")
+            self.reachable = reply is not None
             if reply is None:
                 self._owners, self._pids = {}, {}
                 return
@@ -92,6 +97,14 @@ class AllocatorView:
         self._refresh()
         return dict(self._owners)
 
+    def gpu_owners(self) -> dict[int, str] | None:
+        """The job holding each GPU index of this host (for dcgm-exporter's job mapping);
+        None while the allocator cannot be asked."""
+        owners = self.owners()
+        if not self.reachable:
+            return None
+        return {index: job for (host, index), job in owners.items() if host == self.host}
+
     def bound_pids(self) -> dict[int, list[int]]:
         self._refresh()
         return {gpu: list(pids) for gpu, pids in self._pids.items()}
@@ -99,6 +112,11 @@ class AllocatorView:
     def register(self, port: int) -> bool:
         with self._lock:
             return self._call("register_exporter", host=self.host, port=port) is not None
+
+    def unregister(self, port: int) -> bool:
+        """Leave the operator's scrape targets now (they would expire otherwise)."""
+        with self._lock:
+            return self._call("unregister_exporter", host=self.host, port=port) is not None
 
 
 def run_exporter(
@@ -111,6 +129,8 @@ def run_exporter(
     stop: threading.Event,
     *,
     virtual_requested: bool = False,
+    per_process: bool = False,
+    dcgm_job_mapping_dir: Path | None = None,
 ) -> int:
     host = host or socket.gethostname()
     try:
@@ -133,10 +153,15 @@ def run_exporter(
         source = VirtualGpuSource(host, virtual_gpus, virtual_gpu_memory, view.bound_pids)
         kind = f"{virtual_gpus} virtual"
     registry = CollectorRegistry()
-    registry.register(GpuCollector(source, view.owners))
+    registry.register(GpuCollector(source, view.owners, per_process=per_process))
     server = serve_metrics(registry, listen, port)
     bound = server.server_port
     log.info("exporter for %s (%s GPUs) on http://%s:%d/metrics", host, kind, listen, bound)
+    mapping: JobMappingLoop | None = None
+    if dcgm_job_mapping_dir is not None:
+        mapping = JobMappingLoop(JobMappingWriter(dcgm_job_mapping_dir, view.gpu_owners))
+        mapping.start()
+        log.info("writing dcgm-exporter's job mapping files in %s", dcgm_job_mapping_dir)
     registered = False
     try:
         while not stop.is_set():
@@ -146,6 +171,10 @@ def run_exporter(
             registered = ok
             stop.wait(REGISTER_EVERY_SECONDS if ok else 2.0)
     finally:
+        if registered and view.unregister(bound):
+            log.info("unregistered from the operator")
+        if mapping is not None:
+            mapping.stop()
         server.shutdown()
         server.server_close()
     return 0

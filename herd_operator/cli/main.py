@@ -55,7 +55,7 @@ from herd_operator.layout import StateLayout, default_state_dir
 from herd_operator.runtime.engines import UnknownEngineError, engine_problem
 from herd_operator.runtime.store import Event, Store, StoreError, UnreadableSpecError
 from policies.base import PolicyError
-from policies.registry import load_policy
+from policies.registry import builtin_params_models, load_policy
 from specs import SpecFile, index_specs, json_schema, load_spec_file
 
 _Number = TypeVar("_Number", int, float)
@@ -97,6 +97,24 @@ def _version() -> str:
         return importlib.metadata.version("herd-operator")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
         return "unknown (not installed)"
+
+
+def _gpu_metrics_options(parser: argparse.ArgumentParser) -> None:
+    """Options of the GPU metrics that the operator (one host) and node exporters serve."""
+    parser.add_argument(
+        "--process-metrics",
+        action="store_true",
+        help="also export each GPU process's memory, labelled with its pid (new series on "
+        "every restart of a job's workers: off by default)",
+    )
+    parser.add_argument(
+        "--dcgm-job-mapping-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep NVIDIA dcgm-exporter's HPC job mapping files for this host's GPUs in DIR "
+        "(the DIR given to dcgm-exporter --hpc-job-mapping-dir), so its series carry "
+        "hpc_job=<herd job>",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,6 +224,22 @@ def build_parser() -> argparse.ArgumentParser:
         "http://localhost:9090 (default: this host's GPUs, or the registered node exporters)",
     )
     run.add_argument(
+        "--gpu-metrics",
+        choices=["herd", "dcgm"],
+        default="herd",
+        help="whose GPU memory metrics the memory policy reads: herd's exporters' (default) or "
+        "NVIDIA dcgm-exporter's DCGM_FI_DEV_FB_USED/FREE (from --prometheus-url if given, "
+        "else scraped from --dcgm-exporter-url)",
+    )
+    run.add_argument(
+        "--dcgm-exporter-url",
+        action="append",
+        metavar="URL",
+        help="a dcgm-exporter /metrics page to scrape with --gpu-metrics dcgm (repeat for each "
+        "node; default: http://HOST:9400/metrics for every host of the pool)",
+    )
+    _gpu_metrics_options(run)
+    run.add_argument(
         "--no-watch", action="store_true", help="no file events, relist only (as on NFS or Lustre)"
     )
     run.add_argument(
@@ -244,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         "NVIDIA devices NVML cannot read",
     )
     exporter.add_argument("--virtual-gpu-memory", type=parse_bytes, default=2 << 30)
+    _gpu_metrics_options(exporter)
     exporter.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
@@ -492,6 +527,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_listen or reach.listen,
         metrics_port=args.metrics_port,
         prometheus_url=args.prometheus_url,
+        gpu_metrics=args.gpu_metrics,
+        dcgm_exporter_urls=tuple(args.dcgm_exporter_url or ()),
+        process_metrics=args.process_metrics,
+        dcgm_job_mapping_dir=args.dcgm_job_mapping_dir,
         runtime_dir=args.runtime_dir,
         listen_port=args.port,
         leave_jobs_running=args.leave_jobs_running,
@@ -535,6 +574,8 @@ def cmd_exporter(args: argparse.Namespace) -> int:
             args.virtual_gpu_memory,
             stop,
             virtual_requested=args.virtual_gpus is not None,
+            per_process=args.process_metrics,
+            dcgm_job_mapping_dir=args.dcgm_job_mapping_dir,
         )
     except OSError as err:
         print(
@@ -821,7 +862,7 @@ def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
             try:
                 load_policy(spec_file.job.spec.policy)
             except PolicyError as err:
-                problems.append(f"{spec_file.path}: {err.field}: {err.message}")
+                problems += [f"{spec_file.path}: {field}: {what}" for field, what in err.problems]
             engine = engine_problem(spec_file.job.spec)
             if engine is not None:
                 problems.append(f"{spec_file.path}: {UnknownEngineError.field}: {engine}")
@@ -849,7 +890,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(json_schema(), indent=2))
+    print(json.dumps(json_schema(builtin_params_models()), indent=2))
     return EXIT_OK
 
 

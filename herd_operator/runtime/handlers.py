@@ -6,8 +6,8 @@ its arguments and answers `BadRequest` naming the field and what is allowed.
 Who may call what is decided here, from the identity the client proved in the
 handshake (see `herd_operator.auth`): the admin (the master token) anything; a job's
 processes `bind`, `report` and `grant` for that job only; a node exporter
-`placements` and `register_exporter` for its own host only. Anyone authenticated may
-`ping`.
+`placements`, `register_exporter` and `unregister_exporter` for its own host only.
+Anyone authenticated may `ping`.
 """
 
 from __future__ import annotations
@@ -181,35 +181,107 @@ def heard_from(nodes: Heartbeats, handler: PlainHandler) -> PlainHandler:
     return serve
 
 
+EXPORTER_EXPIRY_SECONDS = 90.0
+"""A node exporter not heard from for this long is dropped from the scrape targets and the
+scraped URLs. Exporters register again every 5 s (`REGISTER_EVERY_SECONDS` in
+herd_operator/agent/exporter.py, their heartbeat): long silence means it stopped."""
+
+
+def _exporter_address(args: dict[str, Any]) -> str:
+    host, port = host_arg(args, "host"), args.get("port")
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise BadRequest("'port' must be a TCP port number")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ExporterRegistry:
     """`register_exporter`: node exporters say where they serve.
 
     Kept as Prometheus file_sd targets (with the operator's own endpoint) and as the
-    URLs the usage observer scrapes when the pool spans several hosts.
+    URLs the usage observer scrapes when the pool spans several hosts. An exporter that
+    stops registering (its node or its agent stopped) expires after `expire_after`
+    seconds: `expire()` (run every few seconds by the operator, and on each
+    registration and each `urls()`) drops it and rewrites the targets file.
     """
 
-    def __init__(self, targets_file: Path, operator_address: str | None) -> None:
+    def __init__(
+        self,
+        targets_file: Path,
+        operator_address: str | None,
+        *,
+        expire_after: float = EXPORTER_EXPIRY_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.targets_file = targets_file
         self.operator_address = operator_address
-        self._exporters: set[str] = set()
+        self.expire_after = expire_after
+        self._clock = clock
+        self._exporters: dict[str, float] = {}
+        """address -> when it last registered"""
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def urls(self) -> list[str]:
+        self.expire()
         with self._lock:
             return [f"http://{address}/metrics" for address in sorted(self._exporters)]
 
     def __call__(self, args: dict[str, Any]) -> dict[str, Any]:
-        host, port = host_arg(args, "host"), args.get("port")
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise BadRequest("'port' must be a TCP port number")
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        address = _exporter_address(args)
         with self._lock:
             known = address in self._exporters
-            self._exporters.add(address)
+            self._exporters[address] = self._clock()
         if not known:
             log.info("exporter registered: %s", address)
             self.write_targets()
+        self.expire()
         return {}
+
+    def unregister(self, args: dict[str, Any]) -> dict[str, Any]:
+        """`unregister_exporter`: an exporter that stops says so, and leaves the targets now
+        rather than when it expires."""
+        address = _exporter_address(args)
+        with self._lock:
+            known = self._exporters.pop(address, None) is not None
+        if known:
+            log.info("exporter unregistered: %s", address)
+            self.write_targets()
+        return {}
+
+    def expire(self) -> list[str]:
+        """Drop the exporters not heard from within `expire_after`; returns their addresses."""
+        now = self._clock()
+        with self._lock:
+            gone = [a for a, seen in self._exporters.items() if now - seen > self.expire_after]
+            for address in gone:
+                del self._exporters[address]
+        if gone:
+            log.info(
+                "exporter(s) %s not heard from for %gs: no longer scraped",
+                ", ".join(sorted(gone)),
+                self.expire_after,
+            )
+            self.write_targets()
+        return gone
+
+    def start(self, interval: float = 5.0) -> None:
+        """Expire exporters every `interval` seconds on a thread, until `stop()`."""
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.expire()
+                except OSError as err:  # the targets file could not be written: next time
+                    log.warning("cannot rewrite the scrape targets: %s", err)
+
+        self._thread = threading.Thread(target=run, name="exporter-expiry", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def write_targets(self) -> None:
         """Prometheus file_sd targets: the operator and every registered node exporter."""

@@ -18,7 +18,9 @@ from prometheus_client.registry import Collector
 
 from controllers.loop import Outcome
 from herd_operator.runtime.store import Store, UnreadableSpecError
-from specs import ConditionType
+from specs import ConditionStatus, ConditionType
+from specs.conditions import get_condition
+from specs.status import HerdJobStatus
 from specs.values import Placement, Pool
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -28,6 +30,40 @@ _ERROR_KINDS = {
     Outcome.UNEXPECTED_ERROR: "unexpected",
 }
 RESIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+JOB_STATUSES = (
+    "Pending",
+    "Running",
+    "Resizing",
+    "Stalled",
+    "Stopped",
+    "Succeeded",
+    "Failed",
+    "Unknown",
+)
+"""The values of `herd_job_status`'s `status` label: a fixed set, so that every job has
+the same series (one of them 1), as kube-state-metrics does for a pod's phase. Condition
+reasons are not used as label values: their set is open."""
+ENDED_STATUSES = frozenset({"Stopped", "Succeeded", "Failed"})
+"""A job in one of these has no policy, workers or samples any more: its per-job gauges of
+those (desired, active, epoch, memory, thresholds) are left out, not kept at their last
+value."""
+
+
+def job_status(status: HerdJobStatus) -> str:
+    """The one of JOB_STATUSES a job is in, from its conditions."""
+    word = status.summary()
+    if word in JOB_STATUSES:
+        return word
+    running = get_condition(status.conditions, ConditionType.Running)
+    admitted = get_condition(status.conditions, ConditionType.Admitted)
+    if admitted is None or admitted.status != ConditionStatus.TRUE:
+        return "Pending"
+    if running is not None and running.status == ConditionStatus.FALSE:
+        # BackOff waits to start the job again; any other reason (Stopped, OperatorStopped,
+        # LaunchFailed, ...) says it does not run and is not about to.
+        return "Pending" if running.reason == "BackOff" else "Stopped"
+    return "Unknown"
 
 
 class OperatorMetrics:
@@ -138,25 +174,45 @@ class StateCollector(Collector):
             "The memory policy's thresholds for the job.",
             labels=["herd_job", "bound"],
         )
+        job_statuses = GaugeMetricFamily(
+            "herd_job_status",
+            "1 for the status the job is in, 0 for the others (one series per status).",
+            labels=["herd_job", "status"],
+        )
+        restarts = CounterMetricFamily(
+            "herd_job_restarts",
+            "Times the operator started the job again after it failed (restartPolicy).",
+            labels=["herd_job"],
+        )
         counts: dict[tuple[str, str], int] = {
             (str(t), s): 0 for t in ConditionType for s in ("True", "False", "Unknown")
         }
         latest_usage = self.store.latest_usage()
+        placements = self.placements()
+        holding = {job for job, placement in placements.items() if placement.size}
         for record in self.store.list_jobs():
             status = record.status
             for condition in status.conditions:
                 key = (condition.type, str(condition.status))
                 counts[key] = counts.get(key, 0) + 1
+            now_in = job_status(status)
+            for value in JOB_STATUSES:
+                job_statuses.add_metric([record.name, value], 1 if value == now_in else 0)
+            restarts.add_metric([record.name], status.restarts)
+            if status.gpus is not None:
+                allocated.add_metric([record.name], status.gpus.allocated)
+            if now_in in ENDED_STATUSES:
+                continue  # no policy asks, no worker reports: nothing else is current
             if status.gpus is not None:
                 if status.gpus.desired is not None:
                     desired.add_metric([record.name], status.gpus.desired)
-                allocated.add_metric([record.name], status.gpus.allocated)
                 if status.gpus.active is not None:
                     active.add_metric([record.name], status.gpus.active)
             if status.epoch is not None:
                 epoch.add_metric([record.name], status.epoch)
             sample = latest_usage.get(record.name)
-            if sample is not None and sample.total_bytes:
+            # A sample describes the GPUs the job held then: only shown while it holds some.
+            if sample is not None and sample.total_bytes and record.name in holding:
                 memory.add_metric([record.name], sample.used_bytes / sample.total_bytes)
             try:
                 policy = record.spec.spec.policy
@@ -168,7 +224,8 @@ class StateCollector(Collector):
                 thresholds.add_metric([record.name, "high"], float(params.get("high", 0.75)))
         for (condition_type, condition_status), count in sorted(counts.items()):
             jobs.add_metric([condition_type, condition_status], count)
-        yield from (jobs, desired, allocated, active, epoch, memory, thresholds)
+        yield from (jobs, job_statuses, restarts, desired, allocated, active, epoch, memory)
+        yield thresholds
         yield GaugeMetricFamily(
             "herd_store_writable",
             "1 while the state store takes writes; 0 from a write the storage refused (a full"
@@ -176,7 +233,7 @@ class StateCollector(Collector):
             value=1 if self.store.writable else 0,
         )
 
-        held = sum(placement.size for placement in self.placements().values())
+        held = sum(placement.size for placement in placements.values())
         pool = GaugeMetricFamily("herd_pool_gpus", "GPUs of the pool by state.", labels=["state"])
         pool.add_metric(["allocated"], held)
         pool.add_metric(["free"], self.pool().size - held)

@@ -28,6 +28,13 @@ from controllers.loop import ControlLoop
 from controllers.reconciler import REPORT_DEADLINE_SECONDS, JobReconciler
 from controllers.workqueue import WorkQueue
 from exporters.collector import GpuCollector
+from exporters.dcgm import (
+    DcgmPrometheusGpuSource,
+    DcgmScrapeGpuSource,
+    JobMappingLoop,
+    JobMappingWriter,
+    dcgm_exporter_urls,
+)
 from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource
@@ -143,6 +150,16 @@ class OperatorConfig:
     prometheus_url: str | None = None
     """Read the GPU memory signal back from this Prometheus server (PromQL) instead of
     from this host's GPUs or the registered exporters."""
+    gpu_metrics: Literal["herd", "dcgm"] = "herd"
+    """Whose metrics give the memory signal: herd's exporters, or NVIDIA's dcgm-exporter
+    (its DCGM_FI_DEV_FB_* series, from `prometheus_url` or `dcgm_exporter_urls`)."""
+    dcgm_exporter_urls: tuple[str, ...] = ()
+    """dcgm-exporter pages to scrape (default: port 9400 of every host of the pool)."""
+    process_metrics: bool = False
+    """Export each GPU process's memory with a `pid` label (a new series per restart)."""
+    dcgm_job_mapping_dir: Path | None = None
+    """Keep dcgm-exporter's HPC job mapping files for this host's GPUs here (one-host pools;
+    node exporters keep their own node's)."""
     extra_env: Mapping[str, str] = field(default_factory=dict)
     leave_jobs_running: bool = False
     """On shutdown, stop only the operator: the next one on this state dir adopts the jobs."""
@@ -167,6 +184,7 @@ class Operator:
         self.launcher: Launcher | None = None
         self.allocator: Allocator | None = None
         self.observer: UsageObserver | None = None
+        self.job_mapping: JobMappingLoop | None = None
         self.metrics = OperatorMetrics(CollectorRegistry())
         self._metrics_server: Any = None
         self._metrics_address: str | None = None
@@ -239,6 +257,7 @@ class Operator:
                 "placements": for_agents(allocator.handle_placements),
                 "report": for_own_job(ReportHandler(store, allocator, self.queue.add)),
                 "register_exporter": for_own_host(heard_from(nodes, exporters)),
+                "unregister_exporter": for_own_host(exporters.unregister),
                 "ping": for_anyone(lambda args: {"pid": os.getpid()}),
             },
         )
@@ -247,6 +266,8 @@ class Operator:
         self._serve_metrics(local, store, allocator, server)
         exporters.operator_address = self._metrics_address
         exporters.write_targets()
+        exporters.start()
+        self.job_mapping = self._job_mapping(allocator)
         self.observer = UsageObserver(
             self._observed_gpus(local, exporters),
             allocator.placements,
@@ -380,11 +401,43 @@ class Operator:
 
     def _observed_gpus(self, local: GpuSource | None, exporters: ExporterRegistry) -> GpuSource:
         """Where the policies' memory signal comes from: the exported metrics, read back."""
+        if self.config.gpu_metrics == "dcgm":
+            if self.config.prometheus_url:
+                return DcgmPrometheusGpuSource(self.config.prometheus_url)
+            hosts = [host for host, _ in self.config.pool.pool.hosts]
+            return DcgmScrapeGpuSource(
+                list(self.config.dcgm_exporter_urls) or dcgm_exporter_urls(hosts)
+            )
         if self.config.prometheus_url:
             return PrometheusGpuSource(self.config.prometheus_url)
         if local is not None:
             return local
         return ScrapeGpuSource(exporters.urls)
+
+    def _job_mapping(self, allocator: Allocator) -> JobMappingLoop | None:
+        """dcgm-exporter's job mapping files for this host's GPUs, when asked for."""
+        directory = self.config.dcgm_job_mapping_dir
+        hosts = self.config.pool.pool.hosts
+        if directory is None:
+            return None
+        if len(hosts) != 1:
+            log.warning(
+                "--dcgm-job-mapping-dir: the pool spans %d hosts; each node's exporter keeps "
+                "its node's files (herd-operator exporter --dcgm-job-mapping-dir)",
+                len(hosts),
+            )
+            return None
+        host = hosts[0][0]
+
+        def owners() -> dict[int, str]:
+            return {
+                index: job
+                for job, placement in allocator.placements().items()
+                for slot_host, index in placement.slots()
+                if slot_host == host
+            }
+
+        return JobMappingLoop(JobMappingWriter(directory, owners))
 
     def _serve_metrics(
         self, local: GpuSource | None, store: Store, allocator: Allocator, server: RpcServer
@@ -408,7 +461,7 @@ class Operator:
                     for slot in placement.slots()
                 }
 
-            registry.register(GpuCollector(local, owners))
+            registry.register(GpuCollector(local, owners, per_process=self.config.process_metrics))
         if self.config.metrics_port is None:
             return
         http_server = serve_metrics(registry, self.config.metrics_host, self.config.metrics_port)
@@ -522,6 +575,8 @@ class Operator:
         self.watcher.start()
         if self.observer is not None:
             self.observer.start()
+        if self.job_mapping is not None:
+            self.job_mapping.start()
         assert self.allocator is not None
         # A node lost or back: the allocator decides again and wakes the jobs it moved.
         self.config.pool.start(self.allocator.set_pool)
@@ -562,6 +617,8 @@ class Operator:
         """Undo what a refused start made (a runtime dir in /dev/shm, the servers' threads),
         so that retrying a start that keeps failing leaks nothing. What an earlier operator
         left (the runtime dir `recorded`) stays for the next start to deal with."""
+        if self.exporters is not None:
+            self.exporters.stop()
         if self.server is not None:
             self.server.stop()
         if self._metrics_server is not None:
@@ -591,12 +648,17 @@ class Operator:
             self.watcher.stop()
         if self.observer is not None:
             self.observer.stop()
+        if self.job_mapping is not None:
+            # Left as they are when the jobs train on: the next operator takes them over.
+            self.job_mapping.stop(clear=not leave)
         self.queue.shutdown()
         if self.launcher is not None and not leave:
             stubborn = self.launcher.stop_all(timeout=self.config.grace_seconds + 5)
             if stubborn:
                 log.error("processes of %s would not exit", ", ".join(stubborn))
             self._record_shutdown()
+        if self.exporters is not None:
+            self.exporters.stop()
         if self.server is not None:
             self.server.stop()
         if self._metrics_server is not None:

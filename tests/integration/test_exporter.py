@@ -29,7 +29,17 @@ def scrape(address: str) -> dict[tuple[str, str, str], float]:
     }
 
 
+def mapped_jobs(directory: Path) -> dict[str, str]:
+    """dcgm-exporter's view of its HPC job mapping dir: integer-named files, a job per line."""
+    return {
+        path.name: path.read_text()
+        for path in directory.iterdir()
+        if path.is_file() and path.name.isdigit()
+    }
+
+
 def test_exporter_registers_and_labels_gpus_with_their_job(tmp_path: Path) -> None:
+    mapping_dir = tmp_path / "dcgm-job-map"
     with operator_harness(tmp_path, metrics_port=0) as herd:
         exporter = subprocess.Popen(
             [
@@ -47,6 +57,8 @@ def test_exporter_registers_and_labels_gpus_with_their_job(tmp_path: Path) -> No
                 "4",
                 "--virtual-gpu-memory",
                 "1GiB",
+                "--dcgm-job-mapping-dir",
+                str(mapping_dir),
             ],
             cwd=REPO,
             stdout=subprocess.PIPE,
@@ -84,8 +96,18 @@ def test_exporter_registers_and_labels_gpus_with_their_job(tmp_path: Path) -> No
             )
             assert series[("herd_gpu_memory_used_bytes", "0", "pair")] > 50 * 2**20
             assert series[("herd_gpu_memory_used_bytes", "2", "")] == 0, "GPU 2 is free"
+            # dcgm-exporter would label GPUs 0 and 1 hpc_job="pair", and GPU 2 not at all.
+            herd.wait_for(
+                lambda: mapped_jobs(mapping_dir) == {"0": "pair\n", "1": "pair\n"},
+                "the exporter to write dcgm-exporter's job mapping",
+                job="pair",
+            )
         finally:
             exporter.send_signal(signal.SIGTERM)
             output, _ = exporter.communicate(timeout=30)
         assert exporter.returncode == 0, output
         assert "registered with the operator" in output
+        # A stopped exporter leaves the scrape targets and its mapping files at once.
+        assert "unregistered from the operator" in output
+        assert exporter_address() is None
+        assert mapped_jobs(mapping_dir) == {}

@@ -128,7 +128,7 @@ def test_validate_bad_policy_params(tmp_path: Path, capsys: pytest.CaptureFixtur
     path.write_text(spec_yaml("job", policy="  policy:\n    params: {gpus: 0}\n"))
     code, _, err = run_cli(capsys, "validate", str(path))
     assert code == EXIT_FAILURE
-    assert err == f"{path}: spec.policy.params.gpus: Input should be greater than or equal to 1\n"
+    assert err == f"{path}: spec.policy.params.gpus: must be at least 1, got integer 0\n"
 
 
 # ---- schema ----

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 
@@ -104,17 +105,18 @@ def test_exposition_series_by_series_for_two_hosts() -> None:
     source = FakeSource(two_hosts())
     source.error_counts = {"not_supported": 2}
 
-    found = series(exposition(GpuCollector(source, lambda: OWNERS)))
+    found = series(exposition(GpuCollector(source, lambda: OWNERS, per_process=True)))
     duration = found.pop(("herd_exporter_read_duration_seconds", frozenset()))
 
     expected: Series = {}
-    for host, index, job, used, util, power in [
-        ("n1", 0, "resnet", 10, 0.5, 120.25),
-        ("n1", 1, "resnet", 30, 1.0, 300.0),
-        ("n2", 0, "", 0, 0.0, 55.5),
-        ("n2", 1, "bert", 20, 0.25, 200.0),
+    for host, index, job, used, util, power, processes in [
+        ("n1", 0, "resnet", 10, 0.5, 120.25, 2),
+        ("n1", 1, "resnet", 30, 1.0, 300.0, 0),
+        ("n2", 0, "", 0, 0.0, 55.5, 0),
+        ("n2", 1, "bert", 20, 0.25, 200.0, 1),
     ]:
         gpu_labels = labels(host, index, job)
+        expected[("herd_gpu_processes", gpu_labels)] = processes
         expected[("herd_gpu_info", gpu_labels)] = 1
         expected[("herd_gpu_memory_used_bytes", gpu_labels)] = used * GIB
         expected[("herd_gpu_memory_total_bytes", gpu_labels)] = 40 * GIB
@@ -137,6 +139,28 @@ def test_exposition_series_by_series_for_two_hosts() -> None:
     assert 0 <= duration < 60
 
 
+def test_without_per_process_no_series_has_a_pid_and_a_restart_adds_no_series() -> None:
+    """pids change with every restart of a job's workers; the count of processes does not."""
+    source = FakeSource(two_hosts())
+    collector = GpuCollector(source, lambda: OWNERS)
+
+    before = series(exposition(collector))
+    source.readings = [
+        dataclasses.replace(
+            reading,
+            processes=tuple(ProcessMemory(p.pid + 1000, p.used_bytes) for p in reading.processes),
+        )
+        for reading in source.readings
+    ]
+    after = series(exposition(collector))
+
+    assert not [key for key in before if "pid" in dict(key[1])]
+    assert set(before) == set(after)
+    assert before[("herd_gpu_processes", labels("n1", 0, "resnet"))] == 2
+    with_pids = series(exposition(GpuCollector(source, lambda: OWNERS, per_process=True)))
+    assert {dict(key[1]).get("pid") for key in with_pids} >= {"1100", "1101", "1200"}
+
+
 def test_fields_that_are_none_are_not_emitted() -> None:
     source = FakeSource([gpu("n1", 0, None, total=None), gpu("n1", 1, 5 * GIB, total=None)])
 
@@ -147,6 +171,8 @@ def test_fields_that_are_none_are_not_emitted() -> None:
         ("herd_gpu_info", "0"),
         ("herd_gpu_info", "1"),
         ("herd_gpu_memory_used_bytes", "1"),
+        ("herd_gpu_processes", "0"),
+        ("herd_gpu_processes", "1"),
     ]
 
 
@@ -198,11 +224,12 @@ def test_failing_owners_leave_the_job_label_empty() -> None:
 def test_a_pid_listed_twice_is_one_series() -> None:
     reading = gpu("n1", 0, 3 * GIB, processes=(ProcessMemory(7, GIB), ProcessMemory(7, 2 * GIB)))
 
-    found = series(exposition(GpuCollector(FakeSource([reading]))))
+    found = series(exposition(GpuCollector(FakeSource([reading]), per_process=True)))
 
     process_series = {k: v for k, v in found.items() if k[0].startswith("herd_gpu_process")}
     assert process_series == {
-        ("herd_gpu_process_memory_used_bytes", labels("n1", 0, "", pid="7")): 3 * GIB
+        ("herd_gpu_process_memory_used_bytes", labels("n1", 0, "", pid="7")): 3 * GIB,
+        ("herd_gpu_processes", labels("n1", 0, "")): 1,
     }
 
 

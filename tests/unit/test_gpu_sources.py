@@ -104,7 +104,7 @@ def node2() -> list[GpuReading]:
 def serve_exporter(http: FakeHttp, path: str, readings: list[GpuReading]) -> str:
     owners = {(r.host, r.index): "resnet" for r in readings[:1]}
     http.routes[path] = Response(
-        200, exposition(GpuCollector(FixedSource(readings), lambda: owners))
+        200, exposition(GpuCollector(FixedSource(readings), lambda: owners, per_process=True))
     )
     return http.base + path
 

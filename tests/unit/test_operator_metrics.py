@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.gpu import GpuReading
-from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
+from herd_operator.runtime.metrics import JOB_STATUSES, OperatorMetrics, StateCollector, job_status
 from herd_operator.runtime.observer import UsageObserver, job_usage
 from herd_operator.runtime.store import Store, StoreError
 from specs import Condition, ConditionStatus, HerdJob
@@ -182,3 +182,129 @@ def test_usage_observer_records_each_job_and_tolerates_a_deleted_job(tmp_path: P
     placements = {"a": Placement((("h", (0,)),)), "gone": Placement((("h", (1,)),))}
     UsageObserver(Source(), lambda: placements, record_usage).sample_once()
     assert recorded == [("a", 1, 100, 1000)]
+
+
+def condition(kind: str, status: ConditionStatus, reason: str) -> Condition:
+    return Condition(
+        type=kind, status=status, reason=reason, last_transition_time=1.0, observed_generation=1
+    )
+
+
+def put(store: Store, name: str, conditions: tuple[Condition, ...], **fields: object) -> None:
+    current = store.get_job(name)
+    assert current is not None
+    store.put_status(
+        name, current.status.model_copy(update={"conditions": conditions, **fields}), 5.0
+    )
+
+
+def status_series(
+    got: dict[tuple[str, tuple[tuple[str, str], ...]], float], job: str
+) -> dict[str, float]:
+    return {
+        dict(labels)["status"]: value
+        for (name, labels), value in got.items()
+        if name == "herd_job_status" and dict(labels)["herd_job"] == job
+    }
+
+
+def test_job_status_has_one_series_per_status_and_follows_the_conditions(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    record(store, "a", desired=2, allocated=2, active=2)
+    registry = CollectorRegistry()
+    registry.register(StateCollector(store, lambda: Pool.from_counts({"h": 4}), dict, dict))
+    admitted = condition("Admitted", ConditionStatus.TRUE, "Admitted")
+
+    running = status_series(samples(registry), "a")
+    assert set(running) == set(JOB_STATUSES)
+    assert [s for s, v in running.items() if v == 1] == ["Running"]
+
+    put(store, "a", (condition("Admitted", ConditionStatus.FALSE, "Pending"),))
+    assert [s for s, v in status_series(samples(registry), "a").items() if v] == ["Pending"]
+
+    put(store, "a", (admitted, condition("Running", ConditionStatus.FALSE, "BackOff")))
+    assert [s for s, v in status_series(samples(registry), "a").items() if v] == ["Pending"]
+
+    put(store, "a", (admitted, condition("Succeeded", ConditionStatus.TRUE, "Completed")))
+    succeeded = status_series(samples(registry), "a")
+    assert set(succeeded) == set(JOB_STATUSES), "the same series, only their values change"
+    assert [s for s, v in succeeded.items() if v] == ["Succeeded"]
+
+
+def test_a_job_that_ended_keeps_no_gauges_of_its_run(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    record(store, "done", {"name": "memory"}, desired=3, allocated=2, active=2)
+    record(store, "live", {"name": "memory"}, desired=3, allocated=2, active=2)
+    store.add_usage("done", 2, 500, 1000, 3.0)
+    store.add_usage("live", 2, 250, 1000, 3.0)
+    placements = {"live": Placement((("h", (0, 1)),))}
+    registry = CollectorRegistry()
+    registry.register(
+        StateCollector(store, lambda: Pool.from_counts({"h": 4}), lambda: placements, dict)
+    )
+    put(
+        store,
+        "done",
+        (condition("Succeeded", ConditionStatus.TRUE, "Completed"),),
+        gpus=GpuCounts(min=1, max=4, desired=3, allocated=0, active=2),
+    )
+
+    got = samples(registry)
+
+    per_job = {
+        (name, dict(labels)["herd_job"])
+        for name, labels in got
+        if name.startswith("herd_job_") and name != "herd_job_status"
+    }
+    assert {name for name, job in per_job if job == "done"} == {
+        "herd_job_gpus_allocated",
+        "herd_job_restarts_total",
+    }
+    assert got[("herd_job_gpus_allocated", (("herd_job", "done"),))] == 0
+    assert {name for name, job in per_job if job == "live"} == {
+        "herd_job_gpus_desired",
+        "herd_job_gpus_allocated",
+        "herd_job_gpus_active",
+        "herd_job_epoch",
+        "herd_job_memory_utilization_ratio",
+        "herd_job_policy_threshold_ratio",
+        "herd_job_restarts_total",
+    }
+
+    # A live job that holds no GPU (pending again) shows no memory: its sample is of the past.
+    placements.clear()
+    assert ("herd_job_memory_utilization_ratio", (("herd_job", "live"),)) not in samples(registry)
+
+
+def test_restarts_are_a_counter_per_job(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state.db")
+    record(store, "a", desired=1, allocated=1)
+    registry = CollectorRegistry()
+    registry.register(StateCollector(store, lambda: Pool.from_counts({"h": 4}), dict, dict))
+    assert samples(registry)[("herd_job_restarts_total", (("herd_job", "a"),))] == 0
+    current = store.get_job("a")
+    assert current is not None
+    put(store, "a", current.status.conditions, restarts=2)
+    assert samples(registry)[("herd_job_restarts_total", (("herd_job", "a"),))] == 2
+
+
+@pytest.mark.parametrize(
+    ("conditions", "expected"),
+    [
+        ((), "Unknown"),  # as `get` says: nothing known yet
+        ((("Admitted", "False", "Pending"),), "Pending"),
+        ((("Admitted", "True", "Admitted"), ("Stalled", "True", "PolicyUnavailable")), "Stalled"),
+        ((("Admitted", "True", "Admitted"), ("Resizing", "True", "Shrinking")), "Resizing"),
+        ((("Admitted", "True", "Admitted"), ("Failed", "True", "BackoffLimitExceeded")), "Failed"),
+        ((("Admitted", "True", "Admitted"), ("Running", "False", "OperatorStopped")), "Stopped"),
+        ((("Admitted", "True", "Admitted"), ("Running", "False", "LaunchFailed")), "Stopped"),
+        ((("Admitted", "True", "Admitted"), ("Running", "Unknown", "Starting")), "Unknown"),
+    ],
+)
+def test_job_status_maps_conditions_to_a_fixed_set(
+    conditions: tuple[tuple[str, str, str], ...], expected: str
+) -> None:
+    status = HerdJobStatus(
+        conditions=tuple(condition(t, ConditionStatus(s), r) for t, s, r in conditions)
+    )
+    assert job_status(status) == expected

@@ -448,22 +448,22 @@ def test_memory_resizes_are_spaced_by_both_cooldowns(
 @pytest.mark.parametrize(
     ("params", "field", "message"),
     [
-        ({"low": 0}, "spec.policy.params.low", "Input should be greater than 0"),
+        ({"low": 0}, "spec.policy.params.low", "must be greater than 0, got integer 0"),
         ({"high": 1.5}, "spec.policy.params.high", "Input should be less than or equal to 1"),
-        ({"low": "0.2"}, "spec.policy.params.low", "Input should be a valid number"),
+        ({"low": "0.2"}, "spec.policy.params.low", "expected a number, got string '0.2'"),
         ({"low": 0.8, "high": 0.5}, "spec.policy.params", "low (0.8) must be below high (0.5)"),
         ({"low": 0.5, "high": 0.5}, "spec.policy.params", "low (0.5) must be below high (0.5)"),
         ({"high": 0.2}, "spec.policy.params", "low (0.25) must be below high (0.2)"),
-        ({"step": 0}, "spec.policy.params.step", "Input should be greater than or equal to 1"),
+        ({"step": 0}, "spec.policy.params.step", "must be at least 1, got integer 0"),
         (
             {"cooldownEpochs": -1},
             "spec.policy.params.cooldownEpochs",
-            "Input should be greater than or equal to 0",
+            "must be at least 0, got integer -1",
         ),
         (
             {"cooldownSeconds": -0.5},
             "spec.policy.params.cooldownSeconds",
-            "Input should be greater than or equal to 0",
+            "must be at least 0, got number -0.5",
         ),
         (
             {"cooldownSeconds": float("inf")},
@@ -473,7 +473,7 @@ def test_memory_resizes_are_spaced_by_both_cooldowns(
         (
             {"windowSeconds": 0},
             "spec.policy.params.windowSeconds",
-            "Input should be greater than 0",
+            "must be greater than 0, got integer 0",
         ),
         (
             {"initial": "maximum"},
@@ -490,7 +490,12 @@ def test_memory_resizes_are_spaced_by_both_cooldowns(
             "spec.policy.params.initial",
             "must be 'max', 'min' or a GPU count of at least 1, got True",
         ),
-        ({"lowWater": 0.1}, "spec.policy.params.lowWater", "Extra inputs are not permitted"),
+        (
+            {"lowWater": 0.1},
+            "spec.policy.params.lowWater",
+            "unknown field (allowed: low, high, step, cooldownEpochs, cooldownSeconds,"
+            " windowSeconds, initial)",
+        ),
     ],
 )
 def test_memory_rejects_bad_params_naming_them(
@@ -627,56 +632,56 @@ def test_schedule_counts_time_from_the_start_of_the_run() -> None:
 @pytest.mark.parametrize(
     ("params", "field", "message"),
     [
-        ({}, "spec.policy.params.steps", "Field required"),
+        ({}, "spec.policy.params.steps", "required"),
         (
             {"steps": []},
             "spec.policy.params.steps",
-            "List should have at least 1 item after validation, not 0",
+            "must not be empty",
         ),
         (
             {"steps": [{"gpus": 2}]},
-            "spec.policy.params.steps.0",
+            "spec.policy.params.steps[0]",
             "a step needs exactly one of atEpoch or afterSeconds, got neither",
         ),
         (
             {"steps": [{"atEpoch": 1, "gpus": 2}, {"atEpoch": 2, "afterSeconds": 5, "gpus": 2}]},
-            "spec.policy.params.steps.1",
+            "spec.policy.params.steps[1]",
             "a step needs exactly one of atEpoch or afterSeconds, got both",
         ),
         (
             {"steps": [{"atEpoch": 1}]},
-            "spec.policy.params.steps.0.gpus",
-            "Field required",
+            "spec.policy.params.steps[0].gpus",
+            "required",
         ),
         (
             {"steps": [{"atEpoch": 1, "gpus": 0}]},
-            "spec.policy.params.steps.0.gpus",
-            "Input should be greater than or equal to 1",
+            "spec.policy.params.steps[0].gpus",
+            "must be at least 1, got integer 0",
         ),
         (
             {"steps": [{"atEpoch": -1, "gpus": 1}]},
-            "spec.policy.params.steps.0.atEpoch",
-            "Input should be greater than or equal to 0",
+            "spec.policy.params.steps[0].atEpoch",
+            "must be at least 0, got integer -1",
         ),
         (
             {"steps": [{"atEpoch": "3", "gpus": 1}]},
-            "spec.policy.params.steps.0.atEpoch",
-            "Input should be a valid integer",
+            "spec.policy.params.steps[0].atEpoch",
+            "expected an integer, got string '3'",
         ),
         (
             {"steps": [{"afterSeconds": float("nan"), "gpus": 1}]},
-            "spec.policy.params.steps.0.afterSeconds",
+            "spec.policy.params.steps[0].afterSeconds",
             "Input should be a finite number",
         ),
         (
             {"steps": [{"epoch": 3, "gpus": 1}]},
-            "spec.policy.params.steps.0.epoch",
-            "Extra inputs are not permitted",
+            "spec.policy.params.steps[0].epoch",
+            "unknown field (allowed: atEpoch, afterSeconds, gpus)",
         ),
         (
             {"initial": 0, "steps": [{"atEpoch": 3, "gpus": 1}]},
             "spec.policy.params.initial",
-            "Input should be greater than or equal to 1",
+            "must be at least 1, got integer 0",
         ),
         (
             {

@@ -86,14 +86,14 @@ def test_static_count_is_clamped_into_min_max(asked: int, low: int, high: int, g
 def test_static_rejects_zero_gpus_naming_the_param() -> None:
     error = policy_error(PolicyRef(params={"gpus": 0}))
     assert error.field == "spec.policy.params.gpus"
-    assert error.message == "Input should be greater than or equal to 1"
-    assert str(error) == "spec.policy.params.gpus: Input should be greater than or equal to 1"
+    assert error.message == "must be at least 1, got integer 0"
+    assert str(error) == "spec.policy.params.gpus: must be at least 1, got integer 0"
 
 
 def test_static_rejects_an_unknown_param_naming_it() -> None:
     error = policy_error(PolicyRef(params={"gpu": 2}))
     assert error.field == "spec.policy.params.gpu"
-    assert error.message == "Extra inputs are not permitted"
+    assert error.message == "unknown field (allowed: gpus)"
 
 
 def test_unknown_policy_lists_what_is_allowed_and_how_to_register() -> None:
@@ -163,7 +163,7 @@ def test_plugin_params_are_validated_by_its_model(plugins_installed: Path) -> No
     assert policy.desired(make_job(1, 5), NOTHING_OBSERVED, 0.0).gpus == 3
     error = policy_error(PolicyRef(name="half", params={"round_up": "yes"}))
     assert error.field == "spec.policy.params.round_up"
-    assert error.message == "Input should be a valid boolean"
+    assert error.message == "expected a boolean (true or false), got string 'yes'"
     error = policy_error(PolicyRef(name="half", params={"whole": 1}))
     assert error.field == "spec.policy.params.whole"
 

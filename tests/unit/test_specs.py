@@ -314,12 +314,9 @@ def test_json_schema_structure() -> None:
     }
     assert spec["properties"]["command"]["minItems"] == 1
     assert spec["properties"]["env"]["propertyNames"]["pattern"] == "^[A-Za-z_][A-Za-z0-9_]*$"
-    assert definitions["GpuRange"]["properties"]["min"] == {
-        "minimum": 1,
-        "maximum": 65536,
-        "title": "Min",
-        "type": "integer",
-    }
+    gpus_min = definitions["GpuRange"]["properties"]["min"]
+    assert gpus_min.pop("description").startswith("Fewest GPUs the job can train on.")
+    assert gpus_min == {"minimum": 1, "maximum": 65536, "title": "Min", "type": "integer"}
     name = definitions["ObjectMeta"]["properties"]["name"]
     assert name["maxLength"] == 63
     assert name["pattern"] == "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

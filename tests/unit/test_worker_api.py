@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from herd_operator.agent import worker
+from herd_operator.agent.exporter import REGISTER_EVERY_SECONDS
 from herd_operator.agent.worker import DeviceBinding, bind_device, report_epoch, report_reset
 from herd_operator.auth import (
     Identity,
@@ -31,6 +32,7 @@ from herd_operator.rpc import AuthError, NotFound, RpcClient, RpcError, RpcServe
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import (
+    EXPORTER_EXPIRY_SECONDS,
     ExporterRegistry,
     for_agents,
     for_own_host,
@@ -134,6 +136,7 @@ class Allocation:
                 "report": for_own_job(self.report),
                 "placements": for_agents(self.allocator.handle_placements),
                 "register_exporter": for_own_host(self.exporters),
+                "unregister_exporter": for_own_host(self.exporters.unregister),
             },
         )
 
@@ -420,6 +423,23 @@ def test_a_node_exporter_registers_its_own_host_only(allocation: Allocation) -> 
     assert allocation.exporters.urls() == ["http://node1:9100/metrics"]
 
 
+def test_a_node_exporter_that_stops_leaves_the_targets_at_once(allocation: Allocation) -> None:
+    address = allocation.server.address
+    with (
+        RpcClient(address, agent_key(allocation.master), identity=agent_identity("node1")) as one,
+        RpcClient(address, agent_key(allocation.master), identity=agent_identity("node2")) as two,
+    ):
+        one.call("register_exporter", host="node1", port=9100)
+        two.call("register_exporter", host="node2", port=9100)
+        with pytest.raises(RpcError) as other_host:
+            two.call("unregister_exporter", host="node1", port=9100)
+        assert one.call("unregister_exporter", host="node1", port=9100) == {}
+    assert other_host.value.code == "forbidden"
+    assert allocation.exporters.urls() == ["http://node2:9100/metrics"]
+    targets = json.loads(allocation.layout.scrape_targets_file.read_text())
+    assert targets == [{"targets": ["node2:9100"], "labels": {"herd_role": "exporter"}}]
+
+
 def test_a_job_may_not_register_exporters_nor_read_every_placement(
     allocation: Allocation,
 ) -> None:
@@ -441,6 +461,38 @@ def test_a_host_with_a_newline_never_reaches_the_scrape_targets(allocation: Allo
         admin.call("register_exporter", host="node1", port=9100)
     targets = json.loads(allocation.layout.scrape_targets_file.read_text())
     assert targets == [{"targets": ["node1:9100"], "labels": {"herd_role": "exporter"}}]
+
+
+def test_an_exporter_that_stops_registering_expires_from_the_targets(tmp_path: Path) -> None:
+    targets_file = tmp_path / "targets.json"
+    now = [1000.0]
+    registry = ExporterRegistry(targets_file, "op:9410", clock=lambda: now[0])
+    registry({"host": "node1", "port": 9411})
+    registry({"host": "node2", "port": 9411})
+
+    def exporters() -> list[str]:
+        groups = json.loads(targets_file.read_text())
+        return [t for group in groups if group["labels"]["herd_role"] == "exporter"
+                for t in group["targets"]]  # fmt: skip
+
+    assert exporters() == ["node1:9411", "node2:9411"]
+    # node1's agent registers every REGISTER_EVERY_SECONDS; node2's stopped.
+    for _ in range(3):
+        now[0] += REGISTER_EVERY_SECONDS
+        registry({"host": "node1", "port": 9411})
+    assert registry.expire() == []  # 90 s since node2's last word: not past the limit yet
+    now[0] += 1
+    assert registry.expire() == ["node2:9411"]
+    assert exporters() == ["node1:9411"]
+    assert registry.urls() == ["http://node1:9411/metrics"]
+    assert json.loads(targets_file.read_text())[0]["targets"] == ["op:9410"]
+    # Back again: registered anew.
+    registry({"host": "node2", "port": 9411})
+    assert exporters() == ["node1:9411", "node2:9411"]
+
+
+def test_exporters_expire_only_after_missing_several_registrations() -> None:
+    assert EXPORTER_EXPIRY_SECONDS >= 3 * REGISTER_EVERY_SECONDS
 
 
 def test_shim_without_its_key_says_so_in_one_line(tmp_path: Path, allocation: Allocation) -> None:

@@ -1,0 +1,260 @@
+"""NVIDIA's dcgm-exporter, both ways: its metrics as the memory signal, herd's jobs as its labels.
+
+Reading. Sites that run dcgm-exporter already have every GPU's framebuffer memory in
+Prometheus. `DcgmScrapeGpuSource` (the exporters' `/metrics` pages) and
+`DcgmPrometheusGpuSource` (PromQL) turn its series into the `GpuReading`s the observer
+samples, so the memory policy needs no herd exporter on the nodes. The series used:
+
+    DCGM_FI_DEV_FB_USED, DCGM_FI_DEV_FB_FREE   framebuffer memory used / free, in MiB
+    DCGM_FI_DEV_FB_RESERVED, DCGM_FI_DEV_FB_TOTAL   where the site's counters list them
+    DCGM_FI_DEV_GPU_UTIL (%), DCGM_FI_DEV_POWER_USAGE (W)   when present
+
+with the labels dcgm-exporter writes on GPU series (its GPU template,
+internal/pkg/rendermetrics/render_metrics.go in NVIDIA/dcgm-exporter): `gpu` (the GPU's
+index), `UUID`, `pci_bus_id`, `device`, `modelName`, `Hostname` (when it knows the node's
+name), MIG instances with `GPU_I_PROFILE`/`GPU_I_ID`, then extra labels such as `hpc_job`.
+The host of a GPU is its `Hostname`, else the host of the page or of Prometheus' `instance`.
+MIG instances are skipped: the pool hands out whole GPUs. Total memory is FB_TOTAL where
+exported, else used + free (+ reserved).
+
+Writing. dcgm-exporter's `--hpc-job-mapping-dir DIR` labels each GPU's series with
+`hpc_job="<job>"` read from files in DIR, as its HPC mapper reads them
+(internal/pkg/transformation/hpc.go in NVIDIA/dcgm-exporter: `getGPUFiles`, `readFile`,
+`Process`). Every regular file whose name parses as an integer (`strconv.Atoi`; newer
+versions also take `<gpu>.<instance>` for MIG) stands for the GPU of that index, matched
+against the series' `gpu` label. Its lines are job ids, one per line; a GPU with several
+lines gets one copy of each series per job; a GPU without a file keeps its series
+unlabelled; other names (`.0.tmp`) are ignored. `JobMappingWriter` writes one such file per
+GPU of this host that a herd job holds, holding the job's name, and removes it when the GPU
+is free, so that DCGM's own series carry herd's job names.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from exporters.gpu import GpuReading
+from exporters.sources import PrometheusGpuSource, ScrapeGpuSource, _Sample
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+FB_USED = "DCGM_FI_DEV_FB_USED"
+FB_FREE = "DCGM_FI_DEV_FB_FREE"
+FB_RESERVED = "DCGM_FI_DEV_FB_RESERVED"
+FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"
+GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"
+DCGM_FAMILIES = (FB_USED, FB_FREE, FB_RESERVED, FB_TOTAL, GPU_UTIL, POWER_USAGE)
+HPC_JOB_LABEL = "hpc_job"
+"""The label dcgm-exporter gives the job names it reads from the mapping files."""
+DEFAULT_PORT = 9400
+"""dcgm-exporter's default listening port (`--address :9400`)."""
+
+
+@dataclass
+class _DcgmGpu:
+    uuid: str
+    # family -> (time, value); the newest wins (a GPU mapped to two jobs is listed twice).
+    values: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def reading(self, host: str, index: int) -> GpuReading:
+        def value(name: str) -> float | None:
+            return self.values[name][1] if name in self.values else None
+
+        used, free = value(FB_USED), value(FB_FREE)
+        total = value(FB_TOTAL)
+        if total is None and used is not None and free is not None:
+            total = used + free + (value(FB_RESERVED) or 0.0)
+        util, power = value(GPU_UTIL), value(POWER_USAGE)
+        return GpuReading(
+            host=host,
+            index=index,
+            uuid=self.uuid,
+            kind="dcgm",
+            memory_used_bytes=None if used is None else round(used * MIB),
+            memory_total_bytes=None if total is None else round(total * MIB),
+            utilization_ratio=None if util is None else util / 100,
+            power_watts=power,
+        )
+
+
+def dcgm_readings(
+    samples: Iterable[_Sample],
+    now: float,
+    max_age: float,
+    host_of: Callable[[Mapping[str, str]], str | None],
+) -> list[GpuReading]:
+    """One reading per (host, gpu) from dcgm-exporter's series, fresh samples only.
+
+    `host_of` names the host of a series that has no `Hostname` label (None: skipped).
+    """
+    gpus: dict[tuple[str, int], _DcgmGpu] = {}
+    for sample in samples:
+        if sample.name not in DCGM_FAMILIES or "GPU_I_ID" in sample.labels:
+            continue
+        when = now if sample.timestamp is None else sample.timestamp
+        if now - when > max_age or not math.isfinite(sample.value):
+            continue
+        host = sample.labels.get("Hostname") or host_of(sample.labels)
+        try:
+            index = int(sample.labels["gpu"])
+        except (KeyError, ValueError):
+            continue  # not a GPU series (an NVSwitch, a CPU): nothing of the pool
+        if not host:
+            continue
+        uuid = sample.labels.get("UUID") or sample.labels.get("uuid") or ""
+        gpu = gpus.setdefault((host, index), _DcgmGpu(uuid))
+        previous = gpu.values.get(sample.name)
+        if previous is None or when > previous[0]:
+            gpu.values[sample.name] = (when, sample.value)
+    return [gpu.reading(host, index) for (host, index), gpu in gpus.items()]
+
+
+def _url_host(url: str) -> str | None:
+    return urllib.parse.urlsplit(url).hostname
+
+
+def _instance_host(labels: Mapping[str, str]) -> str | None:
+    instance = labels.get("instance", "")
+    if not instance:
+        return None
+    return urllib.parse.urlsplit(f"//{instance}").hostname
+
+
+class DcgmScrapeGpuSource(ScrapeGpuSource):
+    """GPU readings scraped from dcgm-exporter's `/metrics` pages (one per node)."""
+
+    def page_readings(self, samples: list[_Sample], url: str) -> list[GpuReading]:
+        return dcgm_readings(samples, time.time(), self.max_age, lambda _: _url_host(url))
+
+
+class DcgmPrometheusGpuSource(PrometheusGpuSource):
+    """GPU readings from dcgm-exporter's series in a Prometheus server that scrapes it."""
+
+    families = DCGM_FAMILIES
+
+    def series_readings(self, samples: list[_Sample]) -> list[GpuReading]:
+        return dcgm_readings(samples, time.time(), self.max_age_seconds, _instance_host)
+
+
+def dcgm_exporter_urls(hosts: Iterable[str], port: int = DEFAULT_PORT) -> list[str]:
+    """The `/metrics` URL of a dcgm-exporter on each host, at its default port."""
+    return [
+        f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+        for host in hosts
+    ]
+
+
+class JobMappingWriter:
+    """Keeps dcgm-exporter's HPC job mapping files in `directory` for this host's GPUs.
+
+    `owners()` says which job holds each GPU index of this host, or None when that is not
+    known now (the operator cannot be reached: the files are left as they are, rather than
+    unlabel GPUs that jobs still hold). Each call to `write()` brings the files in line: a
+    held GPU's file holds its job's name and a newline, a free GPU has no file. Files are
+    replaced whole (a temporary name that is not an integer, then a rename), so
+    dcgm-exporter never reads half of one; only the integer-named files are touched,
+    whichever process wrote them, since dcgm-exporter reads them all.
+    """
+
+    def __init__(self, directory: Path, owners: Callable[[], Mapping[int, str] | None]) -> None:
+        self.directory = directory
+        self.owners = owners
+        self._written: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._failing = False
+
+    def write(self) -> None:
+        """Bring the files in line with `owners()`; an error is logged when it starts."""
+        with self._lock:
+            try:
+                owners = self.owners()
+                if owners is None:
+                    return
+                self._write(dict(owners))
+            except OSError as err:
+                if not self._failing:
+                    log.warning(
+                        "cannot write DCGM job mapping files in %s: %s", self.directory, err
+                    )
+                self._failing = True
+                self._written = {}  # unknown now: compare with the files again next time
+                return
+            if self._failing:
+                log.info("DCGM job mapping files in %s written again", self.directory)
+            self._failing = False
+
+    def _write(self, owners: dict[int, str]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        present = {
+            int(entry.name): entry.name
+            for entry in os.scandir(self.directory)
+            if entry.name.isascii() and entry.name.isdigit() and entry.is_file()
+        }
+        for index in sorted(set(present) - set(owners)):
+            (self.directory / present[index]).unlink(missing_ok=True)
+            self._written.pop(index, None)
+        for index, job in sorted(owners.items()):
+            if self._written.get(index) == job and index in present:
+                continue
+            _replace(self.directory / str(index), f"{job}\n")
+            self._written[index] = job
+
+    def clear(self) -> None:
+        """Remove the files of every GPU: herd no longer says who holds them."""
+        with self._lock:
+            for index in list(self._written):
+                (self.directory / str(index)).unlink(missing_ok=True)
+            self._written = {}
+
+
+def _replace(path: Path, text: str) -> None:
+    # dcgm-exporter's reader skips names that are not integers, so the temporary file is
+    # invisible to it; readable by all, as dcgm-exporter often runs as another user.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class JobMappingLoop:
+    """Runs `writer.write()` every `interval` seconds on a thread until `stop()`."""
+
+    def __init__(self, writer: JobMappingWriter, interval: float = 1.0) -> None:
+        self.writer = writer
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcgm-job-mapping", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.writer.write()
+            except Exception:  # a bug in owners(): the loop goes on
+                log.exception("writing the DCGM job mapping failed; will retry")
+            if self._stop.wait(self.interval):
+                return
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, *, clear: bool = True) -> None:
+        """Stop writing; with `clear`, remove the files (no job is known to hold the GPUs)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if clear:
+            self.writer.clear()
