@@ -19,20 +19,26 @@ torch_version=2.13.0
 
 say() { echo "bootstrap: $*" >&2; }
 
-# Debian's Prometheus: the observability tests start a real server. Checked on every run
-# (cheap), since a new machine can come with an old venv.
-if ! command -v prometheus >/dev/null; then
+# Debian packages the tests use, checked on every run (cheap), since a new machine can come
+# with an old venv: Prometheus (the observability tests start a real server) and poppler's
+# pdftoppm (the report tests render the PDF they write). "command:package" pairs.
+debian_tools=(prometheus:prometheus pdftoppm:poppler-utils)
+missing=()
+for pair in "${debian_tools[@]}"; do
+  command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
+done
+if ((${#missing[@]})); then
   if [[ $(id -u) == 0 ]]; then
-    say "installing Debian's prometheus"
+    say "installing Debian's ${missing[*]}"
     apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
   elif sudo -n true 2>/dev/null; then
-    say "installing Debian's prometheus (sudo)"
+    say "installing Debian's ${missing[*]} (sudo)"
     sudo apt-get update -q >/dev/null
-    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
+    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
   else
-    say "Prometheus is missing and this user cannot install it: apt-get install prometheus"
-    say "(the observability tests need it; everything else works without)"
+    say "missing and this user cannot install them: apt-get install ${missing[*]}"
+    say "(the observability and report tests need them; everything else works without)"
   fi
 fi
 
