@@ -68,7 +68,7 @@ PALETTE = (
 )
 """In an order where neighbours differ most: a job that finds its colour taken takes the
 next one."""
-LINE_STYLES: tuple[LineStyleType, ...] = ("-", "--", "-.", (0, (5, 1, 1, 1, 1, 1)))
+LINE_STYLES: tuple[LineStyleType, ...] = ("-", "--", "-.", (0, (1, 1)))
 HATCHES = ("", "//", "..", "xx")
 
 
@@ -579,37 +579,42 @@ class JobStyle:
 def job_styles(names: Sequence[str]) -> list[JobStyle]:
     """Each job's colour, line style and hatch, from its name: the same in every report.
 
-    A hash of the name picks a colour of ``PALETTE``. Two jobs of one report whose names
-    pick the same colour would look alike, so the second (by name) takes the next colour
-    no job of the report has; only then can a job's colour differ from one report to the
-    next (with more jobs than colours, colours repeat and the line styles tell them apart).
-    The line style and hatch come from other bits of the hash.
+    A hash of the name picks a colour of ``PALETTE`` and, from other bits, a line style
+    (with its hatch for the stacked view). Two jobs of one report whose names pick the
+    same one would look alike, so the second (by name) takes the next one no job of the
+    report has; only then can a job's look differ from one report to the next (with more
+    jobs than colours, colours repeat and the line styles tell them apart).
     """
     digests = {name: zlib.crc32(name.encode()) for name in names}
-    colors: dict[str, int] = {}
+    colors = _spread(
+        {name: digest % len(PALETTE) for name, digest in digests.items()}, len(PALETTE)
+    )
+    lines = _spread(
+        {name: digest // len(PALETTE) % len(LINE_STYLES) for name, digest in digests.items()},
+        len(LINE_STYLES),
+    )
+    return [
+        JobStyle(PALETTE[colors[name]], LINE_STYLES[lines[name]], HATCHES[lines[name]])
+        for name in names
+    ]
+
+
+def _spread(wanted: dict[str, int], choices: int) -> dict[str, int]:
+    """Each name's wanted choice, or the next one free among the names before it (by name);
+    once every choice is taken, they are all free again."""
+    chosen: dict[str, int] = {}
     taken: set[int] = set()
-    for name in sorted(digests):
-        wanted = digests[name] % len(PALETTE)
-        free = [
-            (wanted + shift) % len(PALETTE)
-            for shift in range(len(PALETTE))
-            if (wanted + shift) % len(PALETTE) not in taken
-        ]
-        colors[name] = free[0] if free else wanted
-        taken.add(colors[name])
-        if len(taken) == len(PALETTE):
-            taken.clear()
-    styles = []
-    for name in names:
-        rest = digests[name] // len(PALETTE)
-        styles.append(
-            JobStyle(
-                PALETTE[colors[name]],
-                LINE_STYLES[rest % len(LINE_STYLES)],
-                HATCHES[rest % len(HATCHES)],
-            )
+    for name in sorted(wanted):
+        choice = next(
+            (wanted[name] + shift) % choices
+            for shift in range(choices)
+            if (wanted[name] + shift) % choices not in taken
         )
-    return styles
+        chosen[name] = choice
+        taken.add(choice)
+        if len(taken) == choices:
+            taken.clear()
+    return chosen
 
 
 def line_offsets(count: int) -> list[float]:
@@ -799,7 +804,8 @@ def draw_run(figure: Figure, run: RunData) -> None:
     )
     memory_axes.set_ylabel("GPU memory used (%)")
     memory_axes.set_ylim(0, 100)
-    memory_axes.set_xlim(0, max(run.end, 1.0) / scale)
+    # A little room on the right: a line that ends with the run stays visible.
+    memory_axes.set_xlim(0, max(run.end, 1.0) * 1.01 / scale)
     memory_axes.set_xlabel(f"{unit} since the start of the run")
     memory_axes.grid(axis="y", alpha=0.3)
     memory_axes.set_title(

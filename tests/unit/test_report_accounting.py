@@ -186,14 +186,15 @@ def test_the_pool_stack_shows_draining_gpus_while_workers_outlive_their_grant(
 
 def test_a_job_keeps_its_style_from_report_to_report() -> None:
     alone = job_styles(["resnet"])[0]
-    # Companions whose own colour differs from resnet's and from each other's: then no
-    # one has to give way, whatever the order or the company.
-    colours = {alone.color}
+    # Companions whose own colour and line style differ from resnet's and from each
+    # other's: then no one has to give way, whatever the order or the company.
+    colours, lines = {alone.color}, {str(alone.linestyle)}
     others = []
-    for candidate in (f"job-{index}" for index in range(100)):
-        colour = job_styles([candidate])[0].color
-        if colour not in colours:
-            colours.add(colour)
+    for candidate in (f"job-{index}" for index in range(200)):
+        style = job_styles([candidate])[0]
+        if style.color not in colours and str(style.linestyle) not in lines:
+            colours.add(style.color)
+            lines.add(str(style.linestyle))
             others.append(candidate)
     assert len(others) >= 3
     assert job_styles([others[0], "resnet", others[1]])[1] == alone
