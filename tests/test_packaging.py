@@ -107,3 +107,18 @@ def test_the_demo_finds_its_examples_in_a_non_editable_install(tmp_path: Path) -
     # What the checkout's examples/ holds apart from the demo's files is not shipped as
     # part of the package (the plug-in example is a distribution of its own).
     assert not (target / "herd_operator" / "examples" / "plugins").exists()
+
+
+def test_the_demo_says_what_is_missing_when_the_examples_are_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from herd_operator.cli import demo
+
+    monkeypatch.setattr(demo, "CHECKOUT_EXAMPLES", tmp_path / "no-checkout")
+    monkeypatch.setattr(demo.importlib.resources, "files", lambda package: tmp_path / "empty")
+    assert demo.find_examples() is None
+    assert demo.run_demo(tmp_path / "demo", 4, 10.0) == 1
+    err = capsys.readouterr().err
+    assert "the example jobs are missing from this installation" in err
+    assert str(tmp_path / "no-checkout") in err
+    assert not (tmp_path / "demo").exists()  # nothing made before the check
