@@ -68,8 +68,10 @@ PALETTE = (
 )
 """In an order where neighbours differ most: a job that finds its colour taken takes the
 next one."""
-LINE_STYLES: tuple[LineStyleType, ...] = ("-", "--", "-.", (0, (1, 1)))
+LINE_STYLES: tuple[LineStyleType, ...] = ("-", "--", "-.", (0, (8, 2, 1, 2, 1, 2)))
 HATCHES = ("", "//", "..", "xx")
+"""One per line style: the stacked view tells jobs apart in grey print too. Dotted lines
+are kept for the reported world size."""
 
 
 @dataclass(frozen=True)
