@@ -636,17 +636,21 @@ def line_offsets(count: int) -> list[float]:
 
 def draw_timeline(run: RunData, path: Path, kind: str = "png", dpi: int = DEFAULT_DPI) -> None:
     """Draw the run into ``path`` as ``kind`` (png, svg or pdf), at ``dpi`` for PNG."""
+    from matplotlib import rc_context
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=FIGURE_INCHES, dpi=dpi, layout="constrained")
-    FigureCanvasAgg(figure)  # attaches the Agg canvas: no display needed (PDF/SVG too)
-    draw_run(figure, run)
-    figure.savefig(path, format=kind, dpi=dpi, metadata=_metadata(kind))
+    # A fixed salt for the SVG's element ids (random otherwise) and no dates: the same
+    # run gives the same file, so a document that includes it rebuilds without changes.
+    with rc_context({"svg.hashsalt": "herd-operator"}):
+        figure = Figure(figsize=FIGURE_INCHES, dpi=dpi, layout="constrained")
+        FigureCanvasAgg(figure)  # attaches the Agg canvas: no display needed (PDF/SVG too)
+        draw_run(figure, run)
+        figure.savefig(path, format=kind, dpi=dpi, metadata=_metadata(kind))
 
 
 def _metadata(kind: str) -> dict[str, str | None]:
-    # No creation date: the same run gives the same file (PDF and SVG embed one otherwise).
+    # No creation date (PDF and SVG embed one otherwise).
     if kind == "pdf":
         return {"CreationDate": None, "Title": "herd-operator report"}
     if kind == "svg":

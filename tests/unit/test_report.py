@@ -531,3 +531,14 @@ def test_the_figure_title_names_the_run_not_its_directory(state_dir: Path) -> No
     assert title == (
         "herd-operator run of 2023-11-14 22:13 UTC: 2 jobs on 4 GPUs (most held at once), 6m40s"
     )
+
+
+@pytest.mark.parametrize("kind", ["svg", "pdf"])
+def test_the_same_run_gives_the_same_file(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """A thesis that includes the figure rebuilds unchanged (no dates, no random ids)."""
+    first, second = tmp_path / f"first.{kind}", tmp_path / f"second.{kind}"
+    for output in (first, second):
+        assert main(["report", "--state-dir", str(state_dir), "--output", str(output)]) == 0
+    assert first.read_bytes() == second.read_bytes()
