@@ -108,21 +108,24 @@ class JobReconciler:
         if record is None:
             return
         status = record.status
-        if not is_true(status.conditions, ConditionType.Running):
-            return
+        running = is_true(status.conditions, ConditionType.Running)
+        if not running and not _allocated(status):
+            return  # nothing ran and nothing was held (a job waiting in BackOff may hold GPUs)
         now = self.clock()
-        self._event(name, "Normal", "Stopped", "operator shut down", now)
+        self._record_release(name, status, "operator shut down", now)
         conditions = status.conditions
-        for condition_type in (ConditionType.Running, ConditionType.Resizing):
-            conditions = set_condition(
-                conditions,
-                condition_type,
-                FALSE,
-                "OperatorStopped",
-                "the operator shut down",
-                status.observed_generation,
-                now,
-            )
+        if running:
+            self._event(name, "Normal", "Stopped", "operator shut down", now)
+            for condition_type in (ConditionType.Running, ConditionType.Resizing):
+                conditions = set_condition(
+                    conditions,
+                    condition_type,
+                    FALSE,
+                    "OperatorStopped",
+                    "the operator shut down",
+                    status.observed_generation,
+                    now,
+                )
         gpus = (
             status.gpus.model_copy(update={"allocated": 0, "active": None}) if status.gpus else None
         )
@@ -234,6 +237,8 @@ class JobReconciler:
     ) -> Result:
         """A job that succeeded or failed for this spec holds nothing and waits for an edit."""
         self.allocator.release(name)
+        outcome = "succeeded" if is_true(status.conditions, ConditionType.Succeeded) else "failed"
+        self._record_release(name, status, f"job {outcome}", now)
         status = status.model_copy(
             update={
                 "gpus": _counts(job, status, None, 0, None),
@@ -299,7 +304,7 @@ class JobReconciler:
         observes = policy.observes
         return JobObservations(
             started_at=since,
-            allocated=status.gpus.allocated if status.gpus else 0,
+            allocated=_allocated(status),
             world_size=reports[-1].world_size if reports else None,
             last_resize=status.last_resize_at
             if status.last_resize_at and status.last_resize_at >= since
@@ -667,7 +672,7 @@ class JobReconciler:
     def _note_grant_change(
         self, name: str, status: HerdJobStatus, grant: Grant, desired: int, now: float
     ) -> HerdJobStatus:
-        before = status.gpus.allocated if status.gpus else 0
+        before = _allocated(status)
         after = grant.placement.size
         update: dict[str, object] = {
             "placement": [(host, list(gpus)) for host, gpus in grant.placement.hosts],
@@ -683,6 +688,17 @@ class JobReconciler:
                 cause = status.policy_reason if after == desired else grant.reason
                 self._event(name, "Normal", "Resized", f"{before} -> {after} GPUs: {cause}", now)
         return status.model_copy(update=update)
+
+    def _record_release(self, name: str, status: HerdJobStatus, reason: str, now: float) -> None:
+        """Log the drop to 0 GPUs of a job that ends (succeeded, failed, stopped, deleted).
+
+        The grant history is what `report` integrates: without this row a finished job would
+        count as holding its last grant until the end of the run. ``status.gpus.allocated``
+        is the level the history last logged (``_note_grant_change`` keeps them in step), so
+        a job that held nothing, or whose drop is logged already, gets no second row.
+        """
+        if _allocated(status):
+            self.store.add_grant_change(name, 0, reason, now)
 
     def _finalize_deletion(self, name: str, now: float) -> Result:
         process = self.launcher.state(name)
@@ -700,6 +716,9 @@ class JobReconciler:
             return Result(requeue_after=self.stop_poll_seconds)
         self.launcher.forget(name)
         self.allocator.release(name)
+        record = self.store.get_job(name)
+        if record is not None:
+            self._record_release(name, record.status, "spec deleted", now)
         if self.store.delete_job(name):
             self._event(name, "Normal", "Deleted", "spec deleted: job removed, GPUs freed", now)
         return Result()
@@ -791,6 +810,10 @@ def _with_spec_validity(
             status.conditions, ConditionType.SpecValid, TRUE, "Valid", "", generation, now
         )
     return status.model_copy(update={"conditions": conditions})
+
+
+def _allocated(status: HerdJobStatus) -> int:
+    return status.gpus.allocated if status.gpus else 0
 
 
 def _finished(status: HerdJobStatus) -> bool:

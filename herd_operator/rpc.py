@@ -67,6 +67,14 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeGuard
 
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_before_delay,
+)
+
 from herd_operator.auth import ADMIN, Identity, derive_key, is_host, new_nonce, prove, verify
 
 PROTOCOL_VERSION = 2
@@ -818,23 +826,29 @@ class RpcClient:
     def _connected(self) -> socket.socket:
         if self._sock is not None and self._connection_is_fresh():
             return self._sock
-        deadline = time.monotonic() + self._connect_deadline
-        for attempt in range(1, self._connect_attempts + 1):
-            try:
-                return self._connect_once()
-            except (_Refused, _ConnectTimeout) as error:
-                # Equal jitter: half the doubled pause, plus up to as much again at random,
-                # so a burst of clients refused together spreads out.
-                pause = min(_RETRY_MAX_PAUSE_S, _RETRY_FIRST_PAUSE_S * 2 ** (attempt - 1))
-                pause *= random.uniform(0.5, 1.0)
-                if attempt == self._connect_attempts or time.monotonic() + pause > deadline:
-                    text = str(error) if attempt == 1 else f"{error} (tried {attempt} times)"
-                    if isinstance(error, _ConnectTimeout):
-                        raise TimeoutError(text) from None
-                    raise ConnectionError(text) from error
-                logger.debug("%s; trying again in %.2f s", error, pause)
-                time.sleep(pause)
-        raise AssertionError("unreachable: the last attempt raises")
+        attempts = 0
+
+        def connect() -> socket.socket:
+            nonlocal attempts
+            attempts += 1
+            return self._connect_once()
+
+        retrying = Retrying(
+            retry=retry_if_exception_type((_Refused, _ConnectTimeout)),
+            # No try starts past the deadline: stop_before_delay counts the pause to come.
+            stop=stop_after_attempt(self._connect_attempts)
+            | stop_before_delay(self._connect_deadline),
+            wait=_equal_jitter,
+            before_sleep=_log_retry,
+            reraise=True,
+        )
+        try:
+            return retrying(connect)
+        except (_Refused, _ConnectTimeout) as error:
+            text = str(error) if attempts == 1 else f"{error} (tried {attempts} times)"
+            if isinstance(error, _ConnectTimeout):
+                raise TimeoutError(text) from None
+            raise ConnectionError(text) from error
 
     def _connect_once(self) -> socket.socket:
         try:
@@ -974,6 +988,19 @@ class RpcClient:
             self._sock.close()
             self._sock = None
         self._buffer.clear()
+
+
+def _equal_jitter(state: RetryCallState) -> float:
+    """The pause before the next connect: doubling from the first, at most the last, and
+    "equal jitter" (half of it, plus up to as much again at random), so a burst of clients
+    refused together spreads out."""
+    doubled: float = _RETRY_FIRST_PAUSE_S * 2 ** (state.attempt_number - 1)
+    return min(_RETRY_MAX_PAUSE_S, doubled) * random.uniform(0.5, 1.0)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome is not None else None
+    logger.debug("%s; trying again in %.2f s", error, state.upcoming_sleep)
 
 
 def _is_idle_close(frame: Mapping[str, Any]) -> bool:

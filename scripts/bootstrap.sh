@@ -19,12 +19,13 @@ torch_version=2.13.0
 
 say() { echo "bootstrap: $*" >&2; }
 
-# Debian packages the tests start for real: Prometheus (observability), and for the
-# multi-node tests a real Slurm (slurmctld, slurmd, munge), sshd per namespace host and
-# iproute2. Checked on every run (cheap), since a new machine can come with an old venv.
+# Debian packages the tests start for real: Prometheus (observability), poppler's pdftoppm
+# (the report tests render the PDF they write), and for the multi-node tests a real Slurm
+# (slurmctld, slurmd, munge), sshd per namespace host and iproute2. Checked on every run
+# (cheap), since a new machine can come with an old venv.
 # Each pair is a command that shows the package is there, and the package.
 debian_needs=(
-  prometheus:prometheus
+  prometheus:prometheus pdftoppm:poppler-utils
   scontrol:slurm-client slurmctld:slurmctld slurmd:slurmd munged:munge
   /usr/sbin/sshd:openssh-server ssh:openssh-client ip:iproute2
 )
@@ -42,7 +43,7 @@ if ((${#missing[@]})); then
       apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
   else
     say "missing and this user cannot install them: apt-get install ${missing[*]}"
-    say "(the observability and multi-node tests need them; everything else works without)"
+    say "(the observability, report and multi-node tests need them; everything else works without)"
   fi
 fi
 

@@ -24,8 +24,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
+
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    retry_if_not_exception_type,
+    stop_after_delay,
+    wait_fixed,
+)
 
 from herd_operator.agent import worker
 from herd_operator.auth import TokenFileError
@@ -33,6 +41,7 @@ from herd_operator.environment import ENV_FILE_ENV, GPU_ENV, GPUS_ENV, JOB_ENV, 
 from herd_operator.rpc import AuthError, RpcError
 
 BIND_WAIT_SECONDS = float(os.environ.get("HERD_BIND_TIMEOUT", "600"))
+BIND_RETRY_SECONDS = 0.5
 # A spec is at most a few MiB; an env file is a part of one.
 _MAX_ENV_FILE_BYTES = 16 * 1024 * 1024
 
@@ -93,33 +102,41 @@ def main(argv: list[str]) -> int:
         except (ValueError, TokenFileError) as err:  # no retry makes these right
             print(f"herd shim: {err}", file=sys.stderr)
             return 1
-        deadline = time.monotonic() + BIND_WAIT_SECONDS
-        warned = False
-        while True:
-            try:
-                reply = client.call(
-                    "bind",
-                    job=env[JOB_ENV],
-                    host=worker.host_name(),
-                    local_rank=local_rank,
-                    pid=os.getpid(),  # exec keeps the pid: this is the worker's
+
+        def warn_once(state: RetryCallState) -> None:
+            if state.attempt_number == 1:  # once: a wait of minutes would flood the log
+                error = state.outcome.exception() if state.outcome is not None else None
+                print(
+                    f"herd shim: waiting for a GPU for local rank {local_rank}: {error}",
+                    file=sys.stderr,
+                    flush=True,
                 )
-                break
-            except AuthError as err:  # a wrong token does not fix itself
-                print(f"herd shim: the allocator refused us: {err}", file=sys.stderr)
-                return 1
-            except (RpcError, OSError) as err:
-                if time.monotonic() > deadline:
-                    print(f"herd shim: cannot bind local rank {local_rank}: {err}", file=sys.stderr)
-                    return 1
-                if not warned:
-                    print(
-                        f"herd shim: waiting for a GPU for local rank {local_rank}: {err}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    warned = True
-                time.sleep(0.5)
+
+        binding = Retrying(
+            # Until the allocator answers (it may be restarting, or the GPU still draining);
+            # a wrong token does not fix itself.
+            retry=retry_if_exception_type((RpcError, OSError))
+            & retry_if_not_exception_type(AuthError),
+            stop=stop_after_delay(BIND_WAIT_SECONDS),
+            wait=wait_fixed(BIND_RETRY_SECONDS),
+            before_sleep=warn_once,
+            reraise=True,
+        )
+        try:
+            reply = binding(
+                client.call,
+                "bind",
+                job=env[JOB_ENV],
+                host=worker.host_name(),
+                local_rank=local_rank,
+                pid=os.getpid(),  # exec keeps the pid: this is the worker's
+            )
+        except AuthError as err:
+            print(f"herd shim: the allocator refused us: {err}", file=sys.stderr)
+            return 1
+        except (RpcError, OSError) as err:
+            print(f"herd shim: cannot bind local rank {local_rank}: {err}", file=sys.stderr)
+            return 1
         client.close()
         bind_environment(env, reply, local_rank)
     try:

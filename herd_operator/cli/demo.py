@@ -8,6 +8,7 @@ back, completion) and ends with a summary table.
 
 from __future__ import annotations
 
+import importlib.resources
 import shutil
 import signal
 import sys
@@ -27,8 +28,11 @@ from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
 from specs.values import Pool
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE_SPECS = REPO / "examples" / "specs"
+CHECKOUT_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+"""examples/ of a source checkout (and of an editable install, which runs from one)."""
+DEMO_SPECS = ("digits-a.yaml", "digits-b.yaml")
+DEMO_SCRIPT = "train_digits.py"
+"""What the demo's jobs run, as `python examples/train_digits.py` from their workingDir."""
 DEMO_MARKER = ".herd-demo"
 
 
@@ -52,10 +56,42 @@ def prepare_state_dir(state_dir: Path) -> None:
     (state_dir / DEMO_MARKER).write_text("made by `herd-operator demo`; safe to delete\n")
 
 
-def place_spec(example: str, jobs_dir: Path) -> None:
-    """Copy an example spec into the watched directory, atomically, run from the repository."""
-    document = yaml.safe_load((EXAMPLE_SPECS / example).read_text())
-    document["spec"]["workingDir"] = str(REPO)
+def find_examples() -> Path | None:
+    """The directory holding the demo's example specs and training script, or None.
+
+    An installed package carries them as ``herd_operator.examples`` (package data built
+    from examples/); a source checkout has them in examples/ beside the packages.
+    """
+    packaged = Path(str(importlib.resources.files("herd_operator"))) / "examples"
+    for candidate in (packaged, CHECKOUT_EXAMPLES):
+        if _has_demo_files(candidate):
+            return candidate
+    return None
+
+
+def _has_demo_files(directory: Path) -> bool:
+    wanted = [directory / "specs" / name for name in DEMO_SPECS] + [directory / DEMO_SCRIPT]
+    return all(path.is_file() for path in wanted)
+
+
+def stage_examples(examples: Path, state_dir: Path) -> Path:
+    """Copy what the demo's jobs run into ``state_dir``; returns their working directory.
+
+    The jobs run from the demo's own directory, never from site-packages (which may be
+    read-only, and is no place for a run's files).
+    """
+    target = state_dir / "examples"
+    (target / "specs").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(examples / DEMO_SCRIPT, target / DEMO_SCRIPT)
+    for name in DEMO_SPECS:
+        shutil.copy2(examples / "specs" / name, target / "specs" / name)
+    return state_dir
+
+
+def place_spec(example: str, examples: Path, working_dir: Path, jobs_dir: Path) -> None:
+    """Copy an example spec into the watched directory, atomically, to run from working_dir."""
+    document = yaml.safe_load((examples / "specs" / example).read_text())
+    document["spec"]["workingDir"] = str(working_dir)
     write_atomically(jobs_dir / example, yaml.safe_dump(document, sort_keys=False))
 
 
@@ -122,14 +158,21 @@ def summary(database: Path, started: float) -> str:
 
 
 def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
-    if not (EXAMPLE_SPECS / "digits-a.yaml").exists():
-        print(f"herd-operator demo: examples not found under {REPO}", file=sys.stderr)
+    examples = find_examples()
+    if examples is None:
+        print(
+            "herd-operator demo: the example jobs are missing from this installation"
+            f" (looked in the package's examples/ and {CHECKOUT_EXAMPLES});"
+            " reinstall herd-operator, or run the demo from a source checkout",
+            file=sys.stderr,
+        )
         return 1
     try:
         prepare_state_dir(state_dir)
     except DemoFailed as err:
         print(f"herd-operator demo: {err}", file=sys.stderr)
         return 1
+    working_dir = stage_examples(examples, state_dir).resolve()
     jobs_dir = state_dir / "jobs"
     jobs_dir.mkdir(exist_ok=True)
     layout = StateLayout(state_dir / "state")
@@ -162,7 +205,7 @@ def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
             raise DemoFailed("the operator did not start")
         say(f"operator up on {virtual_gpus} virtual GPUs; state in {layout.root}")
         say("1. digits-a (elastic, 1..3 GPUs) arrives: admitted, 3 workers start")
-        place_spec("digits-a.yaml", jobs_dir)
+        place_spec("digits-a.yaml", examples, working_dir, jobs_dir)
         watch.until(
             "digits-a to report 3 workers",
             lambda: watch.job("digits-a").get("gpus", {}).get("active") == 3,
@@ -171,7 +214,7 @@ def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
             "digits-a's second epoch", lambda: (watch.job("digits-a").get("epoch") or 0) >= 1
         )
         say("2. digits-b (gang, needs 2 GPUs) arrives: digits-a shrinks to make room")
-        place_spec("digits-b.yaml", jobs_dir)
+        place_spec("digits-b.yaml", examples, working_dir, jobs_dir)
         watch.until(
             "digits-b to run",
             lambda: (

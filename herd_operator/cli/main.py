@@ -352,11 +352,20 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--output",
         type=Path,
-        help="file to write (default: timeline.png; stdout for --format text); "
-        "a .txt or .md name means --format text",
+        help="file to write (default: timeline.png, or timeline.svg/.pdf with --format;"
+        " stdout for --format text); its suffix picks the format: .png, .svg, .pdf, or"
+        " .txt/.md for the text summary",
     )
     report.add_argument(
-        "--format", choices=["png", "text"], help="default: from --output's suffix, else png"
+        "--format",
+        choices=["png", "svg", "pdf", "text"],
+        help="default: from --output's suffix, else png",
+    )
+    report.add_argument(
+        "--dpi",
+        type=_dpi,
+        default=150,
+        help="resolution of a PNG, in dots per inch (default: 150; the figure is 8x9 in)",
     )
     report.add_argument(
         "--since",
@@ -440,6 +449,8 @@ _non_negative_int = _bounded(int, lambda v: v >= 0, "must not be negative", "an 
 _port = _bounded(int, lambda v: 0 <= v < 65536, "a port is 0..65535", "a port number")
 _positive_float = _bounded(float, lambda v: v > 0, "must be positive", "a number")
 _non_negative_float = _bounded(float, lambda v: v >= 0, "must not be negative", "a number")
+# Below 30 the text is unreadable; above 1200 an 8x9 in PNG passes 100 megapixels.
+_dpi = _bounded(int, lambda v: 30 <= v <= 1200, "a resolution is 30..1200 dpi", "an integer")
 
 _BYTE_UNITS = {
     "": 1,

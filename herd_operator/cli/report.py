@@ -3,6 +3,13 @@
 The store is read once into a ``RunData`` of plain series (times in seconds since the
 run's first record); the figure and the text are pure functions of it. matplotlib is
 imported only to draw, so the text summary works where it is not installed.
+
+GPU-seconds integrate the grant history. The operator logs a drop to 0 GPUs for every end
+(succeeded, failed, stopped, deleted); a store written before it did ends a job's grant at
+its terminal status time instead (``finished_at``, the shutdown's ``Running=False``, the
+``Deleted`` event), so old runs are not counted as holding GPUs they had given back. Jobs
+whose spec was deleted are kept: their grant history and events outlive them (their
+reports and memory samples do not).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import argparse
 import struct
 import sys
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,18 +29,49 @@ from pydantic import ValidationError
 
 from controllers.ports import JobRecord
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, format_table, open_store
-from herd_operator.runtime.store import MAX_REPORTS_PER_JOB, Store
+from herd_operator.runtime.store import MAX_EVENTS, MAX_REPORTS_PER_JOB, Store, StoreError
+from herd_operator.runtime.store import Event as StoredEvent
 from herd_operator.runtime.store import GrantChange as StoredGrantChange
 from policies.memory import MemoryParams
-from specs import PolicyRef
+from specs import ConditionType, PolicyRef, get_condition
+from specs.status import HerdJobStatus
 from specs.values import Report, UsageSample
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.typing import LineStyleType
 
 TEXT_SUFFIXES = {".txt": "text", ".md": "markdown"}
-FIGURE_INCHES = (12.0, 7.5)
-FIGURE_DPI = 100
+FIGURE_SUFFIXES = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+FIGURE_FORMATS = frozenset(FIGURE_SUFFIXES.values())
+FIGURE_INCHES = (8.0, 9.0)
+"""Wide enough for a legend beside nothing, narrow enough for a page (scaled to 6.3 in, the
+text is still 7 pt)."""
+DEFAULT_DPI = 150
+DELETED = "Deleted"
+INSTALL_REPORT_EXTRA = "pip install 'herd-operator[report]'"
+
+# Job colours: a hash of the name picks one, so a job keeps its colour from report to
+# report. Paul Tol's "muted" scheme: tells 9 colours apart, also for colour-blind readers
+# and in grey print (with the line styles and hatches). Grey is kept for idle and draining.
+PALETTE = (
+    "#332288",
+    "#DDCC77",
+    "#44AA99",
+    "#882255",
+    "#88CCEE",
+    "#117733",
+    "#CC6677",
+    "#999933",
+    "#AA4499",
+)
+"""In an order where neighbours differ most: a job that finds its colour taken takes the
+next one."""
+LINE_STYLES: tuple[LineStyleType, ...] = ("-", "--", "-.", (0, (8, 2, 1, 2, 1, 2)))
+HATCHES = ("", "//", "..", "xx")
+"""One per line style: the stacked view tells jobs apart in grey print too. Dotted lines
+are kept for the reported world size."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +100,9 @@ class JobSeries:
     name: str
     status: str
     policy: str
-    min_gpus: int
-    max_gpus: int
+    min_gpus: int | None
+    """None when the spec is gone (a deleted job) or unreadable."""
+    max_gpus: int | None
     created: float
     initial_gpus: int
     """Granted GPUs at the window's start (0 unless the job started before it)."""
@@ -80,9 +120,20 @@ class JobSeries:
         """GPUs granted, integrated over the window up to ``end``."""
         total, level, since = 0.0, self.initial_gpus, 0.0
         for step in self.grants:
+            if step.time >= end:
+                break
             total += level * (step.time - since)
             level, since = step.after, step.time
         return total + level * max(0.0, end - since)
+
+    def granted_at(self, when: float) -> int:
+        """GPUs granted at ``when`` (after the changes made at that very time)."""
+        level = self.initial_gpus
+        for step in self.grants:
+            if step.time > when:
+                break
+            level = step.after
+        return level
 
     def pending_seconds(self, end: float) -> float:
         """From the job's creation (or the window's start) to its first grant, or to ``end``."""
@@ -97,6 +148,12 @@ class JobSeries:
     def resizes(self) -> int:
         return sum(step.is_resize for step in self.grants)
 
+    @property
+    def gpus_range(self) -> str:
+        if self.min_gpus is None or self.max_gpus is None:
+            return "-"
+        return f"{self.min_gpus}-{self.max_gpus}"
+
 
 @dataclass(frozen=True)
 class RunData:
@@ -108,6 +165,23 @@ class RunData:
     end: float
     """Run seconds of the last record."""
     jobs: tuple[JobSeries, ...]
+    pool: tuple[tuple[float, int], ...]
+    """(run seconds, GPUs in the pool) from each change on; the first at time 0."""
+    pool_inferred: bool = False
+    """The store did not log the pool's size (written by an older operator): ``pool`` is
+    the most GPUs the jobs held at once."""
+
+    def pool_at(self, when: float) -> int:
+        size = self.pool[0][1] if self.pool else 0
+        for at, gpus in self.pool:
+            if at > when:
+                break
+            size = gpus
+        return size
+
+    @property
+    def pool_max(self) -> int:
+        return max((gpus for _, gpus in self.pool), default=0)
 
 
 class ReportError(Exception):
@@ -121,22 +195,77 @@ class ReportError(Exception):
 # ---- reading ----
 
 
+@dataclass(frozen=True)
+class JobSource:
+    """What the store holds of one job: its record, or for a deleted job only the logs."""
+
+    name: str
+    record: JobRecord | None
+    grants: tuple[StoredGrantChange, ...]
+    events: tuple[StoredEvent, ...]
+
+
+def end_time(source: JobSource) -> tuple[float, str] | None:
+    """When the job last ended (unix time) and how, from its status or its events.
+
+    None while it runs or waits. For a finished job, ``finished_at``; for one the operator
+    stopped on its way out, the ``Running=False OperatorStopped`` transition; for a deleted
+    job, its ``Deleted`` event.
+    """
+    if source.record is None:
+        deleted = [event.time for event in source.events if event.reason == "Deleted"]
+        return (deleted[-1], "spec deleted") if deleted else None
+    status: HerdJobStatus = source.record.status
+    for condition_type, how in (
+        (ConditionType.Succeeded, "job succeeded"),
+        (ConditionType.Failed, "job failed"),
+    ):
+        condition = get_condition(status.conditions, condition_type)
+        if condition is not None and condition.status == "True":
+            finished = status.finished_at
+            return (finished if finished is not None else condition.last_transition_time), how
+    running = get_condition(status.conditions, ConditionType.Running)
+    if running is not None and running.status == "False" and running.reason == "OperatorStopped":
+        return running.last_transition_time, "operator shut down"
+    return None
+
+
+def grant_levels(source: JobSource) -> list[tuple[float, int, str]]:
+    """(unix time, GPUs, reason) of the job's grant changes, ended where the job ended.
+
+    The end is added only where the log lacks it (a store of an older operator): the level
+    in force at the end time is above 0, so a later row cannot be the end's.
+    """
+    changes = [(change.time, change.gpus, change.reason) for change in source.grants]
+    ended = end_time(source)
+    if ended is not None:
+        at, how = ended
+        level = 0
+        for time_, gpus, _ in changes:
+            if time_ > at:
+                break
+            level = gpus
+        if level > 0:
+            changes.append((at, 0, f"{how} (from the job's status)"))
+            changes.sort(key=lambda change: change[0])  # stable: rows at one time keep order
+    return changes
+
+
 def job_series(
-    record: JobRecord,
-    grants: Sequence[StoredGrantChange],
+    source: JobSource,
     reports: Sequence[Report],
     usage: Sequence[UsageSample],
     origin: float,
 ) -> JobSeries:
     """One job's series relative to ``origin``; records before it only set the starting grant."""
-    spec = record.spec.spec
-    earlier = [change for change in grants if change.time < origin]
-    initial = level = earlier[-1].gpus if earlier else 0
+    changes = grant_levels(source)
+    earlier = [gpus for time_, gpus, _ in changes if time_ < origin]
+    initial = level = earlier[-1] if earlier else 0
     steps: list[GrantStep] = []
-    for change in grants:
-        if change.time >= origin and change.gpus != level:
-            steps.append(GrantStep(change.time - origin, level, change.gpus, change.reason))
-            level = change.gpus
+    for time_, gpus, reason in changes:
+        if time_ >= origin and gpus != level:
+            steps.append(GrantStep(time_ - origin, level, gpus, reason))
+            level = gpus
     world_sizes: list[tuple[float, int]] = []
     epoch_ends: list[tuple[float, int]] = []
     for report in reports:
@@ -151,19 +280,37 @@ def job_series(
         for sample in usage
         if sample.time >= origin and sample.total_bytes > 0
     ]
+    record = source.record
+    min_gpus = max_gpus = None
+    policy, thresholds = "-", None
+    if record is None:
+        status = DELETED
+        created = min(
+            [change.time for change in source.grants] + [event.time for event in source.events]
+        )
+    else:
+        status = record.status.summary()
+        created = record.created_at
+        try:
+            spec = record.spec.spec
+        except StoreError:  # an unreadable stored spec: show the job without it
+            pass
+        else:
+            min_gpus, max_gpus = spec.gpus.min, spec.gpus.max
+            policy, thresholds = spec.policy.name, memory_thresholds(spec.policy)
     return JobSeries(
-        name=record.name,
-        status=record.status.summary(),
-        policy=spec.policy.name,
-        min_gpus=spec.gpus.min,
-        max_gpus=spec.gpus.max,
-        created=record.created_at - origin,
+        name=source.name,
+        status=status,
+        policy=policy,
+        min_gpus=min_gpus,
+        max_gpus=max_gpus,
+        created=created - origin,
         initial_gpus=initial,
         grants=tuple(steps),
         world_sizes=tuple(world_sizes),
         epoch_ends=tuple(epoch_ends),
         memory=tuple(memory),
-        thresholds=memory_thresholds(spec.policy),
+        thresholds=thresholds,
     )
 
 
@@ -178,29 +325,65 @@ def memory_thresholds(policy: PolicyRef) -> tuple[float, float] | None:
     return params.low, params.high
 
 
+def job_sources(store: Store) -> list[JobSource]:
+    """Every job the store knows, by name: those with a record, and deleted ones (whose
+    grant history or events outlive them)."""
+    records = {record.name: record for record in store.list_jobs()}
+    grants: dict[str, list[StoredGrantChange]] = {}
+    for change in store.grant_history():
+        grants.setdefault(change.job, []).append(change)
+    events: dict[str, list[StoredEvent]] = {}
+    for event in store.events(limit=MAX_EVENTS):
+        if event.job is not None:
+            events.setdefault(event.job, []).append(event)
+    # A deleted job is one that once held GPUs (a job deleted while pending never ran).
+    names = sorted(set(records) | set(grants))
+    return [
+        JobSource(name, records.get(name), tuple(grants.get(name, ())), tuple(events.get(name, ())))
+        for name in names
+    ]
+
+
+def infer_pool(jobs: Sequence[JobSeries]) -> int:
+    """The most GPUs the jobs held at once: the pool of a store that did not log it."""
+    times = sorted({step.time for job in jobs for step in job.grants} | {0.0})
+    return max((sum(job.granted_at(at) for job in jobs) for at in times), default=0)
+
+
 def load_run(
-    store: Store, state_dir: Path, records: Sequence[JobRecord], since: float | None
+    store: Store, state_dir: Path, sources: Sequence[JobSource], since: float | None
 ) -> RunData:
-    """Read the series of ``records`` from ``store``, from unix time ``since`` on if given."""
-    with store.snapshot():
-        grants = {record.name: store.grant_history(record.name) for record in records}
-        reports = {
-            record.name: store.reports(record.name, since, limit=MAX_REPORTS_PER_JOB)
-            for record in records
-        }
-        usage = {record.name: store.usage(record.name, since) for record in records}
-    times = [record.created_at for record in records] + [record.updated_at for record in records]
-    for name in grants:
-        times += [change.time for change in grants[name]]
-        times += [report.time for report in reports[name]]
-        times += [sample.time for sample in usage[name]]
+    """Read the series of ``sources`` from ``store``, from unix time ``since`` on if given.
+
+    Call it inside the ``store.snapshot()`` that read ``sources``, so all is of one state.
+    """
+    reports = {
+        source.name: store.reports(source.name, since, limit=MAX_REPORTS_PER_JOB)
+        for source in sources
+    }
+    usage = {source.name: store.usage(source.name, since) for source in sources}
+    pool_sizes = store.pool_sizes()
+    times: list[float] = []
+    for source in sources:
+        if source.record is not None:
+            times += [source.record.created_at, source.record.updated_at]
+        times += [change.time for change in source.grants]
+        times += [event.time for event in source.events if event.reason == "Deleted"]
+        times += [report.time for report in reports[source.name]]
+        times += [sample.time for sample in usage[source.name]]
+    times = times or [time.time()]
     first, last = min(times), max(times)
     origin = first if since is None else max(since, first)
     jobs = tuple(
-        job_series(record, grants[record.name], reports[record.name], usage[record.name], origin)
-        for record in records
+        job_series(source, reports[source.name], usage[source.name], origin) for source in sources
     )
-    return RunData(state_dir=state_dir, origin=origin, end=max(0.0, last - origin), jobs=jobs)
+    end = max(0.0, last - origin)
+    if pool_sizes:
+        earlier = [gpus for at, gpus in pool_sizes if at <= origin]
+        pool = [(0.0, earlier[-1] if earlier else pool_sizes[0][1])]
+        pool += [(at - origin, gpus) for at, gpus in pool_sizes if origin < at <= last]
+        return RunData(state_dir, origin, end, jobs, tuple(pool))
+    return RunData(state_dir, origin, end, jobs, ((0.0, infer_pool(jobs)),), pool_inferred=True)
 
 
 # ---- text ----
@@ -236,7 +419,7 @@ def format_summary(run: RunData, markdown: bool = False) -> str:
             job.name,
             job.status,
             job.policy,
-            f"{job.min_gpus}-{job.max_gpus}",
+            job.gpus_range,
             f"{job.gpu_seconds(run.end):.0f}",
             str(job.epochs()),
             str(job.resizes()),
@@ -261,7 +444,7 @@ def format_summary(run: RunData, markdown: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---- figure ----
+# ---- figure data (pure: the property tests check these) ----
 
 
 def grant_steps(job: JobSeries, end: float) -> tuple[list[float], list[int]]:
@@ -280,6 +463,79 @@ def grant_steps(job: JobSeries, end: float) -> tuple[list[float], list[int]]:
     return xs, ys
 
 
+def world_size_steps(job: JobSeries, end: float) -> tuple[list[float], list[int]]:
+    """x and y of the reported world size, held until the grant next drops to 0, or ``end``."""
+    if not job.world_sizes:
+        return [], []
+    last = job.world_sizes[-1][0]
+    release = next((s.time for s in job.grants if s.after == 0 and s.time >= last), end)
+    xs = [t for t, _ in job.world_sizes] + [max(release, last)]
+    ys = [size for _, size in job.world_sizes]
+    return xs, [*ys, ys[-1]]
+
+
+def _world_size_in_force(job: JobSeries, end: float, when: float) -> int:
+    """The reported world size the world-size line shows at ``when`` (0 outside it)."""
+    xs, ys = world_size_steps(job, end)
+    if not xs or when < xs[0] or when >= xs[-1]:
+        return 0
+    size = 0
+    for x, y in zip(xs, ys, strict=True):
+        if x > when:
+            break
+        size = y
+    return size
+
+
+@dataclass(frozen=True)
+class PoolStack:
+    """The pool over time as layers, constant from ``times[i]`` to ``times[i + 1]``.
+
+    At each time the layers add up to the pool: GPUs granted to each job, GPUs draining
+    (taken from a job whose workers still run on them: its reported world size is above
+    its grant), and idle GPUs.
+    """
+
+    times: tuple[float, ...]
+    granted: tuple[tuple[int, ...], ...]
+    """Per job (in ``RunData.jobs`` order), per time."""
+    draining: tuple[int, ...]
+    idle: tuple[int, ...]
+    pool: tuple[int, ...]
+
+
+def pool_stack(run: RunData) -> PoolStack:
+    times = {0.0, run.end}
+    for job in run.jobs:
+        times.update(step.time for step in job.grants)
+        times.update(world_size_steps(job, run.end)[0])
+    times.update(at for at, _ in run.pool)
+    grid = tuple(sorted(t for t in times if 0.0 <= t <= run.end))
+    granted: list[list[int]] = [[] for _ in run.jobs]
+    draining: list[int] = []
+    idle: list[int] = []
+    pool: list[int] = []
+    for at in grid:
+        size = run.pool_at(at)
+        levels = [job.granted_at(at) for job in run.jobs]
+        # A job that held more than the pool (a damaged log) is shown at most the pool.
+        room = size
+        for index, level in enumerate(levels):
+            shown = min(level, room)
+            granted[index].append(shown)
+            room -= shown
+        beyond = sum(
+            max(0, _world_size_in_force(job, run.end, at) - level)
+            for job, level in zip(run.jobs, levels, strict=True)
+        )
+        draining.append(min(beyond, room))
+        idle.append(room - draining[-1])
+        pool.append(size)
+    return PoolStack(
+        grid, tuple(tuple(row) for row in granted), tuple(draining), tuple(idle), tuple(pool)
+    )
+
+
 def label_lifts(points: Sequence[tuple[float, int]], near: float) -> list[int]:
     """How many labels each point's label sits above, so labels at one spot do not overlap.
 
@@ -294,17 +550,6 @@ def label_lifts(points: Sequence[tuple[float, int]], near: float) -> list[int]:
         ]
         lifts.append(max(below) + 1 if below else 0)
     return lifts
-
-
-def world_size_steps(job: JobSeries, end: float) -> tuple[list[float], list[int]]:
-    """x and y of the reported world size, held until the grant next drops to 0, or ``end``."""
-    if not job.world_sizes:
-        return [], []
-    last = job.world_sizes[-1][0]
-    release = next((s.time for s in job.grants if s.after == 0 and s.time >= last), end)
-    xs = [t for t, _ in job.world_sizes] + [max(release, last)]
-    ys = [size for _, size in job.world_sizes]
-    return xs, [*ys, ys[-1]]
 
 
 def time_unit(span: float) -> tuple[float, str]:
@@ -326,86 +571,284 @@ def threshold_lines(jobs: Sequence[JobSeries]) -> dict[float, list[str]]:
     return dict(sorted(lines.items()))
 
 
-def draw_timeline(run: RunData, path: Path) -> None:
-    """Draw GPUs and GPU memory per job over time into a PNG at ``path``."""
+@dataclass(frozen=True)
+class JobStyle:
+    color: str
+    linestyle: LineStyleType
+    hatch: str
+
+
+def job_styles(names: Sequence[str]) -> list[JobStyle]:
+    """Each job's colour, line style and hatch, from its name: the same in every report.
+
+    A hash of the name picks a colour of ``PALETTE`` and, from other bits, a line style
+    (with its hatch for the stacked view). Two jobs of one report whose names pick the
+    same one would look alike, so the second (by name) takes the next one no job of the
+    report has; only then can a job's look differ from one report to the next (with more
+    jobs than colours, colours repeat and the line styles tell them apart).
+    """
+    digests = {name: zlib.crc32(name.encode()) for name in names}
+    colors = _spread(
+        {name: digest % len(PALETTE) for name, digest in digests.items()}, len(PALETTE)
+    )
+    lines = _spread(
+        {name: digest // len(PALETTE) % len(LINE_STYLES) for name, digest in digests.items()},
+        len(LINE_STYLES),
+    )
+    return [
+        JobStyle(PALETTE[colors[name]], LINE_STYLES[lines[name]], HATCHES[lines[name]])
+        for name in names
+    ]
+
+
+def _spread(wanted: dict[str, int], choices: int) -> dict[str, int]:
+    """Each name's wanted choice, or the next one free among the names before it (by name);
+    once every choice is taken, they are all free again."""
+    chosen: dict[str, int] = {}
+    taken: set[int] = set()
+    for name in sorted(wanted):
+        choice = next(
+            (wanted[name] + shift) % choices
+            for shift in range(choices)
+            if (wanted[name] + shift) % choices not in taken
+        )
+        chosen[name] = choice
+        taken.add(choice)
+        if len(taken) == choices:
+            taken.clear()
+    return chosen
+
+
+def line_offsets(count: int) -> list[float]:
+    """Vertical offsets (in GPUs) that keep equal step lines of ``count`` jobs apart.
+
+    Centred on the true value and at most 0.3 GPU wide in all, so a line never reads as
+    the next integer.
+    """
+    if count < 2:
+        return [0.0] * count
+    spacing = min(0.08, 0.3 / (count - 1))
+    return [(index - (count - 1) / 2) * spacing for index in range(count)]
+
+
+# ---- figure ----
+
+
+def draw_timeline(run: RunData, path: Path, kind: str = "png", dpi: int = DEFAULT_DPI) -> None:
+    """Draw the run into ``path`` as ``kind`` (png, svg or pdf), at ``dpi`` for PNG."""
+    from matplotlib import rc_context
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    # A fixed salt for the SVG's element ids (random otherwise) and no dates: the same
+    # run gives the same file, so a document that includes it rebuilds without changes.
+    with rc_context({"svg.hashsalt": "herd-operator"}):
+        figure = Figure(figsize=FIGURE_INCHES, dpi=dpi, layout="constrained")
+        FigureCanvasAgg(figure)  # attaches the Agg canvas: no display needed (PDF/SVG too)
+        draw_run(figure, run)
+        figure.savefig(path, format=kind, dpi=dpi, metadata=_metadata(kind))
+
+
+def _metadata(kind: str) -> dict[str, str | None]:
+    # No creation date (PDF and SVG embed one otherwise).
+    if kind == "pdf":
+        return {"CreationDate": None, "Title": "herd-operator report"}
+    if kind == "svg":
+        return {"Date": None, "Title": "herd-operator report"}
+    return {"Title": "herd-operator report"}
+
+
+def figure_title(run: RunData) -> str:
+    """What the run was, without paths (a figure goes into papers and slides)."""
+    started = datetime.fromtimestamp(run.origin, UTC).strftime("%Y-%m-%d %H:%M UTC")
+    jobs = f"{len(run.jobs)} job{'s' if len(run.jobs) != 1 else ''}"
+    pool = f"{run.pool_max} GPUs" + (" (most held at once)" if run.pool_inferred else "")
+    return f"herd-operator run of {started}: {jobs} on {pool}, {format_duration(run.end)}"
+
+
+def draw_run(figure: Figure, run: RunData) -> None:
+    """Three panels on one time axis: GPUs per job, the pool stacked, GPU memory."""
     from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     scale, unit = time_unit(run.end)
-    figure = Figure(figsize=FIGURE_INCHES, dpi=FIGURE_DPI, layout="constrained")
-    FigureCanvasAgg(figure)  # attaches the Agg canvas: no display needed
-    gpus_axes, memory_axes = figure.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    # Earlier jobs draw wider, so a later job on the same count leaves their edges visible.
-    widths = [4.0 - 2.0 * i / max(len(run.jobs) - 1, 1) for i in range(len(run.jobs))]
-    for index, job in enumerate(run.jobs):
-        color = f"C{index % 10}"
+    styles = job_styles([job.name for job in run.jobs])
+    jobs_axes, pool_axes, memory_axes = figure.subplots(3, 1, sharex=True, height_ratios=[3, 2, 2])
+    figure.suptitle(figure_title(run), fontsize=11)
+    top = max(run.pool_max, *(job.max_gpus or 0 for job in run.jobs), 1)
+
+    # (a) GPUs per job: granted (steps), reported world size (thin, dotted), resizes (marks).
+    offsets = line_offsets(len(run.jobs))
+    for job, style, offset in zip(run.jobs, styles, offsets, strict=True):
         xs, ys = grant_steps(job, run.end)
-        gpus_axes.step(
-            [x / scale for x in xs], ys, where="post", color=color, linewidth=widths[index]
+        jobs_axes.step(
+            [x / scale for x in xs],
+            [y + offset for y in ys],
+            where="post",
+            color=style.color,
+            linestyle=style.linestyle,
+            linewidth=1.8,
         )
         xs, ys = world_size_steps(job, run.end)
-        gpus_axes.step(
-            [x / scale for x in xs], ys, where="post", color="black", linestyle=":", linewidth=1
+        jobs_axes.step(
+            [x / scale for x in xs],
+            [y + offset for y in ys],
+            where="post",
+            color=style.color,
+            linestyle=":",
+            linewidth=1.0,
         )
         if job.epoch_ends:
-            gpus_axes.plot(
+            jobs_axes.plot(
                 [t / scale for t, _ in job.epoch_ends],
-                [_world_size_at(job, t) for t, _ in job.epoch_ends],
+                [_world_size_at(job, t) + offset for t, _ in job.epoch_ends],
                 linestyle="none",
                 marker="|",
-                markersize=7,
-                color="black",
+                markersize=6,
+                color=style.color,
             )
         for step in job.grants:
-            for axes in (gpus_axes, memory_axes):
-                axes.axvline(step.time / scale, color=color, alpha=0.35, linewidth=0.8)
+            if step.is_resize:
+                jobs_axes.plot(
+                    step.time / scale,
+                    step.after + offset,
+                    marker="^" if step.after > step.before else "v",
+                    markersize=6,
+                    color=style.color,
+                    markeredgecolor="black",
+                    markeredgewidth=0.5,
+                    linestyle="none",
+                )
+    resizes = sorted(
+        (
+            (step, index)
+            for index, job in enumerate(run.jobs)
+            for step in job.grants
+            if step.is_resize
+        ),
+        key=lambda change: change[0].time,
+    )
+    lifts = label_lifts([(step.time, step.after) for step, _ in resizes], near=run.end / 12)
+    for (step, index), lift in zip(resizes, lifts, strict=True):
+        near_right = step.time > 0.85 * run.end
+        jobs_axes.annotate(
+            step.label,
+            (step.time / scale, step.after + offsets[index]),
+            xytext=(-4 if near_right else 4, 5 + 9 * lift),
+            textcoords="offset points",
+            ha="right" if near_right else "left",
+            fontsize=7,
+            color=styles[index].color,
+            annotation_clip=False,
+        )
+    jobs_axes.set_ylabel("GPUs per job")
+    # Headroom above the largest count for the resize labels.
+    jobs_axes.set_ylim(-0.3, top + 0.9)
+    jobs_axes.yaxis.get_major_locator().set_params(integer=True)
+    jobs_axes.grid(axis="y", alpha=0.3)
+    jobs_axes.set_title(
+        "(a) GPUs granted per job, and the world size its workers reported", loc="left", fontsize=9
+    )
+
+    # (b) the pool, stacked: what each job holds, what drains, what is idle.
+    stack = pool_stack(run)
+    xs = [t / scale for t in stack.times]
+    lower = [0] * len(stack.times)
+    for job, style, levels in zip(run.jobs, styles, stack.granted, strict=True):
+        upper = [a + b for a, b in zip(lower, levels, strict=True)]
+        if any(levels):
+            pool_axes.fill_between(
+                xs,
+                lower,
+                upper,
+                step="post",
+                facecolor=style.color,
+                hatch=style.hatch,
+                edgecolor="white",
+                linewidth=0.0,
+                label=job.name,
+            )
+        lower = upper
+    for layer, color, hatch in (
+        (stack.draining, "#BBBBBB", "\\\\\\"),
+        (stack.idle, "#EEEEEE", ""),
+    ):
+        upper = [a + b for a, b in zip(lower, layer, strict=True)]
+        pool_axes.fill_between(
+            xs,
+            lower,
+            upper,
+            step="post",
+            facecolor=color,
+            hatch=hatch,
+            edgecolor="#777777",
+            linewidth=0.0,
+        )
+        lower = upper
+    pool_axes.step(xs, stack.pool, where="post", color="black", linewidth=1.0)
+    pool_axes.set_ylabel("GPUs in the pool")
+    pool_axes.set_ylim(0, top + 0.5)
+    pool_axes.yaxis.get_major_locator().set_params(integer=True)
+    pool_axes.set_title(
+        "(b) the pool: GPUs per job stacked, draining and idle GPUs on top", loc="left", fontsize=9
+    )
+
+    # (c) GPU memory used, against each memory policy's thresholds.
+    for job, style in zip(run.jobs, styles, strict=True):
         if job.memory:
             memory_axes.plot(
                 [t / scale for t, _ in job.memory],
                 [100 * u for _, u in job.memory],
-                color=color,
+                color=style.color,
+                linestyle=style.linestyle,
                 linewidth=1.2,
             )
-    changes = sorted(
-        ((step, index) for index, job in enumerate(run.jobs) for step in job.grants),
-        key=lambda change: change[0].time,
+    _draw_thresholds(
+        memory_axes,
+        threshold_lines(run.jobs),
+        dict(zip([j.name for j in run.jobs], styles, strict=True)),
     )
-    lifts = label_lifts([(step.time, step.after) for step, _ in changes], near=run.end / 25)
-    for (step, index), lift in zip(changes, lifts, strict=True):
-        gpus_axes.annotate(
-            step.label,
-            (step.time / scale, step.after),
-            xytext=(3, 4 + 10 * lift),
-            textcoords="offset points",
-            fontsize=8,
-            color=f"C{index % 10}",
-        )
-    _draw_thresholds(memory_axes, threshold_lines(run.jobs))
-
-    gpus_axes.set_ylabel("GPUs")
-    gpus_axes.set_ylim(bottom=0)
-    gpus_axes.yaxis.get_major_locator().set_params(integer=True)
-    gpus_axes.grid(axis="y", alpha=0.3)
-    started = datetime.fromtimestamp(run.origin, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    gpus_axes.set_title(f"herd-operator run in {run.state_dir}, started {started}")
-    handles: list[Line2D] = [
-        Line2D([], [], color=f"C{i % 10}", linewidth=2, label=job.name)
-        for i, job in enumerate(run.jobs)
-    ]
-    handles += [
-        Line2D([], [], color="grey", linewidth=2, label="granted GPUs"),
-        Line2D([], [], color="black", linestyle=":", label="reported world size"),
-        Line2D([], [], color="black", linestyle="none", marker="|", label="epoch end"),
-    ]
-    gpus_axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-
     memory_axes.set_ylabel("GPU memory used (%)")
     memory_axes.set_ylim(0, 100)
-    memory_axes.set_xlim(0, max(run.end, 1.0) / scale)
+    # A little room on the right: a line that ends with the run stays visible.
+    memory_axes.set_xlim(0, max(run.end, 1.0) * 1.01 / scale)
     memory_axes.set_xlabel(f"{unit} since the start of the run")
     memory_axes.grid(axis="y", alpha=0.3)
-    figure.savefig(path, format="png")
+    memory_axes.set_title(
+        "(c) GPU memory used, and the memory policy's thresholds", loc="left", fontsize=9
+    )
+
+    handles: list[Line2D | Patch] = [
+        Line2D([], [], color=style.color, linestyle=style.linestyle, linewidth=1.8, label=job.name)
+        for job, style in zip(run.jobs, styles, strict=True)
+    ]
+    handles += [
+        Line2D([], [], color="black", linewidth=1.8, label="GPUs granted"),
+        Line2D([], [], color="black", linestyle=":", linewidth=1.0, label="world size reported"),
+        Line2D(
+            [],
+            [],
+            color="grey",
+            marker="^",
+            linestyle="none",
+            markeredgecolor="black",
+            label="grown",
+        ),
+        Line2D(
+            [],
+            [],
+            color="grey",
+            marker="v",
+            linestyle="none",
+            markeredgecolor="black",
+            label="shrunk",
+        ),
+        Line2D([], [], color="black", marker="|", linestyle="none", label="epoch end"),
+        Patch(facecolor="#BBBBBB", hatch="\\\\\\", edgecolor="#777777", label="draining"),
+        Patch(facecolor="#EEEEEE", edgecolor="#777777", label="idle"),
+        Line2D([], [], color="grey", linestyle="--", linewidth=0.9, label="policy threshold"),
+    ]
+    figure.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=8, frameon=False)
 
 
 def _world_size_at(job: JobSeries, when: float) -> int:
@@ -418,18 +861,26 @@ def _world_size_at(job: JobSeries, when: float) -> int:
     return size
 
 
-def _draw_thresholds(axes: Axes, lines: dict[float, list[str]]) -> None:
+def _draw_thresholds(
+    axes: Axes, lines: dict[float, list[str]], styles: dict[str, JobStyle]
+) -> None:
+    """One dashed line per threshold value, labelled in percent like the axis, on the right.
+
+    A threshold of one job takes its colour; one that jobs share is grey.
+    """
     for value, names in lines.items():
-        axes.axhline(100 * value, color="grey", linestyle="--", linewidth=0.9)
+        color = styles[names[0]].color if len(names) == 1 else "grey"
+        axes.axhline(100 * value, color=color, linestyle="--", linewidth=0.9)
         axes.annotate(
-            f"memory policy {value:g} ({', '.join(names)})",
+            f"{100 * value:.0f}% ({', '.join(names)})",
             (1.0, 100 * value),
             xycoords=("axes fraction", "data"),
             xytext=(4, 0),
             textcoords="offset points",
             va="center",
-            fontsize=8,
-            color="grey",
+            fontsize=7,
+            color=color,
+            annotation_clip=False,
         )
 
 
@@ -445,24 +896,47 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def output_format(requested: str | None, output: Path | None) -> str:
-    """`png`, `text` or `markdown`: what was asked for, else what the output's suffix says."""
-    suffix_format = TEXT_SUFFIXES.get(output.suffix.lower()) if output is not None else None
+    """`png`, `svg`, `pdf`, `text` or `markdown`: what was asked for, else what the output's
+    suffix says (a name without a suffix is a PNG).
+
+    ReportError (usage) when they disagree, or the suffix is none of these: writing PNG
+    bytes into `x.pdf` helps no one.
+    """
+    suffix = output.suffix.lower() if output is not None else ""
+    text_format = TEXT_SUFFIXES.get(suffix)
+    figure_format = FIGURE_SUFFIXES.get(suffix)
     if requested == "text":
-        return suffix_format or "text"
-    if requested == "png":
-        return "png"
-    return suffix_format or "png"
+        if figure_format is not None:
+            raise ReportError(f"--format text, but --output {output} names a figure", EXIT_USAGE)
+        return text_format or "text"
+    if requested is not None:
+        if suffix and figure_format != requested:
+            raise ReportError(
+                f"--format {requested}, but --output {output} says otherwise", EXIT_USAGE
+            )
+        return requested
+    if text_format is not None:
+        return text_format
+    if figure_format is not None:
+        return figure_format
+    if suffix:
+        raise ReportError(
+            f"cannot tell the format of --output {output}: name it .png, .svg, .pdf, .txt"
+            " or .md, or pass --format",
+            EXIT_USAGE,
+        )
+    return "png"
 
 
 def select_jobs(
-    records: Sequence[JobRecord], names: str | None, state_dir: Path
-) -> list[JobRecord]:
-    """The records named in ``names`` (comma-separated), in that order; all if None."""
-    if not records:
+    sources: Sequence[JobSource], names: str | None, state_dir: Path
+) -> list[JobSource]:
+    """The jobs named in ``names`` (comma-separated), in that order; all if None."""
+    if not sources:
         raise ReportError(f"nothing to report in {state_dir}", EXIT_FAILURE)
     if names is None:
-        return list(records)
-    by_name = {record.name: record for record in records}
+        return list(sources)
+    by_name = {source.name: source for source in sources}
     wanted = [name.strip() for name in names.split(",") if name.strip()]
     if not wanted:
         raise ReportError(f"--jobs: no job names in {names!r}", EXIT_USAGE)
@@ -481,14 +955,14 @@ def _progress(message: str) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """`herd-operator report`: see the module docstring; returns the exit code."""
-    kind = output_format(args.format, args.output)
-    since = None if args.since is None else time.time() - args.since
     try:
-        with open_store(args.state_dir) as store:
-            records = select_jobs(store.list_jobs(), args.jobs, args.state_dir)
-            _progress(f"reading {len(records)} job{'s' if len(records) != 1 else ''}...")
-            run = load_run(store, args.state_dir, records, since)
-        if kind != "png":
+        kind = output_format(args.format, args.output)
+        since = None if args.since is None else time.time() - args.since
+        with open_store(args.state_dir) as store, store.snapshot():
+            sources = select_jobs(job_sources(store), args.jobs, args.state_dir)
+            _progress(f"reading {len(sources)} job{'s' if len(sources) != 1 else ''}...")
+            run = load_run(store, args.state_dir, sources, since)
+        if kind not in FIGURE_FORMATS:
             text = format_summary(run, markdown=kind == "markdown")
             if args.output is None:
                 sys.stdout.write(text)
@@ -496,17 +970,21 @@ def run_report(args: argparse.Namespace) -> int:
             args.output.write_text(text)
             _progress(f"wrote {args.output}")
             return EXIT_OK
-        output = args.output or Path("timeline.png")
+        output = args.output or Path(f"timeline.{kind}")
         _progress("drawing...")
         try:
-            draw_timeline(run, output)
+            draw_timeline(run, output, kind, args.dpi)
         except ImportError as err:
             raise ReportError(
-                f"drawing needs matplotlib ({err}); install it, or use --format text",
+                f"drawing needs matplotlib ({err}): {INSTALL_REPORT_EXTRA}, or use --format text",
                 EXIT_FAILURE,
             ) from err
-        width, height = png_size(output)
-        _progress(f"wrote {output} ({width}x{height} px)")
+        if kind == "png":
+            width, height = png_size(output)
+            _progress(f"wrote {output} ({width}x{height} px)")
+        else:
+            inches = "x".join(f"{size:g}" for size in FIGURE_INCHES)
+            _progress(f"wrote {output} ({kind.upper()}, {inches} in)")
         return EXIT_OK
     except ReportError as err:
         print(f"herd-operator: {err}", file=sys.stderr)

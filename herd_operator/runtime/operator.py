@@ -216,6 +216,10 @@ class Operator:
         except StoreError as err:
             raise OperatorError(str(err)) from err
         self.store = store
+        try:
+            store.record_pool_size(config.pool.pool.size, time.time())
+        except StoreError as err:  # a full disk: the report then infers the pool's size
+            log.warning("cannot record the pool's size in the state store: %s", err)
         token = ensure_token_file(self.layout.token_file)
         write_token_file(self.layout.agent_token_file, agent_key(token))
         hosts = tuple(host_name for host_name, _ in config.pool.pool.hosts)
@@ -550,6 +554,15 @@ class Operator:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 
+    def _pool_changed(self, pool: Pool) -> None:
+        """A node lost or back: the allocator decides again; the store logs the new size."""
+        assert self.allocator is not None and self.store is not None
+        self.allocator.set_pool(pool)
+        try:
+            self.store.record_pool_size(pool.size, time.time())
+        except StoreError as err:
+            log.warning("cannot record the pool's new size in the state store: %s", err)
+
     def _enqueue_known_jobs(self) -> None:
         """Reconcile every recorded job once: adopted jobs converge from where they are,
         jobs a previous operator stopped on shutdown start again if their spec is still
@@ -579,7 +592,7 @@ class Operator:
             self.job_mapping.start()
         assert self.allocator is not None
         # A node lost or back: the allocator decides again and wakes the jobs it moved.
-        self.config.pool.start(self.allocator.set_pool)
+        self.config.pool.start(self._pool_changed)
         assert self.nodes is not None
         self.nodes.start()
         self.ready.set()

@@ -659,6 +659,31 @@ class Store:
             ).fetchall()
         return [GrantChange(row["job"], row["time"], row["gpus"], row["reason"]) for row in rows]
 
+    # the pool's size over time (the report stacks the jobs' GPUs up to it)
+
+    def record_pool_size(self, gpus: int, now: float) -> None:
+        """Log the pool's size from ``now`` on, unless it is the size logged last.
+
+        Kept as a JSON list in ``meta`` (no schema change): pools change rarely (a node
+        lost or back), and an operator start logs only a size that differs.
+        """
+        with self._write() as conn:
+            sizes = _pool_sizes(conn)
+            if sizes and sizes[-1][1] == gpus:
+                return
+            sizes.append((float(now), int(gpus)))
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES ('pool_sizes', ?)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (json.dumps(sizes),),
+            )
+
+    def pool_sizes(self) -> list[tuple[float, int]]:
+        """(time, GPUs in the pool) from each change on, oldest first; empty in a store
+        written before the size was logged."""
+        with self._read() as conn:
+            return _pool_sizes(conn)
+
     # events
 
     def add_event(
@@ -1012,6 +1037,13 @@ def _make_private(path: Path) -> None:
             os.close(descriptor)
     except OSError as exc:
         raise StoreError(f"cannot create state store {path}: {exc}") from exc
+
+
+def _pool_sizes(conn: sqlite3.Connection) -> list[tuple[float, int]]:
+    row = conn.execute("SELECT value FROM meta WHERE key = 'pool_sizes'").fetchone()
+    if row is None:
+        return []
+    return [(float(at), int(gpus)) for at, gpus in json.loads(row["value"])]
 
 
 def _require_job(conn: sqlite3.Connection, name: str) -> None:

@@ -1103,3 +1103,65 @@ def test_a_policy_that_vanished_is_raised_before_an_exit_is_consumed(
     world.reconcile("a")
     assert world.status("a").restarts == 1
     assert facts(world.condition("a", ConditionType.Running))[:2] == ("False", "BackOff")
+
+
+# ---- the grant history logs every end: `report` integrates it ----
+
+
+def grants(world: World, name: str) -> list[tuple[float, int, str]]:
+    return [(change.time, change.gpus, change.reason) for change in world.store.grant_history(name)]
+
+
+@pytest.mark.parametrize(
+    ("code", "restart", "reason"),
+    [(0, None, "job succeeded"), (1, {"onFailure": False}, "job failed")],
+)
+def test_a_finished_job_logs_its_drop_to_0_gpus_once(
+    world: World, code: int, restart: dict[str, Any] | None, reason: str
+) -> None:
+    started(world, herd_job(restart=restart))
+    world.clock.advance(20.0)
+    world.launcher.exit("a", code)
+
+    world.reconcile("a")
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")  # a resync of the finished job logs nothing more
+
+    (admitted_at, admitted, _), *rest = grants(world, "a")
+    assert (admitted_at, admitted) == (T0, 4)
+    assert rest == [(T0 + 20.0, 0, reason)]
+
+
+def test_a_deleted_job_logs_its_drop_to_0_gpus_when_its_processes_are_gone(world: World) -> None:
+    started(world, herd_job())
+    world.specs.delete("a")
+    world.clock.advance(3.0)
+    world.reconcile("a")  # stopping: it still holds its GPUs
+    assert [gpus for _, gpus, _ in grants(world, "a")] == [4]
+    world.clock.advance(2.0)
+    world.launcher.exit("a", -15)
+
+    world.reconcile("a")
+
+    assert grants(world, "a")[1:] == [(T0 + 5.0, 0, "spec deleted")]  # the log outlives the job
+
+
+def test_the_shutdown_logs_the_drop_to_0_gpus_of_running_and_waiting_jobs(world: World) -> None:
+    started(world, herd_job("a", gpus=(2, 2)))
+    started(world, herd_job("b", gpus=(2, 2), restart={"onFailure": True, "backoffLimit": 3}))
+    world.launcher.exit("b", 1)
+    world.reconcile("b")  # BackOff: not running, and still holding its 2 GPUs
+    world.specs.put(herd_job("c", gpus=(4, 4)))
+    world.reconcile("c")  # pending: holds nothing
+    world.clock.advance(30.0)
+
+    for name in ("a", "b", "c"):
+        world.reconciler.record_shutdown(name)
+
+    assert grants(world, "a")[-1] == (T0 + 30.0, 0, "operator shut down")
+    assert grants(world, "b")[-1] == (T0 + 30.0, 0, "operator shut down")
+    assert grants(world, "c") == []
+    for name in ("a", "b"):
+        status = world.status(name)
+        assert status.gpus is not None and status.gpus.allocated == 0
+    assert [reason for _, reason, _ in world.events("b")].count("Stopped") == 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import struct
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -14,8 +16,11 @@ from herd_operator.cli import main
 from herd_operator.cli.report import (
     GrantStep,
     JobSeries,
+    ReportError,
+    figure_title,
     format_duration,
     grant_steps,
+    job_sources,
     label_lifts,
     load_run,
     output_format,
@@ -100,7 +105,7 @@ def read_png(path: Path) -> tuple[int, int]:
 
 def test_load_run_extracts_exact_series(state_dir: Path) -> None:
     with Store.open_readonly(StateLayout(state_dir).database) as store:
-        run = load_run(store, state_dir, store.list_jobs(), since=None)
+        run = load_run(store, state_dir, job_sources(store), since=None)
     assert (run.origin, run.end) == (T0, 400.0)
     alpha, beta = run.jobs
     assert (alpha.name, alpha.status, alpha.policy, alpha.created) == (
@@ -131,7 +136,7 @@ def test_load_run_extracts_exact_series(state_dir: Path) -> None:
 
 def test_load_run_since_starts_at_the_window_with_the_grant_then_in_force(state_dir: Path) -> None:
     with Store.open_readonly(StateLayout(state_dir).database) as store:
-        run = load_run(store, state_dir, store.list_jobs(), since=T0 + 135)
+        run = load_run(store, state_dir, job_sources(store), since=T0 + 135)
     assert (run.origin, run.end) == (T0 + 135, 265.0)
     alpha, beta = run.jobs
     assert (alpha.initial_gpus, alpha.grants) == (2, (GrantStep(165.0, 2, 0, "finished"),))
@@ -158,7 +163,7 @@ def test_memory_thresholds_default_to_the_policy_defaults(tmp_path: Path) -> Non
         add_job(
             store, "refused", spec_json("refused", 1, 2, refused), T0, ConditionType.Running, T0
         )
-        run = load_run(store, tmp_path, store.list_jobs(), since=None)
+        run = load_run(store, tmp_path, job_sources(store), since=None)
     assert {job.name: job.thresholds for job in run.jobs} == {
         "plain": (0.25, 0.75),
         "refused": None,
@@ -257,11 +262,29 @@ def test_format_duration(seconds: float, expected: str) -> None:
         (None, "s.md", "markdown"),
         ("text", None, "text"),
         ("text", "s.md", "markdown"),
-        ("png", "s.txt", "png"),
+        (None, "t.svg", "svg"),
+        (None, "t.PDF", "pdf"),
+        (None, "timeline", "png"),
+        ("pdf", None, "pdf"),
+        ("svg", "t.svg", "svg"),
     ],
 )
 def test_output_format(requested: str | None, output: str | None, expected: str) -> None:
     assert output_format(requested, None if output is None else Path(output)) == expected
+
+
+@pytest.mark.parametrize(
+    ("requested", "output"),
+    [("png", "s.txt"), ("png", "t.pdf"), ("text", "t.svg"), (None, "t.jpg"), ("pdf", "t.eps")],
+)
+def test_output_format_refuses_a_suffix_that_says_otherwise(
+    requested: str | None, output: str
+) -> None:
+    # Writing PNG bytes into a file named .pdf (the old behaviour) helps no one.
+    with pytest.raises(ReportError) as caught:
+        output_format(requested, Path(output))
+    assert caught.value.exit_code == EXIT_USAGE
+    assert output in str(caught.value)
 
 
 # ---- the command ----
@@ -275,11 +298,11 @@ def test_report_draws_a_png(
         capsys, "report", "--state-dir", str(state_dir), "--output", str(output)
     )
     assert (code, out) == (EXIT_OK, "")
-    assert read_png(output) == (1200, 750)
+    assert read_png(output) == (1200, 1350)
     assert err.splitlines() == [
         "report: reading 2 jobs...",
         "report: drawing...",
-        f"report: wrote {output} (1200x750 px)",
+        f"report: wrote {output} (1200x1350 px)",
     ]
     assert output.stat().st_size > 20_000  # lines and text, not a blank canvas
 
@@ -294,7 +317,7 @@ def test_report_defaults_to_timeline_png_in_the_working_directory(
     code, _, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--jobs", "beta")
     assert code == EXIT_OK
     assert err.splitlines()[0] == "report: reading 1 job..."
-    assert read_png(tmp_path / "timeline.png") == (1200, 750)
+    assert read_png(tmp_path / "timeline.png") == (1200, 1350)
 
 
 def test_report_draws_an_empty_window(
@@ -305,7 +328,7 @@ def test_report_draws_an_empty_window(
         capsys, "report", "--state-dir", str(state_dir), "--since", "60", "--output", str(output)
     )
     assert code == EXIT_OK
-    assert read_png(output) == (1200, 750)
+    assert read_png(output) == (1200, 1350)
 
 
 TEXT_SUMMARY = """\
@@ -426,10 +449,96 @@ def test_without_matplotlib_the_png_is_refused_and_text_still_works(
     code, _, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--output", str(output))
     assert code == EXIT_FAILURE
     assert err.splitlines()[-1].startswith("herd-operator: drawing needs matplotlib (")
-    assert err.endswith("); install it, or use --format text\n")
+    assert err.endswith("): pip install 'herd-operator[report]', or use --format text\n")
     assert not output.exists()
     code, out, _ = run_cli(capsys, "report", "--state-dir", str(state_dir), "--format", "text")
     assert (code, out.splitlines()[0]) == (
         EXIT_OK,
         f"Run in {state_dir}: 2 jobs, 6m40s from 2023-11-14 22:13:20 UTC",
     )
+
+
+# ---- figure formats ----
+
+MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-", "svg": b"<?xml"}
+
+
+@pytest.mark.parametrize("kind", ["png", "svg", "pdf"])
+def test_the_output_suffix_picks_the_file_format(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    output = tmp_path / f"timeline.{kind}"
+    code, _, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--output", str(output))
+    assert code == EXIT_OK, err
+    data = output.read_bytes()
+    assert data.startswith(MAGIC[kind])
+    if kind == "svg":
+        assert b"<svg" in data[:1000] and data.rstrip().endswith(b"</svg>")
+    if kind == "pdf":
+        assert data.rstrip().endswith(b"%%EOF")
+    assert err.splitlines()[-1].startswith(f"report: wrote {output} (")
+
+
+def test_the_pdf_renders(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """poppler's pdftoppm (Debian's poppler-utils, installed by scripts/bootstrap.sh) draws
+    the PDF's page: a page of the figure's size that is not blank."""
+    pdftoppm = shutil.which("pdftoppm")
+    if pdftoppm is None:
+        pytest.skip("pdftoppm is not installed (apt-get install poppler-utils)")
+    output = tmp_path / "timeline.pdf"
+    code, _, _ = run_cli(capsys, "report", "--state-dir", str(state_dir), "--output", str(output))
+    assert code == EXIT_OK
+    subprocess.run(
+        [pdftoppm, "-png", "-r", "50", "-singlefile", str(output), str(tmp_path / "page")],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    # The figure is 8x9 in: 400x450 px at 50 dpi.
+    assert read_png(tmp_path / "page.png") == (400, 450)
+    assert (tmp_path / "page.png").stat().st_size > 10_000  # lines and text, not a blank page
+
+
+def test_dpi_sets_the_png_resolution(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "print.png"
+    code, _, _ = run_cli(
+        capsys, "report", "--state-dir", str(state_dir), "--output", str(output), "--dpi", "300"
+    )
+    assert code == EXIT_OK
+    assert read_png(output) == (2400, 2700)
+
+
+@pytest.mark.parametrize("dpi", ["0", "5000", "high"])
+def test_a_dpi_out_of_range_is_a_usage_error(
+    state_dir: Path, capsys: pytest.CaptureFixture[str], dpi: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["report", "--state-dir", str(state_dir), "--dpi", dpi])
+    assert exited.value.code == EXIT_USAGE
+    assert "--dpi" in capsys.readouterr().err
+
+
+def test_the_figure_title_names_the_run_not_its_directory(state_dir: Path) -> None:
+    with Store.open_readonly(StateLayout(state_dir).database) as store:
+        run = load_run(store, state_dir, job_sources(store), since=None)
+    title = figure_title(run)
+    assert str(state_dir) not in title and "/" not in title
+    # No pool size in this store: the most GPUs held at once stands in, and says so.
+    assert title == (
+        "herd-operator run of 2023-11-14 22:13 UTC: 2 jobs on 4 GPUs (most held at once), 6m40s"
+    )
+
+
+@pytest.mark.parametrize("kind", ["svg", "pdf"])
+def test_the_same_run_gives_the_same_file(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """A thesis that includes the figure rebuilds unchanged (no dates, no random ids)."""
+    first, second = tmp_path / f"first.{kind}", tmp_path / f"second.{kind}"
+    for output in (first, second):
+        assert main(["report", "--state-dir", str(state_dir), "--output", str(output)]) == 0
+    assert first.read_bytes() == second.read_bytes()

@@ -694,6 +694,26 @@ def test_client_retries_a_connection_refused_or_dropped_before_the_welcome() -> 
         fake.stop()
 
 
+def test_client_starts_no_connect_past_its_deadline() -> None:
+    """Refused without end: the doubling pauses stop before one would end past the
+    deadline, long before the attempts run out."""
+    fake = FakeServer([_refuse_busy] * 1000, handshake=False)
+    try:
+        client = RpcClient(fake.address, TOKEN, connect_attempts=1000, connect_deadline=0.5)
+        started = time.monotonic()
+        with client, pytest.raises(ConnectionError) as caught:
+            client.call("echo")
+        elapsed = time.monotonic() - started
+        found = re.search(r"\(tried (\d+) times\)$", str(caught.value))
+        assert found is not None, caught.value
+        tried = int(found.group(1))
+        assert 2 <= tried < 20
+        assert fake.connections == tried
+        assert elapsed < 0.5 + 1.0  # the deadline, plus one refused connect on a loaded machine
+    finally:
+        fake.stop()
+
+
 def test_client_gives_up_after_its_connect_attempts() -> None:
     fake = FakeServer([_refuse_busy] * 3 + [_serve], handshake=False)
     host, port = fake.address

@@ -1,0 +1,124 @@
+"""The distribution works installed as users install it: not editable, not from a checkout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from setuptools import find_packages
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_every_package_of_the_tree_is_in_the_distribution() -> None:
+    """The packages are listed (for herd_operator.examples, built from examples/): a new
+    package of the tree that is not listed would be missing from every wheel."""
+    setuptools_config = PYPROJECT["tool"]["setuptools"]
+    found = find_packages(
+        str(REPO), include=["herd_operator*", "specs*", "controllers*", "policies*", "exporters*"]
+    )
+    assert sorted(setuptools_config["packages"]) == sorted([*found, "herd_operator.examples"])
+    assert setuptools_config["package-dir"] == {"herd_operator.examples": "examples"}
+
+
+DISTRIBUTED = (
+    "pyproject.toml",
+    "README.md",
+    "herd_operator",
+    "specs",
+    "controllers",
+    "policies",
+    "exporters",
+    "examples",
+)
+CACHES = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+# Run in the installed copy, away from the checkout: where the package came from, where the
+# demo finds its examples, and what it stages for its jobs.
+LOOKUP = """
+import json, sys, tempfile
+from pathlib import Path
+import herd_operator
+from herd_operator.cli.demo import DEMO_SCRIPT, DEMO_SPECS, find_examples, stage_examples
+examples = find_examples()
+staged = stage_examples(examples, Path(tempfile.mkdtemp()))
+print(json.dumps({
+    "package": herd_operator.__file__,
+    "examples": str(examples),
+    "staged": sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()),
+}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_finds_its_examples_in_a_non_editable_install(tmp_path: Path) -> None:
+    # Built from a copy: pip builds in the source tree and would leave build/ in the checkout.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in DISTRIBUTED:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=CACHES)
+        else:
+            shutil.copy2(REPO / name, source / name)
+    target = tmp_path / "site"
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",  # the venv's setuptools: no index needed
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    lookup = subprocess.run(
+        [sys.executable, "-c", LOOKUP],
+        cwd=tmp_path,  # not the checkout: nothing found through the working directory
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert lookup.returncode == 0, lookup.stderr[-3000:]
+    found = json.loads(lookup.stdout)
+    assert Path(found["package"]).is_relative_to(target)  # the installed copy, not the checkout
+    assert Path(found["examples"]) == target / "herd_operator" / "examples"
+    assert found["staged"] == [
+        "examples/specs/digits-a.yaml",
+        "examples/specs/digits-b.yaml",
+        "examples/train_digits.py",
+    ]
+    # What the checkout's examples/ holds apart from the demo's files is not shipped as
+    # part of the package (the plug-in example is a distribution of its own).
+    assert not (target / "herd_operator" / "examples" / "plugins").exists()
+
+
+def test_the_demo_says_what_is_missing_when_the_examples_are_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from herd_operator.cli import demo
+
+    monkeypatch.setattr(demo, "CHECKOUT_EXAMPLES", tmp_path / "no-checkout")
+    monkeypatch.setattr(demo.importlib.resources, "files", lambda package: tmp_path / "empty")
+    assert demo.find_examples() is None
+    assert demo.run_demo(tmp_path / "demo", 4, 10.0) == 1
+    err = capsys.readouterr().err
+    assert "the example jobs are missing from this installation" in err
+    assert str(tmp_path / "no-checkout") in err
+    assert not (tmp_path / "demo").exists()  # nothing made before the check
