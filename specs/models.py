@@ -392,12 +392,32 @@ def json_schema(policy_params: Mapping[str, type[BaseModel]] | None = None) -> d
     # What `get NAME -o yaml` adds to a spec, allowed (and ignored) in a file.
     schema["$defs"]["ObjectMeta"]["properties"].update(
         {
-            "uid": {"type": "string", "readOnly": True},
-            "generation": {"type": "integer", "minimum": 1, "readOnly": True},
-            "creationTimestamp": {"type": "string", "format": "date-time", "readOnly": True},
+            "uid": {
+                "title": "UID",
+                "type": "string",
+                "readOnly": True,
+                "description": "The job's identity, set by the operator; ignored in a spec file.",
+            },
+            "generation": {
+                "title": "Generation",
+                "type": "integer",
+                "minimum": 1,
+                "readOnly": True,
+                "description": "How many times the spec changed, counted by the operator; "
+                "ignored in a spec file.",
+            },
+            "creationTimestamp": {
+                "title": "Creation timestamp",
+                "type": "string",
+                "format": "date-time",
+                "readOnly": True,
+                "description": "When the operator first saw the job (RFC 3339); ignored in a "
+                "spec file.",
+            },
         }
     )
     schema["properties"]["status"] = {
+        "title": "Status",
         "type": "object",
         "readOnly": True,
         "description": "Observed state, written by the operator (`herd-operator get NAME "

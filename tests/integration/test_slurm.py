@@ -89,9 +89,12 @@ export PATH={cluster.bin_dir}:{python_bin}:$PATH
 # less: on 2 loaded cores a new worker can take 20 s to join the rendezvous.
 export HOROVOD_GLOO_TIMEOUT_SECONDS=60
 # One agent per node, as on a real allocation: each serves its node's metrics and is its
-# heartbeat; a node silent for --node-timeout is cordoned.
-srun --overlap --ntasks-per-node=1 {HERD} exporter --state-dir {herd.layout.root} \\
-  --port 0 > {root}/agents.log 2>&1 &
+# heartbeat; a node silent for --node-timeout is cordoned. One step per node: a step over
+# all nodes is ended as a whole when one of its nodes stops answering.
+for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+  srun --overlap -N1 -n1 -w "$node" {HERD} exporter --state-dir {herd.layout.root} \\
+    --port 0 >> {root}/agents.log 2>&1 &
+done
 exec {HERD} run --specs-dir {herd.specs_dir} --state-dir {herd.layout.root} \\
   --resync-seconds 0.5 --relist-seconds 1 --grace-seconds 5 --min-resize-interval 1 \\
   --metrics-port 0 --node-timeout 8
