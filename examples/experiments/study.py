@@ -5,12 +5,12 @@
 
 Runs are simulated in this process by default (`quality.simulate`: k workers' gradients
 summed as an allreduce would) or run under real Elastic Horovod with `--engine horovodrun`
-(`train_quality.py`; this runner rewrites the discovery file when rank 0 has seen the
-schedule's share of the sample budget). Each finished run is appended to
-`<out>/runs.jsonl`, and a rerun skips what is there, so a study can be stopped and
-continued. At the end it writes `<out>/table.md` (final test accuracy, mean and std over
-seeds, per configuration, and the gaps per policy) and `<out>/accuracy.png` (test accuracy
-against samples seen, one line per schedule).
+(`train_quality.py --drive-hosts`: rank 0 writes the discovery file at the step where the
+simulation changes the world size, and the workers wait there until Horovod has resized).
+Each finished run is appended to `<out>/runs.jsonl`, and a rerun skips what is there, so
+a study can be stopped and continued. At the end it writes `<out>/table.md` (final test
+accuracy, mean and std over seeds, per configuration, and the gaps per policy) and
+`<out>/accuracy.png` (test accuracy against samples seen, one line per schedule).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, replace
@@ -49,18 +48,17 @@ def read_runs(path: Path) -> list[RunResult]:
 
 
 def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> RunResult:
-    """`config` under real Elastic Horovod, resized by its schedule through the discovery file."""
+    """`config` under real Elastic Horovod, resized by its schedule through the discovery file
+    (which the job's rank 0 rewrites itself, see `train_quality.follow_schedule`)."""
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     schedule = SCHEDULES[config.schedule]
-    hosts, progress, result = workdir / "hosts", workdir / "progress", workdir / "result.json"
+    hosts, result = workdir / "hosts", workdir / "result.json"
     discovery = workdir / "discover.sh"
     discovery.write_text(f"#!/bin/sh\nexec cat {hosts}\n")
     discovery.chmod(0o755)
     world = schedule.world_at(0.0)
     hosts.write_text(f"localhost:{world}\n")
-    epoch_size = len(load(config.dataset).y_train)
-    budget = config.epochs * epoch_size
     python = sys.executable
     command = [
         str(Path(python).with_name("horovodrun")),
@@ -72,7 +70,7 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
         *("--worker-batch", str(config.worker_batch), "--lr", str(config.lr)),
         *("--reference-workers", str(config.reference_workers)),
         *("--warmup-steps", str(config.warmup_steps), "--evaluations", str(config.evaluations)),
-        *("--progress", str(progress), "--result", str(result)),
+        *("--drive-hosts", str(hosts), "--result", str(result)),
         *("--step-log", str(workdir / "steps")),
     ]
     if config.max_worker_batch is not None:
@@ -83,22 +81,8 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
     env = {**os.environ, "PYTHONPATH": path}
     with (workdir / "horovodrun.log").open("w") as output:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=output)
-        deadline = time.monotonic() + timeout
         try:
-            while process.poll() is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{config.schedule}: no result within {timeout}s")
-                try:
-                    seen = int(progress.read_text().split()[0])
-                except (OSError, ValueError, IndexError):
-                    seen = 0
-                wanted = schedule.world_at(seen / budget)
-                if wanted != world:
-                    world = wanted
-                    temporary = hosts.with_name(".hosts")
-                    temporary.write_text(f"localhost:{world}\n")
-                    temporary.replace(hosts)
-                time.sleep(0.2)
+            process.wait(timeout)
         finally:
             if process.poll() is None:
                 process.kill()
@@ -251,6 +235,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
     parser.add_argument(
+        "--no-decay", action="store_true", help="a constant rate (no cosine decay over the budget)"
+    )
+    parser.add_argument(
         "--tiny", action="store_true", help="CI: one seed, digits, one epoch, two schedules"
     )
     return parser.parse_args(argv)
@@ -270,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker_batch=args.worker_batch,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
+        decay=not args.no_decay,
         evaluations=4 if args.tiny else RunConfig().evaluations,
     )
     data_cache = {}

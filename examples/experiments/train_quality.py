@@ -28,6 +28,7 @@ import torch
 
 from examples.experiments.data import DATASETS, load
 from examples.experiments.quality import (
+    SCHEDULES,
     RunConfig,
     RunResult,
     accumulate,
@@ -47,7 +48,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--policy", choices=BATCH_POLICIES, help="unless the spec chose one (default: naive)"
     )
-    parser.add_argument("--schedule", default="horovodrun", help="recorded in the result only")
+    parser.add_argument(
+        "--schedule",
+        default="horovodrun",
+        help="the study's schedule name; with --drive-hosts it also sets the world size",
+    )
+    parser.add_argument(
+        "--drive-hosts",
+        type=Path,
+        help="the discovery file: rank 0 writes the schedule's world size there at the exact "
+        "step the simulation changes it, and all workers wait until Horovod has resized",
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--worker-batch", type=int, default=defaults.worker_batch)
@@ -113,6 +124,22 @@ def main() -> None:
         args.step_log.mkdir(parents=True, exist_ok=True)
         log = (args.step_log / f"worker-{os.getpid()}.jsonl").open("a", buffering=1)
     started = time.monotonic()
+    written = {"world": 0}
+
+    def follow_schedule(seen: int) -> None:
+        """With --drive-hosts: resize at the step the simulation does, and wait for it.
+
+        Every worker computes the same wanted size from the same committed `seen`, so all
+        of them wait (and commit, which is where Horovod raises the resize) in lockstep."""
+        if args.drive_hosts is None or config.schedule not in SCHEDULES:
+            return
+        wanted = SCHEDULES[config.schedule].world_at(seen / budget)
+        if hvd.rank() == 0 and written["world"] != wanted:
+            write_atomically(args.drive_hosts, f"localhost:{wanted}\n")
+            written["world"] = wanted
+        while wanted != hvd.size():
+            time.sleep(0.25)
+            state.commit()
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
@@ -120,6 +147,7 @@ def main() -> None:
             epoch = sampler.epoch
             for step in sampler.steps():
                 seen = epoch * epoch_size + step.cursor
+                follow_schedule(seen)  # a resize restarts train() before this step
                 if not state.worlds or state.worlds[-1][1] != hvd.size():
                     state.worlds.append((seen, hvd.size()))
                 optimizer.zero_grad()
