@@ -78,7 +78,9 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
     if not config.decay:
         command.append("--no-decay")
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
+    # Gloo's rendezvous waits 30 s by default for a new worker, which a worker that imports
+    # torch on a loaded machine can miss (then the grow fails and the job stops).
+    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "300", **os.environ, "PYTHONPATH": path}
     with (workdir / "horovodrun.log").open("w") as output:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=output)
         try:

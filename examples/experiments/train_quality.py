@@ -179,9 +179,10 @@ def main() -> None:
                 sampler.record_step(step)
                 state.steps += 1
                 now_seen = seen + step.count
-                marks = [mark for mark in checkpoints(budget, config.evaluations) if mark > 0]
-                if any(seen < mark <= now_seen for mark in marks) and hvd.rank() == 0:
-                    state.curve.append((now_seen, accuracy(model, data)))
+                marks = checkpoints(budget, config.evaluations)
+                crossed = [mark for mark in marks if seen < mark <= now_seen]
+                if crossed and hvd.rank() == 0:  # labelled by the mark, as simulate() does
+                    state.curve.append((crossed[-1], accuracy(model, data)))
                 if args.step_delay:
                     time.sleep(args.step_delay)
                 state.commit()
