@@ -118,3 +118,27 @@ def test_preserve_batch_keeps_batch_and_lr_and_each_sample_once_across_2_1_2(
             seen += indices
         assert sorted(seen) == list(range(DIGITS_TRAIN)), f"epoch {epoch}: not each sample once"
         assert len(seen) == len(set(seen))
+
+
+def test_simulated_workers_train_like_real_horovodrun(tmp_path: Path) -> None:
+    """The study's in-process simulation of k workers is the same training as horovodrun's:
+    the same steps, the same resizes at the same samples, the same test accuracy."""
+    from examples.experiments.data import load
+    from examples.experiments.quality import RunConfig, simulate
+    from examples.experiments.study import run_horovodrun
+
+    config = RunConfig(
+        dataset="digits", policy="naive", schedule="bounce-2-1-2", epochs=1, evaluations=3
+    )
+    real = run_horovodrun(config, tmp_path / "run", timeout=240)
+    simulated = simulate(config, load("digits"))
+    # The first step at or past a third (449) and two thirds (898) of the 1,347 samples:
+    # steps of 64 at 2 workers, of 32 at 1.
+    assert simulated.worlds == [(0, 2), (512, 1), (928, 2)]
+    assert real.worlds == simulated.worlds
+    assert real.steps == simulated.steps
+    assert [mark for mark, _ in real.curve] == [mark for mark, _ in simulated.curve]
+    # Only the order of float additions differs: at most a test sample or two.
+    test_samples = len(load("digits").y_test)
+    for (_, ours), (_, theirs) in zip(real.curve, simulated.curve, strict=True):
+        assert abs(ours - theirs) <= 2 / test_samples
