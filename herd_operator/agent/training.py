@@ -111,7 +111,11 @@ def sum_gradients(parameters: Iterable[Any]) -> None:
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    if hvd is None or hvd.size() == 1:
+    try:
+        workers = 1 if hvd is None else int(hvd.size())
+    except ValueError:  # Horovod imported but not initialized: a single process
+        workers = 1
+    if hvd is None or workers == 1:
         return
     summed = hvd.grouped_allreduce([param.grad for param in params], op=hvd.Sum, name="herd.grads")
     for param, total in zip(params, summed, strict=True):
