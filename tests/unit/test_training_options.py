@@ -102,3 +102,18 @@ def test_the_spec_wins_over_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(WARMUP_STEPS_ENV, "many")
     with pytest.raises(ValueError, match="HERD_WARMUP_STEPS"):
         batch_settings(32, 0.1)
+
+
+def test_sum_gradients_in_one_process_keeps_gradients_and_fills_missing_ones() -> None:
+    torch = pytest.importorskip("torch")
+    from herd_operator.agent.training import sum_gradients
+
+    used, unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    used(torch.ones(4, 3)).sum().backward()
+    before = [param.grad.clone() for param in used.parameters()]
+    sum_gradients([*used.parameters(), *unused.parameters()])
+    assert all(
+        torch.equal(param.grad, grad) for param, grad in zip(used.parameters(), before, strict=True)
+    )
+    # Every rank must send the same tensors: a parameter without a gradient sends zeros.
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in unused.parameters())
