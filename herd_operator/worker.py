@@ -1,11 +1,14 @@
 """The worker API for training scripts: `from herd_operator import worker as herd`.
 
-The public face of `herd_operator.agent.worker` (see there for what each call does).
-Scripts import this name, so it stays where it is when the internals move.
+The public face of `herd_operator.agent.worker` and `herd_operator.agent.training`
+(see there for what each call does). Scripts import this name, so it stays where it
+is when the internals move.
 """
 
 from __future__ import annotations
 
+from herd_operator.agent.batching import BATCH_POLICIES, BatchPlan, BatchSettings, Step
+from herd_operator.agent.training import batch_settings, elastic_batches, sum_gradients
 from herd_operator.agent.worker import (
     DeviceBinding,
     bind_device,
@@ -14,4 +17,17 @@ from herd_operator.agent.worker import (
     under_operator,
 )
 
-__all__ = ["DeviceBinding", "bind_device", "report_epoch", "report_reset", "under_operator"]
+__all__ = [
+    "BATCH_POLICIES",
+    "BatchPlan",
+    "BatchSettings",
+    "DeviceBinding",
+    "Step",
+    "batch_settings",
+    "bind_device",
+    "elastic_batches",
+    "report_epoch",
+    "report_reset",
+    "sum_gradients",
+    "under_operator",
+]

@@ -33,6 +33,7 @@ from specs.models import (
     ObjectMeta,
     PolicyRef,
     RestartPolicy,
+    TrainingOptions,
     json_schema,
     spec_fingerprint,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "SpecError",
     "SpecFile",
     "SpecIndex",
+    "TrainingOptions",
     "get_condition",
     "index_specs",
     "is_spec_filename",

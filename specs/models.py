@@ -209,6 +209,52 @@ class RestartPolicy(ApiModel):
     """How many times it is started again before it is marked Failed."""
 
 
+BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch"]
+MAX_BATCH = 1 << 24
+
+
+class TrainingOptions(ApiModel):
+    """How the job's workers keep training quality when the world resizes.
+
+    The operator passes these to the workers (HERD_BATCH_POLICY, HERD_WARMUP_STEPS,
+    HERD_MAX_WORKER_BATCH); a script that uses `herd_operator.worker.batch_settings`
+    follows them, any other script ignores them.
+    """
+
+    batch_policy: BatchPolicyName = Field(
+        default="naive",
+        description=(
+            "naive: each worker keeps its batch, so the global batch and the effective "
+            "learning rate change with the world size (Elastic Horovod's behaviour). "
+            "linear-lr: as naive, with the learning rate scaled with the global batch and "
+            "ramped over warmupSteps after each resize. preserve-batch: the global batch and "
+            "the learning rate stay fixed; each resize recomputes the per-worker batch and "
+            "the gradient-accumulation steps."
+        ),
+    )
+    warmup_steps: int | None = Field(
+        default=None,
+        strict=True,
+        ge=0,
+        le=MAX_COUNT,
+        description=(
+            "linear-lr: optimizer steps over which the learning rate moves to its new value "
+            "after a resize (0: at once). Unset: the script's own choice."
+        ),
+    )
+    max_worker_batch: int | None = Field(
+        default=None,
+        strict=True,
+        ge=1,
+        le=MAX_BATCH,
+        description=(
+            "preserve-batch: the most samples one worker computes at once; a larger share of "
+            "the global batch is split into gradient-accumulation micro-batches (for workers "
+            "whose memory holds less than the whole share). Unset: the script's own choice."
+        ),
+    )
+
+
 def _check_env_name(name: str) -> str:
     if not re.fullmatch(ENV_NAME_PATTERN, name):
         raise ValueError(
@@ -260,6 +306,13 @@ class HerdJobSpec(ApiModel):
     `horovod`; give them in one place)."""
     restart_policy: RestartPolicy = Field(default_factory=RestartPolicy)
     """Whether a job that fails is started again."""
+    training: TrainingOptions | None = Field(
+        default=None,
+        description=(
+            "How the workers keep training quality across resizes (batch policy); unset: "
+            "the workers are told nothing and the script decides."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_set_of_horovod_options(self) -> HerdJobSpec:
@@ -356,7 +409,11 @@ def spec_fingerprint(job: HerdJob) -> str:
     # the fingerprint (and generation) of specs written before it, and makes both spellings
     # the same spec.
     horovod = job.spec.engine.kind == HOROVOD_ENGINE
-    spec = job.spec.model_dump(mode="json", by_alias=True, exclude={"engine"} if horovod else None)
+    # Likewise an unset `training` leaves the fingerprint of specs from before it as it was.
+    excluded = ({"engine"} if horovod else set()) | (
+        {"training"} if job.spec.training is None else set()
+    )
+    spec = job.spec.model_dump(mode="json", by_alias=True, exclude=excluded or None)
     canonical = json.dumps(
         spec,
         sort_keys=True,

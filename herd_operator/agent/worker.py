@@ -7,6 +7,9 @@
     ...
     herd.report_epoch(epoch, {"loss": loss})  # once per epoch (rank 0 sends it)
 
+Training quality across resizes (the batch policy of `spec.training`) is in
+`herd_operator.agent.training`: `batch_settings`, `elastic_batches`, `sum_gradients`.
+
 Every call is a harmless no-op when the script is not run by the operator, so
 the same script runs under a bare `horovodrun`, and a script that never imports
 this module still runs and resizes under the operator; it only reports nothing.

@@ -17,7 +17,16 @@ from collections.abc import Mapping
 from controllers.errors import PermanentError
 from controllers.ports import LaunchInfo, ProcessState
 from herd_operator.auth import job_key, write_token_file
-from herd_operator.environment import ENV_FILE_ENV, JOB_ENV, OPERATOR_SET, TOKEN_FILE_ENV
+from herd_operator.environment import (
+    BATCH_POLICY_ENV,
+    ENV_FILE_ENV,
+    JOB_ENV,
+    MAX_WORKER_BATCH_ENV,
+    OPERATOR_SET,
+    TOKEN_FILE_ENV,
+    TRAINING_ENV,
+    WARMUP_STEPS_ENV,
+)
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.allocator import plain_presentation
 from herd_operator.runtime.engines import (
@@ -102,6 +111,19 @@ class EngineDispatch:
                 engine.withdraw(job)
 
 
+def training_env(job: HerdJob) -> dict[str, str]:
+    """`spec.training` as the variables the worker API reads (none when it is unset)."""
+    training = job.spec.training
+    if training is None:
+        return {}
+    env: dict[str, str] = {BATCH_POLICY_ENV: training.batch_policy}
+    if training.warmup_steps is not None:
+        env[WARMUP_STEPS_ENV] = str(training.warmup_steps)
+    if training.max_worker_batch is not None:
+        env[MAX_WORKER_BATCH_ENV] = str(training.max_worker_batch)
+    return env
+
+
 class JobLauncher:
     """The controllers' `LauncherPort`: each job started and questioned through its engine,
     its processes supervised by the engine-blind `Launcher`."""
@@ -162,11 +184,13 @@ class JobLauncher:
         derives one from the spec's (PATH); such a derived value goes with the spec's.
         """
         env = {**self._env, JOB_ENV: job.name}
+        training = training_env(job)
         worker_env = {
             name: value
             for name, value in job.spec.env.items()
-            if name not in env and name not in OPERATOR_SET
+            if name not in env and name not in OPERATOR_SET and name not in TRAINING_ENV
         }
+        worker_env.update(training)
         for name, value in engine.environment(job, {**os.environ, **worker_env, **env}).items():
             if name in worker_env:
                 worker_env[name] = value

@@ -297,6 +297,7 @@ def test_engine_publishes_and_withdraws_the_grant_files(layout: StateLayout) -> 
         {"command": ["python", "train_v2.py"]},
         {"workingDir": "/elsewhere"},
         {"env": {"SEED": "1"}},
+        {"training": {"batchPolicy": "preserve-batch"}},
         {"gpus": {"min": 2, "max": 4}},
         {"horovod": {"elasticTimeoutSeconds": 30}},
         {"engine": {"options": {"extraArgs": ["--verbose"]}}},

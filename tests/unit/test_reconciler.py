@@ -309,7 +309,7 @@ def test_command_change_while_running_stops_the_job(world: World) -> None:
 
     assert result == Result(requeue_after=STOP_POLL_S)
     assert world.launcher.stops == ["a"]
-    reason = "command, env, workingDir, gpus.min or horovod options changed"
+    reason = "command, env, training, workingDir, gpus.min or horovod options changed"
     assert world.events("a")[-1] == ("Normal", "Relaunching", reason)
     assert facts(world.condition("a", ConditionType.Running)) == ("False", "Stopping", reason)
     assert world.status("a").observed_generation == 2

@@ -24,7 +24,9 @@ GOOD = (
     + "metadata: {name: resnet}\nspec: {command: [python, train.py], gpus: {min: 1, max: 2}}\n"
 )
 
-SPEC_FIELDS = "command, workingDir, env, gpus, priority, policy, engine, horovod, restartPolicy"
+SPEC_FIELDS = (
+    "command, workingDir, env, gpus, priority, policy, engine, horovod, restartPolicy, training"
+)
 
 
 def job_yaml(name: str, spec: str = "{command: [python], gpus: {min: 1, max: 2}}") -> str:

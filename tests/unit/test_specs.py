@@ -311,6 +311,7 @@ def test_json_schema_structure() -> None:
         "engine",
         "horovod",
         "restartPolicy",
+        "training",
     }
     assert spec["properties"]["command"]["minItems"] == 1
     assert spec["properties"]["env"]["propertyNames"]["pattern"] == "^[A-Za-z_][A-Za-z0-9_]*$"

@@ -36,7 +36,7 @@ LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 BLACKLIST_COOLDOWN_SECONDS = (10, 30)
 """Horovod's cool-down range for a blacklisted host name: the first blacklisting lasts 20 to
 30 s (twice the lower bound plus jitter, capped by the upper), each later one the upper."""
-FIXED_AT_LAUNCH_CHANGED = "command, env, workingDir, gpus.min or horovod options changed"
+FIXED_AT_LAUNCH_CHANGED = "command, env, training, workingDir, gpus.min or horovod options changed"
 
 
 def horovodrun_executable() -> str:
@@ -170,6 +170,8 @@ def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:
         "command": spec.command,
         "workingDir": spec.working_dir,
         "env": spec.env,
+        # The workers read it from their environment when they start.
+        "training": None if spec.training is None else spec.training.model_dump(by_alias=True),
         "min": spec.gpus.min,
         "horovod": spec.horovod.model_dump(by_alias=True),
     }

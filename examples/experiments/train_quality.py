@@ -1,0 +1,215 @@
+"""The accuracy study's training under real Elastic Horovod, with the worker API's batch policy.
+
+    horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script ./hosts.sh \\
+        --network-interface lo python -m examples.experiments.train_quality --policy preserve-batch
+
+The policy comes from the job's spec (`spec.training.batchPolicy`, passed to the workers
+as HERD_BATCH_POLICY) when there is one, else from `--policy`. The model, the loss and the
+cut of every step are those of `quality.simulate`; each step's gradient is summed over the
+workers (`herd.sum_gradients`) and is the mean over the step's global batch.
+
+Each worker appends one JSON line per optimizer step to `--step-log DIR/worker-<pid>.jsonl`
+(its rank, world size, the step's place in the epoch, global batch, lr and sample
+indices): the evidence the integration test and the study read. A line is written after
+the step's allreduce and before `state.commit()`, which saves the step before it looks
+for a resize, so a logged step is a committed one unless its allreduce failed elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+
+from examples.experiments.data import DATASETS, load
+from examples.experiments.quality import (
+    SCHEDULES,
+    RunConfig,
+    RunResult,
+    accumulate,
+    accuracy,
+    checkpoints,
+    decay_factor,
+    make_model,
+)
+from herd_operator import worker as herd
+from herd_operator.agent.batching import BATCH_POLICIES, policy_name
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    defaults = RunConfig()
+    parser.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
+    parser.add_argument(
+        "--policy", choices=BATCH_POLICIES, help="unless the spec chose one (default: naive)"
+    )
+    parser.add_argument(
+        "--schedule",
+        default="horovodrun",
+        help="the study's schedule name; with --drive-hosts it also sets the world size",
+    )
+    parser.add_argument(
+        "--drive-hosts",
+        type=Path,
+        help="the discovery file: rank 0 writes the schedule's world size there at the exact "
+        "step the simulation changes it, and all workers wait until Horovod has resized",
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--worker-batch", type=int, default=defaults.worker_batch)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--reference-workers", type=int, default=defaults.reference_workers)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--max-worker-batch", type=int, default=defaults.max_worker_batch)
+    parser.add_argument("--no-decay", action="store_true", help="no cosine decay of the rate")
+    parser.add_argument("--evaluations", type=int, default=defaults.evaluations)
+    parser.add_argument("--step-log", type=Path, help="directory for per-worker step logs")
+    parser.add_argument("--progress", type=Path, help="rank 0 writes the samples seen here")
+    parser.add_argument("--result", type=Path, help="rank 0 writes the run's result here")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds after each step")
+    return parser.parse_args()
+
+
+def write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def main() -> None:
+    args = parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    herd.bind_device()
+    settings = herd.batch_settings(
+        args.worker_batch,
+        args.lr,
+        policy=args.policy,
+        reference_workers=args.reference_workers,
+        warmup_steps=args.warmup_steps,
+        max_worker_batch=args.max_worker_batch,
+    )
+    config = RunConfig(
+        dataset=args.dataset,
+        policy=policy_name(settings.policy),
+        schedule=args.schedule,
+        seed=args.seed,
+        epochs=args.epochs,
+        worker_batch=settings.worker_batch,
+        lr=settings.lr,
+        reference_workers=settings.reference_workers,
+        warmup_steps=settings.warmup_steps,
+        max_worker_batch=settings.max_worker_batch,
+        decay=not args.no_decay,
+        evaluations=args.evaluations,
+    )
+    data = load(config.dataset)
+    epoch_size = len(data.y_train)
+    budget = config.epochs * epoch_size
+    model = make_model(data.features, data.classes, config.hidden, config.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    sampler = herd.elastic_batches(epoch_size, settings, seed=config.seed)
+    # The curve travels with the committed state, so a new rank 0 goes on with it.
+    state = hvd.elastic.TorchState(
+        model=model, optimizer=optimizer, sampler=sampler, curve=[], worlds=[], steps=0
+    )
+    state.register_reset_callbacks([sampler.on_reset, herd.report_reset])
+    log = None
+    if args.step_log is not None:
+        args.step_log.mkdir(parents=True, exist_ok=True)
+        log = (args.step_log / f"worker-{os.getpid()}.jsonl").open("a", buffering=1)
+    started = time.monotonic()
+    written = {"world": 0}
+
+    def follow_schedule(seen: int) -> None:
+        """With --drive-hosts: resize at the step the simulation does, and wait for it.
+
+        Every worker computes the same wanted size from the same committed `seen`, so all
+        of them wait (and commit, which is where Horovod raises the resize) in lockstep."""
+        if args.drive_hosts is None or config.schedule not in SCHEDULES:
+            return
+        wanted = SCHEDULES[config.schedule].world_at(seen / budget)
+        if hvd.rank() == 0 and written["world"] != wanted:
+            write_atomically(args.drive_hosts, f"localhost:{wanted}\n")
+            written["world"] = wanted
+        while wanted != hvd.size():
+            time.sleep(0.25)
+            state.commit()
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        while sampler.epoch < config.epochs:
+            epoch = sampler.epoch
+            for step in sampler.steps():
+                seen = epoch * epoch_size + step.cursor
+                follow_schedule(seen)  # a resize restarts train() before this step
+                if not state.worlds or state.worlds[-1][1] != hvd.size():
+                    state.worlds.append((seen, hvd.size()))
+                optimizer.zero_grad()
+                loss = accumulate(model, data, step)
+                herd.sum_gradients(model.parameters())
+                lr = step.lr * decay_factor(config, seen, budget)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+                if log is not None:
+                    plan = sampler.plan
+                    record = {
+                        "pid": os.getpid(),
+                        "rank": hvd.rank(),
+                        "world": hvd.size(),
+                        "epoch": step.epoch,
+                        "cursor": step.cursor,
+                        "count": step.count,
+                        "global_batch": plan.global_batch,
+                        "accumulation": plan.accumulation_steps,
+                        "micro_batches": [len(micro) for micro in step.micro_batches],
+                        "policy_lr": step.lr,
+                        "lr": lr,
+                        "loss": loss,
+                        "indices": list(step.indices),
+                        "time": time.time(),
+                    }
+                    log.write(json.dumps(record) + "\n")
+                sampler.record_step(step)
+                state.steps += 1
+                now_seen = seen + step.count
+                marks = checkpoints(budget, config.evaluations)
+                crossed = [mark for mark in marks if seen < mark <= now_seen]
+                if crossed and hvd.rank() == 0:  # labelled by the mark, as simulate() does
+                    state.curve.append((crossed[-1], accuracy(model, data)))
+                if args.step_delay:
+                    time.sleep(args.step_delay)
+                state.commit()
+                if args.progress is not None and hvd.rank() == 0:
+                    write_atomically(args.progress, f"{now_seen} {hvd.size()}\n")
+            herd.report_epoch(epoch, {"accuracy": accuracy(model, data)})
+            sampler.set_epoch(epoch + 1)
+            state.commit()
+
+    train(state)
+    if hvd.rank() == 0:
+        final = accuracy(model, data)
+        if not state.curve or state.curve[-1][0] != budget:
+            state.curve.append((budget, final))
+        result = RunResult(
+            config,
+            "horovodrun",
+            final,
+            curve=[tuple(point) for point in state.curve],
+            steps=state.steps,
+            worlds=[tuple(point) for point in state.worlds],
+            seconds=time.monotonic() - started,
+        )
+        print(f"done: test accuracy {final:.4f} after {state.steps} steps", flush=True)
+        if args.result is not None:
+            write_atomically(args.result, json.dumps(result.to_dict()))
+
+
+if __name__ == "__main__":
+    main()

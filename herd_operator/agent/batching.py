@@ -1,0 +1,276 @@
+"""Batch arithmetic of elastic training: pure functions, no torch, no Horovod.
+
+Elastic Horovod keeps each worker's batch when the world resizes, so the global batch,
+and with it the effective learning rate, changes with every resize. Three policies:
+
+- ``naive``: the per-worker batch and the learning rate stay as given; the global batch
+  is ``worker_batch * world_size`` (what Elastic Horovod does by itself).
+- ``linear-lr``: as naive, but the learning rate follows the global batch linearly
+  (Goyal et al. 2017), ramped from the rate in effect to the new one over
+  ``warmup_steps`` optimizer steps after each resize.
+- ``preserve-batch``: the global batch and the learning rate never change; each resize
+  recomputes every worker's share of the global batch (uneven when it does not divide)
+  and, past ``max_worker_batch``, the number of gradient-accumulation micro-batches.
+
+Every worker computes the same answers from the same inputs, so they agree without
+talking. The position in an epoch is a global cursor into that epoch's permutation:
+each optimizer step takes the next ``global_batch`` samples (fewer at the end of an
+epoch), and worker ``r`` of ``k`` takes a contiguous share of them. A resize only changes
+how the next step is cut, so no sample of an epoch is skipped or taken twice.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Final, Literal
+
+BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch"]
+BATCH_POLICIES: Final[tuple[BatchPolicyName, ...]] = ("naive", "linear-lr", "preserve-batch")
+MAX_WORLD_SIZE: Final = 1 << 20
+
+
+def policy_name(text: str) -> BatchPolicyName:
+    """`text` as a batch policy name, or ValueError saying which names there are."""
+    for name in BATCH_POLICIES:
+        if text == name:
+            return name
+    raise ValueError(f"unknown batch policy {text!r}: one of {', '.join(BATCH_POLICIES)}")
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """What a training script declares once; the policy decides the rest per world size."""
+
+    policy: BatchPolicyName
+    worker_batch: int
+    """Samples per worker and optimizer step at `reference_workers` workers."""
+    lr: float
+    """The learning rate tuned for the reference global batch."""
+    reference_workers: int = 1
+    """The world size `worker_batch` and `lr` were tuned at."""
+    warmup_steps: int = 0
+    """linear-lr: optimizer steps over which the rate moves to its new value after a resize."""
+    max_worker_batch: int | None = None
+    """preserve-batch: the largest micro-batch one worker computes at once; a bigger share
+    is cut into gradient-accumulation micro-batches. None: no limit (no accumulation)."""
+
+    def __post_init__(self) -> None:
+        policy_name(self.policy)
+        if self.worker_batch < 1:
+            raise ValueError(f"worker_batch must be >= 1, got {self.worker_batch}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if not 1 <= self.reference_workers <= MAX_WORLD_SIZE:
+            raise ValueError(f"reference_workers must be >= 1, got {self.reference_workers}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_worker_batch is not None and self.max_worker_batch < 1:
+            raise ValueError(f"max_worker_batch must be >= 1, got {self.max_worker_batch}")
+
+    @property
+    def reference_batch(self) -> int:
+        """The global batch `lr` was tuned for."""
+        return self.worker_batch * self.reference_workers
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step is cut at one world size."""
+
+    world_size: int
+    global_batch: int
+    worker_batches: tuple[int, ...]
+    """Each rank's samples of a full step, in rank order; they add up to `global_batch`."""
+    accumulation_steps: int
+    """Micro-batches per worker and optimizer step (1: no accumulation)."""
+    lr: float
+    """The learning rate this world size calls for, once any warm-up is over."""
+
+
+def split_evenly(total: int, parts: int) -> tuple[int, ...]:
+    """`total` cut into `parts` sizes that differ by at most one, the larger first."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    base, extra = divmod(total, parts)
+    return tuple(base + 1 if index < extra else base for index in range(parts))
+
+
+def plan_batches(settings: BatchSettings, world_size: int) -> BatchPlan:
+    """The plan of a full optimizer step at `world_size` workers."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
+    if settings.policy == "preserve-batch":
+        global_batch = settings.reference_batch
+        if global_batch < world_size:
+            raise ValueError(
+                f"preserve-batch: a global batch of {global_batch} cannot give each of "
+                f"{world_size} workers a sample"
+            )
+        shares = split_evenly(global_batch, world_size)
+        limit = settings.max_worker_batch
+        accumulation = 1 if limit is None else -(-shares[0] // limit)
+        return BatchPlan(world_size, global_batch, shares, accumulation, settings.lr)
+    global_batch = settings.worker_batch * world_size
+    lr = settings.lr
+    if settings.policy == "linear-lr":
+        lr = settings.lr * global_batch / settings.reference_batch
+    return BatchPlan(world_size, global_batch, (settings.worker_batch,) * world_size, 1, lr)
+
+
+def step_shares(plan: BatchPlan, count: int) -> tuple[int, ...]:
+    """Each rank's samples of a step of `count` samples: the plan's shares for a full step,
+    the shorter last step of an epoch cut as evenly (a rank may get none)."""
+    if count == plan.global_batch:
+        return plan.worker_batches
+    if not 0 <= count < plan.global_batch:
+        raise ValueError(f"a step holds 0..{plan.global_batch} samples, got {count}")
+    return split_evenly(count, plan.world_size)
+
+
+def rank_span(shares: Sequence[int], rank: int) -> tuple[int, int]:
+    """[start, stop) of `rank`'s samples within its step: the ranks take contiguous runs."""
+    if not 0 <= rank < len(shares):
+        raise ValueError(f"rank {rank} is not one of {len(shares)} ranks")
+    start = sum(shares[:rank])
+    return start, start + shares[rank]
+
+
+def micro_batches(share: int, accumulation_steps: int) -> tuple[int, ...]:
+    """One rank's share of a step cut into its gradient-accumulation micro-batches."""
+    return split_evenly(share, accumulation_steps)
+
+
+def step_count(cursor: int, epoch_size: int, global_batch: int) -> int:
+    """Samples in the step that starts at `cursor` of an epoch: a full global batch, or the
+    rest of the epoch (0 when it is over)."""
+    if not 0 <= cursor <= epoch_size:
+        raise ValueError(f"cursor {cursor} is outside an epoch of {epoch_size}")
+    return min(global_batch, epoch_size - cursor)
+
+
+def epoch_order(epoch_size: int, seed: int, epoch: int, *, shuffle: bool = True) -> list[int]:
+    """The sample order of one epoch, the same on every worker (Horovod's ElasticSampler
+    draws it the same way: `random.Random(seed + epoch)`)."""
+    order = list(range(epoch_size))
+    if shuffle:
+        random.Random(seed + epoch).shuffle(order)
+    return order
+
+
+def warmup_lr(start: float, target: float, step: int, warmup_steps: int) -> float:
+    """The rate at the `step`-th optimizer step (0-based) after a resize: a straight line
+    from `start` that reaches `target` at step `warmup_steps - 1`, then `target`."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if warmup_steps <= 0 or step + 1 >= warmup_steps:
+        return target
+    return start + (target - start) * (step + 1) / warmup_steps
+
+
+@dataclass(frozen=True)
+class BatchState:
+    """What the workers commit and share about batching: the same on every rank."""
+
+    epoch: int = 0
+    cursor: int = 0
+    """Samples of this epoch's order already trained on."""
+    world_size: int = 0
+    """The world size of the last reset (0: none yet)."""
+    lr: float = 0.0
+    """The rate of the last optimizer step (0: none yet)."""
+    ramp_from: float = 0.0
+    """linear-lr: the rate in effect when the world last changed size."""
+    steps_since_resize: int = 0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "world_size": self.world_size,
+            "lr": self.lr,
+            "ramp_from": self.ramp_from,
+            "steps_since_resize": self.steps_since_resize,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float | int]) -> BatchState:
+        return cls(
+            epoch=int(data["epoch"]),
+            cursor=int(data["cursor"]),
+            world_size=int(data["world_size"]),
+            lr=float(data["lr"]),
+            ramp_from=float(data["ramp_from"]),
+            steps_since_resize=int(data["steps_since_resize"]),
+        )
+
+
+def on_world(settings: BatchSettings, state: BatchState, world_size: int) -> BatchState:
+    """The state after a (re)start at `world_size`: a change of size starts a warm-up from
+    the rate in effect; the first start and a restart at the same size do not."""
+    plan_batches(settings, world_size)  # refuses a world size the policy cannot serve
+    if state.world_size == world_size:
+        return state
+    if state.world_size == 0:
+        lr = plan_batches(settings, world_size).lr
+        return replace(state, world_size=world_size, lr=lr, ramp_from=lr, steps_since_resize=0)
+    return replace(state, world_size=world_size, ramp_from=state.lr, steps_since_resize=0)
+
+
+def step_lr(settings: BatchSettings, state: BatchState) -> float:
+    """The rate of the next optimizer step."""
+    target = plan_batches(settings, state.world_size).lr
+    if settings.policy != "linear-lr":
+        return target
+    return warmup_lr(state.ramp_from, target, state.steps_since_resize, settings.warmup_steps)
+
+
+def after_step(state: BatchState, count: int, lr: float) -> BatchState:
+    """The state once a step of `count` samples at rate `lr` is done."""
+    return replace(
+        state, cursor=state.cursor + count, lr=lr, steps_since_resize=state.steps_since_resize + 1
+    )
+
+
+def next_epoch(state: BatchState) -> BatchState:
+    return replace(state, epoch=state.epoch + 1, cursor=0)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step as one rank sees it."""
+
+    epoch: int
+    cursor: int
+    """Where the step starts in the epoch's order."""
+    count: int
+    """Samples of the whole step, over all ranks: the divisor of the summed loss."""
+    lr: float
+    micro_batches: tuple[tuple[int, ...], ...]
+    """This rank's sample indices, one tuple per accumulation micro-batch (may be empty)."""
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(index for micro in self.micro_batches for index in micro)
+
+
+def next_step(
+    settings: BatchSettings, state: BatchState, order: Sequence[int], rank: int
+) -> Step | None:
+    """`rank`'s part of the next step of the epoch in `order`, or None when it is over."""
+    plan = plan_batches(settings, state.world_size)
+    count = step_count(state.cursor, len(order), plan.global_batch)
+    if count == 0:
+        return None
+    start, stop = rank_span(step_shares(plan, count), rank)
+    mine = order[state.cursor + start : state.cursor + stop]
+    micros: list[tuple[int, ...]] = []
+    offset = 0
+    for size in micro_batches(len(mine), plan.accumulation_steps):
+        micros.append(tuple(mine[offset : offset + size]))
+        offset += size
+    return Step(state.epoch, state.cursor, count, step_lr(settings, state), tuple(micros))

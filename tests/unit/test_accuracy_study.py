@@ -1,0 +1,60 @@
+"""The accuracy study's runner, in its tiny CI form: the table and the figure come out."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+
+from examples.experiments import study
+from examples.experiments.data import load
+from examples.experiments.quality import RunConfig, simulate
+from herd_operator.agent.batching import BATCH_POLICIES
+
+
+def test_tiny_study_writes_the_table_and_the_figure(tmp_path: Path) -> None:
+    assert study.main(["--out", str(tmp_path), "--tiny"]) == 0
+    runs = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert len(runs) == len(BATCH_POLICIES) * 2  # two schedules, one seed
+    table = (tmp_path / "table.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| simulated | digits |")]
+    configurations = {tuple(cell.strip() for cell in row.split("|")[3:5]) for row in rows}
+    for policy in BATCH_POLICIES:
+        assert (policy, "static-1") in configurations
+        assert (policy, "up-1-2-4") in configurations
+    accuracies = [float(m) for m in re.findall(r"\| (\d+\.\d\d) ± \d+\.\d\d \|", table)]
+    assert len(accuracies) == 6
+    assert all(10.0 < value <= 100.0 for value in accuracies), accuracies
+    assert "gap, all schedules" in table
+    figure = (tmp_path / "accuracy.png").read_bytes()
+    assert figure[:8] == b"\x89PNG\r\n\x1a\n" and len(figure) > 10_000
+    # A second run finds every configuration done and trains nothing again.
+    assert study.main(["--out", str(tmp_path), "--tiny"]) == 0
+    assert (tmp_path / "runs.jsonl").read_text().splitlines() == runs
+    # The upscaling run really changed world size, at the schedule's thirds of the budget.
+    for line in runs:
+        run = json.loads(line)
+        if run["config"]["schedule"] == "up-1-2-4":
+            assert [world for _, world in run["worlds"]] == [1, 2, 4]
+
+
+def test_simulated_preserve_batch_is_the_same_training_at_any_world_size() -> None:
+    """Summed shard gradients are the global batch's mean gradient: the world size changes
+    only the order of float additions, so the runs end within a few test samples."""
+    data = load("digits")
+    base = RunConfig(dataset="digits", policy="preserve-batch", epochs=1, evaluations=2)
+    one = simulate(base, data)
+    for schedule in ["static-4", "down-4-2-1"]:
+        other = simulate(replace(base, schedule=schedule), data)
+        assert other.steps == one.steps
+        assert abs(other.final_accuracy - one.final_accuracy) <= 3 / len(data.y_test)
+    naive = replace(base, policy="naive", schedule="static-4")
+    naive_run = simulate(naive, data)
+    assert naive_run.steps < one.steps / 3, "naive at 4 workers takes 4x the batch"

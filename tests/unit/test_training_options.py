@@ -1,0 +1,119 @@
+"""`spec.training`: validated in the spec, carried to the workers, read by the worker API."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from herd_operator.agent.training import batch_settings
+from herd_operator.environment import (
+    BATCH_POLICY_ENV,
+    MAX_WORKER_BATCH_ENV,
+    OPERATOR_SET,
+    TRAINING_ENV,
+    WARMUP_STEPS_ENV,
+)
+from herd_operator.runtime.dispatch import training_env
+from specs import HerdJob, json_schema, load_spec_text, spec_fingerprint
+
+
+def job(**spec: Any) -> HerdJob:
+    return HerdJob.model_validate(
+        {
+            "apiVersion": "herd/v1alpha1",
+            "kind": "HerdJob",
+            "metadata": {"name": "train"},
+            "spec": {"command": ["python", "t.py"], "gpus": {"min": 1, "max": 4}, **spec},
+        }
+    )
+
+
+def test_training_reaches_the_workers_as_herd_variables() -> None:
+    assert training_env(job()) == {}
+    assert training_env(job(training={})) == {BATCH_POLICY_ENV: "naive"}
+    full = job(
+        training={"batchPolicy": "linear-lr", "warmupSteps": 20, "maxWorkerBatch": 64},
+    )
+    assert training_env(full) == {
+        BATCH_POLICY_ENV: "linear-lr",
+        WARMUP_STEPS_ENV: "20",
+        MAX_WORKER_BATCH_ENV: "64",
+    }
+    assert not TRAINING_ENV & OPERATOR_SET
+
+
+@pytest.mark.parametrize(
+    "training",
+    [
+        {"batchPolicy": "adaptive"},
+        {"batchPolicy": "preserve-batch", "warmupSteps": -1},
+        {"maxWorkerBatch": 0},
+        {"maxWorkerBatch": "64"},
+        {"batch": "naive"},
+    ],
+)
+def test_bad_training_options_are_spec_errors(training: dict[str, Any]) -> None:
+    text = (
+        "apiVersion: herd/v1alpha1\nkind: HerdJob\nmetadata: {name: t}\n"
+        f"spec: {{command: [x], gpus: {{min: 1, max: 1}}, training: {json.dumps(training)}}}\n"
+    )
+    loaded = load_spec_text(text, "t.yaml")
+    assert loaded.job is None
+    assert loaded.errors
+    assert all(error.field.startswith("spec.training") for error in loaded.errors), loaded.errors
+
+
+def test_unset_training_keeps_the_fingerprint_of_older_specs() -> None:
+    assert spec_fingerprint(job()) == spec_fingerprint(job(env={}))
+    assert spec_fingerprint(job()) != spec_fingerprint(job(training={}))
+    assert spec_fingerprint(job(training={})) != spec_fingerprint(
+        job(training={"batchPolicy": "preserve-batch"})
+    )
+
+
+def test_schema_describes_the_training_fields() -> None:
+    fields = json_schema()["$defs"]["TrainingOptions"]["properties"]
+    assert set(fields) == {"batchPolicy", "warmupSteps", "maxWorkerBatch"}
+    assert fields["batchPolicy"]["enum"] == ["naive", "linear-lr", "preserve-batch"]
+    assert all(field.get("description") for field in fields.values())
+
+
+def test_the_spec_wins_over_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TRAINING_ENV:
+        monkeypatch.delenv(name, raising=False)
+    mine = batch_settings(32, 0.1, policy="linear-lr", warmup_steps=5, max_worker_batch=16)
+    assert (mine.policy, mine.warmup_steps, mine.max_worker_batch) == ("linear-lr", 5, 16)
+    assert batch_settings(32, 0.1).policy == "naive"
+    monkeypatch.setenv(BATCH_POLICY_ENV, "preserve-batch")
+    monkeypatch.setenv(WARMUP_STEPS_ENV, "0")
+    monkeypatch.setenv(MAX_WORKER_BATCH_ENV, "8")
+    chosen = batch_settings(32, 0.1, policy="linear-lr", warmup_steps=5, max_worker_batch=16)
+    assert (chosen.policy, chosen.warmup_steps, chosen.max_worker_batch) == (
+        "preserve-batch",
+        0,
+        8,
+    )
+    monkeypatch.setenv(BATCH_POLICY_ENV, "bigger")
+    with pytest.raises(ValueError, match="unknown batch policy"):
+        batch_settings(32, 0.1)
+    monkeypatch.setenv(BATCH_POLICY_ENV, "naive")
+    monkeypatch.setenv(WARMUP_STEPS_ENV, "many")
+    with pytest.raises(ValueError, match="HERD_WARMUP_STEPS"):
+        batch_settings(32, 0.1)
+
+
+def test_sum_gradients_in_one_process_keeps_gradients_and_fills_missing_ones() -> None:
+    torch = pytest.importorskip("torch")
+    from herd_operator.agent.training import sum_gradients
+
+    used, unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    used(torch.ones(4, 3)).sum().backward()
+    before = [param.grad.clone() for param in used.parameters()]
+    sum_gradients([*used.parameters(), *unused.parameters()])
+    assert all(
+        torch.equal(param.grad, grad) for param, grad in zip(used.parameters(), before, strict=True)
+    )
+    # Every rank must send the same tensors: a parameter without a gradient sends zeros.
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in unused.parameters())
