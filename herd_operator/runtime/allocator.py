@@ -338,10 +338,14 @@ class Allocator:
                 self._draining = {
                     s: d for s, d in self._draining.items() if d.job != job or d.after_loss
                 }
-                self._decide(caller="")
-                grant = self._grants.get(job)
-                if grant is None:
-                    return
+                if self._batching:
+                    # Like a release: the batch's one decision hands the GPUs on.
+                    self._dirty = True
+                else:
+                    self._decide(caller="")
+                    grant = self._grants.get(job)
+                    if grant is None:
+                        return
             granted = grant.placement.size
             if world_size >= granted:
                 self._short_since.pop(job, None)
@@ -474,6 +478,13 @@ class Allocator:
                 self._sink.withdraw(job)
             self._on_decision({})
 
+    def thaw_at(self) -> float | None:
+        """When the next job that resized recently may be resized again (None: none waits).
+
+        The operator's periodic resync requests again after it; a simulation wakes then."""
+        with self._lock:
+            return self._next_thaw
+
     def grant(self, job: str) -> Grant | None:
         with self._lock:
             return self._grants.get(job)
@@ -559,7 +570,8 @@ class Allocator:
             placement = decided[job].placement
             if placement.size:
                 self._sink.publish(job, placement)
-            log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
+            if log.isEnabledFor(logging.INFO):  # describing 10,000 grants is not free
+                log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
         presented: dict[str, Mapping[str, Sequence[Slot]]] = {}
         kept: dict[tuple[str, str, int], Binding] = {}
         for key, binding in self._bindings.items():
