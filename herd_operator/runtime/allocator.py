@@ -508,7 +508,9 @@ class Allocator:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])
         demands = list(self._demands.values())
-        decided = arbitrate(self._free_pool(), demands, current, frozen=frozen)
+        decided = arbitrate(
+            self.pool, demands, current, frozen=frozen, unavailable=self._unavailable()
+        )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
         freed = self._start_drains(current, decided, now)
@@ -522,7 +524,13 @@ class Allocator:
             shrunk = set(freed.values())
             first = decided
             current = {**current, **{job: first[job].placement for job in shrunk}}
-            decided = arbitrate(self._free_pool(), demands, current, frozen=frozen | shrunk)
+            decided = arbitrate(
+                self.pool,
+                demands,
+                current,
+                frozen=frozen | shrunk,
+                unavailable=self._unavailable(),
+            )
             decided.update({job: first[job] for job in shrunk})
             givers = ", ".join(sorted(shrunk))
             for job, grant in decided.items():
@@ -603,10 +611,11 @@ class Allocator:
             return {}
         freed: dict[Slot, str] = {}
         for job, grant in decided.items():
-            if not grant.placement.size:
-                continue
+            before = current.get(job, Placement.EMPTY)
+            if not grant.placement.size or before == grant.placement:
+                continue  # most jobs keep their placement: nothing to compare slot by slot
             kept = set(grant.placement.slots())
-            for slot in current.get(job, Placement.EMPTY).slots():
+            for slot in before.slots():
                 if slot in kept:
                     continue
                 pids = tuple(
@@ -620,18 +629,12 @@ class Allocator:
             self._schedule_drain_check(now)
         return freed
 
-    def _free_pool(self) -> Pool:
-        """The pool a decision shares out: without draining GPUs and those of held jobs."""
+    def _unavailable(self) -> set[Slot]:
+        """GPUs a decision shares out to nobody: draining ones and those of held jobs."""
         unavailable = set(self._draining)
         for placement in self._held.values():
             unavailable.update(placement.slots())
-        if not unavailable:
-            return self.pool
-        hosts = tuple(
-            (host, tuple(gpu for gpu in gpus if (host, gpu) not in unavailable))
-            for host, gpus in self.pool.hosts
-        )
-        return Pool(tuple((host, gpus) for host, gpus in hosts if gpus))
+        return unavailable
 
     def draining(self) -> dict[Slot, str]:
         """GPUs given back and not yet free: slot -> the job that gave it back."""
