@@ -2,11 +2,13 @@
 
 From the epochs the workers report (or a throughput metric they attach to each epoch end),
 the policy measures the job's rate at each size it ran at and fits Amdahl's law to them:
-the time of an epoch on n GPUs is `serial + parallel / n`. With one size seen it assumes
-`priorSerial` for the serial share. The job asks for the largest size whose last GPU adds
-at least `minGain` of one GPU's throughput: past that knee a GPU does more for a job that
-waits than for this one. With the batch-preserving modes the global batch does not change
-with the size, so statistical efficiency is 1 and throughput is goodput.
+the time of an epoch on n GPUs is `serial + parallel / n`. Before any epoch it assumes
+`priorSerial` for the serial share; with epochs at one size only, it asks for a second size
+to measure (half the first, or one more GPU at the min). The job asks for the largest size
+whose last GPU adds at least `minGain` of one GPU's throughput: past that knee a GPU does
+more for a job that waits than for this one. With the batch-preserving modes the global
+batch does not change with the size, so statistical efficiency is 1 and throughput is
+goodput.
 """
 
 from __future__ import annotations
@@ -112,6 +114,19 @@ class GoodputPolicy:
         low, high = job.spec.gpus.min, job.spec.gpus.max
         rates = rates_by_size(observed.epochs, params.throughput_metric)
         fitted = fit_serial(rates)
+        here = observed.allocated
+        if fitted is None and rates and here > 0:
+            (measured,) = rates
+            if here != measured:
+                # Probing: hold until an epoch at this size is measured too.
+                return Decision(
+                    clamp(job, here), f"goodput: measured at {measured} GPUs: measuring {here}"
+                )
+            # One size tells nothing of the scaling: measure a second one, halfway down
+            # (a shrink is granted at once and stalls least), or one up from the min.
+            probe = max(low, (here + 1) // 2) if here > low else min(high, here + 1)
+            if probe != here:
+                return Decision(probe, f"goodput: measured at {here} GPUs only: probing {probe}")
         serial = params.prior_serial if fitted is None else fitted
         size = clamp(job, knee(serial, params.min_gain, low, high))
         source = (

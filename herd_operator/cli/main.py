@@ -639,6 +639,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         simulate,
     )
 
+    # The allocator's warnings (drains past 30 s when a tick delays the workers' reports)
+    # are about simulated jobs: thousands of lines nobody needs.
+    logging.getLogger("herd_operator.runtime.allocator").setLevel(logging.ERROR)
     arbitration_ms = 25.8  # docs/benchmarks.md: arbitrate() on 1,792 x 4 GPUs, 2,000 jobs
     try:
         pool = parse_pool(args.pool)
