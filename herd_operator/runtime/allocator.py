@@ -514,9 +514,11 @@ class Allocator:
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
         freed = self._start_drains(current, decided, now)
-        if any(
+        if freed and any(
             slot in freed and freed[slot] != job
             for job, grant in decided.items()
+            # A job that kept its placement took no GPU: only movers are looked at slot by slot.
+            if grant.placement != current.get(job)
             for slot in grant.placement.slots()
         ):
             # A GPU a job just gave back went to another job in the same decision: decide

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,7 @@ def write(results: Sequence[SimResult], output: Path, header: str) -> list[Path]
     )
     written.append(report)
     for result in results:
-        path = output / f"jobs-{result.policy}.csv"
+        path = output / f"jobs-{re.sub(r'[^A-Za-z0-9_.=-]', '_', result.policy)}.csv"
         rows = ["name,arrival,admitted,finished,requested,gpu_seconds,resizes"]
         rows += [
             f"{j.name},{j.arrival:.3f},{j.admitted:.3f},{j.finished:.3f},{j.requested},"

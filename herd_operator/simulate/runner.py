@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,17 +47,34 @@ def load_workload(spec: str, pool: Pool, jobs: int, seed: int, load: float) -> W
     return Workload(f"trace {path.name}", load_trace(path, pool.size))
 
 
+def parse_policy(text: str) -> tuple[str, PolicyRef]:
+    """`name` or `name:param=value/param=value` (values in JSON): the label and the ref."""
+    name, _, rest = text.partition(":")
+    params: dict[str, object] = {}
+    for pair in filter(None, rest.split("/")):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy {text!r}: expected name:param=value/param=value")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    if name == FIRST_COME:
+        if params:
+            raise ValueError(f"policy {text!r}: {FIRST_COME} takes no params")
+        return text, PolicyRef(name="static")
+    return text, PolicyRef(name=name, params=params)
+
+
 def simulate(
     workload: Workload, pool: Pool, policies: Sequence[str], tick: float
 ) -> list[SimResult]:
     results = []
-    for name in policies:
-        if name == FIRST_COME:
-            jobs, ref = rigid(workload.jobs), PolicyRef(name="static")
-        else:
-            jobs, ref = workload.jobs, PolicyRef(name=name)
+    for text in policies:
+        label, ref = parse_policy(text)
+        jobs = rigid(workload.jobs) if text == FIRST_COME else workload.jobs
         result = Simulation(jobs, SimConfig(pool, ref, tick=tick)).run()
-        result.policy = name
+        result.policy = label
         results.append(result)
     return results
 
