@@ -192,7 +192,7 @@ def test_the_real_allocator_given_the_same_calls_decides_the_same(policy: str) -
 
 
 def test_a_small_simulation_writes_its_outputs_and_they_add_up(tmp_path: Path) -> None:
-    pool = parse_pool("16x4")
+    pool = parse_pool("8x4")
     workload = Workload("test mix", perlmutter_mix(200, pool.size, seed=2))
     results = simulate(workload, pool, ["fcfs", "static", "memory", "goodput"], tick=0.0)
     paths = write(results, tmp_path, "test")
