@@ -217,7 +217,9 @@ class Simulation:
         memory = 0.0
         while self._heap:
             first = self._heap[0][0]
-            at = first if tick <= 0 else math.ceil(first / tick - 1e-9) * tick
+            # Never before the first event (float rounding of first / tick * tick could put
+            # it a hair before, and then no event would ever be due: a livelock).
+            at = first if tick <= 0 else max(math.ceil(first / tick) * tick, first)
             self.now = max(at, self.now)
             batches += 1
             touched: dict[str, None] = {}

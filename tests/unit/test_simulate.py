@@ -130,6 +130,14 @@ def test_a_tick_delays_decisions_to_its_multiples() -> None:
     assert all(at % 60.0 == 0 for at, _, _ in result.timeline)
 
 
+@pytest.mark.timeout(20)
+def test_an_event_just_past_a_tick_waits_for_the_next_one() -> None:
+    # Rounding the division down once made such an event due at a tick before its own time:
+    # no event was ever due, and the loop spun at that instant for ever.
+    result = run([job(arrival=60.00000001)], tick=60.0)
+    assert result.jobs[0].admitted == 120.0
+
+
 # ---- policies in the simulator ----
 
 
