@@ -200,7 +200,7 @@ class Simulation:
 
     def _push(self, at: float, kind: Kind, name: str, version: int = 0) -> None:
         if at < self.now:
-            raise AssertionError(f"event {kind.name} for {name} at {at} before now {self.now}")
+            raise RuntimeError(f"event {kind.name} for {name} at {at} before now {self.now}")
         self._seq += 1
         heapq.heappush(self._heap, (at, self._seq, kind, name, version))
 
