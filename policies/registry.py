@@ -25,6 +25,7 @@ from typing import Any, Protocol, cast
 from pydantic import BaseModel, ValidationError
 
 from policies.base import Decision, JobObservations, Policy, PolicyError, Signal
+from policies.goodput import GoodputPolicy
 from policies.memory import MemoryPolicy
 from policies.schedule import SchedulePolicy
 from policies.static import StaticPolicy
@@ -50,6 +51,7 @@ BUILTIN_POLICIES: dict[str, PolicyClass] = {
     "static": cast(PolicyClass, StaticPolicy),
     "memory": cast(PolicyClass, MemoryPolicy),
     "schedule": cast(PolicyClass, SchedulePolicy),
+    "goodput": cast(PolicyClass, GoodputPolicy),
 }
 
 

@@ -407,6 +407,34 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--repeat", type=_positive_int, help="measured repetitions (default: per benchmark)"
     )
+    simulate = commands.add_parser(
+        "simulate",
+        help="run a workload on a simulated cluster under the real policies and allocator",
+    )
+    simulate.add_argument(
+        "workload", help="'perlmutter' (the generated Perlmutter-like mix) or a CSV trace"
+    )
+    simulate.add_argument("--pool", default="1792x4", help="NODESxGPUS (default: 1792x4)")
+    simulate.add_argument(
+        "--policy",
+        default="fcfs,static,memory,goodput",
+        help="comma-separated: fcfs (rigid, first come), static, memory, goodput, or any"
+        " installed policy (default: fcfs,static,memory,goodput)",
+    )
+    simulate.add_argument("--jobs", type=_positive_int, default=1000, help="generated jobs")
+    simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")
+    simulate.add_argument(
+        "--load", type=_positive_float, default=0.9, help="offered load of the mix (default 0.9)"
+    )
+    simulate.add_argument(
+        "--tick",
+        type=_non_negative_float,
+        default=0.0,
+        help="decide at multiples of this many seconds (default 0: at each event)",
+    )
+    simulate.add_argument(
+        "--output", type=Path, default=Path("sim-results"), help="default: ./sim-results"
+    )
     return parser
 
 
@@ -934,6 +962,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
 WATCH_EVENTS_WINDOW = 1000
 """Events read per look by `events -w`: more than the operator adds between two looks."""
 
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from herd_operator.simulate.report import write
+    from herd_operator.simulate.runner import (
+        describe_timing,
+        load_workload,
+        parse_pool,
+        simulate,
+    )
+
+    # The allocator's warnings (drains past 30 s when a tick delays the workers' reports)
+    # are about simulated jobs: thousands of lines nobody needs.
+    logging.getLogger("herd_operator.runtime.allocator").setLevel(logging.ERROR)
+    arbitration_ms = 25.8  # docs/benchmarks.md: arbitrate() on 1,792 x 4 GPUs, 2,000 jobs
+    try:
+        pool = parse_pool(args.pool)
+        workload = load_workload(args.workload, pool, args.jobs, args.seed, args.load)
+        policies = [name.strip() for name in args.policy.split(",") if name.strip()]
+        results = simulate(workload, pool, policies, args.tick)
+    except ValueError as err:
+        print(f"herd-operator simulate: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    header = (
+        f"{workload.description} on {args.pool} ({pool.size} GPUs), tick {args.tick:g} s\n\n"
+        + describe_timing(results, arbitration_ms)
+    )
+    paths = write(results, args.output, header)
+    print((args.output / "summary.md").read_text())
+    print(f"wrote {', '.join(str(path) for path in paths)}")
+    return EXIT_OK
+
+
 COMMANDS = {
     "run": cmd_run,
     "exporter": cmd_exporter,
@@ -947,6 +1007,7 @@ COMMANDS = {
     "schema": cmd_schema,
     "demo": cmd_demo,
     "bench": cmd_bench,
+    "simulate": cmd_simulate,
 }
 
 

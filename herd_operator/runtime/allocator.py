@@ -361,10 +361,14 @@ class Allocator:
                 self._draining = {
                     s: d for s, d in self._draining.items() if d.job != job or d.after_loss
                 }
-                self._decide(caller="")
-                grant = self._grants.get(job)
-                if grant is None:
-                    return
+                if self._batching:
+                    # Like a release: the batch's one decision hands the GPUs on.
+                    self._dirty = True
+                else:
+                    self._decide(caller="")
+                    grant = self._grants.get(job)
+                    if grant is None:
+                        return
             granted = grant.placement.size
             if world_size >= granted:
                 self._short_since.pop(job, None)
@@ -497,6 +501,13 @@ class Allocator:
                 self._sink.withdraw(job)
             self._on_decision({})
 
+    def thaw_at(self) -> float | None:
+        """When the next job that resized recently may be resized again (None: none waits).
+
+        The operator's periodic resync requests again after it; a simulation wakes then."""
+        with self._lock:
+            return self._next_thaw
+
     def grant(self, job: str) -> Grant | None:
         with self._lock:
             return self._grants.get(job)
@@ -520,13 +531,17 @@ class Allocator:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])
         demands = list(self._demands.values())
-        decided = arbitrate(self._free_pool(), demands, current, frozen=frozen)
+        decided = arbitrate(
+            self.pool, demands, current, frozen=frozen, unavailable=self._unavailable()
+        )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
         freed = self._start_drains(current, decided, now)
-        if any(
+        if freed and any(
             slot in freed and freed[slot] != job
             for job, grant in decided.items()
+            # A job that kept its placement took no GPU: only movers are looked at slot by slot.
+            if grant.placement != current.get(job)
             for slot in grant.placement.slots()
         ):
             # A GPU a job just gave back went to another job in the same decision: decide
@@ -534,7 +549,13 @@ class Allocator:
             shrunk = set(freed.values())
             first = decided
             current = {**current, **{job: first[job].placement for job in shrunk}}
-            decided = arbitrate(self._free_pool(), demands, current, frozen=frozen | shrunk)
+            decided = arbitrate(
+                self.pool,
+                demands,
+                current,
+                frozen=frozen | shrunk,
+                unavailable=self._unavailable(),
+            )
             decided.update({job: first[job] for job in shrunk})
             givers = ", ".join(sorted(shrunk))
             for job, grant in decided.items():
@@ -582,7 +603,8 @@ class Allocator:
             placement = decided[job].placement
             if placement.size:
                 self._sink.publish(job, placement)
-            log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
+            if log.isEnabledFor(logging.INFO):  # describing 10,000 grants is not free
+                log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
         presented: dict[str, Mapping[str, Sequence[Slot]]] = {}
         kept: dict[tuple[str, str, int], Binding] = {}
         for key, binding in self._bindings.items():
@@ -614,10 +636,11 @@ class Allocator:
             return {}
         freed: dict[Slot, str] = {}
         for job, grant in decided.items():
-            if not grant.placement.size:
-                continue
+            before = current.get(job, Placement.EMPTY)
+            if not grant.placement.size or before == grant.placement:
+                continue  # most jobs keep their placement: nothing to compare slot by slot
             kept = set(grant.placement.slots())
-            for slot in current.get(job, Placement.EMPTY).slots():
+            for slot in before.slots():
                 if slot in kept:
                     continue
                 pids = tuple(
@@ -631,8 +654,8 @@ class Allocator:
             self._schedule_drain_check(now)
         return freed
 
-    def _free_pool(self) -> Pool:
-        """The pool a decision shares out: without draining GPUs, those of held jobs, and the
+    def _unavailable(self) -> set[Slot]:
+        """GPUs a decision shares out to nobody: draining ones, those of held jobs, and the
         free GPUs of cordoned hosts (those granted stay with their jobs)."""
         unavailable = set(self._draining)
         for placement in self._held.values():
@@ -646,13 +669,7 @@ class Allocator:
                 for gpu in gpus
                 if (host, gpu) not in granted
             )
-        if not unavailable:
-            return self.pool
-        hosts = tuple(
-            (host, tuple(gpu for gpu in gpus if (host, gpu) not in unavailable))
-            for host, gpus in self.pool.hosts
-        )
-        return Pool(tuple((host, gpus) for host, gpus in hosts if gpus))
+        return unavailable
 
     def draining(self) -> dict[Slot, str]:
         """GPUs given back and not yet free: slot -> the job that gave it back."""

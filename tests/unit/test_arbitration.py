@@ -914,3 +914,28 @@ def test_freezing_every_admitted_job_changes_nothing(story: Story) -> None:
         assert grant.placement == first[name].placement
         if grant.admitted:
             assert grant.reason == f"holding {grant.placement.size}: resized recently"
+
+
+def without(pool: Pool, gone: set[Slot]) -> Pool:
+    hosts = (
+        (host, tuple(gpu for gpu in gpus if (host, gpu) not in gone)) for host, gpus in pool.hosts
+    )
+    return Pool(tuple((host, gpus) for host, gpus in hosts if gpus))
+
+
+@settings(max_examples=100, deadline=None)
+@given(story=stories(), seed=st.integers(0, 2**32 - 1))
+def test_unavailable_gpus_decide_as_a_pool_without_them(story: Story, seed: int) -> None:
+    # The allocator passes draining and held GPUs as `unavailable` instead of building a
+    # smaller pool for each decision: the grants must be the same, reasons included.
+    chooser = random.Random(seed)
+    current: dict[str, Placement] = {}
+    for step in story.steps:
+        pool = pool_at(story, step)
+        demands = demands_at(story, step)
+        frozen = frozen_at(story, step)
+        slots = list(pool.slots())
+        gone = set(chooser.sample(slots, chooser.randint(0, len(slots))))
+        grants = arbitrate(pool, demands, current, frozen=frozen, unavailable=gone)
+        assert grants == arbitrate(without(pool, gone), demands, current, frozen=frozen)
+        current = {name: grant.placement for name, grant in grants.items() if grant.admitted}

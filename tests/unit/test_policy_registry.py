@@ -32,7 +32,7 @@ from tests.unit.plugin_policy import (
 
 REPO = Path(__file__).resolve().parents[2]
 NOTHING_OBSERVED = JobObservations(started_at=0.0, allocated=0)
-BUILTINS = "memory, schedule, static (built-in)"
+BUILTINS = "goodput, memory, schedule, static (built-in)"
 HOW_TO_REGISTER = (
     "a plug-in registers its class under the entry point group 'herd_operator.policies' in"
     " its package's metadata and is installed where the operator runs (docs/policies.md)"
@@ -195,6 +195,7 @@ def test_the_example_plugin_is_registered_by_its_pyproject(
         ("static", set()),
         ("memory", {Signal.EPOCHS, Signal.USAGE}),
         ("schedule", {Signal.EPOCHS}),
+        ("goodput", {Signal.EPOCHS}),
         ("half", set()),
     ],
 )

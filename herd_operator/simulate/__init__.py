@@ -1,0 +1,1 @@
+"""`herd-operator simulate`: the policies and the allocator on a virtual cluster."""

@@ -1,0 +1,423 @@
+"""The discrete-event simulation: a virtual clock driving the operator's real decisions.
+
+Nothing here decides who gets a GPU. Each job's wish comes from the real policy
+(`policies.registry.load_policy`), called with what the operator would observe (epoch
+reports, GPU memory samples, its grant and last resize); the grants come from the real
+`Allocator` (gang admission, priorities, fair share, shrink-to-admit, the resize rate limit
+and drains, through `arbitrate()`), run on the simulation's clock. What the simulation adds is
+the jobs: their progress on the GPUs they hold (`JobModel`), the stall of each resize, and
+when they report.
+
+Events that fall on the same instant (or, with `tick` > 0, in the same tick: the control
+loop's period) are handled in one `Allocator.batch()`, as the operator's loop handles a
+burst of reconciles under one decision. A job whose grant a decision changed is reconciled
+again at the same instant, as the allocator's wake-up does in the operator.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel, resize_stall
+from policies.base import JobObservations, Policy, Signal
+from policies.registry import load_policy
+from specs import HerdJob, PolicyRef
+from specs.values import Demand, Grant, Placement, Pool, Report, UsageSample
+
+KEPT_OBSERVATIONS = 16
+"""Epoch reports and memory samples kept per job: every built-in policy reads the latest few."""
+
+
+class Kind(enum.IntEnum):
+    ARRIVAL = 0
+    SETTLED = 1
+    """A resize's stall is over: the workers report their world size (frees drains)."""
+    EPOCH = 2
+    RECONCILE = 3
+    WAKE = 4
+    """A recently resized job may be resized again: decide again."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    pool: Pool
+    policy: PolicyRef
+    tick: float = 0.0
+    """0: decide at each event's instant; > 0: at the next multiple of `tick` seconds."""
+    min_resize_interval: float = 30.0
+    """The operator's `--min-resize-interval` default."""
+    drain_seconds: float = 30.0
+    record: bool = False
+    """Keep every request, release and report given to the allocator, batch by batch
+    (for replaying them on another allocator)."""
+
+
+class _NullSink:
+    """Placements reach nobody: the jobs are simulated."""
+
+    def publish(self, job: str, placement: Placement) -> None:
+        pass
+
+    def withdraw(self, job: str) -> None:
+        pass
+
+
+@dataclass
+class _Run:
+    model: JobModel
+    spec: HerdJob
+    placement: Placement = Placement.EMPTY
+    size: int = 0
+    wanted: int = 0
+    done: float = 0.0
+    last_update: float = 0.0
+    stall_until: float = 0.0
+    epoch: int = 0
+    version: int = 0
+    admitted: float | None = None
+    finished: float | None = None
+    last_resize: float | None = None
+    resizes: int = 0
+    gpu_seconds: float = 0.0
+    memory_seconds: float = 0.0
+    """GPU-seconds weighted by the share of memory used."""
+    reports: list[Report] = field(default_factory=list)
+    usage: list[UsageSample] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    name: str
+    arrival: float
+    admitted: float
+    finished: float
+    requested: int
+    gpu_seconds: float
+    memory_seconds: float
+    resizes: int
+
+    @property
+    def completion(self) -> float:
+        return self.finished - self.arrival
+
+    @property
+    def queueing(self) -> float:
+        return self.admitted - self.arrival
+
+
+Step = tuple[str, str, int] | tuple[str, Demand]
+"""A call made to the allocator: ("request", Demand), ("release", job, 0) or
+("world", job, world size)."""
+
+
+@dataclass
+class SimResult:
+    policy: str
+    pool_gpus: int
+    jobs: list[JobOutcome]
+    timeline: list[tuple[float, int, float]]
+    """(time, GPUs allocated, GPUs' worth of memory used) after each decision instant."""
+    decisions: int
+    batches: int
+    events: int
+    policy_calls: int
+    wall_seconds: float
+    decide_seconds: float
+    """Wall time inside the allocator's batch decisions (arbitrate and its bookkeeping)."""
+    policy_seconds: float
+    unfinished: list[str]
+    steps: list[tuple[float, list[Step], dict[str, Placement]]] = field(default_factory=list)
+    """With `record`: each batch's instant, its calls, and every job's placement after it."""
+
+
+class Simulation:
+    def __init__(self, jobs: Sequence[JobModel], config: SimConfig) -> None:
+        names = [job.name for job in jobs]
+        if len(set(names)) != len(names):
+            raise ValueError("two jobs of the workload share a name")
+        too_big = [job.name for job in jobs if job.min_gpus > config.pool.size]
+        if too_big:
+            raise ValueError(f"min above the pool's {config.pool.size} GPUs: {too_big[:3]}")
+        self.config = config
+        self.jobs = list(jobs)
+        self._by_name = {job.name: job for job in jobs}
+        self.now = 0.0
+        self.policy: Policy = load_policy(config.policy)
+        self._observes = self.policy.observes
+        self._heap: list[tuple[float, int, Kind, str, int]] = []
+        self._seq = 0
+        self._runs: dict[str, _Run] = {}
+        self._active: dict[str, None] = {}
+        self._unsettled: set[str] = set()
+        """Admitted jobs below what they want, and pending jobs: a thaw may help them."""
+        self._changed: dict[str, Grant] = {}
+        self._decisions = 0
+        self._steps: list[Step] = []
+        self._wake_at: float | None = None
+        self._specs: dict[tuple[int, int, int], HerdJob] = {}
+        self.allocator = Allocator(
+            config.pool,
+            _NullSink(),
+            virtual=True,
+            on_decision=self._count_decision,
+            min_resize_interval=config.min_resize_interval,
+            drain_seconds=config.drain_seconds,
+            clock=lambda: self.now,
+        )
+        self.allocator.watch(self._on_change)
+
+    def _count_decision(self, placements: object) -> None:
+        self._decisions += 1
+
+    def _on_change(self, job: str, grant: Grant) -> None:
+        self._changed[job] = grant
+
+    def _spec(self, model: JobModel) -> HerdJob:
+        """The spec a policy sees; policies read only its GPU range, priority and policy."""
+        key = (model.min_gpus, model.max_gpus, model.priority)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = HerdJob.model_validate(
+                {
+                    "apiVersion": "herd/v1alpha1",
+                    "kind": "HerdJob",
+                    "metadata": {"name": "simulated"},
+                    "spec": {
+                        "command": ["train"],
+                        "gpus": {"min": model.min_gpus, "max": model.max_gpus},
+                        "priority": model.priority,
+                        "policy": self.config.policy.model_dump(),
+                    },
+                }
+            )
+        return spec
+
+    def _push(self, at: float, kind: Kind, name: str, version: int = 0) -> None:
+        if at < self.now:
+            raise RuntimeError(f"event {kind.name} for {name} at {at} before now {self.now}")
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, kind, name, version))
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        for job in self.jobs:
+            self._push(job.arrival, Kind.ARRIVAL, job.name)
+        tick = self.config.tick
+        events = batches = policy_calls = 0
+        decide_seconds = policy_seconds = 0.0
+        timeline: list[tuple[float, int, float]] = []
+        recorded: list[tuple[float, list[Step], dict[str, Placement]]] = []
+        allocated = 0
+        memory = 0.0
+        while self._heap:
+            first = self._heap[0][0]
+            # Never before the first event (float rounding of first / tick * tick could put
+            # it a hair before, and then no event would ever be due: a livelock).
+            at = first if tick <= 0 else max(math.ceil(first / tick) * tick, first)
+            self.now = max(at, self.now)
+            batches += 1
+            touched: dict[str, None] = {}
+            wake = False
+            batch = self.allocator.batch()
+            batch.__enter__()
+            try:
+                while self._heap and self._heap[0][0] <= self.now:
+                    when, _, kind, name, version = heapq.heappop(self._heap)
+                    events += 1
+                    run = self._runs.get(name)
+                    if kind is Kind.ARRIVAL:
+                        model = self._by_name[name]
+                        run = self._runs[name] = _Run(model, self._spec(model))
+                        run.last_update = self.now
+                        self._active[name] = None
+                        touched[name] = None
+                    elif kind is Kind.WAKE:
+                        wake = True
+                        self._wake_at = None
+                    elif run is None or run.finished is not None or version != run.version:
+                        continue  # superseded by a later grant change
+                    elif kind is Kind.EPOCH:
+                        if self._epoch(run, when):
+                            allocated -= run.size
+                            memory -= run.size * run.model.memory_fraction(run.size)
+                            self._finish(run, when)
+                        else:
+                            touched[name] = None
+                    elif kind is Kind.SETTLED:
+                        self._record(("world", name, run.size))
+                        self.allocator.observe_world_size(name, run.size)
+                    else:
+                        touched[name] = None
+                clock = time.perf_counter()
+                for name in touched:
+                    run = self._runs[name]
+                    if run.finished is None:
+                        self._reconcile(run)
+                        policy_calls += 1
+                if wake and self._active:
+                    # The operator's resync requests again; a request after a thaw decides.
+                    self._reconcile(self._runs[next(iter(self._active))])
+                    policy_calls += 1
+                policy_seconds += time.perf_counter() - clock
+            finally:
+                clock = time.perf_counter()
+                batch.__exit__(None, None, None)
+                decide_seconds += time.perf_counter() - clock
+            changes, self._changed = self._changed, {}
+            for name, grant in changes.items():
+                run = self._runs[name]
+                if run.finished is not None or grant.placement == run.placement:
+                    continue
+                old = run.size
+                self._apply(run, grant.placement)
+                allocated += run.size - old
+                memory += run.size * run.model.memory_fraction(run.size) - old * (
+                    run.model.memory_fraction(old)
+                )
+                self._push(self.now, Kind.RECONCILE, name, run.version)
+            timeline.append((self.now, allocated, memory))
+            if self.config.record:
+                recorded.append((self.now, self._steps, self.allocator.placements()))
+                self._steps = []
+            self._schedule_wake()
+        outcomes = [
+            JobOutcome(
+                run.model.name,
+                run.model.arrival,
+                run.admitted or 0.0,
+                run.finished or 0.0,
+                run.model.requested,
+                run.gpu_seconds,
+                run.memory_seconds,
+                run.resizes,
+            )
+            for run in self._runs.values()
+            if run.finished is not None
+        ]
+        return SimResult(
+            policy=self.config.policy.name,
+            pool_gpus=self.config.pool.size,
+            jobs=outcomes,
+            timeline=timeline,
+            decisions=self._decisions,
+            batches=batches,
+            events=events,
+            policy_calls=policy_calls,
+            wall_seconds=time.perf_counter() - started,
+            decide_seconds=decide_seconds,
+            policy_seconds=policy_seconds,
+            unfinished=sorted(name for name in self._active),
+            steps=recorded,
+        )
+
+    def _record(self, step: Step) -> None:
+        if self.config.record:
+            self._steps.append(step)
+
+    def _reconcile(self, run: _Run) -> None:
+        """What the reconciler does for a job: observe, ask the policy, ask the allocator."""
+        model = run.model
+        started = run.admitted if run.admitted is not None else model.arrival
+        observed = JobObservations(
+            started_at=started,
+            allocated=run.size,
+            world_size=run.size or None,
+            last_resize=run.last_resize,
+            epochs=run.reports if Signal.EPOCHS in self._observes else (),
+            usage=run.usage if Signal.USAGE in self._observes else (),
+        )
+        decision = self.policy.desired(run.spec, observed, self.now)
+        run.wanted = max(model.min_gpus, min(model.max_gpus, decision.gpus))
+        self._settle(run)
+        demand = Demand(
+            model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
+            model.arrival,
+        )  # fmt: skip
+        self._record(("request", demand))
+        self.allocator.request(demand)
+
+    def _settle(self, run: _Run) -> None:
+        if run.finished is None and run.size != run.wanted:
+            self._unsettled.add(run.model.name)
+        else:
+            self._unsettled.discard(run.model.name)
+
+    def _advance(self, run: _Run, until: float) -> None:
+        """Progress and GPU-seconds of `run` up to `until`."""
+        if run.size > 0:
+            working_from = max(run.last_update, run.stall_until)
+            if until > working_from:
+                run.done += run.model.speedup(run.size) * (until - working_from)
+            spent = until - run.last_update
+            run.gpu_seconds += run.size * spent
+            run.memory_seconds += run.size * run.model.memory_fraction(run.size) * spent
+        run.last_update = until
+
+    def _apply(self, run: _Run, placement: Placement) -> None:
+        """The job's grant changed at `now`."""
+        self._advance(run, self.now)
+        old, new = run.size, placement.size
+        run.placement = placement
+        if old == new:
+            return
+        if old == 0 and run.admitted is None:
+            run.admitted = self.now
+        elif old > 0 and new > 0:
+            run.resizes += 1
+            run.last_resize = self.now
+        run.size = new
+        run.stall_until = self.now + resize_stall(old, new)
+        self._settle(run)
+        self._schedule_epoch(run)
+
+    def _schedule_epoch(self, run: _Run) -> None:
+        run.version += 1
+        if run.size == 0:
+            return
+        working_from = max(self.now, run.stall_until)
+        left = max((run.epoch + 1) * run.model.epoch_work() - run.done, 0.0)
+        self._push(working_from + left / run.model.speedup(run.size), Kind.EPOCH,
+                   run.model.name, run.version)  # fmt: skip
+        if run.stall_until > self.now:
+            self._push(run.stall_until, Kind.SETTLED, run.model.name, run.version)
+
+    def _epoch(self, run: _Run, when: float) -> bool:
+        """An epoch ended at `when`: the workers report; True if it was the last."""
+        self._advance(run, when)
+        run.epoch += 1
+        run.done = max(run.done, run.epoch * run.model.epoch_work())
+        run.reports.append(Report(run.epoch - 1, when, run.size))
+        total = run.size * GPU_MEMORY_BYTES
+        used = int(total * run.model.memory_fraction(run.size))
+        run.usage.append(UsageSample(when, run.size, used, total))
+        del run.reports[:-KEPT_OBSERVATIONS], run.usage[:-KEPT_OBSERVATIONS]
+        if run.epoch >= run.model.epochs:
+            return True
+        self._schedule_epoch(run)
+        return False
+
+    def _finish(self, run: _Run, when: float) -> None:
+        run.finished = when
+        run.size = 0
+        run.placement = Placement.EMPTY
+        run.version += 1
+        del self._active[run.model.name]
+        self._unsettled.discard(run.model.name)
+        self._record(("release", run.model.name, 0))
+        self.allocator.release(run.model.name)
+
+    def _schedule_wake(self) -> None:
+        """Wake when the allocator thaws a job, if a thaw can change anything."""
+        thaw = self.allocator.thaw_at()
+        if thaw is None or not self._unsettled or thaw <= self.now:
+            return
+        if self._wake_at is not None and self._wake_at <= thaw:
+            return
+        self._wake_at = thaw
+        self._push(thaw, Kind.WAKE, "")

@@ -1,0 +1,96 @@
+"""The simulated job: how fast it trains on n GPUs, what a resize costs, how much GPU memory
+it uses.
+
+Throughput follows Amdahl's law in the job's serial fraction `f` (the share of a step that
+does not shrink with more workers: gradient exchange, input pipeline): on n GPUs a job does
+`n / (1 + f (n - 1))` single-GPU seconds of work per second. Its total work is counted in
+those units, so a job with `work` W runs W seconds on one GPU.
+
+Memory is batch-preserving, as under the operator's accuracy modes: the global batch stays
+the same whatever the size, so each GPU holds the model state (`mem_fixed`, a fraction of one
+GPU's memory) plus its share of the batch's activations (`mem_batch / n`). Shrinking a job
+raises its per-GPU use, which is the signal the `memory` policy reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GROW_STALL_SECONDS = 9.6
+"""A grow's stall: median of `resize-stall 2->4` under the operator (docs/benchmarks.md,
+n = 10): new workers import torch and Horovod, then Gloo's rendezvous."""
+SHRINK_STALL_SECONDS = 2.0
+"""A shrink's stall: median of `resize-stall 4->2` under the operator (docs/benchmarks.md)."""
+START_SECONDS = GROW_STALL_SECONDS
+"""The first start costs what starting workers costs in a grow."""
+GPU_MEMORY_BYTES = 40 << 30
+"""One A100 40 GB, the smaller of Perlmutter's two GPU node kinds."""
+MAX_MEMORY_FRACTION = 0.95
+"""A job does not run on fewer GPUs than keep it under this share of each GPU's memory."""
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """One job of a workload: what it asks for and how it behaves."""
+
+    name: str
+    arrival: float
+    """Submission time, seconds from the start of the workload."""
+    requested: int
+    """The GPUs a user would ask a batch scheduler for (the rigid size)."""
+    min_gpus: int
+    max_gpus: int
+    work: float
+    """Total work in single-GPU seconds."""
+    epochs: int
+    serial_fraction: float
+    mem_fixed: float
+    """Per-GPU memory for the model state, as a fraction of one GPU's memory."""
+    mem_batch: float
+    """Memory of the global batch's activations, as a fraction of one GPU's memory."""
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_gpus <= self.max_gpus:
+            raise ValueError(f"{self.name}: need 1 <= min <= max")
+        if self.work <= 0 or self.epochs < 1:
+            raise ValueError(f"{self.name}: work and epochs must be positive")
+        if not 0 <= self.serial_fraction <= 1:
+            raise ValueError(f"{self.name}: serial fraction must be within [0, 1]")
+
+    def speedup(self, gpus: int) -> float:
+        """Work per second on `gpus` GPUs, in single-GPU seconds per second."""
+        if gpus <= 0:
+            return 0.0
+        return gpus / (1.0 + self.serial_fraction * (gpus - 1))
+
+    def epoch_work(self) -> float:
+        return self.work / self.epochs
+
+    def memory_fraction(self, gpus: int) -> float:
+        """Share of each of its GPUs' memory the job uses on `gpus` GPUs (at most 1)."""
+        if gpus <= 0:
+            return 0.0
+        return min(1.0, self.mem_fixed + self.mem_batch / gpus)
+
+    def run_seconds(self, gpus: int) -> float:
+        """Training time at a fixed size, without stalls."""
+        return self.work / self.speedup(gpus)
+
+
+def resize_stall(old: int, new: int) -> float:
+    """Seconds without progress after the job's size changed from `old` to `new` GPUs."""
+    if new <= 0 or old == new:
+        return 0.0
+    if old <= 0:
+        return START_SECONDS
+    return GROW_STALL_SECONDS if new > old else SHRINK_STALL_SECONDS
+
+
+def feasible_min(mem_fixed: float, mem_batch: float) -> int:
+    """The fewest GPUs whose memory holds the job (per-GPU use under MAX_MEMORY_FRACTION)."""
+    room = MAX_MEMORY_FRACTION - mem_fixed
+    if room <= 0:
+        raise ValueError("the model state alone does not fit one GPU")
+    return max(1, math.ceil(mem_batch / room - 1e-9))

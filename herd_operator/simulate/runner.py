@@ -1,0 +1,95 @@
+"""Runs one workload under several policies and writes what they did."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
+from herd_operator.simulate.model import JobModel
+from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
+from specs import PolicyRef
+from specs.values import Pool
+
+FIRST_COME = "fcfs"
+"""Not a policy of the operator: every job rigid at its asked size (min = max), `static`,
+so the allocator admits in arrival order with no resize: a batch scheduler without backfill."""
+POLICIES = ("fcfs", "static", "memory", "goodput")
+PERLMUTTER = "perlmutter"
+
+
+def parse_pool(text: str) -> Pool:
+    """`NODESxGPUS`, e.g. `1792x4`: hosts nid000000... with GPUs 0..GPUS-1 each."""
+    match = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not match or int(match[1]) < 1 or int(match[2]) < 1:
+        raise ValueError(f"pool {text!r}: expected NODESxGPUS, e.g. 1792x4")
+    nodes, gpus = int(match[1]), int(match[2])
+    return Pool.from_counts({f"nid{node:06d}": gpus for node in range(nodes)})
+
+
+@dataclass(frozen=True)
+class Workload:
+    description: str
+    jobs: list[JobModel]
+
+
+def load_workload(spec: str, pool: Pool, jobs: int, seed: int, load: float) -> Workload:
+    """`perlmutter` (the generated mix) or the path of a CSV trace."""
+    if spec == PERLMUTTER:
+        mix = perlmutter_mix(jobs, pool.size, seed, MixParams(load=load))
+        return Workload(f"Perlmutter-like mix, {jobs} jobs, seed {seed}, load {load:g}", mix)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"workload {spec!r}: not '{PERLMUTTER}' and not a file")
+    return Workload(f"trace {path.name}", load_trace(path, pool.size))
+
+
+def parse_policy(text: str) -> tuple[str, PolicyRef]:
+    """`name` or `name:param=value/param=value` (values in JSON): the label and the ref."""
+    name, _, rest = text.partition(":")
+    params: dict[str, object] = {}
+    for pair in filter(None, rest.split("/")):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy {text!r}: expected name:param=value/param=value")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    if name == FIRST_COME:
+        if params:
+            raise ValueError(f"policy {text!r}: {FIRST_COME} takes no params")
+        return text, PolicyRef(name="static")
+    return text, PolicyRef(name=name, params=params)
+
+
+def simulate(
+    workload: Workload, pool: Pool, policies: Sequence[str], tick: float
+) -> list[SimResult]:
+    results = []
+    for text in policies:
+        label, ref = parse_policy(text)
+        jobs = rigid(workload.jobs) if text == FIRST_COME else workload.jobs
+        result = Simulation(jobs, SimConfig(pool, ref, tick=tick)).run()
+        result.policy = label
+        results.append(result)
+    return results
+
+
+def describe_timing(results: Sequence[SimResult], arbitration_ms: float) -> str:
+    """Where the time went, per policy, against decisions x one benchmarked arbitration."""
+    lines = []
+    for r in results:
+        budget = r.decisions * arbitration_ms / 1000
+        lines.append(
+            f"- {r.policy}: {r.wall_seconds:.1f} s wall for {len(r.jobs)} jobs, {r.events} events"
+            f" in {r.batches} instants; {r.decisions} decisions took {r.decide_seconds:.1f} s"
+            f" ({r.decide_seconds / max(r.decisions, 1) * 1000:.2f} ms each), {r.policy_calls}"
+            f" policy calls and requests {r.policy_seconds:.1f} s; decisions x"
+            f" {arbitration_ms:g} ms (the arbitration benchmark) = {budget:.1f} s,"
+            f" wall / that = {r.wall_seconds / budget if budget else float('nan'):.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""Workloads for the simulator: a seeded Perlmutter-like mix, and job traces in CSV.
+
+Each distribution of the generated mix, and where it comes from, is in docs/simulation.md.
+Where no published figure exists the choice is ours and the docs say so.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from herd_operator.simulate.model import MAX_MEMORY_FRACTION, JobModel, feasible_min
+
+GPU_COUNT_WEIGHTS: tuple[tuple[int, float], ...] = (
+    (1, 0.30),
+    (2, 0.08),
+    (4, 0.35),
+    (8, 0.10),
+    (16, 0.08),
+    (32, 0.05),
+    (64, 0.025),
+    (128, 0.01),
+    (256, 0.005),
+)
+"""GPUs asked per job: a third single-GPU, a third one full node (4 GPUs), a tail to 64 nodes."""
+RUN_MEDIAN_SECONDS = 1800.0
+RUN_SIGMA = 1.2
+RUN_BOUNDS = (120.0, 48 * 3600.0)
+"""Run time at the asked size: log-normal, median 30 min, cut at 2 min and at 48 h (the
+longest wall time of Perlmutter's regular GPU queue)."""
+SERIAL_BOUNDS = (0.005, 0.2)
+"""Amdahl serial fraction: log-uniform, from near-linear to 59% efficiency at 8 GPUs."""
+MEMORY_BANDS: tuple[tuple[float, float, float], ...] = (
+    (0.50, 0.03, 0.25),
+    (0.30, 0.25, 0.60),
+    (0.20, 0.60, 0.90),
+)
+"""(share of jobs, low, high) of the memory used per GPU at the asked size: half the jobs use
+at most 25% (Li et al., ISC'23, on Perlmutter); the split of the other half is ours."""
+EPOCH_SECONDS = (60.0, 900.0)
+"""Epoch length at the asked size: uniform; at most 200 epochs per job."""
+
+
+@dataclass(frozen=True)
+class MixParams:
+    load: float = 0.9
+    """Offered load: GPU-seconds asked (size x run time at that size) per second, as a share
+    of the pool; sets the arrival rate."""
+    min_share: float = 0.25
+    """An elastic job's min is this share of its asked size (rounded up), or what its memory
+    needs if more."""
+
+
+def perlmutter_mix(
+    count: int, pool_gpus: int, seed: int, params: MixParams = MixParams()
+) -> list[JobModel]:
+    """`count` jobs with Poisson arrivals; the same seed gives the same jobs."""
+    rng = random.Random(seed)
+    sizes = [size for size, _ in GPU_COUNT_WEIGHTS if size <= pool_gpus] or [pool_gpus]
+    weights = [weight for size, weight in GPU_COUNT_WEIGHTS if size <= pool_gpus] or [1.0]
+    drafts: list[tuple[int, float, float, float, float, int]] = []
+    for _ in range(count):
+        requested = rng.choices(sizes, weights)[0]
+        run = math.exp(rng.gauss(math.log(RUN_MEDIAN_SECONDS), RUN_SIGMA))
+        run = min(max(run, RUN_BOUNDS[0]), RUN_BOUNDS[1])
+        serial = math.exp(rng.uniform(math.log(SERIAL_BOUNDS[0]), math.log(SERIAL_BOUNDS[1])))
+        band = rng.choices(MEMORY_BANDS, [share for share, _, _ in MEMORY_BANDS])[0]
+        used = rng.uniform(band[1], band[2])
+        fixed_share = rng.uniform(0.2, 0.6)
+        epochs = max(1, min(200, round(run / rng.uniform(*EPOCH_SECONDS))))
+        drafts.append((requested, run, serial, used, fixed_share, epochs))
+    asked = sum(requested * run for requested, run, *_ in drafts) / max(count, 1)
+    rate = params.load * pool_gpus / asked if asked else 1.0
+    jobs: list[JobModel] = []
+    clock = 0.0
+    width = len(str(max(count - 1, 0)))
+    for index, (requested, run, serial, used, fixed_share, epochs) in enumerate(drafts):
+        clock += rng.expovariate(rate)
+        jobs.append(
+            _job(
+                f"job-{index:0{width}d}",
+                clock,
+                requested,
+                run,
+                serial,
+                used,
+                fixed_share,
+                epochs,
+                params.min_share,
+            )
+        )
+    return jobs
+
+
+def _job(
+    name: str,
+    arrival: float,
+    requested: int,
+    run: float,
+    serial: float,
+    used: float,
+    fixed_share: float,
+    epochs: int,
+    min_share: float,
+) -> JobModel:
+    mem_fixed = fixed_share * used
+    mem_batch = (1 - fixed_share) * used * requested
+    low = min(requested, max(feasible_min(mem_fixed, mem_batch), math.ceil(requested * min_share)))
+    speedup = requested / (1.0 + serial * (requested - 1))
+    return JobModel(
+        name=name,
+        arrival=arrival,
+        requested=requested,
+        min_gpus=low,
+        max_gpus=requested,
+        work=run * speedup,
+        epochs=epochs,
+        serial_fraction=serial,
+        mem_fixed=mem_fixed,
+        mem_batch=mem_batch,
+    )
+
+
+@dataclass(frozen=True)
+class Application:
+    """What the trace loader assumes of one application of a trace (no trace says it)."""
+
+    gpu_hours: float
+    """Total work in single-GPU hours."""
+    serial_fraction: float
+    memory: float
+    """Per-GPU memory share at the trace's replica count."""
+    epochs: int
+
+
+POLLUX_APPLICATIONS: dict[str, Application] = {
+    "cifar10": Application(3.0, 0.05, 0.20, 50),
+    "ncf": Application(0.5, 0.30, 0.10, 20),
+    "deepspeech2": Application(20.0, 0.04, 0.50, 40),
+    "yolov3": Application(30.0, 0.03, 0.70, 50),
+    "bert": Application(8.0, 0.03, 0.60, 10),
+    "imagenet": Application(150.0, 0.01, 0.80, 90),
+}
+"""The six applications of Pollux's workloads (petuum/adaptdl `simulator/workloads*/`).
+Pollux models each from measured throughput and statistical efficiency; those profiles are
+not used here, so these figures are our rough guesses (docs/simulation.md)."""
+TRACE_COLUMNS = ("name", "time", "application", "num_replicas")
+
+
+def load_trace(
+    path: Path,
+    pool_gpus: int,
+    applications: dict[str, Application] = POLLUX_APPLICATIONS,
+    min_share: float = 0.25,
+) -> list[JobModel]:
+    """Jobs of a CSV trace in Pollux's format (`name,time,application,num_replicas,...`).
+
+    Raises ValueError naming the line of a bad row.
+    """
+    with path.open(newline="") as stream:
+        reader = csv.DictReader(stream)
+        missing = [column for column in TRACE_COLUMNS if column not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: missing column(s) {', '.join(missing)}")
+        jobs: list[JobModel] = []
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            app = applications.get(row["application"])
+            if app is None:
+                raise ValueError(
+                    f"{where}: unknown application {row['application']!r};"
+                    f" known: {', '.join(sorted(applications))}"
+                )
+            try:
+                arrival = float(row["time"])
+                replicas = int(row["num_replicas"])
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+            if replicas < 1 or not math.isfinite(arrival):
+                raise ValueError(f"{where}: num_replicas must be >= 1 and time finite")
+            requested = min(replicas, pool_gpus)
+            used = min(app.memory, MAX_MEMORY_FRACTION - 0.05)
+            speedup = requested / (1.0 + app.serial_fraction * (requested - 1))
+            jobs.append(
+                _job(
+                    row["name"],
+                    arrival,
+                    requested,
+                    app.gpu_hours * 3600 / speedup,
+                    app.serial_fraction,
+                    used,
+                    0.4,
+                    app.epochs,
+                    min_share,
+                )
+            )
+    jobs.sort(key=lambda job: (job.arrival, job.name))
+    return jobs
+
+
+def rigid(jobs: Sequence[JobModel]) -> list[JobModel]:
+    """The same jobs as a batch scheduler runs them: min = max = the asked size."""
+    return [
+        JobModel(
+            job.name,
+            job.arrival,
+            job.requested,
+            job.requested,
+            job.requested,
+            job.work,
+            job.epochs,
+            job.serial_fraction,
+            job.mem_fixed,
+            job.mem_batch,
+            job.priority,
+        )
+        for job in jobs
+    ]

@@ -1,0 +1,332 @@
+"""The simulator: its event loop, job model and workloads, the goodput policy, and that it
+decides what the real allocator decides."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
+from herd_operator.simulate.model import (
+    GROW_STALL_SECONDS,
+    SHRINK_STALL_SECONDS,
+    START_SECONDS,
+    JobModel,
+    feasible_min,
+    resize_stall,
+)
+from herd_operator.simulate.report import summarize, write
+from herd_operator.simulate.runner import Workload, parse_pool, simulate
+from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
+from policies.base import JobObservations
+from policies.goodput import GoodputParams, GoodputPolicy, fit_serial, knee, rates_by_size, speedup
+from specs import HerdJob, PolicyRef
+from specs.values import Placement, Pool, Report
+
+
+def job(name: str = "a", **changes: object) -> JobModel:
+    fields: dict[str, object] = {
+        "name": name, "arrival": 0.0, "requested": 4, "min_gpus": 1, "max_gpus": 4,
+        "work": 4000.0, "epochs": 4, "serial_fraction": 0.1, "mem_fixed": 0.1, "mem_batch": 0.4,
+    }  # fmt: skip
+    fields.update(changes)
+    return JobModel(**fields)  # type: ignore[arg-type]
+
+
+def run(
+    jobs: list[JobModel], pool: str = "2x4", policy: str = "static", **config: object
+) -> SimResult:
+    return Simulation(jobs, SimConfig(parse_pool(pool), PolicyRef(name=policy), **config)).run()  # type: ignore[arg-type]
+
+
+# ---- the job model ----
+
+
+def test_speedup_is_amdahl_and_work_counts_in_single_gpu_seconds() -> None:
+    model = job(serial_fraction=0.2)
+    assert model.speedup(1) == 1.0
+    gains = [model.speedup(n + 1) - model.speedup(n) for n in range(1, 8)]
+    assert all(gain > 0 for gain in gains) and gains == sorted(gains, reverse=True)
+    assert model.run_seconds(1) == model.work
+    assert job(serial_fraction=0.0).run_seconds(4) == pytest.approx(model.work / 4)
+
+
+def test_memory_per_gpu_rises_as_the_job_shrinks_and_sets_its_feasible_min() -> None:
+    model = job(mem_fixed=0.2, mem_batch=1.5)
+    assert [model.memory_fraction(n) for n in (4, 2)] == [0.2 + 1.5 / 4, 0.2 + 1.5 / 2]
+    assert model.memory_fraction(1) == 1.0  # capped: it would not fit
+    low = feasible_min(0.2, 1.5)
+    assert model.memory_fraction(low) <= 0.95 < model.memory_fraction(low - 1)
+
+
+def test_resize_stalls_come_from_the_measured_resizes() -> None:
+    assert resize_stall(0, 4) == START_SECONDS
+    assert resize_stall(2, 4) == GROW_STALL_SECONDS
+    assert resize_stall(4, 2) == SHRINK_STALL_SECONDS
+    assert resize_stall(4, 4) == resize_stall(4, 0) == 0.0
+
+
+# ---- the event loop ----
+
+
+def test_a_lone_job_starts_at_once_and_runs_its_work_at_its_size() -> None:
+    model = job(arrival=5.0)
+    result = run([model])
+    (outcome,) = result.jobs
+    assert outcome.admitted == 5.0
+    expected = START_SECONDS + model.work / model.speedup(model.max_gpus)
+    assert outcome.finished - outcome.admitted == pytest.approx(expected)
+    assert outcome.gpu_seconds == pytest.approx(expected * model.max_gpus)
+    assert outcome.resizes == 0
+
+
+def test_a_gang_waits_for_its_whole_min_and_starts_when_gpus_come_back() -> None:
+    first = job("first", min_gpus=4, max_gpus=4)
+    second = job("second", arrival=1.0, min_gpus=4, max_gpus=4)
+    result = run([first, second], pool="1x4")
+    by_name = {outcome.name: outcome for outcome in result.jobs}
+    assert by_name["second"].admitted == pytest.approx(by_name["first"].finished)
+    assert by_name["second"].queueing > 0
+
+
+def test_time_never_goes_back_and_every_job_keeps_its_order_of_life() -> None:
+    jobs = perlmutter_mix(60, 16, seed=3)
+    result = run(jobs, pool="4x4", policy="memory", tick=0.0)
+    times = [at for at, _, _ in result.timeline]
+    assert times == sorted(times)
+    assert not result.unfinished and len(result.jobs) == 60
+    for outcome in result.jobs:
+        assert outcome.arrival <= outcome.admitted < outcome.finished <= times[-1]
+
+
+def test_an_event_in_the_past_is_refused() -> None:
+    simulation = Simulation([job()], SimConfig(parse_pool("1x4"), PolicyRef(name="static")))
+    simulation.now = 10.0
+    with pytest.raises(RuntimeError, match="before now"):
+        simulation._push(9.0, simulation_kind_arrival(), "a")
+
+
+def simulation_kind_arrival():  # type: ignore[no-untyped-def]
+    from herd_operator.simulate.engine import Kind
+
+    return Kind.ARRIVAL
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another() -> None:
+    def outcomes(seed: int) -> list[object]:
+        return run(perlmutter_mix(40, 16, seed=seed), pool="4x4", policy="goodput").jobs
+
+    assert outcomes(7) == outcomes(7)
+    assert outcomes(7) != outcomes(8)
+
+
+def test_a_tick_delays_decisions_to_its_multiples() -> None:
+    result = run([job(arrival=5.0)], tick=60.0)
+    assert result.jobs[0].admitted == 60.0
+    assert all(at % 60.0 == 0 for at, _, _ in result.timeline)
+
+
+@pytest.mark.timeout(20)
+def test_an_event_just_past_a_tick_waits_for_the_next_one() -> None:
+    # Rounding the division down once made such an event due at a tick before its own time:
+    # no event was ever due, and the loop spun at that instant for ever.
+    result = run([job(arrival=60.00000001)], tick=60.0)
+    assert result.jobs[0].admitted == 120.0
+
+
+# ---- policies in the simulator ----
+
+
+def test_the_memory_policy_shrinks_a_job_that_uses_little_memory() -> None:
+    model = job(mem_fixed=0.02, mem_batch=0.2, epochs=20, work=40_000.0)
+    static = run([model], policy="static").jobs[0]
+    memory = run([model], policy="memory").jobs[0]
+    assert static.resizes == 0
+    assert memory.resizes >= 1
+    assert memory.gpu_seconds < static.gpu_seconds
+
+
+def test_the_goodput_policy_runs_a_badly_scaling_job_on_fewer_gpus() -> None:
+    model = job(serial_fraction=0.5, requested=8, max_gpus=8, epochs=20, work=40_000.0)
+    static = run([model], policy="static").jobs[0]
+    goodput = run([model], policy="goodput").jobs[0]
+    assert goodput.gpu_seconds < static.gpu_seconds / 2
+
+
+# ---- the same decisions as the real allocator ----
+
+
+class NullSink:
+    def publish(self, job: str, placement: Placement) -> None:
+        pass
+
+    def withdraw(self, job: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("policy", ["static", "memory", "goodput"])
+def test_the_real_allocator_given_the_same_calls_decides_the_same(policy: str) -> None:
+    pool = parse_pool("3x4")
+    jobs = perlmutter_mix(40, pool.size, seed=5)
+    result = Simulation(jobs, SimConfig(pool, PolicyRef(name=policy), record=True)).run()
+    assert result.steps
+    clock = [0.0]
+    allocator = Allocator(
+        pool, NullSink(), virtual=True, min_resize_interval=30.0, drain_seconds=30.0,
+        clock=lambda: clock[0],
+    )  # fmt: skip
+    moved = 0
+    for at, calls, placements in result.steps:
+        clock[0] = at
+        before = allocator.placements()
+        with allocator.batch():  # as the operator's loop runs a burst of reconciles
+            for call in calls:
+                if call[0] == "request":
+                    allocator.request(call[1])  # type: ignore[arg-type]
+                elif call[0] == "release":
+                    allocator.release(call[1])  # type: ignore[arg-type]
+                else:
+                    allocator.observe_world_size(call[1], call[2])  # type: ignore[arg-type, misc]
+        assert allocator.placements() == placements, f"at {at}"
+        moved += allocator.placements() != before
+    assert moved > len(jobs)  # admissions, resizes and releases were all compared
+
+
+# ---- a small simulation as CI runs it ----
+
+
+def test_a_small_simulation_writes_its_outputs_and_they_add_up(tmp_path: Path) -> None:
+    pool = parse_pool("8x4")
+    workload = Workload("test mix", perlmutter_mix(200, pool.size, seed=2))
+    results = simulate(workload, pool, ["fcfs", "static", "memory", "goodput"], tick=0.0)
+    paths = write(results, tmp_path, "test")
+    for name in ["summary.md", "summary.json", "utilization.png", "jct-cdf.png", "jobs-fcfs.csv"]:
+        assert (tmp_path / name) in paths and (tmp_path / name).stat().st_size > 0
+    report = json.loads((tmp_path / "summary.json").read_text())
+    assert [row["policy"] for row in report["policies"]] == ["fcfs", "static", "memory", "goodput"]
+    for result in results:
+        summary = summarize(result)
+        assert summary.jobs == 200 and not result.unfinished
+        assert all(0 <= allocated <= pool.size for _, allocated, _ in result.timeline)
+        # The timeline's integral is the jobs' GPU-seconds, and never more than the pool.
+        integral = sum(
+            allocated * (later - at)
+            for (at, allocated, _), (later, _, _) in itertools.pairwise(result.timeline)
+        )
+        assert integral == pytest.approx(summary.gpu_seconds, rel=1e-6)
+        assert summary.gpu_seconds <= pool.size * summary.makespan
+        assert 0 < summary.allocation <= 1 and 0 < summary.memory <= summary.allocation
+    fcfs = results[0]
+    assert all(job.resizes == 0 for job in fcfs.jobs)
+
+
+# ---- workloads ----
+
+
+def test_the_mix_is_seeded_and_half_its_jobs_use_a_quarter_of_memory_or_less() -> None:
+    jobs = perlmutter_mix(2000, 7168, seed=1)
+    assert jobs == perlmutter_mix(2000, 7168, seed=1)
+    low = sum(job.memory_fraction(job.requested) <= 0.25 for job in jobs) / len(jobs)
+    assert 0.45 < low < 0.55
+    arrivals = [job.arrival for job in jobs]
+    assert arrivals == sorted(arrivals)
+    assert all(job.min_gpus <= job.max_gpus == job.requested for job in jobs)
+    assert all(job.memory_fraction(job.min_gpus) <= 0.95 for job in jobs)
+    # The offered load sets the arrival rate: asked GPU-seconds per second over the pool.
+    asked = sum(job.requested * job.run_seconds(job.requested) for job in jobs)
+    assert asked / arrivals[-1] / 7168 == pytest.approx(MixParams().load, rel=0.15)
+
+
+def test_rigid_jobs_ask_for_exactly_their_size() -> None:
+    assert all(j.min_gpus == j.max_gpus == j.requested for j in rigid(perlmutter_mix(50, 64, 1)))
+
+
+def test_a_pollux_format_trace_loads_and_a_bad_row_is_named(tmp_path: Path) -> None:
+    trace = tmp_path / "workload.csv"
+    trace.write_text(
+        "name,time,application,num_replicas,batch_size\n"
+        "cifar10-0,107,cifar10,6,2048\n"
+        "ncf-1,135,ncf,1,32768\n"
+        "imagenet-2,90,imagenet,128,6400\n"
+    )
+    jobs = load_trace(trace, pool_gpus=64)
+    assert [j.name for j in jobs] == ["imagenet-2", "cifar10-0", "ncf-1"]
+    assert [j.requested for j in jobs] == [64, 6, 1]  # cut to the pool
+    trace.write_text("name,time,application,num_replicas\nx,1,resnet,2\n")
+    with pytest.raises(ValueError, match=r"workload.csv:2: unknown application 'resnet'"):
+        load_trace(trace, pool_gpus=64)
+
+
+def test_a_job_that_cannot_fit_the_pool_is_refused() -> None:
+    with pytest.raises(ValueError, match="min above the pool"):
+        Simulation(
+            [job(min_gpus=8, max_gpus=8)], SimConfig(Pool.from_counts({"h": 4}), PolicyRef())
+        )
+
+
+# ---- the goodput policy ----
+
+
+def spec(low: int, high: int) -> HerdJob:
+    return HerdJob.model_validate(
+        {
+            "apiVersion": "herd/v1alpha1",
+            "kind": "HerdJob",
+            "metadata": {"name": "j"},
+            "spec": {
+                "command": ["x"],
+                "gpus": {"min": low, "max": high},
+                "policy": {"name": "goodput"},
+            },
+        }
+    )
+
+
+@pytest.mark.parametrize("serial", [0.0, 0.01, 0.05, 0.2, 0.6])
+@pytest.mark.parametrize("gain", [0.3, 0.5, 0.9])
+def test_the_knee_is_the_last_gpu_that_adds_enough(serial: float, gain: float) -> None:
+    size = knee(serial, gain, 1, 64)
+    if size > 1:
+        assert speedup(serial, size) - speedup(serial, size - 1) >= gain
+    if size < 64:
+        assert speedup(serial, size + 1) - speedup(serial, size) < gain
+
+
+def epochs_at(serial: float, sizes: list[int], per_size: int = 3) -> list[Report]:
+    reports, clock, epoch = [], 0.0, 0
+    for size in sizes:
+        for _ in range(per_size):
+            clock += 100.0 / speedup(serial, size)
+            reports.append(Report(epoch, clock, size))
+            epoch += 1
+    return reports
+
+
+def test_the_serial_share_is_fitted_from_epochs_at_two_sizes() -> None:
+    reports = epochs_at(0.12, [2, 6])
+    rates = rates_by_size(reports, "throughput")
+    assert sorted(rates) == [2, 6]
+    assert fit_serial(rates) == pytest.approx(0.12)
+    assert fit_serial(rates_by_size(epochs_at(0.12, [4]), "throughput")) is None
+
+
+def test_a_reported_throughput_metric_counts_as_the_rate() -> None:
+    reports = [Report(0, 10.0, 1, {"throughput": 100.0}), Report(1, 20.0, 4, {"throughput": 250.0})]
+    # 1 / 250 = a / 4 + b and 1 / 100 = a + b: b / (a + b) = 0.2
+    assert fit_serial(rates_by_size(reports, "throughput")) == pytest.approx(0.2)
+
+
+def test_the_goodput_policy_starts_from_its_prior_then_follows_the_fit() -> None:
+    policy = GoodputPolicy(GoodputParams(min_gain=0.5, prior_serial=0.05))
+    pending = policy.desired(spec(1, 32), JobObservations(started_at=0.0, allocated=0), 0.0)
+    assert pending.gpus == knee(0.05, 0.5, 1, 32)
+    assert pending.reason.startswith("goodput: prior serial share 0.05")
+    observed = JobObservations(started_at=0.0, allocated=6, epochs=epochs_at(0.3, [8, 6]))
+    fitted = policy.desired(spec(1, 32), observed, 1000.0)
+    assert fitted.gpus == knee(0.3, 0.5, 1, 32) < pending.gpus
+    assert "fitted on sizes 6, 8" in fitted.reason
+    assert policy.desired(spec(4, 32), observed, 1000.0).gpus == 4  # never below min
