@@ -207,19 +207,25 @@ def _process_memory(processes: Any) -> tuple[ProcessMemory, ...]:
 
 def nvml_gpu_count() -> int:
     """GPUs NVML sees on this host; 0 without the library, a driver or devices."""
+    return _nvml_gpus()[0]
+
+
+def _nvml_gpus() -> tuple[int, str]:
+    """GPUs NVML sees on this host, and why there are none ('' when there are some)."""
     try:
         import pynvml
     except ImportError:
-        return 0
+        return 0, "the nvidia-ml-py package is not installed (pip install 'herd-operator[gpu]')"
     try:
         pynvml.nvmlInit()
     except Exception as err:  # NVMLError has many subclasses; any of them means "no GPUs here"
         log.debug("NVML unavailable: %s", err)
-        return 0
+        return 0, f"NVML cannot start: {err}"
     try:
-        return int(pynvml.nvmlDeviceGetCount())
+        count = int(pynvml.nvmlDeviceGetCount())
     finally:
         pynvml.nvmlShutdown()
+    return count, "" if count else "NVML sees no GPU"
 
 
 NVIDIA_DEVICE = re.compile(r"^nvidia[0-9]+$")
@@ -235,19 +241,7 @@ def nvidia_device_files(dev: Path = Path("/dev")) -> list[Path]:
 
 def nvml_failure() -> str:
     """Why NVML gives no GPUs here, in words ('' when it gives some)."""
-    try:
-        import pynvml
-    except ImportError:
-        return "the nvidia-ml-py package is not installed (pip install 'herd-operator[gpu]')"
-    try:
-        pynvml.nvmlInit()
-    except Exception as err:
-        return f"NVML cannot start: {err}"
-    try:
-        count = int(pynvml.nvmlDeviceGetCount())
-    finally:
-        pynvml.nvmlShutdown()
-    return "" if count else "NVML sees no GPU"
+    return _nvml_gpus()[1]
 
 
 def check_no_unseen_gpus(dev: Path = Path("/dev")) -> None:

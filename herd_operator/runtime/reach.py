@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import psutil
 
-LOCAL_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+from herd_operator.runtime.engines.horovod import LOCAL_HOSTS
+
 WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 
 Interfaces = Mapping[str, Sequence[str]]
@@ -35,7 +36,7 @@ class Reach:
 
 
 def is_loopback(address: str) -> bool:
-    if address in LOCAL_HOST_NAMES:
+    if address in LOCAL_HOSTS:
         return True
     try:
         return ipaddress.ip_address(address).is_loopback
@@ -44,9 +45,10 @@ def is_loopback(address: str) -> bool:
 
 
 def pool_is_local(hosts: Sequence[str], local_names: Sequence[str]) -> bool:
-    """True when every host of the pool is this machine (under any of its names)."""
-    return all(host in LOCAL_HOST_NAMES or host in local_names for host in hosts) and (
-        len(hosts) <= 1 or all(host in LOCAL_HOST_NAMES for host in hosts)
+    """True when the pool is this machine alone: loopback names only, or one host that is
+    one of this machine's names."""
+    return all(host in LOCAL_HOSTS for host in hosts) or (
+        len(hosts) == 1 and hosts[0] in local_names
     )
 
 
@@ -76,9 +78,9 @@ def plan_reach(
     """
     if pool_is_local(hosts, local_names):
         chosen = listen or "127.0.0.1"
-        return Reach(chosen, advertise or _callable(chosen, "127.0.0.1"), None)
+        return Reach(chosen, advertise or ("127.0.0.1" if chosen in WILDCARDS else chosen), None)
 
-    remote = [host for host in hosts if host not in local_names and host not in LOCAL_HOST_NAMES]
+    remote = [host for host in hosts if host not in local_names and host not in LOCAL_HOSTS]
     shown = ", ".join(remote[:3]) + (", ..." if len(remote) > 3 else "")
     if network_interface is not None and network_interface not in interfaces:
         raise ValueError(
@@ -113,8 +115,8 @@ def plan_reach(
             "Perlmutter)"
         )
 
+    addresses = list(interfaces.get(interface, ())) if interface else []
     if listen is None:
-        addresses = list(interfaces.get(interface, ())) if interface else []
         fallback = own_address if own_address and not is_loopback(own_address) else None
         chosen_listen = addresses[0] if addresses else fallback
         if chosen_listen is None:
@@ -126,7 +128,6 @@ def plan_reach(
     else:
         chosen_listen = listen
     if advertise is None and chosen_listen in WILDCARDS:
-        addresses = list(interfaces.get(interface, ())) if interface else []
         advertise = addresses[0] if addresses else own_address
         if advertise is None or is_loopback(advertise):
             raise ValueError(
@@ -134,10 +135,6 @@ def plan_reach(
                 "pass --advertise ADDRESS"
             )
     return Reach(chosen_listen, advertise or chosen_listen, interface, tuple(warnings))
-
-
-def _callable(listen: str, fallback: str) -> str:
-    return fallback if listen in WILDCARDS else listen
 
 
 def local_interfaces() -> dict[str, list[str]]:

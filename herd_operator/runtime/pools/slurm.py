@@ -153,13 +153,17 @@ def gpus_per_node(environ: Mapping[str, str]) -> tuple[int, str] | None:
     return None
 
 
+def _nodelist(environ: Mapping[str, str]) -> str:
+    return environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""
+
+
 def slurm_pool(environ: Mapping[str, str], virtual: bool = False) -> StaticPool | None:
     """The allocation's pool, None outside a Slurm allocation.
 
     Raises ValueError inside one whose GPUs cannot be told (no GPU variable: `salloc`
     without `--gpus-per-node`) or whose variables do not parse.
     """
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    nodelist = _nodelist(environ)
     if not nodelist:
         return None
     job = environ.get("SLURM_JOB_ID", "?")
@@ -192,6 +196,6 @@ def detect_slurm(options: PoolOptions) -> StaticPool | None:
     Its GPUs are real when NVML sees GPUs on this node (the nodes of one allocation are
     alike), else virtual: CPU workers stand in for Slurm's GRES GPUs (tests, CPU nodes).
     """
-    if not (options.environ.get("SLURM_JOB_NODELIST") or options.environ.get("SLURM_NODELIST")):
-        return None
+    if not _nodelist(options.environ):
+        return None  # not in an allocation: NVML is not asked
     return slurm_pool(options.environ, virtual=nvml_gpu_count() == 0)
