@@ -149,6 +149,10 @@ class PolicyRef(ApiModel):
         return params
 
 
+HorovodLauncher = Literal["driver", "horovodrun"]
+DEFAULT_HOROVOD_LAUNCHER: HorovodLauncher = "driver"
+
+
 class HorovodOptions(ApiModel):
     """Options passed through to `horovodrun` for elastic training."""
 
@@ -160,6 +164,12 @@ class HorovodOptions(ApiModel):
     (`horovodrun --reset-limit`); none: no limit."""
     extra_args: list[str] = Field(default_factory=list)
     """More arguments for `horovodrun`, placed before the command."""
+    launcher: HorovodLauncher = DEFAULT_HOROVOD_LAUNCHER
+    """What runs Horovod's elastic driver: `driver`, the operator's in-process driver
+    (`python -m herd_operator.runtime.engines.hvd_driver`: reads the grant file directly,
+    sees a grant change within ~50 ms, starts workers without a middleman process), or
+    `horovodrun`, the bare `horovodrun --host-discovery-script` (a script run every second).
+    Both take the same horovodrun arguments."""
 
 
 class EngineRef(ApiModel):
@@ -410,9 +420,14 @@ def spec_fingerprint(job: HerdJob) -> str:
     # the same spec.
     horovod = job.spec.engine.kind == HOROVOD_ENGINE
     # Likewise an unset `training` leaves the fingerprint of specs from before it as it was.
-    excluded = ({"engine"} if horovod else set()) | (
-        {"training"} if job.spec.training is None else set()
-    )
+    excluded: dict[str, Any] = {}
+    if horovod:
+        excluded["engine"] = True
+    if job.spec.training is None:
+        excluded["training"] = True
+    # And the default launcher, which specs from before the field run under now.
+    if job.spec.horovod.launcher == DEFAULT_HOROVOD_LAUNCHER:
+        excluded["horovod"] = {"launcher"}
     spec = job.spec.model_dump(mode="json", by_alias=True, exclude=excluded or None)
     canonical = json.dumps(
         spec,

@@ -364,6 +364,18 @@ def test_fingerprints_of_specs_from_before_the_engine_field_do_not_change() -> N
     assert spec_fingerprint(job) == before
 
 
+def test_choosing_the_bare_horovodrun_launcher_is_a_new_spec() -> None:
+    default = HerdJob.model_validate(document())
+    assert default.spec.horovod.launcher == "driver"
+    explicit = HerdJob.model_validate(document(horovod={"launcher": "driver"}))
+    bare = HerdJob.model_validate(document(horovod={"launcher": "horovodrun"}))
+    assert spec_fingerprint(explicit) == spec_fingerprint(default)
+    assert spec_fingerprint(bare) != spec_fingerprint(default)
+    assert errors_of(horovod={"launcher": "mpirun"}) == [
+        "spec.horovod.launcher: must be 'driver' or 'horovodrun', got string 'mpirun'"
+    ]
+
+
 def test_another_kinds_options_are_its_own_and_count_in_the_fingerprint() -> None:
     job = HerdJob.model_validate(document(engine={"kind": "other", "options": {"a": [1]}}))
     assert job.spec.engine.options == {"a": [1]}
@@ -376,7 +388,7 @@ def test_horovod_options_under_engine_are_validated_with_their_path() -> None:
     assert errors_of(engine={"options": {"elasticTimeoutSeconds": 0, "timeout": 5}}) == [
         "spec.engine.options.elasticTimeoutSeconds: must be greater than 0, got integer 0",
         "spec.engine.options.timeout: unknown field "
-        "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs)",
+        "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs, launcher)",
     ]
 
 

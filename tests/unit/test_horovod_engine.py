@@ -368,7 +368,12 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     operator_env = {"HERD_ALLOCATOR": "127.0.0.1:1", "FAKE_EXIT": str(code)}
     jobs = JobLauncher(launcher, engines, layout, operator_env, bytes(range(32)))
     command = ["python", "train.py", "--name", "my run", "it's; rm -rf x"]
-    job = make_job(command=command, workingDir=str(tmp_path), env={"SEED": "7"})
+    job = make_job(
+        command=command,
+        workingDir=str(tmp_path),
+        env={"SEED": "7"},
+        horovod={"launcher": "horovodrun"},
+    )
     # Decided before the start, as the allocator does: the discovery script finds it.
     engines.publish("train", Placement((("localhost", (0, 1)),)))
 
@@ -396,5 +401,10 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     assert (grant, alias_grant) == ("localhost:1", "127.0.0.1:1")
     assert args[-len(command) :] == [f"<{arg}>" for arg in command]
     assert jobs.relaunch_reason(info, job) == ""
-    moved = make_job(command=command, workingDir=str(tmp_path), env={"FAKE_EXIT": "0"})
+    moved = make_job(
+        command=command,
+        workingDir=str(tmp_path),
+        env={"FAKE_EXIT": "0"},
+        horovod={"launcher": "horovodrun"},
+    )
     assert jobs.relaunch_reason(info, moved) == FIXED_AT_LAUNCH_CHANGED

@@ -100,7 +100,8 @@ def test_good_file_loads(tmp_path: Path) -> None:
             [
                 (
                     "spec.horovod.timeout",
-                    "unknown field (allowed: elasticTimeoutSeconds, resetLimit, extraArgs)",
+                    "unknown field "
+                    "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs, launcher)",
                 )
             ],
             id="unknown-nested-field",

@@ -36,6 +36,8 @@ LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 BLACKLIST_COOLDOWN_SECONDS = (10, 30)
 """Horovod's cool-down range for a blacklisted host name: the first blacklisting lasts 20 to
 30 s (twice the lower bound plus jitter, capped by the upper), each later one the upper."""
+DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
+"""Our driver, run as a module (not imported here: it imports Horovod)."""
 FIXED_AT_LAUNCH_CHANGED = "command, env, training, workingDir, gpus.min or horovod options changed"
 
 
@@ -53,7 +55,7 @@ def horovodrun_executable() -> str:
 def horovodrun_argv(
     spec: HerdJobSpec,
     np: int,
-    discovery_script: Path,
+    discovery_script: Path | None,
     hosts: Sequence[str],
     horovodrun: str,
     python: str,
@@ -63,20 +65,13 @@ def horovodrun_argv(
 
     `hosts` are the pool's, to decide whether Horovod may talk over loopback only;
     `network_interface` is the one Horovod uses between the hosts of a larger pool.
+    Without a discovery script the hosts come from elsewhere (the driver's grant file).
     """
-    argv = [
-        horovodrun,
-        "-np",
-        str(np),
-        "--min-np",
-        str(spec.gpus.min),
-        "--max-np",
-        str(spec.gpus.max),
-        "--host-discovery-script",
-        str(discovery_script),
-        "--elastic-timeout",
-        str(spec.horovod.elastic_timeout_seconds),
-    ]
+    argv = [horovodrun, "-np", str(np), "--min-np", str(spec.gpus.min)]
+    argv += ["--max-np", str(spec.gpus.max)]
+    if discovery_script is not None:
+        argv += ["--host-discovery-script", str(discovery_script)]
+    argv += ["--elastic-timeout", str(spec.horovod.elastic_timeout_seconds)]
     if "--blacklist-cooldown-range" not in spec.horovod.extra_args:
         # Without it a host name blacklisted after a worker failure never comes back.
         low, high = BLACKLIST_COOLDOWN_SECONDS
@@ -92,6 +87,20 @@ def horovodrun_argv(
     argv += spec.horovod.extra_args
     argv += [python, "-m", "herd_operator.agent.shim", "--", *spec.command]
     return argv
+
+
+def driver_argv(
+    spec: HerdJobSpec,
+    np: int,
+    grant_file: Path,
+    hosts: Sequence[str],
+    python: str,
+    network_interface: str | None = None,
+) -> list[str]:
+    """The argument list that starts the job under our in-process driver (`hvd_driver`):
+    horovodrun's own arguments, with the grant file in place of the discovery script."""
+    horovod_args = horovodrun_argv(spec, np, None, hosts, "horovodrun", python, network_interface)
+    return [python, "-m", DRIVER_MODULE, "--grant-file", str(grant_file), "--", *horovod_args[1:]]
 
 
 Presentation = dict[str, tuple[Slot, ...]]
@@ -221,7 +230,8 @@ class GrantPublisher:
 
 
 class HorovodEngine:
-    """Runs a job as `horovodrun --min-np --max-np --host-discovery-script`."""
+    """Runs a job under our in-process Horovod driver (`hvd_driver`), or under
+    `horovodrun --min-np --max-np --host-discovery-script` (`spec.horovod.launcher`)."""
 
     command = "horovodrun"
 
@@ -233,6 +243,15 @@ class HorovodEngine:
         self.network_interface = context.network_interface
 
     def launch_argv(self, job: HerdJob, np: int) -> list[str]:
+        if job.spec.horovod.launcher == "driver":
+            return driver_argv(
+                job.spec,
+                np,
+                self.grants.layout.grant_file(job.name).resolve(),
+                self.hosts,
+                self.python,
+                self.network_interface,
+            )
         script = self.grants.discovery_script(job.name)
         return horovodrun_argv(
             job.spec,

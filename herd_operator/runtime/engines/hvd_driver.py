@@ -1,0 +1,425 @@
+"""The job's launch process under the Horovod engine: Horovod's elastic driver, in-process.
+
+    python -m herd_operator.runtime.engines.hvd_driver --grant-file F -- <horovodrun args>
+
+It takes horovodrun's own arguments (parsed by Horovod's `parse_args`: min/max np,
+reset limit, timeouts, cool-down, network interface, ssh options, verbosity...) and
+runs Horovod's `ElasticDriver`, rendezvous server and worker registry unchanged. Two
+parts differ from `horovodrun --host-discovery-script`:
+
+- Discovery reads the grant file the operator publishes (the same file the bare launch's
+  script `cat`s), on a `stat` every `--poll-seconds` and a read only when the file was
+  replaced. horovodrun runs its script once a second through `safe_shell_exec`, which
+  starts a Python interpreter per call (a quarter of a second of CPU, for the life of
+  the job); a `stat` costs microseconds, so the poll can be 20x more frequent and a
+  grant change is seen within ~50 ms rather than ~0.5 s on average.
+- A worker on this host is started directly, as an argument list with its environment
+  passed as the environment: not as `sh -c 'env K=V ... cmd'` behind a freshly spawned
+  Python middleman. That saves the middleman's start (~0.3 s of a grow on 2 cores) and
+  keeps the operator's environment off every worker's command line (readable by every
+  user in `ps`). Workers on other hosts go through Horovod's own ssh launch.
+
+The grant file stays the only channel from the operator, so a driver keeps working when
+the operator that launched it dies and another adopts the job.
+
+Exit status and signals are horovodrun's: SIGTERM or SIGINT stop the workers and the
+driver exits 1, as does a job whose worker failed for good; 0 when every worker ended 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+from horovod.runner import gloo_run as horovod_gloo
+from horovod.runner import launch as horovod_launch
+from horovod.runner.common.util import config_parser, secret, timeout
+from horovod.runner.common.util import env as env_util
+from horovod.runner.driver import driver_service
+from horovod.runner.elastic import driver as horovod_elastic_driver
+from horovod.runner.elastic.discovery import HostDiscovery
+from horovod.runner.elastic.rendezvous import create_rendezvous_handler
+from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.http.http_server import RendezvousServer
+from horovod.runner.util import network
+
+DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
+DEFAULT_POLL_SECONDS = 0.05
+"""How often the grant file is `stat`ed. 20 stats a second cost well under 0.1% of a
+core (see docs/benchmarks.md, driver-idle-cpu) and bound how late a grant is seen."""
+GRACEFUL_STOP_SECONDS = 5.0
+"""How long a worker told to stop has before it is killed (horovodrun's middleman: 5 s)."""
+EVENT_CHECK_SECONDS = 1.0
+"""How often a worker's supervisor looks at its stop events (horovodrun's: every 1 s)."""
+
+log = logging.getLogger("herd.hvd_driver")
+
+
+class GrantFileError(ValueError):
+    """The grant file holds a line that is not `host` or `host:slots`."""
+
+
+def parse_grant(text: str, default_slots: int, source: Path) -> dict[str, int]:
+    """Host -> slots from `host:slots` lines (a bare `host` gets `default_slots`), as
+    Horovod reads a discovery script's output; blank lines are skipped."""
+    slots: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        host, sep, count = line.partition(":")
+        if not host:
+            raise GrantFileError(f"{source}:{number}: {line!r} has no host name")
+        if not sep:
+            slots[host] = default_slots
+            continue
+        if not count.isdigit():
+            raise GrantFileError(
+                f"{source}:{number}: slots in {line!r} must be a whole number >= 0"
+            )
+        slots[host] = int(count)
+    return slots
+
+
+class GrantFileDiscovery(HostDiscovery):  # type: ignore[misc]
+    """Horovod's host discovery from the operator's grant file: no process per call.
+
+    The file is replaced atomically (write and rename), so a new (inode, mtime, size)
+    is a new grant and the same one is the same grant: a poll is one `stat` unless the
+    grant changed. A file that disappears after the first read (the operator withdrew the
+    grant: the job is being stopped) keeps the last grant, as horovodrun keeps the last
+    hosts when its script fails; the first read must succeed, as horovodrun's first
+    discovery must.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        default_slots: int = 1,
+        on_change: Callable[[dict[str, int]], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.path = path
+        self.default_slots = default_slots
+        self.on_change = on_change
+        self._seen: tuple[int, int, int] | None = None
+        self._slots: dict[str, int] = {}
+        self._missing_reported = False
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            if self._seen is None:
+                raise
+            if not self._missing_reported:
+                log.warning("grant file %s is gone; keeping the last grant", self.path)
+                self._missing_reported = True
+            return dict(self._slots)
+        self._missing_reported = False
+        key = (info.st_ino, info.st_mtime_ns, info.st_size)
+        if key != self._seen:
+            slots = parse_grant(self.path.read_text(), self.default_slots, self.path)
+            self._seen = key
+            if slots != self._slots:
+                self._slots = slots
+                if self.on_change is not None:
+                    self.on_change(dict(slots))
+        return dict(self._slots)
+
+
+def worker_environment(
+    env: Mapping[str, str], slot_env: Mapping[str, str], run_env: Mapping[str, object]
+) -> dict[str, str]:
+    """What a local worker's process gets: the variables horovodrun would put on its
+    command line (those Horovod deems exportable, then the rendezvous and the slot's),
+    in the same order of precedence, but as its environment."""
+    merged = {key: value for key, value in env.items() if env_util.is_exportable(key)}
+    merged["PYTHONUNBUFFERED"] = "1"
+    merged.update({key: str(value) for key, value in run_env.items()})
+    merged.update(slot_env)
+    return merged
+
+
+def _forward(source: IO[bytes], sink: IO[str], prefix: str) -> None:
+    """Copy a worker's output line by line with horovodrun's `[rank]<stdout>:` prefix
+    (the operator's log readers and users' tools expect it)."""
+    decoder = codecs.getincrementaldecoder("utf8")(errors="replace")
+    pending = ""
+    while True:
+        chunk = os.read(source.fileno(), 65536)
+        pending += decoder.decode(chunk, final=not chunk)
+        # \r ends a line too: progress bars update in place.
+        parts = re.split(r"(?<=[\r\n])", pending)
+        pending = parts.pop() if parts and not parts[-1].endswith(("\n", "\r")) else ""
+        for line in parts:
+            if line:
+                sink.write(prefix + line)
+        if parts:
+            sink.flush()
+        if not chunk:
+            break
+    if pending:
+        sink.write(prefix + pending)
+        sink.flush()
+    source.close()
+
+
+def _stop_tree(pid: int) -> None:
+    """SIGTERM a worker and its descendants, SIGKILL what outlives the grace period."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=GRACEFUL_STOP_SECONDS)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
+def run_local_worker(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    rank: int,
+    events: Sequence[threading.Event],
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run one worker here until it exits or one of `events` is set (then stop it).
+
+    Returns its exit status as horovodrun reports it: 128 + N for a death by signal N.
+    The worker stays in the driver's process group, so a signal to the job's group (how
+    the operator stops a job) reaches it as it reaches the driver.
+    """
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    process = subprocess.Popen(
+        list(argv),
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    forwarders = [
+        threading.Thread(
+            target=_forward, args=(process.stdout, out, f"[{rank}]<stdout>:"), daemon=True
+        ),
+        threading.Thread(
+            target=_forward, args=(process.stderr, err, f"[{rank}]<stderr>:"), daemon=True
+        ),
+    ]
+    for thread in forwarders:
+        thread.start()
+    exited = threading.Event()
+    # waitpid blocks in its own thread; this one looks at the stop events meanwhile.
+
+    def wait_for_exit() -> None:
+        process.wait()
+        exited.set()
+
+    waiter = threading.Thread(target=wait_for_exit, daemon=True)
+    waiter.start()
+    while not exited.wait(EVENT_CHECK_SECONDS):
+        if any(event.is_set() for event in events):
+            _stop_tree(process.pid)
+            break
+    waiter.join()
+    for thread in forwarders:
+        thread.join()
+    code = process.returncode
+    return 128 - code if code < 0 else code
+
+
+def make_worker_factory(
+    settings: ElasticSettings,
+    env: Mapping[str, str],
+    command: Sequence[str],
+    server_ip: str,
+    nics: Sequence[str],
+    rendezvous_port: int,
+    shutdown: threading.Event,
+) -> Callable[[Any, list[threading.Event] | None], tuple[int, float]]:
+    """The `create_worker_fn` for Horovod's ElasticDriver: local slots run directly,
+    others through Horovod's ssh launch (its command string, as horovodrun builds it)."""
+    run_env = horovod_gloo.create_run_env_vars(server_ip, nics, rendezvous_port, elastic=True)
+    remote_command = horovod_gloo.get_run_command(
+        list(command), server_ip, nics, rendezvous_port, elastic=True
+    )
+    remote_worker = horovod_gloo._create_elastic_worker_fn(
+        horovod_gloo._exec_command_fn(settings), remote_command, dict(env), shutdown
+    )
+    local_addresses = network.get_local_host_addresses()
+
+    def create_worker(slot_info: Any, events: list[threading.Event] | None) -> tuple[int, float]:
+        if network.resolve_host_address(slot_info.hostname) not in local_addresses:
+            return remote_worker(slot_info, events)  # type: ignore[no-any-return]
+        slot_env = horovod_gloo.create_slot_env_vars(slot_info)
+        log.info(
+            "starting worker %s[%d] as rank %d of %d",
+            slot_info.hostname,
+            slot_info.local_rank,
+            slot_info.rank,
+            slot_info.size,
+        )
+        try:
+            code = run_local_worker(
+                command,
+                worker_environment(env, slot_env, run_env),
+                slot_info.rank,
+                [shutdown, *(events or [])],
+            )
+        except OSError as err:
+            print(f"cannot start worker {slot_info.hostname}[{slot_info.local_rank}]: {err}")
+            code = 1
+        if code != 0:
+            print(f"Process {slot_info.rank} exit with status code {code}.")
+        return code, time.time()
+
+    return create_worker
+
+
+def run_elastic(args: argparse.Namespace, grant_file: Path, poll_seconds: float) -> None:
+    """Horovod's elastic Gloo launch (`_run_elastic` and `launch_gloo_elastic` of
+    horovodrun), with the grant file as discovery and local workers started directly."""
+    discovery = GrantFileDiscovery(
+        grant_file,
+        args.slots or 1,
+        on_change=lambda slots: log.info("grant seen: %s", slots),
+    )
+    start_timeout = args.start_timeout or int(os.getenv("HOROVOD_START_TIMEOUT", "30"))
+    settings = ElasticSettings(
+        discovery=discovery,
+        min_num_proc=args.min_num_proc or args.num_proc,
+        max_num_proc=args.max_num_proc,
+        elastic_timeout=args.elastic_timeout,
+        reset_limit=args.reset_limit,
+        cooldown_range=args.cooldown_range,
+        num_proc=args.num_proc,
+        verbose=2 if args.verbose else 0,
+        ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
+        extra_mpi_args=args.mpi_args,
+        key=secret.make_secret_key(),
+        start_timeout=timeout.Timeout(
+            start_timeout,
+            message="Timed out waiting for {activity}. Please check connectivity between "
+            "servers, or raise --start-timeout.",
+        ),
+        output_filename=args.output_filename,
+        run_func_mode=False,
+        nics=args.nics,
+        prefix_output_with_timestamp=args.prefix_output_with_timestamp,
+    )
+    env = os.environ.copy()
+    config_parser.set_env_from_args(env, args)
+
+    # The driver's discovery thread reads this module global before each wait.
+    horovod_elastic_driver.DISCOVER_HOSTS_FREQUENCY_SECS = poll_seconds
+    rendezvous = RendezvousServer(settings.verbose)
+    driver = horovod_elastic_driver.ElasticDriver(
+        rendezvous,
+        settings.discovery,
+        settings.min_num_proc,
+        settings.max_num_proc,
+        timeout=settings.elastic_timeout,
+        reset_limit=settings.reset_limit,
+        cooldown_range=settings.cooldown_range,
+        verbose=settings.verbose,
+    )
+    port = rendezvous.start(create_rendezvous_handler(driver))
+    min_hosts = horovod_gloo._get_min_start_hosts(settings)
+    hosts = driver.wait_for_available_slots(settings.num_proc, min_hosts=min_hosts)
+    nics = driver_service.get_common_interfaces(settings, hosts.host_assignment_order)
+    server_ip = network.get_driver_ip(nics)
+    shutdown = horovod_gloo.register_shutdown_event()
+    create_worker = make_worker_factory(
+        settings, env, args.command, server_ip, nics, port, shutdown
+    )
+    driver.start(settings.num_proc, create_worker)
+    results = driver.get_results()
+    driver.stop()
+    if results.error_message is not None:
+        raise RuntimeError(results.error_message)
+    for name, (code, _) in sorted(results.worker_results.items(), key=lambda item: item[1][1]):
+        if code != 0:
+            raise RuntimeError(
+                "Horovod detected that one or more processes exited with non-zero status, "
+                f"thus causing the job to be terminated. The first process to do so was:\n"
+                f"Process name: {name}\nExit code: {code}\n"
+            )
+
+
+def parse_driver_args(argv: Sequence[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(our options, horovodrun's) from `[ours...] -- [horovodrun's...]`."""
+    argv = list(argv)
+    if "--" not in argv:
+        raise SystemExit(
+            f"usage: python -m {DRIVER_MODULE} --grant-file FILE [--poll-seconds S] -- "
+            "<horovodrun arguments>"
+        )
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog=f"python -m {DRIVER_MODULE}")
+    parser.add_argument("--grant-file", type=Path, required=True)
+    parser.add_argument("--poll-seconds", type=float, default=DEFAULT_POLL_SECONDS)
+    ours = parser.parse_args(argv[:split])
+    if not 0 < ours.poll_seconds <= 60:
+        parser.error(f"--poll-seconds must be > 0 and <= 60, got {ours.poll_seconds}")
+    saved = sys.argv
+    sys.argv = ["horovodrun", *argv[split + 1 :]]
+    try:
+        horovod_args = horovod_launch.parse_args()
+    finally:
+        sys.argv = saved
+    if horovod_args.host_discovery_script or horovod_args.hosts or horovod_args.hostfile:
+        parser.error(
+            "the grant file is the job's hosts: drop --host-discovery-script/-H/--hostfile"
+        )
+    if horovod_args.min_num_proc is None:
+        parser.error("--min-np is required: this driver runs elastic jobs only")
+    if not horovod_args.command:
+        parser.error("no command to run after horovodrun's arguments")
+    return ours, horovod_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ours, args = parse_driver_args(sys.argv[1:] if argv is None else argv)
+    if args.log_level:  # horovodrun's --log-level: Horovod's own logs too
+        logging.basicConfig(level=logging.getLevelName(args.log_level))
+    # Ours always: when the driver saw a grant and started a worker (the resize timeline).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(created).3f herd-driver: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if not horovod_launch.gloo_built(verbose=False):
+        print(
+            "Gloo support is required for elastic training; this Horovod lacks it", file=sys.stderr
+        )
+        return 1
+    try:
+        run_elastic(args, ours.grant_file, ours.poll_seconds)
+    except Exception as err:  # horovodrun's failure: the message, status 1
+        print(f"herd-driver: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The in-process Horovod driver's parts: grant-file discovery, the local worker launch
+(real processes), its arguments, and the engine's argument list for it."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from herd_operator.layout import StateLayout, write_atomically
+from herd_operator.runtime.engines import EngineContext
+from herd_operator.runtime.engines import horovod as horovod_module
+from herd_operator.runtime.engines.horovod import HorovodEngine, horovodrun_argv
+from herd_operator.runtime.engines.hvd_driver import (
+    GrantFileDiscovery,
+    GrantFileError,
+    parse_driver_args,
+    parse_grant,
+    run_local_worker,
+    worker_environment,
+)
+from tests.unit.test_horovod_engine import make_job
+
+PYTHON = sys.executable
+
+
+def test_grant_lines_are_read_as_horovod_reads_a_discovery_script() -> None:
+    text = "localhost:2\n\n127.0.0.1:1\nnode7\n"
+    assert parse_grant(text, 3, Path("g")) == {"localhost": 2, "127.0.0.1": 1, "node7": 3}
+    with pytest.raises(GrantFileError, match=r"^g:2: slots in 'b:x' must be a whole number"):
+        parse_grant("a:1\nb:x\n", 1, Path("g"))
+    with pytest.raises(GrantFileError, match=r"^g:1: ':2' has no host name"):
+        parse_grant(":2\n", 1, Path("g"))
+
+
+def test_discovery_follows_the_grant_file_and_keeps_the_last_grant_when_it_is_gone(
+    tmp_path: Path,
+) -> None:
+    grant = tmp_path / "job.grant"
+    changes: list[dict[str, int]] = []
+    discovery = GrantFileDiscovery(grant, on_change=changes.append)
+    with pytest.raises(FileNotFoundError):  # the first read must succeed, as horovodrun's
+        discovery.find_available_hosts_and_slots()
+    write_atomically(grant, "localhost:2\n")
+    assert discovery.find_available_hosts_and_slots() == {"localhost": 2}
+    assert discovery.find_available_hosts_and_slots() == {"localhost": 2}
+    write_atomically(grant, "localhost:4\n")
+    assert discovery.find_available_hosts_and_slots() == {"localhost": 4}
+    write_atomically(grant, "localhost:4\n")  # rewritten, same grant: no change reported
+    assert discovery.find_available_hosts_and_slots() == {"localhost": 4}
+    grant.unlink()
+    assert discovery.find_available_hosts_and_slots() == {"localhost": 4}
+    assert changes == [{"localhost": 2}, {"localhost": 4}]
+    # What Horovod gets is a copy: its changes do not reach the cache.
+    discovery.find_available_hosts_and_slots()["localhost"] = 9
+    assert discovery.find_available_hosts_and_slots() == {"localhost": 4}
+
+
+def test_worker_environment_is_horovodruns_command_line_environment() -> None:
+    env = {"PATH": "/bin", "BASH_FUNC_f%%": "() { :; }", "CUDA_VISIBLE_DEVICES": "0", "A": "1"}
+    merged = worker_environment(
+        env, {"HOROVOD_RANK": "3"}, {"HOROVOD_GLOO_RENDEZVOUS_PORT": 1234, "A": "run"}
+    )
+    assert merged == {
+        "PATH": "/bin",
+        "A": "run",
+        "PYTHONUNBUFFERED": "1",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": "1234",
+        "HOROVOD_RANK": "3",
+    }
+
+
+def test_a_local_worker_gets_its_environment_off_the_command_line_and_its_output_prefixed(
+    tmp_path: Path,
+) -> None:
+    script = (
+        "import os, sys, time\n"
+        "sys.stdout.write('one\\ntwo'); sys.stdout.flush(); time.sleep(0.2)\n"
+        "print(' halves', os.environ['SECRET_TOKEN'])\n"
+        "print('oops', file=sys.stderr)\n"
+        "sys.exit(3)\n"
+    )
+    out, err = io.StringIO(), io.StringIO()
+    env = {**os.environ, "SECRET_TOKEN": "s3cr3t"}
+    code = run_local_worker([PYTHON, "-c", script], env, 5, [], out, err)
+    assert code == 3
+    assert out.getvalue() == "[5]<stdout>:one\n[5]<stdout>:two halves s3cr3t\n"
+    assert err.getvalue() == "[5]<stderr>:oops\n"
+
+
+def test_a_worker_killed_by_a_signal_reports_128_plus_the_signal() -> None:
+    script = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    code = run_local_worker([PYTHON, "-c", script], dict(os.environ), 0, [], io.StringIO())
+    assert code == 128 + signal.SIGKILL
+
+
+def test_a_stop_event_stops_the_worker_and_its_children(tmp_path: Path) -> None:
+    child_pid = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(child_pid)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    stop = threading.Event()
+    result: list[int] = []
+    thread = threading.Thread(
+        target=lambda: result.append(
+            run_local_worker([PYTHON, "-c", script], dict(os.environ), 0, [stop], io.StringIO())
+        )
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not child_pid.exists() or not child_pid.read_text():
+            assert time.monotonic() < deadline, "the worker never started its child"
+            time.sleep(0.05)
+        child = psutil.Process(int(child_pid.read_text()))
+        stop.set()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert result == [128 + signal.SIGTERM]
+        child.wait(10)  # raises TimeoutExpired if the child outlived the worker
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--grant-file", "g", "-np", "1"], "usage: "),
+        (["--grant-file", "g", "--", "-np", "1", "python", "x.py"], "--min-np is required"),
+        (
+            ["--grant-file", "g", "--", "-np", "1", "--min-np", "1", "-H", "a:1", "python"],
+            "the grant file is the job's hosts",
+        ),
+        (
+            ["--grant-file", "g", "--poll-seconds", "0", "--", "-np", "1", "--min-np", "1", "x"],
+            "--poll-seconds must be > 0",
+        ),
+    ],
+)
+def test_bad_driver_arguments_are_refused_with_a_reason(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_driver_args(argv)
+    said = str(exited.value.code) + capsys.readouterr().err
+    assert message in said
+    assert exited.value.code != 0
+
+
+def test_driver_arguments_are_horovodruns() -> None:
+    horovod = ["-np", "2", "--min-np", "1", "--max-np", "4", "--reset-limit", "3"]
+    horovod += ["--blacklist-cooldown-range", "10", "30", "--network-interface", "lo"]
+    ours, args = parse_driver_args(
+        ["--grant-file", "/g", "--", *horovod, "python", "train.py", "--lr", "0.1"]
+    )
+    assert (ours.grant_file, ours.poll_seconds) == (Path("/g"), 0.05)
+    assert (args.num_proc, args.min_num_proc, args.max_num_proc) == (2, 1, 4)
+    assert (args.reset_limit, args.cooldown_range, args.nics) == (3, [10, 30], {"lo"})
+    assert args.command == ["python", "train.py", "--lr", "0.1"]
+
+
+def test_the_engine_starts_the_driver_by_default_with_horovodruns_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(horovod_module, "local_names", lambda: ("localhost",))
+    layout = StateLayout(tmp_path / "state")
+    layout.create()
+    engine = HorovodEngine(EngineContext(layout, ("localhost",), python=PYTHON))
+    job = make_job(horovod={"resetLimit": 2})
+    argv = engine.launch_argv(job, 2)
+    grant = layout.grant_file("train").resolve()
+    bare = horovodrun_argv(job.spec, 2, None, ("localhost",), "horovodrun", PYTHON)
+    assert argv[:5] == [PYTHON, "-m", horovod_module.DRIVER_MODULE, "--grant-file", str(grant)]
+    assert argv[5:] == ["--", *bare[1:]]
+    assert "--host-discovery-script" not in argv
+    assert not layout.discovery_script("train").exists()  # no script: nothing runs it
+    fallback = engine.launch_argv(make_job(horovod={"launcher": "horovodrun"}), 2)
+    assert "--host-discovery-script" in fallback
