@@ -13,6 +13,7 @@ from herd_operator.bench.control import (
     run_discovery_cost,
     run_spec_to_launch,
 )
+from herd_operator.bench.driver import run_driver_idle_cpu, run_idle_jobs
 from herd_operator.bench.harness import (
     Benchmark,
     Outcome,
@@ -69,6 +70,22 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         run_discovery_cost,
         full_repeat=10,
         quick_repeat=2,
+    ),
+    Benchmark(
+        "driver-idle-cpu",
+        "CPU of an idle elastic job's driver: ours (in-process) vs bare horovodrun",
+        run_driver_idle_cpu,
+        full_repeat=3,
+        quick_repeat=1,
+        requires=("horovod.runner",),
+    ),
+    Benchmark(
+        "idle-jobs",
+        "32 idle elastic jobs under the operator at once: their drivers' CPU together",
+        run_idle_jobs,
+        full_repeat=1,
+        quick_repeat=1,
+        requires=("horovod.runner",),
     ),
     Benchmark(
         "allocator-rpc",
