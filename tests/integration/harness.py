@@ -36,9 +36,17 @@ def digits_command(epochs: int, *extra: str) -> list[str]:
     return ["python", "examples/train_digits.py", "--epochs", str(epochs), *extra]
 
 
+LAUNCHER_ENV = "HERD_TEST_HOROVOD_LAUNCHER"
+"""Set to `horovodrun` to run the operator's integration tests under the bare launch (the
+fallback) instead of the default driver."""
+
+
 def spec_document(
     name: str, gpus_min: int, gpus_max: int, command: Sequence[str], **spec: Any
 ) -> dict[str, Any]:
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher:
+        spec = {**spec, "horovod": {"launcher": launcher, **spec.get("horovod", {})}}
     return {
         "apiVersion": "herd/v1alpha1",
         "kind": "HerdJob",

@@ -244,6 +244,9 @@ class HorovodEngine:
 
     def launch_argv(self, job: HerdJob, np: int) -> list[str]:
         if job.spec.horovod.launcher == "driver":
+            # The driver runs Horovod's runner, installed with `horovodrun`: a launch
+            # where it is missing fails here, with the same message as the bare launch.
+            horovodrun_executable()
             return driver_argv(
                 job.spec,
                 np,

@@ -31,9 +31,11 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import faulthandler
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -400,6 +402,8 @@ def parse_driver_args(argv: Sequence[str]) -> tuple[argparse.Namespace, argparse
 
 def main(argv: Sequence[str] | None = None) -> int:
     ours, args = parse_driver_args(sys.argv[1:] if argv is None else argv)
+    # `kill -USR1` prints every thread's stack: where a stuck driver waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.log_level:  # horovodrun's --log-level: Horovod's own logs too
         logging.basicConfig(level=logging.getLevelName(args.log_level))
     # Ours always: when the driver saw a grant and started a worker (the resize timeline).

@@ -1,0 +1,185 @@
+"""Our in-process Horovod driver with real Horovod workers, without the operator.
+
+The workers run `examples/train_plain.py`, a plain Elastic Horovod script (no herd
+import, only `hvd.elastic.run` and `TorchState`), started by the driver as it is: no
+shim. The operator's own integration tests (test_jobs, test_faults, test_crash_only)
+run the digits example under this driver, which is the engine's default launcher.
+About 45 s together on 2 idle cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import psutil
+import pytest
+
+from herd_operator.layout import write_atomically
+from herd_operator.runtime.engines.horovod import DRIVER_MODULE
+
+REPO = Path(__file__).resolve().parents[2]
+PLAIN = [sys.executable, str(REPO / "examples" / "train_plain.py"), "--epochs", "100000"]
+MARK_ENV = "HERD_TEST_DRIVER_MARK"
+GUARD_S = 90.0
+EPOCH = re.compile(r"^\[0\]<stdout>:epoch (\d+): world size (\d+)$", re.MULTILINE)
+
+T = TypeVar("T")
+
+
+class DriverJob:
+    def __init__(self, root: Path, process: subprocess.Popen[bytes], mark: str) -> None:
+        self.root = root
+        self.process = process
+        self.mark = mark
+
+    @property
+    def output(self) -> str:
+        return (self.root / "driver.log").read_text(errors="replace")
+
+    def grant(self, text: str) -> float:
+        write_atomically(self.root / "grant", text)
+        return time.time()
+
+    def epochs(self) -> list[tuple[int, int]]:
+        """(epoch, world size) of every epoch rank 0 ended, in order."""
+        return [(int(e), int(w)) for e, w in EPOCH.findall(self.output)]
+
+    def wait_for(self, probe: Callable[[], T | None], what: str) -> T:
+        deadline = time.monotonic() + GUARD_S
+        while True:
+            found = probe()
+            if found is not None:
+                return found
+            if self.process.poll() is not None and probe() is None:
+                pytest.fail(
+                    f"the driver exited ({self.process.returncode}) before {what}:\n"
+                    f"{self.output[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} in {GUARD_S} s:\n{self.output[-3000:]}")
+            time.sleep(0.1)
+
+    def wait_for_epoch(self, size: int, after: int = -1) -> int:
+        """The number of the first epoch after epoch `after` that ended at world size `size`."""
+        return self.wait_for(
+            lambda: next((e for e, w in self.epochs() if w == size and e > after), None),
+            f"epoch at world size {size} after epoch {after}",
+        )
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in marked(self.mark) if p.pid != self.process.pid]
+
+
+def marked(mark: str) -> list[psutil.Process]:
+    """Live processes (the driver, its workers) that carry the test's environment mark."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(MARK_ENV) == mark and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+@contextlib.contextmanager
+def driver_job(
+    tmp_path: Path, grant: str, np: int, *horovod_args: str, env: dict[str, str] | None = None
+) -> Iterator[DriverJob]:
+    """Our driver on `grant` running PLAIN; stopped (group SIGTERM, then SIGKILL) after."""
+    mark = uuid.uuid4().hex
+    write_atomically(tmp_path / "grant", grant)
+    argv = [sys.executable, "-m", DRIVER_MODULE, "--grant-file", str(tmp_path / "grant"), "--"]
+    argv += ["-np", str(np), "--network-interface", "lo", *horovod_args, *PLAIN]
+    full_env = {**os.environ, **(env or {}), MARK_ENV: mark}
+    with open(tmp_path / "driver.log", "wb") as log:
+        process = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    job = DriverJob(tmp_path, process, mark)
+    try:
+        yield job
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for proc in marked(mark):  # a leftover fails the test below; do not leave it running
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
+def test_the_driver_grows_and_shrinks_a_plain_elastic_script_and_stops_cleanly(
+    tmp_path: Path,
+) -> None:
+    with driver_job(tmp_path, "localhost:1\n", 1, "--min-np", "1", "--max-np", "2") as job:
+        first = job.wait_for_epoch(1)
+        job.grant("localhost:2\n")
+        grown = job.wait_for_epoch(2, after=first)
+        assert len(job.worker_pids()) == 2
+        job.grant("localhost:1\n")
+        job.wait_for_epoch(1, after=grown)
+        # The removed worker ends as Horovod ends it (status 134), the job goes on.
+        assert "Process 1 exit with status code 134." in job.output
+        assert len(job.worker_pids()) == 1
+        os.killpg(job.process.pid, signal.SIGTERM)
+        assert job.process.wait(30) == 1  # horovodrun's status for a job stopped by a signal
+        assert marked(job.mark) == []
+    epochs = [e for e, _ in job.epochs()]
+    assert epochs == sorted(epochs), "an epoch was trained twice or out of order across resizes"
+    # Started directly: the grant was seen within one poll, no discovery middleman.
+    assert "grant seen: {'localhost': 2}" in job.output
+
+
+def test_a_worker_killed_with_sigkill_costs_the_job_one_name_not_the_run(tmp_path: Path) -> None:
+    # Two names of this host, one slot each, as the operator presents one host.
+    grant = "localhost:1\n127.0.0.1:1\n"
+    cooldown = ["--blacklist-cooldown-range", "600", "600"]  # the dead name stays out
+    with driver_job(tmp_path, grant, 2, "--min-np", "1", "--max-np", "2", *cooldown) as job:
+        first = job.wait_for_epoch(2)
+        victim = job.wait_for(
+            lambda: next(
+                (
+                    p
+                    for p in marked(job.mark)
+                    if p.pid != job.process.pid and p.environ().get("HOROVOD_RANK") == "1"
+                ),
+                None,
+            ),
+            "the worker of rank 1",
+        )
+        victim.kill()
+        job.wait_for_epoch(1, after=first)
+        assert job.process.poll() is None
+        assert len(job.worker_pids()) == 1
+    assert f"exit with status code {128 + signal.SIGKILL}." in job.output
+
+
+def test_the_reset_limit_ends_the_job_as_horovodrun_does(tmp_path: Path) -> None:
+    with driver_job(
+        tmp_path, "localhost:1\n", 1, "--min-np", "1", "--max-np", "2", "--reset-limit", "1"
+    ) as job:
+        first = job.wait_for_epoch(1)
+        job.grant("localhost:2\n")  # the first reset: allowed
+        job.wait_for_epoch(2, after=first)
+        job.grant("localhost:1\n")  # the second: over the limit
+        assert job.process.wait(GUARD_S) == 1
+        assert "resets during elastic job exceeded limit: 1" in job.output
+        assert marked(job.mark) == []
