@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,8 +232,46 @@ def operator_job(
 # ---- resize-stall ----
 
 
+def first_worker_started(marker: str, after: float) -> float | None:
+    """Creation time of the first process started after `after` whose command line holds
+    `marker` (the run's step-log path): the first new worker's process (its shim, or
+    horovodrun's `sh -c env ...` wrapper)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "create_time"]):
+        cmdline = proc.info["cmdline"] or []
+        created = proc.info["create_time"]
+        if created is not None and created > after and any(marker in a for a in cmdline):
+            found.append(created)
+    return min(found, default=None)
+
+
+GRANT_SEEN = re.compile(r"^(\d+\.\d+) herd-driver: grant seen:", re.MULTILINE)
+
+
+def grant_seen(driver_log: Path | None, after: float) -> float | None:
+    """When our driver logged that it saw a new grant, after `after` (None: bare run)."""
+    if driver_log is None or not driver_log.exists():
+        return None
+    stamps = [float(m) for m in GRANT_SEEN.findall(driver_log.read_text(errors="replace"))]
+    return min((t for t in stamps if t > after), default=None)
+
+
+@dataclass
+class GrowPhases:
+    """Seconds of each phase of 2 -> 4 grows: trigger -> driver saw the grant (ours only),
+    trigger -> first new worker process, that process -> first step at the new size."""
+
+    seen: list[float]
+    to_worker: list[float]
+    worker_to_step: list[float]
+
+
 def resize_stalls(
-    resize: Callable[[int], float], log: StepLog, cycles: int
+    resize: Callable[[int], float],
+    log: StepLog,
+    cycles: int,
+    phases: GrowPhases | None = None,
+    driver_log: Path | None = None,
 ) -> tuple[list[float], list[float]]:
     """Seconds from each trigger to the first step at the new size: (2->4 list, 4->2 list)."""
     up, down = [], []
@@ -241,6 +280,14 @@ def resize_stalls(
         trigger = resize(4)
         first = log.wait_steps(4, 1, trigger)[0]
         up.append(first - trigger)
+        if phases is not None:
+            started = first_worker_started(str(log.path), trigger)
+            if started is not None:
+                phases.to_worker.append(started - trigger)
+                phases.worker_to_step.append(first - started)
+            seen = grant_seen(driver_log, trigger)
+            if seen is not None:
+                phases.seen.append(seen - trigger)
         last = log.wait_steps(4, STEADY_STEPS, first)[-1]
         trigger = resize(2)
         first = log.wait_steps(2, 1, max(trigger, last))[0]
@@ -254,6 +301,8 @@ def run_resize_stall(ctx: Context) -> list[Row]:
     ours_down: list[float] = []
     bare_up: list[float] = []
     bare_down: list[float] = []
+    ours_phases = GrowPhases([], [], [])
+    bare_phases = GrowPhases([], [], [])
     with running_operator(ctx.scratch / "operator") as operator:
         for index in range(ctx.repeat):  # one cycle per job run; alternate which goes first
             runs = ("bare", "operator") if index % 2 == 0 else ("operator", "bare")
@@ -262,12 +311,13 @@ def run_resize_stall(ctx: Context) -> list[Row]:
                 root = ctx.scratch / f"{mode}-{index}"
                 if mode == "bare":
                     with bare_job(root, 2, 2, 4) as bare:
-                        up, down = resize_stalls(bare.resize, bare.log, 1)
+                        up, down = resize_stalls(bare.resize, bare.log, 1, bare_phases)
                     bare_up += up
                     bare_down += down
                 else:
                     with operator_job(operator, root, 2, 2, 4) as job:
-                        up, down = resize_stalls(job.resize, job.log, 1)
+                        driver_log = operator.layout.log_file(JOB)
+                        up, down = resize_stalls(job.resize, job.log, 1, ours_phases, driver_log)
                     ours_up += up
                     ours_down += down
     return [
@@ -279,10 +329,27 @@ def run_resize_stall(ctx: Context) -> list[Row]:
             baseline_label="bare horovodrun, hosts file edited by hand",
             baseline=Stats.of(bare),
             ours=Stats.of(ours),
-            extra=paired_ratio_figures(ours, bare),
+            extra={
+                **paired_ratio_figures(ours, bare),
+                **(phase_figures(ours_phases, bare_phases) if label == "2->4" else {}),
+            },
         )
         for label, ours, bare in (("2->4", ours_up, bare_up), ("4->2", ours_down, bare_down))
     ]
+
+
+def phase_figures(ours: GrowPhases, bare: GrowPhases) -> dict[str, float]:
+    """Medians of each phase of the grows, per mode."""
+    figures: dict[str, float] = {}
+    for mode, phases in (("ours", ours), ("baseline", bare)):
+        for name, values in (
+            ("grant_seen_s", phases.seen),
+            ("to_first_worker_process_s", phases.to_worker),
+            ("worker_process_to_first_step_s", phases.worker_to_step),
+        ):
+            if values:
+                figures[f"{mode}_{name}"] = Stats.of(values).median
+    return figures
 
 
 # ---- training-overhead ----

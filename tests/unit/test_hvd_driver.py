@@ -83,7 +83,8 @@ def test_a_local_worker_gets_its_environment_off_the_command_line_and_its_output
     script = (
         "import os, sys, time\n"
         "sys.stdout.write('one\\ntwo'); sys.stdout.flush(); time.sleep(0.2)\n"
-        "print(' halves', os.environ['SECRET_TOKEN'])\n"
+        "on_line = 's3' 'cr3t' in open('/proc/self/cmdline').read()\n"
+        "print(' halves', os.environ['SECRET_TOKEN'], on_line)\n"
         "print('oops', file=sys.stderr)\n"
         "sys.exit(3)\n"
     )
@@ -91,7 +92,7 @@ def test_a_local_worker_gets_its_environment_off_the_command_line_and_its_output
     env = {**os.environ, "SECRET_TOKEN": "s3cr3t"}
     code = run_local_worker([PYTHON, "-c", script], env, 5, [], out, err)
     assert code == 3
-    assert out.getvalue() == "[5]<stdout>:one\n[5]<stdout>:two halves s3cr3t\n"
+    assert out.getvalue() == "[5]<stdout>:one\n[5]<stdout>:two halves s3cr3t False\n"
     assert err.getvalue() == "[5]<stderr>:oops\n"
 
 
