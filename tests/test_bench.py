@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from herd_operator.bench.arbitration import first_fit, seeded_demands
+from herd_operator.bench.driver import tree_cpu_seconds
 from herd_operator.bench.harness import (
     Benchmark,
     Context,
@@ -37,7 +38,12 @@ from herd_operator.bench.rpcflood import ensure_descriptors, flood_rows
 from herd_operator.bench.scale import write_specs
 from herd_operator.bench.soak import Sample, SoakPlan, job_processes, slope_per_hour, soak
 from herd_operator.bench.suite import BENCHMARKS
-from herd_operator.bench.training import StepLog, job_cpu_seconds, samples_per_second
+from herd_operator.bench.training import (
+    StepLog,
+    grant_seen,
+    job_cpu_seconds,
+    samples_per_second,
+)
 from herd_operator.cli import main
 from specs import load_spec_file
 from specs.values import Demand, Placement, Pool
@@ -216,6 +222,43 @@ def test_job_cpu_counts_only_the_processes_that_name_the_marker(tmp_path: Path) 
     finally:
         process.kill()
         process.wait()
+
+
+def test_grant_seen_is_the_drivers_first_new_grant_after_the_trigger(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text(
+        "1000.500 herd-driver: grant seen: {'localhost': 2}\n"
+        "[0]<stdout>:epoch 1: world size 2\n"
+        "1010.250 herd-driver: grant seen: {'localhost': 4}\n"
+        "1010.300 herd-driver: starting worker localhost[2] as rank 2 of 4\n"
+        "1020.000 herd-driver: grant seen: {'localhost': 2}\n"
+    )
+    assert grant_seen(log, 1010.0) == 1010.25
+    assert grant_seen(log, 1030.0) is None
+    assert grant_seen(None, 0.0) is None  # a bare horovodrun run says nothing
+
+
+def test_tree_cpu_leaves_out_the_idle_worker() -> None:
+    spin = (
+        "import subprocess, time\n"
+        "worker = subprocess.Popen(['sleep', '60'])\n"
+        "end = time.process_time() + 0.3\n"
+        "while time.process_time() < end:\n"
+        "    pass\n"
+        "time.sleep(60)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        deadline = time.monotonic() + 30
+        while tree_cpu_seconds(process.pid) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree_cpu_seconds(process.pid) >= 0.25
+    finally:
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.kill()
+        process.kill()
+        process.wait()
+    assert tree_cpu_seconds(process.pid) == 0.0  # gone: nothing to count
 
 
 def test_the_scale_child_starts_without_the_spec_models() -> None:

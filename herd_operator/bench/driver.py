@@ -119,7 +119,7 @@ def idle_cpu_share(root: Path, mode: str, window: float) -> float:
 
 
 def run_driver_idle_cpu(ctx: Context) -> list[Row]:
-    window = 5.0 if ctx.quick else 20.0
+    window = 3.0 if ctx.quick else 20.0
     ours: list[float] = []
     bare: list[float] = []
     for index in range(ctx.repeat):
@@ -213,8 +213,8 @@ def operator_with_idle_jobs(root: Path, count: int) -> Iterator[list[int]]:
 
 
 def run_idle_jobs(ctx: Context) -> list[Row]:
-    count = 8 if ctx.quick else IDLE_JOBS
-    window = 5.0 if ctx.quick else 30.0
+    count = 4 if ctx.quick else IDLE_JOBS
+    window = 3.0 if ctx.quick else 30.0
     ours: list[float] = []
     bare: list[float] = []
     rss: list[float] = []
