@@ -78,15 +78,21 @@ def modified_at(path: Path) -> float:
     return path.stat().st_mtime_ns / 1e9
 
 
-def wait_for_content(path: Path, text: str) -> float:
-    """Wait until `path` holds `text`; returns its modification time."""
+def granted_slots(text: str) -> int:
+    """Slots in a grant file's `name:slots` lines (the operator shows one host under several
+    names, so a grant of 4 on localhost may be `localhost:2` and `127.0.0.1:2`)."""
+    return sum(int(line.rpartition(":")[2]) for line in text.splitlines() if ":" in line)
+
+
+def wait_for_slots(path: Path, slots: int) -> float:
+    """Wait until `path` grants `slots` slots in all; returns its modification time."""
     deadline = time.monotonic() + HANG_GUARD_S
     while True:
-        with contextlib.suppress(FileNotFoundError):
-            if path.read_text() == text:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            if granted_slots(path.read_text()) == slots:
                 return modified_at(path)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never held {text!r}")
+            raise TimeoutError(f"{path} never granted {slots} slots")
         time.sleep(0.002)
 
 
@@ -208,7 +214,7 @@ class OperatorJob:
     def resize(self, size: int) -> float:
         """Ask for `size` through the spec; the trigger is the allocator's grant change."""
         self.write_spec(size)
-        return wait_for_content(self.operator.layout.grant_file(JOB), f"localhost:{size}\n")
+        return wait_for_slots(self.operator.layout.grant_file(JOB), size)
 
 
 @contextlib.contextmanager

@@ -54,6 +54,7 @@ from horovod.runner.elastic import driver as horovod_elastic_driver
 from horovod.runner.elastic.discovery import HostDiscovery
 from horovod.runner.elastic.rendezvous import create_rendezvous_handler
 from horovod.runner.elastic.settings import ElasticSettings
+from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.runner.http.http_server import RendezvousServer
 from horovod.runner.util import network
 
@@ -297,6 +298,51 @@ def make_worker_factory(
     return create_worker
 
 
+class MissedUpdateRedelivery:
+    """Tells the coordinator worker of a host change that Horovod could not tell it.
+
+    Horovod's driver notifies only when discovery sees a change, and drops the notice when
+    no coordinator worker has registered yet (the workers are still starting: importing
+    torch takes seconds). A grant changed then would wait for the next change, which may
+    never come. This wraps the driver's notifier to remember a dropped notice, and once a
+    coordinator has been registered for a whole poll (its listener is then in place),
+    delivers it if the hosts still call for other assignments.
+    """
+
+    def __init__(self, driver: Any, period: float) -> None:
+        self.driver = driver
+        self.period = period
+        self._notify = driver._notify_workers_host_changes
+        self._dropped = HostUpdateResult.no_update
+        self._lock = threading.Lock()
+        driver._notify_workers_host_changes = self._notify_and_remember
+
+    def _coordinator_client(self) -> Any:
+        coordinator = self.driver.get_coordinator_info()
+        return None if coordinator is None else self.driver.get_worker_client(coordinator)
+
+    def _notify_and_remember(self, current_hosts: Any, update_res: Any) -> None:
+        heard = self._coordinator_client() is not None
+        self._notify(current_hosts, update_res)
+        with self._lock:
+            self._dropped = HostUpdateResult.no_update if heard else self._dropped | update_res
+
+    def run(self) -> None:
+        seen_client = False
+        while not self.driver._shutdown.wait(self.period):
+            client = self._coordinator_client() is not None
+            with self._lock:
+                dropped = self._dropped
+            if dropped != HostUpdateResult.no_update and client and seen_client:
+                with self.driver._wait_hosts_cond:
+                    log.info("telling the workers of a host change they missed while starting")
+                    self._notify_and_remember(self.driver._host_manager.current_hosts, dropped)
+            seen_client = client
+
+    def start(self) -> None:
+        threading.Thread(target=self.run, name="missed-updates", daemon=True).start()
+
+
 def run_elastic(args: argparse.Namespace, grant_file: Path, poll_seconds: float) -> None:
     """Horovod's elastic Gloo launch (`_run_elastic` and `launch_gloo_elastic` of
     horovodrun), with the grant file as discovery and local workers started directly."""
@@ -345,6 +391,7 @@ def run_elastic(args: argparse.Namespace, grant_file: Path, poll_seconds: float)
         cooldown_range=settings.cooldown_range,
         verbose=settings.verbose,
     )
+    MissedUpdateRedelivery(driver, poll_seconds).start()
     port = rendezvous.start(create_rendezvous_handler(driver))
     min_hosts = horovod_gloo._get_min_start_hosts(settings)
     hosts = driver.wait_for_available_slots(settings.num_proc, min_hosts=min_hosts)
