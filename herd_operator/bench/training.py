@@ -238,16 +238,29 @@ def operator_job(
 # ---- resize-stall ----
 
 
+def started_at(pid: int) -> float | None:
+    """Wall-clock start of a process to the clock tick (~10 ms). psutil's `create_time`
+    adds the tick count to the boot time in whole seconds, so it can be off by up to 1 s."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    ticks = int(stat.rpartition(")")[2].split()[19])  # field 22: starttime
+    since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def first_worker_started(marker: str, after: float) -> float | None:
-    """Creation time of the first process started after `after` whose command line holds
+    """Start time of the first process started after `after` whose command line holds
     `marker` (the run's step-log path): the first new worker's process (its shim, or
     horovodrun's `sh -c env ...` wrapper)."""
     found = []
-    for proc in psutil.process_iter(["cmdline", "create_time"]):
+    for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        created = proc.info["create_time"]
-        if created is not None and created > after and any(marker in a for a in cmdline):
-            found.append(created)
+        if any(marker in a for a in cmdline):
+            started = started_at(proc.pid)
+            if started is not None and started > after:
+                found.append(started)
     return min(found, default=None)
 
 
