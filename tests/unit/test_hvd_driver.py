@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
+from horovod.runner.common.util.hosts import SlotInfo
 
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.engines import EngineContext
@@ -21,6 +24,7 @@ from herd_operator.runtime.engines.horovod import HorovodEngine, horovodrun_argv
 from herd_operator.runtime.engines.hvd_driver import (
     GrantFileDiscovery,
     GrantFileError,
+    make_worker_factory,
     parse_driver_args,
     parse_grant,
     run_local_worker,
@@ -94,6 +98,33 @@ def test_a_local_worker_gets_its_environment_off_the_command_line_and_its_output
     assert code == 3
     assert out.getvalue() == "[5]<stdout>:one\n[5]<stdout>:two halves s3cr3t False\n"
     assert err.getvalue() == "[5]<stderr>:oops\n"
+
+
+def test_output_files_per_rank_and_timestamps_as_horovodrun_writes_them(tmp_path: Path) -> None:
+    settings = SimpleNamespace(
+        output_filename=str(tmp_path / "out"),
+        num_proc=1,
+        max_num_proc=12,
+        prefix_output_with_timestamp=True,
+        elastic=True,
+        ssh_port=None,
+        ssh_identity_file=None,
+        verbose=0,
+    )
+    command = [PYTHON, "-c", "import sys; print('hi'); print('bad', file=sys.stderr)"]
+    create_worker = make_worker_factory(
+        settings, dict(os.environ), command, "127.0.0.1", ["lo"], 1, threading.Event()
+    )
+    slot = SlotInfo(
+        "localhost", rank=3, local_rank=0, cross_rank=0, size=4, local_size=1, cross_size=4
+    )
+    code, _ = create_worker(slot, [])
+    assert code == 0
+    stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
+    stdout = (tmp_path / "out" / "rank.03" / "stdout").read_text()
+    assert re.fullmatch(stamp + r"\[3\]<stdout>:hi\n", stdout), stdout
+    stderr = (tmp_path / "out" / "rank.03" / "stderr").read_text()
+    assert re.fullmatch(stamp + r"\[3\]<stderr>:bad\n", stderr), stderr
 
 
 def test_a_worker_killed_by_a_signal_reports_128_plus_the_signal() -> None:

@@ -156,9 +156,14 @@ def worker_environment(
     return merged
 
 
-def _forward(source: IO[bytes], sink: IO[str], prefix: str) -> None:
+def _forward(source: IO[bytes], sink: IO[str], tag: str, timestamp: bool = False) -> None:
     """Copy a worker's output line by line with horovodrun's `[rank]<stdout>:` prefix
-    (the operator's log readers and users' tools expect it)."""
+    (the operator's log readers and users' tools expect it), after the local time as
+    horovodrun writes it with `--prefix-output-with-timestamp`."""
+
+    def prefix() -> str:
+        return time.asctime(time.localtime()) + tag if timestamp else tag
+
     decoder = codecs.getincrementaldecoder("utf8")(errors="replace")
     pending = ""
     while True:
@@ -169,28 +174,34 @@ def _forward(source: IO[bytes], sink: IO[str], prefix: str) -> None:
         pending = parts.pop() if parts and not parts[-1].endswith(("\n", "\r")) else ""
         for line in parts:
             if line:
-                sink.write(prefix + line)
+                sink.write(prefix() + line)
         if parts:
             sink.flush()
         if not chunk:
             break
     if pending:
-        sink.write(prefix + pending)
+        sink.write(prefix() + pending)
         sink.flush()
     source.close()
 
 
-def _stop_tree(pid: int) -> None:
-    """SIGTERM a worker and its descendants, SIGKILL what outlives the grace period."""
+def _stop_tree(pid: int, exited: threading.Event) -> None:
+    """SIGTERM a worker and its descendants, SIGKILL what outlives the grace period.
+
+    The worker itself is waited for through `exited` (set by the thread that reaps it):
+    psutil would reap it here, and `Popen.wait` would then see status 0."""
     try:
         root = psutil.Process(pid)
-        tree = [root, *root.children(recursive=True)]
+        descendants = root.children(recursive=True)
     except psutil.NoSuchProcess:
         return
-    for proc in tree:
+    for proc in [root, *descendants]:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=GRACEFUL_STOP_SECONDS)
+    deadline = time.monotonic() + GRACEFUL_STOP_SECONDS
+    _, alive = psutil.wait_procs(descendants, timeout=GRACEFUL_STOP_SECONDS)
+    if not exited.wait(max(0.0, deadline - time.monotonic())):
+        alive.append(root)
     for proc in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
@@ -203,6 +214,7 @@ def run_local_worker(
     events: Sequence[threading.Event],
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    timestamp: bool = False,
 ) -> int:
     """Run one worker here until it exits or one of `events` is set (then stop it).
 
@@ -222,10 +234,14 @@ def run_local_worker(
     assert process.stdout is not None and process.stderr is not None
     forwarders = [
         threading.Thread(
-            target=_forward, args=(process.stdout, out, f"[{rank}]<stdout>:"), daemon=True
+            target=_forward,
+            args=(process.stdout, out, f"[{rank}]<stdout>:", timestamp),
+            daemon=True,
         ),
         threading.Thread(
-            target=_forward, args=(process.stderr, err, f"[{rank}]<stderr>:"), daemon=True
+            target=_forward,
+            args=(process.stderr, err, f"[{rank}]<stderr>:", timestamp),
+            daemon=True,
         ),
     ]
     for thread in forwarders:
@@ -241,7 +257,7 @@ def run_local_worker(
     waiter.start()
     while not exited.wait(EVENT_CHECK_SECONDS):
         if any(event.is_set() for event in events):
-            _stop_tree(process.pid)
+            _stop_tree(process.pid, exited)
             break
     waiter.join()
     for thread in forwarders:
@@ -281,16 +297,33 @@ def make_worker_factory(
             slot_info.rank,
             slot_info.size,
         )
-        try:
-            code = run_local_worker(
-                command,
-                worker_environment(env, slot_env, run_env),
-                slot_info.rank,
-                [shutdown, *(events or [])],
-            )
-        except OSError as err:
-            print(f"cannot start worker {slot_info.hostname}[{slot_info.local_rank}]: {err}")
-            code = 1
+        with contextlib.ExitStack() as files:
+            stdout: IO[str] | None = None
+            stderr: IO[str] | None = None
+            if settings.output_filename:  # horovodrun's --output-filename: a copy per rank
+                # Padded to the widest rank the job can have, as horovodrun pads to -np.
+                width = len(str(max(settings.max_num_proc or settings.num_proc, 1) - 1))
+                rank_dir = Path(settings.output_filename) / f"rank.{slot_info.rank:0{width}d}"
+                rank_dir.mkdir(parents=True, exist_ok=True)
+                stdout = horovod_gloo.MultiFile(
+                    [sys.stdout, files.enter_context(open(rank_dir / "stdout", "w"))]
+                )
+                stderr = horovod_gloo.MultiFile(
+                    [sys.stderr, files.enter_context(open(rank_dir / "stderr", "w"))]
+                )
+            try:
+                code = run_local_worker(
+                    command,
+                    worker_environment(env, slot_env, run_env),
+                    slot_info.rank,
+                    [shutdown, *(events or [])],
+                    stdout,
+                    stderr,
+                    timestamp=bool(settings.prefix_output_with_timestamp),
+                )
+            except OSError as err:
+                print(f"cannot start worker {slot_info.hostname}[{slot_info.local_rank}]: {err}")
+                code = 1
         if code != 0:
             print(f"Process {slot_info.rank} exit with status code {code}.")
         return code, time.time()
