@@ -4,7 +4,7 @@ The workers run `examples/train_plain.py`, a plain Elastic Horovod script (no he
 import, only `hvd.elastic.run` and `TorchState`), started by the driver as it is: no
 shim. The operator's own integration tests (test_jobs, test_faults, test_crash_only)
 run the digits example under this driver, which is the engine's default launcher.
-About 45 s together on 2 idle cores.
+About 57 s together here (2 cores shared, load average 5-7).
 """
 
 from __future__ import annotations
