@@ -17,7 +17,7 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -168,6 +168,34 @@ class OperatorConfig:
     $XDG_RUNTIME_DIR, else /dev/shm, else the state dir)."""
 
 
+class ExitsRecordedFirst:
+    """The loop's store groups, with the launch records of the exits a group handled removed
+    only once the group (the statuses that record those exits) is committed.
+
+    Removing a finished launch's record first left an instant where a killed operator had
+    neither the record nor the final status, and its successor ran the job again. In this
+    order a kill between the commit and the removal leaves the record of an exit that the
+    status has already recorded; the reconciler sees that and does not act on it twice.
+    """
+
+    def __init__(self, store: Store, launcher: Launcher) -> None:
+        self._store = store
+        self._launcher = launcher
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        try:
+            with self._store.transaction():
+                yield
+        except StoreError:
+            # The group is lost: its reconciles are redone and must see their exits again.
+            self._launcher.restore_forgotten()
+            raise
+        finally:
+            # A no-op after restore_forgotten() took them all back.
+            self._launcher.release_forgotten()
+
+
 class OperatorError(Exception):
     """The operator cannot start (bad state dir, another operator running, port in use)."""
 
@@ -316,7 +344,13 @@ class Operator:
             report_deadline_seconds=config.report_deadline_seconds,
             observer=self.metrics,
         )
-        self.loop = ControlLoop(self.queue, reconciler, allocator, store, observer=self.metrics)
+        self.loop = ControlLoop(
+            self.queue,
+            reconciler,
+            allocator,
+            ExitsRecordedFirst(store, launcher),
+            observer=self.metrics,
+        )
         return self.loop
 
     def _start_rpc_server(self, token: bytes, handlers: Mapping[str, Handler]) -> RpcServer:
