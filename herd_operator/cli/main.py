@@ -53,7 +53,14 @@ from herd_operator.cli.views import (
 )
 from herd_operator.layout import StateLayout, default_state_dir
 from herd_operator.runtime.engines import UnknownEngineError, engine_problem
-from herd_operator.runtime.store import Event, Store, StoreError, UnreadableSpecError
+from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
+from herd_operator.runtime.store import (
+    MAX_GRANTS_PER_JOB,
+    Event,
+    Store,
+    StoreError,
+    UnreadableSpecError,
+)
 from policies.base import PolicyError
 from policies.registry import builtin_params_models, load_policy
 from specs import SpecFile, index_specs, json_schema, load_spec_file
@@ -247,6 +254,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="where to keep grant files and discovery scripts, which Horovod reads every "
         "second on this host (default: $XDG_RUNTIME_DIR, else /dev/shm, else the state dir)",
+    )
+    run.add_argument(
+        "--grant-history-per-job",
+        type=_positive_int,
+        default=MAX_GRANTS_PER_JOB,
+        metavar="N",
+        help="grant changes kept per job in the state store, the newest; `describe`, "
+        "`report` and the event GrantHistoryTrimmed say when older ones were dropped "
+        f"(default: {MAX_GRANTS_PER_JOB})",
+    )
+    run.add_argument(
+        "--deleted-job-retention",
+        type=_non_negative_float,
+        default=DEFAULT_RETENTION_SECONDS,
+        metavar="SECONDS",
+        help="a deleted job's grant history, log and leftover key files are removed this "
+        "long after its last grant change or write, checked every minute in small steps "
+        f"(default: {DEFAULT_RETENTION_SECONDS:.0f}, a day)",
     )
     run.add_argument(
         "--leave-jobs-running",
@@ -573,6 +598,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         runtime_dir=args.runtime_dir,
         listen_port=args.port,
         leave_jobs_running=args.leave_jobs_running,
+        grant_history_per_job=args.grant_history_per_job,
+        deleted_job_retention_seconds=args.deleted_job_retention,
     )
     stop = _stop_on_signals()
     tune_gc()
@@ -765,7 +792,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
     with open_store(args.state_dir) as store:
         record = store.get_job(args.name)
         events = store.events(args.name, limit=20)
-        decisions = store.grant_history(args.name)[-10:]
+        decisions = store.grant_history(args.name, limit=10)
+        trimmed = store.trimmed_history(args.name).get(args.name)
     if record is None:
         print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
         return EXIT_FAILURE
@@ -811,6 +839,11 @@ def cmd_describe(args: argparse.Namespace) -> int:
             [format_age(now - change.time), str(change.gpus), change.reason] for change in decisions
         ]
         lines += ["  " + line for line in format_table(rows).splitlines()]
+    if trimmed is not None:
+        lines.append(
+            f"  ({trimmed.dropped} older change(s) were dropped by the history bound, the"
+            f" newest of them {format_age(now - trimmed.through)} ago)"
+        )
     lines.append("Events:" + ("" if events else "       none"))
     if events:
         lines += ["  " + line for line in format_events(events, now, False).splitlines()]
