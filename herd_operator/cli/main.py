@@ -18,7 +18,6 @@ operator runs and after.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import re
@@ -100,10 +99,31 @@ class HerdArgumentParser(argparse.ArgumentParser):
 
 
 def _version() -> str:
+    # Imported here: reading the distribution's metadata costs tens of milliseconds, which
+    # every command (the operator's restart among them) paid for a flag it rarely gets.
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("herd-operator")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
         return "unknown (not installed)"
+
+
+class _VersionAction(argparse.Action):
+    """`--version`, whose text is read only when the flag is given."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"herd-operator {_version()}")
+        parser.exit()
 
 
 def _gpu_metrics_options(parser: argparse.ArgumentParser) -> None:
@@ -129,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="herd-operator",
         description="Share the GPUs of an allocation among elastic Horovod jobs declared as YAML.",
     )
-    parser.add_argument("--version", action="version", version=f"herd-operator {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     _state_dir_option(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
