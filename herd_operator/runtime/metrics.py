@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from controllers.loop import Outcome
-from herd_operator.runtime.store import Store, UnreadableSpecError
+from herd_operator.runtime.store import Store
 from specs import ConditionStatus, ConditionType
 from specs.conditions import get_condition
 from specs.status import HerdJobStatus
@@ -190,6 +190,7 @@ class StateCollector(Collector):
         latest_usage = self.store.latest_usage()
         placements = self.placements()
         holding = {job for job, placement in placements.items() if placement.size}
+        policies = self.store.job_policies()  # the specs' policies, without parsing them
         for record in self.store.list_jobs():
             status = record.status
             for condition in status.conditions:
@@ -214,14 +215,12 @@ class StateCollector(Collector):
             # A sample describes the GPUs the job held then: only shown while it holds some.
             if sample is not None and sample.total_bytes and record.name in holding:
                 memory.add_metric([record.name], sample.used_bytes / sample.total_bytes)
-            try:
-                policy = record.spec.spec.policy
-            except UnreadableSpecError:  # the store said so once; the job's other series stay
-                continue
-            if policy.name == "memory":
-                params = policy.params
-                thresholds.add_metric([record.name, "low"], float(params.get("low", 0.25)))
-                thresholds.add_metric([record.name, "high"], float(params.get("high", 0.75)))
+            policy_name, params = policies.get(record.name, ("", {}))
+            if policy_name == "memory":
+                for bound, default in (("low", 0.25), ("high", 0.75)):
+                    threshold = params.get(bound, default)
+                    if isinstance(threshold, int | float):
+                        thresholds.add_metric([record.name, bound], float(threshold))
         for (condition_type, condition_status), count in sorted(counts.items()):
             jobs.add_metric([condition_type, condition_status], count)
         yield from (jobs, job_statuses, restarts, desired, allocated, active, epoch, memory)

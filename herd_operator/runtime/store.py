@@ -497,6 +497,37 @@ class Store:
         with self._read() as conn:
             return [self._job(row) for row in conn.execute("SELECT * FROM jobs ORDER BY name")]
 
+    def job_policies(self) -> dict[str, tuple[str, dict[str, object]]]:
+        """Job -> (policy name, its params) as stored, without parsing the specs.
+
+        For a scrape: parsing every spec on the first one cost ~0.3 s per 10,000 jobs,
+        each parse under the store's lock. Jobs whose stored spec has no readable policy
+        (a damaged row) are left out, like ``UnreadableSpecError`` would have them.
+        """
+        with self._read() as conn:
+            try:
+                rows = conn.execute(
+                    "SELECT name, json_extract(spec_json, '$.spec.policy') FROM jobs"
+                    " WHERE json_valid(spec_json)"
+                ).fetchall()
+            except sqlite3.OperationalError:  # an SQLite without JSON: read the texts
+                rows = [
+                    (row[0], _policy_text(row[1]))
+                    for row in conn.execute("SELECT name, spec_json FROM jobs")
+                ]
+        policies: dict[str, tuple[str, dict[str, object]]] = {}
+        for name, text in rows:
+            try:
+                policy = json.loads(text) if isinstance(text, str) else None
+            except ValueError:
+                continue
+            if not isinstance(policy, dict):
+                continue
+            policy_name, params = policy.get("name"), policy.get("params", {})
+            if isinstance(policy_name, str) and isinstance(params, dict):
+                policies[name] = (policy_name, params)
+        return policies
+
     def put_status(self, name: str, status: HerdJobStatus, now: float) -> bool:
         """Replace a job's status unless it equals the stored one; True if it was written.
 
@@ -1178,6 +1209,15 @@ def _pool_sizes(conn: sqlite3.Connection) -> list[tuple[float, int]]:
 def _require_job(conn: sqlite3.Connection, name: str) -> None:
     if conn.execute("SELECT 1 FROM jobs WHERE name = ?", (name,)).fetchone() is None:
         raise _unknown_job(name)
+
+
+def _policy_text(spec_json: str) -> str | None:
+    """The ``spec.policy`` of a stored spec as JSON text, None if it has none."""
+    try:
+        spec = json.loads(spec_json)
+        return json.dumps(spec["spec"]["policy"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _parse_status(text: str) -> HerdJobStatus:
