@@ -51,7 +51,6 @@ from herd_operator.cli.views import (
     resource_list,
 )
 from herd_operator.layout import StateLayout, default_state_dir
-from herd_operator.runtime.engines import UnknownEngineError, engine_problem
 from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
 from herd_operator.runtime.store import (
     MAX_GRANTS_PER_JOB,
@@ -60,8 +59,7 @@ from herd_operator.runtime.store import (
     StoreError,
     UnreadableSpecError,
 )
-from policies.base import PolicyError
-from policies.registry import builtin_params_models, load_policy
+from policies.registry import builtin_params_models
 from specs import SpecFile, index_specs, json_schema, load_spec_file
 
 _Number = TypeVar("_Number", int, float)
@@ -947,17 +945,10 @@ def cmd_check_state(args: argparse.Namespace) -> int:
 
 def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
     """Load each file, check its policy and engine, and check names across the files."""
-    files = [load_spec_file(path) for path in paths]
+    from herd_operator.runtime.specdir import with_known_references
+
+    files = [with_known_references(load_spec_file(path)) for path in paths]
     problems = [str(error) for spec_file in files for error in spec_file.errors]
-    for spec_file in files:
-        if spec_file.job is not None:
-            try:
-                load_policy(spec_file.job.spec.policy)
-            except PolicyError as err:
-                problems += [f"{spec_file.path}: {field}: {what}" for field, what in err.problems]
-            engine = engine_problem(spec_file.job.spec)
-            if engine is not None:
-                problems.append(f"{spec_file.path}: {UnknownEngineError.field}: {engine}")
     index = index_specs([f for f in files if f.valid])
     for errors in index.invalid.values():
         problems += [str(error) for error in errors]
