@@ -24,11 +24,6 @@ from specs.status import HerdJobStatus
 from specs.values import Placement, Pool
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_ERROR_KINDS = {
-    Outcome.TEMPORARY_ERROR: "temporary",
-    Outcome.PERMANENT_ERROR: "permanent",
-    Outcome.UNEXPECTED_ERROR: "unexpected",
-}
 RESIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 JOB_STATUSES = (
@@ -77,17 +72,13 @@ class OperatorMetrics:
             buckets=RECONCILE_BUCKETS,
             registry=registry,
         )
-        self.reconcile_errors = Counter(
-            "herd_reconcile_errors",
-            "Reconciles that failed, by kind (temporary: retried with backoff; permanent: "
-            "not retried until the spec changes; unexpected: a bug, retried).",
-            ["kind"],
-            registry=registry,
-        )
+        # The one reconcile counter: the errors are its *_error outcomes (a second counter
+        # by error kind said the same thing under other names).
         self.reconciles = Counter(
             "herd_reconcile",
-            "Reconciles by outcome: success, permanent_error, temporary_error, "
-            "unexpected_error, lost (the store could not commit them; redone).",
+            "Reconciles by outcome: success, permanent_error (not retried until the spec "
+            "changes), temporary_error (retried with backoff), unexpected_error (a bug, "
+            "retried), lost (the store could not commit them; redone).",
             ["outcome"],
             registry=registry,
         )
@@ -98,8 +89,6 @@ class OperatorMetrics:
             registry=registry,
         )
         # Known label values start at zero, so dashboards and rate() see them from the start.
-        for kind in ("temporary", "permanent", "unexpected"):
-            self.reconcile_errors.labels(kind=kind)
         for outcome in Outcome:
             self.reconciles.labels(outcome=outcome.value)
         for direction in ("grow", "shrink"):
@@ -117,9 +106,6 @@ class OperatorMetrics:
         if outcome is Outcome.LOST:
             return  # counted already when it ran
         self.reconcile_duration.observe(seconds)
-        kind = _ERROR_KINDS.get(outcome)
-        if kind is not None:
-            self.reconcile_errors.labels(kind=kind).inc()
 
     # ReconcileObserver (controllers.ports)
     def resized(self, job: str, before: int, after: int) -> None:

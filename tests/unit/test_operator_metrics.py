@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from controllers.loop import Outcome
 from exporters.gpu import GpuReading
 from herd_operator.runtime.metrics import JOB_STATUSES, OperatorMetrics, StateCollector, job_status
 from herd_operator.runtime.observer import UsageObserver, job_usage
@@ -167,15 +168,16 @@ def test_operator_metrics_count_resizes_and_reconciles() -> None:
     metrics.resized("b", 4, 2)
     metrics.resize_completed("a", 3.5)
     metrics.reconcile_duration.observe(0.004)
-    metrics.reconcile_errors.labels(kind="temporary").inc()
+    metrics.reconciled(Outcome.TEMPORARY_ERROR, 0.002)
     got = samples(registry)
     assert got[("herd_resizes_total", (("direction", "grow"),))] == 1
     assert got[("herd_resizes_total", (("direction", "shrink"),))] == 2
     assert got[("herd_resize_duration_seconds_count", ())] == 1
     assert got[("herd_resize_duration_seconds_bucket", (("le", "5.0"),))] == 1
     assert got[("herd_resize_duration_seconds_bucket", (("le", "2.0"),))] == 0
-    assert got[("herd_reconcile_duration_seconds_count", ())] == 1
-    assert got[("herd_reconcile_errors_total", (("kind", "temporary"),))] == 1
+    assert got[("herd_reconcile_duration_seconds_count", ())] == 2
+    assert got[("herd_reconcile_total", (("outcome", "temporary_error"),))] == 1
+    assert not any(name.startswith("herd_reconcile_errors") for name, _ in got)
 
 
 def reading(index: int, used: int | None, total: int | None = 1000, host: str = "h") -> GpuReading:
