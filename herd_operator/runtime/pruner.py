@@ -115,18 +115,25 @@ class Pruner:
             if after is not None:
                 self._stop.wait(self.pause_seconds)
         files = size = 0
+        # Once per walk: most old files belong to declared jobs, which need no store read
+        # each (a job declared after this is asked about again before its file goes).
+        declared = {record.name for record in self.store.list_jobs()}
         for directory, job_of in (
             (self.layout.logs_dir, _suffixed(".log")),
             (self.layout.secrets_dir, _job_secret),
             (self.layout.launches_dir, _stray_exit_file(self.layout.launches_dir)),
         ):
-            removed, freed = self._prune_files(directory, job_of, cutoff)
+            removed, freed = self._prune_files(directory, job_of, cutoff, declared)
             files += removed
             size += freed
         return PruneResult(histories, files, size)
 
     def _prune_files(
-        self, directory: Path, job_of: Callable[[str], str | None], cutoff: float
+        self,
+        directory: Path,
+        job_of: Callable[[str], str | None],
+        cutoff: float,
+        declared: Collection[str],
     ) -> tuple[int, int]:
         try:
             entries = os.scandir(directory)
@@ -141,7 +148,7 @@ class Pruner:
                     if self._stop.is_set():
                         break
                 job = job_of(entry.name)
-                if job is None:
+                if job is None or job in declared:
                     continue
                 try:
                     info = entry.stat(follow_symlinks=False)
