@@ -145,7 +145,9 @@ class ControlLoop:
         while len(burst) < self.max_batch and (more := self.queue.get(timeout=0)) is not None:
             burst.append(more)
         if len(burst) == 1:
-            self.handle(name)
+            # Still inside a store group: what the reconcile leaves for after its commit
+            # (a finished launch's record) waits for the status that records the exit.
+            self._reconcile_grouped(burst)
             return 1
         # Many jobs at once (a restart, a burst of new specs): one allocator decision for
         # all of them instead of one each.
@@ -193,38 +195,55 @@ class ControlLoop:
         committed (or begun: another writer held the database); they are requeued with
         backoff, and the level-triggered reconcile redoes their writes.
         """
-        lost: list[str] = []
         handled: set[str] = set()
         try:
             with self.batcher.batch():
-                index = 0
-                while index < len(keys):
-                    first = index
-                    try:
-                        with self.transactions.transaction():
-                            group_ends = time.monotonic() + self.group_seconds
-                            while index < len(keys):
-                                handled.add(keys[index])
-                                self.handle(keys[index])
-                                index += 1
-                                if time.monotonic() >= group_ends:
-                                    break
-                    except TemporaryError as err:
-                        failed = list(keys[first:index]) if index > first else list(keys[first:])
-                        log.error("state store: %s; reconciling %d job(s) again", err, len(failed))
-                        lost += failed
-                        index = first + len(failed)
+                lost = self._reconcile_in_groups(keys, handled)
         except TemporaryError as err:
             # The batch's decision could not be recorded (the store refused its write): every
             # job of the burst is reconciled again, which decides again.
             log.error("allocator decision: %s; reconciling %d job(s) again", err, len(keys))
             lost = list(keys)
+        self._hand_back(lost, handled)
+        return lost
+
+    def _reconcile_grouped(self, keys: Sequence[str]) -> list[str]:
+        """Reconcile ``keys`` in store groups without a shared allocator decision."""
+        handled: set[str] = set()
+        lost = self._reconcile_in_groups(keys, handled)
+        self._hand_back(lost, handled)
+        return lost
+
+    def _reconcile_in_groups(self, keys: Sequence[str], handled: set[str]) -> list[str]:
+        """Handle ``keys`` one store group (``group_seconds``) at a time, adding each to
+        ``handled`` as it is taken; returns the keys whose group was lost."""
+        lost: list[str] = []
+        index = 0
+        while index < len(keys):
+            first = index
+            try:
+                with self.transactions.transaction():
+                    group_ends = time.monotonic() + self.group_seconds
+                    while index < len(keys):
+                        handled.add(keys[index])
+                        self.handle(keys[index])
+                        index += 1
+                        if time.monotonic() >= group_ends:
+                            break
+            except TemporaryError as err:
+                failed = list(keys[first:index]) if index > first else list(keys[first:])
+                log.error("state store: %s; reconciling %d job(s) again", err, len(failed))
+                lost += failed
+                index = first + len(failed)
+        return lost
+
+    def _hand_back(self, lost: Sequence[str], handled: set[str]) -> None:
+        """Requeue with backoff the keys whose writes were lost."""
         for key in dict.fromkeys(lost):
             if key not in handled:  # taken off the queue, never reconciled: hand it back
                 self.queue.done(key)
             self.observer.reconciled(Outcome.LOST, 0.0)
             self.queue.add_after(key, self.queue.backoff(key))
-        return lost
 
     def record_shutdown(self) -> bool:
         """Every job's status says the operator stopped it (its processes are gone).

@@ -219,6 +219,12 @@ class JobReconciler:
     ) -> HerdJobStatus:
         """The job's processes exited: a success, a failure to retry or give up on, or a run
         the spec had already moved past."""
+        if _exit_recorded(status, process):
+            # The status already says how this launch ended: its record outlived the commit
+            # of that status (the operator was killed before removing it). Acting again
+            # would count a failure twice.
+            self.launcher.forget(name)
+            return status
         if process.launch_error:
             # The command never ran (the keeper could not execute it): not the job's exit.
             self.launcher.forget(name)
@@ -814,6 +820,18 @@ def _with_spec_validity(
 
 def _allocated(status: HerdJobStatus) -> int:
     return status.gpus.allocated if status.gpus else 0
+
+
+def _exit_recorded(status: HerdJobStatus, process: ProcessState) -> bool:
+    """Whether ``status`` already records the end of the exited launch ``process``: it
+    names that launch, and is finished or waits to retry (what recording an exit sets; a
+    new launch changes the launch id and clears the retry time)."""
+    launch = process.launch
+    return (
+        launch is not None
+        and status.launch_id == launch.launch_id
+        and (status.finished_at is not None or status.retry_at is not None)
+    )
 
 
 def _finished(status: HerdJobStatus) -> bool:

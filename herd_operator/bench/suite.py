@@ -22,6 +22,7 @@ from herd_operator.bench.harness import (
     select,
     write_results,
 )
+from herd_operator.bench.history import run_history
 from herd_operator.bench.rpcflood import run_rpc_flood
 from herd_operator.bench.rpcload import run_allocator_rpc
 from herd_operator.bench.scale import run_scale
@@ -122,6 +123,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         run_arbitration,
         full_repeat=15,
         quick_repeat=2,
+    ),
+    Benchmark(
+        "history",
+        "10,000 jobs x 100 grant changes, half deleted: store size after the prune, its"
+        " longest store hold, and an insert at the per-job bound",
+        run_history,
+        full_repeat=3,
+        quick_repeat=1,
     ),
     Benchmark(
         "soak",

@@ -121,12 +121,15 @@ class Watch:
 def summary(database: Path, started: float) -> str:
     with Store.open_readonly(database) as store:
         records = store.list_jobs()
+        trimmed = store.trimmed_history()
         rows = [["JOB", "STATUS", "MIN", "MAX", "EPOCHS", "GPUS OVER TIME", "RESTARTS", "RAN FOR"]]
         for record in records:
             obj = job_object(record)
             changes = store.grant_history(record.name)
             history = [change.gpus for change in changes]
             timeline = " -> ".join(str(gpus) for gpus in history if gpus) or "-"
+            if record.name in trimmed:  # the bound dropped its oldest changes
+                timeline = "... -> " + timeline
             epochs = [r.epoch for r in store.reports(record.name) if r.epoch is not None]
             ran = ""
             if history:

@@ -18,7 +18,6 @@ operator runs and after.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import re
@@ -52,10 +51,15 @@ from herd_operator.cli.views import (
     resource_list,
 )
 from herd_operator.layout import StateLayout, default_state_dir
-from herd_operator.runtime.engines import UnknownEngineError, engine_problem
-from herd_operator.runtime.store import Event, Store, StoreError, UnreadableSpecError
-from policies.base import PolicyError
-from policies.registry import builtin_params_models, load_policy
+from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
+from herd_operator.runtime.store import (
+    MAX_GRANTS_PER_JOB,
+    Event,
+    Store,
+    StoreError,
+    UnreadableSpecError,
+)
+from policies.registry import builtin_params_models
 from specs import SpecFile, index_specs, json_schema, load_spec_file
 
 _Number = TypeVar("_Number", int, float)
@@ -93,10 +97,31 @@ class HerdArgumentParser(argparse.ArgumentParser):
 
 
 def _version() -> str:
+    # Imported here: reading the distribution's metadata costs tens of milliseconds, which
+    # every command (the operator's restart among them) paid for a flag it rarely gets.
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("herd-operator")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
         return "unknown (not installed)"
+
+
+class _VersionAction(argparse.Action):
+    """`--version`, whose text is read only when the flag is given."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"herd-operator {_version()}")
+        parser.exit()
 
 
 def _gpu_metrics_options(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="herd-operator",
         description="Share the GPUs of an allocation among elastic Horovod jobs declared as YAML.",
     )
-    parser.add_argument("--version", action="version", version=f"herd-operator {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     _state_dir_option(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -247,6 +272,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="where to keep grant files and discovery scripts, which Horovod reads every "
         "second on this host (default: $XDG_RUNTIME_DIR, else /dev/shm, else the state dir)",
+    )
+    run.add_argument(
+        "--grant-history-per-job",
+        type=_positive_int,
+        default=MAX_GRANTS_PER_JOB,
+        metavar="N",
+        help="grant changes kept per job in the state store, the newest; `describe`, "
+        "`report` and the event GrantHistoryTrimmed say when older ones were dropped "
+        f"(default: {MAX_GRANTS_PER_JOB})",
+    )
+    run.add_argument(
+        "--deleted-job-retention",
+        type=_non_negative_float,
+        default=DEFAULT_RETENTION_SECONDS,
+        metavar="SECONDS",
+        help="a deleted job's grant history, log and leftover key files are removed this "
+        "long after its last grant change or write, checked every minute in small steps "
+        f"(default: {DEFAULT_RETENTION_SECONDS:.0f}, a day)",
     )
     run.add_argument(
         "--leave-jobs-running",
@@ -573,6 +616,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         runtime_dir=args.runtime_dir,
         listen_port=args.port,
         leave_jobs_running=args.leave_jobs_running,
+        grant_history_per_job=args.grant_history_per_job,
+        deleted_job_retention_seconds=args.deleted_job_retention,
     )
     stop = _stop_on_signals()
     tune_gc()
@@ -765,7 +810,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
     with open_store(args.state_dir) as store:
         record = store.get_job(args.name)
         events = store.events(args.name, limit=20)
-        decisions = store.grant_history(args.name)[-10:]
+        decisions = store.grant_history(args.name, limit=10)
+        trimmed = store.trimmed_history(args.name).get(args.name)
     if record is None:
         print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
         return EXIT_FAILURE
@@ -811,6 +857,11 @@ def cmd_describe(args: argparse.Namespace) -> int:
             [format_age(now - change.time), str(change.gpus), change.reason] for change in decisions
         ]
         lines += ["  " + line for line in format_table(rows).splitlines()]
+    if trimmed is not None:
+        lines.append(
+            f"  ({trimmed.dropped} older change(s) were dropped by the history bound, the"
+            f" newest of them {format_age(now - trimmed.through)} ago)"
+        )
     lines.append("Events:" + ("" if events else "       none"))
     if events:
         lines += ["  " + line for line in format_events(events, now, False).splitlines()]
@@ -894,17 +945,10 @@ def cmd_check_state(args: argparse.Namespace) -> int:
 
 def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
     """Load each file, check its policy and engine, and check names across the files."""
-    files = [load_spec_file(path) for path in paths]
+    from herd_operator.runtime.specdir import with_known_references
+
+    files = [with_known_references(load_spec_file(path)) for path in paths]
     problems = [str(error) for spec_file in files for error in spec_file.errors]
-    for spec_file in files:
-        if spec_file.job is not None:
-            try:
-                load_policy(spec_file.job.spec.policy)
-            except PolicyError as err:
-                problems += [f"{spec_file.path}: {field}: {what}" for field, what in err.problems]
-            engine = engine_problem(spec_file.job.spec)
-            if engine is not None:
-                problems.append(f"{spec_file.path}: {UnknownEngineError.field}: {engine}")
     index = index_specs([f for f in files if f.valid])
     for errors in index.invalid.values():
         problems += [str(error) for error in errors]

@@ -29,7 +29,13 @@ from pydantic import ValidationError
 
 from controllers.ports import JobRecord
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, format_table, open_store
-from herd_operator.runtime.store import MAX_EVENTS, MAX_REPORTS_PER_JOB, Store, StoreError
+from herd_operator.runtime.store import (
+    MAX_EVENTS,
+    MAX_REPORTS_PER_JOB,
+    Store,
+    StoreError,
+    TrimmedHistory,
+)
 from herd_operator.runtime.store import Event as StoredEvent
 from herd_operator.runtime.store import GrantChange as StoredGrantChange
 from policies.memory import MemoryParams
@@ -115,6 +121,9 @@ class JobSeries:
     """(time, used/total) of the job's GPUs."""
     thresholds: tuple[float, float] | None
     """(low, high) of the memory policy, None for other policies."""
+    trimmed_through: float | None = None
+    """Run seconds of the newest grant change the store's bound dropped (None: the job's
+    log is whole): before it, the grants shown are not what the job held."""
 
     def gpu_seconds(self, end: float) -> float:
         """GPUs granted, integrated over the window up to ``end``."""
@@ -203,6 +212,8 @@ class JobSource:
     record: JobRecord | None
     grants: tuple[StoredGrantChange, ...]
     events: tuple[StoredEvent, ...]
+    trimmed: TrimmedHistory | None = None
+    """What the store's bound dropped of the job's grant history (None: nothing)."""
 
 
 def end_time(source: JobSource) -> tuple[float, str] | None:
@@ -311,6 +322,7 @@ def job_series(
         epoch_ends=tuple(epoch_ends),
         memory=tuple(memory),
         thresholds=thresholds,
+        trimmed_through=None if source.trimmed is None else source.trimmed.through - origin,
     )
 
 
@@ -338,8 +350,15 @@ def job_sources(store: Store) -> list[JobSource]:
             events.setdefault(event.job, []).append(event)
     # A deleted job is one that once held GPUs (a job deleted while pending never ran).
     names = sorted(set(records) | set(grants))
+    trimmed = store.trimmed_history()
     return [
-        JobSource(name, records.get(name), tuple(grants.get(name, ())), tuple(events.get(name, ())))
+        JobSource(
+            name,
+            records.get(name),
+            tuple(grants.get(name, ())),
+            tuple(events.get(name, ())),
+            trimmed.get(name),
+        )
         for name in names
     ]
 
@@ -433,6 +452,17 @@ def format_summary(run: RunData, markdown: bool = False) -> str:
     log_rows = [["TIME", "JOB", "GPUS", "REASON"]] + [
         [format_duration(step.time), name, step.label, step.reason] for step, name in changes
     ]
+    trimmed = [job for job in run.jobs if job.trimmed_through is not None]
+    if trimmed:
+        # Said, not hidden: the GPU-seconds above count only the kept changes.
+        headline += (
+            "\nGrant history trimmed by the store's bound (run --grant-history-per-job) for "
+            + ", ".join(
+                f"{job.name} (up to {format_duration(max(0.0, job.trimmed_through or 0.0))})"
+                for job in trimmed
+            )
+            + ": their GPU-seconds count only the changes kept."
+        )
     if markdown:
         lines = ["# herd-operator report", "", headline, "", *_table(rows, True), ""]
         lines += ["## Grant changes", ""]

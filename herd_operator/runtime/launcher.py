@@ -100,6 +100,8 @@ class Launcher:
         """Where launches are recorded for a restarted operator (None: not at all, no keeper)."""
         self._lock = threading.Lock()
         self._processes: dict[str, _Process] = {}
+        self._forgotten: list[tuple[str, _Process]] = []
+        """Exited launches forgotten whose records wait for ``release_forgotten``."""
 
     def _record_file(self, job: str) -> Path:
         assert self.records_dir is not None
@@ -328,7 +330,13 @@ class Launcher:
         return list(found.values())
 
     def forget(self, job: str) -> None:
-        """Drop an exited job's record, once the controller has acted on its exit."""
+        """Drop an exited job, once the controller has acted on its exit.
+
+        The job is gone from ``state`` at once, but its launch record and exit file stay
+        until ``release_forgotten``: the caller calls that once the status recording the
+        exit is durable, so an operator killed in between adopts the exit again instead of
+        finding neither record nor final status and running the job again.
+        """
         with self._lock:
             process = self._processes.get(job)
             if process is None or not process.exited:
@@ -336,9 +344,33 @@ class Launcher:
             del self._processes[job]
             if process.escalation is not None:
                 process.escalation.cancel()
-        if self.records_dir is not None:
-            self._record_file(job).unlink(missing_ok=True)
-            self._exit_file(job, process.info.launch_id).unlink(missing_ok=True)
+            if self.records_dir is not None:
+                self._forgotten.append((job, process))
+
+    def release_forgotten(self) -> None:
+        """Remove the records of the launches forgotten so far (their exits are durable)."""
+        with self._lock:
+            forgotten, self._forgotten = self._forgotten, []
+        for job, process in forgotten:
+            launch_id = process.info.launch_id
+            record = self._record_file(job)
+            # A launch of the job since then wrote its own record under the same name.
+            with contextlib.suppress(OSError, ValueError):
+                if _read_record(record).launch_id == launch_id:
+                    record.unlink(missing_ok=True)
+            self._exit_file(job, launch_id).unlink(missing_ok=True)
+
+    def restore_forgotten(self) -> None:
+        """Take back the launches forgotten since the last release: the writes that recorded
+        their exits were lost (the store could not commit them), and the reconciles that
+        redo those writes must find the exits again. A job launched again since keeps its
+        new launch (its old record was replaced by the new one's)."""
+        with self._lock:
+            forgotten, self._forgotten = self._forgotten, []
+            for job, process in forgotten:
+                if job not in self._processes:
+                    process.escalation = None  # cancelled by forget(): leftovers get a new one
+                    self._processes[job] = process
 
     def jobs(self) -> list[str]:
         with self._lock:

@@ -17,18 +17,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from controllers.loop import Outcome
-from herd_operator.runtime.store import Store, UnreadableSpecError
+from herd_operator.runtime.store import Store
 from specs import ConditionStatus, ConditionType
 from specs.conditions import get_condition
 from specs.status import HerdJobStatus
 from specs.values import Placement, Pool
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_ERROR_KINDS = {
-    Outcome.TEMPORARY_ERROR: "temporary",
-    Outcome.PERMANENT_ERROR: "permanent",
-    Outcome.UNEXPECTED_ERROR: "unexpected",
-}
 RESIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 JOB_STATUSES = (
@@ -77,17 +72,13 @@ class OperatorMetrics:
             buckets=RECONCILE_BUCKETS,
             registry=registry,
         )
-        self.reconcile_errors = Counter(
-            "herd_reconcile_errors",
-            "Reconciles that failed, by kind (temporary: retried with backoff; permanent: "
-            "not retried until the spec changes; unexpected: a bug, retried).",
-            ["kind"],
-            registry=registry,
-        )
+        # The one reconcile counter: the errors are its *_error outcomes (a second counter
+        # by error kind said the same thing under other names).
         self.reconciles = Counter(
             "herd_reconcile",
-            "Reconciles by outcome: success, permanent_error, temporary_error, "
-            "unexpected_error, lost (the store could not commit them; redone).",
+            "Reconciles by outcome: success, permanent_error (not retried until the spec "
+            "changes), temporary_error (retried with backoff), unexpected_error (a bug, "
+            "retried), lost (the store could not commit them; redone).",
             ["outcome"],
             registry=registry,
         )
@@ -98,8 +89,6 @@ class OperatorMetrics:
             registry=registry,
         )
         # Known label values start at zero, so dashboards and rate() see them from the start.
-        for kind in ("temporary", "permanent", "unexpected"):
-            self.reconcile_errors.labels(kind=kind)
         for outcome in Outcome:
             self.reconciles.labels(outcome=outcome.value)
         for direction in ("grow", "shrink"):
@@ -117,9 +106,6 @@ class OperatorMetrics:
         if outcome is Outcome.LOST:
             return  # counted already when it ran
         self.reconcile_duration.observe(seconds)
-        kind = _ERROR_KINDS.get(outcome)
-        if kind is not None:
-            self.reconcile_errors.labels(kind=kind).inc()
 
     # ReconcileObserver (controllers.ports)
     def resized(self, job: str, before: int, after: int) -> None:
@@ -190,6 +176,7 @@ class StateCollector(Collector):
         latest_usage = self.store.latest_usage()
         placements = self.placements()
         holding = {job for job, placement in placements.items() if placement.size}
+        policies = self.store.job_policies()  # the specs' policies, without parsing them
         for record in self.store.list_jobs():
             status = record.status
             for condition in status.conditions:
@@ -214,14 +201,12 @@ class StateCollector(Collector):
             # A sample describes the GPUs the job held then: only shown while it holds some.
             if sample is not None and sample.total_bytes and record.name in holding:
                 memory.add_metric([record.name], sample.used_bytes / sample.total_bytes)
-            try:
-                policy = record.spec.spec.policy
-            except UnreadableSpecError:  # the store said so once; the job's other series stay
-                continue
-            if policy.name == "memory":
-                params = policy.params
-                thresholds.add_metric([record.name, "low"], float(params.get("low", 0.25)))
-                thresholds.add_metric([record.name, "high"], float(params.get("high", 0.75)))
+            policy_name, params = policies.get(record.name, ("", {}))
+            if policy_name == "memory":
+                for bound, default in (("low", 0.25), ("high", 0.75)):
+                    threshold = params.get(bound, default)
+                    if isinstance(threshold, int | float):
+                        thresholds.add_metric([record.name, bound], float(threshold))
         for (condition_type, condition_status), count in sorted(counts.items()):
             jobs.add_metric([condition_type, condition_status], count)
         yield from (jobs, job_statuses, restarts, desired, allocated, active, epoch, memory)

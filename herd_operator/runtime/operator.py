@@ -17,7 +17,7 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -74,8 +74,13 @@ from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
 from herd_operator.runtime.pools.heartbeat import DEFAULT_NODE_TIMEOUT_SECONDS, NodeWatch
+from herd_operator.runtime.pruner import (
+    DEFAULT_RETENTION_SECONDS,
+    PRUNE_INTERVAL_SECONDS,
+    Pruner,
+)
 from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
-from herd_operator.runtime.store import Store, StoreError
+from herd_operator.runtime.store import MAX_GRANTS_PER_JOB, Store, StoreError
 from specs.values import Placement, Pool
 
 log = logging.getLogger(__name__)
@@ -166,6 +171,40 @@ class OperatorConfig:
     runtime_dir: Path | None = None
     """Where to make the private directory for grant files and discovery scripts (default:
     $XDG_RUNTIME_DIR, else /dev/shm, else the state dir)."""
+    grant_history_per_job: int = MAX_GRANTS_PER_JOB
+    """Grant changes kept per job in the store (the newest)."""
+    deleted_job_retention_seconds: float = DEFAULT_RETENTION_SECONDS
+    """A deleted job's grant history, log and leftover files go this long after its last
+    grant change or write."""
+    prune_interval_seconds: float = PRUNE_INTERVAL_SECONDS
+
+
+class ExitsRecordedFirst:
+    """The loop's store groups, with the launch records of the exits a group handled removed
+    only once the group (the statuses that record those exits) is committed.
+
+    Removing a finished launch's record first left an instant where a killed operator had
+    neither the record nor the final status, and its successor ran the job again. In this
+    order a kill between the commit and the removal leaves the record of an exit that the
+    status has already recorded; the reconciler sees that and does not act on it twice.
+    """
+
+    def __init__(self, store: Store, launcher: Launcher) -> None:
+        self._store = store
+        self._launcher = launcher
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        try:
+            with self._store.transaction():
+                yield
+        except StoreError:
+            # The group is lost: its reconciles are redone and must see their exits again.
+            self._launcher.restore_forgotten()
+            raise
+        finally:
+            # A no-op after restore_forgotten() took them all back.
+            self._launcher.release_forgotten()
 
 
 class OperatorError(Exception):
@@ -193,6 +232,7 @@ class Operator:
         self.loop: ControlLoop | None = None
         self.specs = SpecDirectory(config.specs_dir)
         self.ready = threading.Event()
+        self.pruner: Pruner | None = None
 
     # ---- lifecycle ----
 
@@ -212,7 +252,11 @@ class Operator:
         try:
             # The token is made right after the store first opened: with it there, a 0-byte
             # database was truncated, not new.
-            store = Store(self.layout.database, previous_state=(self.layout.token_file,))
+            store = Store(
+                self.layout.database,
+                previous_state=(self.layout.token_file,),
+                max_grants_per_job=config.grant_history_per_job,
+            )
         except StoreError as err:
             raise OperatorError(str(err)) from err
         self.store = store
@@ -316,7 +360,13 @@ class Operator:
             report_deadline_seconds=config.report_deadline_seconds,
             observer=self.metrics,
         )
-        self.loop = ControlLoop(self.queue, reconciler, allocator, store, observer=self.metrics)
+        self.loop = ControlLoop(
+            self.queue,
+            reconciler,
+            allocator,
+            ExitsRecordedFirst(store, launcher),
+            observer=self.metrics,
+        )
         return self.loop
 
     def _start_rpc_server(self, token: bytes, handlers: Mapping[str, Handler]) -> RpcServer:
@@ -595,6 +645,15 @@ class Operator:
         self.config.pool.start(self._pool_changed)
         assert self.nodes is not None
         self.nodes.start()
+        assert self.store is not None and self.launcher is not None
+        self.pruner = Pruner(
+            self.store,
+            self.layout,
+            self.launcher.jobs,
+            retention_seconds=self.config.deleted_job_retention_seconds,
+            interval_seconds=self.config.prune_interval_seconds,
+        )
+        self.pruner.start()
         self.ready.set()
         try:
             loop.run(stop)
@@ -655,6 +714,8 @@ class Operator:
         leave = self.config.leave_jobs_running and bool(self.launcher and self.launcher.jobs())
         log.info("shutting down: %s", "leaving the jobs running" if leave else "stopping jobs")
         self.config.pool.stop()
+        if self.pruner is not None:
+            self.pruner.stop()
         if self.nodes is not None:
             self.nodes.stop()
         if self.watcher is not None:

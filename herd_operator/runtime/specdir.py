@@ -18,6 +18,8 @@ from pathlib import Path
 
 from controllers.ports import SpecView
 from herd_operator.runtime.engines import UnknownEngineError, engine_problem
+from policies.base import PolicyError
+from policies.registry import load_policy
 from specs import (
     SpecError,
     SpecFile,
@@ -45,7 +47,9 @@ class SpecDirectory:
         self.owner_uid = os.geteuid() if owner_uid is None else owner_uid
         """Only files of this user are read: their commands run as the operator's user."""
         self._lock = threading.Lock()
-        self._files: dict[str, tuple[_Stamp, SpecFile]] = {}
+        # Per file: its stamp, what loading it gave (references checked) and the job's
+        # fingerprint ("" without a job): both computed once per change of the file.
+        self._files: dict[str, tuple[_Stamp, SpecFile, str]] = {}
         self._views: dict[str, SpecView] = {}
         self._keys: dict[str, tuple[str, ...]] = {}
         self._unnamed: tuple[str, ...] = ()
@@ -102,7 +106,7 @@ class SpecDirectory:
 
     def relist(self) -> set[str]:
         """Re-read the directory; returns the names whose view changed (new and deleted too)."""
-        files: dict[str, tuple[_Stamp, SpecFile]] = {}
+        files: dict[str, tuple[_Stamp, SpecFile, str]] = {}
         skipped: dict[str, str] = {}
         try:
             entries = list(os.scandir(self.directory))
@@ -137,13 +141,17 @@ class SpecDirectory:
             if cached is not None and cached[0] == stamp:
                 files[entry.name] = cached
             else:
-                files[entry.name] = (stamp, load_spec_file(path))
+                loaded = with_known_references(load_spec_file(path))
+                fingerprint = spec_fingerprint(loaded.job) if loaded.job is not None else ""
+                files[entry.name] = (stamp, loaded, fingerprint)
         for file_name in sorted(skipped.keys() - self._skipped.keys()):
             log.warning("spec directory: skipping %s: %s", file_name, skipped[file_name])
         self._skipped = skipped
         declared: dict[str, str] = {}
         spec_files = []
-        for file_name, (_, spec_file) in files.items():
+        fingerprints: dict[int, str] = {}  # by the loaded SpecFile's identity
+        for file_name, (_, spec_file, fingerprint) in files.items():
+            fingerprints[id(spec_file)] = fingerprint
             if (
                 spec_file.job is None
                 and file_name in self._declared
@@ -155,13 +163,13 @@ class SpecDirectory:
                 spec_file = dataclasses.replace(spec_file, name=self._declared[file_name])
             if spec_file.name is not None:
                 declared[file_name] = spec_file.name
-            spec_files.append(_with_known_engine(spec_file))
+            spec_files.append(spec_file)
         index = index_specs(spec_files)
         views: dict[str, SpecView] = {}
         keys: dict[str, tuple[str, ...]] = {}
         for name, spec_file in index.jobs.items():
             assert spec_file.job is not None
-            fingerprint = spec_fingerprint(spec_file.job)
+            fingerprint = fingerprints[id(spec_file)]
             views[name] = SpecView(name, str(spec_file.path), spec_file.job, (), fingerprint)
             keys[name] = (str(spec_file.path), fingerprint)
         for name, errors in index.invalid.items():
@@ -183,16 +191,25 @@ class SpecDirectory:
         return changed
 
 
-def _with_known_engine(spec_file: SpecFile) -> SpecFile:
-    """The file as an invalid one if its engine kind is not in this operator's registry:
-    like an unknown policy, a spec error (SpecValid=False), and the job never starts."""
+def with_known_references(spec_file: SpecFile) -> SpecFile:
+    """The file as an invalid one if it names a policy or an engine this operator does not
+    have, or the policy's params are wrong: spec errors (SpecValid=False), and a job that
+    never ran never starts. The one place these references are checked, where specs are
+    loaded: the operator's spec directory (once per change of a file) and `validate`."""
     if spec_file.job is None:
         return spec_file
+    path = str(spec_file.path)
+    errors: list[SpecError] = []
+    try:
+        load_policy(spec_file.job.spec.policy)
+    except PolicyError as err:
+        errors += [SpecError(path, field, what) for field, what in err.problems]
     problem = engine_problem(spec_file.job.spec)
-    if problem is None:
+    if problem is not None:
+        errors.append(SpecError(path, UnknownEngineError.field, problem))
+    if not errors:
         return spec_file
-    error = SpecError(str(spec_file.path), UnknownEngineError.field, problem)
-    return dataclasses.replace(spec_file, job=None, errors=(error,))
+    return dataclasses.replace(spec_file, job=None, errors=tuple(errors))
 
 
 class DirectoryWatcher:

@@ -22,7 +22,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from controllers.ports import ProcessPhase
+from controllers.loop import ControlLoop
+from controllers.ports import LaunchInfo, ProcessPhase, ProcessState
+from controllers.reconciler import JobReconciler
+from controllers.workqueue import WorkQueue
+from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator, Binding
 from herd_operator.runtime.keeper import read_exit_file, read_launch_error
 from herd_operator.runtime.launcher import (
@@ -32,10 +36,13 @@ from herd_operator.runtime.launcher import (
     LaunchRequest,
     find_orphans,
 )
-from herd_operator.runtime.operator import _bindings, _placement_of
-from specs import HerdJobSpec
+from herd_operator.runtime.operator import ExitsRecordedFirst, _bindings, _placement_of
+from herd_operator.runtime.store import Store
+from specs import ConditionType, HerdJob, HerdJobSpec, is_true
+from specs.status import HerdJobStatus
 from specs.values import Demand, Placement, Pool
 from tests.unit.test_launcher import Exits
+from tests.unit.test_reconciler import FakeSpecs, herd_job
 
 GUARD_S = 30.0
 """Hang guard for waiting on processes; never a performance expectation."""
@@ -227,6 +234,9 @@ def test_a_running_launch_is_adopted_and_supervised_by_the_next_launcher(
     assert state.phase == ProcessPhase.EXITED and state.stopped_by_us
     assert state.exit_code == -signal.SIGTERM
     second.forget("train")
+    assert second.state("train").phase == ProcessPhase.ABSENT
+    assert len(list(records.iterdir())) == 2, "kept until the exit is recorded durably"
+    second.release_forgotten()
     assert list(records.iterdir()) == [], "the record and the exit file are removed"
 
 
@@ -407,3 +417,154 @@ def test_restored_bindings_under_another_name_of_the_host_find_their_pool_host()
     )
     restored = sorted((b.pid, b.host, b.name, b.gpu) for b in alloc.bindings())
     assert restored == [(21, "localhost", "127.0.0.1", 1), (22, "localhost", "", 2)]
+
+
+# ---- the last crash window: a finished job's record outlives its final status's commit ----
+
+
+class JobsOnLauncher:
+    """The reconciler's launcher port over the real `Launcher` (what `JobLauncher` does,
+    without an engine): each job runs its spec's command as it is, through the keeper."""
+
+    def __init__(self, launcher: Launcher, logs: Path) -> None:
+        self.launcher = launcher
+        self.logs = logs
+
+    def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo:
+        return self.launcher.launch(
+            LaunchRequest(
+                job=job.name,
+                generation=generation,
+                argv=list(job.spec.command),
+                log_file=self.logs / f"{job.name}.log",
+                command="python",
+                spec=job.spec,
+            )
+        )
+
+    def state(self, name: str) -> ProcessState:
+        return self.launcher.state(name)
+
+    def relaunch_reason(self, launch: LaunchInfo, job: HerdJob) -> str:
+        return ""
+
+    def stop(self, name: str) -> None:
+        self.launcher.stop(name)
+
+    def forget(self, name: str) -> None:
+        self.launcher.forget(name)
+
+
+class Successors:
+    """At each instant the durable state changes, what an operator started after a SIGKILL
+    right then would find: the job's committed status and its launch record."""
+
+    def __init__(self, database: Path, records: Path, job: str) -> None:
+        self.database = database
+        self.records = records
+        self.job = job
+        self.seen: list[tuple[str, bool, bool]] = []
+
+    def look(self, instant: str) -> None:
+        with Store.open_readonly(self.database) as store:  # committed writes only
+            record = store.get_job(self.job)
+            status = record.status if record is not None else HerdJobStatus()
+        finished = any(
+            is_true(status.conditions, kind)
+            for kind in (ConditionType.Succeeded, ConditionType.Failed)
+        )
+        adoptable = (self.records / f"{self.job}.json").exists()
+        self.seen.append((instant, finished, adoptable))
+
+
+class ProbedLauncher(Launcher):
+    """A real launcher that lets `Successors` look at each of its steps that change files."""
+
+    successors: Successors
+
+    def forget(self, job: str) -> None:
+        super().forget(job)
+        self.successors.look("after forget")
+
+    def release_forgotten(self) -> None:
+        self.successors.look("before release")
+        super().release_forgotten()
+        self.successors.look("after release")
+
+
+def test_no_instant_of_a_jobs_end_lets_a_killed_operator_run_it_again(tmp_path: Path) -> None:
+    """The launch record of a finished job goes only after the status saying it finished is
+    committed: at every step, a successor either sees the job finished or has the record
+    to adopt (and its keeper's exit status). Removing the record at `forget` (the old
+    order) leaves "after forget" with neither, and the job ran again."""
+    layout = StateLayout(tmp_path / "state")
+    layout.create()
+    specs = FakeSpecs()
+    job = herd_job("done", gpus=(1, 1), command=[sys.executable, "-c", "pass"])
+    specs.put(job)
+    exits = Exits()
+    launcher = ProbedLauncher(exits, grace_seconds=2.0, records_dir=layout.launches_dir)
+    launcher.successors = successors = Successors(layout.database, layout.launches_dir, "done")
+    allocator = Allocator(Pool.from_counts({"localhost": 1}), Sink(), virtual=True)
+    queue = WorkQueue()
+    try:
+        with Store(layout.database) as store:
+            reconciler = JobReconciler(
+                specs, store, allocator, JobsOnLauncher(launcher, layout.logs_dir)
+            )
+            loop = ControlLoop(queue, reconciler, allocator, ExitsRecordedFirst(store, launcher))
+            queue.add("done")
+            loop.run_once(timeout=0)
+            assert launcher.state("done").phase != ProcessPhase.ABSENT, "it was started"
+            assert exits.called.wait(GUARD_S), "the job's end was not noticed"
+            wait_until(lambda: launcher.state("done").phase == ProcessPhase.EXITED, "the exit")
+            queue.add("done")
+            loop.run_once(timeout=0)  # records the exit
+
+            record = store.get_job("done")
+            assert record is not None and is_true(record.status.conditions, ConditionType.Succeeded)
+    finally:
+        launcher.stop_all(timeout=GUARD_S)
+    assert [instant for instant, _, _ in successors.seen][-3:] == [
+        "after forget",
+        "before release",
+        "after release",
+    ]
+    for instant, finished, adoptable in successors.seen:
+        assert finished or adoptable, f"a kill {instant} would run the finished job again"
+    assert list(layout.launches_dir.iterdir()) == [], "the record went once it was not needed"
+
+
+def test_a_lost_group_gives_the_exits_it_forgot_back_to_the_reconciles_that_redo_it(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    """A full disk rolls back the status that recorded an exit: the exit must be seen again,
+    or the redone reconcile finds no process and starts the job again."""
+    launcher = launcher_on(records, launchers)
+    info = launcher.launch(request(tmp_path, "raise SystemExit(0)"))
+    wait_until(lambda: launcher.state("train").phase == ProcessPhase.EXITED, "the exit")
+
+    launcher.forget("train")
+    assert launcher.state("train").phase == ProcessPhase.ABSENT
+    launcher.restore_forgotten()
+
+    state = launcher.state("train")
+    assert (state.phase, state.exit_code, state.launch) == (ProcessPhase.EXITED, 0, info)
+    launcher.release_forgotten()  # nothing forgotten is left to release
+    assert (records / "train.json").exists()
+
+
+def test_a_record_of_a_relaunched_job_is_not_released_with_the_old_launch(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    launcher = launcher_on(records, launchers)
+    first = launcher.launch(request(tmp_path, "raise SystemExit(1)"))
+    wait_until(lambda: launcher.state("train").phase == ProcessPhase.EXITED, "the exit")
+    launcher.forget("train")
+    second = launcher.launch(request(tmp_path, SLEEPER))  # a restart in the same group
+
+    launcher.release_forgotten()
+
+    assert not (records / f"train.{first.launch_id}.exit").exists()
+    (adopted,) = launcher_on(records, launchers).adopt_recorded()
+    assert adopted.info.launch_id == second.launch_id and adopted.running

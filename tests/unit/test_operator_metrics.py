@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from controllers.loop import Outcome
 from exporters.gpu import GpuReading
 from herd_operator.runtime.metrics import JOB_STATUSES, OperatorMetrics, StateCollector, job_status
 from herd_operator.runtime.observer import UsageObserver, job_usage
@@ -116,6 +117,32 @@ def test_a_job_whose_stored_spec_is_unreadable_keeps_the_scrape_and_its_status_s
     assert got[("herd_store_writable", ())] == 1
 
 
+def test_a_scrape_reads_the_policies_without_parsing_any_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first scrape after a start used to parse every stored spec (~0.3 s per 10,000
+    jobs, under the store's lock); the thresholds come from the stored JSON instead."""
+    with Store(tmp_path / "state.db") as writer:
+        record(writer, "a", {"name": "memory", "params": {"low": 0.2, "high": 0.9}}, allocated=1)
+        record(writer, "b", {"name": "static"}, allocated=1)
+    parsed: list[str] = []
+    original = HerdJob.model_validate_json
+
+    def counting(text: str | bytes, **kwargs: object) -> HerdJob:
+        parsed.append(str(text)[:40])
+        return original(text, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HerdJob, "model_validate_json", counting)
+    store = Store(tmp_path / "state.db")  # a fresh operator: nothing parsed yet
+    registry = CollectorRegistry()
+    registry.register(StateCollector(store, lambda: Pool.from_counts({"h": 4}), dict, dict))
+    got = samples(registry)
+    assert got[("herd_job_policy_threshold_ratio", (("bound", "low"), ("herd_job", "a")))] == 0.2
+    assert got[("herd_job_policy_threshold_ratio", (("bound", "high"), ("herd_job", "a")))] == 0.9
+    assert ("herd_job_policy_threshold_ratio", (("bound", "low"), ("herd_job", "b"))) not in got
+    assert parsed == []
+
+
 def test_the_store_writable_gauge_shows_a_full_disk_and_its_end(tmp_path: Path) -> None:
     """Writes fail for real (see tests/unit/full_disk.py)."""
     store = Store(tmp_path / "state.db")
@@ -141,15 +168,16 @@ def test_operator_metrics_count_resizes_and_reconciles() -> None:
     metrics.resized("b", 4, 2)
     metrics.resize_completed("a", 3.5)
     metrics.reconcile_duration.observe(0.004)
-    metrics.reconcile_errors.labels(kind="temporary").inc()
+    metrics.reconciled(Outcome.TEMPORARY_ERROR, 0.002)
     got = samples(registry)
     assert got[("herd_resizes_total", (("direction", "grow"),))] == 1
     assert got[("herd_resizes_total", (("direction", "shrink"),))] == 2
     assert got[("herd_resize_duration_seconds_count", ())] == 1
     assert got[("herd_resize_duration_seconds_bucket", (("le", "5.0"),))] == 1
     assert got[("herd_resize_duration_seconds_bucket", (("le", "2.0"),))] == 0
-    assert got[("herd_reconcile_duration_seconds_count", ())] == 1
-    assert got[("herd_reconcile_errors_total", (("kind", "temporary"),))] == 1
+    assert got[("herd_reconcile_duration_seconds_count", ())] == 2
+    assert got[("herd_reconcile_total", (("outcome", "temporary_error"),))] == 1
+    assert not any(name.startswith("herd_reconcile_errors") for name, _ in got)
 
 
 def reading(index: int, used: int | None, total: int | None = 1000, host: str = "h") -> GpuReading:

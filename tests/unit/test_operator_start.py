@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ from specs import ConditionStatus, ConditionType, HerdJob, set_condition
 from specs.status import HerdJobStatus
 from specs.values import Pool
 from tests.unit.full_disk import refuse_writes
+
+GUARD_S = 30.0
+"""Hang guard for waiting on the operator; never a performance expectation."""
 
 
 def test_the_operator_lifts_its_open_file_limit_within_the_hard_limit() -> None:
@@ -125,3 +129,41 @@ def test_a_shutdown_the_store_cannot_record_still_removes_the_runtime_dir_and_en
     said = [record.getMessage() for record in caplog.records]
     assert any(m.startswith("cannot record the shutdown in the state store") for m in said)
     assert any(m.startswith("cannot record in the state store that every GPU") for m in said)
+
+
+def test_a_running_operator_prunes_a_deleted_jobs_history_and_log(tmp_path: Path) -> None:
+    """The settings reach the store and the pruner: a job deleted before this start (no
+    record, a grant history and a log) is gone after a walk."""
+    config = refused_start_config(
+        tmp_path,
+        deleted_job_retention_seconds=0.0,
+        prune_interval_seconds=0.05,
+        grant_history_per_job=5,
+        metrics_port=None,
+    )
+    layout = StateLayout(config.state_dir)
+    layout.create()
+    gone = layout.log_file("gone")
+    gone.write_text("its output\n")
+    config.specs_dir.mkdir()
+    operator = Operator(config)
+    stop = threading.Event()
+    runner = threading.Thread(target=operator.run, args=(stop,))
+    runner.start()
+    try:
+        assert operator.ready.wait(GUARD_S), "the operator did not start"
+        assert operator.store is not None
+        operator.store.add_grant_change("gone", 1, "admitted", 1.0)
+        for step in range(7):
+            operator.store.add_grant_change("kept", step, "resized", 2.0 + step)
+        deadline = time.monotonic() + GUARD_S
+        while gone.exists() or operator.store.grant_history("gone"):
+            assert time.monotonic() < deadline, "the deleted job's log and history stayed"
+            time.sleep(0.05)
+        # "kept" is pruned too (no record): its event, which outlives it, shows the bound.
+        (trimmed,) = [e for e in operator.store.events("kept") if e.reason == "GrantHistoryTrimmed"]
+        assert "the newest 5 grant changes" in trimmed.message
+    finally:
+        stop.set()
+        runner.join(GUARD_S)
+    assert not runner.is_alive()

@@ -646,6 +646,27 @@ def test_failure_with_restart_policy_backs_off_before_restarting(world: World) -
     assert (status.restarts, status.retry_at) == (1, None)
 
 
+@pytest.mark.parametrize("code", [0, 3])
+def test_an_exit_whose_record_outlived_its_recorded_status_is_not_acted_on_twice(
+    world: World, code: int
+) -> None:
+    """An operator killed after committing the status of an exit but before removing the
+    launch record: its successor adopts the same exit again, which must neither count
+    another restart nor say the job ended twice."""
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 2}))
+    ended = replace(world.launcher.states["a"], phase=ProcessPhase.EXITED, exit_code=code)
+    world.launcher.states["a"] = ended
+    world.reconcile("a")
+    recorded, events = world.status("a"), world.raw_events("a")
+
+    world.launcher.states["a"] = ended  # adopted from the record by the next operator
+    world.reconcile("a")
+
+    assert world.status("a") == recorded
+    assert world.raw_events("a") == events
+    assert world.launcher.state("a").phase == ProcessPhase.ABSENT, "its record is dropped"
+
+
 def test_failure_past_the_backoff_limit_fails_and_releases_the_gpus(world: World) -> None:
     started(world, herd_job(restart={"onFailure": True, "backoffLimit": 2}))
     for restarts in (1, 2):

@@ -13,7 +13,7 @@ import pytest
 
 from herd_operator.runtime import specdir as specdir_module
 from herd_operator.runtime.specdir import SpecDirectory
-from specs import SpecFile, load_spec_file
+from specs import HerdJob, SpecFile, load_spec_file
 
 # Every write gets a distinct mtime, so the stat cache sees each edit even when the
 # file system's clock is coarser than the test (same size, same tick).
@@ -337,3 +337,53 @@ def test_spec_files_of_other_users_are_not_read_and_a_shared_dir_is_said_once(
     assert sum("skipping mine.yaml: owned by uid" in m for m in said) == 1, said
     jobs.chmod(0o700)
     assert SpecDirectory(jobs).relist() == {"mine"}, "the owner's own files are read"
+
+
+def test_an_unchanged_file_costs_no_fingerprint_on_a_relist(
+    jobs: Path, specs: SpecDirectory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fingerprinted: list[str] = []
+    original = specdir_module.spec_fingerprint
+
+    def counting(job: HerdJob) -> str:
+        fingerprinted.append(job.name)
+        return original(job)
+
+    monkeypatch.setattr(specdir_module, "spec_fingerprint", counting)
+    write(jobs / "a.yaml", spec_text("a"))
+    write(jobs / "b.yaml", spec_text("b"))
+    specs.relist()
+    view = specs.view("a")
+    assert sorted(fingerprinted) == ["a", "b"]
+    specs.relist()
+    specs.relist()
+    assert sorted(fingerprinted) == ["a", "b"]
+    assert specs.view("a") == view
+    write(jobs / "a.yaml", spec_text("a", 2))
+    specs.relist()
+    assert sorted(fingerprinted) == ["a", "a", "b"]
+
+
+def test_a_policy_or_engine_this_operator_lacks_is_a_spec_error_where_specs_are_loaded(
+    jobs: Path, specs: SpecDirectory
+) -> None:
+    write(jobs / "p.yaml", spec_text("p") + "  policy:\n    name: no-such-policy\n")
+    write(
+        jobs / "m.yaml",
+        spec_text("m") + "  policy:\n    name: memory\n    params: {low: 0.9, high: 0.1}\n",
+    )
+    write(jobs / "e.yaml", spec_text("e") + "  engine:\n    kind: no-such-engine\n")
+    write(jobs / "ok.yaml", spec_text("ok"))
+
+    specs.relist()
+
+    for name, field in [
+        ("p", "spec.policy.name"),
+        ("m", "spec.policy.params"),
+        ("e", "spec.engine"),
+    ]:
+        view = specs.view(name)
+        assert view is not None and view.job is None, name
+        assert any(f"{name}.yaml: {field}" in error for error in view.errors), view.errors
+    ok = specs.view("ok")
+    assert ok is not None and ok.job is not None

@@ -22,6 +22,7 @@ from herd_operator.runtime.store import (
     GrantChange,
     Store,
     StoreError,
+    TrimmedHistory,
     UnreadableSpecError,
 )
 from specs import HerdJob
@@ -326,14 +327,15 @@ def test_a_new_store_is_created_at_the_current_version_without_the_runtime_table
     db_path: Path,
 ) -> None:
     Store(db_path).close()
-    assert SCHEMA_VERSION == 2
-    assert user_version(db_path) == 2
+    assert SCHEMA_VERSION == 3
+    assert user_version(db_path) == 3
     assert tables(db_path) == {
         "jobs",
         "allocations",
         "reports",
         "gpu_usage",
         "grant_history",
+        "grant_history_trimmed",
         "events",
         "meta",
     }
@@ -347,6 +349,7 @@ def test_a_reader_reads_a_version_1_store_as_it_is(db_path: Path) -> None:
         assert (job.spec, job.status.epoch, job.generation) == (SPEC, 3, 1)
         assert [record.name for record in reader.list_jobs()] == ["resnet"]
         assert reader.allocations() == {}
+        assert reader.trimmed_history() == {}, "no bound then: nothing was dropped"
     assert user_version(db_path) == 1  # a reader never migrates
     assert "runtime" in tables(db_path)
 
@@ -358,6 +361,7 @@ def test_the_writer_migrates_a_version_1_store(db_path: Path) -> None:
         assert job is not None and (job.uid, job.status.epoch) == ("0" * 32, 3)
     assert user_version(db_path) == SCHEMA_VERSION
     assert "runtime" not in tables(db_path)
+    assert "grant_history_trimmed" in tables(db_path)
     with Store(db_path) as again:  # migrated once: opening again changes nothing
         assert again.get_job("resnet") == job
 
@@ -738,6 +742,49 @@ def test_grant_history_filters_by_job_and_since(store: Store) -> None:
     assert [c.gpus for c in store.grant_history(job="resnet")] == [2, 4]
     assert [c.job for c in store.grant_history(since=2.0)] == ["bert", "resnet"]
     assert store.grant_history(job="bert", since=2.5) == []
+    assert store.grant_history(limit=2) == store.grant_history()[1:]
+
+
+def test_grant_history_keeps_the_newest_per_job_and_says_what_it_dropped(db_path: Path) -> None:
+    with Store(db_path, max_grants_per_job=3) as store:
+        for step in range(5):
+            store.add_grant_change("resnet", step + 1, "resized", now=float(step))
+        store.add_grant_change("bert", 1, "admitted", now=9.0)
+
+        assert [c.gpus for c in store.grant_history("resnet")] == [3, 4, 5]
+        assert [c.gpus for c in store.grant_history("bert")] == [1]
+        assert store.trimmed_history() == {"resnet": TrimmedHistory(dropped=2, through=1.0)}
+        trims = [e for e in store.events("resnet") if e.reason == "GrantHistoryTrimmed"]
+        assert len(trims) == 1 and trims[0].count == 1, "said once, at the first drop"
+        assert "newest 3 grant changes" in trims[0].message
+
+
+def test_pruning_removes_only_deleted_jobs_history_past_the_retention(store: Store) -> None:
+    store.record_spec("alive", "/jobs/alive.yaml", SPEC, "fp", now=1.0)
+    for name, last in [("alive", 10.0), ("old", 10.0), ("recent", 95.0)]:
+        store.add_grant_change(name, 2, "admitted", now=1.0)
+        store.add_grant_change(name, 0, "spec deleted", now=last)
+
+    pruned, after = store.prune_deleted_history(older_than=90.0)
+
+    assert (pruned, after) == (["old"], None)
+    assert sorted({c.job for c in store.grant_history()}) == ["alive", "recent"]
+
+
+def test_pruning_walks_the_names_in_bounded_steps(store: Store) -> None:
+    names = [f"job{index:02d}" for index in range(5)]
+    for name in names:
+        store.add_grant_change(name, 1, "admitted", now=1.0)
+    walked: list[str] = []
+    after: str | None = ""
+    steps = 0
+    while after is not None:
+        pruned, after = store.prune_deleted_history(older_than=2.0, after=after, limit=2)
+        walked += pruned
+        steps += 1
+    assert walked == names
+    assert steps == 3
+    assert store.grant_history() == []
 
 
 # events
