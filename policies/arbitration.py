@@ -23,7 +23,6 @@ as any other job would be).
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -99,28 +98,40 @@ def _kept_slots(
     by_name: Sequence[Demand],
     current: Mapping[str, Placement],
     blocked: AbstractSet[Slot],
-) -> tuple[dict[str, int], dict[str, list[Slot]]]:
+) -> tuple[dict[str, int], dict[str, Sequence[Slot]]]:
     """Each demanded job's current size, and its current slots that are still in the pool
     (and not blocked: a blocked slot counts as gone, as if the pool were without it)."""
     in_pool = pool.slot_set
-    owner: dict[Slot, str] = {}
+    seen: set[Slot] = set()
     held: dict[str, int] = {}
-    kept: dict[str, list[Slot]] = {}
+    kept: dict[str, Sequence[Slot]] = {}
     for demand in by_name:
-        placement = current.get(demand.name, Placement.EMPTY)
-        slots = placement.slots()
-        for slot in slots:
+        slots = current.get(demand.name, Placement.EMPTY).slots()
+        # Set operations in C rather than a test per slot: most jobs lost nothing.
+        seen.update(slots)
+        held[demand.name] = len(slots)
+        if in_pool.issuperset(slots) and (not blocked or blocked.isdisjoint(slots)):
+            kept[demand.name] = slots
+        else:
+            kept[demand.name] = [
+                slot for slot in slots if slot in in_pool and (not blocked or slot not in blocked)
+            ]
+    if len(seen) != sum(held.values()):
+        _refuse_shared_gpus(by_name, current)
+    return held, kept
+
+
+def _refuse_shared_gpus(by_name: Sequence[Demand], current: Mapping[str, Placement]) -> None:
+    """Name the first GPU found in two current placements (only called when one is)."""
+    owner: dict[Slot, str] = {}
+    for demand in by_name:
+        for slot in current.get(demand.name, Placement.EMPTY).slots():
             other = owner.setdefault(slot, demand.name)
             if other != demand.name:
                 raise ValueError(
                     f"GPU {slot[0]}:{slot[1]} is in the current placements of both "
                     f"{other} and {demand.name}"
                 )
-        held[demand.name] = len(slots)
-        kept[demand.name] = [
-            slot for slot in slots if slot in in_pool and (not blocked or slot not in blocked)
-        ]
-    return held, kept
 
 
 @dataclass
@@ -160,7 +171,7 @@ def _frozen_note(
 def _count(
     size: int,
     ranked: Sequence[Demand],
-    kept: Mapping[str, list[Slot]],
+    kept: Mapping[str, Sequence[Slot]],
     frozen: AbstractSet[str],
 ) -> _Counts:
     running = {d.name for d in ranked if len(kept[d.name]) >= d.min}
@@ -194,67 +205,106 @@ def _count(
                 note = _frozen_note(demand, free, fixed, target)
                 waiting[demand.name] = f"needs {_gpus(demand.min)}, {free} free{note}"
                 blocker = demand
-        # Max-min fair share of what is left: one GPU at a time to the smallest holder.
-        heap = [
-            (target[d.name], d.arrival, d.name, d.wanted)
-            for d in tier
-            if 0 < target[d.name] < d.wanted and d.name not in held_fixed
-        ]
-        heapq.heapify(heap)
-        while free > 0 and heap:
-            size, arrival, name, wanted = heapq.heappop(heap)
-            target[name] = size + 1
-            free -= 1
-            if size + 1 < wanted:
-                heapq.heappush(heap, (size + 1, arrival, name, wanted))
+        sharers = [d for d in tier if 0 < target[d.name] < d.wanted and d.name not in held_fixed]
+        if free > 0 and sharers:
+            free = _fair_share(sharers, target, free)
     return _Counts(target, waiting, admissions, held_fixed)
+
+
+def _fair_share(sharers: Sequence[Demand], target: dict[str, int], free: int) -> int:
+    """Max-min fair share of `free` GPUs among `sharers`, each up to what it wants: the
+    result of handing out one GPU at a time to the smallest holder (ties: earliest arrival,
+    then name), computed by levels so that it costs the jobs, not the GPUs handed out.
+    Updates `target`; returns the GPUs left."""
+    start = {d.name: target[d.name] for d in sharers}
+
+    def cost(level: int) -> int:
+        return sum(max(0, min(d.wanted, level) - start[d.name]) for d in sharers)
+
+    top = max(d.wanted for d in sharers)
+    if cost(top) <= free:
+        for d in sharers:
+            target[d.name] = d.wanted
+        return free - cost(top)
+    # The highest level everyone below it can be raised to: cost(low) <= free < cost(high).
+    low, high = min(start.values()), top
+    while high - low > 1:
+        middle = (low + high) // 2
+        if cost(middle) <= free:
+            low = middle
+        else:
+            high = middle
+    left = free - cost(low)
+    at_level: list[Demand] = []
+    for d in sharers:
+        size = max(start[d.name], min(d.wanted, low))
+        target[d.name] = size
+        if size == low < d.wanted:
+            at_level.append(d)
+    # Fewer GPUs left than jobs at the level (cost(low + 1) > free): the first ones get one.
+    at_level.sort(key=lambda d: (d.arrival, d.name))
+    for d in at_level[:left]:
+        target[d.name] = low + 1
+    return 0
 
 
 def _place(
     pool: Pool,
     ranked: Sequence[Demand],
-    kept: Mapping[str, list[Slot]],
+    current: Mapping[str, Placement],
+    kept: Mapping[str, Sequence[Slot]],
     target: Mapping[str, int],
     blocked: AbstractSet[Slot],
 ) -> dict[str, Placement]:
     """Choose slots: keep each job's prefix, then grow on its own hosts, then best fit."""
+    placements: dict[str, Placement] = {}
     layout: dict[str, dict[str, list[int]]] = {}
+    need: dict[str, int] = {}
     taken: dict[str, set[int]] = {}
     for host, gpu in blocked:
         taken.setdefault(host, set()).add(gpu)
     for demand in ranked:
-        size = target[demand.name]
-        if size > 0:
-            # Truncating the flat slot list removes the last GPU of the last host first.
-            hosts = layout[demand.name] = _group(kept[demand.name][:size])
-            for host, gpus in hosts.items():
-                taken.setdefault(host, set()).update(gpus)
-    free = _FreeGpus(pool, taken)
-    need = {
-        name: target[name] - sum(len(gpus) for gpus in hosts.values())
-        for name, hosts in layout.items()
-    }
-    growers = [d for d in ranked if need.get(d.name, 0) > 0]
-    for demand in growers:
-        hosts = layout[demand.name]
+        name = demand.name
+        size = target[name]
+        if size <= 0:
+            continue
+        slots = kept[name]
+        before = current.get(name, Placement.EMPTY)
+        if size == len(slots) == before.size and all(held for _, held in before.hosts):
+            # Keeps exactly what it holds (most jobs in most decisions): the same placement.
+            placements[name] = before
+            for host, held in before.hosts:
+                taken.setdefault(host, set()).update(held)
+            continue
+        # Truncating the flat slot list removes the last GPU of the last host first.
+        hosts = layout[name] = _group(slots[:size])
         for host, gpus in hosts.items():
-            count = min(need[demand.name], free.count(host))
-            if count:
-                gpus.extend(free.take(host, count))
-                need[demand.name] -= count
-    # Larger remainders first: decreasing-size best fit packs hosts tighter.
-    rank = {d.name: position for position, d in enumerate(ranked)}
-    for name in sorted((d.name for d in growers), key=lambda n: (-need[n], rank[n])):
-        hosts = layout[name]
-        while need[name] > 0:
-            host = free.best_host(need[name])
-            count = min(need[name], free.count(host))
-            hosts.setdefault(host, []).extend(free.take(host, count))
-            need[name] -= count
-    return {
-        name: Placement(tuple((host, tuple(gpus)) for host, gpus in hosts.items()))
+            taken.setdefault(host, set()).update(gpus)
+        need[name] = size - min(size, len(slots))
+    growers = [d for d in ranked if need.get(d.name, 0) > 0]
+    if growers:
+        free = _FreeGpus(pool, taken)
+        for demand in growers:
+            hosts = layout[demand.name]
+            for host, gpus in hosts.items():
+                count = min(need[demand.name], free.count(host))
+                if count:
+                    gpus.extend(free.take(host, count))
+                    need[demand.name] -= count
+        # Larger remainders first: decreasing-size best fit packs hosts tighter.
+        rank = {d.name: position for position, d in enumerate(ranked)}
+        for name in sorted((d.name for d in growers), key=lambda n: (-need[n], rank[n])):
+            hosts = layout[name]
+            while need[name] > 0:
+                host = free.best_host(need[name])
+                count = min(need[name], free.count(host))
+                hosts.setdefault(host, []).extend(free.take(host, count))
+                need[name] -= count
+    placements.update(
+        (name, Placement(tuple((host, tuple(gpus)) for host, gpus in hosts.items())))
         for name, hosts in layout.items()
-    }
+    )
+    return placements
 
 
 def _policy_cause(demand: Demand, size: int) -> str:
@@ -275,7 +325,7 @@ class _Reasons:
         self,
         ranked: Sequence[Demand],
         held: Mapping[str, int],
-        kept: Mapping[str, list[Slot]],
+        kept: Mapping[str, Sequence[Slot]],
         counts: _Counts,
     ) -> None:
         self._held = held
@@ -367,7 +417,7 @@ def arbitrate(
     blocked = {slot for slot in unavailable if slot in in_pool}
     held, kept = _kept_slots(pool, by_name, current, blocked)
     counts = _count(pool.size - len(blocked), ranked, kept, frozen)
-    placements = _place(pool, ranked, kept, counts.target, blocked)
+    placements = _place(pool, ranked, current, kept, counts.target, blocked)
     reasons = _Reasons(ranked, held, kept, counts)
     return {
         d.name: Grant(placements.get(d.name, Placement.EMPTY), reasons.reason(d)) for d in ranked

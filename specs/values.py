@@ -81,11 +81,17 @@ class Placement:
     def __post_init__(self) -> None:
         _check_hosts(self.hosts, "placement")
 
-    @property
+    # Cached: a placement is immutable, and every decision reads each job's slots and size
+    # (a few thousand jobs on a full Perlmutter-sized pool).
+    @cached_property
     def size(self) -> int:
         return sum(len(gpus) for _, gpus in self.hosts)
 
     def slots(self) -> tuple[Slot, ...]:
+        return self._slots
+
+    @cached_property
+    def _slots(self) -> tuple[Slot, ...]:
         return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
 
     def gpus_on(self, host: str) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from policies.arbitration import arbitrate
 from specs.values import Demand, Grant, HostGpus, Placement, Pool, Slot
+from tests.unit import arbitration_reference
 
 
 def place(*hosts: tuple[str, tuple[int, ...]]) -> Placement:
@@ -939,3 +940,113 @@ def test_unavailable_gpus_decide_as_a_pool_without_them(story: Story, seed: int)
         grants = arbitrate(pool, demands, current, frozen=frozen, unavailable=gone)
         assert grants == arbitrate(without(pool, gone), demands, current, frozen=frozen)
         current = {name: grant.placement for name, grant in grants.items() if grant.admitted}
+
+
+# The fast path against the plain algorithm (tests/unit/arbitration_reference.py).
+
+
+@st.composite
+def crowded_decisions(
+    draw: st.DrawFn,
+) -> tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]]:
+    """A pool, demands and current placements of a busy pool: many jobs, some holding GPUs
+    that left the pool, some frozen, some GPUs unavailable; desires anywhere."""
+    counts = draw(st.lists(st.integers(1, 8), min_size=1, max_size=12))
+    pool = Pool.from_counts({f"h{i}": count for i, count in enumerate(counts)})
+    gone_hosts = draw(st.integers(0, 2))
+    wider = Pool.from_counts(
+        {**{f"h{i}": c for i, c in enumerate(counts)}, **{f"x{i}": 4 for i in range(gone_hosts)}}
+    )
+    slots = list(wider.slots())
+    order = draw(st.permutations(slots))
+    demands: list[Demand] = []
+    current: dict[str, Placement] = {}
+    cursor = 0
+    for index in range(draw(st.integers(1, 24))):
+        low = draw(st.integers(1, 6))
+        high = draw(st.integers(low, low + 10))
+        demand = Demand(
+            f"job-{index:02d}",
+            low,
+            high,
+            draw(st.integers(0, high + 3)),
+            draw(st.integers(0, 2)),
+            float(draw(st.integers(0, 6))),
+        )
+        demands.append(demand)
+        take = draw(st.integers(0, high + 2))
+        if take and cursor < len(order):
+            held = order[cursor : cursor + take]
+            cursor += len(held)
+            grouped: dict[str, list[int]] = {}
+            for host, gpu in held:
+                grouped.setdefault(host, []).append(gpu)
+            current[demand.name] = Placement(tuple((h, tuple(g)) for h, g in grouped.items()))
+    names = [d.name for d in demands]
+    frozen = frozenset(draw(st.lists(st.sampled_from(names), max_size=len(names))))
+    unavailable = frozenset(draw(st.lists(st.sampled_from(slots), max_size=len(slots) // 3)))
+    return pool, demands, current, frozen, unavailable
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=crowded_decisions())
+def test_the_fast_path_decides_as_the_plain_algorithm(
+    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+) -> None:
+    pool, demands, current, frozen, unavailable = case
+    expected = arbitration_reference.arbitrate(
+        pool, demands, current, frozen=frozen, unavailable=unavailable
+    )
+    got = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
+    assert list(got.items()) == list(expected.items())
+
+
+@settings(max_examples=100, deadline=None)
+@given(story=stories(), seed=st.integers(0, 2**32 - 1))
+def test_decision_sequences_match_the_plain_algorithm(story: Story, seed: int) -> None:
+    # Each step starts from the previous grants, as the allocator's decisions do: most jobs
+    # keep their placement, which is what the fast path shortcuts.
+    chooser = random.Random(seed)
+    current: dict[str, Placement] = {}
+    for step in story.steps:
+        pool = pool_at(story, step)
+        demands = demands_at(story, step)
+        frozen = frozen_at(story, step)
+        slots = list(pool.slots())
+        gone = set(chooser.sample(slots, chooser.randint(0, len(slots) // 4)))
+        grants = arbitrate(pool, demands, current, frozen=frozen, unavailable=gone)
+        reference = arbitration_reference.arbitrate(
+            pool, demands, current, frozen=frozen, unavailable=gone
+        )
+        assert list(grants.items()) == list(reference.items())
+        current = {name: grant.placement for name, grant in grants.items() if grant.admitted}
+
+
+def test_a_large_busy_decision_matches_the_plain_algorithm() -> None:
+    # The arbitration benchmark's shape, smaller: hundreds of jobs, half already placed,
+    # then desires moved, so that the fair share runs over many levels.
+    pool = Pool.from_counts({f"nid{n:04d}": 4 for n in range(128)})
+    chooser = random.Random(5)
+    demands = []
+    for index in range(300):
+        low = chooser.randint(1, 4)
+        high = low + chooser.choice((0, 0, 2, 4, 12))
+        demands.append(
+            Demand(
+                f"job-{index:03d}",
+                low,
+                high,
+                chooser.randint(low, high),
+                chooser.choice((0, 0, 1)),
+                float(index),
+            )
+        )
+    first = arbitrate(pool, demands[:150], {})
+    assert first == arbitration_reference.arbitrate(pool, demands[:150], {})
+    current = {name: grant.placement for name, grant in first.items() if grant.admitted}
+    moved = [replace(d, desired=chooser.randint(d.min, d.max)) for d in demands]
+    second = arbitrate(pool, moved, current, frozen=frozenset(list(current)[::7]))
+    reference = arbitration_reference.arbitrate(
+        pool, moved, current, frozen=frozenset(list(current)[::7])
+    )
+    assert list(second.items()) == list(reference.items())
