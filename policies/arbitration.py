@@ -8,6 +8,8 @@ Admitted jobs keep their min; a pending job is admitted only when its whole min
 fits, in priority then arrival order, and nobody overtakes the first pending job
 (head of line). GPUs left over go by priority tier, then max-min fair share
 within a tier, up to each job's wanted size (desired clamped into [min, max]).
+Opt-in (`spare_by_gain`): GPUs still left are lent to the admitted jobs whose next GPU
+adds most by their own policy's account (`Demand.spare_gains`), up to their max.
 
 Horovod restarts every worker of a job on each size change, so the caller may
 freeze jobs that resized too recently. A frozen admitted job keeps exactly its
@@ -23,6 +25,7 @@ as any other job would be).
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -173,6 +176,7 @@ def _count(
     ranked: Sequence[Demand],
     kept: Mapping[str, Sequence[Slot]],
     frozen: AbstractSet[str],
+    spare_by_gain: bool = False,
 ) -> _Counts:
     running = {d.name for d in ranked if len(kept[d.name]) >= d.min}
     fixed = [d for d in ranked if d.name in running and d.name in frozen]
@@ -208,7 +212,37 @@ def _count(
         sharers = [d for d in tier if 0 < target[d.name] < d.wanted and d.name not in held_fixed]
         if free > 0 and sharers:
             free = _fair_share(sharers, target, free)
+    if spare_by_gain and free > 0:
+        _share_spare_by_gain(ranked, target, held_fixed, free)
     return _Counts(target, waiting, admissions, held_fixed)
+
+
+def _share_spare_by_gain(
+    ranked: Sequence[Demand], target: dict[str, int], fixed: AbstractSet[str], free: int
+) -> None:
+    """GPUs nobody wants, one at a time to the admitted job whose next GPU adds most (its
+    `spare_gains`), up to its max; a higher priority tier first, ties by arrival then name.
+
+    Greedy by marginal gain maximises the total gain when each job's gains do not rise
+    with its size (Amdahl's do not)."""
+    heap: list[tuple[int, float, float, str, int]] = []
+    by_name: dict[str, Demand] = {}
+    for d in ranked:
+        size = target[d.name]
+        extra = size - d.wanted
+        if size > 0 and d.name not in fixed and 0 <= extra < len(d.spare_gains) and size < d.max:
+            heap.append((-d.priority, -d.spare_gains[extra], d.arrival, d.name, size))
+            by_name[d.name] = d
+    heapq.heapify(heap)
+    while free > 0 and heap:
+        _, _, arrival, name, size = heapq.heappop(heap)
+        demand = by_name[name]
+        target[name] = size + 1
+        free -= 1
+        extra = size + 1 - demand.wanted
+        if extra < len(demand.spare_gains) and size + 1 < demand.max:
+            gain = demand.spare_gains[extra]
+            heapq.heappush(heap, (-demand.priority, -gain, arrival, name, size + 1))
 
 
 def _fair_share(sharers: Sequence[Demand], target: dict[str, int], free: int) -> int:
@@ -315,6 +349,8 @@ def _policy_cause(demand: Demand, size: int) -> str:
         wants = f"policy wants {demand.desired}, min is {demand.min}"
     else:
         wants = f"policy wants {wanted}"
+    if size > wanted:
+        return f"{wants}, {_gpus(size - wanted)} more lent by gain (nobody else wants them)"
     return wants if size >= wanted else f"{wants}, no more free"
 
 
@@ -398,6 +434,7 @@ def arbitrate(
     *,
     frozen: AbstractSet[str] = frozenset(),
     unavailable: AbstractSet[Slot] = frozenset(),
+    spare_by_gain: bool = False,
 ) -> dict[str, Grant]:
     """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
 
@@ -405,7 +442,9 @@ def arbitrate(
     `frozen` names jobs that resized too recently (see the module docstring); names
     without a demand are ignored. `unavailable` GPUs (draining, held by an adopted job)
     are granted to nobody: the decision is the one on the pool without them, without
-    building that pool.
+    building that pool. With `spare_by_gain`, GPUs left once every job has what it wants
+    go to admitted jobs by the gain they report for their next GPU (`Demand.spare_gains`),
+    up to their max.
     Raises ValueError if two demands share a name or two current placements share a GPU.
     """
     by_name = sorted(demands, key=lambda d: d.name)
@@ -416,7 +455,7 @@ def arbitrate(
     in_pool = pool.slot_set
     blocked = {slot for slot in unavailable if slot in in_pool}
     held, kept = _kept_slots(pool, by_name, current, blocked)
-    counts = _count(pool.size - len(blocked), ranked, kept, frozen)
+    counts = _count(pool.size - len(blocked), ranked, kept, frozen, spare_by_gain)
     placements = _place(pool, ranked, current, kept, counts.target, blocked)
     reasons = _Reasons(ranked, held, kept, counts)
     return {

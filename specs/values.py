@@ -135,6 +135,10 @@ class Demand:
     desired: int
     priority: int = 0
     arrival: float = 0.0
+    spare_gains: tuple[float, ...] = ()
+    """What each GPU above `wanted` would add, in share of one GPU's throughput, in order
+    (the first is the gain of GPU `wanted + 1`). Read only by an allocator that shares
+    spare GPUs by gain; without them the job gets no GPU above what it wants."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -145,6 +149,11 @@ class Demand:
             )
         if not math.isfinite(self.arrival):
             raise ValueError(f"demand {self.name}: arrival must be finite, got {self.arrival}")
+        for gain in self.spare_gains:
+            if not (math.isfinite(gain) and gain >= 0):
+                raise ValueError(
+                    f"demand {self.name}: spare_gains must be finite and >= 0, got {gain}"
+                )
 
     @property
     def wanted(self) -> int:

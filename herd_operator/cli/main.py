@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="fcfs,static,memory,goodput",
         help="comma-separated: fcfs (rigid, first come), static, memory, goodput, or any"
-        " installed policy (default: fcfs,static,memory,goodput)",
+        " installed policy (default: fcfs,static,memory,goodput); NAME+spare: under an"
+        " allocator that lends spare GPUs by the gain the policy reports",
     )
     simulate.add_argument("--jobs", type=_positive_int, default=1000, help="generated jobs")
     simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")

@@ -148,8 +148,12 @@ class Allocator:
         present: Presenter = plain_presentation,
         on_event: EventSink = lambda job, type, reason, message: None,
         clock: Callable[[], float] = time.monotonic,
+        spare_by_gain: bool = False,
     ) -> None:
+        """`spare_by_gain`: GPUs no job wants go to the jobs whose policy reports the most
+        gain for their next GPU (`Demand.spare_gains`) instead of sitting idle."""
         self.pool = pool
+        self.spare_by_gain = spare_by_gain
         self.drain_seconds = drain_seconds
         self.lost_grace_seconds = lost_grace_seconds
         self._present = present
@@ -532,7 +536,12 @@ class Allocator:
             frozen.add(shrink[0])
         demands = list(self._demands.values())
         decided = arbitrate(
-            self.pool, demands, current, frozen=frozen, unavailable=self._unavailable()
+            self.pool,
+            demands,
+            current,
+            frozen=frozen,
+            unavailable=self._unavailable(),
+            spare_by_gain=self.spare_by_gain,
         )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
@@ -555,6 +564,7 @@ class Allocator:
                 current,
                 frozen=frozen | shrunk,
                 unavailable=self._unavailable(),
+                spare_by_gain=self.spare_by_gain,
             )
             decided.update({job: first[job] for job in shrunk})
             givers = ", ".join(sorted(shrunk))

@@ -53,6 +53,8 @@ class SimConfig:
     min_resize_interval: float = 30.0
     """The operator's `--min-resize-interval` default."""
     drain_seconds: float = 30.0
+    spare_by_gain: bool = False
+    """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""
@@ -169,6 +171,7 @@ class Simulation:
             min_resize_interval=config.min_resize_interval,
             drain_seconds=config.drain_seconds,
             clock=lambda: self.now,
+            spare_by_gain=config.spare_by_gain,
         )
         self.allocator.watch(self._on_change)
 
@@ -337,7 +340,7 @@ class Simulation:
         self._settle(run)
         demand = Demand(
             model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
-            model.arrival,
+            model.arrival, decision.spare_gains,
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)

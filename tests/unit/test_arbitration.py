@@ -972,6 +972,7 @@ def crowded_decisions(
             draw(st.integers(0, high + 3)),
             draw(st.integers(0, 2)),
             float(draw(st.integers(0, 6))),
+            tuple(draw(st.lists(st.sampled_from([0.0, 0.1, 0.5, 0.9]), max_size=4))),
         )
         demands.append(demand)
         take = draw(st.integers(0, high + 2))
@@ -1050,3 +1051,86 @@ def test_a_large_busy_decision_matches_the_plain_algorithm() -> None:
         pool, moved, current, frozen=frozenset(list(current)[::7])
     )
     assert list(second.items()) == list(reference.items())
+
+
+# Spare GPUs lent by gain (opt-in).
+
+
+def test_spare_gpus_go_to_the_jobs_whose_next_gpu_adds_most() -> None:
+    pool = Pool.from_counts({"n0": 4, "n1": 4})
+    demands = [
+        Demand("a", 1, 8, 2, arrival=0.0, spare_gains=(0.9, 0.8, 0.7, 0.1)),
+        Demand("b", 1, 8, 2, arrival=1.0, spare_gains=(0.3, 0.2)),
+    ]
+    plain = arbitrate(pool, demands, {})
+    assert [g.placement.size for g in plain.values()] == [2, 2]  # 4 GPUs idle
+    lent = arbitrate(pool, demands, {}, spare_by_gain=True)
+    # a's 0.9, 0.8, 0.7 beat b's 0.3; then b's 0.3 beats a's 0.1.
+    assert [g.placement.size for g in lent.values()] == [5, 3]
+    assert lent["a"].reason == (
+        "admitted 0 -> 5: min 1 fits, policy wants 2, 3 GPUs more lent by gain"
+        " (nobody else wants them)"
+    )
+    # No gains reported: nothing lent, as without the option.
+    silent = [Demand("a", 1, 8, 2), Demand("b", 1, 8, 2, arrival=1.0)]
+    assert arbitrate(pool, silent, {}, spare_by_gain=True) == arbitrate(pool, silent, {})
+
+
+def test_lent_gpus_come_back_when_a_job_waits_for_them() -> None:
+    pool = Pool.from_counts({"n0": 4})
+    lender = Demand("a", 1, 4, 1, arrival=0.0, spare_gains=(0.9, 0.9, 0.9))
+    first = arbitrate(pool, [lender], {}, spare_by_gain=True)
+    assert first["a"].placement.size == 4
+    current = {"a": first["a"].placement}
+    second = arbitrate(
+        pool, [lender, Demand("b", 2, 2, 2, arrival=1.0)], current, spare_by_gain=True
+    )
+    assert (second["a"].placement.size, second["b"].placement.size) == (2, 2)
+    assert second["a"].reason == "shrunk 4 -> 2: admitting b (min 2)"
+    # A higher tier's wish comes before anyone's spare.
+    third = arbitrate(
+        pool, [lender, Demand("c", 1, 3, 3, priority=1, arrival=2.0)], current, spare_by_gain=True
+    )
+    assert (third["a"].placement.size, third["c"].placement.size) == (1, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=crowded_decisions())
+def test_lending_spare_gpus_only_adds_to_what_jobs_get(
+    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+) -> None:
+    pool, demands, current, frozen, unavailable = case
+    plain = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
+    lent = arbitrate(
+        pool, demands, current, frozen=frozen, unavailable=unavailable, spare_by_gain=True
+    )
+    by_name = {d.name: d for d in demands}
+    owners: set[Slot] = set()
+    extra = 0
+    for name, grant in lent.items():
+        demand = by_name[name]
+        size, before = grant.placement.size, plain[name].placement.size
+        # The same jobs run; none gets less; nobody is lent past max or past its gains.
+        assert grant.admitted == plain[name].admitted
+        assert before <= size <= demand.max
+        if size > before:
+            assert size <= demand.wanted + len(demand.spare_gains)
+        extra += size - before
+        slots = set(grant.placement.slots())
+        assert not slots & owners and not slots & unavailable and slots <= set(pool.slots())
+        owners |= slots
+    idle = pool.size - len(owners) - len(unavailable & set(pool.slots()))
+    if idle:
+        # GPUs left idle: no unfrozen admitted job could be lent one more.
+        for name, grant in lent.items():
+            demand = by_name[name]
+            size = grant.placement.size
+            if grant.admitted and name not in frozen and size < demand.max:
+                assert size - demand.wanted >= len(demand.spare_gains), name
+
+
+def test_a_demand_with_a_bad_gain_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"demand a: spare_gains must be finite and >= 0, got -0\.5"
+    ):
+        Demand("a", 1, 4, 2, spare_gains=(0.5, -0.5))

@@ -330,3 +330,53 @@ def test_the_goodput_policy_starts_from_its_prior_then_follows_the_fit() -> None
     assert fitted.gpus == knee(0.3, 0.5, 1, 32) < pending.gpus
     assert "fitted on sizes 6, 8" in fitted.reason
     assert policy.desired(spec(4, 32), observed, 1000.0).gpus == 4  # never below min
+
+
+def test_the_goodput_policy_reports_what_each_gpu_past_its_knee_adds() -> None:
+    policy = GoodputPolicy(GoodputParams(min_gain=0.5, prior_serial=0.05))
+    decision = policy.desired(spec(1, 32), JobObservations(started_at=0.0, allocated=0), 0.0)
+    gains = decision.spare_gains
+    assert len(gains) == 32 - decision.gpus
+    assert gains[0] == pytest.approx(
+        speedup(0.05, decision.gpus + 1) - speedup(0.05, decision.gpus)
+    )
+    assert all(0 < later < earlier < 0.5 for earlier, later in itertools.pairwise(gains))
+
+
+def test_spare_gpus_lent_by_gain_run_a_lone_goodput_job_past_its_knee() -> None:
+    # Alone on 8 GPUs, the job's knee leaves GPUs idle; lent by gain, it uses them.
+    model = job(serial_fraction=0.2, requested=8, max_gpus=8, epochs=20, work=40_000.0)
+    alone = run([model], policy="goodput").jobs[0]
+    lent = run([model], policy="goodput", spare_by_gain=True).jobs[0]
+    assert lent.completion < alone.completion
+    assert lent.gpu_seconds / (lent.completion - lent.admitted) > (
+        alone.gpu_seconds / (alone.completion - alone.admitted)
+    )
+
+
+def test_the_real_allocator_lending_spare_gpus_decides_as_the_simulation() -> None:
+    pool = parse_pool("3x4")
+    jobs = perlmutter_mix(40, pool.size, seed=5)
+    config = SimConfig(pool, PolicyRef(name="goodput"), record=True, spare_by_gain=True)
+    result = Simulation(jobs, config).run()
+    clock = [0.0]
+    allocator = Allocator(
+        pool, NullSink(), virtual=True, min_resize_interval=30.0, drain_seconds=30.0,
+        clock=lambda: clock[0], spare_by_gain=True,
+    )  # fmt: skip
+    lent = 0
+    wanted: dict[str, int] = {}
+    for at, calls, placements in result.steps:
+        clock[0] = at
+        with allocator.batch():
+            for call in calls:
+                if call[0] == "request":
+                    wanted[call[1].name] = call[1].wanted  # type: ignore[union-attr]
+                    allocator.request(call[1])  # type: ignore[arg-type]
+                elif call[0] == "release":
+                    allocator.release(call[1])  # type: ignore[arg-type]
+                else:
+                    allocator.observe_world_size(call[1], call[2])  # type: ignore[arg-type, misc]
+        assert allocator.placements() == placements, f"at {at}"
+        lent += sum(placement.size > wanted[job] for job, placement in placements.items())
+    assert lent > 0  # spare GPUs were lent at some point
