@@ -251,11 +251,14 @@ def _fair_share(sharers: Sequence[Demand], target: dict[str, int], free: int) ->
     then name), computed by levels so that it costs the jobs, not the GPUs handed out.
     Updates `target`; returns the GPUs left."""
     start = {d.name: target[d.name] for d in sharers}
+    bounds = [(start[d.name], d.wanted) for d in sharers]
 
     def cost(level: int) -> int:
-        return sum(max(0, min(d.wanted, level) - start[d.name]) for d in sharers)
+        return sum(
+            (wanted if wanted < level else level) - held for held, wanted in bounds if held < level
+        )
 
-    top = max(d.wanted for d in sharers)
+    top = max(wanted for _, wanted in bounds)
     if cost(top) <= free:
         for d in sharers:
             target[d.name] = d.wanted
@@ -294,9 +297,7 @@ def _place(
     placements: dict[str, Placement] = {}
     layout: dict[str, dict[str, list[int]]] = {}
     need: dict[str, int] = {}
-    taken: dict[str, set[int]] = {}
-    for host, gpu in blocked:
-        taken.setdefault(host, set()).add(gpu)
+    kept_placements: list[Placement] = []
     for demand in ranked:
         name = demand.name
         size = target[name]
@@ -304,19 +305,26 @@ def _place(
             continue
         slots = kept[name]
         before = current.get(name, Placement.EMPTY)
-        if size == len(slots) == before.size and all(held for _, held in before.hosts):
+        if size == len(slots) == before.size and not before.has_empty_host:
             # Keeps exactly what it holds (most jobs in most decisions): the same placement.
             placements[name] = before
-            for host, held in before.hosts:
-                taken.setdefault(host, set()).update(held)
+            kept_placements.append(before)
             continue
         # Truncating the flat slot list removes the last GPU of the last host first.
-        hosts = layout[name] = _group(slots[:size])
-        for host, gpus in hosts.items():
-            taken.setdefault(host, set()).update(gpus)
+        layout[name] = _group(slots[:size])
         need[name] = size - min(size, len(slots))
     growers = [d for d in ranked if need.get(d.name, 0) > 0]
     if growers:
+        # Which GPUs are taken matters only to growers: most decisions have none to place.
+        taken: dict[str, set[int]] = {}
+        for host, gpu in blocked:
+            taken.setdefault(host, set()).add(gpu)
+        for placement in kept_placements:
+            for host, held in placement.hosts:
+                taken.setdefault(host, set()).update(held)
+        for hosts in layout.values():
+            for host, gpus in hosts.items():
+                taken.setdefault(host, set()).update(gpus)
         free = _FreeGpus(pool, taken)
         for demand in growers:
             hosts = layout[demand.name]
@@ -435,6 +443,7 @@ def arbitrate(
     frozen: AbstractSet[str] = frozenset(),
     unavailable: AbstractSet[Slot] = frozenset(),
     spare_by_gain: bool = False,
+    previous: Mapping[str, Grant] | None = None,
 ) -> dict[str, Grant]:
     """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
 
@@ -444,7 +453,10 @@ def arbitrate(
     are granted to nobody: the decision is the one on the pool without them, without
     building that pool. With `spare_by_gain`, GPUs left once every job has what it wants
     go to admitted jobs by the gain they report for their next GPU (`Demand.spare_gains`),
-    up to their max.
+    up to their max. A job that holds GPUs and whose placement is the one of its grant in
+    `previous` gets that Grant back as it is, reason included (the allocator keeps the
+    reason of the decision that made a grant; writing thousands of unchanged ones again
+    cost a fifth of a decision).
     Raises ValueError if two demands share a name or two current placements share a GPU.
     """
     by_name = sorted(demands, key=lambda d: d.name)
@@ -458,6 +470,13 @@ def arbitrate(
     counts = _count(pool.size - len(blocked), ranked, kept, frozen, spare_by_gain)
     placements = _place(pool, ranked, current, kept, counts.target, blocked)
     reasons = _Reasons(ranked, held, kept, counts)
-    return {
-        d.name: Grant(placements.get(d.name, Placement.EMPTY), reasons.reason(d)) for d in ranked
-    }
+    grants: dict[str, Grant] = {}
+    before = previous or {}
+    for d in ranked:
+        placement = placements.get(d.name, Placement.EMPTY)
+        earlier = before.get(d.name)
+        if earlier is not None and placement.size and earlier.placement == placement:
+            grants[d.name] = earlier
+        else:
+            grants[d.name] = Grant(placement, reasons.reason(d))
+    return grants

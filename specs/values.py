@@ -94,6 +94,11 @@ class Placement:
     def _slots(self) -> tuple[Slot, ...]:
         return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
 
+    @cached_property
+    def has_empty_host(self) -> bool:
+        """A host listed with no GPU (JSON may say so; decisions never make one)."""
+        return not all(gpus for _, gpus in self.hosts)
+
     def gpus_on(self, host: str) -> tuple[int, ...]:
         """The job's GPUs on `host`; position i is the GPU of local rank i."""
         for name, gpus in self.hosts:
@@ -155,7 +160,7 @@ class Demand:
                     f"demand {self.name}: spare_gains must be finite and >= 0, got {gain}"
                 )
 
-    @property
+    @cached_property  # read several times per job in every decision
     def wanted(self) -> int:
         """`desired` clamped into [min, max]."""
         return max(self.min, min(self.max, self.desired))

@@ -542,6 +542,7 @@ class Allocator:
             frozen=frozen,
             unavailable=self._unavailable(),
             spare_by_gain=self.spare_by_gain,
+            previous=self._grants,
         )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
@@ -565,6 +566,7 @@ class Allocator:
                 frozen=frozen | shrunk,
                 unavailable=self._unavailable(),
                 spare_by_gain=self.spare_by_gain,
+                previous=self._grants,
             )
             decided.update({job: first[job] for job in shrunk})
             givers = ", ".join(sorted(shrunk))
