@@ -1023,6 +1023,31 @@ def test_decision_sequences_match_the_plain_algorithm(story: Story, seed: int) -
         current = {name: grant.placement for name, grant in grants.items() if grant.admitted}
 
 
+@settings(max_examples=100, deadline=None)
+@given(case=crowded_decisions(), seed=st.integers(0, 2**32 - 1))
+def test_previous_grants_come_back_only_for_unchanged_placements(
+    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+    seed: int,
+) -> None:
+    pool, demands, current, frozen, unavailable = case
+    fresh = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
+    # Earlier grants: some with the placement this decision makes, some with another one.
+    chooser = random.Random(seed)
+    previous = {
+        name: Grant(
+            grant.placement if chooser.random() < 0.7 else Placement.EMPTY, f"earlier {name}"
+        )
+        for name, grant in fresh.items()
+    }
+    got = arbitrate(
+        pool, demands, current, frozen=frozen, unavailable=unavailable, previous=previous
+    )
+    assert list(got) == list(fresh)
+    for name, grant in got.items():
+        same = grant.placement.size and previous[name].placement == grant.placement
+        assert grant == (previous[name] if same else fresh[name])
+
+
 def test_a_large_busy_decision_matches_the_plain_algorithm() -> None:
     # The arbitration benchmark's shape, smaller: hundreds of jobs, half already placed,
     # then desires moved, so that the fair share runs over many levels.
