@@ -436,6 +436,27 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--output", type=Path, default=Path("sim-results"), help="default: ./sim-results"
     )
+    replay = commands.add_parser(
+        "replay",
+        help="simulate a recorded run of the operator again and compare the two timelines",
+    )
+    replay.add_argument(
+        "state",
+        type=Path,
+        help="the run's store: its state.db, the directory holding it, or a demo's --state-dir",
+    )
+    replay.add_argument(
+        "--min-resize-interval",
+        type=_non_negative_float,
+        default=30.0,
+        help="the recorded operator's --min-resize-interval (default 30; the demo runs with 5)",
+    )
+    replay.add_argument(
+        "--model-start",
+        action="store_true",
+        help="launch jobs in the simulator's constant start time, not in what each recorded"
+        " job took from its first grant to its first epoch",
+    )
     return parser
 
 
@@ -995,6 +1016,36 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from herd_operator.simulate.replay import describe, read_store, replay
+
+    logging.getLogger("herd_operator.runtime.allocator").setLevel(logging.ERROR)
+    path: Path = args.state
+    for candidate in (path, path / "state.db", path / "state" / "state.db"):
+        if candidate.is_file():
+            path = candidate
+            break
+    else:
+        print(f"herd-operator replay: no state.db at {args.state}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        run = read_store(path)
+        comparisons = replay(
+            run,
+            min_resize_interval=args.min_resize_interval,
+            measured_start=not args.model_start,
+        )
+    except ValueError as err:
+        print(f"herd-operator replay: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{path}: {len(run.jobs)} jobs on {run.pool_gpus} GPUs, replayed in the simulator\n")
+    print(describe(comparisons, {job.name: job.arrival for job in run.jobs}))
+    worst = max(abs(c.end_error) for c in comparisons)
+    least = min(c.size_agreement for c in comparisons)
+    print(f"\nworst completion error {worst:.1%}; least time with the same grant {least:.0%}")
+    return EXIT_OK
+
+
 COMMANDS = {
     "run": cmd_run,
     "exporter": cmd_exporter,
@@ -1009,6 +1060,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "bench": cmd_bench,
     "simulate": cmd_simulate,
+    "replay": cmd_replay,
 }
 
 

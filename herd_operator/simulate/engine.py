@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel, resize_stall
+from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
 from policies.base import JobObservations, Policy, Signal
 from policies.registry import load_policy
 from specs import HerdJob, PolicyRef
@@ -375,7 +375,7 @@ class Simulation:
             run.resizes += 1
             run.last_resize = self.now
         run.size = new
-        run.stall_until = self.now + resize_stall(old, new)
+        run.stall_until = self.now + run.model.stall(old, new)
         self._settle(run)
         self._schedule_epoch(run)
 
