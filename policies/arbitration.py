@@ -46,28 +46,50 @@ class _FreeGpus:
     """Free GPUs per host, plus hosts bucketed by free count for best fit."""
 
     def __init__(self, pool: Pool, taken: Mapping[str, AbstractSet[int]]) -> None:
-        """`taken`: the GPUs in use, per host. By host rather than by slot, so that a host
-        nobody uses costs a list copy (a decision on 1,792 nodes spent half its time testing
-        each of 7,168 slots against a set of used slots)."""
-        self._names = [host for host, _ in pool.hosts]
+        """`taken`: the GPUs in use, per host (all of them in the pool). A host's free list is
+        made when a job takes from it: on a busy 1,792-node pool, listing every host's free
+        GPUs for each decision cost more than the placing."""
+        self._sorted = names = pool.sorted_hosts
+        self._taken = taken
         self._free: dict[str, list[int]] = {}
+        self._position = pool.host_positions
         self._by_count: dict[int, list[int]] = {}
-        for position, (host, gpus) in enumerate(pool.sorted_hosts):
-            out = taken.get(host)
-            free = [gpu for gpu in gpus if gpu not in out] if out else list(gpus)
-            self._free[host] = free
-            if free:
-                # Positions are visited in increasing order, so each bucket stays sorted.
-                self._by_count.setdefault(len(free), []).append(position)
-        self._position = {host: position for position, host in enumerate(self._names)}
-        self._most = max((len(gpus) for _, gpus in pool.hosts), default=0)
+        for count, positions in pool.positions_by_gpu_count.items():
+            if count:
+                self._by_count[count] = [p for p in positions if names[p][0] not in taken]
+        partly: dict[int, list[int]] = {}
+        for host, used in taken.items():
+            position = self._position[host]
+            left = len(self._sorted[position][1]) - len(used)
+            if left > 0:
+                partly.setdefault(left, []).append(position)
+        for count, added in partly.items():
+            bucket = self._by_count.setdefault(count, [])
+            bucket.extend(added)
+            bucket.sort()
+        self._most = max(pool.positions_by_gpu_count, default=0)
+
+    def _free_on(self, host: str) -> list[int]:
+        free = self._free.get(host)
+        if free is None:
+            gpus = self._sorted[self._position[host]][1]
+            used = self._taken.get(host)
+            free = self._free[host] = (
+                [gpu for gpu in gpus if gpu not in used] if used else list(gpus)
+            )
+        return free
 
     def count(self, host: str) -> int:
-        return len(self._free.get(host, ()))
+        if host not in self._position:
+            return 0
+        free = self._free.get(host)
+        if free is not None:
+            return len(free)
+        return len(self._sorted[self._position[host]][1]) - len(self._taken.get(host, ()))
 
     def take(self, host: str, count: int) -> list[int]:
         """Remove and return the `count` lowest free GPUs of `host`."""
-        free = self._free[host]
+        free = self._free_on(host)
         before = len(free)
         taken = free[:count]
         del free[:count]
@@ -82,10 +104,10 @@ class _FreeGpus:
         """The host with the fewest free GPUs that holds `need`, else the one with the most."""
         for count in range(need, self._most + 1):
             if self._by_count.get(count):
-                return self._names[self._by_count[count][0]]
+                return self._sorted[self._by_count[count][0]][0]
         for count in range(min(need, self._most + 1) - 1, 0, -1):
             if self._by_count.get(count):
-                return self._names[self._by_count[count][0]]
+                return self._sorted[self._by_count[count][0]][0]
         raise ValueError(f"no free GPU left for a job needing {_gpus(need)}")
 
 

@@ -66,6 +66,19 @@ class Pool:
         return frozenset(self._slots)
 
     @cached_property
+    def host_positions(self) -> dict[str, int]:
+        """Each host's position in `hosts`."""
+        return {host: position for position, (host, _) in enumerate(self.hosts)}
+
+    @cached_property
+    def positions_by_gpu_count(self) -> dict[int, tuple[int, ...]]:
+        """Each GPU count -> the positions (in `hosts`) of the hosts with that many GPUs."""
+        by_count: dict[int, list[int]] = {}
+        for position, (_, gpus) in enumerate(self.hosts):
+            by_count.setdefault(len(gpus), []).append(position)
+        return {count: tuple(positions) for count, positions in by_count.items()}
+
+    @cached_property
     def sorted_hosts(self) -> HostGpus:
         """`hosts` with each host's GPUs in increasing order."""
         return tuple((host, tuple(sorted(gpus))) for host, gpus in self.hosts)

@@ -395,11 +395,15 @@ class Simulation:
         self._advance(run, when)
         run.epoch += 1
         run.done = max(run.done, run.epoch * run.model.epoch_work())
-        run.reports.append(Report(run.epoch - 1, when, run.size))
-        total = run.size * GPU_MEMORY_BYTES
-        used = int(total * run.model.memory_fraction(run.size))
-        run.usage.append(UsageSample(when, run.size, used, total))
-        del run.reports[:-KEPT_OBSERVATIONS], run.usage[:-KEPT_OBSERVATIONS]
+        # Only what the policy reads is kept (a million epoch ends in a 100,000-job run).
+        if Signal.EPOCHS in self._observes:
+            run.reports.append(Report(run.epoch - 1, when, run.size))
+            del run.reports[:-KEPT_OBSERVATIONS]
+        if Signal.USAGE in self._observes:
+            total = run.size * GPU_MEMORY_BYTES
+            used = int(total * run.model.memory_fraction(run.size))
+            run.usage.append(UsageSample(when, run.size, used, total))
+            del run.usage[:-KEPT_OBSERVATIONS]
         if run.epoch >= run.model.epochs:
             return True
         self._schedule_epoch(run)
