@@ -434,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="decide at multiples of this many seconds (default 0: at each event)",
     )
     simulate.add_argument(
+        "--resync",
+        type=_non_negative_float,
+        default=0.0,
+        help="reconcile every job again every this many seconds, as the operator's periodic"
+        " resync (5 s there) does (default 0: only at each job's events)",
+    )
+    simulate.add_argument(
         "--output", type=Path, default=Path("sim-results"), help="default: ./sim-results"
     )
     replay = commands.add_parser(
@@ -1002,7 +1009,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         pool = parse_pool(args.pool)
         workload = load_workload(args.workload, pool, args.jobs, args.seed, args.load)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
-        results = simulate(workload, pool, policies, args.tick)
+        results = simulate(workload, pool, policies, args.tick, args.resync)
     except ValueError as err:
         print(f"herd-operator simulate: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -42,6 +42,8 @@ class Kind(enum.IntEnum):
     RECONCILE = 3
     WAKE = 4
     """A recently resized job may be resized again: decide again."""
+    RESYNC = 5
+    """The operator's periodic resync: every running job is reconciled again."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class SimConfig:
     min_resize_interval: float = 30.0
     """The operator's `--min-resize-interval` default."""
     drain_seconds: float = 30.0
+    resync: float = 0.0
+    """> 0: every job is reconciled again every `resync` seconds, as the operator's periodic
+    resync does (5 s by default there); 0: only at its events. Each resync is a reconcile per
+    running job, so at scale it costs what it does in the operator."""
     spare_by_gain: bool = False
     """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
     record: bool = False
@@ -211,6 +217,8 @@ class Simulation:
         started = time.perf_counter()
         for job in self.jobs:
             self._push(job.arrival, Kind.ARRIVAL, job.name)
+        if self.config.resync > 0 and self.jobs:
+            self._push(min(job.arrival for job in self.jobs), Kind.RESYNC, "")
         tick = self.config.tick
         events = batches = policy_calls = 0
         decide_seconds = policy_seconds = 0.0
@@ -227,6 +235,7 @@ class Simulation:
             batches += 1
             touched: dict[str, None] = {}
             wake = False
+            next_resync: float | None = None
             batch = self.allocator.batch()
             batch.__enter__()
             try:
@@ -243,6 +252,9 @@ class Simulation:
                     elif kind is Kind.WAKE:
                         wake = True
                         self._wake_at = None
+                    elif kind is Kind.RESYNC:
+                        touched.update(dict.fromkeys(self._active))
+                        next_resync = when + self.config.resync
                     elif run is None or run.finished is not None or version != run.version:
                         continue  # superseded by a later grant change
                     elif kind is Kind.EPOCH:
@@ -289,6 +301,9 @@ class Simulation:
                 recorded.append((self.now, self._steps, self.allocator.placements()))
                 self._steps = []
             self._schedule_wake()
+            if next_resync is not None and self._heap:
+                # Only while something else will happen: a resync alone changes nothing.
+                self._push(max(next_resync, self.now), Kind.RESYNC, "")
         outcomes = [
             JobOutcome(
                 run.model.name,

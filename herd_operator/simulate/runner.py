@@ -69,14 +69,14 @@ def parse_policy(text: str) -> tuple[str, PolicyRef]:
 
 
 def simulate(
-    workload: Workload, pool: Pool, policies: Sequence[str], tick: float
+    workload: Workload, pool: Pool, policies: Sequence[str], tick: float, resync: float = 0.0
 ) -> list[SimResult]:
     results = []
     for text in policies:
         spare = text.endswith(SPARE_BY_GAIN)
         label, ref = parse_policy(text.removesuffix(SPARE_BY_GAIN))
         jobs = rigid(workload.jobs) if label == FIRST_COME else workload.jobs
-        config = SimConfig(pool, ref, tick=tick, spare_by_gain=spare)
+        config = SimConfig(pool, ref, tick=tick, resync=resync, spare_by_gain=spare)
         result = Simulation(jobs, config).run()
         result.policy = text
         results.append(result)

@@ -481,3 +481,14 @@ def test_a_replay_refuses_an_unfinished_job_and_mixed_policies(tmp_path: Path) -
         ValueError, match="one policy for all jobs; this run has a: static, b: memory"
     ):
         replay(replace(run, jobs=(a, other)), min_resize_interval=30.0)
+
+
+def test_a_periodic_resync_asks_every_running_job_again_and_ends_with_the_run() -> None:
+    models = [job("a"), job("b", arrival=50.0, requested=2, max_gpus=2)]
+    plain = run(models)
+    resynced = run(models, resync=5.0)
+    # `static` does not depend on time: the same run, with a reconcile per job every 5 s.
+    assert [j.finished for j in resynced.jobs] == [j.finished for j in plain.jobs]
+    span = max(j.finished for j in plain.jobs)
+    assert resynced.policy_calls >= plain.policy_calls + span / 5.0
+    assert resynced.policy_calls <= plain.policy_calls + 2 * (span / 5.0 + 2)
