@@ -587,7 +587,9 @@ class Allocator:
         changed = {
             job: None
             for job, grant in decided.items()
-            if job not in self._grants or grant.placement != self._grants[job].placement
+            # `is` first: an unchanged grant is the very object `arbitrate` was given back.
+            if job not in self._grants
+            or (grant is not self._grants[job] and grant.placement != self._grants[job].placement)
         }
         for job, grant in decided.items():
             if job not in changed and grant.placement.size:
@@ -649,7 +651,7 @@ class Allocator:
         freed: dict[Slot, str] = {}
         for job, grant in decided.items():
             before = current.get(job, Placement.EMPTY)
-            if not grant.placement.size or before == grant.placement:
+            if not grant.placement.size or before is grant.placement or before == grant.placement:
                 continue  # most jobs keep their placement: nothing to compare slot by slot
             kept = set(grant.placement.slots())
             for slot in before.slots():
