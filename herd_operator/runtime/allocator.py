@@ -296,7 +296,10 @@ class Allocator:
             self._world.pop(job, None)
             self._short_since.pop(job, None)
             # Released once its processes are gone: what it was giving back is free now.
-            self._draining = {s: d for s, d in self._draining.items() if d.job != job}
+            # Deleted in place: rebuilding the whole dict for each release added up when
+            # thousands of GPUs drain (a simulation with a control period delays reports).
+            for slot in [s for s, d in self._draining.items() if d.job == job]:
+                del self._draining[slot]
             self._deferred.discard(job)
             if self._batching:
                 self._grants.pop(job, None)
