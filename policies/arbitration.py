@@ -8,6 +8,8 @@ Admitted jobs keep their min; a pending job is admitted only when its whole min
 fits, in priority then arrival order, and nobody overtakes the first pending job
 (head of line). GPUs left over go by priority tier, then max-min fair share
 within a tier, up to each job's wanted size (desired clamped into [min, max]).
+Opt-in (`spare_by_gain`): GPUs still left are lent to the admitted jobs whose next GPU
+adds most by their own policy's account (`Demand.spare_gains`), up to their max.
 
 Horovod restarts every worker of a job on each size change, so the caller may
 freeze jobs that resized too recently. A frozen admitted job keeps exactly its
@@ -44,28 +46,50 @@ class _FreeGpus:
     """Free GPUs per host, plus hosts bucketed by free count for best fit."""
 
     def __init__(self, pool: Pool, taken: Mapping[str, AbstractSet[int]]) -> None:
-        """`taken`: the GPUs in use, per host. By host rather than by slot, so that a host
-        nobody uses costs a list copy (a decision on 1,792 nodes spent half its time testing
-        each of 7,168 slots against a set of used slots)."""
-        self._names = [host for host, _ in pool.hosts]
+        """`taken`: the GPUs in use, per host (all of them in the pool). A host's free list is
+        made when a job takes from it: on a busy 1,792-node pool, listing every host's free
+        GPUs for each decision cost more than the placing."""
+        self._sorted = names = pool.sorted_hosts
+        self._taken = taken
         self._free: dict[str, list[int]] = {}
+        self._position = pool.host_positions
         self._by_count: dict[int, list[int]] = {}
-        for position, (host, gpus) in enumerate(pool.sorted_hosts):
-            out = taken.get(host)
-            free = [gpu for gpu in gpus if gpu not in out] if out else list(gpus)
-            self._free[host] = free
-            if free:
-                # Positions are visited in increasing order, so each bucket stays sorted.
-                self._by_count.setdefault(len(free), []).append(position)
-        self._position = {host: position for position, host in enumerate(self._names)}
-        self._most = max((len(gpus) for _, gpus in pool.hosts), default=0)
+        for count, positions in pool.positions_by_gpu_count.items():
+            if count:
+                self._by_count[count] = [p for p in positions if names[p][0] not in taken]
+        partly: dict[int, list[int]] = {}
+        for host, used in taken.items():
+            position = self._position[host]
+            left = len(self._sorted[position][1]) - len(used)
+            if left > 0:
+                partly.setdefault(left, []).append(position)
+        for count, added in partly.items():
+            bucket = self._by_count.setdefault(count, [])
+            bucket.extend(added)
+            bucket.sort()
+        self._most = max(pool.positions_by_gpu_count, default=0)
+
+    def _free_on(self, host: str) -> list[int]:
+        free = self._free.get(host)
+        if free is None:
+            gpus = self._sorted[self._position[host]][1]
+            used = self._taken.get(host)
+            free = self._free[host] = (
+                [gpu for gpu in gpus if gpu not in used] if used else list(gpus)
+            )
+        return free
 
     def count(self, host: str) -> int:
-        return len(self._free.get(host, ()))
+        if host not in self._position:
+            return 0
+        free = self._free.get(host)
+        if free is not None:
+            return len(free)
+        return len(self._sorted[self._position[host]][1]) - len(self._taken.get(host, ()))
 
     def take(self, host: str, count: int) -> list[int]:
         """Remove and return the `count` lowest free GPUs of `host`."""
-        free = self._free[host]
+        free = self._free_on(host)
         before = len(free)
         taken = free[:count]
         del free[:count]
@@ -80,10 +104,10 @@ class _FreeGpus:
         """The host with the fewest free GPUs that holds `need`, else the one with the most."""
         for count in range(need, self._most + 1):
             if self._by_count.get(count):
-                return self._names[self._by_count[count][0]]
+                return self._sorted[self._by_count[count][0]][0]
         for count in range(min(need, self._most + 1) - 1, 0, -1):
             if self._by_count.get(count):
-                return self._names[self._by_count[count][0]]
+                return self._sorted[self._by_count[count][0]][0]
         raise ValueError(f"no free GPU left for a job needing {_gpus(need)}")
 
 
@@ -99,28 +123,40 @@ def _kept_slots(
     by_name: Sequence[Demand],
     current: Mapping[str, Placement],
     blocked: AbstractSet[Slot],
-) -> tuple[dict[str, int], dict[str, list[Slot]]]:
+) -> tuple[dict[str, int], dict[str, Sequence[Slot]]]:
     """Each demanded job's current size, and its current slots that are still in the pool
     (and not blocked: a blocked slot counts as gone, as if the pool were without it)."""
     in_pool = pool.slot_set
-    owner: dict[Slot, str] = {}
+    seen: set[Slot] = set()
     held: dict[str, int] = {}
-    kept: dict[str, list[Slot]] = {}
+    kept: dict[str, Sequence[Slot]] = {}
     for demand in by_name:
-        placement = current.get(demand.name, Placement.EMPTY)
-        slots = placement.slots()
-        for slot in slots:
+        slots = current.get(demand.name, Placement.EMPTY).slots()
+        # Set operations in C rather than a test per slot: most jobs lost nothing.
+        seen.update(slots)
+        held[demand.name] = len(slots)
+        if in_pool.issuperset(slots) and (not blocked or blocked.isdisjoint(slots)):
+            kept[demand.name] = slots
+        else:
+            kept[demand.name] = [
+                slot for slot in slots if slot in in_pool and (not blocked or slot not in blocked)
+            ]
+    if len(seen) != sum(held.values()):
+        _refuse_shared_gpus(by_name, current)
+    return held, kept
+
+
+def _refuse_shared_gpus(by_name: Sequence[Demand], current: Mapping[str, Placement]) -> None:
+    """Name the first GPU found in two current placements (only called when one is)."""
+    owner: dict[Slot, str] = {}
+    for demand in by_name:
+        for slot in current.get(demand.name, Placement.EMPTY).slots():
             other = owner.setdefault(slot, demand.name)
             if other != demand.name:
                 raise ValueError(
                     f"GPU {slot[0]}:{slot[1]} is in the current placements of both "
                     f"{other} and {demand.name}"
                 )
-        held[demand.name] = len(slots)
-        kept[demand.name] = [
-            slot for slot in slots if slot in in_pool and (not blocked or slot not in blocked)
-        ]
-    return held, kept
 
 
 @dataclass
@@ -160,8 +196,9 @@ def _frozen_note(
 def _count(
     size: int,
     ranked: Sequence[Demand],
-    kept: Mapping[str, list[Slot]],
+    kept: Mapping[str, Sequence[Slot]],
     frozen: AbstractSet[str],
+    spare_by_gain: bool = False,
 ) -> _Counts:
     running = {d.name for d in ranked if len(kept[d.name]) >= d.min}
     fixed = [d for d in ranked if d.name in running and d.name in frozen]
@@ -194,67 +231,144 @@ def _count(
                 note = _frozen_note(demand, free, fixed, target)
                 waiting[demand.name] = f"needs {_gpus(demand.min)}, {free} free{note}"
                 blocker = demand
-        # Max-min fair share of what is left: one GPU at a time to the smallest holder.
-        heap = [
-            (target[d.name], d.arrival, d.name, d.wanted)
-            for d in tier
-            if 0 < target[d.name] < d.wanted and d.name not in held_fixed
-        ]
-        heapq.heapify(heap)
-        while free > 0 and heap:
-            size, arrival, name, wanted = heapq.heappop(heap)
-            target[name] = size + 1
-            free -= 1
-            if size + 1 < wanted:
-                heapq.heappush(heap, (size + 1, arrival, name, wanted))
+        sharers = [d for d in tier if 0 < target[d.name] < d.wanted and d.name not in held_fixed]
+        if free > 0 and sharers:
+            free = _fair_share(sharers, target, free)
+    if spare_by_gain and free > 0:
+        _share_spare_by_gain(ranked, target, held_fixed, free)
     return _Counts(target, waiting, admissions, held_fixed)
+
+
+def _share_spare_by_gain(
+    ranked: Sequence[Demand], target: dict[str, int], fixed: AbstractSet[str], free: int
+) -> None:
+    """GPUs nobody wants, one at a time to the admitted job whose next GPU adds most (its
+    `spare_gains`), up to its max; a higher priority tier first, ties by arrival then name.
+
+    Greedy by marginal gain maximises the total gain when each job's gains do not rise
+    with its size (Amdahl's do not)."""
+    heap: list[tuple[int, float, float, str, int]] = []
+    by_name: dict[str, Demand] = {}
+    for d in ranked:
+        size = target[d.name]
+        extra = size - d.wanted
+        if size > 0 and d.name not in fixed and 0 <= extra < len(d.spare_gains) and size < d.max:
+            heap.append((-d.priority, -d.spare_gains[extra], d.arrival, d.name, size))
+            by_name[d.name] = d
+    heapq.heapify(heap)
+    while free > 0 and heap:
+        _, _, arrival, name, size = heapq.heappop(heap)
+        demand = by_name[name]
+        target[name] = size + 1
+        free -= 1
+        extra = size + 1 - demand.wanted
+        if extra < len(demand.spare_gains) and size + 1 < demand.max:
+            gain = demand.spare_gains[extra]
+            heapq.heappush(heap, (-demand.priority, -gain, arrival, name, size + 1))
+
+
+def _fair_share(sharers: Sequence[Demand], target: dict[str, int], free: int) -> int:
+    """Max-min fair share of `free` GPUs among `sharers`, each up to what it wants: the
+    result of handing out one GPU at a time to the smallest holder (ties: earliest arrival,
+    then name), computed by levels so that it costs the jobs, not the GPUs handed out.
+    Updates `target`; returns the GPUs left."""
+    start = {d.name: target[d.name] for d in sharers}
+    bounds = [(start[d.name], d.wanted) for d in sharers]
+
+    def cost(level: int) -> int:
+        return sum(
+            (wanted if wanted < level else level) - held for held, wanted in bounds if held < level
+        )
+
+    top = max(wanted for _, wanted in bounds)
+    if cost(top) <= free:
+        for d in sharers:
+            target[d.name] = d.wanted
+        return free - cost(top)
+    # The highest level everyone below it can be raised to: cost(low) <= free < cost(high).
+    low, high = min(start.values()), top
+    while high - low > 1:
+        middle = (low + high) // 2
+        if cost(middle) <= free:
+            low = middle
+        else:
+            high = middle
+    left = free - cost(low)
+    at_level: list[Demand] = []
+    for d in sharers:
+        size = max(start[d.name], min(d.wanted, low))
+        target[d.name] = size
+        if size == low < d.wanted:
+            at_level.append(d)
+    # Fewer GPUs left than jobs at the level (cost(low + 1) > free): the first ones get one.
+    at_level.sort(key=lambda d: (d.arrival, d.name))
+    for d in at_level[:left]:
+        target[d.name] = low + 1
+    return 0
 
 
 def _place(
     pool: Pool,
     ranked: Sequence[Demand],
-    kept: Mapping[str, list[Slot]],
+    current: Mapping[str, Placement],
+    kept: Mapping[str, Sequence[Slot]],
     target: Mapping[str, int],
     blocked: AbstractSet[Slot],
 ) -> dict[str, Placement]:
     """Choose slots: keep each job's prefix, then grow on its own hosts, then best fit."""
+    placements: dict[str, Placement] = {}
     layout: dict[str, dict[str, list[int]]] = {}
-    taken: dict[str, set[int]] = {}
-    for host, gpu in blocked:
-        taken.setdefault(host, set()).add(gpu)
+    need: dict[str, int] = {}
+    kept_placements: list[Placement] = []
     for demand in ranked:
-        size = target[demand.name]
-        if size > 0:
-            # Truncating the flat slot list removes the last GPU of the last host first.
-            hosts = layout[demand.name] = _group(kept[demand.name][:size])
+        name = demand.name
+        size = target[name]
+        if size <= 0:
+            continue
+        slots = kept[name]
+        before = current.get(name, Placement.EMPTY)
+        if size == len(slots) == before.size and not before.has_empty_host:
+            # Keeps exactly what it holds (most jobs in most decisions): the same placement.
+            placements[name] = before
+            kept_placements.append(before)
+            continue
+        # Truncating the flat slot list removes the last GPU of the last host first.
+        layout[name] = _group(slots[:size])
+        need[name] = size - min(size, len(slots))
+    growers = [d for d in ranked if need.get(d.name, 0) > 0]
+    if growers:
+        # Which GPUs are taken matters only to growers: most decisions have none to place.
+        taken: dict[str, set[int]] = {}
+        for host, gpu in blocked:
+            taken.setdefault(host, set()).add(gpu)
+        for placement in kept_placements:
+            for host, held in placement.hosts:
+                taken.setdefault(host, set()).update(held)
+        for hosts in layout.values():
             for host, gpus in hosts.items():
                 taken.setdefault(host, set()).update(gpus)
-    free = _FreeGpus(pool, taken)
-    need = {
-        name: target[name] - sum(len(gpus) for gpus in hosts.values())
+        free = _FreeGpus(pool, taken)
+        for demand in growers:
+            hosts = layout[demand.name]
+            for host, gpus in hosts.items():
+                count = min(need[demand.name], free.count(host))
+                if count:
+                    gpus.extend(free.take(host, count))
+                    need[demand.name] -= count
+        # Larger remainders first: decreasing-size best fit packs hosts tighter.
+        rank = {d.name: position for position, d in enumerate(ranked)}
+        for name in sorted((d.name for d in growers), key=lambda n: (-need[n], rank[n])):
+            hosts = layout[name]
+            while need[name] > 0:
+                host = free.best_host(need[name])
+                count = min(need[name], free.count(host))
+                hosts.setdefault(host, []).extend(free.take(host, count))
+                need[name] -= count
+    placements.update(
+        (name, Placement(tuple((host, tuple(gpus)) for host, gpus in hosts.items())))
         for name, hosts in layout.items()
-    }
-    growers = [d for d in ranked if need.get(d.name, 0) > 0]
-    for demand in growers:
-        hosts = layout[demand.name]
-        for host, gpus in hosts.items():
-            count = min(need[demand.name], free.count(host))
-            if count:
-                gpus.extend(free.take(host, count))
-                need[demand.name] -= count
-    # Larger remainders first: decreasing-size best fit packs hosts tighter.
-    rank = {d.name: position for position, d in enumerate(ranked)}
-    for name in sorted((d.name for d in growers), key=lambda n: (-need[n], rank[n])):
-        hosts = layout[name]
-        while need[name] > 0:
-            host = free.best_host(need[name])
-            count = min(need[name], free.count(host))
-            hosts.setdefault(host, []).extend(free.take(host, count))
-            need[name] -= count
-    return {
-        name: Placement(tuple((host, tuple(gpus)) for host, gpus in hosts.items()))
-        for name, hosts in layout.items()
-    }
+    )
+    return placements
 
 
 def _policy_cause(demand: Demand, size: int) -> str:
@@ -265,6 +379,8 @@ def _policy_cause(demand: Demand, size: int) -> str:
         wants = f"policy wants {demand.desired}, min is {demand.min}"
     else:
         wants = f"policy wants {wanted}"
+    if size > wanted:
+        return f"{wants}, {_gpus(size - wanted)} more lent by gain (nobody else wants them)"
     return wants if size >= wanted else f"{wants}, no more free"
 
 
@@ -275,7 +391,7 @@ class _Reasons:
         self,
         ranked: Sequence[Demand],
         held: Mapping[str, int],
-        kept: Mapping[str, list[Slot]],
+        kept: Mapping[str, Sequence[Slot]],
         counts: _Counts,
     ) -> None:
         self._held = held
@@ -348,6 +464,8 @@ def arbitrate(
     *,
     frozen: AbstractSet[str] = frozenset(),
     unavailable: AbstractSet[Slot] = frozenset(),
+    spare_by_gain: bool = False,
+    previous: Mapping[str, Grant] | None = None,
 ) -> dict[str, Grant]:
     """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
 
@@ -355,7 +473,12 @@ def arbitrate(
     `frozen` names jobs that resized too recently (see the module docstring); names
     without a demand are ignored. `unavailable` GPUs (draining, held by an adopted job)
     are granted to nobody: the decision is the one on the pool without them, without
-    building that pool.
+    building that pool. With `spare_by_gain`, GPUs left once every job has what it wants
+    go to admitted jobs by the gain they report for their next GPU (`Demand.spare_gains`),
+    up to their max. A job that holds GPUs and whose placement is the one of its grant in
+    `previous` gets that Grant back as it is, reason included (the allocator keeps the
+    reason of the decision that made a grant; writing thousands of unchanged ones again
+    cost a fifth of a decision).
     Raises ValueError if two demands share a name or two current placements share a GPU.
     """
     by_name = sorted(demands, key=lambda d: d.name)
@@ -366,9 +489,16 @@ def arbitrate(
     in_pool = pool.slot_set
     blocked = {slot for slot in unavailable if slot in in_pool}
     held, kept = _kept_slots(pool, by_name, current, blocked)
-    counts = _count(pool.size - len(blocked), ranked, kept, frozen)
-    placements = _place(pool, ranked, kept, counts.target, blocked)
+    counts = _count(pool.size - len(blocked), ranked, kept, frozen, spare_by_gain)
+    placements = _place(pool, ranked, current, kept, counts.target, blocked)
     reasons = _Reasons(ranked, held, kept, counts)
-    return {
-        d.name: Grant(placements.get(d.name, Placement.EMPTY), reasons.reason(d)) for d in ranked
-    }
+    grants: dict[str, Grant] = {}
+    before = previous or {}
+    for d in ranked:
+        placement = placements.get(d.name, Placement.EMPTY)
+        earlier = before.get(d.name)
+        if earlier is not None and placement.size and earlier.placement == placement:
+            grants[d.name] = earlier
+        else:
+            grants[d.name] = Grant(placement, reasons.reason(d))
+    return grants

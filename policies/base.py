@@ -53,6 +53,10 @@ class Decision:
 
     gpus: int
     reason: str
+    spare_gains: tuple[float, ...] = ()
+    """What each GPU above `gpus` would add, in share of one GPU's throughput, in order:
+    with it an allocator that shares spare GPUs by gain (`Allocator(spare_by_gain=True)`)
+    lends GPUs nobody else wants to the jobs whose next GPU adds most."""
 
 
 class Policy(Protocol):

@@ -6,9 +6,10 @@ the time of an epoch on n GPUs is `serial + parallel / n`. Before any epoch it a
 `priorSerial` for the serial share; with epochs at one size only, it asks for a second size
 to measure (half the first, or one more GPU at the min). The job asks for the largest size
 whose last GPU adds at least `minGain` of one GPU's throughput: past that knee a GPU does
-more for a job that waits than for this one. With the batch-preserving modes the global
-batch does not change with the size, so statistical efficiency is 1 and throughput is
-goodput.
+more for a job that waits than for this one. It reports the gain of each GPU above the knee
+too, so that an allocator sharing spare GPUs by gain can lend it GPUs nobody waits for. With
+the batch-preserving modes the global batch does not change with the size, so statistical
+efficiency is 1 and throughput is goodput.
 """
 
 from __future__ import annotations
@@ -145,5 +146,9 @@ class GoodputPolicy:
             else f"prior serial share {serial:g}"
         )
         return Decision(
-            size, f"goodput: {source}: knee at {size} for a gain of {params.min_gain:g}"
+            size,
+            f"goodput: {source}: knee at {size} for a gain of {params.min_gain:g}",
+            spare_gains=tuple(
+                speedup(serial, gpus + 1) - speedup(serial, gpus) for gpus in range(size, high)
+            ),
         )

@@ -66,6 +66,19 @@ class Pool:
         return frozenset(self._slots)
 
     @cached_property
+    def host_positions(self) -> dict[str, int]:
+        """Each host's position in `hosts`."""
+        return {host: position for position, (host, _) in enumerate(self.hosts)}
+
+    @cached_property
+    def positions_by_gpu_count(self) -> dict[int, tuple[int, ...]]:
+        """Each GPU count -> the positions (in `hosts`) of the hosts with that many GPUs."""
+        by_count: dict[int, list[int]] = {}
+        for position, (_, gpus) in enumerate(self.hosts):
+            by_count.setdefault(len(gpus), []).append(position)
+        return {count: tuple(positions) for count, positions in by_count.items()}
+
+    @cached_property
     def sorted_hosts(self) -> HostGpus:
         """`hosts` with each host's GPUs in increasing order."""
         return tuple((host, tuple(sorted(gpus))) for host, gpus in self.hosts)
@@ -81,12 +94,23 @@ class Placement:
     def __post_init__(self) -> None:
         _check_hosts(self.hosts, "placement")
 
-    @property
+    # Cached: a placement is immutable, and every decision reads each job's slots and size
+    # (a few thousand jobs on a full Perlmutter-sized pool).
+    @cached_property
     def size(self) -> int:
         return sum(len(gpus) for _, gpus in self.hosts)
 
     def slots(self) -> tuple[Slot, ...]:
+        return self._slots
+
+    @cached_property
+    def _slots(self) -> tuple[Slot, ...]:
         return tuple((host, gpu) for host, gpus in self.hosts for gpu in gpus)
+
+    @cached_property
+    def has_empty_host(self) -> bool:
+        """A host listed with no GPU (JSON may say so; decisions never make one)."""
+        return not all(gpus for _, gpus in self.hosts)
 
     def gpus_on(self, host: str) -> tuple[int, ...]:
         """The job's GPUs on `host`; position i is the GPU of local rank i."""
@@ -129,6 +153,10 @@ class Demand:
     desired: int
     priority: int = 0
     arrival: float = 0.0
+    spare_gains: tuple[float, ...] = ()
+    """What each GPU above `wanted` would add, in share of one GPU's throughput, in order
+    (the first is the gain of GPU `wanted + 1`). Read only by an allocator that shares
+    spare GPUs by gain; without them the job gets no GPU above what it wants."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -139,8 +167,13 @@ class Demand:
             )
         if not math.isfinite(self.arrival):
             raise ValueError(f"demand {self.name}: arrival must be finite, got {self.arrival}")
+        for gain in self.spare_gains:
+            if not (math.isfinite(gain) and gain >= 0):
+                raise ValueError(
+                    f"demand {self.name}: spare_gains must be finite and >= 0, got {gain}"
+                )
 
-    @property
+    @cached_property  # read several times per job in every decision
     def wanted(self) -> int:
         """`desired` clamped into [min, max]."""
         return max(self.min, min(self.max, self.desired))

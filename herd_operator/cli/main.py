@@ -462,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="fcfs,static,memory,goodput",
         help="comma-separated: fcfs (rigid, first come), static, memory, goodput, or any"
-        " installed policy (default: fcfs,static,memory,goodput)",
+        " installed policy (default: fcfs,static,memory,goodput); NAME+spare: under an"
+        " allocator that lends spare GPUs by the gain the policy reports",
     )
     simulate.add_argument("--jobs", type=_positive_int, default=1000, help="generated jobs")
     simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")
@@ -476,7 +477,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="decide at multiples of this many seconds (default 0: at each event)",
     )
     simulate.add_argument(
+        "--resync",
+        type=_non_negative_float,
+        default=0.0,
+        help="reconcile every job again every this many seconds, as the operator's periodic"
+        " resync (5 s there) does (default 0: only at each job's events)",
+    )
+    simulate.add_argument(
         "--output", type=Path, default=Path("sim-results"), help="default: ./sim-results"
+    )
+    replay = commands.add_parser(
+        "replay",
+        help="simulate a recorded run of the operator again and compare the two timelines",
+    )
+    replay.add_argument(
+        "state",
+        type=Path,
+        help="the run's store: its state.db, the directory holding it, or a demo's --state-dir",
+    )
+    replay.add_argument(
+        "--min-resize-interval",
+        type=_non_negative_float,
+        default=30.0,
+        help="the recorded operator's --min-resize-interval (default 30; the demo runs with 5)",
+    )
+    replay.add_argument(
+        "--model-start",
+        action="store_true",
+        help="launch jobs in the simulator's constant start time, not in what each recorded"
+        " job took from its first grant to its first epoch",
     )
     return parser
 
@@ -1024,7 +1053,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         pool = parse_pool(args.pool)
         workload = load_workload(args.workload, pool, args.jobs, args.seed, args.load)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
-        results = simulate(workload, pool, policies, args.tick)
+        results = simulate(workload, pool, policies, args.tick, args.resync)
     except ValueError as err:
         print(f"herd-operator simulate: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -1035,6 +1064,36 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     paths = write(results, args.output, header)
     print((args.output / "summary.md").read_text())
     print(f"wrote {', '.join(str(path) for path in paths)}")
+    return EXIT_OK
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from herd_operator.simulate.replay import describe, read_store, replay
+
+    logging.getLogger("herd_operator.runtime.allocator").setLevel(logging.ERROR)
+    path: Path = args.state
+    for candidate in (path, path / "state.db", path / "state" / "state.db"):
+        if candidate.is_file():
+            path = candidate
+            break
+    else:
+        print(f"herd-operator replay: no state.db at {args.state}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        run = read_store(path)
+        comparisons = replay(
+            run,
+            min_resize_interval=args.min_resize_interval,
+            measured_start=not args.model_start,
+        )
+    except ValueError as err:
+        print(f"herd-operator replay: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{path}: {len(run.jobs)} jobs on {run.pool_gpus} GPUs, replayed in the simulator\n")
+    print(describe(comparisons, {job.name: job.arrival for job in run.jobs}))
+    worst = max(abs(c.end_error) for c in comparisons)
+    least = min(c.size_agreement for c in comparisons)
+    print(f"\nworst completion error {worst:.1%}; least time with the same grant {least:.0%}")
     return EXIT_OK
 
 
@@ -1052,6 +1111,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "bench": cmd_bench,
     "simulate": cmd_simulate,
+    "replay": cmd_replay,
 }
 
 

@@ -148,8 +148,12 @@ class Allocator:
         present: Presenter = plain_presentation,
         on_event: EventSink = lambda job, type, reason, message: None,
         clock: Callable[[], float] = time.monotonic,
+        spare_by_gain: bool = False,
     ) -> None:
+        """`spare_by_gain`: GPUs no job wants go to the jobs whose policy reports the most
+        gain for their next GPU (`Demand.spare_gains`) instead of sitting idle."""
         self.pool = pool
+        self.spare_by_gain = spare_by_gain
         self.drain_seconds = drain_seconds
         self.lost_grace_seconds = lost_grace_seconds
         self._present = present
@@ -292,7 +296,10 @@ class Allocator:
             self._world.pop(job, None)
             self._short_since.pop(job, None)
             # Released once its processes are gone: what it was giving back is free now.
-            self._draining = {s: d for s, d in self._draining.items() if d.job != job}
+            # Deleted in place: rebuilding the whole dict for each release added up when
+            # thousands of GPUs drain (a simulation with a control period delays reports).
+            for slot in [s for s, d in self._draining.items() if d.job == job]:
+                del self._draining[slot]
             self._deferred.discard(job)
             if self._batching:
                 self._grants.pop(job, None)
@@ -532,7 +539,13 @@ class Allocator:
             frozen.add(shrink[0])
         demands = list(self._demands.values())
         decided = arbitrate(
-            self.pool, demands, current, frozen=frozen, unavailable=self._unavailable()
+            self.pool,
+            demands,
+            current,
+            frozen=frozen,
+            unavailable=self._unavailable(),
+            spare_by_gain=self.spare_by_gain,
+            previous=self._grants,
         )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
@@ -555,6 +568,8 @@ class Allocator:
                 current,
                 frozen=frozen | shrunk,
                 unavailable=self._unavailable(),
+                spare_by_gain=self.spare_by_gain,
+                previous=self._grants,
             )
             decided.update({job: first[job] for job in shrunk})
             givers = ", ".join(sorted(shrunk))
@@ -575,7 +590,9 @@ class Allocator:
         changed = {
             job: None
             for job, grant in decided.items()
-            if job not in self._grants or grant.placement != self._grants[job].placement
+            # `is` first: an unchanged grant is the very object `arbitrate` was given back.
+            if job not in self._grants
+            or (grant is not self._grants[job] and grant.placement != self._grants[job].placement)
         }
         for job, grant in decided.items():
             if job not in changed and grant.placement.size:
@@ -637,7 +654,7 @@ class Allocator:
         freed: dict[Slot, str] = {}
         for job, grant in decided.items():
             before = current.get(job, Placement.EMPTY)
-            if not grant.placement.size or before == grant.placement:
+            if not grant.placement.size or before is grant.placement or before == grant.placement:
                 continue  # most jobs keep their placement: nothing to compare slot by slot
             kept = set(grant.placement.slots())
             for slot in before.slots():

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel, resize_stall
+from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
 from policies.base import JobObservations, Policy, Signal
 from policies.registry import load_policy
 from specs import HerdJob, PolicyRef
@@ -42,6 +42,8 @@ class Kind(enum.IntEnum):
     RECONCILE = 3
     WAKE = 4
     """A recently resized job may be resized again: decide again."""
+    RESYNC = 5
+    """The operator's periodic resync: every running job is reconciled again."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,12 @@ class SimConfig:
     min_resize_interval: float = 30.0
     """The operator's `--min-resize-interval` default."""
     drain_seconds: float = 30.0
+    resync: float = 0.0
+    """> 0: every job is reconciled again every `resync` seconds, as the operator's periodic
+    resync does (5 s by default there); 0: only at its events. Each resync is a reconcile per
+    running job, so at scale it costs what it does in the operator."""
+    spare_by_gain: bool = False
+    """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""
@@ -169,6 +177,7 @@ class Simulation:
             min_resize_interval=config.min_resize_interval,
             drain_seconds=config.drain_seconds,
             clock=lambda: self.now,
+            spare_by_gain=config.spare_by_gain,
         )
         self.allocator.watch(self._on_change)
 
@@ -208,6 +217,8 @@ class Simulation:
         started = time.perf_counter()
         for job in self.jobs:
             self._push(job.arrival, Kind.ARRIVAL, job.name)
+        if self.config.resync > 0 and self.jobs:
+            self._push(min(job.arrival for job in self.jobs), Kind.RESYNC, "")
         tick = self.config.tick
         events = batches = policy_calls = 0
         decide_seconds = policy_seconds = 0.0
@@ -224,6 +235,7 @@ class Simulation:
             batches += 1
             touched: dict[str, None] = {}
             wake = False
+            next_resync: float | None = None
             batch = self.allocator.batch()
             batch.__enter__()
             try:
@@ -240,6 +252,9 @@ class Simulation:
                     elif kind is Kind.WAKE:
                         wake = True
                         self._wake_at = None
+                    elif kind is Kind.RESYNC:
+                        touched.update(dict.fromkeys(self._active))
+                        next_resync = when + self.config.resync
                     elif run is None or run.finished is not None or version != run.version:
                         continue  # superseded by a later grant change
                     elif kind is Kind.EPOCH:
@@ -286,6 +301,9 @@ class Simulation:
                 recorded.append((self.now, self._steps, self.allocator.placements()))
                 self._steps = []
             self._schedule_wake()
+            if next_resync is not None and self._heap:
+                # Only while something else will happen: a resync alone changes nothing.
+                self._push(max(next_resync, self.now), Kind.RESYNC, "")
         outcomes = [
             JobOutcome(
                 run.model.name,
@@ -337,7 +355,7 @@ class Simulation:
         self._settle(run)
         demand = Demand(
             model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
-            model.arrival,
+            model.arrival, decision.spare_gains,
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)
@@ -372,7 +390,7 @@ class Simulation:
             run.resizes += 1
             run.last_resize = self.now
         run.size = new
-        run.stall_until = self.now + resize_stall(old, new)
+        run.stall_until = self.now + run.model.stall(old, new)
         self._settle(run)
         self._schedule_epoch(run)
 
@@ -392,11 +410,15 @@ class Simulation:
         self._advance(run, when)
         run.epoch += 1
         run.done = max(run.done, run.epoch * run.model.epoch_work())
-        run.reports.append(Report(run.epoch - 1, when, run.size))
-        total = run.size * GPU_MEMORY_BYTES
-        used = int(total * run.model.memory_fraction(run.size))
-        run.usage.append(UsageSample(when, run.size, used, total))
-        del run.reports[:-KEPT_OBSERVATIONS], run.usage[:-KEPT_OBSERVATIONS]
+        # Only what the policy reads is kept (a million epoch ends in a 100,000-job run).
+        if Signal.EPOCHS in self._observes:
+            run.reports.append(Report(run.epoch - 1, when, run.size))
+            del run.reports[:-KEPT_OBSERVATIONS]
+        if Signal.USAGE in self._observes:
+            total = run.size * GPU_MEMORY_BYTES
+            used = int(total * run.model.memory_fraction(run.size))
+            run.usage.append(UsageSample(when, run.size, used, total))
+            del run.usage[:-KEPT_OBSERVATIONS]
         if run.epoch >= run.model.epochs:
             return True
         self._schedule_epoch(run)

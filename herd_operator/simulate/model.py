@@ -50,6 +50,9 @@ class JobModel:
     mem_batch: float
     """Memory of the global batch's activations, as a fraction of one GPU's memory."""
     priority: int = 0
+    start_seconds: float | None = None
+    """Seconds from a grant to the first progress of a fresh launch; None: the measured
+    `START_SECONDS` (a replay sets what the recorded job took)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gpus <= self.max_gpus:
@@ -58,6 +61,14 @@ class JobModel:
             raise ValueError(f"{self.name}: work and epochs must be positive")
         if not 0 <= self.serial_fraction <= 1:
             raise ValueError(f"{self.name}: serial fraction must be within [0, 1]")
+        if self.start_seconds is not None and self.start_seconds < 0:
+            raise ValueError(f"{self.name}: start_seconds must be >= 0")
+
+    def stall(self, old: int, new: int) -> float:
+        """`resize_stall`, with this job's own launch time if it has one."""
+        if old <= 0 < new and self.start_seconds is not None:
+            return self.start_seconds
+        return resize_stall(old, new)
 
     def speedup(self, gpus: int) -> float:
         """Work per second on `gpus` GPUs, in single-GPU seconds per second."""

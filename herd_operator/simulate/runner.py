@@ -19,6 +19,8 @@ FIRST_COME = "fcfs"
 so the allocator admits in arrival order with no resize: a batch scheduler without backfill."""
 POLICIES = ("fcfs", "static", "memory", "goodput")
 PERLMUTTER = "perlmutter"
+SPARE_BY_GAIN = "+spare"
+"""A policy entry ending in this runs under an allocator that lends spare GPUs by gain."""
 
 
 def parse_pool(text: str) -> Pool:
@@ -67,14 +69,16 @@ def parse_policy(text: str) -> tuple[str, PolicyRef]:
 
 
 def simulate(
-    workload: Workload, pool: Pool, policies: Sequence[str], tick: float
+    workload: Workload, pool: Pool, policies: Sequence[str], tick: float, resync: float = 0.0
 ) -> list[SimResult]:
     results = []
     for text in policies:
-        label, ref = parse_policy(text)
-        jobs = rigid(workload.jobs) if text == FIRST_COME else workload.jobs
-        result = Simulation(jobs, SimConfig(pool, ref, tick=tick)).run()
-        result.policy = label
+        spare = text.endswith(SPARE_BY_GAIN)
+        label, ref = parse_policy(text.removesuffix(SPARE_BY_GAIN))
+        jobs = rigid(workload.jobs) if label == FIRST_COME else workload.jobs
+        config = SimConfig(pool, ref, tick=tick, resync=resync, spare_by_gain=spare)
+        result = Simulation(jobs, config).run()
+        result.policy = text
         results.append(result)
     return results
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from policies.arbitration import arbitrate
 from specs.values import Demand, Grant, HostGpus, Placement, Pool, Slot
+from tests.unit import arbitration_reference
 
 
 def place(*hosts: tuple[str, tuple[int, ...]]) -> Placement:
@@ -939,3 +940,222 @@ def test_unavailable_gpus_decide_as_a_pool_without_them(story: Story, seed: int)
         grants = arbitrate(pool, demands, current, frozen=frozen, unavailable=gone)
         assert grants == arbitrate(without(pool, gone), demands, current, frozen=frozen)
         current = {name: grant.placement for name, grant in grants.items() if grant.admitted}
+
+
+# The fast path against the plain algorithm (tests/unit/arbitration_reference.py).
+
+
+@st.composite
+def crowded_decisions(
+    draw: st.DrawFn,
+) -> tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]]:
+    """A pool, demands and current placements of a busy pool: many jobs, some holding GPUs
+    that left the pool, some frozen, some GPUs unavailable; desires anywhere."""
+    counts = draw(st.lists(st.integers(1, 8), min_size=1, max_size=12))
+    pool = Pool.from_counts({f"h{i}": count for i, count in enumerate(counts)})
+    gone_hosts = draw(st.integers(0, 2))
+    wider = Pool.from_counts(
+        {**{f"h{i}": c for i, c in enumerate(counts)}, **{f"x{i}": 4 for i in range(gone_hosts)}}
+    )
+    slots = list(wider.slots())
+    order = draw(st.permutations(slots))
+    demands: list[Demand] = []
+    current: dict[str, Placement] = {}
+    cursor = 0
+    for index in range(draw(st.integers(1, 24))):
+        low = draw(st.integers(1, 6))
+        high = draw(st.integers(low, low + 10))
+        demand = Demand(
+            f"job-{index:02d}",
+            low,
+            high,
+            draw(st.integers(0, high + 3)),
+            draw(st.integers(0, 2)),
+            float(draw(st.integers(0, 6))),
+            tuple(draw(st.lists(st.sampled_from([0.0, 0.1, 0.5, 0.9]), max_size=4))),
+        )
+        demands.append(demand)
+        take = draw(st.integers(0, high + 2))
+        if take and cursor < len(order):
+            held = order[cursor : cursor + take]
+            cursor += len(held)
+            grouped: dict[str, list[int]] = {}
+            for host, gpu in held:
+                grouped.setdefault(host, []).append(gpu)
+            current[demand.name] = Placement(tuple((h, tuple(g)) for h, g in grouped.items()))
+    names = [d.name for d in demands]
+    frozen = frozenset(draw(st.lists(st.sampled_from(names), max_size=len(names))))
+    unavailable = frozenset(draw(st.lists(st.sampled_from(slots), max_size=len(slots) // 3)))
+    return pool, demands, current, frozen, unavailable
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=crowded_decisions())
+def test_the_fast_path_decides_as_the_plain_algorithm(
+    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+) -> None:
+    pool, demands, current, frozen, unavailable = case
+    expected = arbitration_reference.arbitrate(
+        pool, demands, current, frozen=frozen, unavailable=unavailable
+    )
+    got = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
+    assert list(got.items()) == list(expected.items())
+
+
+@settings(max_examples=100, deadline=None)
+@given(story=stories(), seed=st.integers(0, 2**32 - 1))
+def test_decision_sequences_match_the_plain_algorithm(story: Story, seed: int) -> None:
+    # Each step starts from the previous grants, as the allocator's decisions do: most jobs
+    # keep their placement, which is what the fast path shortcuts.
+    chooser = random.Random(seed)
+    current: dict[str, Placement] = {}
+    for step in story.steps:
+        pool = pool_at(story, step)
+        demands = demands_at(story, step)
+        frozen = frozen_at(story, step)
+        slots = list(pool.slots())
+        gone = set(chooser.sample(slots, chooser.randint(0, len(slots) // 4)))
+        grants = arbitrate(pool, demands, current, frozen=frozen, unavailable=gone)
+        reference = arbitration_reference.arbitrate(
+            pool, demands, current, frozen=frozen, unavailable=gone
+        )
+        assert list(grants.items()) == list(reference.items())
+        current = {name: grant.placement for name, grant in grants.items() if grant.admitted}
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=crowded_decisions(), seed=st.integers(0, 2**32 - 1))
+def test_previous_grants_come_back_only_for_unchanged_placements(
+    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+    seed: int,
+) -> None:
+    pool, demands, current, frozen, unavailable = case
+    fresh = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
+    # Earlier grants: some with the placement this decision makes, some with another one.
+    chooser = random.Random(seed)
+    previous = {
+        name: Grant(
+            grant.placement if chooser.random() < 0.7 else Placement.EMPTY, f"earlier {name}"
+        )
+        for name, grant in fresh.items()
+    }
+    got = arbitrate(
+        pool, demands, current, frozen=frozen, unavailable=unavailable, previous=previous
+    )
+    assert list(got) == list(fresh)
+    for name, grant in got.items():
+        same = grant.placement.size and previous[name].placement == grant.placement
+        assert grant == (previous[name] if same else fresh[name])
+
+
+def test_a_large_busy_decision_matches_the_plain_algorithm() -> None:
+    # The arbitration benchmark's shape, smaller: hundreds of jobs, half already placed,
+    # then desires moved, so that the fair share runs over many levels.
+    pool = Pool.from_counts({f"nid{n:04d}": 4 for n in range(128)})
+    chooser = random.Random(5)
+    demands = []
+    for index in range(300):
+        low = chooser.randint(1, 4)
+        high = low + chooser.choice((0, 0, 2, 4, 12))
+        demands.append(
+            Demand(
+                f"job-{index:03d}",
+                low,
+                high,
+                chooser.randint(low, high),
+                chooser.choice((0, 0, 1)),
+                float(index),
+            )
+        )
+    first = arbitrate(pool, demands[:150], {})
+    assert first == arbitration_reference.arbitrate(pool, demands[:150], {})
+    current = {name: grant.placement for name, grant in first.items() if grant.admitted}
+    moved = [replace(d, desired=chooser.randint(d.min, d.max)) for d in demands]
+    second = arbitrate(pool, moved, current, frozen=frozenset(list(current)[::7]))
+    reference = arbitration_reference.arbitrate(
+        pool, moved, current, frozen=frozenset(list(current)[::7])
+    )
+    assert list(second.items()) == list(reference.items())
+
+
+# Spare GPUs lent by gain (opt-in).
+
+
+def test_spare_gpus_go_to_the_jobs_whose_next_gpu_adds_most() -> None:
+    pool = Pool.from_counts({"n0": 4, "n1": 4})
+    demands = [
+        Demand("a", 1, 8, 2, arrival=0.0, spare_gains=(0.9, 0.8, 0.7, 0.1)),
+        Demand("b", 1, 8, 2, arrival=1.0, spare_gains=(0.3, 0.2)),
+    ]
+    plain = arbitrate(pool, demands, {})
+    assert [g.placement.size for g in plain.values()] == [2, 2]  # 4 GPUs idle
+    lent = arbitrate(pool, demands, {}, spare_by_gain=True)
+    # a's 0.9, 0.8, 0.7 beat b's 0.3; then b's 0.3 beats a's 0.1.
+    assert [g.placement.size for g in lent.values()] == [5, 3]
+    assert lent["a"].reason == (
+        "admitted 0 -> 5: min 1 fits, policy wants 2, 3 GPUs more lent by gain"
+        " (nobody else wants them)"
+    )
+    # No gains reported: nothing lent, as without the option.
+    silent = [Demand("a", 1, 8, 2), Demand("b", 1, 8, 2, arrival=1.0)]
+    assert arbitrate(pool, silent, {}, spare_by_gain=True) == arbitrate(pool, silent, {})
+
+
+def test_lent_gpus_come_back_when_a_job_waits_for_them() -> None:
+    pool = Pool.from_counts({"n0": 4})
+    lender = Demand("a", 1, 4, 1, arrival=0.0, spare_gains=(0.9, 0.9, 0.9))
+    first = arbitrate(pool, [lender], {}, spare_by_gain=True)
+    assert first["a"].placement.size == 4
+    current = {"a": first["a"].placement}
+    second = arbitrate(
+        pool, [lender, Demand("b", 2, 2, 2, arrival=1.0)], current, spare_by_gain=True
+    )
+    assert (second["a"].placement.size, second["b"].placement.size) == (2, 2)
+    assert second["a"].reason == "shrunk 4 -> 2: admitting b (min 2)"
+    # A higher tier's wish comes before anyone's spare.
+    third = arbitrate(
+        pool, [lender, Demand("c", 1, 3, 3, priority=1, arrival=2.0)], current, spare_by_gain=True
+    )
+    assert (third["a"].placement.size, third["c"].placement.size) == (1, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=crowded_decisions())
+def test_lending_spare_gpus_only_adds_to_what_jobs_get(
+    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+) -> None:
+    pool, demands, current, frozen, unavailable = case
+    plain = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
+    lent = arbitrate(
+        pool, demands, current, frozen=frozen, unavailable=unavailable, spare_by_gain=True
+    )
+    by_name = {d.name: d for d in demands}
+    owners: set[Slot] = set()
+    extra = 0
+    for name, grant in lent.items():
+        demand = by_name[name]
+        size, before = grant.placement.size, plain[name].placement.size
+        # The same jobs run; none gets less; nobody is lent past max or past its gains.
+        assert grant.admitted == plain[name].admitted
+        assert before <= size <= demand.max
+        if size > before:
+            assert size <= demand.wanted + len(demand.spare_gains)
+        extra += size - before
+        slots = set(grant.placement.slots())
+        assert not slots & owners and not slots & unavailable and slots <= set(pool.slots())
+        owners |= slots
+    idle = pool.size - len(owners) - len(unavailable & set(pool.slots()))
+    if idle:
+        # GPUs left idle: no unfrozen admitted job could be lent one more.
+        for name, grant in lent.items():
+            demand = by_name[name]
+            size = grant.placement.size
+            if grant.admitted and name not in frozen and size < demand.max:
+                assert size - demand.wanted >= len(demand.spare_gains), name
+
+
+def test_a_demand_with_a_bad_gain_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"demand a: spare_gains must be finite and >= 0, got -0\.5"
+    ):
+        Demand("a", 1, 4, 2, spare_gains=(0.5, -0.5))

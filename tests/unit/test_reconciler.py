@@ -1186,3 +1186,30 @@ def test_the_shutdown_logs_the_drop_to_0_gpus_of_running_and_waiting_jobs(world:
         status = world.status(name)
         assert status.gpus is not None and status.gpus.allocated == 0
     assert [reason for _, reason, _ in world.events("b")].count("Stopped") == 0
+
+
+@pytest.mark.parametrize(("spare_by_gain", "granted"), [(False, 3), (True, 4)])
+def test_the_gains_a_policy_reports_reach_the_allocator(
+    world: World, spare_by_gain: bool, granted: int
+) -> None:
+    # goodput at minGain 0.8 and its prior serial share 0.05 stops at 3 of 4 GPUs (the 4th
+    # adds 0.75 of a GPU); it reports that gain, which an allocator lending spare GPUs by gain
+    # acts on and a plain one ignores.
+    world.allocator.spare_by_gain = spare_by_gain
+    spec = {
+        "command": COMMAND,
+        "gpus": {"min": 1, "max": 4},
+        "policy": {"name": "goodput", "params": {"minGain": 0.8}},
+    }
+    started(
+        world,
+        HerdJob.model_validate(
+            {
+                "apiVersion": "herd/v1alpha1",
+                "kind": "HerdJob",
+                "metadata": {"name": "a"},
+                "spec": spec,
+            }
+        ),
+    )
+    assert world.granted("a") == granted

@@ -330,3 +330,165 @@ def test_the_goodput_policy_starts_from_its_prior_then_follows_the_fit() -> None
     assert fitted.gpus == knee(0.3, 0.5, 1, 32) < pending.gpus
     assert "fitted on sizes 6, 8" in fitted.reason
     assert policy.desired(spec(4, 32), observed, 1000.0).gpus == 4  # never below min
+
+
+def test_the_goodput_policy_reports_what_each_gpu_past_its_knee_adds() -> None:
+    policy = GoodputPolicy(GoodputParams(min_gain=0.5, prior_serial=0.05))
+    decision = policy.desired(spec(1, 32), JobObservations(started_at=0.0, allocated=0), 0.0)
+    gains = decision.spare_gains
+    assert len(gains) == 32 - decision.gpus
+    assert gains[0] == pytest.approx(
+        speedup(0.05, decision.gpus + 1) - speedup(0.05, decision.gpus)
+    )
+    assert all(0 < later < earlier < 0.5 for earlier, later in itertools.pairwise(gains))
+
+
+def test_spare_gpus_lent_by_gain_run_a_lone_goodput_job_past_its_knee() -> None:
+    # Alone on 8 GPUs, the job's knee leaves GPUs idle; lent by gain, it uses them.
+    model = job(serial_fraction=0.2, requested=8, max_gpus=8, epochs=20, work=40_000.0)
+    alone = run([model], policy="goodput").jobs[0]
+    lent = run([model], policy="goodput", spare_by_gain=True).jobs[0]
+    assert lent.completion < alone.completion
+    assert lent.gpu_seconds / (lent.completion - lent.admitted) > (
+        alone.gpu_seconds / (alone.completion - alone.admitted)
+    )
+
+
+def test_the_real_allocator_lending_spare_gpus_decides_as_the_simulation() -> None:
+    pool = parse_pool("3x4")
+    jobs = perlmutter_mix(40, pool.size, seed=5)
+    config = SimConfig(pool, PolicyRef(name="goodput"), record=True, spare_by_gain=True)
+    result = Simulation(jobs, config).run()
+    clock = [0.0]
+    allocator = Allocator(
+        pool, NullSink(), virtual=True, min_resize_interval=30.0, drain_seconds=30.0,
+        clock=lambda: clock[0], spare_by_gain=True,
+    )  # fmt: skip
+    lent = 0
+    wanted: dict[str, int] = {}
+    for at, calls, placements in result.steps:
+        clock[0] = at
+        with allocator.batch():
+            for call in calls:
+                if call[0] == "request":
+                    wanted[call[1].name] = call[1].wanted  # type: ignore[union-attr]
+                    allocator.request(call[1])  # type: ignore[arg-type]
+                elif call[0] == "release":
+                    allocator.release(call[1])  # type: ignore[arg-type]
+                else:
+                    allocator.observe_world_size(call[1], call[2])  # type: ignore[arg-type, misc]
+        assert allocator.placements() == placements, f"at {at}"
+        lent += sum(placement.size > wanted[job] for job, placement in placements.items())
+    assert lent > 0  # spare GPUs were lent at some point
+
+
+# ---- replaying a recorded run ----
+
+
+def recorded_store(path: Path, *, b_epoch_seconds: float = 8.0) -> Path:
+    """A store as the operator would leave it: a (1..2 GPUs) runs 10 epochs of 10 s on 2 GPUs
+    from t=100; b (1 GPU) arrives at t=120 and runs 5 epochs on the third GPU; each launch
+    takes 12 s to its first progress and 3 s to exit after its last epoch."""
+    from herd_operator.runtime.store import Store
+    from specs.status import HerdJobStatus
+
+    store = Store(path)
+    store.record_pool_size(3, 100.0)
+    jobs = {"a": (100.0, 1, 2, 2, 10, 10.0), "b": (120.0, 1, 1, 1, 5, b_epoch_seconds)}
+    for name, (arrival, low, high, size, epochs, seconds) in jobs.items():
+        spec = HerdJob.model_validate(
+            {
+                "apiVersion": "herd/v1alpha1",
+                "kind": "HerdJob",
+                "metadata": {"name": name},
+                "spec": {"command": ["train"], "gpus": {"min": low, "max": high}},
+            }
+        )
+        store.record_spec(name, f"/specs/{name}.yaml", spec, f"fp-{name}", arrival)
+        store.add_grant_change(name, size, "admitted", arrival)
+        for epoch in range(epochs):
+            for rank in range(size):
+                store.add_report(
+                    name, epoch, size, rank, {}, arrival + 12.0 + seconds * (epoch + 1)
+                )
+        finished = arrival + 12.0 + seconds * epochs + 3.0
+        store.add_grant_change(name, 0, "released", finished)
+        store.put_status(name, HerdJobStatus(finished_at=finished), finished)
+    store.close()
+    return path
+
+
+def test_a_recorded_run_is_read_back_and_its_jobs_modelled(tmp_path: Path) -> None:
+    from herd_operator.simulate.replay import job_model, read_store
+
+    run = read_store(recorded_store(tmp_path / "state.db"))
+    assert run.pool_gpus == 3
+    a, b = run.jobs
+    assert (a.name, a.arrival, b.arrival) == ("a", 0.0, 20.0)
+    assert [report.epoch for report in a.epochs] == list(range(10))  # one report per epoch
+    assert a.grants == ((0.0, 2), (115.0, 0))
+    model = job_model(a)
+    # One size only: the prior serial share; 10 s per epoch on 2 GPUs.
+    assert model.epochs == 10
+    assert model.work / model.epochs / model.speedup(2) == pytest.approx(10.0)
+    assert model.start_seconds == pytest.approx(12.0)
+    assert job_model(a, measured_start=False).start_seconds is None
+
+
+def test_a_replay_of_a_run_the_model_fits_matches_it(tmp_path: Path) -> None:
+    from herd_operator.simulate.replay import read_store, replay
+
+    run = read_store(recorded_store(tmp_path / "state.db"))
+    comparisons = replay(run, min_resize_interval=30.0)
+    for comparison in comparisons:
+        assert comparison.end_error == pytest.approx(0.0, abs=1e-9), comparison
+        assert comparison.size_agreement == pytest.approx(1.0)
+        assert comparison.teardown == pytest.approx(3.0)
+    a = comparisons[0]
+    assert (a.real_end, a.real_grants, a.simulated_grants) == (112.0, ((0.0, 2),), ((0.0, 2),))
+    # The simulator's own launch time (9.6 s) instead of the recorded 12 s: 2.4 s early.
+    constant = replay(run, min_resize_interval=30.0, measured_start=False)
+    assert constant[0].simulated_end == pytest.approx(112.0 - 2.4)
+
+
+def test_a_replay_says_which_jobs_ran_slower_than_their_model(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from herd_operator.simulate.replay import read_store, replay
+
+    run = read_store(recorded_store(tmp_path / "state.db"))
+    a, b = run.jobs
+    # b's third epoch took 28 s instead of 8 (a hiccup the model does not have): its recent
+    # epochs still say 8 s each, so the simulation ends 20 s before the real run did.
+    ends = [12.0 + 8.0, 12.0 + 16.0, 12.0 + 44.0, 12.0 + 52.0, 12.0 + 60.0]
+    slow = replace(b, epochs=tuple(Report(e, b.arrival + end, 1) for e, end in enumerate(ends)))
+    compared = replay(replace(run, jobs=(a, slow)), min_resize_interval=30.0)[1]
+    assert (compared.real_end, compared.simulated_end) == (72.0, 52.0)
+    assert compared.end_error == pytest.approx(-20.0 / 72.0)
+
+
+def test_a_replay_refuses_an_unfinished_job_and_mixed_policies(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from herd_operator.simulate.replay import read_store, replay
+
+    run = read_store(recorded_store(tmp_path / "state.db"))
+    a, b = run.jobs
+    with pytest.raises(ValueError, match="jobs not finished in the recorded run: b"):
+        replay(replace(run, jobs=(a, replace(b, finished=None))), min_resize_interval=30.0)
+    other = replace(b, policy=PolicyRef(name="memory"))
+    with pytest.raises(
+        ValueError, match="one policy for all jobs; this run has a: static, b: memory"
+    ):
+        replay(replace(run, jobs=(a, other)), min_resize_interval=30.0)
+
+
+def test_a_periodic_resync_asks_every_running_job_again_and_ends_with_the_run() -> None:
+    models = [job("a"), job("b", arrival=50.0, requested=2, max_gpus=2)]
+    plain = run(models)
+    resynced = run(models, resync=5.0)
+    # `static` does not depend on time: the same run, with a reconcile per job every 5 s.
+    assert [j.finished for j in resynced.jobs] == [j.finished for j in plain.jobs]
+    span = max(j.finished for j in plain.jobs)
+    assert resynced.policy_calls >= plain.policy_calls + span / 5.0
+    assert resynced.policy_calls <= plain.policy_calls + 2 * (span / 5.0 + 2)
