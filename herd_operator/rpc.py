@@ -43,8 +43,10 @@ since anyone who can reach the port can open them. When the pool is full, a newc
 the slot of the oldest connection that has sent no byte of its hello and is older than
 ``eviction_age`` (a real client answers the challenge in milliseconds, so that one is an
 idler); a connection whose hello has begun is never dropped for a newcomer (its handshake
-deadline still applies). If every silent connection is younger, the newcomer is refused
-at once with ``busy``. ``RpcClient`` retries a connection refused or dropped before the
+deadline still applies). If there is no such idler, the newcomer waits in line, silent,
+and gets its challenge as soon as a place frees, or every ``eviction_age`` takes the
+place of an idler that has become old enough; after ``handshake_timeout`` in line it is
+refused with ``busy``. ``RpcClient`` retries a connection refused or dropped before the
 welcome, with jittered exponential backoff, so a burst of workers larger than the pool
 all get in.
 """
@@ -88,6 +90,7 @@ _MAX_NONCE_CHARS = 128
 # a whole allocation) connect at once, and a connect beyond the queue waits for a SYN
 # retransmit (1 s) instead of milliseconds. The kernel caps it at net.core.somaxconn.
 _LISTEN_BACKLOG = 4096
+_ABSENT = object()
 # Open files the server's process needs besides its connections (store, logs, listener).
 _DESCRIPTOR_MARGIN = 256
 DEFAULT_MAX_CONNECTIONS = 16384
@@ -239,6 +242,9 @@ class _Connection(asyncio.Protocol):
         """``_pool_clock()`` when the connection was accepted (for eviction)."""
         self.speaking = False
         """Whether the first byte of its hello has arrived: never evicted from then on."""
+        self.waiting = False
+        """Whether it waits in line for a place in the unauthenticated pool."""
+        self._queued_at = 0.0
         self._identity: Identity | None = None
         self._server_nonce = ""
         self._buffer = b""
@@ -271,17 +277,64 @@ class _Connection(asyncio.Protocol):
                     "server is busy",
                     f"at the limit of {server._max_connections} connections",
                 )
-            server._admit(self)
+            admitted = server._admit(self, self.opened, final=False)
         except _Rejected as rejected:
             self._reject(rejected)
             return
+        if admitted:
+            self.greet()
+        else:
+            # The pool is full of young handshakes: wait in line (silent, no challenge
+            # yet) for a slot rather than be refused and come back, which in a burst of
+            # thousands of shims costs more than the handshakes themselves.
+            self.waiting = True
+            self._queued_at = self._loop.time()
+            server._waiting[self] = None
+            self._deadline = self._loop.call_later(
+                min(server._eviction_age, server._handshake_timeout), self._waited
+            )
+
+    def greet(self) -> None:
+        """Send the challenge: the connection has its place in the unauthenticated pool."""
+        assert self._transport is not None
+        self.waiting = False
+        if self._deadline is not None:
+            self._deadline.cancel()
         self._server_nonce = new_nonce()
         challenge = {"v": PROTOCOL_VERSION, "type": "challenge", "nonce": self._server_nonce}
-        transport.write(_encode_frame(challenge) + b"\n")
-        self._deadline = self._loop.call_later(server._handshake_timeout, self._handshake_expired)
+        self._transport.write(_encode_frame(challenge) + b"\n")
+        self._deadline = self._loop.call_later(
+            self._server._handshake_timeout, self._handshake_expired
+        )
+        if self._buffer:
+            self._process()  # it spoke before its challenge: no hello can verify
+
+    def _waited(self) -> None:
+        """Another eviction_age in line: take an idler's place if there is one now. After
+        the handshake deadline in line, be refused as busy (RpcClient then tries again)."""
+        self._deadline = None
+        server = self._server
+        remaining = self._queued_at + server._handshake_timeout - self._loop.time()
+        final = remaining <= 0
+        try:
+            admitted = server._admit(self, _pool_clock(), final=final)
+        except _Rejected as rejected:
+            server._waiting.pop(self, None)
+            self._reject(rejected)
+            return
+        if admitted:
+            server._waiting.pop(self, None)
+            self.greet()
+        else:
+            self._deadline = self._loop.call_later(
+                min(server._eviction_age, remaining), self._waited
+            )
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
+            return
+        if self.waiting:
+            self._buffer += data
             return
         if not self.speaking:
             self.speaking = True
@@ -338,7 +391,7 @@ class _Connection(asyncio.Protocol):
         server = self._server
         client_nonce, label, identity, key = server._check_auth(hello, self._server_nonce)
         self._identity = identity
-        server._unauthenticated.pop(self, None)
+        server._release(self)
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -414,7 +467,7 @@ class _Connection(asyncio.Protocol):
         if self._closing or self._transport is None:
             return
         self._closing = True
-        self._server._unauthenticated.pop(self, None)
+        self._server._release(self)
         self._cancel_timers()
         transport = self._transport
         transport.write(frame + b"\n")
@@ -443,7 +496,7 @@ class _Connection(asyncio.Protocol):
             self._abort_timer.cancel()
             self._abort_timer = None
         self._server._connections.discard(self)
-        self._server._unauthenticated.pop(self, None)
+        self._server._release(self)
         if exc is not None:
             logger.debug("connection from %s ended: %r", self.peer, exc)
 
@@ -508,6 +561,8 @@ class RpcServer:
         self._eviction_age = eviction_age
         # In the order they came (dicts keep it), so the first evictable one is the oldest.
         self._unauthenticated: dict[_Connection, None] = {}
+        # Newcomers that found the pool full of young handshakes, in the order they came.
+        self._waiting: dict[_Connection, None] = {}
         self._lifecycle_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -645,13 +700,20 @@ class RpcServer:
             await self._server.wait_closed()
         asyncio.get_running_loop().stop()
 
-    def _admit(self, connection: _Connection) -> None:
-        """Put a new connection in the unauthenticated pool, or raise _Rejected (busy)."""
+    def _admit(self, connection: _Connection, now: float, *, final: bool) -> bool:
+        """Put a connection in the unauthenticated pool, in the place of the oldest silent
+        one older than eviction_age if it is full; return whether it got in.
+
+        When it cannot get in: raise _Rejected (busy) if ``final``, else return False (it
+        may wait in line).
+        """
         if len(self._unauthenticated) >= self._max_unauthenticated:
-            oldest_allowed = connection.opened - self._eviction_age
+            oldest_allowed = now - self._eviction_age
             for other in self._unauthenticated:
                 if other.opened > oldest_allowed:
                     # This one and every later one is too young to be taken for an idler.
+                    if not final:
+                        return False
                     raise _Rejected(
                         "busy",
                         "too many connections are authenticating; retry shortly",
@@ -666,12 +728,26 @@ class RpcServer:
                     )
                     break
             else:
+                if not final:
+                    return False
                 raise _Rejected(
                     "busy",
                     "too many connections are authenticating; retry shortly",
                     f"{self._max_unauthenticated} connections are sending their hello",
                 )
         self._unauthenticated[connection] = None
+        return True
+
+    def _release(self, connection: _Connection) -> None:
+        """``connection`` leaves the pool (or the line): the first in line takes its place."""
+        self._waiting.pop(connection, None)
+        if self._unauthenticated.pop(connection, _ABSENT) is _ABSENT:
+            return
+        while self._waiting and len(self._unauthenticated) < self._max_unauthenticated:
+            first = next(iter(self._waiting))
+            del self._waiting[first]
+            self._unauthenticated[first] = None
+            first.greet()
 
     def _check_auth(
         self, hello: dict[str, Any], server_nonce: str
