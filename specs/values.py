@@ -81,8 +81,9 @@ class Placement:
     def __post_init__(self) -> None:
         _check_hosts(self.hosts, "placement")
 
-    @property
+    @cached_property
     def size(self) -> int:
+        # Cached: every worker's `bind` asks, and a placement can hold thousands of GPUs.
         return sum(len(gpus) for _, gpus in self.hosts)
 
     def slots(self) -> tuple[Slot, ...]:
