@@ -43,8 +43,10 @@ since anyone who can reach the port can open them. When the pool is full, a newc
 the slot of the oldest connection that has sent no byte of its hello and is older than
 ``eviction_age`` (a real client answers the challenge in milliseconds, so that one is an
 idler); a connection whose hello has begun is never dropped for a newcomer (its handshake
-deadline still applies). If every silent connection is younger, the newcomer is refused
-at once with ``busy``. ``RpcClient`` retries a connection refused or dropped before the
+deadline still applies). If there is no such idler, the newcomer waits in line, silent,
+and gets its challenge as soon as a place frees, or every ``eviction_age`` takes the
+place of an idler that has become old enough; after ``handshake_timeout`` in line it is
+refused with ``busy``. ``RpcClient`` retries a connection refused or dropped before the
 welcome, with jittered exponential backoff, so a burst of workers larger than the pool
 all get in.
 """
@@ -52,18 +54,17 @@ all get in.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
 import random
 import re
+import resource
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeGuard
 
@@ -85,6 +86,16 @@ _CLIENT_LABEL_PATTERN = re.compile(rf"[A-Za-z0-9._:@\[\]/-]{{1,{_MAX_CLIENT_LABE
 # Distinct (identity, op) refusals logged; further ones are only counted.
 _MAX_FORBIDDEN_LOGGED = 1024
 _MAX_NONCE_CHARS = 128
+# Connects the kernel queues before accept: a starting job's shims (four per node, over
+# a whole allocation) connect at once, and a connect beyond the queue waits for a SYN
+# retransmit (1 s) instead of milliseconds. The kernel caps it at net.core.somaxconn.
+_LISTEN_BACKLOG = 4096
+_ABSENT = object()
+# Open files the server's process needs besides its connections (store, logs, listener).
+_DESCRIPTOR_MARGIN = 256
+DEFAULT_MAX_CONNECTIONS = 16384
+"""Enough for every shim of a 1,792-node x 4-GPU allocation binding at once (7,168), with
+room for the agents and for a flood of strangers; bounded by the open-file limit."""
 _AUTH_LOG_INTERVAL_S = 1.0
 _UNKNOWN_OP_LABEL = "<unknown>"
 # RpcClient's retries of a refused connection: the first pause is about this long...
@@ -165,10 +176,12 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, port
 
 
+# One encoder for every frame: json.dumps with options builds a new one per call.
+_FRAME_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
 def _encode_frame(message: Mapping[str, Any]) -> bytes:
-    return json.dumps(message, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
-        "utf-8"
-    )
+    return _FRAME_ENCODER.encode(message).encode("utf-8")
 
 
 def _decode_frame(line: bytes) -> dict[str, Any]:
@@ -202,10 +215,6 @@ class _Rejected(Exception):
         """Anyone can cause it: its log lines are rate-limited per peer host."""
 
 
-class _IdleClose(Exception):
-    """An authenticated connection was idle too long."""
-
-
 class _Refused(ConnectionError):
     """The server refused or dropped the connection; before its welcome, worth a retry."""
 
@@ -214,16 +223,309 @@ class _ConnectTimeout(TimeoutError):
     """A connect timed out; worth a retry."""
 
 
-@dataclass(slots=True)
-class _Pending:
-    """A connection's standing in the pool of those that have not authenticated."""
+class _Connection(asyncio.Protocol):
+    """One client connection, driven by the loop's callbacks: challenge, hello, requests.
 
-    writer: asyncio.StreamWriter
-    opened: float
-    """``_pool_clock()`` when the connection was accepted."""
-    speaking: bool = False
-    """Whether the first byte of its hello has arrived."""
-    authenticated: bool = False
+    A protocol object rather than a stream task per connection: a request is parsed,
+    dispatched and answered in one ``data_received`` call, with no task switch, no
+    future and no timer per request. The deadlines are timers armed only when they can
+    matter (the handshake, a frame left half-read, a peer that stops reading), and the
+    idle timer is checked against the time of the last request only when it fires.
+    """
+
+    def __init__(self, server: RpcServer, loop: asyncio.AbstractEventLoop) -> None:
+        self._server = server
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.opened = _pool_clock()
+        """``_pool_clock()`` when the connection was accepted (for eviction)."""
+        self.speaking = False
+        """Whether the first byte of its hello has arrived: never evicted from then on."""
+        self.waiting = False
+        """Whether it waits in line for a place in the unauthenticated pool."""
+        self._queued_at = 0.0
+        self._identity: Identity | None = None
+        self._server_nonce = ""
+        self._buffer = b""
+        self._closing = False
+        self._write_paused = False
+        self._last_request = 0.0
+        # The handshake deadline before authentication, then the partial-frame one.
+        self._deadline: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._abort_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def authenticated(self) -> bool:
+        return self._identity is not None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self.peer = _peer_label(transport.get_extra_info("peername"))
+        server = self._server
+        if server._shutting_down:
+            transport.abort()
+            return
+        server._connections.add(self)
+        try:
+            if len(server._connections) > server._max_connections:
+                raise _Rejected(
+                    "unavailable",
+                    "server is busy",
+                    f"at the limit of {server._max_connections} connections",
+                )
+            admitted = server._admit(self, self.opened, final=False)
+        except _Rejected as rejected:
+            self._reject(rejected)
+            return
+        if admitted:
+            self.greet()
+        else:
+            # The pool is full of young handshakes: wait in line (silent, no challenge
+            # yet) for a slot rather than be refused and come back, which in a burst of
+            # thousands of shims costs more than the handshakes themselves.
+            self.waiting = True
+            self._queued_at = self._loop.time()
+            server._waiting[self] = None
+            self._deadline = self._loop.call_later(
+                min(server._eviction_age, server._handshake_timeout), self._waited
+            )
+
+    def greet(self) -> None:
+        """Send the challenge: the connection has its place in the unauthenticated pool."""
+        assert self._transport is not None
+        self.waiting = False
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._server_nonce = new_nonce()
+        challenge = {"v": PROTOCOL_VERSION, "type": "challenge", "nonce": self._server_nonce}
+        self._transport.write(_encode_frame(challenge) + b"\n")
+        self._deadline = self._loop.call_later(
+            self._server._handshake_timeout, self._handshake_expired
+        )
+        if self._buffer:
+            self._process()  # it spoke before its challenge: no hello can verify
+
+    def _waited(self) -> None:
+        """Another eviction_age in line: take an idler's place if there is one now. After
+        the handshake deadline in line, be refused as busy (RpcClient then tries again)."""
+        self._deadline = None
+        server = self._server
+        remaining = self._queued_at + server._handshake_timeout - self._loop.time()
+        final = remaining <= 0
+        try:
+            admitted = server._admit(self, _pool_clock(), final=final)
+        except _Rejected as rejected:
+            server._waiting.pop(self, None)
+            self._reject(rejected)
+            return
+        if admitted:
+            server._waiting.pop(self, None)
+            self.greet()
+        else:
+            self._deadline = self._loop.call_later(
+                min(server._eviction_age, remaining), self._waited
+            )
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if self.waiting:
+            self._buffer += data
+            return
+        if not self.speaking:
+            self.speaking = True
+            if self._identity is None:
+                # The whole hello gets the handshake's short deadline from its first byte:
+                # one byte must not buy an idler a long stay in the pool of strangers.
+                self._rearm_deadline(self._server._handshake_timeout, self._handshake_expired)
+        self._buffer = self._buffer + data if self._buffer else data
+        self._process()
+
+    def _process(self) -> None:
+        """Answer every complete frame in the buffer, unless the peer is not reading."""
+        buffer = self._buffer
+        try:
+            while not self._closing and not self._write_paused:
+                end = buffer.find(b"\n")
+                if end < 0:
+                    break
+                line = buffer[:end]
+                buffer = buffer[end + 1 :]
+                if end > MAX_FRAME_BYTES:
+                    raise RpcServer._oversize()
+                try:
+                    frame = _decode_frame(line)
+                except ValueError as error:
+                    raise _Rejected("bad_request", str(error), str(error)) from None
+                identity = self._identity
+                if identity is None:
+                    self._authenticate(frame)
+                else:
+                    assert self._transport is not None
+                    response = self._server._dispatch(frame, identity, self.peer)
+                    self._transport.write(response + b"\n")
+                    self._last_request = self._loop.time()
+                    if self._deadline is not None:
+                        self._deadline.cancel()
+                        self._deadline = None
+        except _Rejected as rejected:
+            self._buffer = b""
+            self._reject(rejected)
+            return
+        self._buffer = buffer
+        if not buffer or self._closing or self._write_paused:
+            return
+        if len(buffer) > MAX_FRAME_BYTES:
+            self._buffer = b""
+            self._reject(RpcServer._oversize())
+        elif self._identity is not None and self._deadline is None:
+            # A frame has begun: the rest must follow within read_timeout so a trickling
+            # peer cannot hold the connection.
+            self._deadline = self._loop.call_later(self._server._read_timeout, self._frame_expired)
+
+    def _authenticate(self, hello: dict[str, Any]) -> None:
+        server = self._server
+        client_nonce, label, identity, key = server._check_auth(hello, self._server_nonce)
+        self._identity = identity
+        server._release(self)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        welcome = {
+            "type": "welcome",
+            "proof": prove(key, "server", self._server_nonce, client_nonce),
+        }
+        assert self._transport is not None
+        self._transport.write(_encode_frame(welcome) + b"\n")
+        logger.debug("authenticated client %s as %s from %s", label, identity, self.peer)
+        self._last_request = self._loop.time()
+        self._idle_timer = self._loop.call_later(server._idle_timeout, self._idle_check)
+
+    def _rearm_deadline(self, delay: float, callback: Callable[[], None]) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self._loop.call_later(delay, callback)
+
+    def _handshake_expired(self) -> None:
+        self._deadline = None
+        timeout = self._server._handshake_timeout
+        if self.speaking:
+            rejected = _Rejected(
+                "timeout",
+                "timed out reading a frame",
+                f"frame not completed within {timeout:g} s",
+                in_handshake=True,
+            )
+        else:
+            rejected = _Rejected(
+                "timeout",
+                "timed out waiting for authentication",
+                f"no auth frame within {timeout:g} s",
+                in_handshake=True,
+            )
+        self._reject(rejected)
+
+    def _frame_expired(self) -> None:
+        self._deadline = None
+        timeout = self._server._read_timeout
+        self._reject(
+            _Rejected(
+                "timeout", "timed out reading a frame", f"frame not completed within {timeout:g} s"
+            )
+        )
+
+    def _idle_check(self) -> None:
+        """Close the connection if no request came for idle_timeout; else look again later."""
+        self._idle_timer = None
+        if self._closing:
+            return
+        idle_timeout = self._server._idle_timeout
+        due = self._last_request + idle_timeout
+        if self._buffer or self._write_paused or due > self._loop.time():
+            # A frame in progress or unread responses have deadlines of their own.
+            self._idle_timer = self._loop.call_at(
+                max(due, self._loop.time() + idle_timeout / 4), self._idle_check
+            )
+            return
+        logger.debug("closing idle connection from %s", self.peer)
+        self._close_with(_connection_error("idle_timeout", "connection closed after idling"))
+
+    def _reject(self, rejected: _Rejected) -> None:
+        if rejected.in_handshake or self._identity is None:
+            # Anyone who can reach the port can cause these: rate-limited per host.
+            self._server._log_auth_failure(self.peer, rejected.reason)
+        else:
+            logger.warning("rejected connection from %s: %s", self.peer, rejected.reason)
+        self._close_with(_connection_error(rejected.code, rejected.client_message))
+
+    def _close_with(self, frame: bytes) -> None:
+        """Send a last frame and close; a peer that does not read it is cut off later."""
+        if self._closing or self._transport is None:
+            return
+        self._closing = True
+        self._server._release(self)
+        self._cancel_timers()
+        transport = self._transport
+        transport.write(frame + b"\n")
+        transport.close()
+        self._abort_timer = self._loop.call_later(self._server._read_timeout, transport.abort)
+
+    def abort(self) -> None:
+        self._closing = True
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._deadline, self._idle_timer, self._drain_timer):
+            if timer is not None:
+                timer.cancel()
+        self._deadline = self._idle_timer = self._drain_timer = None
+
+    def eof_received(self) -> bool | None:
+        logger.debug("connection from %s ended by the peer", self.peer)
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self._cancel_timers()
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
+            self._abort_timer = None
+        self._server._connections.discard(self)
+        self._server._release(self)
+        if exc is not None:
+            logger.debug("connection from %s ended: %r", self.peer, exc)
+
+    def pause_writing(self) -> None:
+        # The peer is not reading its responses: read no more requests until it does.
+        self._write_paused = True
+        if self._closing or self._transport is None:
+            return
+        self._transport.pause_reading()
+        self._drain_timer = self._loop.call_later(self._server._read_timeout, self._drain_expired)
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
+        if self._closing or self._transport is None:
+            return
+        self._transport.resume_reading()
+        self._process()
+
+    def _drain_expired(self) -> None:
+        self._drain_timer = None
+        logger.warning(
+            "closing connection from %s: it left responses unread for %g s",
+            self.peer,
+            self._server._read_timeout,
+        )
+        self.abort()
 
 
 class RpcServer:
@@ -238,7 +540,7 @@ class RpcServer:
         *,
         read_timeout: float = 10.0,
         idle_timeout: float = 300.0,
-        max_connections: int = 1024,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_unauthenticated: int = 256,
         handshake_timeout: float = 5.0,
         eviction_age: float = 1.0,
@@ -258,14 +560,17 @@ class RpcServer:
         self._handshake_timeout = min(handshake_timeout, read_timeout)
         self._eviction_age = eviction_age
         # In the order they came (dicts keep it), so the first evictable one is the oldest.
-        self._unauthenticated: dict[asyncio.Task[None], _Pending] = {}
+        self._unauthenticated: dict[_Connection, None] = {}
+        # Newcomers that found the pool full of young handshakes, in the order they came.
+        self._waiting: dict[_Connection, None] = {}
         self._lifecycle_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
         self._stopped = False
-        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._connections: set[_Connection] = set()
+        self._shutting_down = False
         self._counts: Counter[tuple[str, str]] = Counter()
         self._counts_lock = threading.Lock()
         # Peer host -> (time of the last auth-failure log line, lines suppressed since).
@@ -280,10 +585,16 @@ class RpcServer:
         return self._address
 
     def start(self) -> tuple[str, int]:
-        """Bind and serve in a daemon thread; return the bound address."""
+        """Bind and serve in a daemon thread; return the bound address.
+
+        Raises the process's soft limit on open files, within the hard limit, to what
+        ``max_connections`` needs; where the hard limit is lower, fewer connections are
+        allowed, and a warning says how many.
+        """
         with self._lifecycle_lock:
             if self._thread is not None or self._stopped:
                 raise RuntimeError("RpcServer can only be started once")
+            self._fit_descriptors()
             loop = asyncio.new_event_loop()
             ready = threading.Event()
             bind_errors: list[OSError] = []
@@ -301,6 +612,25 @@ class RpcServer:
             self._loop = loop
             self._thread = thread
             return self.address
+
+    def _fit_descriptors(self) -> None:
+        wanted = self._max_connections + _DESCRIPTOR_MARGIN
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY or soft >= wanted:
+            return
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            logger.info("raised the open-file soft limit from %d to %d", soft, target)
+        if target < wanted:
+            allowed = max(self._max_unauthenticated, target - _DESCRIPTOR_MARGIN)
+            logger.warning(
+                "the open-file hard limit %d allows %d connections, not %d",
+                hard,
+                allowed,
+                self._max_connections,
+            )
+            self._max_connections = allowed
 
     def stop(self) -> None:
         """Close the listener and every connection, and join the thread; idempotent."""
@@ -337,8 +667,11 @@ class RpcServer:
         try:
             try:
                 server = loop.run_until_complete(
-                    asyncio.start_server(
-                        self._serve_connection, self._host, self._port, limit=MAX_FRAME_BYTES
+                    loop.create_server(
+                        lambda: _Connection(self, loop),
+                        self._host,
+                        self._port,
+                        backlog=_LISTEN_BACKLOG,
                     )
                 )
             except OSError as error:
@@ -351,87 +684,36 @@ class RpcServer:
             ready.set()
             loop.run_forever()
         finally:
-            # Connections accepted while stopping may not have registered; end them too.
-            leftovers = asyncio.all_tasks(loop)
-            for task in leftovers:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     async def _shutdown(self) -> None:
+        self._shutting_down = True  # a connection accepted from now on is dropped at once
         if self._server is not None:
             self._server.close()
-        for task, writer in self._connections.items():
-            writer.transport.abort()
-            task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        for connection in list(self._connections):
+            connection.abort()
+        # Let the aborted transports run connection_lost, which closes their sockets.
+        while self._connections:
+            await asyncio.sleep(0)
         if self._server is not None:
             await self._server.wait_closed()
         asyncio.get_running_loop().stop()
 
-    async def _serve_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        try:
-            await self._serve(reader, writer)
-        except asyncio.CancelledError:
-            # stop() cancels the connections still open. Ending the task normally matters on
-            # Python 3.11, whose start_server callback logs a traceback for a cancelled one.
-            writer.transport.abort()
+    def _admit(self, connection: _Connection, now: float, *, final: bool) -> bool:
+        """Put a connection in the unauthenticated pool, in the place of the oldest silent
+        one older than eviction_age if it is full; return whether it got in.
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = _peer_label(writer.get_extra_info("peername"))
-        task = asyncio.current_task()
-        assert task is not None  # start_server runs each connection in its own task
-        pending = _Pending(writer, _pool_clock())
-        self._connections[task] = writer
-        try:
-            if len(self._connections) > self._max_connections:
-                raise _Rejected(
-                    "unavailable",
-                    "server is busy",
-                    f"at the limit of {self._max_connections} connections",
-                )
-            self._admit(task, pending, peer)
-            await self._converse(reader, writer, peer, pending)
-        except _Rejected as rejected:
-            if rejected.in_handshake or not pending.authenticated:
-                # Anyone who can reach the port can cause these: rate-limited per host.
-                self._log_auth_failure(peer, rejected.reason)
-            else:
-                logger.warning("rejected connection from %s: %s", peer, rejected.reason)
-            await self._send_quietly(
-                writer, _connection_error(rejected.code, rejected.client_message)
-            )
-        except _IdleClose:
-            logger.debug("closing idle connection from %s", peer)
-            await self._send_quietly(
-                writer, _connection_error("idle_timeout", "connection closed after idling")
-            )
-        except (ConnectionError, asyncio.IncompleteReadError) as error:
-            logger.debug("connection from %s ended: %r", peer, error)
-        except TimeoutError:
-            logger.warning(
-                "closing connection from %s: it left responses unread for %g s",
-                peer,
-                self._read_timeout,
-            )
-        except Exception:
-            # A bug here must cost one connection, never the server.
-            logger.exception("connection from %s failed", peer)
-        finally:
-            self._connections.pop(task, None)
-            self._unauthenticated.pop(task, None)
-            await self._close(writer)
-
-    def _admit(self, task: asyncio.Task[None], pending: _Pending, peer: str) -> None:
-        """Put a new connection in the unauthenticated pool, or raise _Rejected (busy)."""
+        When it cannot get in: raise _Rejected (busy) if ``final``, else return False (it
+        may wait in line).
+        """
         if len(self._unauthenticated) >= self._max_unauthenticated:
-            oldest_allowed = pending.opened - self._eviction_age
-            for other_task, other in self._unauthenticated.items():
+            oldest_allowed = now - self._eviction_age
+            for other in self._unauthenticated:
                 if other.opened > oldest_allowed:
                     # This one and every later one is too young to be taken for an idler.
+                    if not final:
+                        return False
                     raise _Rejected(
                         "busy",
                         "too many connections are authenticating; retry shortly",
@@ -439,49 +721,33 @@ class RpcServer:
                         f" and none has been silent for {self._eviction_age:g} s",
                     )
                 if not other.speaking:
-                    del self._unauthenticated[other_task]
-                    other.writer.transport.abort()
-                    logger.debug("dropped a silent unauthenticated connection for %s", peer)
+                    del self._unauthenticated[other]
+                    other.abort()
+                    logger.debug(
+                        "dropped a silent unauthenticated connection for %s", connection.peer
+                    )
                     break
             else:
+                if not final:
+                    return False
                 raise _Rejected(
                     "busy",
                     "too many connections are authenticating; retry shortly",
                     f"{self._max_unauthenticated} connections are sending their hello",
                 )
-        self._unauthenticated[task] = pending
+        self._unauthenticated[connection] = None
+        return True
 
-    async def _converse(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        peer: str,
-        pending: _Pending,
-    ) -> None:
-        server_nonce = new_nonce()
-        challenge = {"v": PROTOCOL_VERSION, "type": "challenge", "nonce": server_nonce}
-        await self._send(writer, _encode_frame(challenge))
-        hello = await self._read_frame(
-            reader, wait_timeout=self._handshake_timeout, pending=pending
-        )
-        if hello is None:
+    def _release(self, connection: _Connection) -> None:
+        """``connection`` leaves the pool (or the line): the first in line takes its place."""
+        self._waiting.pop(connection, None)
+        if self._unauthenticated.pop(connection, _ABSENT) is _ABSENT:
             return
-        client_nonce, label, identity, key = self._check_auth(hello, server_nonce)
-        pending.authenticated = True
-        task = asyncio.current_task()
-        if task is not None:
-            self._unauthenticated.pop(task, None)
-        welcome = {
-            "type": "welcome",
-            "proof": prove(key, "server", server_nonce, client_nonce),
-        }
-        await self._send(writer, _encode_frame(welcome))
-        logger.debug("authenticated client %s as %s from %s", label, identity, peer)
-        while True:
-            request = await self._read_frame(reader, wait_timeout=self._idle_timeout)
-            if request is None:
-                return
-            await self._send(writer, self._dispatch(request, identity, peer))
+        while self._waiting and len(self._unauthenticated) < self._max_unauthenticated:
+            first = next(iter(self._waiting))
+            del self._waiting[first]
+            self._unauthenticated[first] = None
+            first.greet()
 
     def _check_auth(
         self, hello: dict[str, Any], server_nonce: str
@@ -520,62 +786,6 @@ class RpcServer:
                 f"authentication failed for client {label} as {identity} (wrong token?)",
             )
         return client_nonce, label, identity, key
-
-    async def _read_frame(
-        self,
-        reader: asyncio.StreamReader,
-        *,
-        wait_timeout: float,
-        pending: _Pending | None = None,
-    ) -> dict[str, Any] | None:
-        """Read one frame, or None at a clean end of stream.
-
-        ``pending`` is the connection's standing while it is not authenticated (None
-        after). The first byte may take ``wait_timeout``; the rest of the frame must follow
-        within ``read_timeout`` (the handshake deadline before authentication) so a
-        trickling peer cannot hold the connection.
-        """
-        authenticated = pending is None
-        try:
-            # asyncio.timeout, not wait_for: wait_for wraps each await in a new Task, which
-            # was the largest avoidable cost per request (three per request).
-            async with asyncio.timeout(wait_timeout):
-                first = await reader.read(1)
-        except TimeoutError:
-            if authenticated:
-                raise _IdleClose from None
-            raise _Rejected(
-                "timeout",
-                "timed out waiting for authentication",
-                f"no auth frame within {wait_timeout:g} s",
-            ) from None
-        if not first:
-            return None
-        if pending is not None:
-            pending.speaking = True  # never dropped for a newcomer from now on
-        line = b""
-        if first != b"\n":
-            # Before authentication the whole hello gets the handshake's short deadline: one
-            # byte must not buy an idler the read timeout in the pool of strangers.
-            rest_timeout = self._read_timeout if authenticated else self._handshake_timeout
-            try:
-                async with asyncio.timeout(rest_timeout):
-                    rest = await reader.readuntil(b"\n")
-            except TimeoutError:
-                raise _Rejected(
-                    "timeout",
-                    "timed out reading a frame",
-                    f"frame not completed within {rest_timeout:g} s",
-                ) from None
-            except asyncio.LimitOverrunError:
-                raise self._oversize() from None
-            line = first + rest[:-1]
-        if len(line) > MAX_FRAME_BYTES:
-            raise self._oversize()
-        try:
-            return _decode_frame(line)
-        except ValueError as error:
-            raise _Rejected("bad_request", str(error), str(error)) from None
 
     @staticmethod
     def _oversize() -> _Rejected:
@@ -655,24 +865,6 @@ class RpcServer:
         self._auth_log_state[host] = (now, 0)
         more = f" ({suppressed} similar rejections suppressed)" if suppressed else ""
         logger.warning("rejected connection from %s: %s%s", peer, reason, more)
-
-    async def _send(self, writer: asyncio.StreamWriter, frame: bytes) -> None:
-        writer.write(frame + b"\n")
-        # A peer that never reads must not hold the handler forever.
-        async with asyncio.timeout(self._read_timeout):
-            await writer.drain()
-
-    async def _send_quietly(self, writer: asyncio.StreamWriter, frame: bytes) -> None:
-        with contextlib.suppress(ConnectionError, TimeoutError):
-            await self._send(writer, frame)
-
-    async def _close(self, writer: asyncio.StreamWriter) -> None:
-        writer.close()
-        try:
-            async with asyncio.timeout(self._read_timeout):
-                await writer.wait_closed()
-        except (OSError, TimeoutError):
-            writer.transport.abort()
 
 
 def _encode_result(request_id: int, result: object) -> bytes:

@@ -94,8 +94,8 @@ class Placement:
     def __post_init__(self) -> None:
         _check_hosts(self.hosts, "placement")
 
-    # Cached: a placement is immutable, and every decision reads each job's slots and size
-    # (a few thousand jobs on a full Perlmutter-sized pool).
+    # Cached: a placement is immutable, and every decision and every worker's `bind` reads
+    # its slots and size (thousands of jobs and GPUs on a Perlmutter-sized pool).
     @cached_property
     def size(self) -> int:
         return sum(len(gpus) for _, gpus in self.hosts)

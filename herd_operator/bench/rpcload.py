@@ -1,4 +1,5 @@
-"""`allocator-rpc`: authenticated requests on loopback against a raw TCP echo."""
+"""`allocator-rpc`'s RpcClient-thread rows (against a raw TCP echo) and the handlers and
+server parts the RPC benchmarks share."""
 
 from __future__ import annotations
 
@@ -12,15 +13,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from herd_operator.bench.harness import Context, Row, Stats, percentile
-from herd_operator.bench.jobs import bench_job
-from herd_operator.layout import StateLayout
-from herd_operator.rpc import BadRequest, RpcClient, RpcServer
-from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.engines.horovod import GrantPublisher
-from herd_operator.runtime.handlers import for_own_job
+from herd_operator.bench.harness import Row, Stats, percentile
+from herd_operator.rpc import BadRequest, RpcClient
 from herd_operator.runtime.store import Store
-from specs.values import Demand, Pool
 
 TOKEN = b"bench-token-0123456789abcdef0123"
 HANG_GUARD_S = 120.0
@@ -160,8 +155,8 @@ def measure_op(
     ours_latency.sort()
     echo_latency.sort()
     return Row(
-        name=f"allocator-rpc {op}, {clients} client(s)",
-        what=f"authenticated `{op}` round trips on loopback",
+        name=f"allocator-rpc {op}, {clients} RpcClient threads",
+        what=f"authenticated `{op}` round trips on loopback, one RpcClient per thread",
         unit="req/s",
         better="higher",
         baseline_label="raw TCP line echo",
@@ -174,35 +169,3 @@ def measure_op(
             "baseline_p99_ms": percentile(echo_latency, 99) * 1000,
         },
     )
-
-
-def run_allocator_rpc(ctx: Context) -> list[Row]:
-    layout = StateLayout(ctx.scratch / "state")
-    layout.create()
-    store = Store(layout.database)
-    store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
-    allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
-    allocator.request(Demand(JOB, 1, 4, 4))
-    handlers = {
-        "bind": for_own_job(allocator.handle_bind),
-        "report": for_own_job(report_handler(store)),
-    }
-    requests: list[tuple[str, dict[str, Any]]] = [
-        ("bind", {"job": JOB, "host": "localhost", "local_rank": 1, "pid": 1234}),
-        ("report", {"job": JOB, "epoch": 3, "world_size": 4, "rank": 0, "metrics": {}}),
-    ]
-    concurrency = (1, 8) if ctx.quick else (1, 64, 256)
-    total_calls = 200 if ctx.quick else 2560
-    rows = []
-    try:
-        with RpcServer(TOKEN, handlers) as server, echo_server() as echo:
-            for clients in concurrency:
-                for request in requests:
-                    per_client = max(5, total_calls // clients)
-                    rows.append(
-                        measure_op(server.address, echo, request, clients, per_client, ctx.repeat)
-                    )
-                    ctx.progress(f"allocator-rpc: {request[0]} with {clients} client(s) done")
-    finally:
-        store.close()
-    return rows

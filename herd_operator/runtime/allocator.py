@@ -157,6 +157,10 @@ class Allocator:
         self.drain_seconds = drain_seconds
         self.lost_grace_seconds = lost_grace_seconds
         self._present = present
+        # plain_presentation depends on the placement alone, so its answer is kept for the
+        # job's current placement (every worker's bind asks for it, and computing it is
+        # linear in the placement). Other presenters keep their own (Dispatch.present).
+        self._plain_presented: dict[str, tuple[Placement, Mapping[str, Sequence[Slot]]]] = {}
         self._on_event = on_event
         # The world size each job last reported, and since when it has been short of its
         # grant without a drop (absent while it is not).
@@ -703,7 +707,7 @@ class Allocator:
             grant = self._grants.get(job)
             if grant is None or not grant.placement.size:
                 raise NotFound(f"job {job!r} holds no GPUs")
-            slots = self._present(job, grant.placement).get(host, ())
+            slots = self._presentation(job, grant.placement).get(host, ())
             if local_rank >= len(slots):
                 raise NotFound(
                     f"job {job!r} holds {len(slots)} GPU(s) on {host!r}; no local rank {local_rank}"
@@ -718,6 +722,21 @@ class Allocator:
                 "" if host == real_host else host,
             )
         return {"gpu": gpu, "gpus": [g for _, g in slots], "virtual": self.virtual}
+
+    def _presentation(self, job: str, placement: Placement) -> Mapping[str, Sequence[Slot]]:
+        if self._present is not plain_presentation:
+            return self._present(job, placement)
+        cached = self._plain_presented.get(job)
+        if cached is not None and cached[0] is placement:
+            return cached[1]
+        presented = plain_presentation(job, placement)
+        if len(self._plain_presented) > 2 * len(self._grants) + 16:
+            # Forget jobs that are gone, so finished jobs' placements are not kept forever.
+            self._plain_presented = {
+                name: entry for name, entry in self._plain_presented.items() if name in self._grants
+            }
+        self._plain_presented[job] = (placement, presented)
+        return presented
 
     def bindings(self) -> list[Binding]:
         with self._lock:

@@ -57,6 +57,9 @@ class EngineDispatch:
         self._engines: dict[str, Engine] = {}
         self._job_engines: dict[str, Engine] = {}
         self._placements: dict[str, Placement] = {}
+        # job -> (engine, placement, its presentation): every worker's bind asks for it,
+        # and computing it is linear in the placement (a burst of binds was quadratic).
+        self._presented: dict[str, tuple[Engine, Placement, dict[str, tuple[Slot, ...]]]] = {}
 
     def engine(self, kind: str) -> Engine:
         """This operator's engine of `kind`, made on first use; raises UnknownEngineError."""
@@ -92,9 +95,17 @@ class EngineDispatch:
         """The placement under the names the job's engine shows it to its workers."""
         with self._lock:
             engine = self._job_engines.get(job)
+            cached = self._presented.get(job)
         if engine is None:
             return plain_presentation(job, placement)
-        return engine.present(job, placement)
+        # Placements are immutable and a new grant is a new object: identity is enough.
+        if cached is not None and cached[0] is engine and cached[1] is placement:
+            return cached[2]
+        presented = engine.present(job, placement)
+        with self._lock:
+            if self._job_engines.get(job) is engine:
+                self._presented[job] = (engine, placement, presented)
+        return presented
 
     def publish(self, job: str, placement: Placement) -> None:
         with self._lock:
@@ -107,6 +118,7 @@ class EngineDispatch:
         with self._lock:
             self._placements.pop(job, None)
             engine = self._job_engines.pop(job, None)
+            self._presented.pop(job, None)
             if engine is not None:
                 engine.withdraw(job)
 

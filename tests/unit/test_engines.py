@@ -32,7 +32,7 @@ from herd_operator.auth import job_key, read_token_file
 from herd_operator.cli.main import validate_files
 from herd_operator.environment import ENV_FILE_ENV, TOKEN_FILE_ENV
 from herd_operator.layout import StateLayout
-from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.allocator import Allocator, plain_presentation
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import ENGINES, EngineContext, engine_factory
 from herd_operator.runtime.engines.horovod import HorovodEngine
@@ -469,3 +469,24 @@ def test_a_launch_gets_its_own_key_and_the_spec_env_by_file_only(
     runtime.delete("a")
     runtime.reconcile_until("a", lambda: runtime.store.get_job("a") is None, "the deletion")
     assert not token_file.exists() and not env_file.exists()
+
+
+def test_dispatch_presents_a_placement_as_the_engine_attached_now_shows_it(
+    tmp_path: Path,
+) -> None:
+    """Every bind asks for the job's presentation, so it is kept per placement; a new
+    engine or none must not be answered from what the previous one presented."""
+    layout = StateLayout(tmp_path / "state")
+    layout.create()
+    engines = EngineDispatch(EngineContext(layout, ("localhost",)))
+    placement = Placement((("localhost", (0, 1)),))
+    plain = plain_presentation("a", placement)
+    assert engines.present("a", placement) == plain
+    horovod = engines.engine("horovod")
+    engines.attach("a", horovod)
+    shown = horovod.present("a", placement)
+    assert shown != plain  # the local host's second name holds GPU 1
+    assert engines.present("a", placement) == shown
+    assert engines.present("a", placement) is engines.present("a", placement)  # kept
+    engines.withdraw("a")
+    assert engines.present("a", placement) == plain
