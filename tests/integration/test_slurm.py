@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
 from herd_operator.environment import LAUNCH_ID_ENV, STATE_DIR_ENV
-from tests.integration.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
 from tests.integration.harness import HERD, OperatorHarness, digits_command, spec_document
 
 UNAVAILABLE = cluster_unavailable()
