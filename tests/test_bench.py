@@ -48,8 +48,13 @@ from herd_operator.cli import main
 from specs import load_spec_file
 from specs.values import Demand, Placement, Pool
 
-# Without the real-training benchmarks and `soak` (30 s even with --quick; its own tests below).
-CHEAP = [b.name for b in BENCHMARKS if b.name not in ("resize-stall", "training-overhead", "soak")]
+# Without the real-training benchmarks (test_slurm covers the multi-node path) and `soak`
+# (30 s even with --quick; its own tests below).
+CHEAP = [
+    b.name
+    for b in BENCHMARKS
+    if b.name not in ("resize-stall", "training-overhead", "multinode-resize", "soak")
+]
 
 
 def row(ours: list[float], baseline: list[float], better: Any = "lower") -> Row:

@@ -23,6 +23,7 @@ from herd_operator.bench.harness import (
     write_results,
 )
 from herd_operator.bench.history import run_history
+from herd_operator.bench.multinode import run_multinode_resize
 from herd_operator.bench.rpcflood import run_rpc_flood
 from herd_operator.bench.rpcscale import run_allocator_rpc
 from herd_operator.bench.scale import run_scale
@@ -61,6 +62,15 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "training-overhead",
         "samples/s of digits training on 2 workers, under the operator vs bare horovodrun",
         run_training_overhead,
+        full_repeat=3,
+        quick_repeat=1,
+        requires=TRAINING,
+    ),
+    Benchmark(
+        "multinode-resize",
+        "spec edit -> first training step at the new world size, growing a job from one"
+        " network-namespace host onto a second over ssh and back (real horovodrun; needs root)",
+        run_multinode_resize,
         full_repeat=3,
         quick_repeat=1,
         requires=TRAINING,

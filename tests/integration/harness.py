@@ -79,6 +79,27 @@ def marked_processes(state_dir: Path) -> dict[int, str]:
     return found
 
 
+def workers_by_host(state_dir: Path) -> dict[str, int]:
+    """Live workers of the operator on `state_dir`, counted per host they run on (the host
+    Horovod started them for: local ones and those started over ssh alike)."""
+    counts: dict[str, int] = {}
+    wanted = str(state_dir.resolve())
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            env = process.environ()
+            # A worker has its rank in its environment (the shim execs the user's command);
+            # the `sh -c` and `ssh` that start it have it only on their command lines.
+            if (
+                env.get(STATE_DIR_ENV) == wanted
+                and env.get(LAUNCH_ID_ENV)
+                and "HOROVOD_RANK" in env
+                and process.status() != psutil.STATUS_ZOMBIE
+            ):
+                host = env.get("HOROVOD_HOSTNAME", "?")
+                counts[host] = counts.get(host, 0) + 1
+    return counts
+
+
 def kill_marked_processes(state_dir: Path) -> None:
     """SIGKILL whatever jobs of `state_dir` still run: jobs outlive a killed operator, so a
     test that kills one must not leave them training after it failed."""

@@ -16,12 +16,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
-from herd_operator.environment import LAUNCH_ID_ENV, STATE_DIR_ENV
-from tests.integration.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
-from tests.integration.harness import HERD, OperatorHarness, digits_command, spec_document
+from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
+from tests.integration.harness import (
+    HERD,
+    OperatorHarness,
+    digits_command,
+    spec_document,
+    workers_by_host,
+)
 
 UNAVAILABLE = cluster_unavailable()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test cluster: {UNAVAILABLE}")
@@ -31,27 +35,6 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test cluste
 def cluster(tmp_path: Path) -> Iterator[NamespaceCluster]:
     with namespace_cluster(tmp_path / "cluster", compute=3, gpus=2) as made:
         yield made
-
-
-def workers_by_host(state_dir: Path) -> dict[str, int]:
-    """Live workers of the operator on `state_dir`, counted per host they run on (the host
-    Horovod started them for: local ones and those started over ssh alike)."""
-    counts: dict[str, int] = {}
-    wanted = str(state_dir.resolve())
-    for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            env = process.environ()
-            # A worker has its rank in its environment (the shim execs the user's command);
-            # the `sh -c` and `ssh` that start it have it only on their command lines.
-            if (
-                env.get(STATE_DIR_ENV) == wanted
-                and env.get(LAUNCH_ID_ENV)
-                and "HOROVOD_RANK" in env
-                and process.status() != psutil.STATUS_ZOMBIE
-            ):
-                host = env.get("HOROVOD_HOSTNAME", "?")
-                counts[host] = counts.get(host, 0) + 1
-    return counts
 
 
 def agents(herd: OperatorHarness) -> list[str]:

@@ -1,4 +1,4 @@
-"""Several hosts and a real Slurm on one machine, for the multi-node tests.
+"""Several hosts and a real Slurm on one machine: for the multi-node tests and benchmark.
 
 Each host is a network namespace with its own address, host name and `/etc/hosts`; a
 bridge in a namespace of its own joins them, and the root namespace gets no address and
@@ -10,8 +10,10 @@ devices made with mknod; the workers train on the CPU (virtual GPUs).
 
 Everything is started by `namespace_cluster()` and torn down when it ends, also when the
 test fails: processes first (each with its whole process group), then the namespaces.
-Needs root, `ip netns`, Debian's openssh-server, slurmctld, slurmd, slurm-client and
-munge (scripts/bootstrap.sh installs them as root); `cluster_unavailable()` says why not.
+Needs root, `ip netns` and Debian's openssh-server; with Slurm (the default) also slurmctld,
+slurmd, slurm-client and munge (scripts/bootstrap.sh installs them all as root);
+`cluster_unavailable()` says why not. Without Slurm (`slurm=False`) the hosts and their sshd
+are all there is: what a benchmark that names the hosts itself needs.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-NEEDED = ("ip", "nsenter", "unshare", "/usr/sbin/sshd", "munged", "slurmctld", "slurmd", "sbatch")
+NEEDED_FOR_HOSTS = ("ip", "nsenter", "unshare", "/usr/sbin/sshd", "ssh", "ssh-keygen")
+NEEDED_FOR_SLURM = ("munged", "slurmctld", "slurmd", "sbatch")
 SSHD_CONFIG = """\
 Port 22
 HostKey {root}/ssh/host_ed25519
@@ -96,11 +99,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """
 
 
-def cluster_unavailable() -> str | None:
-    """Why this machine cannot host the test cluster, None when it can."""
+def cluster_unavailable(slurm: bool = True) -> str | None:
+    """Why this machine cannot host the test cluster (with Slurm or not), None when it can."""
     if os.geteuid() != 0:
-        return "network namespaces and a real Slurm need root"
-    missing = [name for name in NEEDED if shutil.which(name) is None]
+        return "network namespaces" + (" and a real Slurm" if slurm else "") + " need root"
+    needed = NEEDED_FOR_HOSTS + (NEEDED_FOR_SLURM if slurm else ())
+    missing = [name for name in needed if shutil.which(name) is None]
     if missing:
         return f"not installed: {', '.join(missing)} (scripts/bootstrap.sh installs them as root)"
     probe = f"herdprobe{os.getpid()}"
@@ -116,6 +120,7 @@ class NamespaceCluster:
     root: Path
     compute: int = 3
     gpus_per_node: int = 2
+    slurm: bool = True
     subnet: str = "10.231.0"
     tag: str = field(default_factory=lambda: f"herd{os.getpid() % 100000}")
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -171,11 +176,23 @@ class NamespaceCluster:
             raise RuntimeError(f"{' '.join(argv)} on {host}: {result.stderr.strip()}")
         return result.stdout
 
-    def spawn(self, host: str | None, argv: Sequence[str], log: str) -> subprocess.Popen[bytes]:
+    def spawn(
+        self,
+        host: str | None,
+        argv: Sequence[str],
+        log: str,
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start `argv` on `host` (None: here) in a session of its own, output to `log`;
+        `env` is added to the cluster's environment. Stopped by `close()`."""
         out = open(self.root / "log" / log, "wb")  # noqa: SIM115 (the process keeps it)
         command = self.on(host, argv) if host else list(argv)
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=self.environ, start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**self.environ, **(env or {})},
+            start_new_session=True,
         )
         out.close()
         self.processes.append(process)
@@ -190,8 +207,9 @@ class NamespaceCluster:
             (self.root / directory).mkdir(parents=True, exist_ok=True)
         self._network()
         self._ssh()
-        self._munge()
-        self._slurm()
+        if self.slurm:
+            self._munge()
+            self._slurm()
 
     def _network(self) -> None:
         lines = ["127.0.0.1 localhost", *(f"{self.address(h)} {h}" for h in self.hosts)]
@@ -302,8 +320,9 @@ class NamespaceCluster:
 
     def close(self) -> None:
         """Stop every process this cluster started, then remove its namespaces."""
-        with contextlib.suppress(Exception):
-            self.run(self.controller, ["scancel", "--full", "-u", "root"], timeout=10)
+        if self.slurm:
+            with contextlib.suppress(Exception):
+                self.run(self.controller, ["scancel", "--full", "-u", "root"], timeout=10)
         for process in reversed(self.processes):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
@@ -355,8 +374,10 @@ class NamespaceCluster:
 
 
 @contextlib.contextmanager
-def namespace_cluster(root: Path, compute: int = 3, gpus: int = 2) -> Iterator[NamespaceCluster]:
-    cluster = NamespaceCluster(root, compute, gpus)
+def namespace_cluster(
+    root: Path, compute: int = 3, gpus: int = 2, slurm: bool = True
+) -> Iterator[NamespaceCluster]:
+    cluster = NamespaceCluster(root, compute, gpus, slurm)
     try:
         cluster.start()
         yield cluster

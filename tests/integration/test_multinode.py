@@ -1,0 +1,102 @@
+"""An operator on one of its own pool's nodes, as a batch script runs on an allocation's
+first node: a job placed on that node alone must start, grow onto another node over ssh,
+and shrink back.
+
+Stock horovodrun cannot start such a job (with `--network-interface eth0` and only local
+hosts it looks for 127.0.0.1 on eth0 and exits); the operator's own driver must. Two
+network-namespace hosts with an sshd each, no Slurm (test_slurm covers the allocation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
+from herd_operator.bench.multinode import job_environment, stop_session
+from tests.integration.harness import (
+    HERD,
+    OperatorHarness,
+    digits_command,
+    spec_document,
+    workers_by_host,
+)
+
+UNAVAILABLE = cluster_unavailable(slurm=False)
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test hosts: {UNAVAILABLE}")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[NamespaceCluster]:
+    with namespace_cluster(tmp_path / "cluster", compute=2, gpus=2, slurm=False) as made:
+        yield made
+
+
+@pytest.mark.timeout(420)
+def test_a_job_on_the_operators_own_node_starts_grows_onto_another_and_shrinks_back(
+    tmp_path: Path, cluster: NamespaceCluster
+) -> None:
+    herd = OperatorHarness(tmp_path / "herd")  # its store and spec helpers; the operator runs on h1
+    herd.specs_dir.mkdir(parents=True)
+    operator = cluster.spawn(
+        "h1",
+        [
+            HERD, "run", "--specs-dir", str(herd.specs_dir), "--state-dir", str(herd.layout.root),
+            "--hosts", "h1:2,h2:2", "--network-interface", "eth0",
+            "--resync-seconds", "0.5", "--relist-seconds", "1", "--grace-seconds", "5",
+            "--min-resize-interval", "1", "--metrics-port", "0",
+        ],
+        "operator.log",
+        job_environment(cluster),
+    )  # fmt: skip
+    log = cluster.root / "log" / "operator.log"
+    command = digits_command(10_000, "--step-delay", "0.05", "--batch-size", "64")
+
+    def job_at(gpus: int, hosts: list[str]) -> bool:
+        job = herd.job("home")
+        reports = herd.reports("home")
+        return (
+            job is not None
+            and sorted(job["placement"]) == hosts
+            and job["gpus"]["allocated"] == gpus
+            and bool(reports)
+            and reports[-1].world_size == gpus
+        )
+
+    def at(gpus: int) -> dict[str, object]:
+        return spec_document(
+            "home", 2, 4, command, policy={"name": "static", "params": {"gpus": gpus}}
+        )
+
+    try:
+        herd.wait_for(herd.layout.endpoint_file.exists, "the operator's endpoint file", 60)
+        # An empty pool places a 2-GPU job on its first node: the operator's own.
+        herd.write_spec(at(2))
+        herd.wait_for(lambda: job_at(2, ["h1"]), "home training at 2 on h1", 150, job="home")
+        assert workers_by_host(herd.layout.root) == {"h1": 2}
+
+        herd.write_spec(at(4))
+        herd.wait_for(lambda: job_at(4, ["h1", "h2"]), "home at 4 on h1 and h2", 150, job="home")
+        assert workers_by_host(herd.layout.root) == {"h1": 2, "h2": 2}
+
+        herd.write_spec(at(2))
+        herd.wait_for(lambda: job_at(2, ["h1"]), "home back at 2 on h1", 120, job="home")
+        herd.wait_for(
+            lambda: workers_by_host(herd.layout.root) == {"h1": 2},
+            "h2's workers to exit",
+            60,
+            job="home",
+        )
+
+        (herd.specs_dir / "home.yaml").unlink()
+        herd.wait_for(
+            lambda: not workers_by_host(herd.layout.root), "every worker on every host to exit", 60
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            stop_session(operator)
+    text = log.read_text()
+    assert "Traceback" not in text, text[-4000:]
