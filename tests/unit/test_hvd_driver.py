@@ -219,3 +219,17 @@ def test_the_engine_starts_the_driver_by_default_with_horovodruns_arguments(
     assert not layout.discovery_script("train").exists()  # no script: nothing runs it
     fallback = engine.launch_argv(make_job(horovod={"launcher": "horovodrun"}), 2)
     assert "--host-discovery-script" in fallback
+
+
+def test_given_interfaces_are_used_as_given_even_when_the_first_hosts_are_all_local() -> None:
+    # Horovod's own choice looks for 127.0.0.1 on `eth0` here and raises; workers of nodes
+    # the job grows onto later need the rendezvous on the given interface.
+    from horovod.runner.elastic.settings import ElasticSettings
+
+    from herd_operator.runtime.engines.hvd_driver import job_interfaces
+
+    settings = ElasticSettings(
+        discovery=None, min_num_proc=1, max_num_proc=4, elastic_timeout=600,
+        reset_limit=None, cooldown_range=None, nics={"eth0", "ib0"},
+    )  # fmt: skip
+    assert job_interfaces(settings, ["localhost"]) == ["eth0", "ib0"]

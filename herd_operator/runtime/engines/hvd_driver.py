@@ -379,6 +379,20 @@ class MissedUpdateRedelivery:
         threading.Thread(target=self.run, name="missed-updates", daemon=True).start()
 
 
+def job_interfaces(settings: ElasticSettings, first_hosts: Sequence[str]) -> Sequence[str]:
+    """The interfaces the job's workers and rendezvous use, fixed for the life of the job.
+
+    With `--network-interface` given they are used as given. Horovod's own choice differs
+    when the first hosts are all this node: it then looks for 127.0.0.1 on the given
+    interfaces and fails (`eth0` has none), so an operator on one of its pool's nodes could
+    not start a job placed on that node alone; and 127.0.0.1 would strand the workers of
+    other nodes the job grows onto later. Without interfaces, Horovod's probe decides.
+    """
+    if settings.nics:
+        return sorted(settings.nics)
+    return list(driver_service.get_common_interfaces(settings, first_hosts))
+
+
 def run_elastic(args: argparse.Namespace, grant_file: Path, poll_seconds: float) -> None:
     """Horovod's elastic Gloo launch (`_run_elastic` and `launch_gloo_elastic` of
     horovodrun), with the grant file as discovery and local workers started directly."""
@@ -431,7 +445,7 @@ def run_elastic(args: argparse.Namespace, grant_file: Path, poll_seconds: float)
     port = rendezvous.start(create_rendezvous_handler(driver))
     min_hosts = horovod_gloo._get_min_start_hosts(settings)
     hosts = driver.wait_for_available_slots(settings.num_proc, min_hosts=min_hosts)
-    nics = driver_service.get_common_interfaces(settings, hosts.host_assignment_order)
+    nics = job_interfaces(settings, hosts.host_assignment_order)
     server_ip = network.get_driver_ip(nics)
     shutdown = horovod_gloo.register_shutdown_event()
     create_worker = make_worker_factory(
