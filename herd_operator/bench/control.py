@@ -79,7 +79,13 @@ def spec_text(name: str) -> str:
             "apiVersion": "herd/v1alpha1",
             "kind": "HerdJob",
             "metadata": {"name": name},
-            "spec": {"command": ["true"], "gpus": {"min": 1, "max": 1}},
+            # The bare launcher: the fake `horovodrun` marks the instant the launch command
+            # runs (the default driver would start Horovod's real driver instead).
+            "spec": {
+                "command": ["true"],
+                "gpus": {"min": 1, "max": 1},
+                "horovod": {"launcher": "horovodrun"},
+            },
         }
     )
 
