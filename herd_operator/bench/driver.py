@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures
+from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures, stop_session
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.engines.horovod import DRIVER_MODULE, horovodrun_executable
 from herd_operator.runtime.operator import Operator, OperatorConfig
@@ -72,17 +72,6 @@ def wait_for_workers(roots: list[int], count: int) -> None:
         time.sleep(0.2)
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
 @contextlib.contextmanager
 def idle_job(root: Path, mode: str) -> Iterator[int]:
     """One idle elastic job on one slot, under our driver or bare horovodrun; yields its pid."""
@@ -106,7 +95,7 @@ def idle_job(root: Path, mode: str) -> Iterator[int]:
         wait_for_workers([process.pid], 1)
         yield process.pid
     finally:
-        _stop(process)
+        stop_session(process)
 
 
 def idle_cpu_share(root: Path, mode: str, window: float) -> float:

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import tempfile
 import time
@@ -398,3 +399,16 @@ def write_results(
     report = output / "benchmarks.json"
     report.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
     return markdown, report
+
+
+def stop_session(process: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    """SIGTERM the session `process` leads (it was started with `start_new_session`), and
+    SIGKILL it when it has not ended after `grace` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -37,13 +36,21 @@ import psutil
 import yaml
 
 from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
-from herd_operator.bench.harness import Context, Row, Skip, Stats, paired_ratio_figures
+from herd_operator.bench.harness import (
+    Context,
+    Row,
+    Skip,
+    Stats,
+    paired_ratio_figures,
+    stop_session,
+)
 from herd_operator.bench.training import (
     REPO,
     StepLog,
     modified_at,
     resize_stalls,
     train_command,
+    training_spec,
 )
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.engines.horovod import horovodrun_executable
@@ -92,18 +99,6 @@ def wait_until_gone(marker: str, what: str) -> None:
         time.sleep(0.2)
 
 
-def stop_session(process: subprocess.Popen[bytes], grace: float = 20.0) -> None:
-    """SIGTERM the process's session, SIGKILL it after `grace` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, 15)
-    try:
-        process.wait(grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, 9)
-        process.wait()
-
-
 # ---- bare horovodrun ----
 
 
@@ -139,7 +134,7 @@ def bare_run(cluster: NamespaceCluster, root: Path, label: str) -> Iterator[Bare
     try:
         yield BareRun(hosts_file, log)
     finally:
-        stop_session(process)
+        stop_session(process, 20.0)
         wait_until_gone(str(log.path), label)
 
 
@@ -156,17 +151,7 @@ class OperatorRun:
         return self.specs_dir / f"{JOB}.yaml"
 
     def resize(self, size: int) -> float:
-        document = {
-            "apiVersion": "herd/v1alpha1",
-            "kind": "HerdJob",
-            "metadata": {"name": JOB},
-            "spec": {
-                "command": train_command(self.log.path),
-                "workingDir": str(REPO),
-                "gpus": {"min": 2, "max": 2 * GPUS_PER_HOST},
-                "policy": {"name": "static", "params": {"gpus": size}},
-            },
-        }
+        document = training_spec(JOB, self.log.path, 2, 2 * GPUS_PER_HOST, size)
         write_atomically(self.spec_path, yaml.safe_dump(document))
         return modified_at(self.spec_path)
 

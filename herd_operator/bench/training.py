@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -17,11 +16,18 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import yaml
 
-from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures
+from herd_operator.bench.harness import (
+    Context,
+    Row,
+    Stats,
+    paired_ratio_figures,
+    stop_session,
+)
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.engines.horovod import horovodrun_executable
 from herd_operator.runtime.operator import Operator, OperatorConfig
@@ -39,6 +45,21 @@ def train_command(step_log: Path) -> list[str]:
     """The example training script itself, long enough to be stopped, logging every step."""
     script = REPO / "examples" / "train_digits.py"
     return ["python", str(script), "--epochs", "1000000", "--step-log", str(step_log)]
+
+
+def training_spec(name: str, step_log: Path, min_np: int, max_np: int, size: int) -> dict[str, Any]:
+    """A HerdJob of the example training script held at `size` GPUs by the `static` policy."""
+    return {
+        "apiVersion": "herd/v1alpha1",
+        "kind": "HerdJob",
+        "metadata": {"name": name},
+        "spec": {
+            "command": train_command(step_log),
+            "workingDir": str(REPO),
+            "gpus": {"min": min_np, "max": max_np},
+            "policy": {"name": "static", "params": {"gpus": size}},
+        },
+    }
 
 
 @dataclass
@@ -141,18 +162,7 @@ def bare_job(root: Path, size: int, min_np: int, max_np: int) -> Iterator[BareJo
     try:
         yield BareJob(hosts_file, log)
     finally:
-        _stop_group(process)
-
-
-def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        stop_session(process)
 
 
 # ---- under the operator ----
@@ -196,17 +206,7 @@ class OperatorJob:
         return self.operator.config.specs_dir / f"{JOB}.yaml"
 
     def write_spec(self, size: int) -> None:
-        document = {
-            "apiVersion": "herd/v1alpha1",
-            "kind": "HerdJob",
-            "metadata": {"name": JOB},
-            "spec": {
-                "command": train_command(self.log.path),
-                "workingDir": str(REPO),
-                "gpus": {"min": self.min_np, "max": self.max_np},
-                "policy": {"name": "static", "params": {"gpus": size}},
-            },
-        }
+        document = training_spec(JOB, self.log.path, self.min_np, self.max_np, size)
         tmp = self.spec_path.with_name(f".{JOB}.yaml.tmp")
         tmp.write_text(yaml.safe_dump(document))
         os.replace(tmp, self.spec_path)

@@ -24,6 +24,7 @@ from typing import TypeVar
 import psutil
 import pytest
 
+from herd_operator.bench.harness import stop_session
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.engines.horovod import DRIVER_MODULE
 
@@ -113,14 +114,7 @@ def driver_job(
     try:
         yield job
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_session(process, 20.0)
         for proc in marked(mark):  # a leftover fails the test below; do not leave it running
             with contextlib.suppress(psutil.Error):
                 proc.kill()

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
-from herd_operator.bench.multinode import job_environment, stop_session
+from herd_operator.bench.harness import stop_session
+from herd_operator.bench.multinode import job_environment
 from tests.integration.harness import (
     HERD,
     OperatorHarness,
