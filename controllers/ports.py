@@ -18,6 +18,11 @@ from specs.values import Demand, Grant, Report, UsageSample
 
 EventType = Literal["Normal", "Warning"]
 
+REPORT_DEADLINE_SECONDS = 600.0
+"""How long a launch may run without any worker's report before `Reporting=False` and a
+Warning say so (workers report at each epoch end and reset through herd_operator.worker).
+Here, not in the reconciler, so the CLI's and the runtime's defaults need no control loop."""
+
 
 @dataclass(frozen=True)
 class SpecView:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from controllers.errors import PermanentError, TemporaryError
 from controllers.ports import (
+    REPORT_DEADLINE_SECONDS,
     AllocatorPort,
     EventType,
     JobRecord,
@@ -50,11 +51,6 @@ TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
 USAGE_HISTORY_SECONDS = 3600.0
 """GPU usage samples older than this are not read for a policy (an epoch longer than an hour
 is averaged over its last hour)."""
-
-
-REPORT_DEADLINE_SECONDS = 600.0
-"""How long a launch may run without any worker's report before `Reporting=False` and a
-Warning say so (workers report at each epoch end and reset through herd_operator.worker)."""
 
 
 def restart_delay(restarts: int, base: float = 1.0, cap: float = 60.0) -> float:

@@ -66,17 +66,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, TypeGuard
-
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_before_delay,
-)
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from herd_operator.auth import ADMIN, Identity, derive_key, is_host, new_nonce, prove, verify
+
+if TYPE_CHECKING:
+    from tenacity import RetryCallState
 
 PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 * 1024
@@ -1024,6 +1019,14 @@ class RpcClient:
             nonlocal attempts
             attempts += 1
             return self._connect_once()
+
+        # Here, not at the top: the operator serves without it, and starts sooner.
+        from tenacity import (
+            Retrying,
+            retry_if_exception_type,
+            stop_after_attempt,
+            stop_before_delay,
+        )
 
         retrying = Retrying(
             retry=retry_if_exception_type((_Refused, _ConnectTimeout)),

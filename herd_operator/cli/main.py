@@ -28,12 +28,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import yaml
-
-from controllers.ports import JobRecord
-from controllers.reconciler import REPORT_DEADLINE_SECONDS
+from controllers.ports import REPORT_DEADLINE_SECONDS, JobRecord
 from herd_operator.cli.logs import show_log
 from herd_operator.cli.selectors import Selector, SelectorError, parse_selector
 from herd_operator.cli.views import (
@@ -59,8 +56,9 @@ from herd_operator.runtime.store import (
     StoreError,
     UnreadableSpecError,
 )
-from policies.registry import builtin_params_models
-from specs import SpecFile, index_specs, json_schema, load_spec_file
+
+if TYPE_CHECKING:
+    from specs import SpecFile
 
 _Number = TypeVar("_Number", int, float)
 
@@ -756,6 +754,8 @@ def _print_objects(
         if args.output == "json":
             print(json.dumps(shown, indent=2), flush=True)
         else:
+            import yaml  # here: `run` never needs it, and starts sooner without it
+
             print(yaml.safe_dump(shown, sort_keys=False), end="", flush=True)
         return
     if args.output == "name":
@@ -975,6 +975,7 @@ def cmd_check_state(args: argparse.Namespace) -> int:
 def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
     """Load each file, check its policy and engine, and check names across the files."""
     from herd_operator.runtime.specdir import with_known_references
+    from specs import index_specs, load_spec_file
 
     files = [with_known_references(load_spec_file(path)) for path in paths]
     problems = [str(error) for spec_file in files for error in spec_file.errors]
@@ -1002,6 +1003,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    from policies.registry import builtin_params_models
+    from specs import json_schema
+
     print(json.dumps(json_schema(builtin_params_models()), indent=2))
     return EXIT_OK
 

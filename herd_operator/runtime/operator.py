@@ -20,25 +20,16 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry
 
-from controllers.loop import ControlLoop
-from controllers.reconciler import REPORT_DEADLINE_SECONDS, JobReconciler
+from controllers.ports import REPORT_DEADLINE_SECONDS
 from controllers.workqueue import WorkQueue
 from exporters.collector import GpuCollector
-from exporters.dcgm import (
-    DcgmPrometheusGpuSource,
-    DcgmScrapeGpuSource,
-    JobMappingLoop,
-    JobMappingWriter,
-    dcgm_exporter_urls,
-)
 from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource
-from exporters.sources import PrometheusGpuSource, ScrapeGpuSource
 from herd_operator.auth import agent_key, ensure_token_file, write_token_file
 from herd_operator.environment import ALLOCATOR_ENV, GPU_ENV, STATE_DIR_ENV
 from herd_operator.layout import (
@@ -79,9 +70,16 @@ from herd_operator.runtime.pruner import (
     PRUNE_INTERVAL_SECONDS,
     Pruner,
 )
-from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB, Store, StoreError
 from specs.values import Placement, Pool
+
+if TYPE_CHECKING:
+    # Imported where used, once the operator serves: a restarted operator answers its
+    # jobs' workers before it spends the time to import the control loop, the policies,
+    # the spec directory's watcher and the optional metric sources.
+    from controllers.loop import ControlLoop
+    from exporters.dcgm import JobMappingLoop
+    from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +228,7 @@ class Operator:
         self.exporters: ExporterRegistry | None = None
         self.nodes: NodeWatch | None = None
         self.loop: ControlLoop | None = None
-        self.specs = SpecDirectory(config.specs_dir)
+        self.specs: SpecDirectory | None = None
         self.ready = threading.Event()
         self.pruner: Pruner | None = None
 
@@ -350,6 +348,11 @@ class Operator:
             config.specs_dir,
             self.layout.root,
         )
+        from controllers.loop import ControlLoop
+        from controllers.reconciler import JobReconciler
+        from herd_operator.runtime.specdir import SpecDirectory
+
+        self.specs = SpecDirectory(config.specs_dir)
         reconciler = JobReconciler(
             self.specs,
             store,
@@ -455,7 +458,14 @@ class Operator:
 
     def _observed_gpus(self, local: GpuSource | None, exporters: ExporterRegistry) -> GpuSource:
         """Where the policies' memory signal comes from: the exported metrics, read back."""
+        # Each source imported only when chosen: most runs use none of them.
         if self.config.gpu_metrics == "dcgm":
+            from exporters.dcgm import (
+                DcgmPrometheusGpuSource,
+                DcgmScrapeGpuSource,
+                dcgm_exporter_urls,
+            )
+
             if self.config.prometheus_url:
                 return DcgmPrometheusGpuSource(self.config.prometheus_url)
             hosts = [host for host, _ in self.config.pool.pool.hosts]
@@ -463,9 +473,13 @@ class Operator:
                 list(self.config.dcgm_exporter_urls) or dcgm_exporter_urls(hosts)
             )
         if self.config.prometheus_url:
+            from exporters.sources import PrometheusGpuSource
+
             return PrometheusGpuSource(self.config.prometheus_url)
         if local is not None:
             return local
+        from exporters.sources import ScrapeGpuSource
+
         return ScrapeGpuSource(exporters.urls)
 
     def _job_mapping(self, allocator: Allocator) -> JobMappingLoop | None:
@@ -490,6 +504,8 @@ class Operator:
                 for slot_host, index in placement.slots()
                 if slot_host == host
             }
+
+        from exporters.dcgm import JobMappingLoop, JobMappingWriter
 
         return JobMappingLoop(JobMappingWriter(directory, owners))
 
@@ -629,6 +645,9 @@ class Operator:
         except BaseException:
             self._abandon_start(recorded)
             raise
+        from herd_operator.runtime.specdir import DirectoryWatcher
+
+        assert self.specs is not None
         self.watcher = DirectoryWatcher(
             self.specs,
             loop.wake_all,

@@ -1,0 +1,108 @@
+"""Restart to serving, no jobs: how long `herd-operator run` takes, from its exec until its
+endpoint file names it, started again and again on one state dir (each killed with
+SIGKILL once it serves, as the chaos test does).
+
+    python scripts/restart_probe.py --rounds 9 TREE [TREE...]
+
+Each TREE is a checkout of this project; rounds alternate between the trees (so load
+that comes and goes hits each alike), each under PYTHONPATH=TREE with this interpreter.
+Prints one line per start, then per tree the median and the spread, and the load average
+at the start and the end of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HANG_GUARD_S = 60.0
+
+
+def start_to_serving(tree: Path, specs: Path, state: Path) -> float:
+    argv = [sys.executable, "-m", "herd_operator.cli", "run", "--specs-dir", str(specs),
+            "--state-dir", str(state), "--hosts", "localhost:4", "--metrics-port", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    started = time.monotonic()
+    operator = subprocess.Popen(
+        argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads((state / "allocator.json").read_text())["pid"] == operator.pid:
+                    return time.monotonic() - started
+            if operator.poll() is not None:
+                raise RuntimeError(f"{tree}: the operator exited with {operator.returncode}")
+            if time.monotonic() - started > HANG_GUARD_S:
+                raise RuntimeError(f"{tree}: not serving after {HANG_GUARD_S} s")
+            time.sleep(0.005)
+    finally:
+        operator.send_signal(signal.SIGKILL)
+        operator.wait()
+
+
+def stop_cleanly(tree: Path, specs: Path, state: Path) -> None:
+    """One last start stopped with SIGTERM, so the runtime dir it made goes too."""
+    argv = [sys.executable, "-m", "herd_operator.cli", "run", "--specs-dir", str(specs),
+            "--state-dir", str(state), "--hosts", "localhost:4", "--metrics-port", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    operator = subprocess.Popen(
+        argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not (state / "allocator.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    operator.send_signal(signal.SIGTERM)
+    try:
+        operator.wait(30)
+    except subprocess.TimeoutExpired:
+        operator.kill()
+        operator.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trees", nargs="+", type=Path)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    base = Path(tempfile.mkdtemp(prefix="restart-probe-"))
+    times: dict[Path, list[float]] = {tree: [] for tree in args.trees}
+    try:
+        dirs = {}
+        for index, tree in enumerate(args.trees):
+            specs, state = base / f"specs-{index}", base / f"state-{index}"
+            specs.mkdir()
+            dirs[tree] = (specs, state)
+            start_to_serving(tree, specs, state)  # the first start creates the state dir
+        for round_ in range(args.rounds):
+            for tree in args.trees if round_ % 2 == 0 else reversed(args.trees):
+                seconds = start_to_serving(tree, *dirs[tree])
+                times[tree].append(seconds)
+                print(f"{tree}: {seconds:.3f} s", flush=True)
+        for tree in args.trees:
+            stop_cleanly(tree, *dirs[tree])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    load_after = os.getloadavg()
+    for tree, seconds in times.items():
+        print(
+            f"{tree}: median {statistics.median(seconds):.2f} s "
+            f"({min(seconds):.2f}-{max(seconds):.2f}), {len(seconds)} starts"
+        )
+    print(f"load average (1 min): {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
