@@ -2,11 +2,12 @@
 
 The operator writes a random master token to a file only its user can read. Each
 client speaks as an identity: ``admin`` (the master token itself), ``job:<name>``
-(a job's processes) or ``agent:<host>`` (a node exporter). The key of a job or of
-the agents is derived from the master token, so the server needs no per-job state
-and a restarted operator with the same master token accepts the credentials its
-predecessor handed out. A job's key proves only that job's identity: it cannot be
-turned into the master token nor into another job's key. Clients prove they know
+(a job's processes) or ``agent:<host>`` (the node agent of one host). The key of a
+job or of a host's agent is derived from the master token and the job's or host's name,
+so the server needs no per-client state and a restarted operator with the same master
+token accepts the credentials its predecessor handed out. A job's key proves only that
+job's identity, a host's agent key only that host's: neither can be turned into the
+master token nor into another job's or host's key. Clients prove they know
 their key with an HMAC over fresh nonces, so no key ever crosses the network.
 """
 
@@ -87,24 +88,37 @@ def agent_identity(host: str) -> Identity:
 
 
 def derive_key(master: bytes, identity: Identity) -> bytes:
-    """The key ``identity`` proves itself with: the master token for admin, else an HMAC of it.
-
-    All agents share one key (a node exporter may run on any host of the allocation);
-    each job has its own.
-    """
+    """The key ``identity`` proves itself with: the master token for admin, else an HMAC of
+    it and the job's or the host's name (each job and each host's agent has its own)."""
     if identity.kind == "admin":
         return master
     if identity.kind == "job":
         return job_key(master, identity.name)
-    return agent_key(master)
+    return agent_key(master, identity.name)
 
 
 def job_key(master: bytes, job: str) -> bytes:
     return bytes.fromhex(prove(master, "herd-job-key", job))
 
 
-def agent_key(master: bytes) -> bytes:
-    return bytes.fromhex(prove(master, "herd-agent-key"))
+def agent_key(master: bytes, host: str) -> bytes:
+    """The key of the agent of ``host``: it proves ``agent:<host>`` and nothing else."""
+    return bytes.fromhex(prove(master, "herd-agent-key", agent_identity(host).name))
+
+
+def parse_key(text: str, source: str) -> bytes:
+    """A key given as hex text (a line on stdin); the error names ``source``, never the text."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        raise TokenFileError(
+            f"{source}: expected a key of {_TOKEN_HEX_CHARS} hex characters"
+        ) from None
+    if len(key) != TOKEN_BYTES:
+        raise TokenFileError(
+            f"{source}: expected a key of {_TOKEN_HEX_CHARS} hex characters, got {2 * len(key)}"
+        )
+    return key
 
 
 def write_token_file(path: Path, token: bytes) -> None:

@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from herd_operator.auth import is_host
 from herd_operator.environment import STATE_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,16 @@ class StateLayout:
         return self.root / "secrets"
 
     @property
-    def agent_token_file(self) -> Path:
-        """The node exporters' key: proves ``agent:<host>`` for any host, nothing more."""
+    def legacy_agent_token_file(self) -> Path:
+        """Where operators before per-host agent keys put the one key of every agent; a new
+        operator removes it (no server accepts it any more)."""
         return self.secrets_dir / "agent.token"
+
+    def agent_token_file(self, host: str) -> Path:
+        """The key of ``host``'s node agent: proves ``agent:<host>`` and nothing more."""
+        if not is_host(host):
+            raise ValueError(f"{host!r} is not a host name")
+        return self.secrets_dir / f"agent-{host}.token"
 
     def job_token_file(self, job: str) -> Path:
         """The job's key: proves ``job:<job>`` and nothing more."""

@@ -26,7 +26,7 @@ from exporters.dcgm import JobMappingLoop, JobMappingWriter
 from exporters.gpu import GpuSource, VirtualGpuSource
 from exporters.http import serve_metrics
 from exporters.nvml import NvmlGpuSource, check_no_unseen_gpus, nvml_gpu_count
-from herd_operator.auth import agent_identity, read_token_file
+from herd_operator.auth import TokenFileError, agent_identity, read_token_file
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import RpcClient, parse_address
 from specs.values import Placement
@@ -42,9 +42,12 @@ OWNERS_MAX_AGE_SECONDS = 1.0
 class AllocatorView:
     """What the allocator says about this host's GPUs, refreshed at most once a second."""
 
-    def __init__(self, layout: StateLayout, host: str) -> None:
+    def __init__(self, layout: StateLayout, host: str, key: bytes | None = None) -> None:
         self.layout = layout
         self.host = host
+        self._key = key
+        """This host's agent key when given on stdin; None: read from the state dir."""
+        self._said_no_key = False
         self._lock = threading.Lock()
         self._client: RpcClient | None = None
         self._fetched = 0.0
@@ -57,8 +60,10 @@ class AllocatorView:
         try:
             if self._client is None:
                 endpoint = json.loads(self.layout.endpoint_file.read_text())
-                # The agents' key: it may label GPUs and register this host, nothing more.
-                token = read_token_file(self.layout.agent_token_file)
+                # This host's agent key: it may label GPUs and register this host, nothing more.
+                token = self._key or self._read_key()
+                if token is None:
+                    return None
                 self._client = RpcClient(
                     parse_address(endpoint["address"]),
                     token,
@@ -72,6 +77,24 @@ class AllocatorView:
                 self._client.close()
             self._client = None
             return None
+
+    def _read_key(self) -> bytes | None:
+        """The key the operator wrote for this host; None (said once) while there is none."""
+        path = self.layout.agent_token_file(self.host)
+        try:
+            key = read_token_file(path)
+        except TokenFileError as err:
+            if not self._said_no_key:
+                log.warning(
+                    "no key for agent:%s (%s): the operator writes one for each host of its"
+                    " pool (pass --host with this node's name in the pool, or give a key on"
+                    " stdin with --key-stdin); serving without job labels until there is one",
+                    self.host, err,
+                )  # fmt: skip
+                self._said_no_key = True
+            return None
+        self._said_no_key = False
+        return key
 
     def _refresh(self) -> None:
         with self._lock:
@@ -131,6 +154,7 @@ def run_exporter(
     virtual_requested: bool = False,
     per_process: bool = False,
     dcgm_job_mapping_dir: Path | None = None,
+    key: bytes | None = None,
 ) -> int:
     host = host or socket.gethostname()
     try:
@@ -138,7 +162,7 @@ def run_exporter(
     except ValueError:
         log.error("%r is not a host name the operator accepts; pass --host", host)
         return 2
-    view = AllocatorView(StateLayout(state_dir), host)
+    view = AllocatorView(StateLayout(state_dir), host, key)
     source: GpuSource
     if nvml_gpu_count():
         source = NvmlGpuSource(host)

@@ -301,7 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="the allocator's port (default: the previous operator's, whose jobs' workers "
         "know it; else any free port)",
     )
+    run.add_argument(
+        "--no-agent-key-files",
+        dest="agent_key_files",
+        action="store_false",
+        help="do not write each pool host's agent key to the state dir: the agents get theirs "
+        "on stdin (herd-operator agent-key --host NODE | ... exporter --key-stdin)",
+    )
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    agent_key = commands.add_parser(
+        "agent-key",
+        help="print one host's agent key, to pipe into `exporter --key-stdin` on that host",
+    )
+    _state_dir_option(agent_key)
+    agent_key.add_argument("--host", required=True, help="the node's name as the pool spells it")
 
     exporter = commands.add_parser(
         "exporter", help="serve this node's GPU metrics (one per node, e.g. srun --overlap)"
@@ -319,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
         "NVIDIA devices NVML cannot read",
     )
     exporter.add_argument("--virtual-gpu-memory", type=parse_bytes, default=2 << 30)
+    exporter.add_argument(
+        "--key-stdin",
+        action="store_true",
+        help="read this host's agent key from the first line of stdin (from "
+        "`herd-operator agent-key`) instead of the state dir's secrets/agent-HOST.token",
+    )
     _gpu_metrics_options(exporter)
     exporter.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -645,6 +665,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         leave_jobs_running=args.leave_jobs_running,
         grant_history_per_job=args.grant_history_per_job,
         deleted_job_retention_seconds=args.deleted_job_retention,
+        agent_key_files=args.agent_key_files,
     )
     stop = _stop_on_signals()
     tune_gc()
@@ -670,10 +691,55 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+KEY_LINE_MAX_CHARS = 256
+"""What `exporter --key-stdin` reads at most: a key is 64 hex characters and a newline."""
+
+
+def cmd_agent_key(args: argparse.Namespace) -> int:
+    from herd_operator.auth import TokenFileError, agent_key, read_token_file
+
+    try:
+        host = _checked_host(args.host)
+        master = read_token_file(StateLayout(args.state_dir).token_file)
+    except (ValueError, TokenFileError) as err:
+        print(f"herd-operator agent-key: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    if sys.stdout.isatty():
+        # A key on a screen ends up in scrollback and terminal logs.
+        print(
+            "herd-operator agent-key: stdout is a terminal; pipe the key into "
+            "`herd-operator exporter --key-stdin` (e.g. through srun) instead",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    sys.stdout.write(agent_key(master, host).hex() + "\n")
+    return EXIT_OK
+
+
+def _checked_host(text: str) -> str:
+    """``text`` if it is a host name an agent may speak for; ValueError naming --host if not."""
+    from herd_operator.auth import is_host
+
+    if not is_host(text):
+        raise ValueError(
+            f"--host {text!r}: not a host name (letters, digits, '-', '_', '.', ':', '%'; "
+            "at most 253 characters)"
+        )
+    return text
+
+
 def cmd_exporter(args: argparse.Namespace) -> int:
     from herd_operator.agent.exporter import run_exporter
+    from herd_operator.auth import TokenFileError, parse_key
 
     configure_logging(args.log_level)
+    key = None
+    if args.key_stdin:
+        try:
+            key = parse_key(sys.stdin.readline(KEY_LINE_MAX_CHARS), "--key-stdin: stdin")
+        except TokenFileError as err:
+            print(f"herd-operator exporter: {err}", file=sys.stderr)
+            return EXIT_USAGE
     stop = _stop_on_signals()
     try:
         return run_exporter(
@@ -687,6 +753,7 @@ def cmd_exporter(args: argparse.Namespace) -> int:
             virtual_requested=args.virtual_gpus is not None,
             per_process=args.process_metrics,
             dcgm_job_mapping_dir=args.dcgm_job_mapping_dir,
+            key=key,
         )
     except OSError as err:
         print(
@@ -1104,6 +1171,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 COMMANDS = {
     "run": cmd_run,
     "exporter": cmd_exporter,
+    "agent-key": cmd_agent_key,
     "get": cmd_get,
     "describe": cmd_describe,
     "events": cmd_events,

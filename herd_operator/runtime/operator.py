@@ -175,6 +175,9 @@ class OperatorConfig:
     """A deleted job's grant history, log and leftover files go this long after its last
     grant change or write."""
     prune_interval_seconds: float = PRUNE_INTERVAL_SECONDS
+    agent_key_files: bool = True
+    """Write each pool host's agent key to the state dir (0600), where `herd-operator
+    exporter` reads it; False where the agents get theirs on stdin (`agent-key`)."""
 
 
 class ExitsRecordedFirst:
@@ -263,8 +266,8 @@ class Operator:
         except StoreError as err:  # a full disk: the report then infers the pool's size
             log.warning("cannot record the pool's size in the state store: %s", err)
         token = ensure_token_file(self.layout.token_file)
-        write_token_file(self.layout.agent_token_file, agent_key(token))
         hosts = tuple(host_name for host_name, _ in config.pool.pool.hosts)
+        self._write_agent_keys(token, hosts)
         engines = EngineDispatch(
             EngineContext(self.layout, hosts, network_interface=config.network_interface)
         )
@@ -371,6 +374,18 @@ class Operator:
             observer=self.metrics,
         )
         return self.loop
+
+    def _write_agent_keys(self, token: bytes, hosts: tuple[str, ...]) -> None:
+        """One key per pool host for its node agent, each able to speak for that host only
+        (`agent:<host>`), unless the agents get theirs on stdin (`agent-key`). The one key
+        that operators before spoke for every host with goes: no server accepts it now."""
+        self.layout.legacy_agent_token_file.unlink(missing_ok=True)
+        for host in hosts:
+            key_file = self.layout.agent_token_file(host)
+            if self.config.agent_key_files:
+                write_token_file(key_file, agent_key(token, host))
+            else:
+                key_file.unlink(missing_ok=True)
 
     def _start_rpc_server(self, token: bytes, handlers: Mapping[str, Handler]) -> RpcServer:
         """The allocator's RPC server, on the previous operator's port when none is asked for:

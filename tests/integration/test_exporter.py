@@ -4,6 +4,7 @@ node's GPUs labelled with the job that holds them."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -111,3 +112,44 @@ def test_exporter_registers_and_labels_gpus_with_their_job(tmp_path: Path) -> No
         assert "unregistered from the operator" in output
         assert exporter_address() is None
         assert mapped_jobs(mapping_dir) == {}
+
+
+def test_an_exporter_given_its_hosts_key_on_stdin_registers_and_the_key_stays_off_disk(
+    tmp_path: Path,
+) -> None:
+    """`agent-key --host H | exporter --key-stdin --host H`, as the sbatch runs it through
+    srun; about 5 s. With `run --no-agent-key-files` no agent key is on the state dir."""
+    with operator_harness(tmp_path, metrics_port=0, agent_key_files=False) as herd:
+        assert not any(herd.layout.secrets_dir.glob("agent*"))
+        state = str(herd.layout.root)
+        printed = subprocess.run(
+            [HERD, "agent-key", "--state-dir", state, "--host", "localhost"],
+            capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        key = printed.stdout.strip()
+        assert len(key) == 64
+        # A pipe like srun's stdin: the key, then end of file.
+        read_end, write_end = os.pipe()
+        os.write(write_end, printed.stdout.encode())
+        os.close(write_end)
+        try:
+            exporter = subprocess.Popen(
+                [HERD, "exporter", "--state-dir", state, "--port", "0", "--listen", "127.0.0.1",
+                 "--host", "localhost", "--virtual-gpus", "2", "--key-stdin"],
+                cwd=REPO, stdin=read_end, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+        finally:
+            os.close(read_end)
+        try:
+            targets = herd.layout.scrape_targets_file
+            herd.wait_for(
+                lambda: targets.exists() and "localhost:" in targets.read_text(),
+                "the exporter to register with the key from stdin",
+            )
+        finally:
+            exporter.send_signal(signal.SIGTERM)
+            output, _ = exporter.communicate(timeout=30)
+        assert exporter.returncode == 0, output
+        assert "registered with the operator" in output and key not in output
+        assert not any(herd.layout.secrets_dir.glob("agent*"))

@@ -73,14 +73,17 @@ export PATH={cluster.bin_dir}:{python_bin}:$PATH
 export HOROVOD_GLOO_TIMEOUT_SECONDS=60
 # One agent per node, as on a real allocation: each serves its node's metrics and is its
 # heartbeat; a node silent for --node-timeout is cordoned. One step per node: a step over
-# all nodes is ended as a whole when one of its nodes stops answering.
+# all nodes is ended as a whole when one of its nodes stops answering. Each agent gets its
+# node's own key on srun's stdin, as deploy/slurm/herd.sbatch does.
 for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
-  srun --overlap -N1 -n1 -w "$node" {HERD} exporter --state-dir {herd.layout.root} \\
-    --port 0 >> {root}/agents.log 2>&1 &
+  ( until [ -s {herd.layout.token_file} ]; do sleep 0.2; done
+    {HERD} agent-key --state-dir {herd.layout.root} --host "$node" |
+      srun --overlap -N1 -n1 -w "$node" {HERD} exporter --state-dir {herd.layout.root} \\
+        --port 0 --host "$node" --key-stdin ) >> {root}/agents.log 2>&1 &
 done
 exec {HERD} run --specs-dir {herd.specs_dir} --state-dir {herd.layout.root} \\
   --resync-seconds 0.5 --relist-seconds 1 --grace-seconds 5 --min-resize-interval 1 \\
-  --metrics-port 0 --node-timeout 8
+  --metrics-port 0 --node-timeout 8 --no-agent-key-files
 """
     )
     return script

@@ -13,11 +13,14 @@ from herd_operator.auth import (
     Identity,
     TokenFileError,
     agent_identity,
+    agent_key,
     derive_key,
     ensure_token_file,
     is_host,
     job_identity,
+    job_key,
     new_nonce,
+    parse_key,
     prove,
     read_token_file,
     verify,
@@ -241,11 +244,38 @@ def test_derived_keys_separate_identities_and_are_stable() -> None:
     assert len(keys) == 4
     assert derive_key(MASTER, ADMIN) == MASTER
     # Pure functions of the master token: an operator restarted with the same token
-    # accepts the keys its predecessor handed out. All agents share one key.
+    # accepts the keys its predecessor handed out. Each host's agent has its own key.
     assert derive_key(MASTER, job_identity("a")) == derive_key(bytes(MASTER), job_identity("a"))
-    assert derive_key(MASTER, agent_identity("h")) == derive_key(MASTER, agent_identity("g"))
+    assert derive_key(MASTER, agent_identity("h")) == agent_key(MASTER, "h")
+    assert derive_key(MASTER, agent_identity("h")) != derive_key(MASTER, agent_identity("g"))
     assert derive_key(b"\x01" * 32, job_identity("a")) != derive_key(MASTER, job_identity("a"))
     assert all(len(key) == 32 for key in keys)
+
+
+def test_an_agent_key_is_its_hosts_alone_and_no_job_or_master_key() -> None:
+    hosts = ("nid001", "nid002", "nid0010", "10.0.0.1", "::1")
+    keys = {host: agent_key(MASTER, host) for host in hosts}
+    assert len(set(keys.values())) == len(hosts)
+    # The host is one length-prefixed part of the HMAC: a job of the same name, or an
+    # agent name that runs into the label, derives another key.
+    assert agent_key(MASTER, "a") != job_key(MASTER, "a")
+    assert MASTER not in keys.values()
+    assert agent_key(MASTER, "nid001") == bytes.fromhex(prove(MASTER, "herd-agent-key", "nid001"))
+    with pytest.raises(ValueError, match="identity must be"):
+        agent_key(MASTER, "a b")
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("", "got 0"), ("zz" * 32, "expected a key of 64 hex"), ("ab" * 31, "got 62"),
+     ("ab" * 33, "got 66")],
+)  # fmt: skip
+def test_a_key_on_stdin_must_be_64_hex_characters(text: str, problem: str) -> None:
+    assert parse_key("ab" * 32 + "\n", "stdin") == bytes.fromhex("ab" * 32)
+    with pytest.raises(TokenFileError, match=problem) as caught:
+        parse_key(text, "--key-stdin: stdin")
+    assert str(caught.value).startswith("--key-stdin: stdin: ")
+    assert "zz" not in str(caught.value)
 
 
 def test_write_token_file_is_private_and_readable_back(

@@ -639,3 +639,20 @@ def test_check_state_passes_a_sound_store_and_names_the_damage_of_another(
     assert (code, out) == (EXIT_FAILURE, "")
     assert err.startswith(f"herd-operator: state store {database} is damaged: ")
     assert "move the file aside" in err
+
+
+def test_agent_key_prints_the_hosts_key_and_refuses_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from herd_operator.auth import agent_key, ensure_token_file
+
+    state = tmp_path / "state"
+    code, out, err = run_cli(capsys, "agent-key", "--state-dir", str(state), "--host", "nid001")
+    assert code == 1 and out == ""
+    assert err.startswith("herd-operator agent-key: cannot open token file ")
+    master = ensure_token_file(StateLayout(state).token_file)
+    code, out, err = run_cli(capsys, "agent-key", "--state-dir", str(state), "--host", "a b")
+    assert (code, out) == (1, "")
+    assert "--host 'a b': not a host name (letters, digits" in err
+    code, out, err = run_cli(capsys, "agent-key", "--state-dir", str(state), "--host", "nid001")
+    assert (code, out, err) == (0, agent_key(master, "nid001").hex() + "\n", "")

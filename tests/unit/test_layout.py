@@ -96,5 +96,6 @@ def test_the_state_dir_is_made_private_whatever_existed_before(tmp_path: Path) -
 def test_a_job_named_agent_has_its_own_key_file(tmp_path: Path) -> None:
     layout = StateLayout(tmp_path)
     job_files = {layout.job_token_file("agent"), layout.job_env_file("agent")}
-    assert layout.agent_token_file not in job_files
+    assert layout.agent_token_file("agent") not in job_files
+    assert layout.agent_token_file("agent") != layout.legacy_agent_token_file
     assert all(path.parent == layout.secrets_dir for path in job_files)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from herd_operator.auth import agent_key, read_token_file
 from herd_operator.layout import StateLayout, make_runtime_dir
 from herd_operator.runtime.operator import (
     Operator,
@@ -40,10 +43,10 @@ def test_the_operator_lifts_its_open_file_limit_within_the_hard_limit() -> None:
 
 
 def refused_start_config(tmp_path: Path, **options: Any) -> OperatorConfig:
+    options.setdefault("pool", StaticPool(Pool.from_counts({"localhost": 1}), True, "test pool"))
     return OperatorConfig(
         specs_dir=tmp_path / "specs",
         state_dir=tmp_path / "state",
-        pool=StaticPool(Pool.from_counts({"localhost": 1}), True, "test pool"),
         runtime_dir=tmp_path / "runtime",
         **options,
     )
@@ -167,3 +170,38 @@ def test_a_running_operator_prunes_a_deleted_jobs_history_and_log(tmp_path: Path
         stop.set()
         runner.join(GUARD_S)
     assert not runner.is_alive()
+
+
+def started_and_stopped(config: OperatorConfig) -> None:
+    operator = Operator(config)
+    stop = threading.Event()
+    runner = threading.Thread(target=operator.run, args=(stop,))
+    runner.start()
+    try:
+        assert operator.ready.wait(GUARD_S), "the operator did not start"
+    finally:
+        stop.set()
+        runner.join(GUARD_S)
+    assert not runner.is_alive()
+
+
+def test_each_pool_host_gets_its_own_private_agent_key_and_the_shared_one_goes(
+    tmp_path: Path,
+) -> None:
+    pool = StaticPool(Pool.from_counts({"nid001": 1, "nid002": 1}), True, "two hosts")
+    config = refused_start_config(tmp_path, metrics_port=None, pool=pool)
+    config.specs_dir.mkdir()
+    layout = StateLayout(config.state_dir)
+    layout.create()
+    layout.legacy_agent_token_file.write_text("ab" * 32 + "\n")  # an older operator's
+    started_and_stopped(config)
+    master = read_token_file(layout.token_file)
+    for host in ("nid001", "nid002"):
+        key_file = layout.agent_token_file(host)
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        assert read_token_file(key_file) == agent_key(master, host)
+    assert not layout.legacy_agent_token_file.exists()
+
+    # Agents that get their keys on stdin: none is left on the (shared) state dir.
+    started_and_stopped(dataclasses.replace(config, agent_key_files=False))
+    assert not any(layout.secrets_dir.glob("agent*"))

@@ -17,6 +17,7 @@ from herd_operator.agent import worker
 from herd_operator.agent.exporter import REGISTER_EVERY_SECONDS
 from herd_operator.agent.worker import DeviceBinding, bind_device, report_epoch, report_reset
 from herd_operator.auth import (
+    ADMIN,
     Identity,
     agent_identity,
     agent_key,
@@ -410,7 +411,7 @@ def test_shim_refuses_a_bad_env_file_without_quoting_it(
 def test_a_node_exporter_registers_its_own_host_only(allocation: Allocation) -> None:
     address = allocation.server.address
     with RpcClient(
-        address, agent_key(allocation.master), identity=agent_identity("node1")
+        address, agent_key(allocation.master, "node1"), identity=agent_identity("node1")
     ) as agent:
         assert agent.call("register_exporter", host="node1", port=9100) == {}
         with pytest.raises(RpcError) as other_host:
@@ -423,11 +424,30 @@ def test_a_node_exporter_registers_its_own_host_only(allocation: Allocation) -> 
     assert allocation.exporters.urls() == ["http://node1:9100/metrics"]
 
 
+def test_an_agents_key_cannot_speak_for_another_host(allocation: Allocation) -> None:
+    """node1's agent key proves agent:node1 only: claiming node2 (to keep a dead node2 from
+    being cordoned, or to point its scrape target elsewhere) fails the handshake."""
+    key = agent_key(allocation.master, "node1")
+    for claimed in (agent_identity("node2"), ADMIN, job_identity("a")):
+        with (
+            RpcClient(allocation.server.address, key, identity=claimed) as client,
+            pytest.raises(AuthError),
+        ):
+            client.call("register_exporter", host="node2", port=9100)
+    with RpcClient(allocation.server.address, key, identity=agent_identity("node1")) as client:
+        assert client.call("register_exporter", host="node1", port=9100) == {}
+    assert allocation.exporters.urls() == ["http://node1:9100/metrics"]
+
+
 def test_a_node_exporter_that_stops_leaves_the_targets_at_once(allocation: Allocation) -> None:
     address = allocation.server.address
     with (
-        RpcClient(address, agent_key(allocation.master), identity=agent_identity("node1")) as one,
-        RpcClient(address, agent_key(allocation.master), identity=agent_identity("node2")) as two,
+        RpcClient(
+            address, agent_key(allocation.master, "node1"), identity=agent_identity("node1")
+        ) as one,
+        RpcClient(
+            address, agent_key(allocation.master, "node2"), identity=agent_identity("node2")
+        ) as two,
     ):
         one.call("register_exporter", host="node1", port=9100)
         two.call("register_exporter", host="node2", port=9100)
