@@ -94,6 +94,9 @@ class ApiModel(BaseModel):
         alias_generator=to_camel,
         populate_by_name=True,
         frozen=True,
+        # Validators are built on first use, not at import: a restarted operator serves its
+        # jobs' workers before it reads a spec (the chaos test's restart-to-serving time).
+        defer_build=True,
         **SCHEMA_CONFIG,
     )
 

@@ -15,8 +15,13 @@ from specs.conditions import Condition, ConditionType, get_condition, is_true
 class StatusModel(BaseModel):
     # Frozen: a status is changed by model_copy, never in place, so the store can hand the
     # same parsed status to every reader of the same stored text.
+    # Built on first use, like the spec models (specs.models.ApiModel).
     model_config = ConfigDict(
-        extra="ignore", alias_generator=to_camel, populate_by_name=True, frozen=True
+        extra="ignore",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+        defer_build=True,
     )
 
 
