@@ -64,8 +64,13 @@ def stop_cleanly(tree: Path, specs: Path, state: Path) -> None:
     operator = subprocess.Popen(
         argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
+    # Stopped only once it serves (the endpoint names it, not a killed predecessor): a
+    # SIGTERM during its imports would leave the runtime dir in /dev/shm behind.
     deadline = time.monotonic() + HANG_GUARD_S
-    while not (state / "allocator.json").exists() and time.monotonic() < deadline:
+    while time.monotonic() < deadline and operator.poll() is None:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads((state / "allocator.json").read_text())["pid"] == operator.pid:
+                break
         time.sleep(0.05)
     operator.send_signal(signal.SIGTERM)
     try:
