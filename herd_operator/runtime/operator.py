@@ -813,7 +813,7 @@ def _event_if_known(
     """An event for a job the store knows; a store that cannot take it (a full disk) must
     not refuse the start: the log says it too."""
     try:
-        if store.get_job(job) is not None:
+        if store.has_job(job):
             store.add_event(job, kind, reason, message, now)
     except StoreError as err:
         log.warning("%s: cannot record the event %s: %s", job, reason, err)

@@ -492,6 +492,12 @@ class Store:
             row = conn.execute("SELECT * FROM jobs WHERE name = ?", (name,)).fetchone()
             return None if row is None else self._job(row)
 
+    def has_job(self, name: str) -> bool:
+        """Whether a job named ``name`` is recorded; parses nothing (adoption asks this
+        before the operator serves, and parsing would build the spec models' validators)."""
+        with self._read() as conn:
+            return conn.execute("SELECT 1 FROM jobs WHERE name = ?", (name,)).fetchone() is not None
+
     def list_jobs(self) -> list[JobRecord]:
         """All jobs, by name."""
         with self._read() as conn:
@@ -1222,11 +1228,15 @@ def _policy_text(spec_json: str) -> str | None:
 
 def _parse_status(text: str) -> HerdJobStatus:
     if text in ("", "{}"):  # a job not reconciled yet: no need to parse
-        return _EMPTY_STATUS
+        return _empty_status()
     return HerdJobStatus.model_validate_json(text)
 
 
-_EMPTY_STATUS = HerdJobStatus()
+@functools.cache
+def _empty_status() -> HerdJobStatus:
+    """One shared empty status (statuses are frozen), made on first use: made at import, it
+    built the status models' validators before a restarted operator could serve."""
+    return HerdJobStatus()
 
 
 def _report(row: sqlite3.Row) -> Report:

@@ -392,6 +392,7 @@ def test_first_record_gets_generation_one_and_a_fresh_uid(store: Store) -> None:
     assert (job.status, job.created_at, job.updated_at) == (HerdJobStatus(), 100.0, 100.0)
     assert store.get_job("resnet") == job
     assert store.get_job("missing") is None
+    assert store.has_job("resnet") and not store.has_job("missing")
 
 
 def test_same_fingerprint_keeps_generation_and_may_move_spec_path(store: Store) -> None:
