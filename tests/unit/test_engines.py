@@ -58,11 +58,12 @@ MASTER_TOKEN = bytes(range(32))
 class RecordingEngine:
     """A test engine: runs a sleeping Python and records every call the runtime makes."""
 
-    command = "recorder"
-
     def __init__(self, context: EngineContext) -> None:
         self.context = context
         self.calls: list[tuple[Any, ...]] = []
+
+    def process_name(self, job: HerdJob) -> str:
+        return "recorder"
 
     def launch_argv(self, job: HerdJob, np: int) -> list[str]:
         self.calls.append(("launch_argv", job.name, np, job.spec.engine.options))
