@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -93,13 +93,20 @@ def marked(mark: str) -> list[psutil.Process]:
 
 @contextlib.contextmanager
 def driver_job(
-    tmp_path: Path, grant: str, np: int, *horovod_args: str, env: dict[str, str] | None = None
+    tmp_path: Path,
+    grant: str,
+    np: int,
+    *horovod_args: str,
+    env: dict[str, str] | None = None,
+    command: Sequence[str] = PLAIN,
+    driver_args: Sequence[str] = (),
 ) -> Iterator[DriverJob]:
-    """Our driver on `grant` running PLAIN; stopped (group SIGTERM, then SIGKILL) after."""
+    """Our driver on `grant` running `command`; stopped (group SIGTERM, then SIGKILL) after."""
     mark = uuid.uuid4().hex
     write_atomically(tmp_path / "grant", grant)
-    argv = [sys.executable, "-m", DRIVER_MODULE, "--grant-file", str(tmp_path / "grant"), "--"]
-    argv += ["-np", str(np), "--network-interface", "lo", *horovod_args, *PLAIN]
+    argv = [sys.executable, "-m", DRIVER_MODULE, "--grant-file", str(tmp_path / "grant")]
+    argv += [*driver_args, "--", "-np", str(np), "--network-interface", "lo", *horovod_args]
+    argv += command
     full_env = {**os.environ, **(env or {}), MARK_ENV: mark}
     with open(tmp_path / "driver.log", "wb") as log:
         process = subprocess.Popen(
@@ -178,4 +185,21 @@ def test_the_reset_limit_ends_the_job_as_horovodrun_does(tmp_path: Path) -> None
         job.grant("localhost:1\n")  # the second: over the limit
         assert job.process.wait(GUARD_S) == 1
         assert "resets during elastic job exceeded limit: 1" in job.output
+        assert marked(job.mark) == []
+
+
+def test_workers_die_with_a_driver_killed_alone(tmp_path: Path) -> None:
+    # The OOM killer or `kill -9 <driver>`: no group signal, no stop from the driver. Workers
+    # that print nothing (a long epoch) would never notice that their driver is gone; the
+    # parent-death signal ends them at once, where they would hold their GPUs until the job's
+    # end. About 9 s here (the driver imports Horovod; the workers need not).
+    quiet = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+    with driver_job(tmp_path, "localhost:2\n", 2, "--min-np", "2", command=quiet) as job:
+        job.wait_for(lambda: job.output.count("<stdout>:up") == 2 or None, "two workers up")
+        workers = [psutil.Process(pid) for pid in job.worker_pids()]
+        assert len(workers) == 2
+        job.process.kill()  # the driver alone, not its group
+        assert job.process.wait(GUARD_S) == -signal.SIGKILL
+        _, alive = psutil.wait_procs(workers, timeout=GUARD_S)
+        assert alive == [], f"workers outlived their driver: {alive}"
         assert marked(job.mark) == []

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -233,3 +235,39 @@ def test_given_interfaces_are_used_as_given_even_when_the_first_hosts_are_all_lo
         reset_limit=None, cooldown_range=None, nics={"eth0", "ib0"},
     )  # fmt: skip
     assert job_interfaces(settings, ["localhost"]) == ["eth0", "ib0"]
+
+
+PARENT = """
+import shutil, subprocess, sys
+if sys.argv[1] == "fallback":
+    shutil.which = lambda name: None
+from herd_operator.runtime.engines.parent_death import dies_with_parent
+child = subprocess.Popen(dies_with_parent(sys.argv[2:]))
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+@pytest.mark.parametrize("setpriv", [True, False], ids=["setpriv", "python-fallback"])
+def test_a_child_started_to_die_with_its_parent_gets_sigterm_when_the_parent_is_killed(
+    setpriv: bool,
+) -> None:
+    sleeper = [PYTHON, "-c", "import time; time.sleep(600)"]
+    mode = "setpriv" if setpriv else "fallback"
+    parent = subprocess.Popen([PYTHON, "-c", PARENT, mode, *sleeper], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        child = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 30
+        while child.cmdline() != sleeper:  # exec'd in place: the pid is the worker's
+            assert time.monotonic() < deadline, child.cmdline()
+            time.sleep(0.01)
+        parent.kill()
+        parent.wait()
+        # Reparented, so not ours to reap: gone or a zombie both mean it died.
+        _, alive = psutil.wait_procs([child], timeout=30)
+        assert alive == [] or child.status() == psutil.STATUS_ZOMBIE
+    finally:
+        parent.kill()
+        with contextlib.suppress(psutil.Error, UnboundLocalError):
+            child.kill()

@@ -61,6 +61,8 @@ from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.runner.http.http_server import RendezvousServer
 from horovod.runner.util import network
 
+from herd_operator.runtime.engines.parent_death import dies_with_parent
+
 DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
 DEFAULT_POLL_SECONDS = 0.05
 """How often the grant file is `stat`ed. 20 stats a second cost well under 0.1% of a
@@ -223,12 +225,14 @@ def run_local_worker(
 
     Returns its exit status as horovodrun reports it: 128 + N for a death by signal N.
     The worker stays in the driver's process group, so a signal to the job's group (how
-    the operator stops a job) reaches it as it reaches the driver.
+    the operator stops a job) reaches it as it reaches the driver; and it gets SIGTERM
+    when the driver dies alone (`dies_with_parent`), so a driver killed by the OOM killer
+    or `kill -9` leaves no worker holding its GPU.
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     process = subprocess.Popen(
-        list(argv),
+        dies_with_parent(argv),
         env=dict(env),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
