@@ -203,3 +203,27 @@ def test_workers_die_with_a_driver_killed_alone(tmp_path: Path) -> None:
         _, alive = psutil.wait_procs(workers, timeout=GUARD_S)
         assert alive == [], f"workers outlived their driver: {alive}"
         assert marked(job.mark) == []
+
+
+def test_a_grow_from_2_to_4_forks_the_new_workers_from_the_zygote(tmp_path: Path) -> None:
+    # About 36 s here: the first two workers wait for the zygote's imports (one import
+    # instead of two), the grow forks the other two.
+    preload = ["--preload", "torch,horovod.torch"]
+    with driver_job(
+        tmp_path, "localhost:2\n", 2, "--min-np", "2", "--max-np", "4", driver_args=preload
+    ) as job:
+        two = job.wait_for_epoch(2)
+        job.grant("localhost:4\n")
+        job.wait_for_epoch(4, after=two)  # trained at 4: all four in one Gloo context
+        forked = dict(re.findall(r"worker rank (\d) forked by the zygote: pid (\d+)", job.output))
+        assert set(forked) == {"0", "1", "2", "3"}, job.output[-3000:]
+        (zygote,) = psutil.Process(job.process.pid).children()  # the driver's only child
+        assert "herd_operator.agent.zygote" in zygote.cmdline()
+        workers = [pid for pid in job.worker_pids() if pid != zygote.pid]
+        assert sorted(workers) == sorted(int(pid) for pid in forked.values())
+        assert {psutil.Process(pid).ppid() for pid in workers} == {zygote.pid}
+        os.killpg(job.process.pid, signal.SIGTERM)
+        assert job.process.wait(30) == 1
+        assert marked(job.mark) == []
+    epochs = [e for e, _ in job.epochs()]
+    assert epochs == sorted(epochs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from horovod.runner.common.util.hosts import SlotInfo
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.engines import horovod as horovod_module
+from herd_operator.runtime.engines.forkserver import Zygote, forkable
 from herd_operator.runtime.engines.horovod import HorovodEngine, horovodrun_argv
 from herd_operator.runtime.engines.hvd_driver import (
     GrantFileDiscovery,
@@ -271,3 +273,63 @@ def test_a_child_started_to_die_with_its_parent_gets_sigterm_when_the_parent_is_
         parent.kill()
         with contextlib.suppress(psutil.Error, UnboundLocalError):
             child.kill()
+
+
+# ---- the zygote ----
+
+
+def test_only_a_script_run_by_this_python_is_forked_shim_or_not(tmp_path: Path) -> None:
+    env = {"PATH": str(Path(PYTHON).parent)}
+    name = Path(PYTHON).name
+    assert forkable([name, "train.py", "--lr", "1"], env) == (["train.py", "--lr", "1"], False)
+    shimmed = [PYTHON, "-m", "herd_operator.agent.shim", "--", name, "train.py"]
+    assert forkable(shimmed, env) == (["train.py"], True)
+    assert forkable([name, "-m", "train"], env) is None  # interpreter options: started as is
+    assert forkable([name, "-u", "train.py"], env) is None
+    assert forkable(["bash", "train.sh"], env) is None
+    other = tmp_path / "python"  # same binary, another environment: not ours
+    other.symlink_to(os.path.realpath(PYTHON))
+    assert forkable([str(other), "train.py"], env) is None
+
+
+SCRIPT = """
+import os, sys
+print("argv", sys.argv[1:], "cwd", os.getcwd() == sys.argv[1], "path0", sys.path[0], flush=True)
+print("rank", os.environ["HOROVOD_RANK"], os.getenv("ZYGOTE_ONLY"), __name__, flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if sys.argv[2] == "sleep":
+    import time
+    time.sleep(600)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_a_forked_worker_runs_its_script_as_python_would_and_reports_its_status(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="herd.hvd_driver")
+    script = tmp_path / "job" / "train.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT)
+    zygote = Zygote([], {**os.environ, "ZYGOTE_ONLY": "x"})
+    try:
+        env = {**os.environ, "HOROVOD_RANK": "3"}
+        out, err = io.StringIO(), io.StringIO()
+        argv = [PYTHON, str(script), str(tmp_path), "7"]
+        code = run_local_worker(argv, env, 3, [], out, err, zygote=zygote)
+        assert code == 7
+        assert out.getvalue().splitlines() == [
+            f"[3]<stdout>:argv ['{tmp_path}', '7'] cwd False path0 {script.parent}",
+            "[3]<stdout>:rank 3 None __main__",  # the worker's environment, not the zygote's
+        ]
+        assert err.getvalue() == "[3]<stderr>:to stderr\n"
+        stop = threading.Event()
+        threading.Timer(1.0, stop.set).start()
+        argv = [PYTHON, str(script), str(tmp_path), "sleep"]
+        # Stopped as a started worker is: SIGTERM, reported as horovodrun reports it.
+        assert run_local_worker(argv, env, 0, [stop], out, err, zygote=zygote) == 128 + 15
+        forked = [r.getMessage() for r in caplog.records if "forked by the zygote" in r.message]
+        assert len(forked) == 2, caplog.text  # neither started the usual way
+    finally:
+        zygote.close()
+        assert zygote.process.wait(30) == 0
