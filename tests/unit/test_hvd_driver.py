@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
+import pydantic
 import pytest
 from horovod.runner.common.util.hosts import SlotInfo
 
@@ -34,6 +35,7 @@ from herd_operator.runtime.engines.hvd_driver import (
     run_local_worker,
     worker_environment,
 )
+from specs.models import spec_fingerprint
 from tests.unit.test_horovod_engine import make_job
 
 PYTHON = sys.executable
@@ -223,6 +225,21 @@ def test_the_engine_starts_the_driver_by_default_with_horovodruns_arguments(
     assert not layout.discovery_script("train").exists()  # no script: nothing runs it
     fallback = engine.launch_argv(make_job(horovod={"launcher": "horovodrun"}), 2)
     assert "--host-discovery-script" in fallback
+    preloaded = engine.launch_argv(make_job(horovod={"preload": ["torch", "horovod.torch"]}), 2)
+    assert preloaded[5:7] == ["--preload", "torch,horovod.torch"]
+    assert parse_driver_args(preloaded[3:])[0].preload == ["torch", "horovod.torch"]
+
+
+def test_preload_takes_module_names_only_in_the_spec_and_the_driver() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"'torch; rm' is not a module name"):
+        make_job(horovod={"preload": ["torch; rm"]})
+    with pytest.raises(SystemExit):
+        parse_driver_args(["--grant-file", "/g", "--preload", "a..b", "--", "-np", "1", "x"])
+    # A spec without it keeps its fingerprint (and generation): no relaunch on upgrade.
+    assert spec_fingerprint(make_job(horovod={"preload": []})) == spec_fingerprint(make_job())
+    assert spec_fingerprint(make_job(horovod={"preload": ["torch"]})) != spec_fingerprint(
+        make_job()
+    )
 
 
 def test_given_interfaces_are_used_as_given_even_when_the_first_hosts_are_all_local() -> None:

@@ -102,7 +102,10 @@ def driver_argv(
     """The argument list that starts the job under our in-process driver (`hvd_driver`):
     horovodrun's own arguments, with the grant file in place of the discovery script."""
     horovod_args = horovodrun_argv(spec, np, None, hosts, "horovodrun", python, network_interface)
-    return [python, "-m", DRIVER_MODULE, "--grant-file", str(grant_file), "--", *horovod_args[1:]]
+    ours = ["--grant-file", str(grant_file)]
+    if spec.horovod.preload:
+        ours += ["--preload", ",".join(spec.horovod.preload)]
+    return [python, "-m", DRIVER_MODULE, *ours, "--", *horovod_args[1:]]
 
 
 Presentation = dict[str, tuple[Slot, ...]]
