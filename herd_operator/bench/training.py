@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,16 @@ def train_command(step_log: Path) -> list[str]:
     return ["python", str(script), "--epochs", "1000000", "--step-log", str(step_log)]
 
 
-def training_spec(name: str, step_log: Path, min_np: int, max_np: int, size: int) -> dict[str, Any]:
-    """A HerdJob of the example training script held at `size` GPUs by the `static` policy."""
+PRELOAD = ("torch", "horovod.torch", "sklearn.datasets")
+"""What `examples/train_digits.py` imports that takes time: its zygote's preload."""
+
+
+def training_spec(
+    name: str, step_log: Path, min_np: int, max_np: int, size: int, preload: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A HerdJob of the example training script held at `size` GPUs by the `static` policy
+    (its local workers forked by a zygote that imported `preload`, when given)."""
+    horovod = {"horovod": {"preload": list(preload)}} if preload else {}
     return {
         "apiVersion": "herd/v1alpha1",
         "kind": "HerdJob",
@@ -58,6 +66,7 @@ def training_spec(name: str, step_log: Path, min_np: int, max_np: int, size: int
             "workingDir": str(REPO),
             "gpus": {"min": min_np, "max": max_np},
             "policy": {"name": "static", "params": {"gpus": size}},
+            **horovod,
         },
     }
 
@@ -200,13 +209,14 @@ class OperatorJob:
     min_np: int
     max_np: int
     log: StepLog
+    preload: tuple[str, ...] = ()
 
     @property
     def spec_path(self) -> Path:
         return self.operator.config.specs_dir / f"{JOB}.yaml"
 
     def write_spec(self, size: int) -> None:
-        document = training_spec(JOB, self.log.path, self.min_np, self.max_np, size)
+        document = training_spec(JOB, self.log.path, self.min_np, self.max_np, size, self.preload)
         tmp = self.spec_path.with_name(f".{JOB}.yaml.tmp")
         tmp.write_text(yaml.safe_dump(document))
         os.replace(tmp, self.spec_path)
@@ -219,10 +229,15 @@ class OperatorJob:
 
 @contextlib.contextmanager
 def operator_job(
-    operator: Operator, root: Path, size: int, min_np: int, max_np: int
+    operator: Operator,
+    root: Path,
+    size: int,
+    min_np: int,
+    max_np: int,
+    preload: Sequence[str] = (),
 ) -> Iterator[OperatorJob]:
     root.mkdir(parents=True)
-    job = OperatorJob(operator, min_np, max_np, StepLog(root / "steps.txt"))
+    job = OperatorJob(operator, min_np, max_np, StepLog(root / "steps.txt"), tuple(preload))
     job.write_spec(size)
     try:
         yield job
@@ -265,6 +280,16 @@ def first_worker_started(marker: str, after: float) -> float | None:
 
 
 GRANT_SEEN = re.compile(r"^(\d+\.\d+) herd-driver: grant seen:", re.MULTILINE)
+WORKER_FORKED = re.compile(r"^(\d+\.\d+) herd-driver: worker rank \d+ forked", re.MULTILINE)
+
+
+def first_worker_forked(driver_log: Path | None, after: float) -> float | None:
+    """When the driver's zygote forked the first worker after `after` (the child has the
+    zygote's command line: `first_worker_started` cannot tell it by its own)."""
+    if driver_log is None or not driver_log.exists():
+        return None
+    stamps = [float(m) for m in WORKER_FORKED.findall(driver_log.read_text(errors="replace"))]
+    return min((t for t in stamps if t > after), default=None)
 
 
 def grant_seen(driver_log: Path | None, after: float) -> float | None:
@@ -300,7 +325,11 @@ def resize_stalls(
         first = log.wait_steps(4, 1, trigger)[0]
         up.append(first - trigger)
         if phases is not None:
-            started = first_worker_started(str(log.path), trigger)
+            found = [
+                first_worker_started(str(log.path), trigger),
+                first_worker_forked(driver_log, trigger),
+            ]
+            started = min((t for t in found if t is not None), default=None)
             if started is not None:
                 phases.to_worker.append(started - trigger)
                 phases.worker_to_step.append(first - started)
@@ -316,45 +345,52 @@ def resize_stalls(
 
 
 def run_resize_stall(ctx: Context) -> list[Row]:
-    ours_up: list[float] = []
-    ours_down: list[float] = []
-    bare_up: list[float] = []
-    bare_down: list[float] = []
-    ours_phases = GrowPhases([], [], [])
-    bare_phases = GrowPhases([], [], [])
+    modes = ("bare", "driver", "zygote")
+    up: dict[str, list[float]] = {mode: [] for mode in modes}
+    down: dict[str, list[float]] = {mode: [] for mode in modes}
+    phases = {mode: GrowPhases([], [], []) for mode in modes}
     with running_operator(ctx.scratch / "operator") as operator:
-        for index in range(ctx.repeat):  # one cycle per job run; alternate which goes first
-            runs = ("bare", "operator") if index % 2 == 0 else ("operator", "bare")
-            for mode in runs:
+        for index in range(ctx.repeat):  # one cycle per job run; rotate which goes first
+            for mode in modes[index % 3 :] + modes[: index % 3]:
                 ctx.progress(f"resize-stall: run {index + 1}, {mode}")
                 root = ctx.scratch / f"{mode}-{index}"
                 if mode == "bare":
-                    with bare_job(root, 2, 2, 4) as bare:
-                        up, down = resize_stalls(bare.resize, bare.log, 1, bare_phases)
-                    bare_up += up
-                    bare_down += down
+                    with bare_job(root, 2, 2, 4) as hand_edited:
+                        grown, shrunk = resize_stalls(
+                            hand_edited.resize, hand_edited.log, 1, phases[mode]
+                        )
                 else:
-                    with operator_job(operator, root, 2, 2, 4) as job:
+                    preload = PRELOAD if mode == "zygote" else ()
+                    with operator_job(operator, root, 2, 2, 4, preload) as job:
                         driver_log = operator.layout.log_file(JOB)
-                        up, down = resize_stalls(job.resize, job.log, 1, ours_phases, driver_log)
-                    ours_up += up
-                    ours_down += down
-    return [
-        Row(
-            name=f"resize-stall {label}",
-            what="grant change -> first training step completed at the new world size",
-            unit="s",
-            better="lower",
-            baseline_label="bare horovodrun, hosts file edited by hand",
-            baseline=Stats.of(bare),
-            ours=Stats.of(ours),
-            extra={
-                **paired_ratio_figures(ours, bare),
-                **(phase_figures(ours_phases, bare_phases) if label == "2->4" else {}),
-            },
-        )
-        for label, ours, bare in (("2->4", ours_up, bare_up), ("4->2", ours_down, bare_down))
-    ]
+                        grown, shrunk = resize_stalls(
+                            job.resize, job.log, 1, phases[mode], driver_log
+                        )
+                up[mode] += grown
+                down[mode] += shrunk
+    rows = []
+    for mode, how in (("driver", ""), ("zygote", ", workers forked by a zygote")):
+        for label, ours, bare in (
+            ("2->4", up[mode], up["bare"]),
+            ("4->2", down[mode], down["bare"]),
+        ):
+            rows.append(
+                Row(
+                    name=f"resize-stall {label}" + (" zygote" if mode == "zygote" else ""),
+                    what="grant change -> first training step completed at the new world size"
+                    + how,
+                    unit="s",
+                    better="lower",
+                    baseline_label="bare horovodrun, hosts file edited by hand",
+                    baseline=Stats.of(bare),
+                    ours=Stats.of(ours),
+                    extra={
+                        **paired_ratio_figures(ours, bare),
+                        **(phase_figures(phases[mode], phases["bare"]) if label == "2->4" else {}),
+                    },
+                )
+            )
+    return rows
 
 
 def phase_figures(ours: GrowPhases, bare: GrowPhases) -> dict[str, float]:
