@@ -41,6 +41,10 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from herd_operator.agent import shim
+from herd_operator.environment import ENV_FILE_ENV
 
 PR_SET_PDEATHSIG = 1
 FDS_PER_REQUEST = 4
@@ -184,8 +188,6 @@ def become_worker(request: WorkerRequest, stdio: Sequence[int]) -> None:
     os.environ.clear()
     os.environ.update(request.env)
     if request.shim:
-        from herd_operator.agent import shim
-
         try:
             env = shim.bound_environment(dict(os.environ))
         except shim.ShimExit as stop:
@@ -209,6 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preload", default="", help="modules to import, comma-separated")
     args = parser.parse_args(argv)
     control = socket.socket(fileno=args.control_fd)
+    # The spec's env too: a library reads some variables once, when it loads (OpenBLAS its
+    # thread count, libgomp its OpenMP settings), and in a forked worker that was here.
+    env_file = os.environ.get(ENV_FILE_ENV)
+    if env_file:
+        try:
+            os.environ.update(shim.read_env_file(Path(env_file)))
+        except shim.EnvFileError as err:
+            print(f"herd zygote: {err}", file=sys.stderr, flush=True)
+            return 1
     for name in filter(None, args.preload.split(",")):
         try:
             importlib.import_module(name)
