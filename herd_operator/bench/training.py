@@ -349,25 +349,48 @@ def run_resize_stall(ctx: Context) -> list[Row]:
     up: dict[str, list[float]] = {mode: [] for mode in modes}
     down: dict[str, list[float]] = {mode: [] for mode in modes}
     phases = {mode: GrowPhases([], [], []) for mode in modes}
+    dropped: dict[str, int] = {mode: 0 for mode in modes}
     with running_operator(ctx.scratch / "operator") as operator:
         for index in range(ctx.repeat):  # one cycle per job run; rotate which goes first
+            round_up: dict[str, list[float]] = {}
+            round_down: dict[str, list[float]] = {}
+            round_phases = {mode: GrowPhases([], [], []) for mode in modes}
             for mode in modes[index % 3 :] + modes[: index % 3]:
                 ctx.progress(f"resize-stall: run {index + 1}, {mode}")
                 root = ctx.scratch / f"{mode}-{index}"
-                if mode == "bare":
-                    with bare_job(root, 2, 2, 4) as hand_edited:
-                        grown, shrunk = resize_stalls(
-                            hand_edited.resize, hand_edited.log, 1, phases[mode]
-                        )
-                else:
-                    preload = PRELOAD if mode == "zygote" else ()
-                    with operator_job(operator, root, 2, 2, 4, preload) as job:
-                        driver_log = operator.layout.log_file(JOB)
-                        grown, shrunk = resize_stalls(
-                            job.resize, job.log, 1, phases[mode], driver_log
-                        )
-                up[mode] += grown
-                down[mode] += shrunk
+                try:
+                    if mode == "bare":
+                        with bare_job(root, 2, 2, 4) as hand_edited:
+                            grown, shrunk = resize_stalls(
+                                hand_edited.resize, hand_edited.log, 1, round_phases[mode]
+                            )
+                    else:
+                        preload = PRELOAD if mode == "zygote" else ()
+                        with operator_job(operator, root, 2, 2, 4, preload) as job:
+                            driver_log = operator.layout.log_file(JOB)
+                            grown, shrunk = resize_stalls(
+                                job.resize, job.log, 1, round_phases[mode], driver_log
+                            )
+                except TimeoutError as err:
+                    # One stuck run (a loaded machine) costs its round, not the whole run; the
+                    # round is dropped in every mode so that the pairs stay pairs.
+                    ctx.progress(f"resize-stall: run {index + 1}, {mode} dropped: {err}")
+                    dropped[mode] += 1
+                    break
+                round_up[mode] = grown
+                round_down[mode] = shrunk
+                ctx.progress(
+                    f"resize-stall: run {index + 1}, {mode}: 2->4 {grown[0]:.2f} s,"
+                    f" 4->2 {shrunk[0]:.2f} s"
+                )
+            else:
+                for mode in modes:
+                    up[mode] += round_up[mode]
+                    down[mode] += round_down[mode]
+                    for name in ("seen", "to_worker", "worker_to_step"):
+                        getattr(phases[mode], name).extend(getattr(round_phases[mode], name))
+    if not up["bare"]:
+        raise TimeoutError(f"every round was dropped (stuck runs by mode: {dropped})")
     rows = []
     for mode, how in (("driver", ""), ("zygote", ", workers forked by a zygote")):
         for label, ours, bare in (
@@ -385,6 +408,7 @@ def run_resize_stall(ctx: Context) -> list[Row]:
                     baseline=Stats.of(bare),
                     ours=Stats.of(ours),
                     extra={
+                        **{f"dropped_rounds_{m}_stuck": n for m, n in dropped.items() if n},
                         **paired_ratio_figures(ours, bare),
                         **(phase_figures(phases[mode], phases["bare"]) if label == "2->4" else {}),
                     },
