@@ -181,6 +181,11 @@ def bare_job(root: Path, size: int, min_np: int, max_np: int) -> Iterator[BareJo
 def running_operator(root: Path) -> Iterator[Operator]:
     specs_dir = root / "jobs"
     specs_dir.mkdir(parents=True)
+    # Its grants in its scratch dir, not /dev/shm: on a shared machine, another run's clean-up
+    # of /dev/shm/herd-operator-* took a running bench's grants away (every launch after
+    # that failed).
+    runtime_base = root / "run"
+    runtime_base.mkdir()
     config = OperatorConfig(
         specs_dir=specs_dir,
         state_dir=root / "state",
@@ -189,6 +194,7 @@ def running_operator(root: Path) -> Iterator[Operator]:
         grace_seconds=5.0,
         # The trigger is the grant change itself; a resize freeze would only delay it.
         min_resize_interval=0.0,
+        runtime_dir=runtime_base,
     )
     operator = Operator(config)
     stop = threading.Event()
