@@ -184,7 +184,7 @@ def test_a_driver_killed_alone_fails_its_job_and_leaves_no_worker(tmp_path: Path
         processes = [psutil.Process(pid) for pid in marked_processes(herd.layout.root)]
         (driver,) = [p for p in processes if p.cmdline()[2:3] == [DRIVER_MODULE]]
         workers = [p for p in processes if "examples/train_digits.py" in p.cmdline()]
-        assert len(workers) == 2
+        assert len(workers) >= 2  # the workers, and whatever they started
         runtime = herd.layout.runtime
         driver.kill()
         failed = herd.wait_for(
