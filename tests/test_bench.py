@@ -40,6 +40,7 @@ from herd_operator.bench.soak import Sample, SoakPlan, job_processes, slope_per_
 from herd_operator.bench.suite import BENCHMARKS
 from herd_operator.bench.training import (
     StepLog,
+    first_worker_forked,
     grant_seen,
     job_cpu_seconds,
     samples_per_second,
@@ -241,6 +242,19 @@ def test_grant_seen_is_the_drivers_first_new_grant_after_the_trigger(tmp_path: P
     assert grant_seen(log, 1010.0) == 1010.25
     assert grant_seen(log, 1030.0) is None
     assert grant_seen(None, 0.0) is None  # a bare horovodrun run says nothing
+
+
+def test_a_forked_worker_starts_when_the_driver_logs_its_fork(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text(
+        "1000.100 herd-driver: worker rank 0 forked by the zygote: pid 41\n"
+        "1010.300 herd-driver: starting worker localhost[2] as rank 2 of 4\n"
+        "1010.350 herd-driver: worker rank 3 forked by the zygote: pid 44\n"
+        "1010.420 herd-driver: worker rank 2 forked by the zygote: pid 43\n"
+    )
+    assert first_worker_forked(log, 1010.0) == 1010.35
+    assert first_worker_forked(log, 1011.0) is None
+    assert first_worker_forked(None, 0.0) is None
 
 
 def test_tree_cpu_leaves_out_the_idle_worker() -> None:

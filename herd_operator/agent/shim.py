@@ -79,66 +79,82 @@ def bind_environment(env: dict[str, str], reply: dict[str, object], local_rank: 
     env[VIRTUAL_ENV] = "1" if reply["virtual"] else "0"
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["--"]:
-        argv = argv[1:]
-    if not argv:
-        print("usage: python -m herd_operator.agent.shim -- COMMAND [ARG...]", file=sys.stderr)
-        return 2
-    env = dict(os.environ)
+class ShimExit(Exception):
+    """The worker must not run: the message is printed, `code` is its exit status."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def bound_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The worker's environment: `environ` with the spec's env file loaded and, under the
+    operator, its GPUs bound (waiting for the allocator as long as it may be coming)."""
+    env = dict(environ)
     env_file = env.pop(ENV_FILE_ENV, None)
     if env_file:
         try:
             env.update(read_env_file(Path(env_file)))
         except EnvFileError as err:
             print(f"herd shim: {err}", file=sys.stderr)
-            return 1
-    if worker.under_operator():
-        local_rank = int(env.get("HOROVOD_LOCAL_RANK", "0"))
-        try:
-            client = worker.client_from_env(
-                f"shim:{env[JOB_ENV]}:{worker.host_name()}:{local_rank}"
+            raise ShimExit(1) from None
+    if not worker.under_operator():
+        return env
+    local_rank = int(env.get("HOROVOD_LOCAL_RANK", "0"))
+    try:
+        client = worker.client_from_env(f"shim:{env[JOB_ENV]}:{worker.host_name()}:{local_rank}")
+    except (ValueError, TokenFileError) as err:  # no retry makes these right
+        print(f"herd shim: {err}", file=sys.stderr)
+        raise ShimExit(1) from None
+
+    def warn_once(state: RetryCallState) -> None:
+        if state.attempt_number == 1:  # once: a wait of minutes would flood the log
+            error = state.outcome.exception() if state.outcome is not None else None
+            print(
+                f"herd shim: waiting for a GPU for local rank {local_rank}: {error}",
+                file=sys.stderr,
+                flush=True,
             )
-        except (ValueError, TokenFileError) as err:  # no retry makes these right
-            print(f"herd shim: {err}", file=sys.stderr)
-            return 1
 
-        def warn_once(state: RetryCallState) -> None:
-            if state.attempt_number == 1:  # once: a wait of minutes would flood the log
-                error = state.outcome.exception() if state.outcome is not None else None
-                print(
-                    f"herd shim: waiting for a GPU for local rank {local_rank}: {error}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-        binding = Retrying(
-            # Until the allocator answers (it may be restarting, or the GPU still draining);
-            # a wrong token does not fix itself.
-            retry=retry_if_exception_type((RpcError, OSError))
-            & retry_if_not_exception_type(AuthError),
-            stop=stop_after_delay(BIND_WAIT_SECONDS),
-            wait=wait_fixed(BIND_RETRY_SECONDS),
-            before_sleep=warn_once,
-            reraise=True,
+    binding = Retrying(
+        # Until the allocator answers (it may be restarting, or the GPU still draining);
+        # a wrong token does not fix itself.
+        retry=retry_if_exception_type((RpcError, OSError)) & retry_if_not_exception_type(AuthError),
+        stop=stop_after_delay(BIND_WAIT_SECONDS),
+        wait=wait_fixed(BIND_RETRY_SECONDS),
+        before_sleep=warn_once,
+        reraise=True,
+    )
+    try:
+        reply = binding(
+            client.call,
+            "bind",
+            job=env[JOB_ENV],
+            host=worker.host_name(),
+            local_rank=local_rank,
+            pid=os.getpid(),  # exec (or the zygote's fork) keeps the pid: this is the worker's
         )
-        try:
-            reply = binding(
-                client.call,
-                "bind",
-                job=env[JOB_ENV],
-                host=worker.host_name(),
-                local_rank=local_rank,
-                pid=os.getpid(),  # exec keeps the pid: this is the worker's
-            )
-        except AuthError as err:
-            print(f"herd shim: the allocator refused us: {err}", file=sys.stderr)
-            return 1
-        except (RpcError, OSError) as err:
-            print(f"herd shim: cannot bind local rank {local_rank}: {err}", file=sys.stderr)
-            return 1
-        client.close()
-        bind_environment(env, reply, local_rank)
+    except AuthError as err:
+        print(f"herd shim: the allocator refused us: {err}", file=sys.stderr)
+        raise ShimExit(1) from None
+    except (RpcError, OSError) as err:
+        print(f"herd shim: cannot bind local rank {local_rank}: {err}", file=sys.stderr)
+        raise ShimExit(1) from None
+    client.close()
+    bind_environment(env, reply, local_rank)
+    return env
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m herd_operator.agent.shim -- COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    try:
+        env = bound_environment(dict(os.environ))
+    except ShimExit as stop:
+        return stop.code
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as err:

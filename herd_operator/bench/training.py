@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,16 @@ def train_command(step_log: Path) -> list[str]:
     return ["python", str(script), "--epochs", "1000000", "--step-log", str(step_log)]
 
 
-def training_spec(name: str, step_log: Path, min_np: int, max_np: int, size: int) -> dict[str, Any]:
-    """A HerdJob of the example training script held at `size` GPUs by the `static` policy."""
+PRELOAD = ("torch", "horovod.torch", "sklearn.datasets")
+"""What `examples/train_digits.py` imports that takes time: its zygote's preload."""
+
+
+def training_spec(
+    name: str, step_log: Path, min_np: int, max_np: int, size: int, preload: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A HerdJob of the example training script held at `size` GPUs by the `static` policy
+    (its local workers forked by a zygote that imported `preload`, when given)."""
+    horovod = {"horovod": {"preload": list(preload)}} if preload else {}
     return {
         "apiVersion": "herd/v1alpha1",
         "kind": "HerdJob",
@@ -58,6 +66,7 @@ def training_spec(name: str, step_log: Path, min_np: int, max_np: int, size: int
             "workingDir": str(REPO),
             "gpus": {"min": min_np, "max": max_np},
             "policy": {"name": "static", "params": {"gpus": size}},
+            **horovod,
         },
     }
 
@@ -172,6 +181,11 @@ def bare_job(root: Path, size: int, min_np: int, max_np: int) -> Iterator[BareJo
 def running_operator(root: Path) -> Iterator[Operator]:
     specs_dir = root / "jobs"
     specs_dir.mkdir(parents=True)
+    # Its grants in its scratch dir, not /dev/shm: on a shared machine, another run's clean-up
+    # of /dev/shm/herd-operator-* took a running bench's grants away (every launch after
+    # that failed).
+    runtime_base = root / "run"
+    runtime_base.mkdir()
     config = OperatorConfig(
         specs_dir=specs_dir,
         state_dir=root / "state",
@@ -180,6 +194,7 @@ def running_operator(root: Path) -> Iterator[Operator]:
         grace_seconds=5.0,
         # The trigger is the grant change itself; a resize freeze would only delay it.
         min_resize_interval=0.0,
+        runtime_dir=runtime_base,
     )
     operator = Operator(config)
     stop = threading.Event()
@@ -200,13 +215,14 @@ class OperatorJob:
     min_np: int
     max_np: int
     log: StepLog
+    preload: tuple[str, ...] = ()
 
     @property
     def spec_path(self) -> Path:
         return self.operator.config.specs_dir / f"{JOB}.yaml"
 
     def write_spec(self, size: int) -> None:
-        document = training_spec(JOB, self.log.path, self.min_np, self.max_np, size)
+        document = training_spec(JOB, self.log.path, self.min_np, self.max_np, size, self.preload)
         tmp = self.spec_path.with_name(f".{JOB}.yaml.tmp")
         tmp.write_text(yaml.safe_dump(document))
         os.replace(tmp, self.spec_path)
@@ -219,10 +235,15 @@ class OperatorJob:
 
 @contextlib.contextmanager
 def operator_job(
-    operator: Operator, root: Path, size: int, min_np: int, max_np: int
+    operator: Operator,
+    root: Path,
+    size: int,
+    min_np: int,
+    max_np: int,
+    preload: Sequence[str] = (),
 ) -> Iterator[OperatorJob]:
     root.mkdir(parents=True)
-    job = OperatorJob(operator, min_np, max_np, StepLog(root / "steps.txt"))
+    job = OperatorJob(operator, min_np, max_np, StepLog(root / "steps.txt"), tuple(preload))
     job.write_spec(size)
     try:
         yield job
@@ -265,6 +286,16 @@ def first_worker_started(marker: str, after: float) -> float | None:
 
 
 GRANT_SEEN = re.compile(r"^(\d+\.\d+) herd-driver: grant seen:", re.MULTILINE)
+WORKER_FORKED = re.compile(r"^(\d+\.\d+) herd-driver: worker rank \d+ forked", re.MULTILINE)
+
+
+def first_worker_forked(driver_log: Path | None, after: float) -> float | None:
+    """When the driver's zygote forked the first worker after `after` (the child has the
+    zygote's command line: `first_worker_started` cannot tell it by its own)."""
+    if driver_log is None or not driver_log.exists():
+        return None
+    stamps = [float(m) for m in WORKER_FORKED.findall(driver_log.read_text(errors="replace"))]
+    return min((t for t in stamps if t > after), default=None)
 
 
 def grant_seen(driver_log: Path | None, after: float) -> float | None:
@@ -300,7 +331,11 @@ def resize_stalls(
         first = log.wait_steps(4, 1, trigger)[0]
         up.append(first - trigger)
         if phases is not None:
-            started = first_worker_started(str(log.path), trigger)
+            found = [
+                first_worker_started(str(log.path), trigger),
+                first_worker_forked(driver_log, trigger),
+            ]
+            started = min((t for t in found if t is not None), default=None)
             if started is not None:
                 phases.to_worker.append(started - trigger)
                 phases.worker_to_step.append(first - started)
@@ -316,45 +351,76 @@ def resize_stalls(
 
 
 def run_resize_stall(ctx: Context) -> list[Row]:
-    ours_up: list[float] = []
-    ours_down: list[float] = []
-    bare_up: list[float] = []
-    bare_down: list[float] = []
-    ours_phases = GrowPhases([], [], [])
-    bare_phases = GrowPhases([], [], [])
+    modes = ("bare", "driver", "zygote")
+    up: dict[str, list[float]] = {mode: [] for mode in modes}
+    down: dict[str, list[float]] = {mode: [] for mode in modes}
+    phases = {mode: GrowPhases([], [], []) for mode in modes}
+    dropped: dict[str, int] = {mode: 0 for mode in modes}
     with running_operator(ctx.scratch / "operator") as operator:
-        for index in range(ctx.repeat):  # one cycle per job run; alternate which goes first
-            runs = ("bare", "operator") if index % 2 == 0 else ("operator", "bare")
-            for mode in runs:
+        for index in range(ctx.repeat):  # one cycle per job run; rotate which goes first
+            round_up: dict[str, list[float]] = {}
+            round_down: dict[str, list[float]] = {}
+            round_phases = {mode: GrowPhases([], [], []) for mode in modes}
+            for mode in modes[index % 3 :] + modes[: index % 3]:
                 ctx.progress(f"resize-stall: run {index + 1}, {mode}")
                 root = ctx.scratch / f"{mode}-{index}"
-                if mode == "bare":
-                    with bare_job(root, 2, 2, 4) as bare:
-                        up, down = resize_stalls(bare.resize, bare.log, 1, bare_phases)
-                    bare_up += up
-                    bare_down += down
-                else:
-                    with operator_job(operator, root, 2, 2, 4) as job:
-                        driver_log = operator.layout.log_file(JOB)
-                        up, down = resize_stalls(job.resize, job.log, 1, ours_phases, driver_log)
-                    ours_up += up
-                    ours_down += down
-    return [
-        Row(
-            name=f"resize-stall {label}",
-            what="grant change -> first training step completed at the new world size",
-            unit="s",
-            better="lower",
-            baseline_label="bare horovodrun, hosts file edited by hand",
-            baseline=Stats.of(bare),
-            ours=Stats.of(ours),
-            extra={
-                **paired_ratio_figures(ours, bare),
-                **(phase_figures(ours_phases, bare_phases) if label == "2->4" else {}),
-            },
-        )
-        for label, ours, bare in (("2->4", ours_up, bare_up), ("4->2", ours_down, bare_down))
-    ]
+                try:
+                    if mode == "bare":
+                        with bare_job(root, 2, 2, 4) as hand_edited:
+                            grown, shrunk = resize_stalls(
+                                hand_edited.resize, hand_edited.log, 1, round_phases[mode]
+                            )
+                    else:
+                        preload = PRELOAD if mode == "zygote" else ()
+                        with operator_job(operator, root, 2, 2, 4, preload) as job:
+                            driver_log = operator.layout.log_file(JOB)
+                            grown, shrunk = resize_stalls(
+                                job.resize, job.log, 1, round_phases[mode], driver_log
+                            )
+                except TimeoutError as err:
+                    # One stuck run (a loaded machine) costs its round, not the whole run; the
+                    # round is dropped in every mode so that the pairs stay pairs.
+                    ctx.progress(f"resize-stall: run {index + 1}, {mode} dropped: {err}")
+                    dropped[mode] += 1
+                    break
+                round_up[mode] = grown
+                round_down[mode] = shrunk
+                ctx.progress(
+                    f"resize-stall: run {index + 1}, {mode}: 2->4 {grown[0]:.2f} s,"
+                    f" 4->2 {shrunk[0]:.2f} s"
+                )
+            else:
+                for mode in modes:
+                    up[mode] += round_up[mode]
+                    down[mode] += round_down[mode]
+                    for name in ("seen", "to_worker", "worker_to_step"):
+                        getattr(phases[mode], name).extend(getattr(round_phases[mode], name))
+    if not up["bare"]:
+        raise TimeoutError(f"every round was dropped (stuck runs by mode: {dropped})")
+    rows = []
+    for mode, how in (("driver", ""), ("zygote", ", workers forked by a zygote")):
+        for label, ours, bare in (
+            ("2->4", up[mode], up["bare"]),
+            ("4->2", down[mode], down["bare"]),
+        ):
+            rows.append(
+                Row(
+                    name=f"resize-stall {label}" + (" zygote" if mode == "zygote" else ""),
+                    what="grant change -> first training step completed at the new world size"
+                    + how,
+                    unit="s",
+                    better="lower",
+                    baseline_label="bare horovodrun, hosts file edited by hand",
+                    baseline=Stats.of(bare),
+                    ours=Stats.of(ours),
+                    extra={
+                        **{f"dropped_rounds_{m}_stuck": n for m, n in dropped.items() if n},
+                        **paired_ratio_figures(ours, bare),
+                        **(phase_figures(phases[mode], phases["bare"]) if label == "2->4" else {}),
+                    },
+                )
+            )
+    return rows
 
 
 def phase_figures(ours: GrowPhases, bare: GrowPhases) -> dict[str, float]:

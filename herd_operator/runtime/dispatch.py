@@ -171,7 +171,7 @@ class JobLauncher:
             generation=generation,
             argv=engine.launch_argv(job, np),
             log_file=self._layout.log_file(job.name),
-            command=engine.command,
+            command=engine.process_name(job),
             spec=job.spec,
             env=env,
             working_dir=job.spec.working_dir,
@@ -180,7 +180,7 @@ class JobLauncher:
         log.info(
             "launched %s: %s pid %d, %d workers, log %s",
             job.name,
-            engine.command,
+            info.command,
             info.pid,
             np,
             request.log_file,

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -93,13 +93,20 @@ def marked(mark: str) -> list[psutil.Process]:
 
 @contextlib.contextmanager
 def driver_job(
-    tmp_path: Path, grant: str, np: int, *horovod_args: str, env: dict[str, str] | None = None
+    tmp_path: Path,
+    grant: str,
+    np: int,
+    *horovod_args: str,
+    env: dict[str, str] | None = None,
+    command: Sequence[str] = PLAIN,
+    driver_args: Sequence[str] = (),
 ) -> Iterator[DriverJob]:
-    """Our driver on `grant` running PLAIN; stopped (group SIGTERM, then SIGKILL) after."""
+    """Our driver on `grant` running `command`; stopped (group SIGTERM, then SIGKILL) after."""
     mark = uuid.uuid4().hex
     write_atomically(tmp_path / "grant", grant)
-    argv = [sys.executable, "-m", DRIVER_MODULE, "--grant-file", str(tmp_path / "grant"), "--"]
-    argv += ["-np", str(np), "--network-interface", "lo", *horovod_args, *PLAIN]
+    argv = [sys.executable, "-m", DRIVER_MODULE, "--grant-file", str(tmp_path / "grant")]
+    argv += [*driver_args, "--", "-np", str(np), "--network-interface", "lo", *horovod_args]
+    argv += command
     full_env = {**os.environ, **(env or {}), MARK_ENV: mark}
     with open(tmp_path / "driver.log", "wb") as log:
         process = subprocess.Popen(
@@ -179,3 +186,44 @@ def test_the_reset_limit_ends_the_job_as_horovodrun_does(tmp_path: Path) -> None
         assert job.process.wait(GUARD_S) == 1
         assert "resets during elastic job exceeded limit: 1" in job.output
         assert marked(job.mark) == []
+
+
+def test_workers_die_with_a_driver_killed_alone(tmp_path: Path) -> None:
+    # The OOM killer or `kill -9 <driver>`: no group signal, no stop from the driver. Workers
+    # that print nothing (a long epoch) would never notice that their driver is gone; the
+    # parent-death signal ends them at once, where they would hold their GPUs until the job's
+    # end. About 9 s here (the driver imports Horovod; the workers need not).
+    quiet = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+    with driver_job(tmp_path, "localhost:2\n", 2, "--min-np", "2", command=quiet) as job:
+        job.wait_for(lambda: job.output.count("<stdout>:up") == 2 or None, "two workers up")
+        workers = [psutil.Process(pid) for pid in job.worker_pids()]
+        assert len(workers) == 2
+        job.process.kill()  # the driver alone, not its group
+        assert job.process.wait(GUARD_S) == -signal.SIGKILL
+        _, alive = psutil.wait_procs(workers, timeout=GUARD_S)
+        assert alive == [], f"workers outlived their driver: {alive}"
+        assert marked(job.mark) == []
+
+
+def test_a_grow_from_2_to_4_forks_the_new_workers_from_the_zygote(tmp_path: Path) -> None:
+    # About 36 s here: the first two workers wait for the zygote's imports (one import
+    # instead of two), the grow forks the other two.
+    preload = ["--preload", "torch,horovod.torch"]
+    with driver_job(
+        tmp_path, "localhost:2\n", 2, "--min-np", "2", "--max-np", "4", driver_args=preload
+    ) as job:
+        two = job.wait_for_epoch(2)
+        job.grant("localhost:4\n")
+        job.wait_for_epoch(4, after=two)  # trained at 4: all four in one Gloo context
+        forked = dict(re.findall(r"worker rank (\d) forked by the zygote: pid (\d+)", job.output))
+        assert set(forked) == {"0", "1", "2", "3"}, job.output[-3000:]
+        (zygote,) = psutil.Process(job.process.pid).children()  # the driver's only child
+        assert "herd_operator.agent.zygote" in zygote.cmdline()
+        workers = [pid for pid in job.worker_pids() if pid != zygote.pid]
+        assert sorted(workers) == sorted(int(pid) for pid in forked.values())
+        assert {psutil.Process(pid).ppid() for pid in workers} == {zygote.pid}
+        os.killpg(job.process.pid, signal.SIGTERM)
+        assert job.process.wait(30) == 1
+        assert marked(job.mark) == []
+    epochs = [e for e, _ in job.epochs()]
+    assert epochs == sorted(epochs)

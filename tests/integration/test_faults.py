@@ -17,10 +17,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from herd_operator.runtime.engines.horovod import DRIVER_MODULE
 from specs.values import Grant, Placement
 from tests.integration.harness import (
     OperatorHarness,
     digits_command,
+    marked_processes,
     operator_harness,
     spec_document,
 )
@@ -166,3 +168,33 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def test_a_driver_killed_alone_fails_its_job_and_leaves_no_worker(tmp_path: Path) -> None:
+    # The OOM killer's way: SIGKILL to the driver alone, not its group. Its workers die with
+    # it (parent-death signal), the keeper records the death, the job fails (no restart
+    # policy), and nothing of it is left, in the process table or in /dev/shm.
+    with operator_harness(tmp_path) as herd:
+        herd.write_spec(spec_document("digits", 2, 2, digits_command(1000)))
+        herd.wait_for(
+            lambda: any(r.epoch is not None and r.world_size == 2 for r in herd.reports("digits")),
+            "an epoch at 2 workers",
+            job="digits",
+        )
+        processes = [psutil.Process(pid) for pid in marked_processes(herd.layout.root)]
+        (driver,) = [p for p in processes if p.cmdline()[2:3] == [DRIVER_MODULE]]
+        workers = [p for p in processes if "examples/train_digits.py" in p.cmdline()]
+        assert len(workers) >= 2  # the workers, and whatever they started
+        runtime = herd.layout.runtime
+        driver.kill()
+        failed = herd.wait_for(
+            lambda: (c := herd.condition("digits", "Failed")) and c["status"] == "True" and c,
+            "the job to fail",
+            job="digits",
+        )
+        assert failed["message"] == f"hvd-driver exited with status -{signal.SIGKILL}"
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert alive == []
+        assert marked_processes(herd.layout.root) == {}
+    assert runtime is None or not runtime.exists()
+    assert [e.reason for e in herd.events("digits")].count("Started") == 1

@@ -58,11 +58,12 @@ MASTER_TOKEN = bytes(range(32))
 class RecordingEngine:
     """A test engine: runs a sleeping Python and records every call the runtime makes."""
 
-    command = "recorder"
-
     def __init__(self, context: EngineContext) -> None:
         self.context = context
         self.calls: list[tuple[Any, ...]] = []
+
+    def process_name(self, job: HerdJob) -> str:
+        return "recorder"
 
     def launch_argv(self, job: HerdJob, np: int) -> list[str]:
         self.calls.append(("launch_argv", job.name, np, job.spec.engine.options))
@@ -388,7 +389,7 @@ def test_horovod_options_under_engine_are_validated_with_their_path() -> None:
     assert errors_of(engine={"options": {"elasticTimeoutSeconds": 0, "timeout": 5}}) == [
         "spec.engine.options.elasticTimeoutSeconds: must be greater than 0, got integer 0",
         "spec.engine.options.timeout: unknown field "
-        "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs, launcher)",
+        "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs, launcher, preload)",
     ]
 
 

@@ -74,7 +74,14 @@ def layout(tmp_path: Path) -> StateLayout:
 
 def test_horovod_is_the_registered_default_engine() -> None:
     assert ENGINES[make_spec().engine.kind] is HorovodEngine
-    assert HorovodEngine.command == "horovodrun"
+
+
+def test_events_name_the_process_that_was_started_driver_or_horovodrun(
+    layout: StateLayout,
+) -> None:
+    engine = HorovodEngine(EngineContext(layout, ("localhost",)))
+    assert engine.process_name(make_job()) == "hvd-driver"
+    assert engine.process_name(make_job(horovod={"launcher": "horovodrun"})) == "horovodrun"
 
 
 # ---- horovodrun_argv ----

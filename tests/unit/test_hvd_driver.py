@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -14,12 +17,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
+import pydantic
 import pytest
 from horovod.runner.common.util.hosts import SlotInfo
 
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.engines import horovod as horovod_module
+from herd_operator.runtime.engines.forkserver import Zygote, forkable
 from herd_operator.runtime.engines.horovod import HorovodEngine, horovodrun_argv
 from herd_operator.runtime.engines.hvd_driver import (
     GrantFileDiscovery,
@@ -30,6 +35,7 @@ from herd_operator.runtime.engines.hvd_driver import (
     run_local_worker,
     worker_environment,
 )
+from specs.models import spec_fingerprint
 from tests.unit.test_horovod_engine import make_job
 
 PYTHON = sys.executable
@@ -219,6 +225,21 @@ def test_the_engine_starts_the_driver_by_default_with_horovodruns_arguments(
     assert not layout.discovery_script("train").exists()  # no script: nothing runs it
     fallback = engine.launch_argv(make_job(horovod={"launcher": "horovodrun"}), 2)
     assert "--host-discovery-script" in fallback
+    preloaded = engine.launch_argv(make_job(horovod={"preload": ["torch", "horovod.torch"]}), 2)
+    assert preloaded[5:7] == ["--preload", "torch,horovod.torch"]
+    assert parse_driver_args(preloaded[3:])[0].preload == ["torch", "horovod.torch"]
+
+
+def test_preload_takes_module_names_only_in_the_spec_and_the_driver() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"'torch; rm' is not a module name"):
+        make_job(horovod={"preload": ["torch; rm"]})
+    with pytest.raises(SystemExit):
+        parse_driver_args(["--grant-file", "/g", "--preload", "a..b", "--", "-np", "1", "x"])
+    # A spec without it keeps its fingerprint (and generation): no relaunch on upgrade.
+    assert spec_fingerprint(make_job(horovod={"preload": []})) == spec_fingerprint(make_job())
+    assert spec_fingerprint(make_job(horovod={"preload": ["torch"]})) != spec_fingerprint(
+        make_job()
+    )
 
 
 def test_given_interfaces_are_used_as_given_even_when_the_first_hosts_are_all_local() -> None:
@@ -233,3 +254,99 @@ def test_given_interfaces_are_used_as_given_even_when_the_first_hosts_are_all_lo
         reset_limit=None, cooldown_range=None, nics={"eth0", "ib0"},
     )  # fmt: skip
     assert job_interfaces(settings, ["localhost"]) == ["eth0", "ib0"]
+
+
+PARENT = """
+import shutil, subprocess, sys
+if sys.argv[1] == "fallback":
+    shutil.which = lambda name: None
+from herd_operator.runtime.engines.parent_death import dies_with_parent
+child = subprocess.Popen(dies_with_parent(sys.argv[2:]))
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+@pytest.mark.parametrize("setpriv", [True, False], ids=["setpriv", "python-fallback"])
+def test_a_child_started_to_die_with_its_parent_gets_sigterm_when_the_parent_is_killed(
+    setpriv: bool,
+) -> None:
+    sleeper = [PYTHON, "-c", "import time; time.sleep(600)"]
+    mode = "setpriv" if setpriv else "fallback"
+    parent = subprocess.Popen([PYTHON, "-c", PARENT, mode, *sleeper], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        child = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 30
+        while child.cmdline() != sleeper:  # exec'd in place: the pid is the worker's
+            assert time.monotonic() < deadline, child.cmdline()
+            time.sleep(0.01)
+        parent.kill()
+        parent.wait()
+        # Reparented, so not ours to reap: gone or a zombie both mean it died.
+        _, alive = psutil.wait_procs([child], timeout=30)
+        assert alive == [] or child.status() == psutil.STATUS_ZOMBIE
+    finally:
+        parent.kill()
+        with contextlib.suppress(psutil.Error, UnboundLocalError):
+            child.kill()
+
+
+# ---- the zygote ----
+
+
+def test_only_a_script_run_by_this_python_is_forked_shim_or_not(tmp_path: Path) -> None:
+    env = {"PATH": str(Path(PYTHON).parent)}
+    name = Path(PYTHON).name
+    assert forkable([name, "train.py", "--lr", "1"], env) == (["train.py", "--lr", "1"], False)
+    shimmed = [PYTHON, "-m", "herd_operator.agent.shim", "--", name, "train.py"]
+    assert forkable(shimmed, env) == (["train.py"], True)
+    assert forkable([name, "-m", "train"], env) is None  # interpreter options: started as is
+    assert forkable([name, "-u", "train.py"], env) is None
+    assert forkable(["bash", "train.sh"], env) is None
+    other = tmp_path / "python"  # same binary, another environment: not ours
+    other.symlink_to(os.path.realpath(PYTHON))
+    assert forkable([str(other), "train.py"], env) is None
+
+
+SCRIPT = """
+import os, sys
+print("argv", sys.argv[1:], "cwd", os.getcwd() == sys.argv[1], "path0", sys.path[0], flush=True)
+print("rank", os.environ["HOROVOD_RANK"], os.getenv("ZYGOTE_ONLY"), __name__, flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if sys.argv[2] == "sleep":
+    import time
+    time.sleep(600)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_a_forked_worker_runs_its_script_as_python_would_and_reports_its_status(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="herd.hvd_driver")
+    script = tmp_path / "job" / "train.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT)
+    zygote = Zygote([], {**os.environ, "ZYGOTE_ONLY": "x"})
+    try:
+        env = {**os.environ, "HOROVOD_RANK": "3"}
+        out, err = io.StringIO(), io.StringIO()
+        argv = [PYTHON, str(script), str(tmp_path), "7"]
+        code = run_local_worker(argv, env, 3, [], out, err, zygote=zygote)
+        assert code == 7
+        assert out.getvalue().splitlines() == [
+            f"[3]<stdout>:argv ['{tmp_path}', '7'] cwd False path0 {script.parent}",
+            "[3]<stdout>:rank 3 None __main__",  # the worker's environment, not the zygote's
+        ]
+        assert err.getvalue() == "[3]<stderr>:to stderr\n"
+        stop = threading.Event()
+        threading.Timer(1.0, stop.set).start()
+        argv = [PYTHON, str(script), str(tmp_path), "sleep"]
+        # Stopped as a started worker is: SIGTERM, reported as horovodrun reports it.
+        assert run_local_worker(argv, env, 0, [stop], out, err, zygote=zygote) == 128 + 15
+        forked = [r.getMessage() for r in caplog.records if "forked by the zygote" in r.message]
+        assert len(forked) == 2, caplog.text  # neither started the usual way
+    finally:
+        zygote.close()
+        assert zygote.process.wait(30) == 0

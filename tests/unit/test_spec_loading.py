@@ -101,7 +101,7 @@ def test_good_file_loads(tmp_path: Path) -> None:
                 (
                     "spec.horovod.timeout",
                     "unknown field "
-                    "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs, launcher)",
+                    "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs, launcher, preload)",
                 )
             ],
             id="unknown-nested-field",

@@ -34,9 +34,9 @@ class EngineContext:
 
 
 class Engine(Protocol):
-    @property
-    def command(self) -> str:
-        """What the started process is called in events: "horovodrun exited with status 1"."""
+    def process_name(self, job: HerdJob) -> str:
+        """What the process started for `job` is called in events, `describe` and the
+        operator's log: "horovodrun exited with status 1", "hvd-driver pid 42 ..."."""
         ...
 
     def launch_argv(self, job: HerdJob, np: int) -> list[str]:

@@ -38,6 +38,8 @@ BLACKLIST_COOLDOWN_SECONDS = (10, 30)
 30 s (twice the lower bound plus jitter, capped by the upper), each later one the upper."""
 DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
 """Our driver, run as a module (not imported here: it imports Horovod)."""
+DRIVER_NAME = "hvd-driver"
+"""What events and logs call a job's process under our driver."""
 FIXED_AT_LAUNCH_CHANGED = "command, env, training, workingDir, gpus.min or horovod options changed"
 
 
@@ -100,7 +102,10 @@ def driver_argv(
     """The argument list that starts the job under our in-process driver (`hvd_driver`):
     horovodrun's own arguments, with the grant file in place of the discovery script."""
     horovod_args = horovodrun_argv(spec, np, None, hosts, "horovodrun", python, network_interface)
-    return [python, "-m", DRIVER_MODULE, "--grant-file", str(grant_file), "--", *horovod_args[1:]]
+    ours = ["--grant-file", str(grant_file)]
+    if spec.horovod.preload:
+        ours += ["--preload", ",".join(spec.horovod.preload)]
+    return [python, "-m", DRIVER_MODULE, *ours, "--", *horovod_args[1:]]
 
 
 Presentation = dict[str, tuple[Slot, ...]]
@@ -233,14 +238,17 @@ class HorovodEngine:
     """Runs a job under our in-process Horovod driver (`hvd_driver`), or under
     `horovodrun --min-np --max-np --host-discovery-script` (`spec.horovod.launcher`)."""
 
-    command = "horovodrun"
-
     def __init__(self, context: EngineContext) -> None:
         self.hosts = context.hosts
         self.aliases = host_aliases(context.hosts, local_names())
         self.grants = GrantPublisher(context.layout, self.aliases)
         self.python = context.python
         self.network_interface = context.network_interface
+
+    def process_name(self, job: HerdJob) -> str:
+        """`hvd-driver` for our driver, `horovodrun` for the bare launch: what `describe`
+        and the events say was started (and exited), so a user looks for the right one."""
+        return DRIVER_NAME if job.spec.horovod.launcher == "driver" else "horovodrun"
 
     def launch_argv(self, job: HerdJob, np: int) -> list[str]:
         if job.spec.horovod.launcher == "driver":

@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -61,6 +62,9 @@ from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.runner.http.http_server import RendezvousServer
 from horovod.runner.util import network
 
+from herd_operator.runtime.engines.forkserver import Zygote, forkable
+from herd_operator.runtime.engines.parent_death import dies_with_parent
+
 DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
 DEFAULT_POLL_SECONDS = 0.05
 """How often the grant file is `stat`ed. 20 stats a second cost well under 0.1% of a
@@ -69,6 +73,8 @@ GRACEFUL_STOP_SECONDS = 5.0
 """How long a worker told to stop has before it is killed (horovodrun's middleman: 5 s)."""
 EVENT_CHECK_SECONDS = 1.0
 """How often a worker's supervisor looks at its stop events (horovodrun's: every 1 s)."""
+
+MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 log = logging.getLogger("herd.hvd_driver")
 
@@ -218,32 +224,40 @@ def run_local_worker(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     timestamp: bool = False,
+    zygote: Zygote | None = None,
 ) -> int:
     """Run one worker here until it exits or one of `events` is set (then stop it).
 
+    Forked by `zygote` when it can (see `forkserver`), else started as a new process.
+
     Returns its exit status as horovodrun reports it: 128 + N for a death by signal N.
     The worker stays in the driver's process group, so a signal to the job's group (how
-    the operator stops a job) reaches it as it reaches the driver.
+    the operator stops a job) reaches it as it reaches the driver; and it gets SIGTERM
+    when the driver dies alone (`dies_with_parent`), so a driver killed by the OOM killer
+    or `kill -9` leaves no worker holding its GPU.
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
-    process = subprocess.Popen(
-        list(argv),
-        env=dict(env),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert process.stdout is not None and process.stderr is not None
+    started = _fork_worker(zygote, argv, env, rank) if zygote is not None else None
+    if started is None:
+        process = subprocess.Popen(
+            dies_with_parent(argv),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert process.stdout is not None and process.stderr is not None
+        started = _Started(process.pid, process.stdout, process.stderr, process.wait)
     forwarders = [
         threading.Thread(
             target=_forward,
-            args=(process.stdout, out, f"[{rank}]<stdout>:", timestamp),
+            args=(started.stdout, out, f"[{rank}]<stdout>:", timestamp),
             daemon=True,
         ),
         threading.Thread(
             target=_forward,
-            args=(process.stderr, err, f"[{rank}]<stderr>:", timestamp),
+            args=(started.stderr, err, f"[{rank}]<stderr>:", timestamp),
             daemon=True,
         ),
     ]
@@ -252,21 +266,68 @@ def run_local_worker(
     exited = threading.Event()
     # waitpid blocks in its own thread; this one looks at the stop events meanwhile.
 
+    codes: list[int] = []
+
     def wait_for_exit() -> None:
-        process.wait()
+        codes.append(started.wait())
         exited.set()
 
     waiter = threading.Thread(target=wait_for_exit, daemon=True)
     waiter.start()
     while not exited.wait(EVENT_CHECK_SECONDS):
         if any(event.is_set() for event in events):
-            _stop_tree(process.pid, exited)
+            _stop_tree(started.pid, exited)
             break
     waiter.join()
     for thread in forwarders:
         thread.join()
-    code = process.returncode
+    code = codes[0]
     return 128 - code if code < 0 else code
+
+
+@dataclass
+class _Started:
+    pid: int
+    stdout: IO[bytes]
+    stderr: IO[bytes]
+    wait: Callable[[], int]
+    """Blocks until it ends; its status as `subprocess` gives it (-N: killed by signal N)."""
+
+
+def _fork_worker(
+    zygote: Zygote, argv: Sequence[str], env: Mapping[str, str], rank: int
+) -> _Started | None:
+    """The worker forked by the job's zygote; None when it cannot be (not `python SCRIPT`,
+    the zygote not ready yet, or gone): then it starts the usual way."""
+    script = forkable(argv, env)
+    if script is None:
+        return None
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        worker = zygote.fork(script[0], env, os.getcwd(), script[1], [stdin, out_write, err_write])
+    finally:
+        for fd in (stdin, out_write, err_write):
+            os.close(fd)
+    if worker is None:
+        os.close(out_read)
+        os.close(err_read)
+        return None
+    log.info("worker rank %d forked by the zygote: pid %d", rank, worker.pid)
+
+    def wait() -> int:
+        code = worker.wait()
+        if code is not None:
+            return code
+        # The zygote died first; its parent-death signal ends the worker: wait for that.
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(worker.pid).wait()
+        return -signal.SIGTERM
+
+    return _Started(
+        worker.pid, open(out_read, "rb", buffering=0), open(err_read, "rb", buffering=0), wait
+    )
 
 
 def make_worker_factory(
@@ -277,6 +338,7 @@ def make_worker_factory(
     nics: Sequence[str],
     rendezvous_port: int,
     shutdown: threading.Event,
+    zygote: Zygote | None = None,
 ) -> Callable[[Any, list[threading.Event] | None], tuple[int, float]]:
     """The `create_worker_fn` for Horovod's ElasticDriver: local slots run directly,
     others through Horovod's ssh launch (its command string, as horovodrun builds it)."""
@@ -323,6 +385,7 @@ def make_worker_factory(
                     stdout,
                     stderr,
                     timestamp=bool(settings.prefix_output_with_timestamp),
+                    zygote=zygote,
                 )
             except OSError as err:
                 print(f"cannot start worker {slot_info.hostname}[{slot_info.local_rank}]: {err}")
@@ -393,9 +456,12 @@ def job_interfaces(settings: ElasticSettings, first_hosts: Sequence[str]) -> Seq
     return list(driver_service.get_common_interfaces(settings, first_hosts))
 
 
-def run_elastic(args: argparse.Namespace, grant_file: Path, poll_seconds: float) -> None:
+def run_elastic(
+    args: argparse.Namespace, grant_file: Path, poll_seconds: float, preload: Sequence[str] = ()
+) -> None:
     """Horovod's elastic Gloo launch (`_run_elastic` and `launch_gloo_elastic` of
-    horovodrun), with the grant file as discovery and local workers started directly."""
+    horovodrun), with the grant file as discovery and local workers started directly
+    (forked by a zygote that imported `preload`, when given)."""
     discovery = GrantFileDiscovery(
         grant_file,
         args.slots or 1,
@@ -448,12 +514,17 @@ def run_elastic(args: argparse.Namespace, grant_file: Path, poll_seconds: float)
     nics = job_interfaces(settings, hosts.host_assignment_order)
     server_ip = network.get_driver_ip(nics)
     shutdown = horovod_gloo.register_shutdown_event()
+    zygote = Zygote(preload, worker_environment(env, {}, {})) if preload else None
     create_worker = make_worker_factory(
-        settings, env, args.command, server_ip, nics, port, shutdown
+        settings, env, args.command, server_ip, nics, port, shutdown, zygote
     )
-    driver.start(settings.num_proc, create_worker)
-    results = driver.get_results()
-    driver.stop()
+    try:
+        driver.start(settings.num_proc, create_worker)
+        results = driver.get_results()
+        driver.stop()
+    finally:
+        if zygote is not None:
+            zygote.close()
     if results.error_message is not None:
         raise RuntimeError(results.error_message)
     for name, (code, _) in sorted(results.worker_results.items(), key=lambda item: item[1][1]):
@@ -477,7 +548,19 @@ def parse_driver_args(argv: Sequence[str]) -> tuple[argparse.Namespace, argparse
     parser = argparse.ArgumentParser(prog=f"python -m {DRIVER_MODULE}")
     parser.add_argument("--grant-file", type=Path, required=True)
     parser.add_argument("--poll-seconds", type=float, default=DEFAULT_POLL_SECONDS)
+    parser.add_argument(
+        "--preload",
+        default="",
+        help="modules a zygote imports once, comma-separated; local `python SCRIPT` workers "
+        "are then forked from it (default: none, no zygote)",
+    )
     ours = parser.parse_args(argv[:split])
+    ours.preload = [name for name in ours.preload.split(",") if name]
+    for name in ours.preload:
+        if not MODULE_NAME.fullmatch(name):
+            parser.error(
+                f"--preload: {name!r} is not a module name (like 'torch' or 'horovod.torch')"
+            )
     if not 0 < ours.poll_seconds <= 60:
         parser.error(f"--poll-seconds must be > 0 and <= 60, got {ours.poll_seconds}")
     saved = sys.argv
@@ -515,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     try:
-        run_elastic(args, ours.grant_file, ours.poll_seconds)
+        run_elastic(args, ours.grant_file, ours.poll_seconds, ours.preload)
     except Exception as err:  # horovodrun's failure: the message, status 1
         print(f"herd-driver: {err}", file=sys.stderr)
         return 1
