@@ -29,12 +29,20 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from examples.experiments.data import DATASETS, load
-from examples.experiments.quality import SCHEDULES, RunConfig, RunResult, simulate
+from examples.experiments.memory_schedule import MEMORY_SCHEDULE
+from examples.experiments.quality import (
+    SCHEDULE_NAMES,
+    RunConfig,
+    RunResult,
+    schedule_for,
+    simulate,
+)
 from herd_operator.agent.batching import BATCH_POLICIES, plan_batches
 
 REPO = Path(__file__).resolve().parents[2]
-STUDY_SCHEDULES = ("static-1", "static-2", "static-4", "up-1-2-4", "down-4-2-1")
-ELASTIC = ("up-1-2-4", "down-4-2-1", "bounce-2-1-2")
+STUDY_SCHEDULES = ("static-1", "static-2", "static-4", "up-1-2-4", "down-4-2-1", MEMORY_SCHEDULE)
+ELASTIC = ("up-1-2-4", "down-4-2-1", "bounce-2-1-2", MEMORY_SCHEDULE)
+"""The schedules that resize; the memory policy's runs do (1 -> 2 -> 3 at least)."""
 
 
 def run_key(config: RunConfig) -> str:
@@ -52,7 +60,7 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
     (which the job's rank 0 rewrites itself, see `train_quality.follow_schedule`)."""
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    schedule = SCHEDULES[config.schedule]
+    schedule = schedule_for(config)
     hosts, result = workdir / "hosts", workdir / "result.json"
     discovery = workdir / "discover.sh"
     discovery.write_text(f"#!/bin/sh\nexec cat {hosts}\n")
@@ -97,7 +105,7 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
 def global_batches(config: RunConfig) -> str:
     """The global batch sizes a configuration trains at, as text."""
     settings = config.settings()
-    worlds = sorted({workers for _, workers in SCHEDULES[config.schedule].phases})
+    worlds = sorted({workers for _, workers in schedule_for(config).phases})
     sizes = []
     for world in worlds:
         size = plan_batches(settings, world).global_batch
@@ -122,7 +130,7 @@ def table(runs: Iterable[RunResult]) -> str:
         "(mean ± std) | optimizer steps |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    order = {name: index for index, name in enumerate(SCHEDULES)}
+    order = {name: index for index, name in enumerate(SCHEDULE_NAMES)}
     policies = {name: index for index, name in enumerate(BATCH_POLICIES)}
     keys = sorted(groups, key=lambda k: (k[0], k[1], policies[k[2]], order.get(k[3], 99)))
     summary: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
@@ -203,7 +211,7 @@ def figure(runs: Sequence[RunResult], path: Path) -> None:
         for run in runs:
             if (run.engine, run.config.dataset, run.config.policy) == (engine, dataset, policy):
                 curves[run.config.schedule].append(run.curve)
-        for schedule in sorted(curves, key=lambda name: list(SCHEDULES).index(name)):
+        for schedule in sorted(curves, key=lambda name: SCHEDULE_NAMES.index(name)):
             points = min(len(curve) for curve in curves[schedule])
             xs = [curves[schedule][0][index][0] for index in range(points)]
             ys = [
@@ -229,7 +237,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--policies", nargs="+", choices=BATCH_POLICIES, default=BATCH_POLICIES)
     parser.add_argument(
-        "--schedules", nargs="+", choices=list(SCHEDULES), default=list(STUDY_SCHEDULES)
+        "--schedules", nargs="+", choices=SCHEDULE_NAMES, default=list(STUDY_SCHEDULES)
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=defaults.epochs, help="the sample budget")
