@@ -10,7 +10,8 @@ simulation changes the world size, and the workers wait there until Horovod has 
 Each finished run is appended to `<out>/runs.jsonl`, and a rerun skips what is there, so
 a study can be stopped and continued. At the end it writes `<out>/table.md` (final test
 accuracy, mean and std over seeds, per configuration, and the gaps per policy) and
-`<out>/accuracy.png` (test accuracy against samples seen, one line per schedule).
+`<out>/accuracy.png` (test accuracy against samples seen, one line per schedule), and,
+where `<out>` holds the same configuration run on both engines, `<out>/comparison.md`.
 """
 
 from __future__ import annotations
@@ -190,6 +191,66 @@ def elastic_vs_static(
     return max(gaps) if gaps else None
 
 
+def comparison(runs: Iterable[RunResult]) -> str:
+    """Each configuration run under horovodrun beside its simulation (same config, seed):
+    final test accuracy, optimizer steps, where the world size changed, and the largest
+    distance between the two accuracy curves at their evaluation points. Empty when no
+    configuration ran on both."""
+    by_engine: dict[str, dict[str, RunResult]] = defaultdict(dict)
+    for run in runs:
+        by_engine[run.engine][run_key(run.config)] = run
+    pairs = [
+        (real, by_engine["simulated"][key])
+        for key, real in by_engine["horovodrun"].items()
+        if key in by_engine["simulated"]
+    ]
+    if not pairs:
+        return ""
+    order = {name: index for index, name in enumerate(SCHEDULE_NAMES)}
+    policies = {name: index for index, name in enumerate(BATCH_POLICIES)}
+    pairs.sort(
+        key=lambda pair: (
+            pair[0].config.dataset,
+            policies[pair[0].config.policy],
+            order.get(pair[0].config.schedule, 99),
+            pair[0].config.seed,
+        )
+    )
+    lines = [
+        "| data | policy | schedule | seed | accuracy % horovodrun | simulated | difference "
+        "| steps horovodrun / simulated | world changes (samples: workers) | largest curve "
+        "distance |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for real, simulated in pairs:
+        config = real.config
+        worlds = "; ".join(f"{seen}: {world}" for seen, world in real.worlds)
+        if real.worlds != simulated.worlds:
+            worlds += (
+                " (simulated: "
+                + "; ".join(f"{seen}: {world}" for seen, world in simulated.worlds)
+                + ")"
+            )
+        else:
+            worlds += " (same)"
+        # Point by point: the same evaluation steps (an older train_quality labelled a
+        # point by the samples after the step that crossed the mark, not by the mark).
+        curve = "-"
+        if len(real.curve) == len(simulated.curve) and real.curve:
+            distances = [
+                abs(one[1] - other[1]) * 100
+                for one, other in zip(real.curve, simulated.curve, strict=True)
+            ]
+            curve = f"{max(distances):.2f}"
+        difference = (real.final_accuracy - simulated.final_accuracy) * 100
+        lines.append(
+            f"| {config.dataset} | {config.policy} | {config.schedule} | {config.seed} "
+            f"| {100 * real.final_accuracy:.2f} | {100 * simulated.final_accuracy:.2f} "
+            f"| {difference:+.2f} | {real.steps} / {simulated.steps} | {worlds} | {curve} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def figure(runs: Sequence[RunResult], path: Path) -> None:
     """Test accuracy against samples seen: a panel per (engine, data set, policy), a line per
     schedule (the mean over seeds)."""
@@ -293,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             handle.write(json.dumps(result.to_dict()) + "\n")
         runs.append(result)
     (args.out / "table.md").write_text(table(runs))
+    compared = comparison(runs)
+    if compared:
+        (args.out / "comparison.md").write_text(compared)
     figure(runs, args.out / "accuracy.png")
     print(f"wrote {args.out / 'table.md'} and {args.out / 'accuracy.png'}")
     return 0

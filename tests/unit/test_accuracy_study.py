@@ -95,3 +95,30 @@ def test_the_table_counts_a_memory_run_as_elastic() -> None:
     assert "| simulated | digits | naive | memory | 32/64/96/128 | 0 | 80.00 ± 0.00 | 1 |" in table
     assert "| simulated | digits | preserve-batch | 3.00 | 3.00 | - |" in table
     assert "| simulated | digits | naive | 10.00 | - | - |" in table
+
+
+def test_comparison_puts_each_real_run_beside_its_simulation() -> None:
+    config = RunConfig(dataset="digits", policy="naive", schedule="up-1-2-4")
+    simulated = RunResult(
+        config,
+        "simulated",
+        0.95,
+        curve=[(10, 0.5), (20, 0.95)],
+        steps=152,
+        worlds=[(0, 1), (2694, 2), (5388, 4)],
+    )
+    real = RunResult(
+        config,
+        "horovodrun",
+        0.94,
+        curve=[(10, 0.52), (20, 0.94)],
+        steps=152,
+        worlds=[(0, 1), (2694, 2), (5500, 4)],
+    )
+    alone = RunResult(replace(config, seed=1), "horovodrun", 0.9)  # no simulation: no row
+    rows = study.comparison([simulated, real, alone]).splitlines()[2:]
+    assert rows == [
+        "| digits | naive | up-1-2-4 | 0 | 94.00 | 95.00 | -1.00 | 152 / 152 "
+        "| 0: 1; 2694: 2; 5500: 4 (simulated: 0: 1; 2694: 2; 5388: 4) | 2.00 |"
+    ]
+    assert study.comparison([simulated]) == ""
