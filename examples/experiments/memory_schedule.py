@@ -89,8 +89,9 @@ MEMORY_GPUS = (1, 4)
 EPOCH_SECONDS = 600.0
 """The virtual length of an epoch: longer than `cooldownSeconds`, so the epoch cooldown is
 the one that waits (the decision comes at every epoch end)."""
-SAMPLE_SECONDS = 60.0
-"""How often the virtual node agent samples the GPUs' memory."""
+SAMPLE_SECONDS = 1.0
+"""How often the GPUs' memory is sampled: every second, as the operator does
+(`sample_seconds`, docs/observability.md)."""
 
 
 @dataclass(frozen=True)
