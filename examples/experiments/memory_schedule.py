@@ -188,3 +188,22 @@ def memory_phases(
         if decision.gpus != phases[-1][1]:
             phases.append(((decision.epoch + 1) / epochs, decision.gpus))
     return tuple(phases)
+
+
+def main() -> None:
+    """Print the study's memory schedule for each batch mode, decision by decision."""
+    from examples.experiments.quality import RunConfig
+
+    base = RunConfig()
+    for policy in ("naive", "linear-lr", "preserve-batch"):
+        config = RunConfig(policy=policy, schedule=MEMORY_SCHEDULE)
+        settings = config.settings()
+        print(f"{policy} ({base.epochs} epochs):")
+        for decision in memory_decisions(settings, base.epochs):
+            where = "start" if decision.epoch < 0 else f"end of epoch {decision.epoch}"
+            print(f"  {where}: {decision.reason}")
+        print(f"  phases: {memory_phases(settings, base.epochs)}")
+
+
+if __name__ == "__main__":
+    main()
