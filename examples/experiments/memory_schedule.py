@@ -11,6 +11,8 @@ run starts: `memory_decisions` replays the operator's loop at each epoch end (an
 report and that epoch's memory samples in, a decision out) and `memory_phases` turns the
 decisions into the study's `(fraction of the budget, workers)` phases. A resize takes
 effect at the epoch boundary where it is decided (the operator's takes some seconds more).
+The model and the policy's params are constants here, not part of a run's configuration:
+a study that changes them needs a new `--out`, or its runs.jsonl would mix the two.
 
 What the batch mode does to the signal: under `naive` and `linear-lr` each worker keeps
 its batch, so the memory one GPU uses is the same at every world size and a resize never
