@@ -284,7 +284,8 @@ def figure(runs: Sequence[RunResult], path: Path) -> None:
         axis.set_xlabel("samples seen")
         axis.set_ylabel("test accuracy %")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+        if curves:  # a panel can be empty when only part of a study ran
+            axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
