@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.experiments.data import Split
+from examples.experiments.memory_schedule import MEMORY_SCHEDULE, memory_phases
 from herd_operator.agent.batching import (
     BatchPolicyName,
     BatchSettings,
@@ -65,6 +66,9 @@ SCHEDULES = {
         Schedule("bounce-2-1-2", ((0.0, 2), (1 / 3, 1), (2 / 3, 2))),
     ]
 }
+SCHEDULE_NAMES = (*SCHEDULES, MEMORY_SCHEDULE)
+"""Every schedule a run can name: the fixed ones, and `memory`, whose world sizes the
+operator's memory policy chooses for each configuration (`schedule_for`)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,19 @@ class RunConfig:
             warmup_steps=self.warmup_steps,
             max_worker_batch=self.max_worker_batch,
         )
+
+
+def schedule_for(config: RunConfig) -> Schedule:
+    """The world sizes `config` trains at: a fixed schedule, or the `memory` policy's
+    decisions for its batch mode (`memory_schedule.memory_phases`)."""
+    if config.schedule == MEMORY_SCHEDULE:
+        return Schedule(MEMORY_SCHEDULE, memory_phases(config.settings(), config.epochs))
+    schedule = SCHEDULES.get(config.schedule)
+    if schedule is None:
+        raise ValueError(
+            f"unknown schedule {config.schedule!r}: one of {', '.join(SCHEDULE_NAMES)}"
+        )
+    return schedule
 
 
 @dataclass
@@ -176,7 +193,7 @@ def simulate(
     settings = config.settings()
     epoch_size = len(data.y_train)
     budget = config.epochs * epoch_size
-    schedule = SCHEDULES[config.schedule]
+    schedule = schedule_for(config)
     if world_at is None:
 
         def world_at(seen: int) -> int:

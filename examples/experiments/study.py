@@ -10,7 +10,8 @@ simulation changes the world size, and the workers wait there until Horovod has 
 Each finished run is appended to `<out>/runs.jsonl`, and a rerun skips what is there, so
 a study can be stopped and continued. At the end it writes `<out>/table.md` (final test
 accuracy, mean and std over seeds, per configuration, and the gaps per policy) and
-`<out>/accuracy.png` (test accuracy against samples seen, one line per schedule).
+`<out>/accuracy.png` (test accuracy against samples seen, one line per schedule), and,
+where `<out>` holds the same configuration run on both engines, `<out>/comparison.md`.
 """
 
 from __future__ import annotations
@@ -29,12 +30,20 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from examples.experiments.data import DATASETS, load
-from examples.experiments.quality import SCHEDULES, RunConfig, RunResult, simulate
+from examples.experiments.memory_schedule import MEMORY_SCHEDULE
+from examples.experiments.quality import (
+    SCHEDULE_NAMES,
+    RunConfig,
+    RunResult,
+    schedule_for,
+    simulate,
+)
 from herd_operator.agent.batching import BATCH_POLICIES, plan_batches
 
 REPO = Path(__file__).resolve().parents[2]
-STUDY_SCHEDULES = ("static-1", "static-2", "static-4", "up-1-2-4", "down-4-2-1")
-ELASTIC = ("up-1-2-4", "down-4-2-1", "bounce-2-1-2")
+STUDY_SCHEDULES = ("static-1", "static-2", "static-4", "up-1-2-4", "down-4-2-1", MEMORY_SCHEDULE)
+ELASTIC = ("up-1-2-4", "down-4-2-1", "bounce-2-1-2", MEMORY_SCHEDULE)
+"""The schedules that resize; the memory policy's runs do (1 -> 2 -> 3 at least)."""
 
 
 def run_key(config: RunConfig) -> str:
@@ -52,7 +61,7 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
     (which the job's rank 0 rewrites itself, see `train_quality.follow_schedule`)."""
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    schedule = SCHEDULES[config.schedule]
+    schedule = schedule_for(config)
     hosts, result = workdir / "hosts", workdir / "result.json"
     discovery = workdir / "discover.sh"
     discovery.write_text(f"#!/bin/sh\nexec cat {hosts}\n")
@@ -97,7 +106,7 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
 def global_batches(config: RunConfig) -> str:
     """The global batch sizes a configuration trains at, as text."""
     settings = config.settings()
-    worlds = sorted({workers for _, workers in SCHEDULES[config.schedule].phases})
+    worlds = sorted({workers for _, workers in schedule_for(config).phases})
     sizes = []
     for world in worlds:
         size = plan_batches(settings, world).global_batch
@@ -122,7 +131,7 @@ def table(runs: Iterable[RunResult]) -> str:
         "(mean ± std) | optimizer steps |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    order = {name: index for index, name in enumerate(SCHEDULES)}
+    order = {name: index for index, name in enumerate(SCHEDULE_NAMES)}
     policies = {name: index for index, name in enumerate(BATCH_POLICIES)}
     keys = sorted(groups, key=lambda k: (k[0], k[1], policies[k[2]], order.get(k[3], 99)))
     summary: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
@@ -182,6 +191,66 @@ def elastic_vs_static(
     return max(gaps) if gaps else None
 
 
+def comparison(runs: Iterable[RunResult]) -> str:
+    """Each configuration run under horovodrun beside its simulation (same config, seed):
+    final test accuracy, optimizer steps, where the world size changed, and the largest
+    distance between the two accuracy curves at their evaluation points. Empty when no
+    configuration ran on both."""
+    by_engine: dict[str, dict[str, RunResult]] = defaultdict(dict)
+    for run in runs:
+        by_engine[run.engine][run_key(run.config)] = run
+    pairs = [
+        (real, by_engine["simulated"][key])
+        for key, real in by_engine["horovodrun"].items()
+        if key in by_engine["simulated"]
+    ]
+    if not pairs:
+        return ""
+    order = {name: index for index, name in enumerate(SCHEDULE_NAMES)}
+    policies = {name: index for index, name in enumerate(BATCH_POLICIES)}
+    pairs.sort(
+        key=lambda pair: (
+            pair[0].config.dataset,
+            policies[pair[0].config.policy],
+            order.get(pair[0].config.schedule, 99),
+            pair[0].config.seed,
+        )
+    )
+    lines = [
+        "| data | policy | schedule | seed | accuracy % horovodrun | simulated | difference "
+        "| steps horovodrun / simulated | world changes (samples: workers) | largest curve "
+        "distance |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for real, simulated in pairs:
+        config = real.config
+        worlds = "; ".join(f"{seen}: {world}" for seen, world in real.worlds)
+        if real.worlds != simulated.worlds:
+            worlds += (
+                " (simulated: "
+                + "; ".join(f"{seen}: {world}" for seen, world in simulated.worlds)
+                + ")"
+            )
+        else:
+            worlds += " (same)"
+        # Point by point: the same evaluation steps (an older train_quality labelled a
+        # point by the samples after the step that crossed the mark, not by the mark).
+        curve = "-"
+        if len(real.curve) == len(simulated.curve) and real.curve:
+            distances = [
+                abs(one[1] - other[1]) * 100
+                for one, other in zip(real.curve, simulated.curve, strict=True)
+            ]
+            curve = f"{max(distances):.2f}"
+        difference = (real.final_accuracy - simulated.final_accuracy) * 100
+        lines.append(
+            f"| {config.dataset} | {config.policy} | {config.schedule} | {config.seed} "
+            f"| {100 * real.final_accuracy:.2f} | {100 * simulated.final_accuracy:.2f} "
+            f"| {difference:+.2f} | {real.steps} / {simulated.steps} | {worlds} | {curve} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def figure(runs: Sequence[RunResult], path: Path) -> None:
     """Test accuracy against samples seen: a panel per (engine, data set, policy), a line per
     schedule (the mean over seeds)."""
@@ -203,7 +272,7 @@ def figure(runs: Sequence[RunResult], path: Path) -> None:
         for run in runs:
             if (run.engine, run.config.dataset, run.config.policy) == (engine, dataset, policy):
                 curves[run.config.schedule].append(run.curve)
-        for schedule in sorted(curves, key=lambda name: list(SCHEDULES).index(name)):
+        for schedule in sorted(curves, key=lambda name: SCHEDULE_NAMES.index(name)):
             points = min(len(curve) for curve in curves[schedule])
             xs = [curves[schedule][0][index][0] for index in range(points)]
             ys = [
@@ -215,7 +284,8 @@ def figure(runs: Sequence[RunResult], path: Path) -> None:
         axis.set_xlabel("samples seen")
         axis.set_ylabel("test accuracy %")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+        if curves:  # a panel can be empty when only part of a study ran
+            axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -229,7 +299,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--policies", nargs="+", choices=BATCH_POLICIES, default=BATCH_POLICIES)
     parser.add_argument(
-        "--schedules", nargs="+", choices=list(SCHEDULES), default=list(STUDY_SCHEDULES)
+        "--schedules", nargs="+", choices=SCHEDULE_NAMES, default=list(STUDY_SCHEDULES)
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=defaults.epochs, help="the sample budget")
@@ -285,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             handle.write(json.dumps(result.to_dict()) + "\n")
         runs.append(result)
     (args.out / "table.md").write_text(table(runs))
+    compared = comparison(runs)
+    if compared:
+        (args.out / "comparison.md").write_text(compared)
     figure(runs, args.out / "accuracy.png")
     print(f"wrote {args.out / 'table.md'} and {args.out / 'accuracy.png'}")
     return 0

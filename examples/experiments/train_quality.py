@@ -28,7 +28,7 @@ import torch
 
 from examples.experiments.data import DATASETS, load
 from examples.experiments.quality import (
-    SCHEDULES,
+    SCHEDULE_NAMES,
     RunConfig,
     RunResult,
     accumulate,
@@ -36,6 +36,7 @@ from examples.experiments.quality import (
     checkpoints,
     decay_factor,
     make_model,
+    schedule_for,
 )
 from herd_operator import worker as herd
 from herd_operator.agent.batching import BATCH_POLICIES, policy_name
@@ -125,15 +126,19 @@ def main() -> None:
         log = (args.step_log / f"worker-{os.getpid()}.jsonl").open("a", buffering=1)
     started = time.monotonic()
     written = {"world": 0}
+    # The memory schedule is the memory policy's decisions for this batch mode, all known
+    # before the run (they depend on the batch plan, not on the training).
+    driven = args.drive_hosts is not None and config.schedule in SCHEDULE_NAMES
+    schedule = schedule_for(config) if driven else None
 
     def follow_schedule(seen: int) -> None:
         """With --drive-hosts: resize at the step the simulation does, and wait for it.
 
         Every worker computes the same wanted size from the same committed `seen`, so all
         of them wait (and commit, which is where Horovod raises the resize) in lockstep."""
-        if args.drive_hosts is None or config.schedule not in SCHEDULES:
+        if schedule is None:
             return
-        wanted = SCHEDULES[config.schedule].world_at(seen / budget)
+        wanted = schedule.world_at(seen / budget)
         if hvd.rank() == 0 and written["world"] != wanted:
             write_atomically(args.drive_hosts, f"localhost:{wanted}\n")
             written["world"] = wanted

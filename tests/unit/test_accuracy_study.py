@@ -15,8 +15,8 @@ pytest.importorskip("matplotlib")
 
 from examples.experiments import study
 from examples.experiments.data import load
-from examples.experiments.quality import RunConfig, simulate
-from herd_operator.agent.batching import BATCH_POLICIES
+from examples.experiments.quality import RunConfig, RunResult, simulate
+from herd_operator.agent.batching import BATCH_POLICIES, BatchPolicyName
 
 
 def test_tiny_study_writes_the_table_and_the_figure(tmp_path: Path) -> None:
@@ -58,3 +58,67 @@ def test_simulated_preserve_batch_is_the_same_training_at_any_world_size() -> No
     naive = replace(base, policy="naive", schedule="static-4")
     naive_run = simulate(naive, data)
     assert naive_run.steps < one.steps / 3, "naive at 4 workers takes 4x the batch"
+
+
+def test_the_memory_schedule_resizes_where_the_memory_policy_decides() -> None:
+    """Under naive the memory per GPU never falls, so the policy grows the job to its max;
+    under preserve-batch it falls with each worker and the job settles at 3 (the memory
+    model's numbers: examples/experiments/memory_schedule.py)."""
+    data = load("digits")
+    epoch = len(data.y_train)
+    for policy, worlds in [("naive", [1, 2, 3, 4]), ("preserve-batch", [1, 2, 3])]:
+        config = RunConfig(
+            dataset="digits", policy=policy, schedule="memory", epochs=4, evaluations=2
+        )
+        run = simulate(config, data)
+        assert run.worlds == [(index * epoch, world) for index, world in enumerate(worlds)]
+        assert study.global_batches(config) == ("32/64/96/128" if policy == "naive" else "32")
+
+
+def test_the_table_counts_a_memory_run_as_elastic() -> None:
+    """preserve-batch's memory runs train at the static runs' global batch, so they enter the
+    elastic-vs-static gap; naive's (32/64/96/128) match no static run and do not."""
+
+    def run(policy: BatchPolicyName, schedule: str, accuracy: float) -> RunResult:
+        config = RunConfig(dataset="digits", policy=policy, schedule=schedule)
+        return RunResult(config, "simulated", accuracy, steps=1)
+
+    runs = [
+        run("preserve-batch", "static-1", 0.90),
+        run("preserve-batch", "static-4", 0.91),
+        run("preserve-batch", "memory", 0.88),
+        run("naive", "static-1", 0.90),
+        run("naive", "memory", 0.80),
+    ]
+    table = study.table(runs)
+    assert "| simulated | digits | preserve-batch | memory | 32 | 0 | 88.00 ± 0.00 | 1 |" in table
+    assert "| simulated | digits | naive | memory | 32/64/96/128 | 0 | 80.00 ± 0.00 | 1 |" in table
+    assert "| simulated | digits | preserve-batch | 3.00 | 3.00 | - |" in table
+    assert "| simulated | digits | naive | 10.00 | - | - |" in table
+
+
+def test_comparison_puts_each_real_run_beside_its_simulation() -> None:
+    config = RunConfig(dataset="digits", policy="naive", schedule="up-1-2-4")
+    simulated = RunResult(
+        config,
+        "simulated",
+        0.95,
+        curve=[(10, 0.5), (20, 0.95)],
+        steps=152,
+        worlds=[(0, 1), (2694, 2), (5388, 4)],
+    )
+    real = RunResult(
+        config,
+        "horovodrun",
+        0.94,
+        curve=[(10, 0.52), (20, 0.94)],
+        steps=152,
+        worlds=[(0, 1), (2694, 2), (5500, 4)],
+    )
+    alone = RunResult(replace(config, seed=1), "horovodrun", 0.9)  # no simulation: no row
+    rows = study.comparison([simulated, real, alone]).splitlines()[2:]
+    assert rows == [
+        "| digits | naive | up-1-2-4 | 0 | 94.00 | 95.00 | -1.00 | 152 / 152 "
+        "| 0: 1; 2694: 2; 5500: 4 (simulated: 0: 1; 2694: 2; 5388: 4) | 2.00 |"
+    ]
+    assert study.comparison([simulated]) == ""
