@@ -20,6 +20,7 @@ import psutil
 import pydantic
 import pytest
 from horovod.runner.common.util.hosts import SlotInfo
+from horovod.runner.elastic.worker import HostUpdateResult
 
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.engines import EngineContext
@@ -29,6 +30,7 @@ from herd_operator.runtime.engines.horovod import HorovodEngine, horovodrun_argv
 from herd_operator.runtime.engines.hvd_driver import (
     GrantFileDiscovery,
     GrantFileError,
+    MissedUpdateRedelivery,
     make_worker_factory,
     parse_driver_args,
     parse_grant,
@@ -350,3 +352,56 @@ def test_a_forked_worker_runs_its_script_as_python_would_and_reports_its_status(
     finally:
         zygote.close()
         assert zygote.process.wait(30) == 0
+
+
+class FakeElasticDriver:
+    """The parts of Horovod's ElasticDriver that `MissedUpdateRedelivery` touches."""
+
+    def __init__(self, slots: int, running_on: dict[str, list[int]]) -> None:
+        self.slots = slots
+        self.host_assignments = running_on
+        self._min_num_proc = 1
+        self._shutdown = threading.Event()
+        self._wait_hosts_cond = threading.Condition()
+        self._host_manager = SimpleNamespace(
+            current_hosts=SimpleNamespace(count_available_slots=lambda: self.slots)
+        )
+        self.coordinator: object | None = None
+        self.notices: list[HostUpdateResult] = []
+
+    def _get_host_assignments(self, hosts: object) -> tuple[dict[str, list[int]], int]:
+        return {"localhost": list(range(self.slots))}, self.slots
+
+    def get_coordinator_info(self) -> object | None:
+        return self.coordinator
+
+    def get_worker_client(self, coordinator: object) -> object:
+        return coordinator
+
+    def _notify_workers_host_changes(self, hosts: object, update: HostUpdateResult) -> None:
+        if self.coordinator is not None:
+            self.notices.append(update)
+
+
+@pytest.mark.parametrize(
+    ("slots_at_redelivery", "delivered"),
+    [(2, []), (4, [HostUpdateResult.added])],
+    ids=["grant-unchanged-since-start", "grant-changed-while-starting"],
+)
+def test_a_notice_dropped_at_start_is_delivered_only_if_the_hosts_still_call_for_it(
+    slots_at_redelivery: int, delivered: list[HostUpdateResult]
+) -> None:
+    driver = FakeElasticDriver(slots=2, running_on={})
+    redelivery = MissedUpdateRedelivery(driver, period=0.05)
+    # Horovod's first discovery: no coordinator yet, so the notice is dropped.
+    driver._notify_workers_host_changes(driver._host_manager.current_hosts, HostUpdateResult.added)
+    # The first workers start on 2 slots and a coordinator registers.
+    driver.host_assignments = {"localhost": [0, 1]}
+    driver.coordinator = object()
+    driver.slots = slots_at_redelivery
+    seen = redelivery.poll(seen_client=False)  # seen for the first time: not yet
+    assert seen and driver.notices == []
+    redelivery.poll(seen_client=True)
+    assert driver.notices == delivered
+    redelivery.poll(seen_client=True)  # delivered or found stale: never again
+    assert driver.notices == delivered

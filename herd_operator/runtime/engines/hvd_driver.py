@@ -426,17 +426,38 @@ class MissedUpdateRedelivery:
         with self._lock:
             self._dropped = HostUpdateResult.no_update if heard else self._dropped | update_res
 
+    def _assignments_would_change(self) -> bool:
+        """Whether the current hosts give other assignments than the workers run with.
+
+        The same test Horovod's notifier makes before it tells anyone: a notice dropped at
+        start-up for the hosts the first workers were started on is stale, not missed.
+        """
+        hosts = self.driver._host_manager.current_hosts
+        next_assignments: dict[str, Any] = {}
+        if hosts.count_available_slots() >= self.driver._min_num_proc:
+            next_assignments, _ = self.driver._get_host_assignments(hosts)
+        return bool(next_assignments != self.driver.host_assignments)
+
+    def poll(self, seen_client: bool) -> bool:
+        """One look: deliver a dropped notice if it is still due; whether a coordinator is
+        registered now (a notice is delivered only after it was seen for a whole period)."""
+        client = self._coordinator_client() is not None
+        with self._lock:
+            dropped = self._dropped
+        if dropped != HostUpdateResult.no_update and client and seen_client:
+            with self.driver._wait_hosts_cond:
+                if self._assignments_would_change():
+                    log.info("telling the workers of a host change they missed while starting")
+                    self._notify_and_remember(self.driver._host_manager.current_hosts, dropped)
+                else:
+                    with self._lock:
+                        self._dropped = HostUpdateResult.no_update
+        return client
+
     def run(self) -> None:
         seen_client = False
         while not self.driver._shutdown.wait(self.period):
-            client = self._coordinator_client() is not None
-            with self._lock:
-                dropped = self._dropped
-            if dropped != HostUpdateResult.no_update and client and seen_client:
-                with self.driver._wait_hosts_cond:
-                    log.info("telling the workers of a host change they missed while starting")
-                    self._notify_and_remember(self.driver._host_manager.current_hosts, dropped)
-            seen_client = client
+            seen_client = self.poll(seen_client)
 
     def start(self) -> None:
         threading.Thread(target=self.run, name="missed-updates", daemon=True).start()
