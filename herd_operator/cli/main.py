@@ -1101,7 +1101,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from herd_operator.simulate.replay import describe, read_store, replay
+    from herd_operator.simulate.model import (
+        GROW_STALL_SECONDS,
+        SHRINK_STALL_SECONDS,
+        START_SECONDS,
+    )
+    from herd_operator.simulate.replay import (
+        describe,
+        describe_stalls,
+        measured_stalls,
+        read_store,
+        replay,
+    )
 
     logging.getLogger("herd_operator.runtime.allocator").setLevel(logging.ERROR)
     path: Path = args.state
@@ -1119,6 +1130,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             min_resize_interval=args.min_resize_interval,
             measured_start=not args.model_start,
         )
+        stalls = [stall for job in run.jobs for stall in measured_stalls(job)]
     except ValueError as err:
         print(f"herd-operator replay: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -1127,6 +1139,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     worst = max(abs(c.end_error) for c in comparisons)
     least = min(c.size_agreement for c in comparisons)
     print(f"\nworst completion error {worst:.1%}; least time with the same grant {least:.0%}")
+    print(
+        "\nLaunches and resizes as recorded (the simulator's model: first start"
+        f" {START_SECONDS:g} s, grow {GROW_STALL_SECONDS:g} s, shrink {SHRINK_STALL_SECONDS:g} s)\n"
+    )
+    print(describe_stalls(stalls))
     return EXIT_OK
 
 
