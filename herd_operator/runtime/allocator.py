@@ -160,8 +160,9 @@ class Allocator:
         gain for their next GPU (`Demand.spare_gains`) instead of sitting idle.
         `smallest_first`: pending jobs are admitted smallest min first within a priority
         tier, except that one pending for `max_wait_seconds` (counted from the first decision
-        that left it pending) goes first (`arbitrate`'s `overdue`). It takes effect at the
-        next decision after that instant (any request, release or report decides)."""
+        that left it pending) goes first (`arbitrate`'s `overdue`), from the next decision on:
+        no timer is needed, since being overdue changes a decision only when GPUs come free
+        or a job arrives, and each of those decides."""
         if not max_wait_seconds > 0 or not math.isfinite(max_wait_seconds):
             raise ValueError(f"max_wait_seconds must be finite and > 0, got {max_wait_seconds}")
         self.pool = pool
