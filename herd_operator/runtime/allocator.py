@@ -84,8 +84,8 @@ PID_CHECK_SECONDS = 1.0
 """How often draining GPUs whose workers run on this host are checked for those workers."""
 DEFAULT_MAX_WAIT_SECONDS = 4 * 3600.0
 """Under `smallest_first`, a pending job that waited this long is admitted before any other
-of its tier (the starvation bound); 4 h: the best of 2, 4 and 8 h on the simulated
-Perlmutter-like mix at loads 1.5-3 (docs/simulation.md)."""
+of its tier (the starvation bound). 4 h is a choice, not an optimum: docs/simulation.md shows
+what a longer bound, or none, gains in mean completion time and costs the largest jobs."""
 LOST_GRACE_SECONDS = 60.0
 """How long a job may report fewer workers than granted, without a drop, before the
 missing ones count as lost: a grow normally completes within seconds, but a worker that
