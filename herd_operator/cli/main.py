@@ -48,6 +48,7 @@ from herd_operator.cli.views import (
     resource_list,
 )
 from herd_operator.layout import StateLayout, default_state_dir
+from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
 from herd_operator.runtime.store import (
     MAX_GRANTS_PER_JOB,
@@ -225,6 +226,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_float,
         default=30.0,
         help="seconds a job's size is left alone after it changed (default: 30)",
+    )
+    run.add_argument(
+        "--spare-by-gain",
+        action="store_true",
+        help="lend GPUs no job wants to the jobs whose policy reports the most gain for"
+        " their next GPU (goodput does), up to their max (docs/policies.md)",
+    )
+    run.add_argument(
+        "--smallest-first",
+        action="store_true",
+        help="admit pending jobs smallest min first within a priority tier, not in arrival"
+        " order; one pending --max-wait seconds goes first (docs/policies.md)",
+    )
+    run.add_argument(
+        "--max-wait",
+        type=_positive_float,
+        default=DEFAULT_MAX_WAIT_SECONDS,
+        help="with --smallest-first: seconds after which a pending job is admitted before"
+        f" any other of its priority (default: {DEFAULT_MAX_WAIT_SECONDS:g})",
     )
     run.add_argument(
         "--virtual-gpu-memory",
@@ -481,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="fcfs,static,memory,goodput",
         help="comma-separated: fcfs (rigid, first come), static, memory, goodput, or any"
         " installed policy (default: fcfs,static,memory,goodput); NAME+spare: under an"
-        " allocator that lends spare GPUs by the gain the policy reports",
+        " allocator that lends spare GPUs by the gain the policy reports; NAME+small: one"
+        " that admits the pending job with the smallest min first (both: NAME+small+spare)",
     )
     simulate.add_argument("--jobs", type=_positive_int, default=1000, help="generated jobs")
     simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")
@@ -500,6 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="reconcile every job again every this many seconds, as the operator's periodic"
         " resync (5 s there) does (default 0: only at each job's events)",
+    )
+    simulate.add_argument(
+        "--max-wait",
+        type=_positive_float,
+        default=DEFAULT_MAX_WAIT_SECONDS,
+        help="under +small: a job pending this many seconds is admitted first"
+        f" (default {DEFAULT_MAX_WAIT_SECONDS:g}, as run --max-wait)",
     )
     simulate.add_argument(
         "--output", type=Path, default=Path("sim-results"), help="default: ./sim-results"
@@ -652,6 +680,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         grace_seconds=args.grace_seconds,
         watch_events=not args.no_watch,
         min_resize_interval=args.min_resize_interval,
+        spare_by_gain=args.spare_by_gain,
+        smallest_first=args.smallest_first,
+        max_wait_seconds=args.max_wait,
         virtual_gpu_memory_bytes=args.virtual_gpu_memory,
         metrics_host=args.metrics_listen or reach.listen,
         metrics_port=args.metrics_port,
@@ -1124,7 +1155,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         pool = parse_pool(args.pool)
         workload = load_workload(args.workload, pool, args.jobs, args.seed, args.load)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
-        results = simulate(workload, pool, policies, args.tick, args.resync)
+        results = simulate(
+            workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait
+        )
     except ValueError as err:
         print(f"herd-operator simulate: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -1139,7 +1172,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from herd_operator.simulate.replay import describe, read_store, replay
+    from herd_operator.simulate.model import (
+        GROW_STALL_SECONDS,
+        SHRINK_STALL_SECONDS,
+        START_SECONDS,
+    )
+    from herd_operator.simulate.replay import (
+        describe,
+        describe_stalls,
+        measured_stalls,
+        read_store,
+        replay,
+    )
 
     logging.getLogger("herd_operator.runtime.allocator").setLevel(logging.ERROR)
     path: Path = args.state
@@ -1157,6 +1201,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             min_resize_interval=args.min_resize_interval,
             measured_start=not args.model_start,
         )
+        stalls = [stall for job in run.jobs for stall in measured_stalls(job)]
     except ValueError as err:
         print(f"herd-operator replay: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -1165,6 +1210,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     worst = max(abs(c.end_error) for c in comparisons)
     least = min(c.size_agreement for c in comparisons)
     print(f"\nworst completion error {worst:.1%}; least time with the same grant {least:.0%}")
+    print(
+        "\nLaunches and resizes as recorded (the simulator's model: first start"
+        f" {START_SECONDS:g} s, grow {GROW_STALL_SECONDS:g} s, shrink {SHRINK_STALL_SECONDS:g} s)\n"
+    )
+    print(describe_stalls(stalls))
     return EXIT_OK
 
 

@@ -82,6 +82,10 @@ class _Drain:
 DEFAULT_DRAIN_SECONDS = 30.0
 PID_CHECK_SECONDS = 1.0
 """How often draining GPUs whose workers run on this host are checked for those workers."""
+DEFAULT_MAX_WAIT_SECONDS = 4 * 3600.0
+"""Under `smallest_first`, a pending job that waited this long is admitted before any other
+of its tier (the starvation bound). 4 h is a choice, not an optimum: docs/simulation.md shows
+what a longer bound, or none, gains in mean completion time and costs the largest jobs."""
 LOST_GRACE_SECONDS = 60.0
 """How long a job may report fewer workers than granted, without a drop, before the
 missing ones count as lost: a grow normally completes within seconds, but a worker that
@@ -149,11 +153,24 @@ class Allocator:
         on_event: EventSink = lambda job, type, reason, message: None,
         clock: Callable[[], float] = time.monotonic,
         spare_by_gain: bool = False,
+        smallest_first: bool = False,
+        max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
     ) -> None:
         """`spare_by_gain`: GPUs no job wants go to the jobs whose policy reports the most
-        gain for their next GPU (`Demand.spare_gains`) instead of sitting idle."""
+        gain for their next GPU (`Demand.spare_gains`) instead of sitting idle.
+        `smallest_first`: pending jobs are admitted smallest min first within a priority
+        tier, except that one pending for `max_wait_seconds` (counted from the first decision
+        that left it pending) goes first (`arbitrate`'s `overdue`), from the next decision on:
+        no timer is needed, since being overdue changes a decision only when GPUs come free
+        or a job arrives, and each of those decides."""
+        if not max_wait_seconds > 0 or not math.isfinite(max_wait_seconds):
+            raise ValueError(f"max_wait_seconds must be finite and > 0, got {max_wait_seconds}")
         self.pool = pool
         self.spare_by_gain = spare_by_gain
+        self.smallest_first = smallest_first
+        self.max_wait_seconds = max_wait_seconds
+        # When each job not admitted was first left pending (only with smallest_first).
+        self._pending_since: dict[str, float] = {}
         self.drain_seconds = drain_seconds
         self.lost_grace_seconds = lost_grace_seconds
         self._present = present
@@ -296,6 +313,7 @@ class Allocator:
             if self._demands.pop(job, None) is None and job not in self._grants:
                 return
             self._held.pop(job, None)
+            self._pending_since.pop(job, None)
             self._resized_at.pop(job, None)
             self._world.pop(job, None)
             self._short_since.pop(job, None)
@@ -542,6 +560,11 @@ class Allocator:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])
         demands = list(self._demands.values())
+        overdue = {
+            job
+            for job, since in self._pending_since.items()
+            if now - since >= self.max_wait_seconds
+        }
         decided = arbitrate(
             self.pool,
             demands,
@@ -550,6 +573,8 @@ class Allocator:
             unavailable=self._unavailable(),
             spare_by_gain=self.spare_by_gain,
             previous=self._grants,
+            smallest_first=self.smallest_first,
+            overdue=overdue,
         )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
@@ -574,6 +599,8 @@ class Allocator:
                 unavailable=self._unavailable(),
                 spare_by_gain=self.spare_by_gain,
                 previous=self._grants,
+                smallest_first=self.smallest_first,
+                overdue=overdue,
             )
             decided.update({job: first[job] for job in shrunk})
             givers = ", ".join(sorted(shrunk))
@@ -613,6 +640,12 @@ class Allocator:
             # A new grant gets its own grace to be filled.
             self._short_since.pop(job, None)
         self._resized_at = {job: at for job, at in self._resized_at.items() if job in decided}
+        if self.smallest_first:
+            for job, grant in decided.items():
+                if grant.placement.size:
+                    self._pending_since.pop(job, None)
+                else:
+                    self._pending_since.setdefault(job, now)
         thaws = [
             at + self.min_resize_interval
             for at in self._resized_at.values()

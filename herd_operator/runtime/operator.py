@@ -41,7 +41,12 @@ from herd_operator.layout import (
     write_atomically,
 )
 from herd_operator.rpc import Handler, RpcServer, parse_address
-from herd_operator.runtime.allocator import DEFAULT_DRAIN_SECONDS, Allocator, Binding
+from herd_operator.runtime.allocator import (
+    DEFAULT_DRAIN_SECONDS,
+    DEFAULT_MAX_WAIT_SECONDS,
+    Allocator,
+    Binding,
+)
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.handlers import (
@@ -141,6 +146,12 @@ class OperatorConfig:
     min_resize_interval: float = 30.0
     """A job's size is left alone this long after it changed (each change resets Horovod)."""
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    spare_by_gain: bool = False
+    """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
+    smallest_first: bool = False
+    """The allocator admits pending jobs smallest min first (`Allocator`)."""
+    max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
+    """With `smallest_first`: a job pending this long is admitted first."""
     """How long a GPU taken from a job may drain before a DrainOverdue warning (it stays
     held until its workers are seen to leave it)."""
     virtual_gpu_memory_bytes: int = 2 << 30
@@ -278,6 +289,9 @@ class Operator:
             on_decision=lambda placements: store.replace_allocations(placements, time.time()),
             min_resize_interval=config.min_resize_interval,
             drain_seconds=config.drain_seconds,
+            spare_by_gain=config.spare_by_gain,
+            smallest_first=config.smallest_first,
+            max_wait_seconds=config.max_wait_seconds,
             present=engines.present,
             on_event=lambda job, type, reason, message: store.add_event(
                 job, type, reason, message, time.time()

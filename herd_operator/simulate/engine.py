@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
 from policies.base import JobObservations, Policy, Signal
 from policies.registry import load_policy
@@ -61,6 +61,10 @@ class SimConfig:
     running job, so at scale it costs what it does in the operator."""
     spare_by_gain: bool = False
     """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
+    smallest_first: bool = False
+    """The allocator admits pending jobs smallest min first (`Allocator`)."""
+    max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
+    """With `smallest_first`: the wait after which a pending job goes first."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""
@@ -178,6 +182,8 @@ class Simulation:
             drain_seconds=config.drain_seconds,
             clock=lambda: self.now,
             spare_by_gain=config.spare_by_gain,
+            smallest_first=config.smallest_first,
+            max_wait_seconds=config.max_wait_seconds,
         )
         self.allocator.watch(self._on_change)
 

@@ -17,13 +17,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GROW_STALL_SECONDS = 9.6
-"""A grow's stall: median of `resize-stall 2->4` under the operator (docs/benchmarks.md,
-n = 10): new workers import torch and Horovod, then Gloo's rendezvous."""
-SHRINK_STALL_SECONDS = 2.0
-"""A shrink's stall: median of `resize-stall 4->2` under the operator (docs/benchmarks.md)."""
-START_SECONDS = GROW_STALL_SECONDS
-"""The first start costs what starting workers costs in a grow."""
+GROW_STALL_SECONDS = 8.6
+"""A grow's stall: median of `resize-stall 2->4` under the operator with its default launch,
+the in-process driver (docs/benchmarks.md, run 8: 8.57 s, n = 3, load average 7-8; new workers
+import torch and Horovod, then Gloo's rendezvous). Run 3 (n = 10, horovodrun launch) had
+9.6 s."""
+SHRINK_STALL_SECONDS = 0.3
+"""A shrink's stall: `resize-stall 4->2` under the driver (docs/benchmarks.md, runs 7 and 8:
+medians 0.30 and 0.27 s, n = 3 each); the demo's recorded shrinks 3 -> 2 took 0.0 and 0.3 s
+(`herd-operator replay`, docs/simulation.md). Under horovodrun's launch it was 2.0 s (run 3)."""
+START_SECONDS = 33.3
+"""A first launch, from the grant to the first progress: a new driver, every worker's
+interpreter and imports, the rendezvous, the script's own set-up (data, model). The median of
+the two first launches of the demo's recorded run at load average 5-6 (25.5 and 41.1 s,
+`herd-operator replay`, docs/simulation.md); at load 10-12 they took 62-67 s. Measured on the
+shared 2-core machine, with CPU workers: a start on a quiet GPU node is likely shorter (a cold
+`import torch, torchvision` alone takes about 11 s there, /work/shared/HOROVOD-AND-GPU.md)."""
 GPU_MEMORY_BYTES = 40 << 30
 """One A100 40 GB, the smaller of Perlmutter's two GPU node kinds."""
 MAX_MEMORY_FRACTION = 0.95

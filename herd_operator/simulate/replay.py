@@ -99,11 +99,8 @@ def read_store(path: Path) -> RecordedRun:
         store.close()
 
 
-def job_model(job: RecordedJob, *, measured_start: bool = True) -> JobModel:
-    """The simulator's model of a recorded job, from its epoch times at each size.
-
-    `measured_start`: the job's launch takes what it took in the record (its first grant to
-    its first epoch end, less one epoch at that size) instead of the simulator's constant."""
+def _scaling(job: RecordedJob) -> tuple[float, float]:
+    """The job's serial share and its epoch time on one GPU, from its epoch times."""
     rates = rates_by_size(job.epochs, "throughput")
     if not rates:
         raise ValueError(
@@ -115,13 +112,71 @@ def job_model(job: RecordedJob, *, measured_start: bool = True) -> JobModel:
     one_gpu_epoch = statistics.median(
         speedup(serial, size) / statistics.median(values) for size, values in rates.items()
     )
+    return serial, one_gpu_epoch
+
+
+@dataclass(frozen=True)
+class MeasuredStall:
+    """How long a recorded job made no progress after a grant change."""
+
+    job: str
+    kind: str
+    """`start` (its first launch), `grow` or `shrink`."""
+    old: int
+    new: int
+    seconds: float
+
+
+def measured_stalls(job: RecordedJob) -> list[MeasuredStall]:
+    """The stall of the job's first launch and of each resize, from its epoch ends.
+
+    First launch: first grant to the first epoch end, less one epoch at that size. A resize
+    at t: q is the first epoch end at the new size, p the epoch end before it; from
+    max(t, p), the share of that epoch done at the old size by t is kept (the workers commit
+    every few batches), so the stall is q - max(t, p) less the rest of the epoch at the new
+    size. A resize with another one before q, or no epoch end before q, is left out: its
+    stall cannot be told apart."""
+    serial, one_gpu_epoch = _scaling(job)
+
+    def epoch_at(size: int) -> float:
+        return one_gpu_epoch / speedup(serial, size)
+
+    stalls: list[MeasuredStall] = []
+    first_grant = next(((when, gpus) for when, gpus in job.grants if gpus > 0), None)
+    if first_grant is not None and job.epochs:
+        first = job.epochs[0]
+        seconds = first.time - first_grant[0] - epoch_at(first.world_size)
+        stalls.append(MeasuredStall(job.name, "start", 0, first_grant[1], max(0.0, seconds)))
+    changes = [(when, gpus) for when, gpus in job.grants]
+    for index, ((_, old), (when, new)) in enumerate(itertools.pairwise(changes), start=1):
+        if not 0 < old != new > 0:
+            continue
+        later = changes[index + 1][0] if index + 1 < len(changes) else float("inf")
+        # The workers may end an epoch at the old size after the grant changed (they see
+        # the change at their next commit): the first epoch at the new size is the one.
+        after = next((r for r in job.epochs if r.time > when and r.world_size == new), None)
+        before = [r for r in job.epochs if after is not None and r.time < after.time]
+        if not before or after is None or after.time >= later:
+            continue
+        begun = max(when, before[-1].time)
+        done = min(1.0, max(0.0, (begun - before[-1].time) / epoch_at(old)))
+        seconds = after.time - begun - (1.0 - done) * epoch_at(new)
+        kind = "grow" if new > old else "shrink"
+        stalls.append(MeasuredStall(job.name, kind, old, new, max(0.0, seconds)))
+    return stalls
+
+
+def job_model(job: RecordedJob, *, measured_start: bool = True) -> JobModel:
+    """The simulator's model of a recorded job, from its epoch times at each size.
+
+    `measured_start`: the job's launch takes what it took in the record (its first grant to
+    its first epoch end, less one epoch at that size) instead of the simulator's constant."""
+    serial, one_gpu_epoch = _scaling(job)
     epochs = len(job.epochs)
     start_seconds = None
-    first_grant = next((when for when, gpus in job.grants if gpus > 0), None)
-    if measured_start and first_grant is not None:
-        first = job.epochs[0]
-        epoch_there = one_gpu_epoch / speedup(serial, first.world_size)
-        start_seconds = max(0.0, first.time - first_grant - epoch_there)
+    if measured_start:
+        start = next((s for s in measured_stalls(job) if s.kind == "start"), None)
+        start_seconds = None if start is None else start.seconds
     return JobModel(
         name=job.name,
         arrival=job.arrival,
@@ -232,6 +287,13 @@ def replay(
             )
         )
     return comparisons
+
+
+def describe_stalls(stalls: Sequence[MeasuredStall]) -> str:
+    """A markdown table of the measured launches and resizes."""
+    lines = ["| job | what | GPUs | stall s |", "|---|---|---|---|"]
+    lines += [f"| {s.job} | {s.kind} | {s.old} -> {s.new} | {s.seconds:.1f} |" for s in stalls]
+    return "\n".join(lines)
 
 
 def describe(comparisons: Sequence[JobComparison], arrivals: dict[str, float]) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
@@ -19,8 +20,9 @@ FIRST_COME = "fcfs"
 so the allocator admits in arrival order with no resize: a batch scheduler without backfill."""
 POLICIES = ("fcfs", "static", "memory", "goodput")
 PERLMUTTER = "perlmutter"
-SPARE_BY_GAIN = "+spare"
-"""A policy entry ending in this runs under an allocator that lends spare GPUs by gain."""
+ALLOCATOR_OPTIONS = {"spare": "spare_by_gain", "small": "smallest_first"}
+"""`POLICY+OPTION[+OPTION]`: the policy under an allocator with these opt-in behaviours:
+`+spare` lends spare GPUs by gain, `+small` admits the smallest pending job first."""
 
 
 def parse_pool(text: str) -> Pool:
@@ -68,15 +70,34 @@ def parse_policy(text: str) -> tuple[str, PolicyRef]:
     return text, PolicyRef(name=name, params=params)
 
 
+def parse_allocator_options(text: str) -> tuple[str, dict[str, bool]]:
+    """`policy+spare+small` -> (`policy`, the `SimConfig` flags those options turn on)."""
+    policy, *options = text.split("+")
+    flags: dict[str, bool] = {}
+    for option in options:
+        if option not in ALLOCATOR_OPTIONS:
+            allowed = ", ".join(f"+{name}" for name in ALLOCATOR_OPTIONS)
+            raise ValueError(f"policy {text!r}: unknown allocator option +{option} ({allowed})")
+        flags[ALLOCATOR_OPTIONS[option]] = True
+    return policy, flags
+
+
 def simulate(
-    workload: Workload, pool: Pool, policies: Sequence[str], tick: float, resync: float = 0.0
+    workload: Workload,
+    pool: Pool,
+    policies: Sequence[str],
+    tick: float,
+    resync: float = 0.0,
+    max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
 ) -> list[SimResult]:
     results = []
     for text in policies:
-        spare = text.endswith(SPARE_BY_GAIN)
-        label, ref = parse_policy(text.removesuffix(SPARE_BY_GAIN))
+        policy, flags = parse_allocator_options(text)
+        label, ref = parse_policy(policy)
         jobs = rigid(workload.jobs) if label == FIRST_COME else workload.jobs
-        config = SimConfig(pool, ref, tick=tick, resync=resync, spare_by_gain=spare)
+        config = SimConfig(
+            pool, ref, tick=tick, resync=resync, max_wait_seconds=max_wait_seconds, **flags
+        )
         result = Simulation(jobs, config).run()
         result.policy = text
         results.append(result)

@@ -611,3 +611,38 @@ def test_a_host_horovod_blacklisted_is_taken_back_whole_once_its_workers_exit(
     clock.now += 1.0
     grant = allocator.request(Demand("b", 2, 2, 2, arrival=2))
     assert grant.placement.slots() == (("127.0.0.1", 2), ("127.0.0.1", 3))
+
+
+def test_smallest_first_lets_a_job_overtake_until_the_blocked_one_waited_max_wait(
+    layout: StateLayout,
+) -> None:
+    clock = Clock()
+    made = Allocator(
+        Pool.from_counts({"localhost": 4}),
+        GrantPublisher(layout),
+        virtual=True,
+        drain_seconds=0,
+        clock=clock,
+        smallest_first=True,
+        max_wait_seconds=600.0,
+    )
+    assert made.request(Demand("r", 3, 3, 3, arrival=0.0)).placement.size == 3
+    assert made.request(Demand("big", 2, 2, 2, arrival=1.0)).placement.size == 0
+    clock.now += 599.0
+    # 1 GPU free, big needs 2: the smaller job goes ahead of it.
+    assert made.request(Demand("small", 1, 1, 1, arrival=2.0)).placement.size == 1
+    made.release("small")
+    clock.now += 1.0
+    # big has waited 600 s since the decision that left it pending: nobody overtakes it.
+    late = made.request(Demand("late", 1, 1, 1, arrival=3.0))
+    assert late.placement.size == 0
+    assert late.reason == "pending: waiting behind big (priority 0)"
+    made.release("r")
+    assert made.grant("big").placement.size == 2
+    assert made.grant("late").placement.size == 1
+
+
+def test_max_wait_must_be_positive(layout: StateLayout) -> None:
+    pool = Pool.from_counts({"localhost": 1})
+    with pytest.raises(ValueError, match=r"max_wait_seconds must be finite and > 0, got 0"):
+        Allocator(pool, GrantPublisher(layout), virtual=True, max_wait_seconds=0)

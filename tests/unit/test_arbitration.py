@@ -1159,3 +1159,48 @@ def test_a_demand_with_a_bad_gain_is_refused() -> None:
         ValueError, match=r"demand a: spare_gains must be finite and >= 0, got -0\.5"
     ):
         Demand("a", 1, 4, 2, spare_gains=(0.5, -0.5))
+
+
+def test_smallest_first_admits_a_small_job_past_a_large_one_that_does_not_fit() -> None:
+    pool = Pool.from_counts({"n0": 4})
+    current = {"r": place(("n0", (0, 1, 2)))}
+    demands = [
+        Demand("r", 3, 3, 3, arrival=0.0),
+        Demand("big", 2, 4, 4, arrival=1.0),
+        Demand("small", 1, 1, 1, arrival=2.0),
+    ]
+    # Arrival order: big is head of line, and small waits behind it with a GPU free.
+    plain = arbitrate(pool, demands, current)
+    assert (plain["big"].placement.size, plain["small"].placement.size) == (0, 0)
+    assert plain["small"].reason == "pending: waiting behind big (priority 0)"
+    first = arbitrate(pool, demands, current, smallest_first=True)
+    assert (first["big"].placement.size, first["small"].placement.size) == (0, 1)
+    assert first["big"].reason == "pending: needs 2 GPUs, 0 free"
+    # Overdue, big is head of line again: nobody overtakes it.
+    aged = arbitrate(pool, demands, current, smallest_first=True, overdue={"big"})
+    assert aged == plain
+    # Without smallest_first, `overdue` changes nothing.
+    assert arbitrate(pool, demands, current, overdue={"big"}) == plain
+
+
+def test_smallest_first_orders_admissions_by_min_then_arrival_within_a_tier() -> None:
+    pool = Pool.from_counts({"n0": 4})
+    demands = [
+        Demand("a4", 4, 4, 4, arrival=0.0),
+        Demand("b2", 2, 2, 2, arrival=1.0),
+        Demand("c1", 1, 1, 1, arrival=2.0),
+        Demand("d1", 1, 1, 1, arrival=3.0),
+        Demand("e2", 2, 2, 2, arrival=4.0, priority=-1),
+    ]
+    sizes = {n: g.placement.size for n, g in arbitrate(pool, demands, {}).items()}
+    assert sizes == {"a4": 4, "b2": 0, "c1": 0, "d1": 0, "e2": 0}
+    first = arbitrate(pool, demands, {}, smallest_first=True)
+    sizes = {n: g.placement.size for n, g in first.items()}
+    # c1, d1, then b2 (min 2); a4 waits; the lower tier e2 comes after the whole tier.
+    assert sizes == {"a4": 0, "b2": 2, "c1": 1, "d1": 1, "e2": 0}
+    assert list(first) == ["c1", "d1", "b2", "a4", "e2"]
+    # Two overdue jobs go first, oldest first.
+    aged = arbitrate(pool, demands, {}, smallest_first=True, overdue={"a4", "b2"})
+    assert {n: g.placement.size for n, g in aged.items()} == {
+        "a4": 4, "b2": 0, "c1": 0, "d1": 0, "e2": 0
+    }  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import resource
 import socket
 import stat
@@ -205,3 +206,34 @@ def test_each_pool_host_gets_its_own_private_agent_key_and_the_shared_one_goes(
     # Agents that get their keys on stdin: none is left on the (shared) state dir.
     started_and_stopped(dataclasses.replace(config, agent_key_files=False))
     assert not any(layout.secrets_dir.glob("agent*"))
+
+
+def test_the_allocator_options_of_run_reach_the_operators_allocator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`herd-operator run --spare-by-gain --smallest-first --max-wait 90`: the real command
+    line starts the real operator, stopped as soon as it is up, whose allocator has them."""
+    cli = importlib.import_module("herd_operator.cli.main")  # the package's `main` is the function
+    started: list[Operator] = []
+    original = Operator.run
+
+    def run_then_stop(self: Operator, stop: threading.Event) -> int:
+        started.append(self)
+        stop.set()
+        return original(self, stop)
+
+    monkeypatch.setattr(Operator, "run", run_then_stop)
+    # The real handlers would stay installed in the test process after the command returns.
+    monkeypatch.setattr(cli, "_stop_on_signals", threading.Event)
+    common = ["--hosts", "localhost:2", "--virtual-gpus", "2", "--metrics-port", "0"]
+    common += ["--specs-dir", str(tmp_path / "specs"), "--runtime-dir", str(tmp_path / "run")]
+    assert cli.main(["run", *common, "--state-dir", str(tmp_path / "plain")]) == 0
+    flags = ["--spare-by-gain", "--smallest-first", "--max-wait", "90"]
+    assert cli.main(["run", *common, "--state-dir", str(tmp_path / "opt"), *flags]) == 0
+    plain, opted = (operator.allocator for operator in started)
+    assert (plain.spare_by_gain, plain.smallest_first, plain.max_wait_seconds) == (
+        False, False, 4 * 3600.0
+    )  # fmt: skip
+    assert (opted.spare_by_gain, opted.smallest_first, opted.max_wait_seconds) == (
+        True, True, 90.0
+    )  # fmt: skip

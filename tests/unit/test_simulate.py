@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -446,13 +447,12 @@ def test_a_replay_of_a_run_the_model_fits_matches_it(tmp_path: Path) -> None:
         assert comparison.teardown == pytest.approx(3.0)
     a = comparisons[0]
     assert (a.real_end, a.real_grants, a.simulated_grants) == (112.0, ((0.0, 2),), ((0.0, 2),))
-    # The simulator's own launch time (9.6 s) instead of the recorded 12 s: 2.4 s early.
+    # The simulator's own launch time instead of the recorded 12 s: off by the difference.
     constant = replay(run, min_resize_interval=30.0, measured_start=False)
-    assert constant[0].simulated_end == pytest.approx(112.0 - 2.4)
+    assert constant[0].simulated_end == pytest.approx(112.0 - 12.0 + START_SECONDS)
 
 
 def test_a_replay_says_which_jobs_ran_slower_than_their_model(tmp_path: Path) -> None:
-    from dataclasses import replace
 
     from herd_operator.simulate.replay import read_store, replay
 
@@ -468,7 +468,6 @@ def test_a_replay_says_which_jobs_ran_slower_than_their_model(tmp_path: Path) ->
 
 
 def test_a_replay_refuses_an_unfinished_job_and_mixed_policies(tmp_path: Path) -> None:
-    from dataclasses import replace
 
     from herd_operator.simulate.replay import read_store, replay
 
@@ -492,3 +491,50 @@ def test_a_periodic_resync_asks_every_running_job_again_and_ends_with_the_run() 
     span = max(j.finished for j in plain.jobs)
     assert resynced.policy_calls >= plain.policy_calls + span / 5.0
     assert resynced.policy_calls <= plain.policy_calls + 2 * (span / 5.0 + 2)
+
+
+def test_the_stalls_of_a_recorded_launch_grow_and_shrink_are_measured_from_its_epochs() -> None:
+    """Epochs of 10 s on 2 GPUs, 5 s on 4 (no serial share): launched at 0 and first epoch end
+    at 22 (a 12 s start); grown at 45, 30% into an epoch, resumed at 53 (8 s), so the epoch
+    ends at 53 + 0.7 x 5; shrunk at 73, 30% in, resumed at 74 (1 s), ends at 74 + 0.7 x 10.
+    An epoch end at the old size after the grant change (the workers had not seen it yet)
+    only moves where the stall is counted from."""
+    from herd_operator.simulate.replay import RecordedJob, measured_stalls
+
+    ends = [(22.0, 2), (32.0, 2), (42.0, 2), (56.5, 4), (61.5, 4), (66.5, 4), (71.5, 4)]
+    ends += [(81.0, 2), (91.0, 2)]
+    recorded = RecordedJob(
+        name="a", arrival=0.0, finished=95.0, min_gpus=2, max_gpus=4, priority=0,
+        policy=PolicyRef(name="static"),
+        epochs=tuple(Report(epoch, when, size) for epoch, (when, size) in enumerate(ends)),
+        grants=((0.0, 2), (45.0, 4), (73.0, 2), (95.0, 0)),
+    )  # fmt: skip
+    stalls = measured_stalls(recorded)
+    assert [(s.kind, s.old, s.new) for s in stalls] == [
+        ("start", 0, 2), ("grow", 2, 4), ("shrink", 4, 2)
+    ]  # fmt: skip
+    assert [s.seconds for s in stalls] == pytest.approx([12.0, 8.0, 1.0])
+    # The shrink's grant came at 70 instead, the workers ended an epoch at 4 at 71.5 after
+    # it, and the first at 2 at 83: the stall counts from 71.5, where that epoch began.
+    shifted = [Report(r.epoch, r.time + 2.0 if r.time > 80 else r.time, r.world_size)
+               for r in recorded.epochs]  # fmt: skip
+    late = replace(recorded, epochs=tuple(shifted), grants=((0.0, 2), (45.0, 4), (70.0, 2)))
+    assert measured_stalls(late)[2].seconds == pytest.approx(83.0 - 71.5 - 10.0)
+
+
+def test_policy_plus_small_runs_under_an_allocator_that_admits_the_smallest_first() -> None:
+    """On 4 GPUs, r holds 3 (rigid); big (min 2) then small (min 1) arrive: in arrival order
+    small waits behind big until r ends; with +small it runs on the free GPU at once."""
+    models = [
+        job("r", requested=3, min_gpus=3, max_gpus=3, work=30000.0),
+        job("big", arrival=10.0, requested=2, min_gpus=2, max_gpus=2),
+        job("small", arrival=20.0, requested=1, min_gpus=1, max_gpus=1, work=1000.0),
+    ]
+    workload = Workload("three jobs", models)
+    plain, small = simulate(workload, parse_pool("1x4"), ["static", "static+small"], tick=0.0)
+    admitted = {p.policy: {j.name: j.admitted for j in p.jobs} for p in (plain, small)}
+    r_end = next(j.finished for j in plain.jobs if j.name == "r")
+    assert admitted["static"]["small"] >= r_end
+    assert admitted["static+small"]["small"] == 20.0
+    with pytest.raises(ValueError, match=r"unknown allocator option \+fast \(\+spare, \+small\)"):
+        simulate(workload, parse_pool("1x4"), ["static+fast"], tick=0.0)
