@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import resource
@@ -9,6 +10,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,12 +152,7 @@ def test_a_running_operator_prunes_a_deleted_jobs_history_and_log(tmp_path: Path
     gone = layout.log_file("gone")
     gone.write_text("its output\n")
     config.specs_dir.mkdir()
-    operator = Operator(config)
-    stop = threading.Event()
-    runner = threading.Thread(target=operator.run, args=(stop,))
-    runner.start()
-    try:
-        assert operator.ready.wait(GUARD_S), "the operator did not start"
+    with running_operator(config) as operator:
         assert operator.store is not None
         operator.store.add_grant_change("gone", 1, "admitted", 1.0)
         for step in range(7):
@@ -167,19 +164,18 @@ def test_a_running_operator_prunes_a_deleted_jobs_history_and_log(tmp_path: Path
         # "kept" is pruned too (no record): its event, which outlives it, shows the bound.
         (trimmed,) = [e for e in operator.store.events("kept") if e.reason == "GrantHistoryTrimmed"]
         assert "the newest 5 grant changes" in trimmed.message
-    finally:
-        stop.set()
-        runner.join(GUARD_S)
-    assert not runner.is_alive()
 
 
-def started_and_stopped(config: OperatorConfig) -> None:
+@contextlib.contextmanager
+def running_operator(config: OperatorConfig) -> Iterator[Operator]:
+    """An operator started in a thread and up; stopped, and checked gone, on leaving."""
     operator = Operator(config)
     stop = threading.Event()
     runner = threading.Thread(target=operator.run, args=(stop,))
     runner.start()
     try:
         assert operator.ready.wait(GUARD_S), "the operator did not start"
+        yield operator
     finally:
         stop.set()
         runner.join(GUARD_S)
@@ -195,7 +191,8 @@ def test_each_pool_host_gets_its_own_private_agent_key_and_the_shared_one_goes(
     layout = StateLayout(config.state_dir)
     layout.create()
     layout.legacy_agent_token_file.write_text("ab" * 32 + "\n")  # an older operator's
-    started_and_stopped(config)
+    with running_operator(config):
+        pass
     master = read_token_file(layout.token_file)
     for host in ("nid001", "nid002"):
         key_file = layout.agent_token_file(host)
@@ -204,7 +201,8 @@ def test_each_pool_host_gets_its_own_private_agent_key_and_the_shared_one_goes(
     assert not layout.legacy_agent_token_file.exists()
 
     # Agents that get their keys on stdin: none is left on the (shared) state dir.
-    started_and_stopped(dataclasses.replace(config, agent_key_files=False))
+    with running_operator(dataclasses.replace(config, agent_key_files=False)):
+        pass
     assert not any(layout.secrets_dir.glob("agent*"))
 
 
@@ -231,6 +229,7 @@ def test_the_allocator_options_of_run_reach_the_operators_allocator(
     flags = ["--spare-by-gain", "--smallest-first", "--max-wait", "90"]
     assert cli.main(["run", *common, "--state-dir", str(tmp_path / "opt"), *flags]) == 0
     plain, opted = (operator.allocator for operator in started)
+    assert plain is not None and opted is not None
     assert (plain.spare_by_gain, plain.smallest_first, plain.max_wait_seconds) == (
         False, False, 4 * 3600.0
     )  # fmt: skip
