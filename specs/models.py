@@ -19,6 +19,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from specs.values import MODULE_NAME_PATTERN
+
 API_VERSION = "herd/v1alpha1"
 KIND = "HerdJob"
 
@@ -152,7 +154,6 @@ class PolicyRef(ApiModel):
         return params
 
 
-MODULE_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 MAX_PRELOAD_MODULES = 64
 HorovodLauncher = Literal["driver", "horovodrun"]
 DEFAULT_HOROVOD_LAUNCHER: HorovodLauncher = "driver"

@@ -214,3 +214,8 @@ class UsageSample:
     @property
     def utilization(self) -> float:
         return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
+
+
+MODULE_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+"""A dotted Python module name (`torch`, `horovod.torch`): what `spec.horovod.preload` takes
+and what the driver's `--preload` checks again: one pattern for both."""

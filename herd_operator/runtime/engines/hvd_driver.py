@@ -64,6 +64,7 @@ from horovod.runner.util import network
 
 from herd_operator.runtime.engines.forkserver import Zygote, forkable
 from herd_operator.runtime.engines.parent_death import dies_with_parent
+from specs.values import MODULE_NAME_PATTERN
 
 DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
 DEFAULT_POLL_SECONDS = 0.05
@@ -74,7 +75,7 @@ GRACEFUL_STOP_SECONDS = 5.0
 EVENT_CHECK_SECONDS = 1.0
 """How often a worker's supervisor looks at its stop events (horovodrun's: every 1 s)."""
 
-MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 log = logging.getLogger("herd.hvd_driver")
 
