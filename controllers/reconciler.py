@@ -250,8 +250,8 @@ class JobReconciler:
         recorded (`_exit_recorded`)."""
         self._event(
             name, "Normal", "Started",
-            f"{launch.command} pid {launch.pid} (its start is recorded late: the operator"
-            " that launched it stopped before recording it)",
+            f"{launch.command} pid {launch.pid} (recorded late: the status of its start was"
+            " never committed; an operator restart or a lost store write)",
             now,
         )  # fmt: skip
         conditions = tuple(c for c in status.conditions if c.type != ConditionType.Reporting)
