@@ -11,13 +11,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from horovod.runner.common.util.hosts import SlotInfo
 
 from herd_operator.runtime.engines import env_exec
 from herd_operator.runtime.engines.hvd_driver import (
     ENV_EXEC_SCRIPT,
+    make_worker_factory,
     remote_worker_argv,
     run_local_worker,
 )
@@ -133,3 +137,54 @@ def test_the_variables_are_added_to_the_login_environment_and_win_over_it() -> N
         timeout=GUARD_S,
     )
     assert (done.returncode, done.stdout) == (0, "login sent\n"), done.stderr
+
+
+def test_the_driver_starts_a_worker_of_another_host_through_ssh_with_output_per_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver's path for a slot on another host, up to ssh: an `ssh` on PATH that does
+    what sshd does with the remote string (the real one: tests/integration/test_multinode.py)
+    and records its own arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "ssh-argv"
+    ssh = bin_dir / "ssh"
+    ssh.write_text(
+        '#!/bin/sh\nprintf "%s\\n" "$@" > "$SEEN"\nfor last; do :; done\nexec sh -c "$last"\n'
+    )
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SEEN", str(seen))
+    settings = SimpleNamespace(
+        output_filename=str(tmp_path / "out"),
+        num_proc=2,
+        max_num_proc=2,
+        prefix_output_with_timestamp=False,
+        elastic=True,
+        ssh_port=None,
+        ssh_identity_file=None,
+        verbose=0,
+    )
+    show = "import os; print(os.environ['HERD_TEST_SECRET'], os.environ['HOROVOD_HOSTNAME'])"
+    create_worker = make_worker_factory(
+        settings,
+        {**os.environ, "HERD_TEST_SECRET": SECRET},
+        [PYTHON, "-c", show],
+        "127.0.0.1",
+        ["lo"],
+        1,
+        threading.Event(),
+    )
+    # An address of TEST-NET-1: never one of this machine's.
+    slot = SlotInfo(
+        "192.0.2.7", rank=1, local_rank=0, cross_rank=1, size=2, local_size=1, cross_size=2
+    )
+
+    code, _ = create_worker(slot, [])
+
+    assert code == 0
+    assert (tmp_path / "out" / "rank.1" / "stdout").read_text() == (
+        f"[1]<stdout>:{SECRET} 192.0.2.7\n"
+    )
+    ssh_argv = seen.read_text().splitlines()
+    assert "192.0.2.7" in ssh_argv and not any(SECRET in part for part in ssh_argv)

@@ -331,33 +331,6 @@ def remote_worker_argv(
     return [*argv, host, "exec " + " ".join(shlex.quote(part) for part in remote)]
 
 
-def run_remote_worker(
-    settings: Any,
-    slot_info: Any,
-    command: Sequence[str],
-    env: Mapping[str, str],
-    events: Sequence[threading.Event],
-) -> int:
-    """Start one worker on another host over ssh, its environment on ssh's stdin; its
-    exit status (ssh's: the worker's, or 255 when ssh itself failed)."""
-    log.info(
-        "starting worker %s[%d] as rank %d of %d over ssh",
-        slot_info.hostname, slot_info.local_rank, slot_info.rank, slot_info.size,
-    )  # fmt: skip
-    argv = remote_worker_argv(
-        slot_info.hostname, command, settings.ssh_port, settings.ssh_identity_file
-    )
-    payload = env_exec.encode_payload(dict(env), os.getcwd())
-    return run_local_worker(
-        argv,
-        os.environ,  # the ssh client's own: its agent socket, HOME, the user's config
-        slot_info.rank,
-        events,
-        timestamp=bool(settings.prefix_output_with_timestamp),
-        stdin_data=payload,
-    )
-
-
 @dataclass
 class _Started:
     pid: int
@@ -414,7 +387,7 @@ def make_worker_factory(
     zygote: Zygote | None = None,
 ) -> Callable[[Any, list[threading.Event] | None], tuple[int, float]]:
     """The `create_worker_fn` for Horovod's ElasticDriver: local slots run directly,
-    others over ssh with their environment on its stdin (`run_remote_worker`), or, under
+    others over ssh with their environment on its stdin (`remote_worker_argv`), or, under
     Kubeflow's MPI operator (which replaces ssh), through Horovod's own remote launch."""
     run_env = horovod_gloo.create_run_env_vars(server_ip, nics, rendezvous_port, elastic=True)
     remote_command = horovod_gloo.get_run_command(
@@ -426,27 +399,18 @@ def make_worker_factory(
     local_addresses = network.get_local_host_addresses()
 
     def create_worker(slot_info: Any, events: list[threading.Event] | None) -> tuple[int, float]:
-        slot_env = horovod_gloo.create_slot_env_vars(slot_info)
-        if network.resolve_host_address(slot_info.hostname) not in local_addresses:
-            if env_util.is_kubeflow_mpi():
-                return horovod_remote_worker(slot_info, events)  # type: ignore[no-any-return]
-            code = run_remote_worker(
-                settings,
-                slot_info,
-                command,
-                worker_environment(env, slot_env, run_env),
-                [shutdown, *(events or [])],
-            )
-            if code != 0:
-                print(f"Process {slot_info.rank} exit with status code {code}.")
-            return code, time.time()
+        remote = network.resolve_host_address(slot_info.hostname) not in local_addresses
+        if remote and env_util.is_kubeflow_mpi():
+            return horovod_remote_worker(slot_info, events)  # type: ignore[no-any-return]
         log.info(
-            "starting worker %s[%d] as rank %d of %d",
+            "starting worker %s[%d] as rank %d of %d%s",
             slot_info.hostname,
             slot_info.local_rank,
             slot_info.rank,
             slot_info.size,
+            " over ssh" if remote else "",
         )
+        worker_env = worker_environment(env, horovod_gloo.create_slot_env_vars(slot_info), run_env)
         with contextlib.ExitStack() as files:
             stdout: IO[str] | None = None
             stderr: IO[str] | None = None
@@ -461,17 +425,36 @@ def make_worker_factory(
                 stderr = horovod_gloo.MultiFile(
                     [sys.stderr, files.enter_context(open(rank_dir / "stderr", "w"))]
                 )
+            stops = [shutdown, *(events or [])]
+            timestamp = bool(settings.prefix_output_with_timestamp)
             try:
-                code = run_local_worker(
-                    command,
-                    worker_environment(env, slot_env, run_env),
-                    slot_info.rank,
-                    [shutdown, *(events or [])],
-                    stdout,
-                    stderr,
-                    timestamp=bool(settings.prefix_output_with_timestamp),
-                    zygote=zygote,
-                )
+                if remote:
+                    code = run_local_worker(
+                        remote_worker_argv(
+                            slot_info.hostname,
+                            command,
+                            settings.ssh_port,
+                            settings.ssh_identity_file,
+                        ),
+                        os.environ,  # the ssh client's own: its agent socket, HOME, config
+                        slot_info.rank,
+                        stops,
+                        stdout,
+                        stderr,
+                        timestamp=timestamp,
+                        stdin_data=env_exec.encode_payload(worker_env, os.getcwd()),
+                    )
+                else:
+                    code = run_local_worker(
+                        command,
+                        worker_env,
+                        slot_info.rank,
+                        stops,
+                        stdout,
+                        stderr,
+                        timestamp=timestamp,
+                        zygote=zygote,
+                    )
             except OSError as err:
                 print(f"cannot start worker {slot_info.hostname}[{slot_info.local_rank}]: {err}")
                 code = 1
