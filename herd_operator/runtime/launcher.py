@@ -399,8 +399,10 @@ class Launcher:
             timer = threading.Timer(self.grace_seconds, self._kill, args=(job, process))
             timer.daemon = True
             process.escalation = timer
-        process.known_pids |= _descendants(process.info.pid)
-        _signal_group(process.info.pid, signal.SIGTERM)
+        leader = _group_leader(process)
+        if leader is not None:
+            process.known_pids |= _descendants(leader)
+            _signal_group(leader, signal.SIGTERM)
         if process.exited:  # the launched process is gone: signal its orphans
             for proc in self._leftovers(process):
                 with contextlib.suppress(psutil.NoSuchProcess):
@@ -413,7 +415,9 @@ class Launcher:
             log.warning(
                 "%s: %d process(es) outlived the grace period; killing", job, len(leftovers)
             )
-        _signal_group(process.info.pid, signal.SIGKILL)
+        leader = _group_leader(process)
+        if leader is not None:
+            _signal_group(leader, signal.SIGKILL)
         for proc in leftovers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
@@ -421,7 +425,9 @@ class Launcher:
     def _leftovers(self, process: _Process) -> list[psutil.Process]:
         """Live processes of this launch: known by descent or by the environment marker."""
         found: dict[int, psutil.Process] = {}
-        for pid in process.known_pids | _descendants(process.info.pid):
+        leader = _group_leader(process)
+        descendants = _descendants(leader) if leader is not None else set()
+        for pid in process.known_pids | descendants:
             try:
                 proc = psutil.Process(pid)
                 if proc.status() != psutil.STATUS_ZOMBIE and _has_marker(proc, process.info):
@@ -634,9 +640,18 @@ def _descendants(pid: int) -> set[int]:
         return set()
 
 
+def _group_leader(process: _Process) -> int | None:
+    """The launched process's pid, to signal its group and look under: None once the keeper
+    of an adopted launch is gone (not our child, so not kept from reuse by a zombie: the pid
+    may be a stranger's by now; the launch's leftovers still carry its launch id)."""
+    if process.popen is None and process.exited:
+        return None
+    return process.info.pid if process.info.pid > 1 else None
+
+
 def _has_marker(proc: psutil.Process, info: LaunchInfo) -> bool:
-    if proc.pid == info.pid:
-        return True
+    """Whether `proc` carries the launch's id (the launched process does too: it is started
+    with it). Not by pid alone: a pid of a launch that ended may be another process's."""
     try:
         return proc.environ().get(LAUNCH_ID_ENV) == info.launch_id
     except psutil.Error:

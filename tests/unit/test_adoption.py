@@ -283,6 +283,11 @@ def test_a_pid_reused_by_another_process_is_not_adopted(
     (adopted,) = launcher_on(records, launchers).adopt_recorded()
     assert not adopted.running
     assert psutil.pid_exists(info.pid), "the pid lives on, under another launch id"
+    # Nor is the stranger a leftover of the ended launch, to be stopped with it (it was,
+    # by its pid alone, until the pid was no longer trusted once the keeper was gone).
+    state = launchers[-1].state("train")
+    assert (state.phase, state.exit_code) == (ProcessPhase.EXITED, None)
+    assert first.state("train").phase == ProcessPhase.RUNNING
 
 
 def test_an_unreadable_record_is_dropped(
