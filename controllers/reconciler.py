@@ -21,6 +21,7 @@ from controllers.ports import (
     EventType,
     JobRecord,
     LauncherPort,
+    LaunchInfo,
     NoObserver,
     ProcessPhase,
     ProcessState,
@@ -161,6 +162,8 @@ class JobReconciler:
         status = _with_spec_validity(record.status, problem, generation, now)
 
         process = self.launcher.state(name)
+        if process.launch is not None and process.launch.launch_id != status.launch_id:
+            status = self._record_start(name, status, process.launch, now)
         if process.phase == ProcessPhase.EXITED:
             status = self._after_exit(name, job, status, process, generation, now)
             process = ProcessState(ProcessPhase.ABSENT)
@@ -234,6 +237,33 @@ class JobReconciler:
         self.launcher.forget(name)
         self._event(name, "Normal", "Relaunching", superseded, now)
         return self._restart_fresh(status, generation, now)
+
+    def _record_start(
+        self, name: str, status: HerdJobStatus, launch: LaunchInfo, now: float
+    ) -> HerdJobStatus:
+        """Record a launch the status does not name: it was started, but the status and the
+        `Started` event of its start were never committed (the operator was killed before
+        the store's commit, or the group was lost on a full disk), and a restarted operator
+        adopted it from its launch record. Recorded now, once: the status names it from
+        this commit on, so the next reconcile does not come here again. Without this the
+        status kept the previous launch's id and start, and its exit would not be seen as
+        recorded (`_exit_recorded`)."""
+        self._event(
+            name, "Normal", "Started",
+            f"{launch.command} pid {launch.pid} (recorded late: the status of its start was"
+            " never committed; an operator restart or a lost store write)",
+            now,
+        )  # fmt: skip
+        conditions = tuple(c for c in status.conditions if c.type != ConditionType.Reporting)
+        return status.model_copy(
+            update={
+                "conditions": conditions,
+                "launch_id": launch.launch_id,
+                "started_at": launch.started_at,
+                "retry_at": None,
+                "epoch": None,
+            }
+        )
 
     def _stay_finished(
         self, name: str, job: HerdJob, status: HerdJobStatus, generation: int, now: float

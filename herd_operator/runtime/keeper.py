@@ -31,10 +31,19 @@ from types import FrameType
 STAYS_FOR = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def exit_record(returncode: int, launch_error: str | None = None) -> str:
+def exit_record(
+    returncode: int, launch_error: str | None = None, *, started_at: float | None = None
+) -> str:
     """The exit file's content: `returncode` as subprocess gives it (-N: killed by signal N),
-    and `launchError` when the command could not be executed at all."""
-    record: dict[str, object] = {"returncode": returncode, "ended_at": time.time()}
+    `launchError` when the command could not be executed at all, and the keeper's pid and
+    start time (what an operator that never learnt them, killed as it started the keeper,
+    reports for the launch)."""
+    record: dict[str, object] = {
+        "returncode": returncode,
+        "ended_at": time.time(),
+        "pid": os.getpid(),
+        "started_at": started_at,
+    }
     if launch_error is not None:
         record["launchError"] = launch_error
     return json.dumps(record) + "\n"
@@ -48,6 +57,21 @@ def read_exit_file(path: Path) -> int | None:
         return None
     code = data.get("returncode") if isinstance(data, dict) else None
     return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def read_exit_start(path: Path) -> tuple[int | None, float | None]:
+    """The keeper's pid and start time from its exit file (None for what it lacks)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    pid, started_at = data.get("pid"), data.get("started_at")
+    return (
+        pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+        float(started_at) if isinstance(started_at, (int, float)) else None,
+    )
 
 
 def read_launch_error(path: Path) -> str | None:
@@ -80,6 +104,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python -m herd_operator.runtime.keeper EXIT_FILE -- COMMAND [ARG...]")
         return 2
+    started_at = time.time()
     exit_file, command = Path(argv[0]), argv[2:]
     for signum in STAYS_FOR:
         signal.signal(signum, _stay)
@@ -94,7 +119,7 @@ def main(argv: list[str]) -> int:
     else:
         returncode = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
     try:
-        _write_private(exit_file, exit_record(returncode, launch_error))
+        _write_private(exit_file, exit_record(returncode, launch_error, started_at=started_at))
     except OSError as err:  # a full disk: the operator that is there still sees the status
         print(f"herd keeper: cannot record the exit status: {err}", file=sys.stderr, flush=True)
     if returncode < 0:

@@ -11,11 +11,18 @@ Jobs outlive the operator. With a records directory, each launch runs through a 
 (launch id, pid and its start time, generation, spec): an operator restarted after a
 crash adopts the launches still running (`adopt_recorded`) and learns how the others
 ended, instead of stopping and starting them again.
+
+The record is written, durably and without a pid ("starting"), before the process is
+started, and the pid is filled in after: at no instant does a process of a launch run
+without a record naming its launch id, so a killed operator's successor never takes a
+launch for an orphan. A "starting" record is resolved by the launch id marker: a live
+keeper carrying it is adopted; none, and no exit file, means the launch never ran.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +35,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 import pydantic
@@ -35,7 +43,11 @@ import pydantic
 from controllers.ports import LaunchInfo, ProcessPhase, ProcessState
 from herd_operator.environment import GPU_ENV, JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
 from herd_operator.layout import write_atomically
-from herd_operator.runtime.keeper import read_exit_file, read_launch_error
+from herd_operator.runtime.keeper import (
+    read_exit_file,
+    read_exit_start,
+    read_launch_error,
+)
 from specs import HerdJobSpec
 
 log = logging.getLogger(__name__)
@@ -122,28 +134,25 @@ class Launcher:
             exit_file = self._exit_file(request.job, launch_id)
             argv = [sys.executable, "-m", "herd_operator.runtime.keeper", str(exit_file), "--"]
             argv += request.argv
+            # Before the process exists, and durable: an operator killed from here on leaves
+            # a record naming the launch id its processes carry, so its successor adopts
+            # them instead of stopping them as orphans. A launch that cannot be recorded is
+            # not started (OSError: the reconciler retries it with backoff).
+            starting = _Record(
+                request.job, launch_id, None, None, request.generation, request.command,
+                request.spec,
+            )  # fmt: skip
+            self._write_record(starting, durable=True)
         env = dict(os.environ)
         env.update(request.env)
         env[LAUNCH_ID_ENV] = launch_id
         workdir = request.working_dir or os.getcwd()
-        request.log_file.parent.mkdir(parents=True, exist_ok=True)
-        # 0600: a job's output is its owner's (a log may print its env or data paths).
-        log_fd = os.open(
-            request.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
-        )
-        with open(log_fd, "ab") as log_handle:
-            header = f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} launch {launch_id}: "
-            log_handle.write((header + json.dumps(argv) + "\n").encode())
-            log_handle.flush()
-            popen = subprocess.Popen(
-                argv,
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        try:
+            popen = self._start_logged(request, launch_id, argv, workdir, env)
+        except (OSError, ValueError, subprocess.SubprocessError):
+            if self.records_dir is not None:  # it names a launch that never ran
+                self._record_file(request.job).unlink(missing_ok=True)
+            raise
         info = LaunchInfo(
             launch_id=launch_id,
             pid=popen.pid,
@@ -154,12 +163,7 @@ class Launcher:
         )
         process = _Process(info, popen, {popen.pid})
         if self.records_dir is not None:
-            try:
-                self._write_record(request.job, info)
-            except OSError as err:
-                # Not fatal: only a crash of this operator needs the record, and then the
-                # launch is stopped as an orphan instead of adopted.
-                log.warning("%s: cannot record the launch for a restart: %s", request.job, err)
+            self._record_started(request.job, info)
         with self._lock:
             self._processes[request.job] = process
         threading.Thread(
@@ -167,17 +171,70 @@ class Launcher:
         ).start()
         return info
 
-    def _write_record(self, job: str, info: LaunchInfo) -> None:
-        record = {
-            "launch_id": info.launch_id,
-            "pid": info.pid,
-            "started_at": info.started_at,
-            "generation": info.generation,
-            "command": info.command,
-            "spec": info.spec.model_dump(mode="json", by_alias=True),
+    def _start_logged(
+        self,
+        request: LaunchRequest,
+        launch_id: str,
+        argv: list[str],
+        workdir: str,
+        env: dict[str, str],
+    ) -> subprocess.Popen[bytes]:
+        """Start `argv` with its output appended to the job's log, after a header line."""
+        request.log_file.parent.mkdir(parents=True, exist_ok=True)
+        # 0600: a job's output is its owner's (a log may print its env or data paths).
+        log_fd = os.open(
+            request.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+        )
+        with open(log_fd, "ab") as log_handle:
+            header = f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} launch {launch_id}: "
+            log_handle.write((header + json.dumps(argv) + "\n").encode())
+            log_handle.flush()
+            return self._spawn(argv, workdir, env, log_handle)
+
+    def _spawn(
+        self, argv: list[str], workdir: str, env: dict[str, str], log_handle: BinaryIO
+    ) -> subprocess.Popen[bytes]:
+        """The one fork of a launch (a seam where tests simulate a kill around it)."""
+        return subprocess.Popen(
+            argv,
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def _record_started(self, job: str, info: LaunchInfo) -> None:
+        """Fill in the pid and start time of a launch recorded as starting.
+
+        Not durable (no fsync): a record that lost this write on a crash is still the
+        "starting" record, which adoption resolves by the launch id. Not fatal either, for
+        the same reason.
+        """
+        record = _Record(job, info.launch_id, info.pid, info.started_at, info.generation,
+                         info.command, info.spec)  # fmt: skip
+        try:
+            self._write_record(record, durable=False)
+        except OSError as err:
+            log.warning(
+                "%s: cannot add the pid to the launch record (a restarted operator finds the"
+                " launch by its id): %s", job, err,
+            )  # fmt: skip
+
+    def _write_record(self, record: _Record, *, durable: bool) -> None:
+        data = {
+            "launch_id": record.launch_id,
+            "pid": record.pid,
+            "started_at": record.started_at,
+            "generation": record.generation,
+            "command": record.command,
+            "spec": record.spec.model_dump(mode="json", by_alias=True),
         }
-        # 0600 and durable: it holds the spec's env, and it must outlive a crash.
-        write_atomically(self._record_file(job), json.dumps(record), mode=0o600)
+        # 0600: it holds the spec's env.
+        write_atomically(
+            self._record_file(record.job), json.dumps(data), mode=0o600, durable=durable
+        )
 
     def _wait(self, job: str, process: _Process) -> None:
         if process.popen is not None:
@@ -226,6 +283,12 @@ class Launcher:
         one that ended while no operator was there is reported exited with the status its
         keeper recorded (None when there is none: the keeper was killed too). A record
         that cannot be read is dropped: its processes, if any, are orphans.
+
+        A record still "starting" (no pid: the previous operator was killed around the
+        start of the process) is resolved by its launch id: the live keeper that carries it
+        is adopted like any other; with no such keeper, an exit file says the launch ran
+        and ended; with neither, the launch never ran, and its record is dropped so that
+        the job is launched (once) like one that has no process.
         """
         if self.records_dir is None or not self.records_dir.is_dir():
             return []
@@ -233,13 +296,22 @@ class Launcher:
         for path in sorted(self.records_dir.glob("*.json")):
             job = path.stem
             try:
-                info = _read_record(path)
+                record = _read_record(path)
             except (OSError, ValueError) as err:
                 log.warning("%s: dropping the unreadable launch record %s: %s", job, path, err)
                 path.unlink(missing_ok=True)
                 continue
-            running = _same_process(info.pid, info.launch_id)
-            process = _Process(info, None, {info.pid})
+            if record.pid is None or record.started_at is None:
+                resolved = self._resolve_starting(path, record)
+                if resolved is None:
+                    continue
+                info, running = resolved
+            else:
+                info = record.info()
+                running = _same_process(info.pid, info.launch_id)
+            # The pid of a launch that ended may be another process's by now: it is no
+            # leftover of the launch (those carry its launch id, and `state` finds them).
+            process = _Process(info, None, {info.pid} if running else set())
             if not running:
                 process.exit_code = read_exit_file(self._exit_file(job, info.launch_id))
                 process.launch_error = self._launch_error(job, info.launch_id)
@@ -254,6 +326,37 @@ class Launcher:
                 ).start()
             adopted.append(Adopted(job, info, running))
         return adopted
+
+    def _resolve_starting(self, path: Path, record: _Record) -> tuple[LaunchInfo, bool] | None:
+        """What became of a launch recorded as starting: its live keeper (running), an end
+        its keeper recorded (not running), or None: it never ran (or its keeper was killed
+        before recording an end; any processes left of it are then orphans)."""
+        exit_file = self._exit_file(record.job, record.launch_id)
+        for proc in _marked_processes(record.launch_id):
+            with contextlib.suppress(psutil.Error):
+                # The keeper is the launched process: `python -m ...keeper EXIT_FILE -- ...`
+                # (the file's name holds the launch id; the dir may be spelt another way).
+                if any(Path(arg).name == exit_file.name for arg in proc.cmdline()[:5]):
+                    info = dataclasses.replace(
+                        record.info(), pid=proc.pid, started_at=proc.create_time()
+                    )
+                    log.info(
+                        "%s: launch %s was recorded as starting; its keeper runs (pid %d)",
+                        record.job, record.launch_id[:8], proc.pid,
+                    )  # fmt: skip
+                    # Cheaper for the next restart; the launch id finds it anyway.
+                    self._record_started(record.job, info)
+                    return info, True
+        if exit_file.exists():
+            pid, started_at = read_exit_start(exit_file)
+            info = dataclasses.replace(record.info(), pid=pid or 0, started_at=started_at or 0.0)
+            return info, False
+        log.info(
+            "%s: launch %s was recorded as starting but never ran; dropping its record",
+            record.job, record.launch_id[:8],
+        )  # fmt: skip
+        path.unlink(missing_ok=True)
+        return None
 
     def state(self, job: str) -> ProcessState:
         with self._lock:
@@ -296,8 +399,10 @@ class Launcher:
             timer = threading.Timer(self.grace_seconds, self._kill, args=(job, process))
             timer.daemon = True
             process.escalation = timer
-        process.known_pids |= _descendants(process.info.pid)
-        _signal_group(process.info.pid, signal.SIGTERM)
+        leader = _group_leader(process)
+        if leader is not None:
+            process.known_pids |= _descendants(leader)
+            _signal_group(leader, signal.SIGTERM)
         if process.exited:  # the launched process is gone: signal its orphans
             for proc in self._leftovers(process):
                 with contextlib.suppress(psutil.NoSuchProcess):
@@ -310,7 +415,9 @@ class Launcher:
             log.warning(
                 "%s: %d process(es) outlived the grace period; killing", job, len(leftovers)
             )
-        _signal_group(process.info.pid, signal.SIGKILL)
+        leader = _group_leader(process)
+        if leader is not None:
+            _signal_group(leader, signal.SIGKILL)
         for proc in leftovers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
@@ -318,7 +425,9 @@ class Launcher:
     def _leftovers(self, process: _Process) -> list[psutil.Process]:
         """Live processes of this launch: known by descent or by the environment marker."""
         found: dict[int, psutil.Process] = {}
-        for pid in process.known_pids | _descendants(process.info.pid):
+        leader = _group_leader(process)
+        descendants = _descendants(leader) if leader is not None else set()
+        for pid in process.known_pids | descendants:
             try:
                 proc = psutil.Process(pid)
                 if proc.status() != psutil.STATUS_ZOMBIE and _has_marker(proc, process.info):
@@ -480,16 +589,42 @@ def _same_process(pid: int, launch_id: str) -> bool:
         return False
 
 
-def _read_record(path: Path) -> LaunchInfo:
+@dataclass(frozen=True)
+class _Record:
+    """A launch record: `pid` and `started_at` are None while it is starting (written
+    before the process exists)."""
+
+    job: str
+    launch_id: str
+    pid: int | None
+    started_at: float | None
+    generation: int
+    command: str
+    spec: HerdJobSpec
+
+    def info(self) -> LaunchInfo:
+        return LaunchInfo(
+            launch_id=self.launch_id,
+            pid=self.pid or 0,
+            started_at=self.started_at or 0.0,
+            generation=self.generation,
+            command=self.command,
+            spec=self.spec,
+        )
+
+
+def _read_record(path: Path) -> _Record:
     """A launch record written by `Launcher._write_record`; ValueError if it is not one."""
     data = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     try:
-        return LaunchInfo(
+        pid, started_at = data["pid"], data["started_at"]
+        return _Record(
+            job=path.stem,
             launch_id=str(data["launch_id"]),
-            pid=int(data["pid"]),
-            started_at=float(data["started_at"]),
+            pid=None if pid is None else int(pid),
+            started_at=None if started_at is None else float(started_at),
             generation=int(data["generation"]),
             command=str(data["command"]),
             spec=HerdJobSpec.model_validate(data["spec"]),
@@ -505,9 +640,18 @@ def _descendants(pid: int) -> set[int]:
         return set()
 
 
+def _group_leader(process: _Process) -> int | None:
+    """The launched process's pid, to signal its group and look under: None once the keeper
+    of an adopted launch is gone (not our child, so not kept from reuse by a zombie: the pid
+    may be a stranger's by now; the launch's leftovers still carry its launch id)."""
+    if process.popen is None and process.exited:
+        return None
+    return process.info.pid if process.info.pid > 1 else None
+
+
 def _has_marker(proc: psutil.Process, info: LaunchInfo) -> bool:
-    if proc.pid == info.pid:
-        return True
+    """Whether `proc` carries the launch's id (the launched process does too: it is started
+    with it). Not by pid alone: a pid of a launch that ended may be another process's."""
     try:
         return proc.environ().get(LAUNCH_ID_ENV) == info.launch_id
     except psutil.Error:
@@ -532,5 +676,7 @@ def _marked_processes(launch_id: str) -> list[psutil.Process]:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
+    if pid <= 1:  # unknown (0): killpg(0) would signal the operator's own group
+        return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)

@@ -581,9 +581,10 @@ class Operator:
         GPUs held (from the store's allocations and the GPUs their workers are bound to),
         their grants published where their discovery scripts read them. Launches that
         ended while no operator was there are reported with the exit status their keeper
-        recorded, so a finished job is not run again. Processes of any other launch are
-        orphans (a launch never recorded: the crash came between start and record) and
-        are stopped: nothing says what they hold.
+        recorded, so a finished job is not run again. A launch is recorded before its
+        process starts, so processes of any other launch are orphans only when their record
+        was lost (unreadable, or removed by hand); they are stopped: nothing says what they
+        hold.
         """
         started = time.monotonic()
         adopted = launcher.adopt_recorded()
@@ -616,8 +617,8 @@ class Operator:
         orphans = find_orphans(processes, set(running))
         for orphan in orphans:
             log.warning(
-                "%s: %d process(es) of launch %s were never recorded (the previous operator"
-                " stopped between starting and recording them); stopping them",
+                "%s: %d process(es) of launch %s have no launch record (it was unreadable"
+                " or removed); stopping them",
                 orphan.job, len(orphan.pids), orphan.launch_id[:8],
             )  # fmt: skip
         if orphans:
@@ -625,7 +626,7 @@ class Operator:
             for orphan in orphans:
                 _event_if_known(
                     store, orphan.job, "Warning", "Orphaned",
-                    f"{len(orphan.pids)} process(es) of an unrecorded launch were stopped;"
+                    f"{len(orphan.pids)} process(es) of a launch with no record were stopped;"
                     " the job starts again",
                     now,
                 )  # fmt: skip

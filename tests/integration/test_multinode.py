@@ -5,6 +5,11 @@ and shrink back.
 Stock horovodrun cannot start such a job (with `--network-interface eth0` and only local
 hosts it looks for 127.0.0.1 on eth0 and exits); the operator's own driver must. Two
 network-namespace hosts with an sshd each, no Slurm (test_slurm covers the allocation).
+
+While the job runs on both hosts, no value of the spec's `env` or of the operator's
+environment is on any process's command line (the hosts share one process table): the
+driver starts the other host's workers with their environment on ssh's stdin, where
+Horovod's ssh line held `env K=V ...`; the workers there still get both values.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
 from herd_operator.bench.harness import stop_session
 from herd_operator.bench.multinode import job_environment
+from herd_operator.environment import STATE_DIR_ENV
 from tests.integration.harness import (
     HERD,
     OperatorHarness,
@@ -25,6 +32,10 @@ from tests.integration.harness import (
     spec_document,
     workers_by_host,
 )
+
+# Built, not literal: the pytest process's own command line must not hold them either.
+SPEC_MARKER = "-".join(["spec", "env", "marker", "5f1c"])
+OPERATOR_MARKER = "-".join(["operator", "env", "marker", "9d2e"])
 
 UNAVAILABLE = cluster_unavailable(slurm=False)
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test hosts: {UNAVAILABLE}")
@@ -51,7 +62,7 @@ def test_a_job_on_the_operators_own_node_starts_grows_onto_another_and_shrinks_b
             "--min-resize-interval", "1", "--metrics-port", "0",
         ],
         "operator.log",
-        job_environment(cluster),
+        {**job_environment(cluster), "HERD_TEST_OPERATOR_MARKER": OPERATOR_MARKER},
     )  # fmt: skip
     log = cluster.root / "log" / "operator.log"
     command = digits_command(10_000, "--step-delay", "0.05", "--batch-size", "64")
@@ -69,8 +80,9 @@ def test_a_job_on_the_operators_own_node_starts_grows_onto_another_and_shrinks_b
 
     def at(gpus: int) -> dict[str, object]:
         return spec_document(
-            "home", 2, 4, command, policy={"name": "static", "params": {"gpus": gpus}}
-        )
+            "home", 2, 4, command, policy={"name": "static", "params": {"gpus": gpus}},
+            env={"HERD_TEST_SPEC_MARKER": SPEC_MARKER},
+        )  # fmt: skip
 
     try:
         herd.wait_for(herd.layout.endpoint_file.exists, "the operator's endpoint file", 60)
@@ -82,6 +94,12 @@ def test_a_job_on_the_operators_own_node_starts_grows_onto_another_and_shrinks_b
         herd.write_spec(at(4))
         herd.wait_for(lambda: job_at(4, ["h1", "h2"]), "home at 4 on h1 and h2", 150, job="home")
         assert workers_by_host(herd.layout.root) == {"h1": 2, "h2": 2}
+        assert command_lines_with_a_marker() == []
+        remote = remote_worker_environments(herd.layout.root, "h2")
+        assert len(remote) == 2
+        for env in remote:
+            assert env.get("HERD_TEST_SPEC_MARKER") == SPEC_MARKER
+            assert env.get("HERD_TEST_OPERATOR_MARKER") == OPERATOR_MARKER
 
         herd.write_spec(at(2))
         herd.wait_for(lambda: job_at(2, ["h1"]), "home back at 2 on h1", 120, job="home")
@@ -101,3 +119,31 @@ def test_a_job_on_the_operators_own_node_starts_grows_onto_another_and_shrinks_b
             stop_session(operator)
     text = log.read_text()
     assert "Traceback" not in text, text[-4000:]
+
+
+def command_lines_with_a_marker() -> list[tuple[int, list[str]]]:
+    """Every live process, on any host, whose command line holds a marker's value."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            cmdline = proc.cmdline()
+            if any(SPEC_MARKER in part or OPERATOR_MARKER in part for part in cmdline):
+                found.append((proc.pid, cmdline))
+    return found
+
+
+def remote_worker_environments(state: Path, host: str) -> list[dict[str, str]]:
+    """The environments of the job's workers that Horovod started for `host`."""
+    wanted = str(state.resolve())
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            env = proc.environ()
+            if (
+                env.get(STATE_DIR_ENV) == wanted
+                and "HOROVOD_RANK" in env
+                and env.get("HOROVOD_HOSTNAME") == host
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(env)
+    return found

@@ -90,12 +90,13 @@ def test_run_stops_its_jobs_and_leaves_no_process_on_signal(
     assert "Started" in events and "Stopped" in events
 
 
-def test_restart_after_a_crash_stops_unrecorded_launches_before_starting_the_job_again(
+def test_restart_after_a_crash_stops_launches_whose_record_is_lost_and_starts_the_job_again(
     tmp_path: Path,
 ) -> None:
-    """A launch the crashed operator never recorded (killed between starting and recording
-    it) is nobody's: stopped, and the job started again. (Recorded launches are adopted:
-    tests/integration/test_crash_only.py.)"""
+    """A launch whose record is gone (removed by hand, or unreadable) is nobody's: stopped,
+    and the job started again. (A launch is recorded before its process starts, so a crash
+    alone never does this: tests/integration/test_crash_only.py and the kill points of
+    tests/unit/test_adoption.py.)"""
     state, command = one_job_operator(tmp_path)
     get = [HERD, "get", "-o", "json", "--state-dir", str(state)]
     first = subprocess.Popen(
@@ -113,7 +114,7 @@ def test_restart_after_a_crash_stops_unrecorded_launches_before_starting_the_job
     orphans = marked_processes(state)
     assert orphans, "the crashed operator's job keeps running on its own"
     old_launch = set(orphans.values())
-    (state / "launches" / "digits.json").unlink()  # as if it had died before recording
+    (state / "launches" / "digits.json").unlink()  # the record is lost
 
     second = subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -138,7 +139,7 @@ def test_restart_after_a_crash_stops_unrecorded_launches_before_starting_the_job
     finally:
         if second.poll() is None:
             second.kill()
-    assert "were never recorded" in output and "stopping them" in output
+    assert "have no launch record" in output and "stopping them" in output
     assert marked_processes(state) == {}
 
 

@@ -8,6 +8,7 @@ adopted jobs until their first request.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -26,6 +28,7 @@ from controllers.loop import ControlLoop
 from controllers.ports import LaunchInfo, ProcessPhase, ProcessState
 from controllers.reconciler import JobReconciler
 from controllers.workqueue import WorkQueue
+from herd_operator.environment import JOB_ENV, STATE_DIR_ENV
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator, Binding
 from herd_operator.runtime.keeper import read_exit_file, read_launch_error
@@ -35,9 +38,10 @@ from herd_operator.runtime.launcher import (
     Launcher,
     LaunchRequest,
     find_orphans,
+    job_processes,
 )
 from herd_operator.runtime.operator import ExitsRecordedFirst, _bindings, _placement_of
-from herd_operator.runtime.store import Store
+from herd_operator.runtime.store import Store, StoreError
 from specs import ConditionType, HerdJob, HerdJobSpec, is_true
 from specs.status import HerdJobStatus
 from specs.values import Demand, Placement, Pool
@@ -279,6 +283,11 @@ def test_a_pid_reused_by_another_process_is_not_adopted(
     (adopted,) = launcher_on(records, launchers).adopt_recorded()
     assert not adopted.running
     assert psutil.pid_exists(info.pid), "the pid lives on, under another launch id"
+    # Nor is the stranger a leftover of the ended launch, to be stopped with it (it was,
+    # by its pid alone, until the pid was no longer trusted once the keeper was gone).
+    state = launchers[-1].state("train")
+    assert (state.phase, state.exit_code) == (ProcessPhase.EXITED, None)
+    assert first.state("train").phase == ProcessPhase.RUNNING
 
 
 def test_an_unreadable_record_is_dropped(
@@ -424,14 +433,18 @@ def test_restored_bindings_under_another_name_of_the_host_find_their_pool_host()
 
 class JobsOnLauncher:
     """The reconciler's launcher port over the real `Launcher` (what `JobLauncher` does,
-    without an engine): each job runs its spec's command as it is, through the keeper."""
+    without an engine): each job runs its spec's command as it is, through the keeper.
+    With `state_dir`, its processes carry the markers `job_processes` finds (the operator
+    sets them)."""
 
-    def __init__(self, launcher: Launcher, logs: Path) -> None:
+    def __init__(self, launcher: Launcher, logs: Path, state_dir: Path | None = None) -> None:
         self.launcher = launcher
         self.logs = logs
+        self.env = {} if state_dir is None else {STATE_DIR_ENV: str(state_dir.resolve())}
+        self.starts: list[str] = []
 
     def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo:
-        return self.launcher.launch(
+        launched = self.launcher.launch(
             LaunchRequest(
                 job=job.name,
                 generation=generation,
@@ -439,8 +452,11 @@ class JobsOnLauncher:
                 log_file=self.logs / f"{job.name}.log",
                 command="python",
                 spec=job.spec,
+                env={**self.env, JOB_ENV: job.name},
             )
         )
+        self.starts.append(launched.launch_id)
+        return launched
 
     def state(self, name: str) -> ProcessState:
         return self.launcher.state(name)
@@ -568,3 +584,159 @@ def test_a_record_of_a_relaunched_job_is_not_released_with_the_old_launch(
     assert not (records / f"train.{first.launch_id}.exit").exists()
     (adopted,) = launcher_on(records, launchers).adopt_recorded()
     assert adopted.info.launch_id == second.launch_id and adopted.running
+
+
+# ---- the first crash window: a launch's start, from its record to the status naming it ----
+
+
+class Killed(BaseException):
+    """The operator's SIGKILL at a chosen instant: nothing after it runs, no handler either
+    (the launcher's clean-up on a failed start catches errors, not this)."""
+
+
+KILL_POINTS = ("before the process", "after the process, before its pid", "before the commit")
+
+
+class KilledLauncher(Launcher):
+    """A real launcher whose operator is killed at `kill_at` during its first launch."""
+
+    kill_at = ""
+
+    def _spawn(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        if self.kill_at == "before the process":
+            raise Killed
+        self.spawned = super()._spawn(*args, **kwargs)
+        return self.spawned
+
+    def _record_started(self, job: str, info: LaunchInfo) -> None:
+        if self.kill_at == "after the process, before its pid":
+            raise Killed
+        super()._record_started(job, info)
+
+    def launch(self, request: LaunchRequest) -> LaunchInfo:
+        launched = super().launch(request)
+        if self.kill_at == "before the commit":
+            raise Killed  # the reconcile never saved the status, the group never committed
+        return launched
+
+
+@contextlib.contextmanager
+def killed_in_the_group(store: Store) -> Iterator[None]:
+    """A store group the operator was killed in: none of its writes is committed."""
+    with contextlib.suppress(Killed, StoreError), store.transaction():
+        try:
+            yield
+        finally:
+            store._conn.execute("ROLLBACK")  # what SQLite does with a killed writer's group
+
+
+class Operator:
+    """What a (re)started operator has: a store, a launcher, an allocator, a reconciler."""
+
+    def __init__(self, layout: StateLayout, specs: FakeSpecs, launcher: Launcher) -> None:
+        self.store = Store(layout.database)
+        self.launcher = launcher
+        self.port = JobsOnLauncher(launcher, layout.logs_dir, layout.root)
+        allocator = Allocator(Pool.from_counts({"localhost": 1}), Sink(), virtual=True)
+        self.reconciler = JobReconciler(specs, self.store, allocator, self.port)
+
+    def started_events(self, job: str) -> list[str]:
+        return [event.message for event in self.store.events(job) if event.reason == "Started"]
+
+
+@pytest.mark.parametrize("kill_at", KILL_POINTS)
+def test_an_operator_killed_at_any_point_of_a_launch_leaves_one_launch_and_one_started_event(
+    tmp_path: Path, kill_at: str
+) -> None:
+    """The launch record is written before the process starts: whichever instant of the
+    start the kill hits, the successor finds no orphan to stop, adopts a launch that runs
+    (0 relaunches), launches exactly once when none ran, and its status ends naming the
+    launch, with one `Started` event. Before the change, a kill after the process started
+    and before its record left a launch the successor stopped and ran again."""
+    layout = StateLayout(tmp_path / "state")
+    layout.create()
+    specs = FakeSpecs()
+    go, ran = tmp_path / "go", tmp_path / "ran"
+    # Says it ran, then lives until the test says so: no timing decides what the successor
+    # sees.
+    waits = (
+        f"import pathlib, time\nwith open({str(ran)!r}, 'a') as f: f.write('ran\\n')\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)"
+    )
+    specs.put(herd_job("train", gpus=(1, 1), command=[sys.executable, "-c", waits]))
+    first_launcher = KilledLauncher(Exits(), grace_seconds=2.0, records_dir=layout.launches_dir)
+    first_launcher.kill_at = kill_at
+    successor_launcher = Launcher(Exits(), grace_seconds=2.0, records_dir=layout.launches_dir)
+    try:
+        first = Operator(layout, specs, first_launcher)
+        with killed_in_the_group(first.store):
+            first.reconciler.reconcile("train")
+        first.store.close()
+        spawned = getattr(first_launcher, "spawned", None)
+        assert (spawned is None) == (kill_at == "before the process")
+
+        successor = Operator(layout, specs, successor_launcher)
+        adopted = successor_launcher.adopt_recorded()  # what Operator._adopt does first
+        running = {item.info.launch_id for item in adopted if item.running}
+        assert find_orphans(job_processes(layout.root), running) == [], "nothing to stop"
+        if spawned is None:
+            assert adopted == [] and not list(layout.launches_dir.glob("*.json"))
+        else:
+            (item,) = adopted
+            assert item.running and item.info.pid == spawned.pid
+        successor.reconciler.reconcile("train")
+        successor.reconciler.reconcile("train")
+
+        assert len(successor.port.starts) == (1 if spawned is None else 0)
+        (launch_id,) = running or set(successor.port.starts)
+        record = successor.store.get_job("train")
+        assert record is not None and record.status.launch_id == launch_id
+        assert len(successor.started_events("train")) == 1
+        assert is_true(record.status.conditions, ConditionType.Running)
+
+        go.touch()  # the job ends; its exit is recorded like any other
+        wait_until(
+            lambda: successor_launcher.state("train").phase == ProcessPhase.EXITED, "the exit"
+        )
+        successor.reconciler.reconcile("train")
+        record = successor.store.get_job("train")
+        assert record is not None and is_true(record.status.conditions, ConditionType.Succeeded)
+        assert len(successor.started_events("train")) == 1
+        assert ran.read_text() == "ran\n", "the command ran once"
+        successor.store.close()
+    finally:
+        go.touch()
+        for launcher in (first_launcher, successor_launcher):
+            launcher.stop_all(timeout=GUARD_S)
+        if spawned := getattr(first_launcher, "spawned", None):
+            spawned.wait(GUARD_S)
+
+
+def test_a_launch_recorded_as_starting_that_ended_before_the_restart_is_not_run_again(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    """Killed after the process started and before its pid was recorded, and the job ended
+    while no operator ran: its keeper's exit file says how, and names the keeper."""
+    first = KilledLauncher(Exits(), grace_seconds=2.0, records_dir=records)
+    first.kill_at = "after the process, before its pid"
+    launchers.append(first)
+    with pytest.raises(Killed):
+        first.launch(request(tmp_path, "raise SystemExit(5)"))
+    assert first.spawned.wait(GUARD_S) == 5
+    assert json.loads((records / "train.json").read_text())["pid"] is None, "still starting"
+
+    (adopted,) = launcher_on(records, launchers).adopt_recorded()
+
+    assert not adopted.running and adopted.info.pid == first.spawned.pid
+    state = launchers[-1].state("train")
+    assert (state.phase, state.exit_code) == (ProcessPhase.EXITED, 5)
+
+
+def test_a_failed_start_leaves_no_record_of_a_launch_that_never_ran(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    launcher = launcher_on(records, launchers)
+    with pytest.raises(OSError):
+        launcher.launch(replace(request(tmp_path, "pass"), working_dir=str(tmp_path / "none")))
+    assert list(records.glob("*.json")) == []
+    assert launcher.state("train").phase == ProcessPhase.ABSENT

@@ -667,6 +667,32 @@ def test_an_exit_whose_record_outlived_its_recorded_status_is_not_acted_on_twice
     assert world.launcher.state("a").phase == ProcessPhase.ABSENT, "its record is dropped"
 
 
+def test_an_adopted_launch_whose_start_was_never_committed_is_recorded_once(
+    world: World,
+) -> None:
+    """The operator was killed after the launch and before the store's commit; the launch
+    ended while none ran, and the next operator adopted it from its record. Its start is
+    recorded (one `Started`) before its exit, so the status names the launch and a record
+    that outlives this commit is not acted on twice."""
+    job = herd_job()
+    world.specs.put(job)
+    launch = LaunchInfo("a-adopted", 4321, T0 - 5, 1, "horovodrun", job.spec)
+    ended = ProcessState(ProcessPhase.EXITED, exit_code=0, launch=launch)
+    world.launcher.states["a"] = ended
+
+    world.reconcile("a")
+
+    status = world.status("a")
+    assert (status.launch_id, status.started_at) == ("a-adopted", T0 - 5)
+    assert is_true(status.conditions, ConditionType.Succeeded)
+    assert [reason for _, reason, _ in world.events("a")] == ["Started", "Completed"]
+    assert world.launcher.starts == []
+    events = world.raw_events("a")
+    world.launcher.states["a"] = ended  # its record outlived the commit: adopted again
+    world.reconcile("a")
+    assert world.raw_events("a") == events and world.status("a") == status
+
+
 def test_failure_past_the_backoff_limit_fails_and_releases_the_gpus(world: World) -> None:
     started(world, herd_job(restart={"onFailure": True, "backoffLimit": 2}))
     for restarts in (1, 2):

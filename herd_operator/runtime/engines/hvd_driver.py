@@ -17,8 +17,10 @@ parts differ from `horovodrun --host-discovery-script`:
   passed as the environment: not as `sh -c 'env K=V ... cmd'` behind a freshly spawned
   Python middleman. That saves the middleman's start (an interpreter: ~240 ms of CPU,
   docs/benchmarks.md) and keeps the operator's environment off every worker's command
-  line (readable by every user in `ps`). Workers on other hosts go through Horovod's own
-  ssh launch.
+  line (readable by every user in `ps`). A worker on another host is started over ssh as
+  Horovod starts it (same ssh options, the user's ssh config, the job's directory), but
+  with no value on any command line: ssh runs `env_exec.py` there, which reads the
+  worker's environment from ssh's stdin (`remote_worker_argv`).
 - A host change that Horovod drops because no worker could hear it yet (the first workers
   are still starting) is delivered once one can (`MissedUpdateRedelivery`).
 
@@ -38,6 +40,7 @@ import faulthandler
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -62,6 +65,7 @@ from horovod.runner.elastic.worker import HostUpdateResult
 from horovod.runner.http.http_server import RendezvousServer
 from horovod.runner.util import network
 
+from herd_operator.runtime.engines import env_exec
 from herd_operator.runtime.engines.forkserver import Zygote, forkable
 from herd_operator.runtime.engines.parent_death import dies_with_parent
 from specs.values import MODULE_NAME_PATTERN
@@ -76,6 +80,9 @@ EVENT_CHECK_SECONDS = 1.0
 """How often a worker's supervisor looks at its stop events (horovodrun's: every 1 s)."""
 
 MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
+ENV_EXEC_SCRIPT = str(Path(env_exec.__file__).resolve())
+"""Run by its path on the other host (the same path on a shared file system, like the
+driver's interpreter): it needs no import path there."""
 
 log = logging.getLogger("herd.hvd_driver")
 
@@ -226,10 +233,13 @@ def run_local_worker(
     stderr: IO[str] | None = None,
     timestamp: bool = False,
     zygote: Zygote | None = None,
+    stdin_data: bytes | None = None,
 ) -> int:
     """Run one worker here until it exits or one of `events` is set (then stop it).
 
-    Forked by `zygote` when it can (see `forkserver`), else started as a new process.
+    Forked by `zygote` when it can (see `forkserver`), else started as a new process,
+    with `stdin_data` on its stdin (the ssh client of a remote worker: its environment),
+    else /dev/null.
 
     Returns its exit status as horovodrun reports it: 128 + N for a death by signal N.
     The worker stays in the driver's process group, so a signal to the job's group (how
@@ -239,16 +249,24 @@ def run_local_worker(
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
-    started = _fork_worker(zygote, argv, env, rank) if zygote is not None else None
+    started = None
+    if zygote is not None and stdin_data is None:
+        started = _fork_worker(zygote, argv, env, rank)
     if started is None:
         process = subprocess.Popen(
             dies_with_parent(argv),
             env=dict(env),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         assert process.stdout is not None and process.stderr is not None
+        if process.stdin is not None and stdin_data is not None:
+            # In a thread: a payload larger than the pipe's buffer would block here until
+            # ssh reads it, and ssh may still be connecting.
+            threading.Thread(
+                target=_feed, args=(process.stdin, stdin_data), name="feed-stdin", daemon=True
+            ).start()
         started = _Started(process.pid, process.stdout, process.stderr, process.wait)
     forwarders = [
         threading.Thread(
@@ -284,6 +302,33 @@ def run_local_worker(
         thread.join()
     code = codes[0]
     return 128 - code if code < 0 else code
+
+
+def _feed(sink: IO[bytes], data: bytes) -> None:
+    """Write `data` and close `sink` (its reader sees the end); a reader that is gone (ssh
+    could not connect) is not an error here: its exit status says what happened."""
+    with contextlib.suppress(OSError), sink:
+        sink.write(data)
+
+
+def remote_worker_argv(
+    host: str,
+    command: Sequence[str],
+    ssh_port: int | None = None,
+    ssh_identity_file: str | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The ssh command that starts `command` on `host` through `env_exec` (the environment
+    goes on its stdin): Horovod's ssh options and host, then one remote command string of
+    quoted names and paths, no value."""
+    argv = ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no"]
+    if ssh_port is not None:
+        argv += ["-p", str(ssh_port)]
+    if ssh_identity_file is not None:
+        argv += ["-i", ssh_identity_file]
+    # ssh joins its arguments into one string for the remote shell: quote each part.
+    remote = [python, "-I", ENV_EXEC_SCRIPT, "--", *command]
+    return [*argv, host, "exec " + " ".join(shlex.quote(part) for part in remote)]
 
 
 @dataclass
@@ -342,27 +387,30 @@ def make_worker_factory(
     zygote: Zygote | None = None,
 ) -> Callable[[Any, list[threading.Event] | None], tuple[int, float]]:
     """The `create_worker_fn` for Horovod's ElasticDriver: local slots run directly,
-    others through Horovod's ssh launch (its command string, as horovodrun builds it)."""
+    others over ssh with their environment on its stdin (`remote_worker_argv`), or, under
+    Kubeflow's MPI operator (which replaces ssh), through Horovod's own remote launch."""
     run_env = horovod_gloo.create_run_env_vars(server_ip, nics, rendezvous_port, elastic=True)
     remote_command = horovod_gloo.get_run_command(
         list(command), server_ip, nics, rendezvous_port, elastic=True
     )
-    remote_worker = horovod_gloo._create_elastic_worker_fn(
+    horovod_remote_worker = horovod_gloo._create_elastic_worker_fn(
         horovod_gloo._exec_command_fn(settings), remote_command, dict(env), shutdown
     )
     local_addresses = network.get_local_host_addresses()
 
     def create_worker(slot_info: Any, events: list[threading.Event] | None) -> tuple[int, float]:
-        if network.resolve_host_address(slot_info.hostname) not in local_addresses:
-            return remote_worker(slot_info, events)  # type: ignore[no-any-return]
-        slot_env = horovod_gloo.create_slot_env_vars(slot_info)
+        remote = network.resolve_host_address(slot_info.hostname) not in local_addresses
+        if remote and env_util.is_kubeflow_mpi():
+            return horovod_remote_worker(slot_info, events)  # type: ignore[no-any-return]
         log.info(
-            "starting worker %s[%d] as rank %d of %d",
+            "starting worker %s[%d] as rank %d of %d%s",
             slot_info.hostname,
             slot_info.local_rank,
             slot_info.rank,
             slot_info.size,
+            " over ssh" if remote else "",
         )
+        worker_env = worker_environment(env, horovod_gloo.create_slot_env_vars(slot_info), run_env)
         with contextlib.ExitStack() as files:
             stdout: IO[str] | None = None
             stderr: IO[str] | None = None
@@ -377,17 +425,36 @@ def make_worker_factory(
                 stderr = horovod_gloo.MultiFile(
                     [sys.stderr, files.enter_context(open(rank_dir / "stderr", "w"))]
                 )
+            stops = [shutdown, *(events or [])]
+            timestamp = bool(settings.prefix_output_with_timestamp)
             try:
-                code = run_local_worker(
-                    command,
-                    worker_environment(env, slot_env, run_env),
-                    slot_info.rank,
-                    [shutdown, *(events or [])],
-                    stdout,
-                    stderr,
-                    timestamp=bool(settings.prefix_output_with_timestamp),
-                    zygote=zygote,
-                )
+                if remote:
+                    code = run_local_worker(
+                        remote_worker_argv(
+                            slot_info.hostname,
+                            command,
+                            settings.ssh_port,
+                            settings.ssh_identity_file,
+                        ),
+                        os.environ,  # the ssh client's own: its agent socket, HOME, config
+                        slot_info.rank,
+                        stops,
+                        stdout,
+                        stderr,
+                        timestamp=timestamp,
+                        stdin_data=env_exec.encode_payload(worker_env, os.getcwd()),
+                    )
+                else:
+                    code = run_local_worker(
+                        command,
+                        worker_env,
+                        slot_info.rank,
+                        stops,
+                        stdout,
+                        stderr,
+                        timestamp=timestamp,
+                        zygote=zygote,
+                    )
             except OSError as err:
                 print(f"cannot start worker {slot_info.hostname}[{slot_info.local_rank}]: {err}")
                 code = 1
