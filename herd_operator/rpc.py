@@ -233,8 +233,10 @@ class _Connection(asyncio.Protocol):
         self._loop = loop
         self._transport: asyncio.Transport | None = None
         self.peer = "?"
-        self.opened = _pool_clock()
-        """``_pool_clock()`` when the connection was accepted (for eviction)."""
+        self.admitted = _pool_clock()
+        """``_pool_clock()`` when it got its place in the unauthenticated pool, and with it
+        its challenge: its age there, for eviction, counts from then, not from its accept,
+        so one that waited in line is not taken for an idler before it could answer."""
         self.speaking = False
         """Whether the first byte of its hello has arrived: never evicted from then on."""
         self.waiting = False
@@ -272,7 +274,7 @@ class _Connection(asyncio.Protocol):
                     "server is busy",
                     f"at the limit of {server._max_connections} connections",
                 )
-            admitted = server._admit(self, self.opened, final=False)
+            admitted = server._admit(self, self.admitted, final=False)
         except _Rejected as rejected:
             self._reject(rejected)
             return
@@ -554,7 +556,8 @@ class RpcServer:
         self._max_unauthenticated = max_unauthenticated
         self._handshake_timeout = min(handshake_timeout, read_timeout)
         self._eviction_age = eviction_age
-        # In the order they came (dicts keep it), so the first evictable one is the oldest.
+        # In the order they were admitted (dicts keep it), so the first evictable one is the
+        # oldest.
         self._unauthenticated: dict[_Connection, None] = {}
         # Newcomers that found the pool full of young handshakes, in the order they came.
         self._waiting: dict[_Connection, None] = {}
@@ -705,7 +708,7 @@ class RpcServer:
         if len(self._unauthenticated) >= self._max_unauthenticated:
             oldest_allowed = now - self._eviction_age
             for other in self._unauthenticated:
-                if other.opened > oldest_allowed:
+                if other.admitted > oldest_allowed:
                     # This one and every later one is too young to be taken for an idler.
                     if not final:
                         return False
@@ -730,6 +733,7 @@ class RpcServer:
                     "too many connections are authenticating; retry shortly",
                     f"{self._max_unauthenticated} connections are sending their hello",
                 )
+        connection.admitted = now
         self._unauthenticated[connection] = None
         return True
 
@@ -741,6 +745,7 @@ class RpcServer:
         while self._waiting and len(self._unauthenticated) < self._max_unauthenticated:
             first = next(iter(self._waiting))
             del self._waiting[first]
+            first.admitted = _pool_clock()
             self._unauthenticated[first] = None
             first.greet()
 
