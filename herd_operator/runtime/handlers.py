@@ -36,6 +36,10 @@ MAX_EPOCH = 2**31 - 1
 MAX_WORLD_SIZE = MAX_GPUS
 """Bounds on what a report may say: every number is stored, compared and exported."""
 
+GROUPED_OPS = frozenset({"report"})
+"""Ops whose store writes the RPC server commits together, the requests of one turn of its
+loop in one transaction (each answered after the commit): a report is one small write."""
+
 
 PlainHandler = Callable[[dict[str, Any]], dict[str, Any]]
 """An op's work, blind to who asks; the wrappers below decide who may ask."""
