@@ -38,6 +38,15 @@ and when an authenticated connection sits idle longer than ``idle_timeout``
 read, so a client that gets it in place of a response knows its request was not
 processed and may resend it on a new connection.
 
+Grouped ops (``RpcServer(grouped_ops=..., commit_group=...)``, e.g. ``report`` and the
+store's transaction): the requests for them that arrive in one turn of the server's loop
+are run together inside one ``commit_group()`` context (one SQLite commit for all), and
+each is answered only after that context has exited: a reply never precedes the commit
+of what it reports. If the exit raises (the commit failed), every request of the group
+that its handler had served gets the error that request would have got had its own write
+failed (``internal``, details in the server's log). A connection with a request in a
+group reads its next request only after the group, so replies stay in request order.
+
 Connections that have not authenticated yet are a pool of their own (``max_unauthenticated``)
 since anyone who can reach the port can open them. When the pool is full, a newcomer takes
 the slot of the oldest connection that has sent no byte of its hello and is older than
@@ -64,7 +73,8 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -104,6 +114,10 @@ _pool_clock = time.monotonic
 
 Handler = Callable[[dict[str, Any], Identity], dict[str, Any]]
 """Answers one op: gets the request's arguments and the identity the client proved."""
+
+CommitGroup = Callable[[], AbstractContextManager[object]]
+"""Opens one commit for a group of requests (e.g. ``Store.transaction``); its exit commits,
+and raises if the commit failed."""
 
 logger = logging.getLogger(__name__)
 
@@ -233,8 +247,10 @@ class _Connection(asyncio.Protocol):
         self._loop = loop
         self._transport: asyncio.Transport | None = None
         self.peer = "?"
-        self.opened = _pool_clock()
-        """``_pool_clock()`` when the connection was accepted (for eviction)."""
+        self.admitted = _pool_clock()
+        """``_pool_clock()`` when it got its place in the unauthenticated pool, and with it
+        its challenge: its age there, for eviction, counts from then, not from its accept,
+        so one that waited in line is not taken for an idler before it could answer."""
         self.speaking = False
         """Whether the first byte of its hello has arrived: never evicted from then on."""
         self.waiting = False
@@ -245,6 +261,9 @@ class _Connection(asyncio.Protocol):
         self._buffer = b""
         self._closing = False
         self._write_paused = False
+        self._held = False
+        """A request of this connection waits in the server's commit group: the next one is
+        read only after the group's replies are sent."""
         self._last_request = 0.0
         # The handshake deadline before authentication, then the partial-frame one.
         self._deadline: asyncio.TimerHandle | None = None
@@ -272,7 +291,7 @@ class _Connection(asyncio.Protocol):
                     "server is busy",
                     f"at the limit of {server._max_connections} connections",
                 )
-            admitted = server._admit(self, self.opened, final=False)
+            admitted = server._admit(self, self.admitted, final=False)
         except _Rejected as rejected:
             self._reject(rejected)
             return
@@ -344,7 +363,7 @@ class _Connection(asyncio.Protocol):
         """Answer every complete frame in the buffer, unless the peer is not reading."""
         buffer = self._buffer
         try:
-            while not self._closing and not self._write_paused:
+            while not self._closing and not self._write_paused and not self._held:
                 end = buffer.find(b"\n")
                 if end < 0:
                     break
@@ -361,8 +380,11 @@ class _Connection(asyncio.Protocol):
                     self._authenticate(frame)
                 else:
                     assert self._transport is not None
-                    response = self._server._dispatch(frame, identity, self.peer)
-                    self._transport.write(response + b"\n")
+                    response = self._server._dispatch(frame, identity, self)
+                    if response is None:
+                        self._held = True  # answered after the group's commit
+                    else:
+                        self._transport.write(response + b"\n")
                     self._last_request = self._loop.time()
                     if self._deadline is not None:
                         self._deadline.cancel()
@@ -372,7 +394,7 @@ class _Connection(asyncio.Protocol):
             self._reject(rejected)
             return
         self._buffer = buffer
-        if not buffer or self._closing or self._write_paused:
+        if not buffer or self._closing or self._write_paused or self._held:
             return
         if len(buffer) > MAX_FRAME_BYTES:
             self._buffer = b""
@@ -399,6 +421,15 @@ class _Connection(asyncio.Protocol):
         logger.debug("authenticated client %s as %s from %s", label, identity, self.peer)
         self._last_request = self._loop.time()
         self._idle_timer = self._loop.call_later(server._idle_timeout, self._idle_check)
+
+    def answer_grouped(self, response: bytes) -> None:
+        """The reply to the request this connection had in the commit group; then read on."""
+        self._held = False
+        if self._closing or self._transport is None:
+            return
+        self._transport.write(response + b"\n")
+        if self._buffer and not self._write_paused:
+            self._process()
 
     def _rearm_deadline(self, delay: float, callback: Callable[[], None]) -> None:
         if self._deadline is not None:
@@ -539,9 +570,22 @@ class RpcServer:
         max_unauthenticated: int = 256,
         handshake_timeout: float = 5.0,
         eviction_age: float = 1.0,
+        grouped_ops: Collection[str] = (),
+        commit_group: CommitGroup | None = None,
     ) -> None:
+        """``grouped_ops``: ops whose requests of one loop turn share one ``commit_group()``
+        and are answered after it (see the module docstring); both or neither."""
+        unknown = sorted(set(grouped_ops) - set(handlers))
+        if unknown:
+            raise ValueError(f"grouped_ops {unknown} name no handler; handlers: {sorted(handlers)}")
+        if bool(grouped_ops) != (commit_group is not None):
+            raise ValueError("grouped_ops and commit_group go together: give both or neither")
         self._master_token = master_token
         self._handlers = dict(handlers)
+        self._grouped_ops = frozenset(grouped_ops)
+        self._commit_group = commit_group
+        # Grouped requests of this loop turn: (connection, id, op, handler, args, identity).
+        self._group: list[tuple[_Connection, int, str, Handler, dict[str, Any], Identity]] = []
         self._host = host
         self._port = port
         self._read_timeout = read_timeout
@@ -554,7 +598,8 @@ class RpcServer:
         self._max_unauthenticated = max_unauthenticated
         self._handshake_timeout = min(handshake_timeout, read_timeout)
         self._eviction_age = eviction_age
-        # In the order they came (dicts keep it), so the first evictable one is the oldest.
+        # In the order they were admitted (dicts keep it), so the first evictable one is the
+        # oldest.
         self._unauthenticated: dict[_Connection, None] = {}
         # Newcomers that found the pool full of young handshakes, in the order they came.
         self._waiting: dict[_Connection, None] = {}
@@ -638,6 +683,18 @@ class RpcServer:
             asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result()
             thread.join()
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server's thread has used so far (benchmarks: per request, steadier
+        than wall time on a shared machine); raises RuntimeError if not serving."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("RpcServer is not started")
+
+        async def read() -> float:
+            return time.thread_time()
+
+        return asyncio.run_coroutine_threadsafe(read(), loop).result()
+
     def request_counts(self) -> dict[tuple[str, str], int]:
         """Requests served so far by (op, outcome); outcome is ``ok`` or an error code."""
         with self._counts_lock:
@@ -705,7 +762,7 @@ class RpcServer:
         if len(self._unauthenticated) >= self._max_unauthenticated:
             oldest_allowed = now - self._eviction_age
             for other in self._unauthenticated:
-                if other.opened > oldest_allowed:
+                if other.admitted > oldest_allowed:
                     # This one and every later one is too young to be taken for an idler.
                     if not final:
                         return False
@@ -730,6 +787,7 @@ class RpcServer:
                     "too many connections are authenticating; retry shortly",
                     f"{self._max_unauthenticated} connections are sending their hello",
                 )
+        connection.admitted = now
         self._unauthenticated[connection] = None
         return True
 
@@ -741,6 +799,7 @@ class RpcServer:
         while self._waiting and len(self._unauthenticated) < self._max_unauthenticated:
             first = next(iter(self._waiting))
             del self._waiting[first]
+            first.admitted = _pool_clock()
             self._unauthenticated[first] = None
             first.greet()
 
@@ -787,8 +846,11 @@ class RpcServer:
         message = f"frame longer than {MAX_FRAME_BYTES} bytes"
         return _Rejected("bad_request", message, message)
 
-    def _dispatch(self, request: dict[str, Any], identity: Identity, peer: str) -> bytes:
-        """Run one request; return the encoded response frame."""
+    def _dispatch(
+        self, request: dict[str, Any], identity: Identity, connection: _Connection
+    ) -> bytes | None:
+        """Run one request and return the encoded response frame; or, for a grouped op, put
+        it in this turn's group and return None (the connection gets its answer later)."""
         request_id = request.get("id")
         op = request.get("op")
         op_label = op if isinstance(op, str) and op in self._handlers else _UNKNOWN_OP_LABEL
@@ -802,28 +864,85 @@ class RpcServer:
         handler = self._handlers.get(op)
         if handler is None:
             return self._fail(request_id, op_label, "unknown_op", f"unknown op {_clip(op)!r}")
+        if op in self._grouped_ops:
+            if not self._group:
+                asyncio.get_running_loop().call_soon(self._run_group)
+            self._group.append((connection, request_id, op, handler, args, identity))
+            return None
+        frame, outcome = self._invoke(request_id, op, handler, args, identity, connection.peer)
+        self._count(op, outcome)
+        return frame
+
+    def _run_group(self) -> None:
+        """Run this turn's grouped requests in one commit, then answer each."""
+        group, self._group = self._group, []
+        assert self._commit_group is not None
+        answers: list[tuple[bytes, str]] = []
+        try:
+            with self._commit_group():
+                for connection, request_id, op, handler, args, identity in group:
+                    answers.append(
+                        self._invoke(request_id, op, handler, args, identity, connection.peer)
+                    )
+        except Exception:
+            logger.exception(
+                "the commit of a group of %d request(s) failed; every one of them that was"
+                " served gets an internal error",
+                len(group),
+            )
+            committed = answers
+            answers = []
+            for index, (_, request_id, op, *_) in enumerate(group):
+                # A request its handler refused keeps its answer; one it served (or that
+                # never ran, if the group failed to begin) lost its write with the commit.
+                if index < len(committed) and committed[index][1] != "ok":
+                    answers.append(committed[index])
+                else:
+                    message = f"internal error in op {op!r}"
+                    answers.append((self._error_frame(request_id, "internal", message), "internal"))
+        for (frame, outcome), (connection, _, op, *_) in zip(answers, group, strict=True):
+            self._count(op, outcome)
+            connection.answer_grouped(frame)
+
+    def _invoke(
+        self,
+        request_id: int,
+        op: str,
+        handler: Handler,
+        args: dict[str, Any],
+        identity: Identity,
+        peer: str,
+    ) -> tuple[bytes, str]:
+        """Run a handler; return the response frame and the outcome to count."""
         try:
             result = handler(args, identity)
         except BadRequest as error:
-            return self._fail(request_id, op, "bad_request", _clip(str(error)))
+            return self._error_frame(request_id, "bad_request", _clip(str(error))), "bad_request"
         except NotFound as error:
-            return self._fail(request_id, op, "not_found", _clip(str(error)))
+            return self._error_frame(request_id, "not_found", _clip(str(error))), "not_found"
         except Forbidden as error:
             self._log_forbidden(identity, op, peer)
-            return self._fail(request_id, op, "forbidden", _clip(str(error)))
+            return self._error_frame(request_id, "forbidden", _clip(str(error))), "forbidden"
         except Exception:
             logger.exception("handler for op %r failed (request from %s)", op, peer)
-            return self._fail(request_id, op, "internal", f"internal error in op {op!r}")
+            return self._error_frame(request_id, "internal", f"internal error in op {op!r}"), (
+                "internal"
+            )
         try:
             frame = _encode_result(request_id, result)
         except ValueError as error:
             logger.error("handler for op %r %s (request from %s)", op, error, peer)
-            return self._fail(request_id, op, "internal", f"internal error in op {op!r}")
-        self._count(op, "ok")
-        return frame
+            return self._error_frame(request_id, "internal", f"internal error in op {op!r}"), (
+                "internal"
+            )
+        return frame, "ok"
 
     def _fail(self, request_id: int | None, op: str, code: str, message: str) -> bytes:
         self._count(op, code)
+        return self._error_frame(request_id, code, message)
+
+    @staticmethod
+    def _error_frame(request_id: int | None, code: str, message: str) -> bytes:
         return _encode_frame({"id": request_id, "ok": False, "error": _error_body(code, message)})
 
     def _count(self, op: str, outcome: str) -> None:

@@ -24,9 +24,12 @@ Modes:
   from ``first`` over all processes) binds local rank ``k % 4`` on host
   ``host_format.format(k // 4)``. Results: each connection's time from ``go`` to its
   response. A connection refused as ``busy`` tries again after a short pause, as
-  ``RpcClient`` does.
+  ``RpcClient`` does. Besides, per connection, the time from ``go`` at which each phase
+  ended (``PHASES``: the TCP connect as the client saw it, the challenge, the welcome,
+  the response; a retried connection's last try) and how many tries it took, so a slow
+  burst can be split into where its seconds went.
 - ``raw-burst``: the same burst of connections with no handshake, one ``raw_request``
-  each (the baseline of ``burst``).
+  each (the baseline of ``burst``; its phases are ``connect`` and ``done`` only).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from herd_operator.auth import new_nonce, prove
@@ -51,6 +54,9 @@ _CONNECT_RETRIES = 8
 """Tries of a connection refused before its welcome, as many as RpcClient's default."""
 _RETRY_FIRST_PAUSE_S = 0.05
 _RETRY_MAX_PAUSE_S = 2.0
+PHASES = ("connect", "challenge", "welcome", "done")
+"""A burst connection's steps, in order; ``connect`` ends when the kernel completed the
+TCP handshake on the client's side, which can be before the server accepted it."""
 
 
 class DriveError(Exception):
@@ -92,8 +98,15 @@ class DriveConfig:
 class _Connection(asyncio.Protocol):
     """One client connection: the handshake (unless echo), then requests one at a time."""
 
-    def __init__(self, config: DriveConfig, index: int, results: list[float]) -> None:
+    def __init__(
+        self,
+        config: DriveConfig,
+        index: int,
+        results: list[float],
+        phases: dict[str, float] | None = None,
+    ) -> None:
         self._config = config
+        self._phases = phases
         self._raw = config.mode in ("raw", "raw-burst")
         self._token = bytes.fromhex(config.token_hex)
         self._label = f"{config.label}-{os.getpid()}-{index}"
@@ -184,6 +197,7 @@ class _Connection(asyncio.Protocol):
             code = frame.get("error", {}).get("code")
             raise DriveError(f"server refused the connection: {code}", retry=code == "busy")
         if self._state == "challenge":
+            self._mark("challenge")
             self._server_nonce = frame["nonce"]
             self._client_nonce = new_nonce()
             identity, label = self._config.identity, self._label
@@ -204,28 +218,43 @@ class _Connection(asyncio.Protocol):
             server_proof = prove(self._token, "server", self._server_nonce, self._client_nonce)
             if frame.get("type") != "welcome" or frame.get("proof") != server_proof:
                 raise DriveError("the server did not prove it knows the token")
+            self._mark("welcome")
             self._state = "ready"
             self.ready.set_result(None)
         else:
             raise DriveError(f"unexpected frame in state {self._state}: {line[:200]!r}")
+
+    def _mark(self, phase: str) -> None:
+        if self._phases is not None:
+            self._phases[phase] = time.perf_counter()
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
 
 
-async def _open(config: DriveConfig, index: int, results: list[float]) -> _Connection:
+async def _open(
+    config: DriveConfig,
+    index: int,
+    results: list[float],
+    phases: dict[str, float] | None = None,
+) -> _Connection:
     """Connect and authenticate one connection.
 
     As ``RpcClient`` does: a connection refused as ``busy``, or closed or reset before
     the welcome, is tried again after a jittered pause that doubles each time.
+    ``phases`` (if given) gets the time each phase ended and ``tries``.
     """
     loop = asyncio.get_running_loop()
     for attempt in range(_CONNECT_RETRIES):
+        if phases is not None:
+            phases.clear()
+            phases["tries"] = attempt + 1
         try:
             _, connection = await loop.create_connection(
-                lambda: _Connection(config, index, results), config.host, config.port
+                lambda: _Connection(config, index, results, phases), config.host, config.port
             )
+            connection._mark("connect")
             await connection.ready
             return connection
         except (DriveError, ConnectionError) as error:
@@ -238,17 +267,29 @@ async def _open(config: DriveConfig, index: int, results: list[float]) -> _Conne
 
 
 async def _burst_one(
-    config: DriveConfig, index: int, go: float, done_at: list[float], failures: list[str]
+    config: DriveConfig,
+    index: int,
+    go: float,
+    done_at: list[float],
+    failures: list[str],
+    phase_times: dict[str, list[float]],
 ) -> None:
     latencies: list[float] = []
+    phases: dict[str, float] = {}
     try:
-        connection = await _open(config, index, latencies)
+        connection = await _open(config, index, latencies, phases)
         connection.start(1)
         await connection.done
     except (OSError, DriveError) as error:
         failures.append(f"{type(error).__name__}: {error}")
         return
-    done_at.append(time.perf_counter() - go)
+    done = time.perf_counter()
+    done_at.append(done - go)
+    phases["done"] = done
+    for phase in PHASES:
+        if phase in phases:
+            phase_times[phase].append(phases[phase] - go)
+    phase_times["tries"].append(phases["tries"])
     connection.close()
 
 
@@ -263,13 +304,20 @@ async def _run(config: DriveConfig) -> dict[str, Any]:
         go = time.perf_counter()
         done_at: list[float] = []
         failures: list[str] = []
+        phase_times: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "tries")}
         await asyncio.gather(
             *(
-                _burst_one(config, index, go, done_at, failures)
+                _burst_one(config, index, go, done_at, failures, phase_times)
                 for index in range(config.connections)
             )
         )
-        return {"latencies": done_at, "elapsed": max(done_at, default=0.0), "failures": failures}
+        return {
+            "latencies": done_at,
+            "elapsed": max(done_at, default=0.0),
+            "failures": failures,
+            "phases": phase_times,
+            "cpu_s": time.process_time(),
+        }
     latencies: list[float] = []
     connections = [await _open(config, index, latencies) for index in range(config.connections)]
     sys.stdout.buffer.write(READY)
@@ -282,7 +330,12 @@ async def _run(config: DriveConfig) -> dict[str, Any]:
     elapsed = time.perf_counter() - go
     for connection in connections:
         connection.close()
-    return {"latencies": latencies, "elapsed": elapsed, "failures": []}
+    return {
+        "latencies": latencies,
+        "elapsed": elapsed,
+        "failures": [],
+        "cpu_s": time.process_time(),
+    }
 
 
 @dataclass(frozen=True)
@@ -296,6 +349,11 @@ class DriveResult:
     """Every request's latency (burst: every connection's time to its response), sorted."""
     failures: list[str]
     """Burst connections that got no response, with why (empty otherwise)."""
+    phases: dict[str, list[float]] = field(default_factory=dict)
+    """Burst: for each of ``PHASES``, when each served connection ended it (s from
+    ``go``, sorted), and ``tries``: how many connects each needed (empty otherwise)."""
+    driver_cpu_s: float = 0.0
+    """CPU time the driver processes used, start-up and connection set-up included."""
 
     @property
     def rate(self) -> float:
@@ -351,7 +409,14 @@ def drive_processes(
     latencies = sorted(value for output in outputs for value in output["latencies"])
     failures = [failure for output in outputs for failure in output["failures"]]
     elapsed = max(output["elapsed"] for output in outputs)
-    return DriveResult(len(latencies), elapsed, latencies, failures)
+    phases: dict[str, list[float]] = {}
+    for output in outputs:
+        for phase, times in output.get("phases", {}).items():
+            phases.setdefault(phase, []).extend(times)
+    for times in phases.values():
+        times.sort()
+    cpu = sum(output["cpu_s"] for output in outputs)
+    return DriveResult(len(latencies), elapsed, latencies, failures, phases, cpu)
 
 
 def main() -> None:

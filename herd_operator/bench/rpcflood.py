@@ -33,7 +33,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.rpc import Handler, RpcClient, RpcError, RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
-from herd_operator.runtime.handlers import for_anyone
+from herd_operator.runtime.handlers import GROUPED_OPS, for_anyone
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Pool
 
@@ -358,7 +358,14 @@ def flood_rows(
             for flooded in (False, True):
                 with (
                     tallying_server_logs() as (stop_tracebacks, server_warnings),
-                    RpcServer(TOKEN, handlers, **server_options) as server,
+                    # As the operator serves: the reports of one loop turn share one commit.
+                    RpcServer(
+                        TOKEN,
+                        handlers,
+                        grouped_ops=GROUPED_OPS,
+                        commit_group=store.transaction,
+                        **server_options,
+                    ) as server,
                 ):
                     phase = run_phase(server.address, clients, idlers if flooded else 0, seconds)
                 phase.stop_tracebacks = stop_tracebacks.count

@@ -16,25 +16,27 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import os
 import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from herd_operator.auth import derive_key, job_identity
 from herd_operator.bench.harness import Context, Row, Skip, Stats, percentile
 from herd_operator.bench.jobs import bench_job
-from herd_operator.bench.rpcdrive import DriveConfig, DriveResult, drive_processes, split
+from herd_operator.bench.rpcdrive import PHASES, DriveConfig, DriveResult, drive_processes, split
 from herd_operator.bench.rpcflood import ensure_descriptors
 from herd_operator.bench.rpcload import JOB, TOKEN, echo_server, measure_op, report_handler
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
-from herd_operator.runtime.handlers import for_own_job
+from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Pool
 
@@ -68,9 +70,44 @@ def _free_port() -> int:
         return port
 
 
+@dataclass(frozen=True)
+class Redis:
+    port: int
+    pid: int
+
+    def cpu_seconds(self) -> float:
+        """CPU time the Redis process has used so far (Linux: from /proc)."""
+        return _process_cpu_seconds(Path(f"/proc/{self.pid}/stat"))
+
+
+def _process_cpu_seconds(stat: Path) -> float:
+    # utime and stime, fields 14 and 15, counted after the parenthesised command name.
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+LISTEN_COUNTERS = ("ListenOverflows", "ListenDrops", "SyncookiesSent", "TCPSynRetrans")
+"""The kernel's TcpExt counters that say connects waited: a full accept queue (overflows,
+drops: the client's final ACK is dropped and the server's SYN/ACK is retransmitted after
+1, 3, 7 s), a full SYN queue (cookies sent), and SYN retransmits."""
+
+
+def tcp_counters() -> dict[str, int]:
+    """The `LISTEN_COUNTERS` now, machine-wide (empty where /proc/net/netstat is missing)."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return {}
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            table = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return {name: int(table[name]) for name in LISTEN_COUNTERS if name in table}
+    return {}
+
+
 @contextlib.contextmanager
-def redis_server(executable: str, scratch: Path) -> Iterator[int]:
-    """A private Redis on loopback (no persistence, no disk); yields its port."""
+def redis_server(executable: str, scratch: Path) -> Iterator[Redis]:
+    """A private Redis on loopback (no persistence, no disk); yields its port and pid."""
     workdir = scratch / "redis"
     workdir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -108,7 +145,7 @@ def redis_server(executable: str, scratch: Path) -> Iterator[int]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not answer PING within {REDIS_START_S} s")
             time.sleep(0.05)
-        yield port
+        yield Redis(port, process.pid)
     finally:
         process.terminate()
         try:
@@ -149,37 +186,55 @@ def _configs(
     ]
 
 
-def _throughput_rows(ctx: Context, server: RpcServer, bench: str, redis_port: int) -> list[Row]:
-    requests: list[dict[str, Any]] = [
-        {"op": "bind", "args": {"job": JOB, "host": "localhost", "local_rank": 1, "pid": 1234}},
-        {
-            "op": "report",
-            "args": {"job": JOB, "epoch": 3, "world_size": 4, "rank": 0, "metrics": {}},
-        },
-    ]
+BIND: dict[str, Any] = {
+    "op": "bind",
+    "args": {"job": JOB, "host": "localhost", "local_rank": 1, "pid": 1234},
+}
+REPORT: dict[str, Any] = {
+    "op": "report",
+    "args": {"job": JOB, "epoch": 3, "world_size": 4, "rank": 0, "metrics": {}},
+}
+
+
+def _throughput_rows(
+    ctx: Context,
+    servers: list[tuple[str, RpcServer, dict[str, Any]]],
+    bench: str,
+    redis: Redis,
+) -> list[Row]:
+    """For each (label, server, request), at each concurrency: ours and Redis, alternately.
+
+    Besides the rates, the CPU time per request of our server's thread and of the Redis
+    process: on a shared machine the wall clock is partly the other tenants', CPU less so.
+    """
     ours_total = 400 if ctx.quick else 20000
     redis_total = 2000 if ctx.quick else 100000
     concurrency = (1, 8) if ctx.quick else (1, 64, 256)
     rows = []
     for clients in concurrency:
-        for request in requests:
+        for label, server, request in servers:
             configs = _configs(
                 "calls", server.address[1], clients, max(5, ours_total // clients), request
             )
             ours_rates, redis_rates, redis_p50, redis_p99 = [], [], [], []
+            ours_cpu, redis_cpu = [], []
             ours_latency: list[float] = []
             for _ in range(ctx.repeat):
+                before = server.cpu_seconds()
                 result = drive_processes(configs, timeout=HANG_GUARD_S)
+                ours_cpu.append((server.cpu_seconds() - before) / result.requests)
                 ours_rates.append(result.rate)
                 ours_latency += result.latencies
-                rate, p50, p99 = redis_ping(bench, redis_port, clients, redis_total)
+                before = redis.cpu_seconds()
+                rate, p50, p99 = redis_ping(bench, redis.port, clients, redis_total)
+                redis_cpu.append((redis.cpu_seconds() - before) / redis_total)
                 redis_rates.append(rate)
                 redis_p50.append(p50)
                 redis_p99.append(p99)
             ours_latency.sort()
             rows.append(
                 Row(
-                    name=f"allocator-rpc {request['op']}, {clients} client(s)",
+                    name=f"allocator-rpc {label}, {clients} client(s)",
                     what=f"authenticated `{request['op']}` round trips on loopback (rpcdrive)",
                     unit="req/s",
                     better="higher",
@@ -191,10 +246,12 @@ def _throughput_rows(ctx: Context, server: RpcServer, bench: str, redis_port: in
                         "ours_p99_ms": percentile(ours_latency, 99) * 1000,
                         "baseline_p50_ms": Stats.of(redis_p50).median,
                         "baseline_p99_ms": Stats.of(redis_p99).median,
+                        "ours_server_cpu_us_per_req": Stats.of(ours_cpu).median * 1e6,
+                        "baseline_server_cpu_us_per_req": Stats.of(redis_cpu).median * 1e6,
                     },
                 )
             )
-            ctx.progress(f"allocator-rpc: {request['op']} with {clients} client(s) done")
+            ctx.progress(f"allocator-rpc: {label} with {clients} client(s) done")
     return rows
 
 
@@ -209,8 +266,14 @@ def _burst(configs: list[DriveConfig], ctx: Context, who: str) -> DriveResult:
     return result
 
 
-def _burst_row(ctx: Context, redis_port: int) -> Row:
-    """Every worker of a full allocation binds at once, on a fresh server each time."""
+def _burst_row(ctx: Context, redis: Redis) -> Row:
+    """Every worker of a full allocation binds at once, on a fresh server each time.
+
+    Beside the time until the last is served: when each phase of a connection ended
+    (`rpcdrive.PHASES`), how many connections needed more than one try, the CPU of the
+    server (its thread; Redis: its process) and of the driver processes, and how far the
+    kernel's listen counters moved (machine-wide: another tenant's burst would show too).
+    """
     nodes = QUICK_BURST_NODES if ctx.quick else BURST_NODES
     workers = nodes * GPUS_PER_NODE
     limit, note = ensure_descriptors(workers * DESCRIPTORS_PER_BURST_CLIENT + DESCRIPTOR_MARGIN)
@@ -226,7 +289,18 @@ def _burst_row(ctx: Context, redis_port: int) -> Row:
     request: dict[str, Any] = {"op": "bind", "args": {"job": JOB, "pid": 1}}
     ours: list[float] = []
     baseline: list[float] = []
-    ours_latency: list[float] = []
+    phases: dict[str, list[float]] = {}
+    baseline_phases: dict[str, list[float]] = {}
+    figures: dict[str, list[float]] = {}
+
+    def record(name: str, value: float) -> None:
+        figures.setdefault(name, []).append(value)
+
+    def counted(before: dict[str, int], who: str) -> None:
+        after = tcp_counters()
+        for name, value in after.items():
+            record(f"{who}_kernel_{name}", value - before.get(name, value))
+
     failed = 0
     for _ in range(min(ctx.repeat, BURST_REPEAT)):
         with RpcServer(TOKEN, {"bind": for_own_job(allocator.handle_bind)}) as server:
@@ -247,15 +321,23 @@ def _burst_row(ctx: Context, redis_port: int) -> Row:
                     )
                 )
                 first += share
+            counters, cpu = tcp_counters(), server.cpu_seconds()
             result = _burst(configs, ctx, "ours")
+            record("ours_server_cpu_s", server.cpu_seconds() - cpu)
+            counted(counters, "ours")
+            record("ours_driver_cpu_s", result.driver_cpu_s)
+            record(
+                "ours_retried_connections", sum(1 for tries in result.phases["tries"] if tries > 1)
+            )
             failed += len(result.failures)
             ours.append(result.elapsed)
-            ours_latency += result.latencies
+            for phase, times in result.phases.items():
+                phases.setdefault(phase, []).extend(times)
         raw = [
             DriveConfig(
                 "raw-burst",
                 "127.0.0.1",
-                redis_port,
+                redis.port,
                 share,
                 1,
                 request,
@@ -264,8 +346,22 @@ def _burst_row(ctx: Context, redis_port: int) -> Row:
             )
             for share in split(workers, DRIVER_PROCESSES)
         ]
-        baseline.append(_burst(raw, ctx, "Redis").elapsed)
-    ours_latency.sort()
+        counters, cpu = tcp_counters(), redis.cpu_seconds()
+        result = _burst(raw, ctx, "Redis")
+        record("baseline_server_cpu_s", redis.cpu_seconds() - cpu)
+        counted(counters, "baseline")
+        record("baseline_driver_cpu_s", result.driver_cpu_s)
+        baseline.append(result.elapsed)
+        for phase, times in result.phases.items():
+            baseline_phases.setdefault(phase, []).extend(times)
+    extra: dict[str, float] = {"ours_failed_connections": failed}
+    for who, timings in (("ours", phases), ("baseline", baseline_phases)):
+        for phase in PHASES:
+            times = sorted(timings.get(phase, []))
+            if times:
+                extra[f"{who}_{phase}_p50_s"] = percentile(times, 50)
+                extra[f"{who}_{phase}_p99_s"] = percentile(times, 99)
+    extra |= {name: Stats.of(values).median for name, values in figures.items()}
     return Row(
         name=f"allocator-rpc burst: {workers:,} workers bind at once",
         what=f"connect, handshake and `bind` on a {nodes:,}x{GPUS_PER_NODE} pool:"
@@ -275,11 +371,7 @@ def _burst_row(ctx: Context, redis_port: int) -> Row:
         baseline_label="the same burst of connect + PING to Redis",
         baseline=Stats.of(baseline),
         ours=Stats.of(ours),
-        extra={
-            "ours_p50_s": percentile(ours_latency, 50),
-            "ours_p99_s": percentile(ours_latency, 99),
-            "ours_failed_connections": failed,
-        },
+        extra=extra,
     )
 
 
@@ -299,22 +391,34 @@ def run_allocator_rpc(ctx: Context) -> list[Row]:
     }
     rows = []
     try:
-        with redis_server(executable, ctx.scratch) as redis_port:
-            with RpcServer(TOKEN, handlers) as server:
-                rows += _throughput_rows(ctx, server, bench, redis_port)
-                # What one RpcClient per thread sees: the generator the rows above replaced.
-                with echo_server() as echo:
-                    clients = 8 if ctx.quick else 64
-                    thread_row = measure_op(
-                        server.address,
-                        echo,
-                        ("bind", {"job": JOB, "host": "localhost", "local_rank": 1, "pid": 1234}),
-                        clients,
-                        max(5, (200 if ctx.quick else 2560) // clients),
-                        ctx.repeat,
-                    )
-                rows.append(thread_row)
-            rows.append(_burst_row(ctx, redis_port))
+        with (
+            redis_server(executable, ctx.scratch) as redis,
+            # As the operator serves: the reports of one loop turn share one commit.
+            RpcServer(
+                TOKEN, handlers, grouped_ops=GROUPED_OPS, commit_group=store.transaction
+            ) as server,
+            # The same without grouping: one commit per report, as before group commit.
+            RpcServer(TOKEN, handlers) as ungrouped,
+        ):
+            servers = [
+                ("bind", server, BIND),
+                ("report", server, REPORT),
+                ("report, a commit per report", ungrouped, REPORT),
+            ]
+            rows += _throughput_rows(ctx, servers, bench, redis)
+            # What one RpcClient per thread sees: the generator the rows above replaced.
+            with echo_server() as echo:
+                clients = 8 if ctx.quick else 64
+                thread_row = measure_op(
+                    server.address,
+                    echo,
+                    (BIND["op"], BIND["args"]),
+                    clients,
+                    max(5, (200 if ctx.quick else 2560) // clients),
+                    ctx.repeat,
+                )
+            rows.append(thread_row)
+            rows.append(_burst_row(ctx, redis))
             ctx.progress("allocator-rpc: burst done")
     finally:
         store.close()

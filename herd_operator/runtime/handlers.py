@@ -36,6 +36,14 @@ MAX_EPOCH = 2**31 - 1
 MAX_WORLD_SIZE = MAX_GPUS
 """Bounds on what a report may say: every number is stored, compared and exported."""
 
+GROUPED_OPS = frozenset({"report"})
+"""Ops whose store writes the RPC server commits together, the requests of one turn of its
+loop in one transaction (each answered after the commit): a report is one small write.
+A report's other effects (the allocator learns the world size, the job is woken) happen
+when its handler runs, just before the commit; if the commit fails they stay (what the
+worker said is still true, and a reconcile reads only committed reports), and the worker
+gets an error."""
+
 
 PlainHandler = Callable[[dict[str, Any]], dict[str, Any]]
 """An op's work, blind to who asks; the wrappers below decide who may ask."""

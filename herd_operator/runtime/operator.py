@@ -50,6 +50,7 @@ from herd_operator.runtime.allocator import (
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.handlers import (
+    GROUPED_OPS,
     ExporterRegistry,
     ReportHandler,
     for_agents,
@@ -323,6 +324,7 @@ class Operator:
                 "unregister_exporter": for_own_host(exporters.unregister),
                 "ping": for_anyone(lambda args: {"pid": os.getpid()}),
             },
+            store,
         )
         host, port = server.address
         local = self._local_gpus(allocator)
@@ -401,14 +403,29 @@ class Operator:
             else:
                 key_file.unlink(missing_ok=True)
 
-    def _start_rpc_server(self, token: bytes, handlers: Mapping[str, Handler]) -> RpcServer:
+    def _start_rpc_server(
+        self, token: bytes, handlers: Mapping[str, Handler], store: Store
+    ) -> RpcServer:
         """The allocator's RPC server, on the previous operator's port when none is asked for:
-        the workers of adopted jobs reach the allocator at the address they were given."""
+        the workers of adopted jobs reach the allocator at the address they were given.
+
+        Reports that arrive together share one store commit (each answered after it)."""
         config = self.config
+
+        def serve(port: int) -> RpcServer:
+            return RpcServer(
+                token,
+                handlers,
+                host=config.listen_host,
+                port=port,
+                grouped_ops=GROUPED_OPS,
+                commit_group=store.transaction,
+            )
+
         port = config.listen_port
         previous = self._previous_port() if port is None else None
         if previous is not None:
-            server = RpcServer(token, handlers, host=config.listen_host, port=previous)
+            server = serve(previous)
             try:
                 server.start()
                 return server
@@ -418,7 +435,7 @@ class Operator:
                     " jobs it started cannot reach this allocator until they are restarted",
                     previous, err,
                 )  # fmt: skip
-        server = RpcServer(token, handlers, host=config.listen_host, port=port or 0)
+        server = serve(port or 0)
         server.start()
         return server
 

@@ -150,6 +150,16 @@ class RawPeer:
         welcome = self.hello(token)
         assert welcome is not None and welcome["type"] == "welcome"
 
+    def answer(self, challenge: dict[str, Any]) -> None:
+        """Authenticate as admin with a challenge already read."""
+        nonce = new_nonce()
+        proof = prove(TOKEN, "client", challenge["nonce"], nonce, "raw", "admin")
+        self.send(
+            {"type": "auth", "identity": "admin", "client": "raw", "nonce": nonce, "proof": proof}
+        )
+        welcome = self.read()
+        assert welcome is not None and welcome["type"] == "welcome", welcome
+
     def hello(
         self, token: bytes = TOKEN, *, identity: str = "admin", label: str = "raw"
     ) -> dict[str, Any] | None:
@@ -967,6 +977,34 @@ def test_silent_connections_older_than_the_eviction_age_give_newcomers_their_pla
         assert _is_open(newcomers[1])  # young: kept (this probe ends it)
     finally:
         for peer in idlers + newcomers:
+            peer.close()
+
+
+def test_a_connection_that_waited_in_line_gets_the_eviction_age_from_its_challenge(
+    make_server: Callable[..., RpcServer], pool_clock: list[float]
+) -> None:
+    """Aged from its accept, a shim that waited in line for its challenge was taken for an
+    idler at once and dropped for the next in line before it could answer: in a burst of
+    7,168 under load that dropped and re-queued thousands of workers."""
+    server = make_server(max_unauthenticated=1, eviction_age=0.2, handshake_timeout=GUARD_S)
+    idler = RawPeer.connect(server.address)
+    peers = [idler]
+    try:
+        assert (idler.read() or {}).get("type") == "challenge"
+        queued = RawPeer.connect(server.address)  # waits in line: the one place is taken
+        peers.append(queued)
+        pool_clock[0] += 1.0  # the idler is old enough: the queued one takes its place
+        challenge = queued.read()
+        assert challenge is not None and challenge["type"] == "challenge"
+        newcomer = RawPeer.connect(server.address)
+        peers.append(newcomer)
+        # The newcomer's checks every 0.2 s find the queued one young (its challenge is
+        # just sent), however long ago it was accepted: it is left to answer.
+        assert select.select([newcomer.sock, queued.sock], [], [], 0.6)[0] == []
+        queued.answer(challenge)
+        assert (newcomer.read() or {}).get("type") == "challenge"  # the freed place
+    finally:
+        for peer in peers:
             peer.close()
 
 

@@ -1,0 +1,202 @@
+"""Where a burst of binds spends its seconds: one burst against our RPC server, then the same
+connects + PING against Redis, with what `herd-operator bench --only allocator-rpc` does not
+show: when the server accepted each connection, and how often it challenged, authenticated,
+dropped (as an idler) and re-checked waiting connections.
+
+    PYTHONPATH=$PWD nice python scripts/burst_probe.py --nodes 1792 [--pool 256] [--only ours]
+
+Prints one JSON line per burst. Times are seconds from the start of the burst; each phase is
+(p50, p99, max, histogram) with the histogram's buckets ending at 0.25, 0.5, 1, 2, 4, 8, 16 s
+and beyond. `kernel` is how far the machine-wide TcpExt listen counters moved.
+A diagnostic: it wraps the server's connection callbacks to count them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from herd_operator import rpc
+from herd_operator.auth import derive_key, job_identity
+from herd_operator.bench import rpcscale
+from herd_operator.bench.rpcdrive import DriveConfig, DriveResult, drive_processes, split
+from herd_operator.bench.rpcload import JOB, TOKEN
+from herd_operator.layout import StateLayout
+from herd_operator.rpc import RpcServer
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.handlers import for_own_job
+from specs.values import Demand, Pool
+
+BUCKETS_S = (0.25, 0.5, 1, 2, 4, 8, 16, float("inf"))
+TIMEOUT_S = 300.0
+
+
+def histogram(times: Sequence[float]) -> list[int]:
+    counts, low = [], 0.0
+    for high in BUCKETS_S:
+        counts.append(sum(1 for t in times if low <= t < high))
+        low = high
+    return counts
+
+
+def quantile(times: Sequence[float], q: float) -> float:
+    return times[min(len(times) - 1, int(q * len(times)))] if times else float("nan")
+
+
+def spread(times: Sequence[float]) -> list[Any]:
+    ordered = sorted(times)
+    last = round(ordered[-1], 3) if ordered else None
+    p50, p99 = round(quantile(ordered, 0.5), 3), round(quantile(ordered, 0.99), 3)
+    return [p50, p99, last, histogram(ordered)]
+
+
+def summary(result: DriveResult) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "elapsed_s": round(result.elapsed, 2),
+        "unserved": len(result.failures),
+        "driver_cpu_s": round(result.driver_cpu_s, 2),
+    }
+    for phase, times in result.phases.items():
+        if phase == "tries":
+            out["retried"] = sum(1 for tries in times if tries > 1)
+        elif times:
+            out[phase] = spread(times)
+    return out
+
+
+def counted(before: dict[str, int]) -> dict[str, int]:
+    return {
+        name: value - before.get(name, value) for name, value in rpcscale.tcp_counters().items()
+    }
+
+
+class ServerEvents:
+    """Wraps `_Connection`'s callbacks: accept times and how often each ran."""
+
+    def __init__(self) -> None:
+        self.accepted: list[float] = []
+        self.calls: Counter[str] = Counter()
+        made = rpc._Connection.connection_made
+
+        def connection_made(connection: rpc._Connection, transport: Any) -> None:
+            self.accepted.append(time.perf_counter())
+            made(connection, transport)
+
+        setattr(rpc._Connection, "connection_made", connection_made)  # noqa: B010
+        for name in ("greet", "_authenticate", "_waited", "abort"):
+            self._count(name)
+
+    def _count(self, name: str) -> None:
+        original: Callable[..., Any] = getattr(rpc._Connection, name)
+        calls = self.calls
+
+        def counting(connection: rpc._Connection, *args: Any) -> Any:
+            calls[name] += 1
+            return original(connection, *args)
+
+        setattr(rpc._Connection, name, counting)
+
+    def clear(self) -> None:
+        self.accepted.clear()
+        self.calls.clear()
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=rpcscale.BURST_NODES)
+    parser.add_argument("--pool", type=int, default=256, help="max_unauthenticated")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--only", choices=("ours", "redis"))
+    options = parser.parse_args(argv)
+    workers = options.nodes * rpcscale.GPUS_PER_NODE
+    events = ServerEvents()
+    redis_executable = shutil.which("redis-server")
+    if redis_executable is None:
+        sys.exit("needs redis-server (apt-get install redis-server)")
+    with tempfile.TemporaryDirectory(prefix="burst-probe-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        layout = StateLayout(scratch / "state")
+        layout.create()
+        hosts = {
+            rpcscale.HOST_FORMAT.format(n): rpcscale.GPUS_PER_NODE for n in range(options.nodes)
+        }
+        allocator = Allocator(Pool.from_counts(hosts), GrantPublisher(layout), virtual=True)
+        allocator.request(Demand(JOB, 1, workers, workers))
+        key = derive_key(TOKEN, job_identity(JOB))
+        request: dict[str, Any] = {"op": "bind", "args": {"job": JOB, "pid": 1}}
+        with rpcscale.redis_server(redis_executable, scratch) as redis:
+            for _ in range(options.rounds):
+                if options.only != "redis":
+                    handlers = {"bind": for_own_job(allocator.handle_bind)}
+                    with RpcServer(TOKEN, handlers, max_unauthenticated=options.pool) as server:
+                        configs, first = [], 0
+                        for share in split(workers, rpcscale.DRIVER_PROCESSES):
+                            configs.append(
+                                DriveConfig(
+                                    "burst",
+                                    "127.0.0.1",
+                                    server.address[1],
+                                    share,
+                                    1,
+                                    request,
+                                    key.hex(),
+                                    identity=str(job_identity(JOB)),
+                                    host_format=rpcscale.HOST_FORMAT,
+                                    first=first,
+                                )
+                            )
+                            first += share
+                        events.clear()
+                        load, counters = os.getloadavg()[0], rpcscale.tcp_counters()
+                        cpu, started = server.cpu_seconds(), time.perf_counter()
+                        result = drive_processes(configs, timeout=TIMEOUT_S)
+                        line = {
+                            "who": "ours",
+                            "pool": options.pool,
+                            "load": round(load, 1),
+                            **summary(result),
+                            "server_cpu_s": round(server.cpu_seconds() - cpu, 2),
+                            "kernel": counted(counters),
+                            "accepted": spread([t - started for t in events.accepted]),
+                            "server_calls": dict(events.calls),
+                        }
+                        print(json.dumps(line), flush=True)
+                if options.only != "ours":
+                    raw = [
+                        DriveConfig(
+                            "raw-burst",
+                            "127.0.0.1",
+                            redis.port,
+                            share,
+                            1,
+                            request,
+                            raw_request="PING\r\n",
+                            expect="+PONG",
+                        )
+                        for share in split(workers, rpcscale.DRIVER_PROCESSES)
+                    ]
+                    load, counters = os.getloadavg()[0], rpcscale.tcp_counters()
+                    cpu = redis.cpu_seconds()
+                    result = drive_processes(raw, timeout=TIMEOUT_S)
+                    line = {
+                        "who": "redis",
+                        "load": round(load, 1),
+                        **summary(result),
+                        "server_cpu_s": round(redis.cpu_seconds() - cpu, 2),
+                        "kernel": counted(counters),
+                    }
+                    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
