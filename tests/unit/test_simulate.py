@@ -565,3 +565,16 @@ def test_goodput_plus_share_divides_the_gpus_by_gain_in_a_short_simulation() -> 
     assert held["good"] > held["bad"] + 1  # GPUs held on average while running
     end = {p.policy: {j.name: j.finished for j in p.jobs} for p in (plain, shared)}
     assert end["goodput:minGain=0.1+share"]["good"] < end["goodput:minGain=0.1"]["good"]
+
+
+def test_share_decides_as_the_default_for_policies_that_report_no_gains() -> None:
+    """`static` and `memory` report no gains: each GPU up to the wish counts as a whole one,
+    so the division by gain is the fair share, tie for tie, and the runs are the same."""
+    pool = parse_pool("4x4")
+    workload = Workload(
+        "test mix", perlmutter_mix(60, pool.size, seed=4, params=MixParams(load=2.0))
+    )
+    results = simulate(workload, pool, ["static", "static+share", "memory", "memory+share"], 0.0)
+    static, static_share, memory, memory_share = results
+    assert static.jobs == static_share.jobs and memory.jobs == memory_share.jobs
+    assert any(job.resizes for job in static.jobs)  # the fair share did resize jobs
