@@ -191,7 +191,7 @@ class JobReconciler:
                 desired=decision.gpus,
                 priority=job.spec.priority,
                 arrival=record.created_at,
-                spare_gains=decision.spare_gains,
+                gains=decision.gains,
             )
         )
         status = status.model_copy(update={"policy_reason": decision.reason})

@@ -9,7 +9,11 @@ fits, in priority then arrival order, and nobody overtakes the first pending job
 (head of line). GPUs left over go by priority tier, then max-min fair share
 within a tier, up to each job's wanted size (desired clamped into [min, max]).
 Opt-in (`spare_by_gain`): GPUs still left are lent to the admitted jobs whose next GPU
-adds most by their own policy's account (`Demand.spare_gains`), up to their max.
+adds most by their own policy's account (`Demand.gains`), up to their max.
+Opt-in (`share_by_gain`, Pollux-like): instead of the fair share up to the wishes, a tier's
+GPUs left once its jobs hold their mins go one at a time to the job whose next GPU adds most
+(`Demand.gains`; a job that reports no gains is taken to gain a whole GPU from each GPU up to
+its wish, and nothing past it), up to its max.
 Opt-in (`smallest_first`): within a tier, pending jobs are admitted smallest min first
 (arrival breaks ties) instead of in arrival order; a job named `overdue` (the caller's
 starvation bound: it waited too long) goes before every other job of its tier, oldest first,
@@ -182,6 +186,7 @@ class _Counts:
     waiting: dict[str, str]
     admissions: list[Demand]
     held_fixed: set[str]
+    shared_by_gain: bool = False
 
 
 _NAMED_FROZEN = 3
@@ -214,6 +219,7 @@ def _count(
     kept: Mapping[str, Sequence[Slot]],
     frozen: AbstractSet[str],
     spare_by_gain: bool = False,
+    share_by_gain: bool = False,
 ) -> _Counts:
     running = {d.name for d in ranked if len(kept[d.name]) >= d.min}
     fixed = [d for d in ranked if d.name in running and d.name in frozen]
@@ -246,19 +252,23 @@ def _count(
                 note = _frozen_note(demand, free, fixed, target)
                 waiting[demand.name] = f"needs {_gpus(demand.min)}, {free} free{note}"
                 blocker = demand
+        if share_by_gain:
+            if free > 0:
+                free = _share_by_gain(tier, target, held_fixed, free)
+            continue
         sharers = [d for d in tier if 0 < target[d.name] < d.wanted and d.name not in held_fixed]
         if free > 0 and sharers:
             free = _fair_share(sharers, target, free)
-    if spare_by_gain and free > 0:
+    if spare_by_gain and not share_by_gain and free > 0:
         _share_spare_by_gain(ranked, target, held_fixed, free)
-    return _Counts(target, waiting, admissions, held_fixed)
+    return _Counts(target, waiting, admissions, held_fixed, share_by_gain)
 
 
 def _share_spare_by_gain(
     ranked: Sequence[Demand], target: dict[str, int], fixed: AbstractSet[str], free: int
 ) -> None:
     """GPUs nobody wants, one at a time to the admitted job whose next GPU adds most (its
-    `spare_gains`), up to its max; a higher priority tier first, ties by arrival then name.
+    `gains`), up to its max; a higher priority tier first, ties by arrival then name.
 
     Greedy by marginal gain maximises the total gain when each job's gains do not rise
     with its size (Amdahl's do not)."""
@@ -266,9 +276,9 @@ def _share_spare_by_gain(
     by_name: dict[str, Demand] = {}
     for d in ranked:
         size = target[d.name]
-        extra = size - d.wanted
-        if size > 0 and d.name not in fixed and 0 <= extra < len(d.spare_gains) and size < d.max:
-            heap.append((-d.priority, -d.spare_gains[extra], d.arrival, d.name, size))
+        above = size - d.min
+        if size >= d.wanted and d.name not in fixed and 0 <= above < len(d.gains):
+            heap.append((-d.priority, -d.gains[above], d.arrival, d.name, size))
             by_name[d.name] = d
     heapq.heapify(heap)
     while free > 0 and heap:
@@ -276,10 +286,54 @@ def _share_spare_by_gain(
         demand = by_name[name]
         target[name] = size + 1
         free -= 1
-        extra = size + 1 - demand.wanted
-        if extra < len(demand.spare_gains) and size + 1 < demand.max:
-            gain = demand.spare_gains[extra]
+        above = size + 1 - demand.min
+        if above < len(demand.gains):
+            gain = demand.gains[above]
             heapq.heappush(heap, (-demand.priority, -gain, arrival, name, size + 1))
+
+
+def gain_of_next(demand: Demand, size: int) -> float | None:
+    """What GPU `size + 1` adds to `demand` as `share_by_gain` counts it: its reported gain
+    (None past the last one: not given); a job that reports no gains (`static`, `memory`)
+    is taken to gain a whole GPU from each up to its wish, and nothing past it."""
+    if demand.gains:
+        above = size - demand.min
+        return demand.gains[above] if 0 <= above < len(demand.gains) else None
+    return 1.0 if size < demand.wanted else None
+
+
+def _share_by_gain(
+    tier: Sequence[Demand], target: dict[str, int], fixed: AbstractSet[str], free: int
+) -> int:
+    """`free` GPUs among the tier's admitted, unfrozen jobs (each at its min now), one at a
+    time to the job whose next GPU adds most (`gain_of_next`), up to its max; ties to the
+    job holding fewest, then by arrival and name, as the fair share's: so jobs that report no
+    gains get exactly the fair share up to their wishes. Updates `target`; returns the GPUs
+    left.
+
+    Greedy by marginal gain maximises the tier's summed speedup when each job's gains do not
+    rise with its size (Amdahl's do not): Pollux's division of a cluster, with its
+    statistical efficiency taken as 1 (the batch-preserving modes keep the global batch)."""
+    heap: list[tuple[float, int, float, str]] = []
+    by_name: dict[str, Demand] = {}
+    for d in tier:
+        size = target[d.name]
+        if size > 0 and d.name not in fixed:
+            gain = gain_of_next(d, size)
+            if gain is not None:
+                heap.append((-gain, size, d.arrival, d.name))
+                by_name[d.name] = d
+    heapq.heapify(heap)
+    while free > 0 and heap:
+        _, size, arrival, name = heapq.heappop(heap)
+        demand = by_name[name]
+        size += 1
+        target[name] = size
+        free -= 1
+        gain = gain_of_next(demand, size)
+        if gain is not None:
+            heapq.heappush(heap, (-gain, size, arrival, name))
+    return free
 
 
 def _fair_share(sharers: Sequence[Demand], target: dict[str, int], free: int) -> int:
@@ -386,7 +440,7 @@ def _place(
     return placements
 
 
-def _policy_cause(demand: Demand, size: int) -> str:
+def _policy_cause(demand: Demand, size: int, shared_by_gain: bool = False) -> str:
     wanted = demand.wanted
     if demand.desired > demand.max:
         wants = f"policy wants {demand.desired}, max is {demand.max}"
@@ -394,6 +448,9 @@ def _policy_cause(demand: Demand, size: int) -> str:
         wants = f"policy wants {demand.desired}, min is {demand.min}"
     else:
         wants = f"policy wants {wanted}"
+    if shared_by_gain and size != wanted:
+        more = f"{_gpus(size - wanted)} more" if size > wanted else f"{_gpus(wanted - size)} fewer"
+        return f"{wants}, {more}: GPUs divided by gain"
     if size > wanted:
         return f"{wants}, {_gpus(size - wanted)} more lent by gain (nobody else wants them)"
     return wants if size >= wanted else f"{wants}, no more free"
@@ -431,7 +488,7 @@ class _Reasons:
             if new == 0:
                 wait = self._counts.waiting[name]
                 return f"pending {old} -> 0: {history}; {wait}" if old else f"pending: {wait}"
-            extra = "" if new == demand.min else f", {_policy_cause(demand, new)}"
+            extra = "" if new == demand.min else f", {self._cause(demand, new)}"
             if old == 0:
                 if extra:
                     return f"admitted 0 -> {new}: min {demand.min} fits{extra}"
@@ -446,19 +503,22 @@ class _Reasons:
             return f"shrunk {old} -> {new}: {'; '.join(causes)}"
         if new == old:
             replaced = f"{_gpus(lost)} left the pool, replaced; " if lost else ""
-            return f"holding {new}: {replaced}{_policy_cause(demand, new)}"
+            return f"holding {new}: {replaced}{self._cause(demand, new)}"
         if new > old:
-            return f"grown {old} -> {new}: {_policy_cause(demand, new)}"
+            return f"grown {old} -> {new}: {self._cause(demand, new)}"
         if new == kept:
             return f"shrunk {old} -> {new}: {_gpus(lost)} left the pool"
         if new > kept:
-            cause = _policy_cause(demand, new)
+            cause = self._cause(demand, new)
             return f"shrunk {old} -> {new}: {_gpus(lost)} left the pool; {cause}"
         if new == demand.wanted:
             if demand.desired > demand.max:
                 return f"shrunk {old} -> {new}: max is {demand.max}"
-            return f"shrunk {old} -> {new}: {_policy_cause(demand, new)}"
+            return f"shrunk {old} -> {new}: {self._cause(demand, new)}"
         return f"shrunk {old} -> {new}: {self._taker(demand)}"
+
+    def _cause(self, demand: Demand, size: int) -> str:
+        return _policy_cause(demand, size, self._counts.shared_by_gain)
 
     def _taker(self, demand: Demand) -> str:
         admissions = self._counts.admissions
@@ -468,6 +528,8 @@ class _Reasons:
         if gainer is None or gainer.priority < demand.priority:
             return "fewer GPUs in the pool"
         if gainer.priority == demand.priority:
+            if self._counts.shared_by_gain:
+                return f"divided by gain with {gainer.name}"
             return f"fair share with {gainer.name}"
         return f"{gainer.name} (priority {gainer.priority}) grew"
 
@@ -483,6 +545,7 @@ def arbitrate(
     previous: Mapping[str, Grant] | None = None,
     smallest_first: bool = False,
     overdue: AbstractSet[str] = frozenset(),
+    share_by_gain: bool = False,
 ) -> dict[str, Grant]:
     """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
 
@@ -491,11 +554,13 @@ def arbitrate(
     without a demand are ignored. `unavailable` GPUs (draining, held by an adopted job)
     are granted to nobody: the decision is the one on the pool without them, without
     building that pool. With `spare_by_gain`, GPUs left once every job has what it wants
-    go to admitted jobs by the gain they report for their next GPU (`Demand.spare_gains`),
-    up to their max. A job that holds GPUs and whose placement is the one of its grant in
-    `previous` gets that Grant back as it is, reason included (the allocator keeps the
-    reason of the decision that made a grant; writing thousands of unchanged ones again
-    cost a fifth of a decision). With `smallest_first`, jobs are ranked within a tier by
+    go to admitted jobs by the gain they report for their next GPU (`Demand.gains`),
+    up to their max. With `share_by_gain`, all GPUs above the admitted jobs' mins are divided
+    that way within each tier (`_share_by_gain`), not by fair share up to the wishes; it
+    includes what `spare_by_gain` does. A job that holds GPUs and whose placement is the one
+    of its grant in `previous` gets that Grant back as it is, reason included (the allocator
+    keeps the reason of the decision that made a grant; writing thousands of unchanged ones
+    again cost a fifth of a decision). With `smallest_first`, jobs are ranked within a tier by
     `_rank_smallest_first` (`overdue`: names of pending jobs that waited past the caller's
     bound); without it `overdue` is ignored and the order is arrival's.
     Raises ValueError if two demands share a name or two current placements share a GPU.
@@ -511,7 +576,7 @@ def arbitrate(
     in_pool = pool.slot_set
     blocked = {slot for slot in unavailable if slot in in_pool}
     held, kept = _kept_slots(pool, by_name, current, blocked)
-    counts = _count(pool.size - len(blocked), ranked, kept, frozen, spare_by_gain)
+    counts = _count(pool.size - len(blocked), ranked, kept, frozen, spare_by_gain, share_by_gain)
     placements = _place(pool, ranked, current, kept, counts.target, blocked)
     reasons = _Reasons(ranked, held, kept, counts)
     grants: dict[str, Grant] = {}

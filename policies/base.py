@@ -53,10 +53,12 @@ class Decision:
 
     gpus: int
     reason: str
-    spare_gains: tuple[float, ...] = ()
-    """What each GPU above `gpus` would add, in share of one GPU's throughput, in order:
-    with it an allocator that shares spare GPUs by gain (`Allocator(spare_by_gain=True)`)
-    lends GPUs nobody else wants to the jobs whose next GPU adds most."""
+    gains: tuple[float, ...] = ()
+    """What each GPU above the job's min would add, in share of one GPU's throughput, in
+    order (the first is GPU `min + 1`'s), at most one per GPU up to max: with them an
+    allocator that divides GPUs by gain (`Allocator(spare_by_gain=True)` for the GPUs nobody
+    wants, `share_by_gain=True` for all above the mins) gives each next GPU to the job it
+    adds most to."""
 
 
 class Policy(Protocol):

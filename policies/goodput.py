@@ -6,10 +6,11 @@ the time of an epoch on n GPUs is `serial + parallel / n`. Before any epoch it a
 `priorSerial` for the serial share; with epochs at one size only, it asks for a second size
 to measure (half the first, or one more GPU at the min). The job asks for the largest size
 whose last GPU adds at least `minGain` of one GPU's throughput: past that knee a GPU does
-more for a job that waits than for this one. It reports the gain of each GPU above the knee
-too, so that an allocator sharing spare GPUs by gain can lend it GPUs nobody waits for. With
-the batch-preserving modes the global batch does not change with the size, so statistical
-efficiency is 1 and throughput is goodput.
+more for a job that waits than for this one. It reports the gain of each GPU above its min
+too, so that an allocator dividing GPUs by gain can lend it GPUs nobody waits for past the
+knee (`spare_by_gain`), or weigh each of its GPUs above the min against other jobs'
+(`share_by_gain`). With the batch-preserving modes the global batch does not change with the
+size, so statistical efficiency is 1 and throughput is goodput.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class GoodputParams(BaseModel):
 def speedup(serial: float, gpus: int) -> float:
     """Amdahl: throughput on `gpus` GPUs relative to one."""
     return gpus / (1.0 + serial * (gpus - 1)) if gpus > 0 else 0.0
+
+
+def amdahl_gains(serial: float, low: int, high: int) -> tuple[float, ...]:
+    """What each GPU from `low + 1` to `high` adds to Amdahl's speedup, in share of one GPU."""
+    return tuple(speedup(serial, gpus + 1) - speedup(serial, gpus) for gpus in range(low, high))
 
 
 def knee(serial: float, min_gain: float, low: int, high: int) -> int:
@@ -148,7 +154,5 @@ class GoodputPolicy:
         return Decision(
             size,
             f"goodput: {source}: knee at {size} for a gain of {params.min_gain:g}",
-            spare_gains=tuple(
-                speedup(serial, gpus + 1) - speedup(serial, gpus) for gpus in range(size, high)
-            ),
+            gains=amdahl_gains(serial, low, high),
         )

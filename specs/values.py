@@ -153,10 +153,11 @@ class Demand:
     desired: int
     priority: int = 0
     arrival: float = 0.0
-    spare_gains: tuple[float, ...] = ()
-    """What each GPU above `wanted` would add, in share of one GPU's throughput, in order
-    (the first is the gain of GPU `wanted + 1`). Read only by an allocator that shares
-    spare GPUs by gain; without them the job gets no GPU above what it wants."""
+    gains: tuple[float, ...] = ()
+    """What each GPU above `min` would add, in share of one GPU's throughput, in order (the
+    first is the gain of GPU `min + 1`). Read only by an allocator that divides GPUs by gain
+    (`spare_by_gain`: those above `wanted`; `share_by_gain`: all above `min`); without them
+    the job gets no GPU above what it wants."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -167,11 +168,14 @@ class Demand:
             )
         if not math.isfinite(self.arrival):
             raise ValueError(f"demand {self.name}: arrival must be finite, got {self.arrival}")
-        for gain in self.spare_gains:
+        for gain in self.gains:
             if not (math.isfinite(gain) and gain >= 0):
-                raise ValueError(
-                    f"demand {self.name}: spare_gains must be finite and >= 0, got {gain}"
-                )
+                raise ValueError(f"demand {self.name}: gains must be finite and >= 0, got {gain}")
+        if len(self.gains) > self.max - self.min:
+            raise ValueError(
+                f"demand {self.name}: gains has {len(self.gains)} values, at most max - min"
+                f" = {self.max - self.min} allowed (one per GPU above min)"
+            )
 
     @cached_property  # read several times per job in every decision
     def wanted(self) -> int:

@@ -227,11 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a job's size is left alone after it changed (default: 30)",
     )
-    run.add_argument(
+    by_gain = run.add_mutually_exclusive_group()
+    by_gain.add_argument(
         "--spare-by-gain",
         action="store_true",
         help="lend GPUs no job wants to the jobs whose policy reports the most gain for"
         " their next GPU (goodput does), up to their max (docs/policies.md)",
+    )
+    by_gain.add_argument(
+        "--share-by-gain",
+        action="store_true",
+        help="divide every GPU above the admitted jobs' mins, tier by tier, one at a time to"
+        " the job whose next GPU adds most by its policy's gains (goodput reports them), up"
+        " to its max; includes --spare-by-gain (docs/policies.md)",
     )
     run.add_argument(
         "--smallest-first",
@@ -501,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="fcfs,static,memory,goodput",
         help="comma-separated: fcfs (rigid, first come), static, memory, goodput, or any"
         " installed policy (default: fcfs,static,memory,goodput); NAME+spare: under an"
-        " allocator that lends spare GPUs by the gain the policy reports; NAME+small: one"
-        " that admits the pending job with the smallest min first (both: NAME+small+spare)",
+        " allocator that lends spare GPUs by the gain the policy reports; NAME+share: one"
+        " that divides every GPU above the mins by that gain; NAME+small: one that admits"
+        " the pending job with the smallest min first (combined: NAME+small+share)",
     )
     simulate.add_argument("--jobs", type=_positive_int, default=1000, help="generated jobs")
     simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")
@@ -681,6 +690,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         watch_events=not args.no_watch,
         min_resize_interval=args.min_resize_interval,
         spare_by_gain=args.spare_by_gain,
+        share_by_gain=args.share_by_gain,
         smallest_first=args.smallest_first,
         max_wait_seconds=args.max_wait,
         virtual_gpu_memory_bytes=args.virtual_gpu_memory,

@@ -155,9 +155,12 @@ class Allocator:
         spare_by_gain: bool = False,
         smallest_first: bool = False,
         max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
+        share_by_gain: bool = False,
     ) -> None:
         """`spare_by_gain`: GPUs no job wants go to the jobs whose policy reports the most
-        gain for their next GPU (`Demand.spare_gains`) instead of sitting idle.
+        gain for their next GPU (`Demand.gains`) instead of sitting idle.
+        `share_by_gain`: every GPU above the admitted jobs' mins goes, tier by tier, to the job
+        whose next GPU adds most (`arbitrate`'s `share_by_gain`, which includes lending).
         `smallest_first`: pending jobs are admitted smallest min first within a priority
         tier, except that one pending for `max_wait_seconds` (counted from the first decision
         that left it pending) goes first (`arbitrate`'s `overdue`), from the next decision on:
@@ -167,6 +170,7 @@ class Allocator:
             raise ValueError(f"max_wait_seconds must be finite and > 0, got {max_wait_seconds}")
         self.pool = pool
         self.spare_by_gain = spare_by_gain
+        self.share_by_gain = share_by_gain
         self.smallest_first = smallest_first
         self.max_wait_seconds = max_wait_seconds
         # When each job not admitted was first left pending (only with smallest_first).
@@ -575,6 +579,7 @@ class Allocator:
             previous=self._grants,
             smallest_first=self.smallest_first,
             overdue=overdue,
+            share_by_gain=self.share_by_gain,
         )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
@@ -601,6 +606,7 @@ class Allocator:
                 previous=self._grants,
                 smallest_first=self.smallest_first,
                 overdue=overdue,
+                share_by_gain=self.share_by_gain,
             )
             decided.update({job: first[job] for job in shrunk})
             givers = ", ".join(sorted(shrunk))

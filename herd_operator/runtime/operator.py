@@ -151,6 +151,8 @@ class OperatorConfig:
     """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
     smallest_first: bool = False
     """The allocator admits pending jobs smallest min first (`Allocator`)."""
+    share_by_gain: bool = False
+    """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: a job pending this long is admitted first."""
     """How long a GPU taken from a job may drain before a DrainOverdue warning (it stays
@@ -292,6 +294,7 @@ class Operator:
             drain_seconds=config.drain_seconds,
             spare_by_gain=config.spare_by_gain,
             smallest_first=config.smallest_first,
+            share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
             present=engines.present,
             on_event=lambda job, type, reason, message: store.add_event(

@@ -63,6 +63,8 @@ class SimConfig:
     """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
     smallest_first: bool = False
     """The allocator admits pending jobs smallest min first (`Allocator`)."""
+    share_by_gain: bool = False
+    """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: the wait after which a pending job goes first."""
     record: bool = False
@@ -183,6 +185,7 @@ class Simulation:
             clock=lambda: self.now,
             spare_by_gain=config.spare_by_gain,
             smallest_first=config.smallest_first,
+            share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
         )
         self.allocator.watch(self._on_change)
@@ -361,7 +364,7 @@ class Simulation:
         self._settle(run)
         demand = Demand(
             model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
-            model.arrival, decision.spare_gains,
+            model.arrival, decision.gains,
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)

@@ -20,9 +20,14 @@ FIRST_COME = "fcfs"
 so the allocator admits in arrival order with no resize: a batch scheduler without backfill."""
 POLICIES = ("fcfs", "static", "memory", "goodput")
 PERLMUTTER = "perlmutter"
-ALLOCATOR_OPTIONS = {"spare": "spare_by_gain", "small": "smallest_first"}
+ALLOCATOR_OPTIONS = {
+    "spare": "spare_by_gain",
+    "share": "share_by_gain",
+    "small": "smallest_first",
+}
 """`POLICY+OPTION[+OPTION]`: the policy under an allocator with these opt-in behaviours:
-`+spare` lends spare GPUs by gain, `+small` admits the smallest pending job first."""
+`+spare` lends spare GPUs by gain, `+share` divides every GPU above the mins by gain (which
+includes lending: the two are not combined), `+small` admits the smallest pending job first."""
 
 
 def parse_pool(text: str) -> Pool:
@@ -79,6 +84,8 @@ def parse_allocator_options(text: str) -> tuple[str, dict[str, bool]]:
             allowed = ", ".join(f"+{name}" for name in ALLOCATOR_OPTIONS)
             raise ValueError(f"policy {text!r}: unknown allocator option +{option} ({allowed})")
         flags[ALLOCATOR_OPTIONS[option]] = True
+    if flags.get("spare_by_gain") and flags.get("share_by_gain"):
+        raise ValueError(f"policy {text!r}: +share already lends spare GPUs; drop +spare")
     return policy, flags
 
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 import csv
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from herd_operator.simulate.calibration import (
+    DEFAULT_BATCH,
+    POLLUX_CALIBRATIONS,
+    POLLUX_MEMORY,
+    Calibration,
+)
 from herd_operator.simulate.model import MAX_MEMORY_FRACTION, JobModel, feasible_min
 
 GPU_COUNT_WEIGHTS: tuple[tuple[int, float], ...] = (
@@ -125,42 +131,23 @@ def _job(
     )
 
 
-@dataclass(frozen=True)
-class Application:
-    """What the trace loader assumes of one application of a trace (no trace says it)."""
-
-    gpu_hours: float
-    """Total work in single-GPU hours."""
-    serial_fraction: float
-    memory: float
-    """Per-GPU memory share at the trace's replica count."""
-    epochs: int
-
-
-POLLUX_APPLICATIONS: dict[str, Application] = {
-    "cifar10": Application(3.0, 0.05, 0.20, 50),
-    "ncf": Application(0.5, 0.30, 0.10, 20),
-    "deepspeech2": Application(20.0, 0.04, 0.50, 40),
-    "yolov3": Application(30.0, 0.03, 0.70, 50),
-    "bert": Application(8.0, 0.03, 0.60, 10),
-    "imagenet": Application(150.0, 0.01, 0.80, 90),
-}
-"""The six applications of Pollux's workloads (petuum/adaptdl `simulator/workloads*/`).
-Pollux models each from measured throughput and statistical efficiency; those profiles are
-not used here, so these figures are our rough guesses (docs/simulation.md)."""
 TRACE_COLUMNS = ("name", "time", "application", "num_replicas")
+"""Required; `batch_size` is read when present (else the application's `DEFAULT_BATCH`)."""
 
 
 def load_trace(
     path: Path,
     pool_gpus: int,
-    applications: dict[str, Application] = POLLUX_APPLICATIONS,
+    calibrations: Mapping[tuple[str, int], Calibration] = POLLUX_CALIBRATIONS,
     min_share: float = 0.25,
 ) -> list[JobModel]:
-    """Jobs of a CSV trace in Pollux's format (`name,time,application,num_replicas,...`).
+    """Jobs of a CSV trace in Pollux's format (`name,time,application,num_replicas,...`):
+    each application's work and scaling at the row's batch size from `calibrations`
+    (Pollux's measured traces, fitted: `herd_operator/simulate/calibration.py`).
 
     Raises ValueError naming the line of a bad row.
     """
+    applications = sorted({app for app, _ in calibrations})
     with path.open(newline="") as stream:
         reader = csv.DictReader(stream)
         missing = [column for column in TRACE_COLUMNS if column not in (reader.fieldnames or [])]
@@ -169,32 +156,40 @@ def load_trace(
         jobs: list[JobModel] = []
         for row in reader:
             where = f"{path}:{reader.line_num}"
-            app = applications.get(row["application"])
-            if app is None:
+            application = row["application"]
+            if application not in applications:
                 raise ValueError(
-                    f"{where}: unknown application {row['application']!r};"
-                    f" known: {', '.join(sorted(applications))}"
+                    f"{where}: unknown application {application!r};"
+                    f" known: {', '.join(applications)}"
                 )
             try:
                 arrival = float(row["time"])
                 replicas = int(row["num_replicas"])
+                batch = int(row.get("batch_size") or DEFAULT_BATCH[application])
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
             if replicas < 1 or not math.isfinite(arrival):
                 raise ValueError(f"{where}: num_replicas must be >= 1 and time finite")
+            fit = calibrations.get((application, batch))
+            if fit is None:
+                known = sorted(b for app, b in calibrations if app == application)
+                raise ValueError(
+                    f"{where}: batch_size {batch} of {application} is not calibrated;"
+                    f" calibrated: {', '.join(map(str, known))}"
+                )
             requested = min(replicas, pool_gpus)
-            used = min(app.memory, MAX_MEMORY_FRACTION - 0.05)
-            speedup = requested / (1.0 + app.serial_fraction * (requested - 1))
+            used = min(POLLUX_MEMORY[application], MAX_MEMORY_FRACTION - 0.05)
+            speedup = requested / (1.0 + fit.serial_fraction * (requested - 1))
             jobs.append(
                 _job(
                     row["name"],
                     arrival,
                     requested,
-                    app.gpu_hours * 3600 / speedup,
-                    app.serial_fraction,
+                    fit.work / speedup,
+                    fit.serial_fraction,
                     used,
                     0.4,
-                    app.epochs,
+                    fit.epochs,
                     min_share,
                 )
             )

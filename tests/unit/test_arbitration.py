@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -972,7 +973,7 @@ def crowded_decisions(
             draw(st.integers(0, high + 3)),
             draw(st.integers(0, 2)),
             float(draw(st.integers(0, 6))),
-            tuple(draw(st.lists(st.sampled_from([0.0, 0.1, 0.5, 0.9]), max_size=4))),
+            tuple(draw(st.lists(st.sampled_from([0.0, 0.1, 0.5, 0.9]), max_size=4)))[: high - low],
         )
         demands.append(demand)
         take = draw(st.integers(0, high + 2))
@@ -1084,8 +1085,8 @@ def test_a_large_busy_decision_matches_the_plain_algorithm() -> None:
 def test_spare_gpus_go_to_the_jobs_whose_next_gpu_adds_most() -> None:
     pool = Pool.from_counts({"n0": 4, "n1": 4})
     demands = [
-        Demand("a", 1, 8, 2, arrival=0.0, spare_gains=(0.9, 0.8, 0.7, 0.1)),
-        Demand("b", 1, 8, 2, arrival=1.0, spare_gains=(0.3, 0.2)),
+        Demand("a", 1, 8, 2, arrival=0.0, gains=(1.0, 0.9, 0.8, 0.7, 0.1)),
+        Demand("b", 1, 8, 2, arrival=1.0, gains=(1.0, 0.3, 0.2)),
     ]
     plain = arbitrate(pool, demands, {})
     assert [g.placement.size for g in plain.values()] == [2, 2]  # 4 GPUs idle
@@ -1103,7 +1104,7 @@ def test_spare_gpus_go_to_the_jobs_whose_next_gpu_adds_most() -> None:
 
 def test_lent_gpus_come_back_when_a_job_waits_for_them() -> None:
     pool = Pool.from_counts({"n0": 4})
-    lender = Demand("a", 1, 4, 1, arrival=0.0, spare_gains=(0.9, 0.9, 0.9))
+    lender = Demand("a", 1, 4, 1, arrival=0.0, gains=(0.9, 0.9, 0.9))
     first = arbitrate(pool, [lender], {}, spare_by_gain=True)
     assert first["a"].placement.size == 4
     current = {"a": first["a"].placement}
@@ -1139,7 +1140,7 @@ def test_lending_spare_gpus_only_adds_to_what_jobs_get(
         assert grant.admitted == plain[name].admitted
         assert before <= size <= demand.max
         if size > before:
-            assert size <= demand.wanted + len(demand.spare_gains)
+            assert size <= demand.min + len(demand.gains)
         extra += size - before
         slots = set(grant.placement.slots())
         assert not slots & owners and not slots & unavailable and slots <= set(pool.slots())
@@ -1151,14 +1152,16 @@ def test_lending_spare_gpus_only_adds_to_what_jobs_get(
             demand = by_name[name]
             size = grant.placement.size
             if grant.admitted and name not in frozen and size < demand.max:
-                assert size - demand.wanted >= len(demand.spare_gains), name
+                assert size - demand.min >= len(demand.gains), name
 
 
 def test_a_demand_with_a_bad_gain_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"demand a: gains must be finite and >= 0, got -0\.5"):
+        Demand("a", 1, 4, 2, gains=(0.5, -0.5))
     with pytest.raises(
-        ValueError, match=r"demand a: spare_gains must be finite and >= 0, got -0\.5"
+        ValueError, match=r"demand a: gains has 4 values, at most max - min = 3 allowed"
     ):
-        Demand("a", 1, 4, 2, spare_gains=(0.5, -0.5))
+        Demand("a", 1, 4, 2, gains=(0.5, 0.4, 0.3, 0.2))
 
 
 def test_smallest_first_admits_a_small_job_past_a_large_one_that_does_not_fit() -> None:
@@ -1204,3 +1207,182 @@ def test_smallest_first_orders_admissions_by_min_then_arrival_within_a_tier() ->
     assert {n: g.placement.size for n, g in aged.items()} == {
         "a4": 4, "b2": 0, "c1": 0, "d1": 0, "e2": 0
     }  # fmt: skip
+
+
+# Every GPU above the mins divided by gain (opt-in, `share_by_gain`).
+
+GAIN_CURVES: tuple[tuple[float, ...], ...] = ((), (0.9, 0.5, 0.2), (0.6, 0.6, 0.6), (0.5, 0.0, 0.0))
+"""Non-increasing, as Amdahl's: () is a job that reports none (a whole GPU up to its wish)."""
+
+
+def next_gain(demand: Demand, size: int) -> float | None:
+    """What GPU `size + 1` adds to `demand` by the rule `share_by_gain` documents, written
+    again here so that the test does not read the code it checks."""
+    if demand.gains:
+        above = size - demand.min
+        return demand.gains[above] if above < len(demand.gains) else None
+    return 1.0 if size < demand.wanted else None
+
+
+def total_gain(demand: Demand, size: int) -> float:
+    return sum(next_gain(demand, n) or 0.0 for n in range(demand.min, size))
+
+
+def best_total(demands: Sequence[Demand], free: int) -> float:
+    """The largest summed gain of any division of `free` GPUs above the mins (brute force)."""
+    choices = []
+    for d in demands:
+        sizes = [d.min]
+        while next_gain(d, sizes[-1]) is not None:
+            sizes.append(sizes[-1] + 1)
+        choices.append(sizes)
+    best = 0.0
+    for sizes in itertools.product(*choices):
+        if sum(s - d.min for s, d in zip(sizes, demands, strict=True)) <= free:
+            best = max(best, sum(total_gain(d, s) for s, d in zip(sizes, demands, strict=True)))
+    return best
+
+
+def small_share_cases() -> list[tuple[int, list[Demand]]]:
+    """Every pool of 1-7 GPUs with every pair of jobs drawn from a small set of shapes (min
+    1-2, max min+1 or min+3, wish min or max, each gain curve), arrival in list order."""
+    shapes = []
+    for low, extra, wish_max, curve in itertools.product(
+        (1, 2), (1, 3), (False, True), GAIN_CURVES
+    ):
+        high = low + extra
+        shapes.append((low, high, high if wish_max else low, curve[:extra]))
+    cases = []
+    for size in range(1, 8):
+        for first, second in itertools.product(shapes, repeat=2):
+            demands = [
+                Demand(name, low, high, wish, arrival=float(index), gains=curve)
+                for index, (name, (low, high, wish, curve)) in enumerate(
+                    zip(("a", "b"), (first, second), strict=True)
+                )
+            ]
+            cases.append((size, demands))
+    return cases
+
+
+def test_sharing_by_gain_divides_every_small_case_by_largest_marginal_gain() -> None:
+    checked = 0
+    for size, demands in small_share_cases():
+        pool = Pool.from_counts({"n0": size})
+        shared = arbitrate(pool, demands, {}, share_by_gain=True)
+        plain = arbitrate(pool, demands, {})
+        sizes = {name: grant.placement.size for name, grant in shared.items()}
+        admitted = [d for d in demands if sizes[d.name]]
+        # Gang admission is the default's: the same jobs run, each at least its min.
+        assert [d.name for d in admitted] == [n for n, g in plain.items() if g.admitted]
+        assert sum(sizes.values()) <= size
+        for d in admitted:
+            assert d.min <= sizes[d.name] <= d.max
+            # Never past what its gains (or, reporting none, its wish) give.
+            assert sizes[d.name] == d.min or next_gain(d, sizes[d.name] - 1) is not None
+        free = size - sum(d.min for d in admitted)
+        got = sum(total_gain(d, sizes[d.name]) for d in admitted)
+        # Each GPU to the largest marginal gain: with gains that do not rise, the best total.
+        assert got == pytest.approx(best_total(admitted, free)), (size, demands, sizes)
+        for taker, giver in itertools.permutations(admitted, 2):
+            gain = next_gain(taker, sizes[taker.name])
+            if gain is not None and sizes[giver.name] > giver.min:
+                # The giver's last GPU added at least what the taker's next would; in a tie
+                # the giver held fewer before it, or as many and came first.
+                last = next_gain(giver, sizes[giver.name] - 1)
+                assert last is not None
+                assert (-last, sizes[giver.name] - 1, giver.arrival) < (
+                    -gain,
+                    sizes[taker.name],
+                    taker.arrival,
+                ), (size, demands, sizes)
+        if sum(sizes.values()) < size:  # a GPU idle: nobody could take one more
+            assert all(next_gain(d, sizes[d.name]) is None for d in admitted)
+        # The order the demands come in changes nothing.
+        assert arbitrate(pool, demands[::-1], {}, share_by_gain=True) == shared
+        checked += 1
+    assert checked == 7 * 32 * 32
+
+
+def test_sharing_by_gain_gives_each_next_gpu_to_the_job_it_adds_most_to() -> None:
+    pool = Pool.from_counts({"n0": 4, "n1": 4})
+    demands = [
+        # a scales badly, b well; both wish their max (as `static` would).
+        Demand("a", 1, 8, 8, arrival=0.0, gains=(0.5, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1)),
+        Demand("b", 2, 8, 8, arrival=1.0, gains=(0.9, 0.8, 0.7, 0.6, 0.4, 0.3)),
+    ]
+    plain = arbitrate(pool, demands, {})
+    assert [g.placement.size for g in plain.values()] == [4, 4]  # fair share
+    shared = arbitrate(pool, demands, {}, share_by_gain=True)
+    # 5 GPUs above the mins: b's 0.9, 0.8, 0.7, 0.6 then a's 0.5.
+    assert [g.placement.size for g in shared.values()] == [2, 6]
+    assert shared["a"].reason == (
+        "admitted 0 -> 2: min 1 fits, policy wants 8, 6 GPUs fewer: GPUs divided by gain"
+    )
+    # A tie goes to the job holding fewest, then to the earlier arrival.
+    even = [Demand(n, 1, 4, 4, arrival=t, gains=(0.5, 0.5, 0.5)) for n, t in (("x", 1), ("y", 0))]
+    sizes = arbitrate(Pool.from_counts({"n0": 5}), even, {}, share_by_gain=True)
+    assert (sizes["y"].placement.size, sizes["x"].placement.size) == (3, 2)
+    # Jobs that report no gains get the fair share up to their wishes, as by default.
+    silent = [Demand(n, 1, 8, w, arrival=t) for n, w, t in (("p", 8, 0), ("q", 2, 1), ("r", 8, 2))]
+    shared_silent = arbitrate(pool, silent, {}, share_by_gain=True)
+    plain_silent = arbitrate(pool, silent, {})
+    assert {n: g.placement for n, g in shared_silent.items()} == {
+        n: g.placement for n, g in plain_silent.items()
+    }
+
+
+def test_sharing_by_gain_keeps_tiers_frozen_jobs_and_head_of_line() -> None:
+    pool = Pool.from_counts({"n0": 8})
+    low = Demand("low", 1, 8, 8, arrival=0.0, gains=(0.9,) * 7)
+    high = Demand("high", 1, 8, 8, priority=1, arrival=1.0, gains=(0.2,) * 7)
+    # The higher tier takes every GPU its gains reach before the lower tier is even admitted,
+    # as a higher tier's wish does by default; with one GPU left, the lower tier runs.
+    tiers = arbitrate(pool, [low, high], {}, share_by_gain=True)
+    assert (tiers["high"].placement.size, tiers["low"].placement.size) == (8, 0)
+    capped = replace(high, max=7, gains=(0.2,) * 6)
+    tiers = arbitrate(pool, [low, capped], {}, share_by_gain=True)
+    assert (tiers["high"].placement.size, tiers["low"].placement.size) == (7, 1)
+    # A frozen job keeps its GPUs, whatever its gain.
+    current = {"low": place(("n0", (0, 1, 2, 3, 4, 5)))}
+    weak = replace(low, gains=(0.1,) * 7)
+    strong = Demand("new", 1, 8, 8, arrival=2.0, gains=(0.9,) * 7)
+    frozen = arbitrate(pool, [weak, strong], current, frozen={"low"}, share_by_gain=True)
+    assert (frozen["low"].placement.size, frozen["new"].placement.size) == (6, 2)
+    # Unfrozen, it shrinks to what its gains earn against the newcomer's.
+    grants = arbitrate(pool, [weak, strong], current, share_by_gain=True)
+    assert (grants["low"].placement.size, grants["new"].placement.size) == (1, 7)
+    # A pending job whose min does not fit waits, and nobody behind it is admitted (head of
+    # line): the running job takes what its gains reach.
+    blocked = Demand("big", 8, 8, 8, arrival=1.5)
+    grants = arbitrate(pool, [weak, strong, blocked], current, share_by_gain=True)
+    assert {n: g.placement.size for n, g in grants.items()} == {"low": 8, "big": 0, "new": 0}
+    assert grants["new"].reason == "pending: waiting behind big (priority 0)"
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=crowded_decisions())
+def test_sharing_by_gain_runs_the_same_jobs_within_their_bounds(
+    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+) -> None:
+    pool, demands, current, frozen, unavailable = case
+    plain = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
+    shared = arbitrate(
+        pool, demands, current, frozen=frozen, unavailable=unavailable, share_by_gain=True
+    )
+    by_name = {d.name: d for d in demands}
+    one_tier = len({d.priority for d in demands}) == 1
+    usable = set(pool.slots()) - unavailable
+    owners: set[Slot] = set()
+    for name, grant in shared.items():
+        demand, size = by_name[name], grant.placement.size
+        if one_tier:  # across tiers a higher one may take more and keep a lower one out
+            assert grant.admitted == plain[name].admitted
+        held = current.get(name, Placement.EMPTY)
+        if name in frozen and set(held.slots()) <= usable and held.size >= demand.min:
+            assert size == min(held.size, demand.max)  # frozen: kept as it is
+        elif grant.admitted:
+            assert demand.min <= size <= demand.max
+        slots = set(grant.placement.slots())
+        assert not slots & owners and not slots & unavailable and slots <= set(pool.slots())
+        owners |= slots

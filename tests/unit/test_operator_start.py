@@ -209,8 +209,9 @@ def test_each_pool_host_gets_its_own_private_agent_key_and_the_shared_one_goes(
 def test_the_allocator_options_of_run_reach_the_operators_allocator(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`herd-operator run --spare-by-gain --smallest-first --max-wait 90`: the real command
-    line starts the real operator, stopped as soon as it is up, whose allocator has them."""
+    """`herd-operator run --spare-by-gain --smallest-first --max-wait 90`, then
+    `--share-by-gain`: the real command line starts the real operator, stopped as soon as it
+    is up, whose allocator has them."""
     cli = importlib.import_module("herd_operator.cli.main")  # the package's `main` is the function
     started: list[Operator] = []
     original = Operator.run
@@ -236,3 +237,11 @@ def test_the_allocator_options_of_run_reach_the_operators_allocator(
     assert (opted.spare_by_gain, opted.smallest_first, opted.max_wait_seconds) == (
         True, True, 90.0
     )  # fmt: skip
+    shared = ["--share-by-gain"]
+    assert cli.main(["run", *common, "--state-dir", str(tmp_path / "share"), *shared]) == 0
+    by_gain = started[-1].allocator
+    assert by_gain is not None and (by_gain.share_by_gain, by_gain.spare_by_gain) == (True, False)
+    assert not plain.share_by_gain
+    # The two ways of dividing by gain are one or the other: argparse refuses both.
+    with pytest.raises(SystemExit):
+        cli.main(["run", *common, "--spare-by-gain", "--share-by-gain"])

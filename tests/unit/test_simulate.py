@@ -333,15 +333,15 @@ def test_the_goodput_policy_starts_from_its_prior_then_follows_the_fit() -> None
     assert policy.desired(spec(4, 32), observed, 1000.0).gpus == 4  # never below min
 
 
-def test_the_goodput_policy_reports_what_each_gpu_past_its_knee_adds() -> None:
+def test_the_goodput_policy_reports_what_each_gpu_above_its_min_adds() -> None:
     policy = GoodputPolicy(GoodputParams(min_gain=0.5, prior_serial=0.05))
     decision = policy.desired(spec(1, 32), JobObservations(started_at=0.0, allocated=0), 0.0)
-    gains = decision.spare_gains
-    assert len(gains) == 32 - decision.gpus
-    assert gains[0] == pytest.approx(
-        speedup(0.05, decision.gpus + 1) - speedup(0.05, decision.gpus)
-    )
-    assert all(0 < later < earlier < 0.5 for earlier, later in itertools.pairwise(gains))
+    gains = decision.gains  # from the min (1) to the max (32)
+    assert len(gains) == 32 - 1
+    knee_at = decision.gpus
+    assert gains[knee_at - 1] == pytest.approx(speedup(0.05, knee_at + 1) - speedup(0.05, knee_at))
+    assert all(0 < later < earlier for earlier, later in itertools.pairwise(gains))
+    assert gains[knee_at - 2] >= 0.5 > gains[knee_at - 1]  # the knee: the last GPU adding 0.5
 
 
 def test_spare_gpus_lent_by_gain_run_a_lone_goodput_job_past_its_knee() -> None:
@@ -355,15 +355,16 @@ def test_spare_gpus_lent_by_gain_run_a_lone_goodput_job_past_its_knee() -> None:
     )
 
 
-def test_the_real_allocator_lending_spare_gpus_decides_as_the_simulation() -> None:
+@pytest.mark.parametrize("option", ["spare_by_gain", "share_by_gain"])
+def test_the_real_allocator_dividing_by_gain_decides_as_the_simulation(option: str) -> None:
     pool = parse_pool("3x4")
     jobs = perlmutter_mix(40, pool.size, seed=5)
-    config = SimConfig(pool, PolicyRef(name="goodput"), record=True, spare_by_gain=True)
+    config = SimConfig(pool, PolicyRef(name="goodput"), record=True, **{option: True})
     result = Simulation(jobs, config).run()
     clock = [0.0]
     allocator = Allocator(
         pool, NullSink(), virtual=True, min_resize_interval=30.0, drain_seconds=30.0,
-        clock=lambda: clock[0], spare_by_gain=True,
+        clock=lambda: clock[0], **{option: True},
     )  # fmt: skip
     lent = 0
     wanted: dict[str, int] = {}
@@ -380,7 +381,7 @@ def test_the_real_allocator_lending_spare_gpus_decides_as_the_simulation() -> No
                     allocator.observe_world_size(call[1], call[2])  # type: ignore[arg-type, misc]
         assert allocator.placements() == placements, f"at {at}"
         lent += sum(placement.size > wanted[job] for job, placement in placements.items())
-    assert lent > 0  # spare GPUs were lent at some point
+    assert lent > 0  # GPUs past a wish were given by gain at some point
 
 
 # ---- replaying a recorded run ----
@@ -536,5 +537,44 @@ def test_policy_plus_small_runs_under_an_allocator_that_admits_the_smallest_firs
     r_end = next(j.finished for j in plain.jobs if j.name == "r")
     assert admitted["static"]["small"] >= r_end
     assert admitted["static+small"]["small"] == 20.0
-    with pytest.raises(ValueError, match=r"unknown allocator option \+fast \(\+spare, \+small\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown allocator option \+fast \(\+spare, \+share, \+small\)"
+    ):
         simulate(workload, parse_pool("1x4"), ["static+fast"], tick=0.0)
+    with pytest.raises(ValueError, match=r"\+share already lends spare GPUs; drop \+spare"):
+        simulate(workload, parse_pool("1x4"), ["goodput+share+spare"], tick=0.0)
+
+
+def test_goodput_plus_share_divides_the_gpus_by_gain_in_a_short_simulation() -> None:
+    """Two goodput jobs that both want more than half of 8 GPUs: by default they share them
+    evenly while both run; with +share the one that scales well (serial share 0.01) holds
+    more GPUs than the one that scales badly (0.3), and finishes sooner than by default.
+    (Its mean JCT is not lower here: the bad one has less work, and finishing it first would
+    be worth more; the summed speedup that +share maximises does not see the work left.)"""
+    models = [
+        job("good", requested=8, min_gpus=1, max_gpus=8, serial_fraction=0.01, work=80_000.0,
+            epochs=40),
+        job("bad", arrival=1.0, requested=8, min_gpus=1, max_gpus=8, serial_fraction=0.3,
+            work=20_000.0, epochs=40),
+    ]  # fmt: skip
+    workload = Workload("two jobs", models)
+    plain, shared = simulate(
+        workload, parse_pool("2x4"), ["goodput:minGain=0.1", "goodput:minGain=0.1+share"], 0.0
+    )
+    held = {j.name: j.gpu_seconds / (j.finished - j.admitted) for j in shared.jobs}
+    assert held["good"] > held["bad"] + 1  # GPUs held on average while running
+    end = {p.policy: {j.name: j.finished for j in p.jobs} for p in (plain, shared)}
+    assert end["goodput:minGain=0.1+share"]["good"] < end["goodput:minGain=0.1"]["good"]
+
+
+def test_share_decides_as_the_default_for_policies_that_report_no_gains() -> None:
+    """`static` and `memory` report no gains: each GPU up to the wish counts as a whole one,
+    so the division by gain is the fair share, tie for tie, and the runs are the same."""
+    pool = parse_pool("4x4")
+    workload = Workload(
+        "test mix", perlmutter_mix(60, pool.size, seed=4, params=MixParams(load=2.0))
+    )
+    results = simulate(workload, pool, ["static", "static+share", "memory", "memory+share"], 0.0)
+    static, static_share, memory, memory_share = results
+    assert static.jobs == static_share.jobs and memory.jobs == memory_share.jobs
+    assert any(job.resizes for job in static.jobs)  # the fair share did resize jobs
