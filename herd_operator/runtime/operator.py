@@ -147,6 +147,8 @@ class OperatorConfig:
     min_resize_interval: float = 30.0
     """A job's size is left alone this long after it changed (each change resets Horovod)."""
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    """How long a GPU taken from a job may drain before a DrainOverdue warning (it stays
+    held until its workers are seen to leave it)."""
     spare_by_gain: bool = False
     """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
     smallest_first: bool = False
@@ -155,8 +157,6 @@ class OperatorConfig:
     """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: a job pending this long is admitted first."""
-    """How long a GPU taken from a job may drain before a DrainOverdue warning (it stays
-    held until its workers are seen to leave it)."""
     virtual_gpu_memory_bytes: int = 2 << 30
     """Capacity of one virtual GPU (CPU machines), against which worker memory is measured."""
     sample_seconds: float = 1.0
