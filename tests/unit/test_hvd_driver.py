@@ -135,6 +135,64 @@ def test_output_files_per_rank_and_timestamps_as_horovodrun_writes_them(tmp_path
     assert re.fullmatch(stamp + r"\[3\]<stderr>:bad\n", stderr), stderr
 
 
+def test_verbose_echoes_each_worker_with_horovods_variables_but_no_other_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings = SimpleNamespace(
+        output_filename=None,
+        num_proc=2,
+        max_num_proc=2,
+        prefix_output_with_timestamp=False,
+        elastic=True,
+        ssh_port=None,
+        ssh_identity_file=None,
+        verbose=2,
+    )
+    env = {"PATH": os.environ["PATH"], "HERD_TEST_SECRET": "s3cr3t value"}
+    command = [PYTHON, "-c", "import os; assert os.environ['HERD_TEST_SECRET']"]
+    create_worker = make_worker_factory(
+        settings, env, command, "127.0.0.1", ["lo"], 4321, threading.Event()
+    )
+    slot = SlotInfo(
+        "localhost", rank=1, local_rank=1, cross_rank=0, size=2, local_size=2, cross_size=1
+    )
+    code, _ = create_worker(slot, [])
+    assert code == 0  # the worker still got the value it was not shown with
+    echoed = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("localhost:")
+    ]
+    assert len(echoed) == 1, echoed
+    line = echoed[0]
+    for shown in ("HOROVOD_RANK=1", "HOROVOD_SIZE=2", "HOROVOD_GLOO_RENDEZVOUS_PORT=4321"):
+        assert shown in line
+    assert line.index("HOROVOD_") < line.index(PYTHON)
+    assert "s3cr3t" not in line and "HERD_TEST_SECRET=" not in line
+    # PATH, HERD_TEST_SECRET and PYTHONUNBUFFERED are counted, not shown
+    assert line.endswith("(and 3 more variables, values not shown)"), line
+
+
+def test_without_verbose_no_worker_command_is_echoed(capsys: pytest.CaptureFixture[str]) -> None:
+    settings = SimpleNamespace(
+        output_filename=None,
+        num_proc=1,
+        max_num_proc=1,
+        prefix_output_with_timestamp=False,
+        elastic=True,
+        ssh_port=None,
+        ssh_identity_file=None,
+        verbose=0,
+    )
+    create_worker = make_worker_factory(
+        settings, {"PATH": os.environ["PATH"]}, [PYTHON, "-c", "pass"], "127.0.0.1", ["lo"], 1,
+        threading.Event(),
+    )  # fmt: skip
+    slot = SlotInfo(
+        "localhost", rank=0, local_rank=0, cross_rank=0, size=1, local_size=1, cross_size=1
+    )
+    assert create_worker(slot, [])[0] == 0
+    assert "localhost:" not in capsys.readouterr().out
+
+
 def test_a_worker_killed_by_a_signal_reports_128_plus_the_signal() -> None:
     script = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     code = run_local_worker([PYTHON, "-c", script], dict(os.environ), 0, [], io.StringIO())

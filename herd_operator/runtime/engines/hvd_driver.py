@@ -173,6 +173,29 @@ def worker_environment(
     return merged
 
 
+def verbose_echo(
+    host: str,
+    argv: Sequence[str],
+    slot_env: Mapping[str, str],
+    run_env: Mapping[str, object],
+    worker_env: Mapping[str, str],
+) -> str:
+    """The line `--verbose` prints for a worker it starts, as horovodrun prints its command.
+
+    horovodrun echoes `env K=V ... COMMAND` with every exported value, the operator's own
+    among them; this prints Horovod's rank and rendezvous variables (nothing secret: who
+    and where) with their values, and of the rest only how many there are, so a job's
+    log never holds the environment it was given.
+    """
+    shown = {key: str(value) for key, value in run_env.items()} | dict(slot_env)
+    assignments = [f"{key}={shlex.quote(value)}" for key, value in sorted(shown.items())]
+    hidden = sum(1 for key in worker_env if key not in shown)
+    return (
+        f"{host}: {' '.join(assignments)} {shlex.join(argv)}"
+        f" (and {hidden} more variables, values not shown)"
+    )
+
+
 def _forward(source: IO[bytes], sink: IO[str], tag: str, timestamp: bool = False) -> None:
     """Copy a worker's output line by line with horovodrun's `[rank]<stdout>:` prefix
     (the operator's log readers and users' tools expect it), after the local time as
@@ -410,7 +433,10 @@ def make_worker_factory(
             slot_info.size,
             " over ssh" if remote else "",
         )
-        worker_env = worker_environment(env, horovod_gloo.create_slot_env_vars(slot_info), run_env)
+        slot_env = horovod_gloo.create_slot_env_vars(slot_info)
+        worker_env = worker_environment(env, slot_env, run_env)
+        if settings.verbose:  # horovodrun --verbose echoes each worker's command
+            print(verbose_echo(slot_info.hostname, command, slot_env, run_env, worker_env))
         with contextlib.ExitStack() as files:
             stdout: IO[str] | None = None
             stderr: IO[str] | None = None
