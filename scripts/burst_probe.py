@@ -4,11 +4,16 @@ show: when the server accepted each connection, and how often it challenged, aut
 dropped (as an idler) and re-checked waiting connections.
 
     PYTHONPATH=$PWD nice python scripts/burst_probe.py --nodes 1792 [--pool 256] [--only ours]
+        [--stretch 2 0 ...]
+
+With several `--stretch` values (the server's `eviction_stretch`; 0 = the fixed 1 s eviction
+age), each round runs one burst of ours per value, in that order (an A/B in the same run).
 
 Prints one JSON line per burst. Times are seconds from the start of the burst; each phase is
 (p50, p99, max, histogram) with the histogram's buckets ending at 0.25, 0.5, 1, 2, 4, 8, 16 s
-and beyond. `kernel` is how far the machine-wide TcpExt listen counters moved.
-A diagnostic: it wraps the server's connection callbacks to count them.
+and beyond; `answer` is, for each handshake that authenticated, the seconds from its
+challenge to its hello as the server saw them. `kernel` is how far the machine-wide TcpExt
+listen counters moved. A diagnostic: it wraps the server's connection callbacks to count them.
 """
 
 from __future__ import annotations
@@ -81,18 +86,27 @@ def counted(before: dict[str, int]) -> dict[str, int]:
 
 
 class ServerEvents:
-    """Wraps `_Connection`'s callbacks: accept times and how often each ran."""
+    """Wraps `_Connection`'s callbacks: accept times, how often each ran, and each
+    authenticated handshake's answer time (challenge to hello, on the server)."""
 
     def __init__(self) -> None:
         self.accepted: list[float] = []
+        self.answers: list[float] = []
         self.calls: Counter[str] = Counter()
         made = rpc._Connection.connection_made
+        authenticate = rpc._Connection._authenticate
+
+        def timed_authenticate(connection: rpc._Connection, hello: dict[str, Any]) -> None:
+            answer = rpc._pool_clock() - connection.admitted
+            authenticate(connection, hello)
+            self.answers.append(answer)  # not reached when the hello fails
 
         def connection_made(connection: rpc._Connection, transport: Any) -> None:
             self.accepted.append(time.perf_counter())
             made(connection, transport)
 
         setattr(rpc._Connection, "connection_made", connection_made)  # noqa: B010
+        setattr(rpc._Connection, "_authenticate", timed_authenticate)  # noqa: B010
         for name in ("greet", "_authenticate", "_waited", "abort"):
             self._count(name)
 
@@ -108,6 +122,7 @@ class ServerEvents:
 
     def clear(self) -> None:
         self.accepted.clear()
+        self.answers.clear()
         self.calls.clear()
 
 
@@ -116,6 +131,13 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--nodes", type=int, default=rpcscale.BURST_NODES)
     parser.add_argument("--pool", type=int, default=256, help="max_unauthenticated")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--stretch",
+        type=float,
+        nargs="+",
+        default=[rpc.DEFAULT_EVICTION_STRETCH],
+        help="eviction_stretch values, one burst each per round (0 = fixed eviction age)",
+    )
     parser.add_argument("--only", choices=("ours", "redis"))
     options = parser.parse_args(argv)
     workers = options.nodes * rpcscale.GPUS_PER_NODE
@@ -136,9 +158,14 @@ def main(argv: Sequence[str]) -> None:
         request: dict[str, Any] = {"op": "bind", "args": {"job": JOB, "pid": 1}}
         with rpcscale.redis_server(redis_executable, scratch) as redis:
             for _ in range(options.rounds):
-                if options.only != "redis":
+                for stretch in options.stretch if options.only != "redis" else ():
                     handlers = {"bind": for_own_job(allocator.handle_bind)}
-                    with RpcServer(TOKEN, handlers, max_unauthenticated=options.pool) as server:
+                    with RpcServer(
+                        TOKEN,
+                        handlers,
+                        max_unauthenticated=options.pool,
+                        eviction_stretch=stretch,
+                    ) as server:
                         configs, first = [], 0
                         for share in split(workers, rpcscale.DRIVER_PROCESSES):
                             configs.append(
@@ -163,11 +190,13 @@ def main(argv: Sequence[str]) -> None:
                         line = {
                             "who": "ours",
                             "pool": options.pool,
+                            "stretch": stretch,
                             "load": round(load, 1),
                             **summary(result),
                             "server_cpu_s": round(server.cpu_seconds() - cpu, 2),
                             "kernel": counted(counters),
                             "accepted": spread([t - started for t in events.accepted]),
+                            "answer": spread(events.answers),
                             "server_calls": dict(events.calls),
                         }
                         print(json.dumps(line), flush=True)
