@@ -59,14 +59,12 @@ refused with ``busy``. ``RpcClient`` retries a connection refused or dropped bef
 welcome, with jittered exponential backoff, so a burst of workers larger than the pool
 all get in.
 
-The eviction age stretches in a slow burst (``stretched_eviction_age``): it is
-``eviction_stretch`` (2) times the 90th percentile of how long the last 64 handshakes that
-authenticated (within 10 s) took from challenge to hello, never below ``eviction_age`` nor
-above ``handshake_timeout``. Why: when thousands of workers bind at once from busy nodes,
-a real worker can take seconds to answer; with a fixed 1 s it is dropped as an idler, comes
-back at the back of the line, and the churn feeds itself. Only authenticated handshakes
-feed the window, so strangers, whose idlers never answer, cannot stretch it; and it comes
-back down as fast answers replace the slow ones, or when nothing authenticates for 10 s.
+The eviction age is fixed on purpose. One that stretched with the answer times of recent
+successful handshakes (which strangers cannot feed) was built and measured against it in a
+slow 7,168-worker burst (commit 8535ad8, docs/benchmarks.md): it did not stop the churn
+(thousands of challenges went unanswered either way), bursts took longer (median 29.6 s
+against 16.1 s over 7 pairs), and two of them left workers unserved. A longer age holds
+the pool's places longer, and the line behind them waits out its deadline more often.
 """
 
 from __future__ import annotations
@@ -81,8 +79,8 @@ import resource
 import socket
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -120,16 +118,6 @@ _RETRY_MAX_PAUSE_S = 2.0
 _log_clock = time.monotonic
 # The clock that ages unauthenticated connections (a module attribute for the same reason).
 _pool_clock = time.monotonic
-DEFAULT_EVICTION_STRETCH = 2.0
-"""How many times the slow end of recent handshakes' answer times an idler must stay silent
-before it is dropped for a newcomer (when that is above ``eviction_age``)."""
-# The answer times that stretch the eviction age: the last this many authenticated
-# handshakes...
-_ANSWER_WINDOW = 64
-# ...of the last this many seconds (so the age comes back down when none authenticate)...
-_ANSWER_HORIZON_S = 10.0
-# ...at this quantile: the slow end, so most of a slow burst keeps its place.
-_ANSWER_QUANTILE = 0.9
 
 Handler = Callable[[dict[str, Any], Identity], dict[str, Any]]
 """Answers one op: gets the request's arguments and the identity the client proved."""
@@ -202,67 +190,6 @@ def parse_address(text: str) -> tuple[str, int]:
     if not 1 <= port <= 65535:
         raise ValueError(f"{usage} (port must be in 1..65535)")
     return host, port
-
-
-def stretched_eviction_age(
-    answer_times: Sequence[float],
-    *,
-    base: float,
-    ceiling: float,
-    stretch: float = DEFAULT_EVICTION_STRETCH,
-    quantile: float = _ANSWER_QUANTILE,
-) -> float:
-    """How long a silent unauthenticated connection keeps its place before a newcomer may
-    take it: ``stretch`` times the ``quantile`` of recent successful handshakes' answer
-    times (seconds from challenge to hello), clamped to ``[base, max(base, ceiling)]``.
-
-    No answer times, or ``stretch`` 0, give ``base``. Only handshakes that authenticated
-    count, so a stranger cannot stretch it; ``ceiling`` is the handshake deadline, past which
-    every silent connection is gone anyway.
-    """
-    if not 0.0 <= quantile <= 1.0:
-        raise ValueError(f"quantile must be in [0, 1], got {quantile!r}")
-    if stretch < 0:
-        raise ValueError(f"stretch must be >= 0, got {stretch!r}")
-    if not answer_times or stretch == 0:
-        return base
-    ordered = sorted(answer_times)
-    slow = ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
-    return max(base, min(stretch * slow, ceiling))
-
-
-class _AnswerTimes:
-    """The challenge-to-hello times of the last authenticated handshakes, and the eviction
-    age they give, recomputed only when the window changes."""
-
-    def __init__(self, base: float, ceiling: float, stretch: float) -> None:
-        self._base = base
-        self._ceiling = ceiling
-        self._stretch = stretch
-        self._samples: deque[tuple[float, float]] = deque(maxlen=_ANSWER_WINDOW)
-        self._age = base
-
-    def add(self, now: float, answer_time: float) -> None:
-        if self._stretch == 0:
-            return
-        self._samples.append((now, answer_time))
-        self._recompute()
-
-    def eviction_age(self, now: float) -> float:
-        samples = self._samples
-        if samples and samples[0][0] < now - _ANSWER_HORIZON_S:
-            while samples and samples[0][0] < now - _ANSWER_HORIZON_S:
-                samples.popleft()
-            self._recompute()
-        return self._age
-
-    def _recompute(self) -> None:
-        self._age = stretched_eviction_age(
-            [answer for _, answer in self._samples],
-            base=self._base,
-            ceiling=self._ceiling,
-            stretch=self._stretch,
-        )
 
 
 # One encoder for every frame: json.dumps with options builds a new one per call.
@@ -488,8 +415,6 @@ class _Connection(asyncio.Protocol):
         server = self._server
         client_nonce, label, identity, key = server._check_auth(hello, self._server_nonce)
         self._identity = identity
-        now = _pool_clock()
-        server._answer_times.add(now, now - self.admitted)
         server._release(self)
         if self._deadline is not None:
             self._deadline.cancel()
@@ -652,16 +577,11 @@ class RpcServer:
         max_unauthenticated: int = 256,
         handshake_timeout: float = 5.0,
         eviction_age: float = 1.0,
-        eviction_stretch: float = DEFAULT_EVICTION_STRETCH,
         grouped_ops: Collection[str] = (),
         commit_group: CommitGroup | None = None,
     ) -> None:
         """``grouped_ops``: ops whose requests of one loop turn share one ``commit_group()``
-        and are answered after it (see the module docstring); both or neither.
-        ``eviction_stretch``: the factor on recent answer times that stretches
-        ``eviction_age`` in a slow burst (see the module docstring); 0 keeps it fixed."""
-        if not eviction_stretch >= 0:
-            raise ValueError(f"eviction_stretch must be >= 0 (0 = fixed), got {eviction_stretch!r}")
+        and are answered after it (see the module docstring); both or neither."""
         unknown = sorted(set(grouped_ops) - set(handlers))
         if unknown:
             raise ValueError(f"grouped_ops {unknown} name no handler; handlers: {sorted(handlers)}")
@@ -685,7 +605,6 @@ class RpcServer:
         self._max_unauthenticated = max_unauthenticated
         self._handshake_timeout = min(handshake_timeout, read_timeout)
         self._eviction_age = eviction_age
-        self._answer_times = _AnswerTimes(eviction_age, self._handshake_timeout, eviction_stretch)
         # In the order they were admitted (dicts keep it), so the first evictable one is the
         # oldest.
         self._unauthenticated: dict[_Connection, None] = {}
@@ -842,15 +761,13 @@ class RpcServer:
 
     def _admit(self, connection: _Connection, now: float, *, final: bool) -> bool:
         """Put a connection in the unauthenticated pool, in the place of the oldest silent
-        one older than the eviction age (stretched by recent answer times) if it is full;
-        return whether it got in.
+        one older than eviction_age if it is full; return whether it got in.
 
         When it cannot get in: raise _Rejected (busy) if ``final``, else return False (it
         may wait in line).
         """
         if len(self._unauthenticated) >= self._max_unauthenticated:
-            eviction_age = self._answer_times.eviction_age(now)
-            oldest_allowed = now - eviction_age
+            oldest_allowed = now - self._eviction_age
             for other in self._unauthenticated:
                 if other.admitted > oldest_allowed:
                     # This one and every later one is too young to be taken for an idler.
@@ -860,7 +777,7 @@ class RpcServer:
                         "busy",
                         "too many connections are authenticating; retry shortly",
                         f"{self._max_unauthenticated} connections are authenticating"
-                        f" and none has been silent for {eviction_age:.3g} s",
+                        f" and none has been silent for {self._eviction_age:g} s",
                     )
                 if not other.speaking:
                     del self._unauthenticated[other]

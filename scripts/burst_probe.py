@@ -4,10 +4,6 @@ show: when the server accepted each connection, and how often it challenged, aut
 dropped (as an idler) and re-checked waiting connections.
 
     PYTHONPATH=$PWD nice python scripts/burst_probe.py --nodes 1792 [--pool 256] [--only ours]
-        [--stretch 2 0 ...]
-
-With several `--stretch` values (the server's `eviction_stretch`; 0 = the fixed 1 s eviction
-age), each round runs one burst of ours per value, in that order (an A/B in the same run).
 
 Prints one JSON line per burst. Times are seconds from the start of the burst; each phase is
 (p50, p99, max, histogram) with the histogram's buckets ending at 0.25, 0.5, 1, 2, 4, 8, 16 s
@@ -131,13 +127,6 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--nodes", type=int, default=rpcscale.BURST_NODES)
     parser.add_argument("--pool", type=int, default=256, help="max_unauthenticated")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument(
-        "--stretch",
-        type=float,
-        nargs="+",
-        default=[rpc.DEFAULT_EVICTION_STRETCH],
-        help="eviction_stretch values, one burst each per round (0 = fixed eviction age)",
-    )
     parser.add_argument("--only", choices=("ours", "redis"))
     options = parser.parse_args(argv)
     workers = options.nodes * rpcscale.GPUS_PER_NODE
@@ -158,14 +147,9 @@ def main(argv: Sequence[str]) -> None:
         request: dict[str, Any] = {"op": "bind", "args": {"job": JOB, "pid": 1}}
         with rpcscale.redis_server(redis_executable, scratch) as redis:
             for _ in range(options.rounds):
-                for stretch in options.stretch if options.only != "redis" else ():
+                if options.only != "redis":
                     handlers = {"bind": for_own_job(allocator.handle_bind)}
-                    with RpcServer(
-                        TOKEN,
-                        handlers,
-                        max_unauthenticated=options.pool,
-                        eviction_stretch=stretch,
-                    ) as server:
+                    with RpcServer(TOKEN, handlers, max_unauthenticated=options.pool) as server:
                         configs, first = [], 0
                         for share in split(workers, rpcscale.DRIVER_PROCESSES):
                             configs.append(
@@ -190,7 +174,6 @@ def main(argv: Sequence[str]) -> None:
                         line = {
                             "who": "ours",
                             "pool": options.pool,
-                            "stretch": stretch,
                             "load": round(load, 1),
                             **summary(result),
                             "server_cpu_s": round(server.cpu_seconds() - cpu, 2),

@@ -1008,48 +1008,6 @@ def test_a_connection_that_waited_in_line_gets_the_eviction_age_from_its_challen
             peer.close()
 
 
-@pytest.mark.parametrize(
-    ("slow_one", "idler_kept"),
-    [("worker", True), ("stranger", False)],
-)
-def test_only_a_slow_handshake_that_authenticated_stretches_the_eviction_age(
-    make_server: Callable[..., RpcServer],
-    pool_clock: list[float],
-    slow_one: str,
-    idler_kept: bool,
-) -> None:
-    """In a burst of 7,168 from busy nodes, workers answering over 1 s after their challenge
-    were dropped as idlers and came back at the back of the line, thousands of times."""
-    server = make_server(max_unauthenticated=1, eviction_age=1.0, handshake_timeout=GUARD_S)
-    slow = RawPeer.connect(server.address)
-    peers = [slow]
-    try:
-        challenge = slow.read()
-        assert challenge is not None
-        pool_clock[0] += 3.0  # it answers 3 s after its challenge: the age becomes 6 s
-        if slow_one == "worker":
-            slow.answer(challenge)
-        else:
-            nonce = new_nonce()
-            proof = prove(b"not-the-token" * 3, "client", challenge["nonce"], nonce, "x", "admin")
-            slow.send(
-                {"type": "auth", "identity": "admin", "client": "x", "nonce": nonce, "proof": proof}
-            )
-            assert ((slow.read() or {}).get("error") or {}).get("code") == "unauthenticated"
-        idler = RawPeer.connect(server.address)
-        peers.append(idler)
-        assert (idler.read() or {}).get("type") == "challenge"
-        pool_clock[0] += 2.0  # silent for 2 s: an idler for the base age, not for 6 s
-        newcomer = RawPeer.connect(server.address)
-        peers.append(newcomer)
-        ready = select.select([newcomer.sock], [], [], 0.5)[0]
-        assert (ready == []) is idler_kept
-        assert _is_open(idler) is idler_kept
-    finally:
-        for peer in peers:
-            peer.close()
-
-
 def test_a_newcomer_that_waited_the_handshake_deadline_in_line_is_refused_as_busy(
     make_server: Callable[..., RpcServer],
 ) -> None:
