@@ -58,6 +58,13 @@ place of an idler that has become old enough; after ``handshake_timeout`` in lin
 refused with ``busy``. ``RpcClient`` retries a connection refused or dropped before the
 welcome, with jittered exponential backoff, so a burst of workers larger than the pool
 all get in.
+
+The eviction age is fixed on purpose. One that stretched with the answer times of recent
+successful handshakes (which strangers cannot feed) was built and measured against it in a
+slow 7,168-worker burst (commit 8535ad8, docs/benchmarks.md): it did not stop the churn
+(thousands of challenges went unanswered either way), bursts took longer (median 29.6 s
+against 16.1 s over 7 pairs), and two of them left workers unserved. A longer age holds
+the pool's places longer, and the line behind them waits out its deadline more often.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ dropped (as an idler) and re-checked waiting connections.
 
 Prints one JSON line per burst. Times are seconds from the start of the burst; each phase is
 (p50, p99, max, histogram) with the histogram's buckets ending at 0.25, 0.5, 1, 2, 4, 8, 16 s
-and beyond. `kernel` is how far the machine-wide TcpExt listen counters moved.
-A diagnostic: it wraps the server's connection callbacks to count them.
+and beyond; `answer` is, for each handshake that authenticated, the seconds from its
+challenge to its hello as the server saw them. `kernel` is how far the machine-wide TcpExt
+listen counters moved. A diagnostic: it wraps the server's connection callbacks to count them.
 """
 
 from __future__ import annotations
@@ -81,18 +82,27 @@ def counted(before: dict[str, int]) -> dict[str, int]:
 
 
 class ServerEvents:
-    """Wraps `_Connection`'s callbacks: accept times and how often each ran."""
+    """Wraps `_Connection`'s callbacks: accept times, how often each ran, and each
+    authenticated handshake's answer time (challenge to hello, on the server)."""
 
     def __init__(self) -> None:
         self.accepted: list[float] = []
+        self.answers: list[float] = []
         self.calls: Counter[str] = Counter()
         made = rpc._Connection.connection_made
+        authenticate = rpc._Connection._authenticate
+
+        def timed_authenticate(connection: rpc._Connection, hello: dict[str, Any]) -> None:
+            answer = rpc._pool_clock() - connection.admitted
+            authenticate(connection, hello)
+            self.answers.append(answer)  # not reached when the hello fails
 
         def connection_made(connection: rpc._Connection, transport: Any) -> None:
             self.accepted.append(time.perf_counter())
             made(connection, transport)
 
         setattr(rpc._Connection, "connection_made", connection_made)  # noqa: B010
+        setattr(rpc._Connection, "_authenticate", timed_authenticate)  # noqa: B010
         for name in ("greet", "_authenticate", "_waited", "abort"):
             self._count(name)
 
@@ -108,6 +118,7 @@ class ServerEvents:
 
     def clear(self) -> None:
         self.accepted.clear()
+        self.answers.clear()
         self.calls.clear()
 
 
@@ -168,6 +179,7 @@ def main(argv: Sequence[str]) -> None:
                             "server_cpu_s": round(server.cpu_seconds() - cpu, 2),
                             "kernel": counted(counters),
                             "accepted": spread([t - started for t in events.accepted]),
+                            "answer": spread(events.answers),
                             "server_calls": dict(events.calls),
                         }
                         print(json.dumps(line), flush=True)
