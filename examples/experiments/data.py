@@ -14,11 +14,12 @@ Both are standardized with the training split's mean and deviation; the split is
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits, make_classification
 
 DATASETS = ("digits", "blobs")
 _SPLIT_SEED = 1234
@@ -54,12 +55,31 @@ def _split(name: str, x: np.ndarray, y: np.ndarray, test_fraction: float) -> Spl
     )
 
 
+def read_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The digits as scikit-learn's `load_digits` gives them (64 pixels per row, labels),
+    read from the CSV it ships without importing it: the import (SciPy with it) took as
+    long as torch's on 2 loaded cores, and every worker of a study run or a resize pays it.
+    `find_spec` finds the package without running it."""
+    spec = importlib.util.find_spec("sklearn")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    table_file = Path(folders[0], "datasets", "data", "digits.csv.gz") if folders else None
+    if table_file is not None and table_file.is_file():
+        table = np.loadtxt(table_file, delimiter=",")  # 64 pixels, then the label
+        return table[:, :-1], table[:, -1].astype(int)
+    from sklearn.datasets import load_digits  # another layout: let scikit-learn read it
+
+    digits = load_digits()
+    return digits.data, digits.target
+
+
 def load(name: str, samples: int = 12_000) -> Split:
     """The named data set; `samples` sizes the generated one."""
     if name == "digits":
-        digits = load_digits()
-        return _split(name, digits.data.astype(np.float64), digits.target, 0.25)
+        pixels, labels = read_digits()
+        return _split(name, pixels.astype(np.float64), labels, 0.25)
     if name == "blobs":
+        from sklearn.datasets import make_classification  # only here: see read_digits
+
         x, y = make_classification(
             n_samples=samples,
             n_features=40,

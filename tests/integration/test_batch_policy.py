@@ -13,7 +13,9 @@ from typing import Any
 from herd_operator.agent.batching import epoch_order
 from tests.integration.harness import REPO, OperatorHarness, spec_document
 
-EPOCHS = 10
+EPOCHS = 7
+"""Two at 2, two at 1, then back at 2 from epoch 4: a grow stalls training until the new
+worker joins, so it lands in epoch 4 (step 1 here at load 7-9) and epochs 5-6 are margin."""
 GLOBAL_BATCH = 64  # --worker-batch 32 at --reference-workers 2
 LR = 0.05
 SEED = 3

@@ -105,7 +105,10 @@ def test_elastic_job_runs_shrinks_survives_bad_edit_and_stops_on_delete(
 
 def test_gang_job_waits_until_its_min_fits(herd: OperatorHarness) -> None:
     # A plain Elastic Horovod script (no herd import) holding 2 of the 4 GPUs, not shrinkable.
-    plain = ["python", "examples/train_plain.py", "--epochs", "8", "--steps", "20"]
+    # Three epochs of about a second: it only has to hold its GPUs from its launch (Running)
+    # until the big job is seen pending, which is a reconcile away; its workers' imports
+    # alone outlast that.
+    plain = ["python", "examples/train_plain.py", "--epochs", "3", "--steps", "20"]
     herd.write_spec(spec_document("plain", 2, 2, plain))
     herd.wait_for(
         lambda: (c := herd.condition("plain", "Running")) and c["status"] == "True",

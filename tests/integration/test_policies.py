@@ -44,9 +44,18 @@ def succeeded(herd: OperatorHarness, name: str) -> bool:
 def test_memory_policy_moves_gpus_from_the_idle_job_to_the_hungry_one(
     herd: OperatorHarness,
 ) -> None:
+    # windowSeconds past any start: each decision reads a full epoch's samples. With the
+    # default 60 s, workers that took longer than that to end their first epoch (3 starting
+    # at once on 2 cores at load 13-20) were judged on a time window and shrunk before it.
     memory: dict[str, Any] = {
         "name": "memory",
-        "params": {"low": 0.25, "high": 0.75, "cooldownSeconds": 0, "cooldownEpochs": 1},
+        "params": {
+            "low": 0.25,
+            "high": 0.75,
+            "cooldownSeconds": 0,
+            "cooldownEpochs": 1,
+            "windowSeconds": 600,
+        },
     }
     # Each virtual GPU has 2 GiB (the harness); a torch worker alone uses ~0.3 GiB (~15%),
     # with --hold-mb 1400 it uses ~1.7 GiB (~85%).
