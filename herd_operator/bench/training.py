@@ -47,7 +47,7 @@ def train_command(step_log: Path) -> list[str]:
     return ["python", str(script), "--epochs", "1000000", "--step-log", str(step_log)]
 
 
-PRELOAD = ("torch", "horovod.torch", "sklearn.datasets")
+PRELOAD = ("torch", "horovod.torch")
 """What `examples/train_digits.py` imports that takes time: its zygote's preload."""
 
 
