@@ -29,7 +29,7 @@ from typing import Any
 from herd_operator import rpc
 from herd_operator.auth import derive_key, job_identity
 from herd_operator.bench import rpcscale
-from herd_operator.bench.rpcdrive import DriveConfig, DriveResult, drive_processes, split
+from herd_operator.bench.rpcdrive import DriveResult, drive_processes
 from herd_operator.bench.rpcload import JOB, TOKEN
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import RpcServer
@@ -150,23 +150,7 @@ def main(argv: Sequence[str]) -> None:
                 if options.only != "redis":
                     handlers = {"bind": for_own_job(allocator.handle_bind)}
                     with RpcServer(TOKEN, handlers, max_unauthenticated=options.pool) as server:
-                        configs, first = [], 0
-                        for share in split(workers, rpcscale.DRIVER_PROCESSES):
-                            configs.append(
-                                DriveConfig(
-                                    "burst",
-                                    "127.0.0.1",
-                                    server.address[1],
-                                    share,
-                                    1,
-                                    request,
-                                    key.hex(),
-                                    identity=str(job_identity(JOB)),
-                                    host_format=rpcscale.HOST_FORMAT,
-                                    first=first,
-                                )
-                            )
-                            first += share
+                        configs = rpcscale.burst_configs(server.address[1], workers, request, key)
                         events.clear()
                         load, counters = os.getloadavg()[0], rpcscale.tcp_counters()
                         cpu, started = server.cpu_seconds(), time.perf_counter()
@@ -184,19 +168,7 @@ def main(argv: Sequence[str]) -> None:
                         }
                         print(json.dumps(line), flush=True)
                 if options.only != "ours":
-                    raw = [
-                        DriveConfig(
-                            "raw-burst",
-                            "127.0.0.1",
-                            redis.port,
-                            share,
-                            1,
-                            request,
-                            raw_request="PING\r\n",
-                            expect="+PONG",
-                        )
-                        for share in split(workers, rpcscale.DRIVER_PROCESSES)
-                    ]
+                    raw = rpcscale.redis_burst_configs(redis.port, workers, request)
                     load, counters = os.getloadavg()[0], rpcscale.tcp_counters()
                     cpu = redis.cpu_seconds()
                     result = drive_processes(raw, timeout=TIMEOUT_S)

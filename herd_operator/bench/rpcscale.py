@@ -304,23 +304,7 @@ def _burst_row(ctx: Context, redis: Redis) -> Row:
     failed = 0
     for _ in range(min(ctx.repeat, BURST_REPEAT)):
         with RpcServer(TOKEN, {"bind": for_own_job(allocator.handle_bind)}) as server:
-            configs, first = [], 0
-            for share in split(workers, DRIVER_PROCESSES):
-                configs.append(
-                    DriveConfig(
-                        "burst",
-                        "127.0.0.1",
-                        server.address[1],
-                        share,
-                        1,
-                        request,
-                        key.hex(),
-                        identity=str(job_identity(JOB)),
-                        host_format=HOST_FORMAT,
-                        first=first,
-                    )
-                )
-                first += share
+            configs = burst_configs(server.address[1], workers, request, key)
             counters, cpu = tcp_counters(), server.cpu_seconds()
             result = _burst(configs, ctx, "ours")
             record("ours_server_cpu_s", server.cpu_seconds() - cpu)
@@ -333,19 +317,7 @@ def _burst_row(ctx: Context, redis: Redis) -> Row:
             ours.append(result.elapsed)
             for phase, times in result.phases.items():
                 phases.setdefault(phase, []).extend(times)
-        raw = [
-            DriveConfig(
-                "raw-burst",
-                "127.0.0.1",
-                redis.port,
-                share,
-                1,
-                request,
-                raw_request="PING\r\n",
-                expect="+PONG",
-            )
-            for share in split(workers, DRIVER_PROCESSES)
-        ]
+        raw = redis_burst_configs(redis.port, workers, request)
         counters, cpu = tcp_counters(), redis.cpu_seconds()
         result = _burst(raw, ctx, "Redis")
         record("baseline_server_cpu_s", redis.cpu_seconds() - cpu)
@@ -423,3 +395,46 @@ def run_allocator_rpc(ctx: Context) -> list[Row]:
     finally:
         store.close()
     return rows
+
+
+def burst_configs(
+    port: int, workers: int, request: dict[str, Any], key: bytes
+) -> list[DriveConfig]:
+    """The burst's load: `workers` connections split over DRIVER_PROCESSES drivers, each
+    worker binding its own (host, local rank) of the pool, as job JOB with its key."""
+    configs, first = [], 0
+    for share in split(workers, DRIVER_PROCESSES):
+        configs.append(
+            DriveConfig(
+                "burst",
+                "127.0.0.1",
+                port,
+                share,
+                1,
+                request,
+                key.hex(),
+                identity=str(job_identity(JOB)),
+                host_format=HOST_FORMAT,
+                first=first,
+            )
+        )
+        first += share
+    return configs
+
+
+def redis_burst_configs(port: int, workers: int, request: dict[str, Any]) -> list[DriveConfig]:
+    """The baseline's burst: the same connections from the same drivers, each sending
+    Redis a PING and closing."""
+    return [
+        DriveConfig(
+            "raw-burst",
+            "127.0.0.1",
+            port,
+            share,
+            1,
+            request,
+            raw_request="PING\r\n",
+            expect="+PONG",
+        )
+        for share in split(workers, DRIVER_PROCESSES)
+    ]

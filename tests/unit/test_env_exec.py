@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from horovod.runner.common.util.hosts import SlotInfo
@@ -25,6 +24,7 @@ from herd_operator.runtime.engines.hvd_driver import (
     remote_worker_argv,
     run_local_worker,
 )
+from tests.unit.test_hvd_driver import driver_settings
 
 PYTHON = sys.executable
 SECRET = "s3cr3t-" + "value"
@@ -155,16 +155,7 @@ def test_the_driver_starts_a_worker_of_another_host_through_ssh_with_output_per_
     ssh.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SEEN", str(seen))
-    settings = SimpleNamespace(
-        output_filename=str(tmp_path / "out"),
-        num_proc=2,
-        max_num_proc=2,
-        prefix_output_with_timestamp=False,
-        elastic=True,
-        ssh_port=None,
-        ssh_identity_file=None,
-        verbose=0,
-    )
+    settings = driver_settings(output_filename=str(tmp_path / "out"), num_proc=2, max_num_proc=2)
     show = "import os; print(os.environ['HERD_TEST_SECRET'], os.environ['HOROVOD_HOSTNAME'])"
     create_worker = make_worker_factory(
         settings,

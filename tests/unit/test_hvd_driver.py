@@ -43,6 +43,22 @@ from tests.unit.test_horovod_engine import make_job
 PYTHON = sys.executable
 
 
+def driver_settings(**changes: object) -> SimpleNamespace:
+    """The fields of Horovod's settings that `make_worker_factory` reads, as a one-host
+    elastic run of one worker sets them, with `changes` applied."""
+    fields: dict[str, object] = {
+        "output_filename": None,
+        "num_proc": 1,
+        "max_num_proc": 1,
+        "prefix_output_with_timestamp": False,
+        "elastic": True,
+        "ssh_port": None,
+        "ssh_identity_file": None,
+        "verbose": 0,
+    }
+    return SimpleNamespace(**(fields | changes))
+
+
 def test_grant_lines_are_read_as_horovod_reads_a_discovery_script() -> None:
     text = "localhost:2\n\n127.0.0.1:1\nnode7\n"
     assert parse_grant(text, 3, Path("g")) == {"localhost": 2, "127.0.0.1": 1, "node7": 3}
@@ -109,15 +125,8 @@ def test_a_local_worker_gets_its_environment_off_the_command_line_and_its_output
 
 
 def test_output_files_per_rank_and_timestamps_as_horovodrun_writes_them(tmp_path: Path) -> None:
-    settings = SimpleNamespace(
-        output_filename=str(tmp_path / "out"),
-        num_proc=1,
-        max_num_proc=12,
-        prefix_output_with_timestamp=True,
-        elastic=True,
-        ssh_port=None,
-        ssh_identity_file=None,
-        verbose=0,
+    settings = driver_settings(
+        output_filename=str(tmp_path / "out"), max_num_proc=12, prefix_output_with_timestamp=True
     )
     command = [PYTHON, "-c", "import sys; print('hi'); print('bad', file=sys.stderr)"]
     create_worker = make_worker_factory(
@@ -138,16 +147,7 @@ def test_output_files_per_rank_and_timestamps_as_horovodrun_writes_them(tmp_path
 def test_verbose_echoes_each_worker_with_horovods_variables_but_no_other_value(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    settings = SimpleNamespace(
-        output_filename=None,
-        num_proc=2,
-        max_num_proc=2,
-        prefix_output_with_timestamp=False,
-        elastic=True,
-        ssh_port=None,
-        ssh_identity_file=None,
-        verbose=2,
-    )
+    settings = driver_settings(num_proc=2, max_num_proc=2, verbose=2)
     env = {"PATH": os.environ["PATH"], "HERD_TEST_SECRET": "s3cr3t value"}
     command = [PYTHON, "-c", "import os; assert os.environ['HERD_TEST_SECRET']"]
     create_worker = make_worker_factory(
@@ -172,16 +172,7 @@ def test_verbose_echoes_each_worker_with_horovods_variables_but_no_other_value(
 
 
 def test_without_verbose_no_worker_command_is_echoed(capsys: pytest.CaptureFixture[str]) -> None:
-    settings = SimpleNamespace(
-        output_filename=None,
-        num_proc=1,
-        max_num_proc=1,
-        prefix_output_with_timestamp=False,
-        elastic=True,
-        ssh_port=None,
-        ssh_identity_file=None,
-        verbose=0,
-    )
+    settings = driver_settings()
     create_worker = make_worker_factory(
         settings, {"PATH": os.environ["PATH"]}, [PYTHON, "-c", "pass"], "127.0.0.1", ["lo"], 1,
         threading.Event(),
