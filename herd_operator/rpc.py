@@ -905,8 +905,7 @@ class RpcServer:
                 if index < len(committed) and committed[index][1] != "ok":
                     answers.append(committed[index])
                 else:
-                    message = f"internal error in op {op!r}"
-                    answers.append((self._error_frame(request_id, "internal", message), "internal"))
+                    answers.append(self._internal(request_id, op))
         for (frame, outcome), (connection, _, op, *_) in zip(answers, group, strict=True):
             self._count(op, outcome)
             connection.answer_grouped(frame)
@@ -924,29 +923,36 @@ class RpcServer:
         try:
             result = handler(args, identity)
         except BadRequest as error:
-            return self._error_frame(request_id, "bad_request", _clip(str(error))), "bad_request"
+            return self._error(request_id, "bad_request", _clip(str(error)))
         except NotFound as error:
-            return self._error_frame(request_id, "not_found", _clip(str(error))), "not_found"
+            return self._error(request_id, "not_found", _clip(str(error)))
         except Forbidden as error:
             self._log_forbidden(identity, op, peer)
-            return self._error_frame(request_id, "forbidden", _clip(str(error))), "forbidden"
+            return self._error(request_id, "forbidden", _clip(str(error)))
         except Exception:
             logger.exception("handler for op %r failed (request from %s)", op, peer)
-            return self._error_frame(request_id, "internal", f"internal error in op {op!r}"), (
-                "internal"
-            )
+            return self._internal(request_id, op)
         try:
             frame = _encode_result(request_id, result)
         except ValueError as error:
             logger.error("handler for op %r %s (request from %s)", op, error, peer)
-            return self._error_frame(request_id, "internal", f"internal error in op {op!r}"), (
-                "internal"
-            )
+            return self._internal(request_id, op)
         return frame, "ok"
 
     def _fail(self, request_id: int | None, op: str, code: str, message: str) -> bytes:
         self._count(op, code)
         return self._error_frame(request_id, code, message)
+
+    @classmethod
+    def _error(cls, request_id: int, code: str, message: str) -> tuple[bytes, str]:
+        """An error response and the outcome it is counted as (its code)."""
+        return cls._error_frame(request_id, code, message), code
+
+    @classmethod
+    def _internal(cls, request_id: int, op: str) -> tuple[bytes, str]:
+        """The answer to a request whose handler or write failed: the details stay in the
+        server's log."""
+        return cls._error(request_id, "internal", f"internal error in op {op!r}")
 
     @staticmethod
     def _error_frame(request_id: int | None, code: str, message: str) -> bytes:

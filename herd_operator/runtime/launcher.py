@@ -676,7 +676,7 @@ def _marked_processes(launch_id: str) -> list[psutil.Process]:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    if pid <= 1:  # unknown (0): killpg(0) would signal the operator's own group
-        return
+    """Signal the process group `pid` leads (a `_group_leader`, never 0 or 1: killpg(0)
+    would signal the operator's own group)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)

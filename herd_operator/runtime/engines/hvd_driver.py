@@ -453,34 +453,27 @@ def make_worker_factory(
                 )
             stops = [shutdown, *(events or [])]
             timestamp = bool(settings.prefix_output_with_timestamp)
+            if remote:  # ssh with the ssh client's own environment (agent socket, HOME,
+                # config); the worker's goes over its stdin
+                argv = remote_worker_argv(
+                    slot_info.hostname, command, settings.ssh_port, settings.ssh_identity_file
+                )
+                process_env: Mapping[str, str] = os.environ
+                payload: bytes | None = env_exec.encode_payload(worker_env, os.getcwd())
+            else:
+                argv, process_env, payload = list(command), worker_env, None
             try:
-                if remote:
-                    code = run_local_worker(
-                        remote_worker_argv(
-                            slot_info.hostname,
-                            command,
-                            settings.ssh_port,
-                            settings.ssh_identity_file,
-                        ),
-                        os.environ,  # the ssh client's own: its agent socket, HOME, config
-                        slot_info.rank,
-                        stops,
-                        stdout,
-                        stderr,
-                        timestamp=timestamp,
-                        stdin_data=env_exec.encode_payload(worker_env, os.getcwd()),
-                    )
-                else:
-                    code = run_local_worker(
-                        command,
-                        worker_env,
-                        slot_info.rank,
-                        stops,
-                        stdout,
-                        stderr,
-                        timestamp=timestamp,
-                        zygote=zygote,
-                    )
+                code = run_local_worker(
+                    argv,
+                    process_env,
+                    slot_info.rank,
+                    stops,
+                    stdout,
+                    stderr,
+                    timestamp=timestamp,
+                    zygote=zygote,  # not for a remote worker: it has stdin data
+                    stdin_data=payload,
+                )
             except OSError as err:
                 print(f"cannot start worker {slot_info.hostname}[{slot_info.local_rank}]: {err}")
                 code = 1
