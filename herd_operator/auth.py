@@ -14,7 +14,6 @@ their key with an HMAC over fresh nonces, so no key ever crosses the network.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import os
 import re
@@ -172,7 +171,9 @@ def prove(token: bytes, *parts: str) -> str:
         encoded = part.encode("utf-8")
         message += len(encoded).to_bytes(8, "big")
         message += encoded
-    return hmac.new(token, bytes(message), hashlib.sha256).hexdigest()
+    # hmac.digest: the one-shot C path (OpenSSL), a few times faster than an hmac object,
+    # which counts in a burst of thousands of handshakes.
+    return hmac.digest(token, bytes(message), "sha256").hex()
 
 
 def verify(token: bytes, proof: str, *parts: str) -> bool:

@@ -83,7 +83,9 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
+
+import uvloop
 
 from herd_operator.auth import ADMIN, Identity, derive_key, is_host, new_nonce, prove, verify
 
@@ -98,6 +100,8 @@ _CLIENT_LABEL_PATTERN = re.compile(rf"[A-Za-z0-9._:@\[\]/-]{{1,{_MAX_CLIENT_LABE
 # Distinct (identity, op) refusals logged; further ones are only counted.
 _MAX_FORBIDDEN_LOGGED = 1024
 _MAX_NONCE_CHARS = 128
+# Derived keys kept (a job's 7,168 workers share one); the cache is emptied when full.
+_MAX_CACHED_KEYS = 4096
 # Connects the kernel queues before accept: a starting job's shims (four per node, over
 # a whole allocation) connect at once, and a connect beyond the queue waits for a SYN
 # retransmit (1 s) instead of milliseconds. The kernel caps it at net.core.somaxconn.
@@ -118,6 +122,11 @@ _RETRY_MAX_PAUSE_S = 2.0
 _log_clock = time.monotonic
 # The clock that ages unauthenticated connections (a module attribute for the same reason).
 _pool_clock = time.monotonic
+# The server's event loop. libuv's accepts, reads and writes run in C: a burst of 7,168
+# workers binding cost the server's thread 1.9 s of user CPU on uvloop against 2.6 s on
+# asyncio's own loop (docs/benchmarks.md, run 15). A module attribute so that
+# scripts/burst_probe.py can measure either.
+_new_event_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
 
 Handler = Callable[[dict[str, Any], Identity], dict[str, Any]]
 """Answers one op: gets the request's arguments and the identity the client proved."""
@@ -283,12 +292,12 @@ class _Connection(asyncio.Protocol):
         return self._identity is not None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        self.peer = _peer_label(transport.get_extra_info("peername"))
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = stream = cast(asyncio.Transport, transport)
+        self.peer = _peer_label(stream.get_extra_info("peername"))
         server = self._server
         if server._shutting_down:
-            transport.abort()
+            stream.abort()
             return
         server._connections.add(self)
         try:
@@ -357,14 +366,17 @@ class _Connection(asyncio.Protocol):
         if self.waiting:
             self._buffer += data
             return
-        if not self.speaking:
-            self.speaking = True
-            if self._identity is None:
-                # The whole hello gets the handshake's short deadline from its first byte:
-                # one byte must not buy an idler a long stay in the pool of strangers.
-                self._rearm_deadline(self._server._handshake_timeout, self._handshake_expired)
         self._buffer = self._buffer + data if self._buffer else data
+        if self.speaking:
+            self._process()
+            return
+        self.speaking = True
         self._process()
+        if self._identity is None and not self._closing:
+            # The rest of the hello gets the handshake's short deadline from its first byte:
+            # one byte must not buy an idler a long stay in the pool of strangers. (A hello
+            # that came whole, as nearly all do, needs no timer.)
+            self._rearm_deadline(self._server._handshake_timeout, self._handshake_expired)
 
     def _process(self) -> None:
         """Answer every complete frame in the buffer, unless the peer is not reading."""
@@ -588,6 +600,8 @@ class RpcServer:
         if bool(grouped_ops) != (commit_group is not None):
             raise ValueError("grouped_ops and commit_group go together: give both or neither")
         self._master_token = master_token
+        # Identity -> its derived key: every worker of a job proves the same one.
+        self._keys: dict[Identity, bytes] = {}
         self._handlers = dict(handlers)
         self._grouped_ops = frozenset(grouped_ops)
         self._commit_group = commit_group
@@ -642,7 +656,7 @@ class RpcServer:
             if self._thread is not None or self._stopped:
                 raise RuntimeError("RpcServer can only be started once")
             self._fit_descriptors()
-            loop = asyncio.new_event_loop()
+            loop = _new_event_loop()
             ready = threading.Event()
             bind_errors: list[OSError] = []
             thread = threading.Thread(
@@ -839,7 +853,11 @@ class RpcServer:
             raise _Rejected(
                 "bad_request", f"'identity': {error}", "malformed identity", in_handshake=True
             ) from None
-        key = derive_key(self._master_token, identity)
+        key = self._keys.get(identity)
+        if key is None:
+            if len(self._keys) >= _MAX_CACHED_KEYS:
+                self._keys.clear()
+            key = self._keys[identity] = derive_key(self._master_token, identity)
         if not verify(key, proof, "client", server_nonce, client_nonce, label, claimed):
             raise _Rejected(
                 "unauthenticated",

@@ -4,6 +4,7 @@ show: when the server accepted each connection, and how often it challenged, aut
 dropped (as an idler) and re-checked waiting connections.
 
     PYTHONPATH=$PWD nice python scripts/burst_probe.py --nodes 1792 [--pool 256] [--only ours]
+        [--server-loop uvloop|asyncio|both]
 
 Prints one JSON line per burst. Times are seconds from the start of the burst; each phase is
 (p50, p99, max, histogram) with the histogram's buckets ending at 0.25, 0.5, 1, 2, 4, 8, 16 s
@@ -15,6 +16,7 @@ listen counters moved. A diagnostic: it wraps the server's connection callbacks 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -39,6 +41,10 @@ from herd_operator.runtime.handlers import for_own_job
 from specs.values import Demand, Pool
 
 BUCKETS_S = (0.25, 0.5, 1, 2, 4, 8, 16, float("inf"))
+SERVER_LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "uvloop": rpc._new_event_loop,
+    "asyncio": asyncio.new_event_loop,
+}
 TIMEOUT_S = 300.0
 
 
@@ -128,6 +134,12 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--pool", type=int, default=256, help="max_unauthenticated")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--only", choices=("ours", "redis"))
+    parser.add_argument(
+        "--server-loop",
+        choices=(*SERVER_LOOPS, "both"),
+        default="uvloop",
+        help="our server's event loop; both: one burst on each per round, alternating",
+    )
     options = parser.parse_args(argv)
     workers = options.nodes * rpcscale.GPUS_PER_NODE
     events = ServerEvents()
@@ -147,7 +159,11 @@ def main(argv: Sequence[str]) -> None:
         request: dict[str, Any] = {"op": "bind", "args": {"job": JOB, "pid": 1}}
         with rpcscale.redis_server(redis_executable, scratch) as redis:
             for _ in range(options.rounds):
-                if options.only != "redis":
+                ours = [] if options.only == "redis" else list(SERVER_LOOPS)
+                if options.server_loop != "both":
+                    ours = ours and [options.server_loop]
+                for loop_name in ours:
+                    rpc._new_event_loop = SERVER_LOOPS[loop_name]
                     handlers = {"bind": for_own_job(allocator.handle_bind)}
                     with RpcServer(TOKEN, handlers, max_unauthenticated=options.pool) as server:
                         configs = rpcscale.burst_configs(server.address[1], workers, request, key)
@@ -157,6 +173,7 @@ def main(argv: Sequence[str]) -> None:
                         result = drive_processes(configs, timeout=TIMEOUT_S)
                         line = {
                             "who": "ours",
+                            "server_loop": loop_name,
                             "pool": options.pool,
                             "load": round(load, 1),
                             **summary(result),
