@@ -34,6 +34,7 @@ from herd_operator.rpc import Handler, RpcClient, RpcError, RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import GROUPED_OPS, for_anyone
+from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Pool
 
@@ -341,7 +342,8 @@ def flood_rows(
         ctx.progress(f"rpc-flood: holding {idlers} idle connections, all the limit allows")
     layout = StateLayout(ctx.scratch / "state")
     layout.create()
-    store = Store(layout.database)
+    # As the operator opens it: checkpoints in the store's own thread.
+    store = Store(layout.database, checkpoint_seconds=STORE_CHECKPOINT_SECONDS)
     baselines: list[Phase] = []
     floods: list[Phase] = []
     try:

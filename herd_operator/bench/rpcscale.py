@@ -37,6 +37,7 @@ from herd_operator.rpc import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job
+from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
 from herd_operator.runtime.store import Store
 from specs.values import Demand, Pool
 
@@ -353,7 +354,8 @@ def run_allocator_rpc(ctx: Context) -> list[Row]:
     assert executable is not None
     layout = StateLayout(ctx.scratch / "state")
     layout.create()
-    store = Store(layout.database)
+    # As the operator opens it: checkpoints in the store's own thread.
+    store = Store(layout.database, checkpoint_seconds=STORE_CHECKPOINT_SECONDS)
     store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
     allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
     allocator.request(Demand(JOB, 1, 4, 4))

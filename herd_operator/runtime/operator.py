@@ -94,6 +94,9 @@ GC_THRESHOLDS = (50_000, 20, 100)
 is made for short scripts: with tens of thousands of live objects (one spec model per
 job) it spent a third of a 10,000-file relist walking them again and again."""
 
+STORE_CHECKPOINT_SECONDS = 1.0
+"""How often the store's own thread copies its write-ahead log into the database (a few MB
+at most at thousands of reports a second), so no commit of the RPC thread does it."""
 
 WANTED_DESCRIPTORS = 8192
 """Open files the operator asks for: RPC connections (up to 1,024 authenticated and 256
@@ -271,6 +274,7 @@ class Operator:
                 self.layout.database,
                 previous_state=(self.layout.token_file,),
                 max_grants_per_job=config.grant_history_per_job,
+                checkpoint_seconds=STORE_CHECKPOINT_SECONDS,
             )
         except StoreError as err:
             raise OperatorError(str(err)) from err

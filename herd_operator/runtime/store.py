@@ -232,6 +232,7 @@ class Store:
         readonly: bool = False,
         previous_state: Sequence[Path] = (),
         clock: Callable[[], float] = time.time,
+        checkpoint_seconds: float | None = None,
     ) -> None:
         """Open the store at ``path`` (the database file).
 
@@ -242,11 +243,19 @@ class Store:
         here) exists: then it was truncated, and is refused rather than started over empty.
         Read-only: the store must exist already; see ``open_readonly``.
         ``clock`` times the event that says writes work again after they failed.
+
+        ``checkpoint_seconds`` (writable only): copy the write-ahead log into the database
+        from a thread of the store's own, on a connection of its own, this often, instead
+        of in whichever commit finds the log over SQLite's 1,000 pages. That commit would
+        hold the store's lock for the copy and its fsyncs: the allocator's RPC thread, which
+        commits the workers' reports, saw its p99 double (docs/benchmarks.md, run 15).
         """
         if max_reports_per_job < 1 or max_events < 1 or max_grants_per_job < 1:
             raise ValueError(
                 "max_reports_per_job, max_events and max_grants_per_job must be at least 1"
             )
+        if checkpoint_seconds is not None and not checkpoint_seconds > 0:
+            raise ValueError(f"checkpoint_seconds must be positive, not {checkpoint_seconds}")
         self.path = Path(path)
         self.readonly = readonly
         self._max_reports_per_job = max_reports_per_job
@@ -304,6 +313,16 @@ class Store:
         except BaseException:
             self._conn.close()
             raise
+        self._checkpointer: _Checkpointer | None = None
+        if checkpoint_seconds is not None and not readonly:
+            with self._lock, self._errors("open"):
+                self._conn.execute("PRAGMA wal_autocheckpoint = 0")
+            self._checkpointer = _Checkpointer(self.path, checkpoint_seconds)
+
+    @property
+    def checkpoints(self) -> int:
+        """Checkpoints the store's own thread has completed (0 without one)."""
+        return 0 if self._checkpointer is None else self._checkpointer.completed
 
     def check(self, *, full: bool = False) -> None:
         """Raise ``DamagedStoreError`` unless the file passes SQLite's ``quick_check`` and
@@ -354,7 +373,10 @@ class Store:
         return cls(path, readonly=True)
 
     def close(self) -> None:
-        """Close the connection; further calls raise StoreError."""
+        """Close the connection (and stop the checkpoint thread); further calls raise
+        StoreError."""
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
         with self._lock:
             self._conn.close()
 
@@ -648,19 +670,18 @@ class Store:
         """Record a worker's report, keeping only the job's newest reports; KeyError if no job."""
         metrics_json = json.dumps({str(k): float(v) for k, v in metrics.items()})
         with self._write() as conn:
-            _require_job(conn, job)
-            # Per-job sequence numbers make pruning one index range delete.
-            last = conn.execute("SELECT MAX(seq) FROM reports WHERE job = ?", (job,)).fetchone()
-            seq = (last[0] or 0) + 1
-            conn.execute(
+            # Per-job sequence numbers make pruning one index range delete. Two statements,
+            # not four: every worker reports every epoch, and the allocator's RPC thread
+            # runs these (docs/benchmarks.md, run 15).
+            _insert_numbered(
+                conn,
+                job,
                 "INSERT INTO reports (job, seq, epoch, world_size, rank, time, metrics_json)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job, seq, epoch, world_size, rank, now, metrics_json),
+                " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5, ?6 FROM reports"
+                " WHERE job = ?1",
+                (job, epoch, world_size, rank, now, metrics_json),
             )
-            conn.execute(
-                "DELETE FROM reports WHERE job = ? AND seq <= ?",
-                (job, seq - self._max_reports_per_job),
-            )
+            _prune_numbered(conn, "reports", job, self._max_reports_per_job)
 
     def reports(self, job: str, since: float | None = None, limit: int = 1000) -> list[Report]:
         """The job's newest ``limit`` reports with time >= ``since``, oldest first."""
@@ -677,18 +698,15 @@ class Store:
     def add_usage(self, job: str, gpus: int, used_bytes: int, total_bytes: int, now: float) -> None:
         """Record the memory of a job's GPUs at one instant, keeping the newest samples."""
         with self._write() as conn:
-            _require_job(conn, job)
-            last = conn.execute("SELECT MAX(seq) FROM gpu_usage WHERE job = ?", (job,)).fetchone()
-            seq = (last[0] or 0) + 1
-            conn.execute(
+            _insert_numbered(
+                conn,
+                job,
                 "INSERT INTO gpu_usage (job, seq, time, gpus, used_bytes, total_bytes)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (job, seq, now, gpus, used_bytes, total_bytes),
+                " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5 FROM gpu_usage"
+                " WHERE job = ?1",
+                (job, now, gpus, used_bytes, total_bytes),
             )
-            conn.execute(
-                "DELETE FROM gpu_usage WHERE job = ? AND seq <= ?",
-                (job, seq - self._max_reports_per_job),
-            )
+            _prune_numbered(conn, "gpu_usage", job, self._max_reports_per_job)
 
     def usage(self, job: str, since: float | None = None, limit: int = 10_000) -> list[UsageSample]:
         """The job's newest ``limit`` usage samples with time >= ``since``, oldest first."""
@@ -1210,6 +1228,63 @@ def _pool_sizes(conn: sqlite3.Connection) -> list[tuple[float, int]]:
     if row is None:
         return []
     return [(float(at), int(gpus)) for at, gpus in json.loads(row["value"])]
+
+
+class _Checkpointer:
+    """Copies the write-ahead log into the database every ``interval`` seconds, from a
+    daemon thread with a connection of its own (the writer's connection does not)."""
+
+    def __init__(self, path: Path, interval: float) -> None:
+        self.completed = 0
+        self._path = path
+        self._interval = interval
+        self._stopping = threading.Event()
+        self._conn = sqlite3.connect(
+            str(path), check_same_thread=False, isolation_level=None, timeout=5.0
+        )
+        self._thread = threading.Thread(target=self._run, name="store-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failing = False
+        while not self._stopping.wait(self._interval):
+            try:
+                # PASSIVE: copy what no reader still needs; never wait for the writer.
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            except sqlite3.Error as exc:
+                if not failing:  # once per streak of failures: the writes report their own
+                    _log.warning("state store %s: checkpoint failed: %s", self._path, exc)
+                failing = True
+                continue
+            failing = False
+            self.completed += 1
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+        self._conn.close()
+
+
+def _insert_numbered(
+    conn: sqlite3.Connection, job: str, insert: str, values: tuple[object, ...]
+) -> None:
+    """Run ``insert``, which numbers its row after the job's last; KeyError if no job (the
+    foreign key refuses the row)."""
+    try:
+        conn.execute(insert, values)
+    except sqlite3.IntegrityError as error:
+        if "FOREIGN KEY" not in str(error):
+            raise
+        raise _unknown_job(job) from None
+
+
+def _prune_numbered(conn: sqlite3.Connection, table: str, job: str, keep: int) -> None:
+    """Delete all but the job's newest ``keep`` rows of ``table`` (numbered by seq)."""
+    conn.execute(
+        f"DELETE FROM {table} WHERE job = ?1"
+        f" AND seq <= (SELECT MAX(seq) FROM {table} WHERE job = ?1) - ?2",
+        (job, keep),
+    )
 
 
 def _require_job(conn: sqlite3.Connection, name: str) -> None:

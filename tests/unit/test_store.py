@@ -8,6 +8,7 @@ import sqlite3
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -721,6 +722,41 @@ def test_reports_are_pruned_per_job_to_the_newest(db_path: Path) -> None:
     finally:
         raw.close()
     assert count == 3
+
+
+def test_background_checkpoints_copy_the_log_into_the_database(db_path: Path) -> None:
+    with Store(db_path, checkpoint_seconds=0.05) as store:
+        writer = store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+        assert writer == 0  # the writer's commits never checkpoint
+        store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp", now=1.0)
+        for epoch in range(50):
+            store.add_report("resnet", epoch, 1, 0, {}, now=float(epoch))
+        after_writes = store.checkpoints
+        deadline = time.monotonic() + 30
+        while store.checkpoints < after_writes + 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.checkpoints >= after_writes + 2
+        # immutable=1 reads the database file alone, without the write-ahead log: the
+        # reports are there only if a checkpoint copied them.
+        raw = sqlite3.connect(f"{db_path.resolve().as_uri()}?immutable=1", uri=True)
+        try:
+            copied = raw.execute("SELECT COUNT(*) FROM reports").fetchone()[0]
+        finally:
+            raw.close()
+        assert copied == 50
+    assert not [t for t in threading.enumerate() if t.name == "store-checkpoint"]
+
+
+def test_without_a_checkpoint_thread_the_store_starts_none(store: Store) -> None:
+    assert store.checkpoints == 0
+    assert store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+    assert not [t for t in threading.enumerate() if t.name == "store-checkpoint"]
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan")])
+def test_checkpoint_seconds_must_be_positive(db_path: Path, seconds: float) -> None:
+    with pytest.raises(ValueError, match="checkpoint_seconds must be positive"):
+        Store(db_path, checkpoint_seconds=seconds)
 
 
 def test_report_of_unknown_job_is_refused(store: Store) -> None:
