@@ -168,9 +168,9 @@ def redis_ping(bench: str, port: int, clients: int, requests: int) -> tuple[floa
     return float(row["rps"]), float(row["p50_latency_ms"]), float(row["p99_latency_ms"])
 
 
-def _configs(
-    mode: str, port: int, clients: int, calls: int, request: dict[str, Any]
-) -> list[DriveConfig]:
+def call_configs(port: int, clients: int, calls: int, request: dict[str, Any]) -> list[DriveConfig]:
+    """`clients` connections split over DRIVER_PROCESSES drivers, each making `calls`
+    requests back to back as job JOB with its key."""
     key = derive_key(TOKEN, job_identity(JOB))
     return [
         DriveConfig(
@@ -214,8 +214,8 @@ def _throughput_rows(
     rows = []
     for clients in concurrency:
         for label, server, request in servers:
-            configs = _configs(
-                "calls", server.address[1], clients, max(5, ours_total // clients), request
+            configs = call_configs(
+                server.address[1], clients, max(5, ours_total // clients), request
             )
             ours_rates, redis_rates, redis_p50, redis_p99 = [], [], [], []
             ours_cpu, redis_cpu = [], []

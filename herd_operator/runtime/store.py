@@ -315,9 +315,13 @@ class Store:
             raise
         self._checkpointer: _Checkpointer | None = None
         if checkpoint_seconds is not None and not readonly:
-            with self._lock, self._errors("open"):
-                self._conn.execute("PRAGMA wal_autocheckpoint = 0")
-            self._checkpointer = _Checkpointer(self.path, checkpoint_seconds)
+            try:
+                with self._errors("open"):
+                    self._conn.execute("PRAGMA wal_autocheckpoint = 0")
+                    self._checkpointer = _Checkpointer(self.path, checkpoint_seconds)
+            except BaseException:
+                self._conn.close()
+                raise
 
     @property
     def checkpoints(self) -> int:

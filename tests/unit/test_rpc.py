@@ -1223,3 +1223,14 @@ def test_a_hello_that_trickles_is_dropped_after_the_handshake_deadline(
         assert reply is not None and reply["error"]["code"] == "timeout", reply
     finally:
         peer.close()
+
+
+def test_the_preformatted_handshake_frames_are_the_protocols_json() -> None:
+    nonce = new_nonce()
+    proof = prove(b"key", "server", nonce, new_nonce())
+    challenge = rpc._CHALLENGE_FRAME % nonce.encode("ascii")
+    welcome = rpc._WELCOME_FRAME % proof.encode("ascii")
+    assert challenge.endswith(b"\n") and challenge.count(b"\n") == 1
+    assert welcome.endswith(b"\n") and welcome.count(b"\n") == 1
+    assert json.loads(challenge) == {"v": rpc.PROTOCOL_VERSION, "type": "challenge", "nonce": nonce}
+    assert json.loads(welcome) == {"type": "welcome", "proof": proof}

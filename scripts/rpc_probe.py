@@ -1,0 +1,112 @@
+"""Where a request's time goes on the allocator's RPC server: `bind` or `report` at N
+clients, as `herd-operator bench --only allocator-rpc` serves them, with the server
+thread's CPU per request split into user and system time, and an A/B of the store's
+background checkpoints (the operator's setting) against SQLite's own checkpoints in the
+committing thread.
+
+    PYTHONPATH=$PWD nice python scripts/rpc_probe.py --op report --clients 64 --rounds 3
+        [--checkpoints both|thread|commit]
+
+Each round drives 20,000 requests from `rpcdrive`'s processes against a fresh server and
+store per arm, the arms alternating. Prints one JSON line per round and arm: requests/s,
+p50/p99 in ms, and the server thread's CPU per request in µs (user, system; from
+/proc/self/task/TID/stat, so Linux only). A diagnostic, not a benchmark row: no baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from herd_operator.bench.harness import percentile
+from herd_operator.bench.jobs import bench_job
+from herd_operator.bench.rpcdrive import drive_processes
+from herd_operator.bench.rpcload import JOB, TOKEN, report_handler
+from herd_operator.bench.rpcscale import BIND, REPORT, call_configs
+from herd_operator.layout import StateLayout
+from herd_operator.rpc import RpcServer
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job
+from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
+from herd_operator.runtime.store import Store
+from specs.values import Demand, Pool
+
+REQUESTS = 20_000
+TIMEOUT_S = 300.0
+ARMS = {"thread": STORE_CHECKPOINT_SECONDS, "commit": None}
+"""Checkpoints from the store's own thread (the operator's setting), or SQLite's automatic
+ones, run by whichever commit finds the log over 1,000 pages."""
+
+
+def thread_times(native_id: int) -> tuple[float, float]:
+    """User and system CPU seconds of one thread of this process."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def one_round(op: str, clients: int, arm: str, scratch: Path) -> dict[str, object]:
+    layout = StateLayout(scratch / f"state-{arm}-{time.monotonic_ns()}")
+    layout.create()
+    store = Store(layout.database, checkpoint_seconds=ARMS[arm])
+    try:
+        store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
+        pool = Pool.from_counts({"localhost": 4})
+        allocator = Allocator(pool, GrantPublisher(layout), virtual=True)
+        allocator.request(Demand(JOB, 1, 4, 4))
+        handlers = {
+            "bind": for_own_job(allocator.handle_bind),
+            "report": for_own_job(report_handler(store)),
+        }
+        request = BIND if op == "bind" else REPORT
+        with RpcServer(
+            TOKEN, handlers, grouped_ops=GROUPED_OPS, commit_group=store.transaction
+        ) as server:
+            configs = call_configs(server.address[1], clients, REQUESTS // clients, request)
+            thread = server._thread
+            assert thread is not None and thread.native_id is not None
+            user, system = thread_times(thread.native_id)
+            result = drive_processes(configs, timeout=TIMEOUT_S)
+            user_after, system_after = thread_times(thread.native_id)
+    finally:
+        store.close()
+    latencies = sorted(result.latencies)
+    return {
+        "op": op,
+        "clients": clients,
+        "checkpoints": arm,
+        "load": round(os.getloadavg()[0], 1),
+        "req_per_s": round(result.rate),
+        "p50_ms": round(percentile(latencies, 50) * 1000, 2),
+        "p99_ms": round(percentile(latencies, 99) * 1000, 2),
+        "user_us_per_req": round((user_after - user) / result.requests * 1e6, 1),
+        "system_us_per_req": round((system_after - system) / result.requests * 1e6, 1),
+    }
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--op", choices=("bind", "report"), default="report")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--checkpoints", choices=(*ARMS, "both"), default="both")
+    options = parser.parse_args(argv)
+    if options.clients < 1 or options.rounds < 1:
+        parser.error("--clients and --rounds must be at least 1")
+    arms = list(ARMS) if options.checkpoints == "both" else [options.checkpoints]
+    with tempfile.TemporaryDirectory(prefix="rpc-probe-") as scratch:
+        for _ in range(options.rounds):
+            for arm in arms:
+                line = one_round(options.op, options.clients, arm, Path(scratch))
+                print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
