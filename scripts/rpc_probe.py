@@ -7,9 +7,9 @@ committing thread.
     PYTHONPATH=$PWD nice python scripts/rpc_probe.py --op report --clients 64 --rounds 3
         [--checkpoints both|thread|commit]
 
-Each round drives 20,000 requests from `rpcdrive`'s processes against a fresh server and
-store per arm, the arms alternating. Prints one JSON line per round and arm: requests/s,
-p50/p99 in ms, and the server thread's CPU per request in µs (user, system; from
+Each round drives 20,000 requests from `rpcdrive`'s processes; each arm keeps its server
+and store for the whole run (as the operator does), and the arms alternate. Prints one
+JSON line per round and arm: requests/s, p50/p99 in ms, and the server thread's CPU per request in µs (user, system; from
 /proc/self/task/TID/stat, so Linux only). A diagnostic, not a benchmark row: no baseline.
 """
 
@@ -52,43 +52,53 @@ def thread_times(native_id: int) -> tuple[float, float]:
     return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
-def one_round(op: str, clients: int, arm: str, scratch: Path) -> dict[str, object]:
-    layout = StateLayout(scratch / f"state-{arm}-{time.monotonic_ns()}")
-    layout.create()
-    store = Store(layout.database, checkpoint_seconds=ARMS[arm])
-    try:
-        store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
-        pool = Pool.from_counts({"localhost": 4})
-        allocator = Allocator(pool, GrantPublisher(layout), virtual=True)
+class Arm:
+    """One arm's store, allocator and server, kept for the whole run: the operator's store
+    lives as long as the allocation, so each round adds to the same tables and log."""
+
+    def __init__(self, name: str, scratch: Path) -> None:
+        self.name = name
+        layout = StateLayout(scratch / f"state-{name}")
+        layout.create()
+        self.store = Store(layout.database, checkpoint_seconds=ARMS[name])
+        self.store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
+        allocator = Allocator(
+            Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True
+        )
         allocator.request(Demand(JOB, 1, 4, 4))
         handlers = {
             "bind": for_own_job(allocator.handle_bind),
-            "report": for_own_job(report_handler(store)),
+            "report": for_own_job(report_handler(self.store)),
         }
+        self.server = RpcServer(
+            TOKEN, handlers, grouped_ops=GROUPED_OPS, commit_group=self.store.transaction
+        )
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop()
+        self.store.close()
+
+    def round(self, op: str, clients: int) -> dict[str, object]:
         request = BIND if op == "bind" else REPORT
-        with RpcServer(
-            TOKEN, handlers, grouped_ops=GROUPED_OPS, commit_group=store.transaction
-        ) as server:
-            configs = call_configs(server.address[1], clients, REQUESTS // clients, request)
-            thread = server._thread
-            assert thread is not None and thread.native_id is not None
-            user, system = thread_times(thread.native_id)
-            result = drive_processes(configs, timeout=TIMEOUT_S)
-            user_after, system_after = thread_times(thread.native_id)
-    finally:
-        store.close()
-    latencies = sorted(result.latencies)
-    return {
-        "op": op,
-        "clients": clients,
-        "checkpoints": arm,
-        "load": round(os.getloadavg()[0], 1),
-        "req_per_s": round(result.rate),
-        "p50_ms": round(percentile(latencies, 50) * 1000, 2),
-        "p99_ms": round(percentile(latencies, 99) * 1000, 2),
-        "user_us_per_req": round((user_after - user) / result.requests * 1e6, 1),
-        "system_us_per_req": round((system_after - system) / result.requests * 1e6, 1),
-    }
+        configs = call_configs(self.server.address[1], clients, REQUESTS // clients, request)
+        thread = self.server._thread
+        assert thread is not None and thread.native_id is not None
+        user, system = thread_times(thread.native_id)
+        result = drive_processes(configs, timeout=TIMEOUT_S)
+        user_after, system_after = thread_times(thread.native_id)
+        latencies = sorted(result.latencies)
+        return {
+            "op": op,
+            "clients": clients,
+            "checkpoints": self.name,
+            "load": round(os.getloadavg()[0], 1),
+            "req_per_s": round(result.rate),
+            "p50_ms": round(percentile(latencies, 50) * 1000, 2),
+            "p99_ms": round(percentile(latencies, 99) * 1000, 2),
+            "user_us_per_req": round((user_after - user) / result.requests * 1e6, 1),
+            "system_us_per_req": round((system_after - system) / result.requests * 1e6, 1),
+        }
 
 
 def main(argv: Sequence[str]) -> None:
@@ -102,10 +112,16 @@ def main(argv: Sequence[str]) -> None:
         parser.error("--clients and --rounds must be at least 1")
     arms = list(ARMS) if options.checkpoints == "both" else [options.checkpoints]
     with tempfile.TemporaryDirectory(prefix="rpc-probe-") as scratch:
-        for _ in range(options.rounds):
-            for arm in arms:
-                line = one_round(options.op, options.clients, arm, Path(scratch))
-                print(json.dumps(line), flush=True)
+        opened: list[Arm] = []
+        try:
+            for name in arms:
+                opened.append(Arm(name, Path(scratch)))
+            for _ in range(options.rounds):
+                for arm in opened:
+                    print(json.dumps(arm.round(options.op, options.clients)), flush=True)
+        finally:
+            for arm in opened:
+                arm.close()
 
 
 if __name__ == "__main__":
