@@ -9,8 +9,9 @@ committing thread.
 
 Each round drives 20,000 requests from `rpcdrive`'s processes; each arm keeps its server
 and store for the whole run (as the operator does), and the arms alternate. Prints one
-JSON line per round and arm: requests/s, p50/p99 in ms, and the server thread's CPU per request in µs (user, system; from
-/proc/self/task/TID/stat, so Linux only). A diagnostic, not a benchmark row: no baseline.
+JSON line per round and arm: requests/s, p50/p99 in ms, and the server thread's CPU per
+request in µs (user, system; from /proc/self/task/TID/stat, so Linux only). A diagnostic,
+not a benchmark row: no baseline.
 """
 
 from __future__ import annotations
