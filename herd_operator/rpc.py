@@ -123,7 +123,7 @@ _log_clock = time.monotonic
 # The clock that ages unauthenticated connections (a module attribute for the same reason).
 _pool_clock = time.monotonic
 # The server's event loop. libuv's accepts, reads and writes run in C: a burst of 7,168
-# workers binding cost the server's thread 1.9 s of user CPU on uvloop against 2.6 s on
+# workers binding cost the server's thread a fifth to a third less CPU on uvloop than on
 # asyncio's own loop (docs/benchmarks.md, run 15). A module attribute so that
 # scripts/burst_probe.py can measure either.
 _new_event_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
