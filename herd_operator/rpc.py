@@ -85,8 +85,6 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
-import uvloop
-
 from herd_operator.auth import ADMIN, Identity, derive_key, is_host, new_nonce, prove, verify
 
 if TYPE_CHECKING:
@@ -122,11 +120,20 @@ _RETRY_MAX_PAUSE_S = 2.0
 _log_clock = time.monotonic
 # The clock that ages unauthenticated connections (a module attribute for the same reason).
 _pool_clock = time.monotonic
+
+
 # The server's event loop. libuv's accepts, reads and writes run in C: a burst of 7,168
 # workers binding cost the server's thread a fifth to a third less CPU on uvloop than on
 # asyncio's own loop (docs/benchmarks.md, run 15). A module attribute so that
 # scripts/burst_probe.py can measure either.
-_new_event_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+def _uvloop() -> asyncio.AbstractEventLoop:
+    # Imported here: the workers' shim imports this module for its client, and never serves.
+    import uvloop
+
+    return uvloop.new_event_loop()
+
+
+_new_event_loop: Callable[[], asyncio.AbstractEventLoop] = _uvloop
 
 Handler = Callable[[dict[str, Any], Identity], dict[str, Any]]
 """Answers one op: gets the request's arguments and the identity the client proved."""

@@ -5,6 +5,8 @@ import logging
 import re
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1234,3 +1236,17 @@ def test_the_preformatted_handshake_frames_are_the_protocols_json() -> None:
     assert welcome.endswith(b"\n") and welcome.count(b"\n") == 1
     assert json.loads(challenge) == {"v": rpc.PROTOCOL_VERSION, "type": "challenge", "nonce": nonce}
     assert json.loads(welcome) == {"type": "welcome", "proof": proof}
+
+
+def test_the_server_runs_on_uvloop(server: RpcServer) -> None:
+    loop = server._loop
+    assert loop is not None and type(loop).__module__.startswith("uvloop")
+
+
+def test_importing_the_client_does_not_import_uvloop() -> None:
+    # The workers' shim imports this module for RpcClient: it must not pay for the loop.
+    probe = "import sys, herd_operator.rpc; print('uvloop' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "False"
