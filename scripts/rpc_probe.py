@@ -69,7 +69,7 @@ class Arm:
         allocator.request(Demand(JOB, 1, 4, 4))
         handlers = {
             "bind": for_own_job(allocator.handle_bind),
-            "report": for_own_job(report_handler(self.store)),
+            "report": for_own_job(report_handler(self.store, allocator)),
         }
         self.server = RpcServer(
             TOKEN, handlers, grouped_ops=GROUPED_OPS, commit_group=self.store.transaction

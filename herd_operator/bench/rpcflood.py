@@ -354,7 +354,7 @@ def flood_rows(
         allocator.request(Demand(JOB, 1, 4, 4))
         handlers: dict[str, Handler] = {
             "bind": for_anyone(allocator.handle_bind),
-            "report": for_anyone(report_handler(store)),
+            "report": for_anyone(report_handler(store, allocator)),
         }
         for round_number in range(ctx.repeat):
             for flooded in (False, True):

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from herd_operator.bench.harness import Row, Stats, percentile
-from herd_operator.rpc import BadRequest, RpcClient
+from herd_operator.rpc import RpcClient
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.handlers import ReportHandler
 from herd_operator.runtime.store import Store
 
 TOKEN = b"bench-token-0123456789abcdef0123"
@@ -22,17 +24,11 @@ HANG_GUARD_S = 120.0
 JOB = "bench"
 
 
-def report_handler(store: Store) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """What a worker's `report` costs the operator: check the fields, write the store."""
-
-    def handle(args: dict[str, Any]) -> dict[str, Any]:
-        job, world_size, epoch = args.get("job"), args.get("world_size"), args.get("epoch")
-        if not isinstance(job, str) or not isinstance(world_size, int):
-            raise BadRequest("'job' and 'world_size' are required")
-        store.add_report(job, epoch, world_size, int(args.get("rank", 0)), {}, time.time())
-        return {}
-
-    return handle
+def report_handler(store: Store, allocator: Allocator) -> ReportHandler:
+    """The operator's own `report` handler: it checks the fields, writes the store and tells
+    the allocator the world size; waking the job's reconcile (a queue insert in the
+    operator) is left out, as no reconcile runs here."""
+    return ReportHandler(store, allocator, lambda job: None)
 
 
 @contextlib.contextmanager

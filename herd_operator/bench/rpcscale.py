@@ -361,7 +361,7 @@ def run_allocator_rpc(ctx: Context) -> list[Row]:
     allocator.request(Demand(JOB, 1, 4, 4))
     handlers = {
         "bind": for_own_job(allocator.handle_bind),
-        "report": for_own_job(report_handler(store)),
+        "report": for_own_job(report_handler(store, allocator)),
     }
     rows = []
     try:

@@ -154,9 +154,11 @@ class ReportHandler:
                 f"'metrics' must map at most {MAX_METRICS_PER_REPORT} names of 1 to"
                 f" {MAX_METRIC_NAME_CHARS} characters to finite numbers"
             )
-        if self.store.get_job(job) is None:
-            raise NotFound(f"no job {job!r}")
-        self.store.add_report(job, epoch, world_size, rank, metrics, self.clock())
+        try:
+            # The store refuses a report of no job itself (a foreign key): no read first.
+            self.store.add_report(job, epoch, world_size, rank, metrics, self.clock())
+        except KeyError:
+            raise NotFound(f"no job {job!r}") from None
         self.allocator.observe_world_size(job, world_size)
         self.wake(job)
         return {}

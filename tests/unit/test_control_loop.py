@@ -26,7 +26,7 @@ from controllers.loop import ControlLoop, Outcome
 from controllers.ports import Result
 from controllers.workqueue import WorkQueue
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import BadRequest
+from herd_operator.rpc import BadRequest, NotFound
 from herd_operator.runtime import store as store_module
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
@@ -564,6 +564,18 @@ def test_a_bad_report_names_the_field(
     handler = ReportHandler(store, one_gpu(layout), lambda name: None)
     with pytest.raises(BadRequest, match=message):
         handler(dict(args))
+
+
+def test_a_report_of_no_job_is_not_found_and_wakes_nothing(
+    layout: StateLayout, store: Store
+) -> None:
+    woken: list[str] = []
+    allocator = one_gpu(layout)
+    handler = ReportHandler(store, allocator, woken.append)
+    with pytest.raises(NotFound, match="no job 'ghost'"):
+        handler({"job": "ghost", "epoch": 1, "world_size": 1})
+    assert woken == []
+    assert "ghost" not in allocator._world  # the allocator never heard of it
 
 
 def test_jobs_a_decision_moved_are_woken_even_when_the_store_refuses_it(
