@@ -759,6 +759,27 @@ def test_checkpoint_seconds_must_be_positive(db_path: Path, seconds: float) -> N
         Store(db_path, checkpoint_seconds=seconds)
 
 
+def test_reports_of_a_group_are_written_together_at_its_commit(db_path: Path) -> None:
+    with Store(db_path, max_reports_per_job=3) as store:
+        for name in ["resnet", "bert"]:
+            store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
+        store.add_report("resnet", 0, 1, 0, {}, now=0.5)
+        with store.transaction():
+            for epoch in range(1, 6):
+                store.add_report("resnet", epoch, 2, 0, {"loss": 0.5}, now=float(epoch))
+            store.add_report("bert", 7, 1, 0, {}, now=7.0)
+            with pytest.raises(KeyError, match="no job named 'ghost'"):
+                store.add_report("ghost", 1, 1, 0, {}, now=1.0)
+            # Not yet written: the batch goes in just before the commit.
+            assert [r.epoch for r in store.reports("resnet")] == [0]
+        # In order after the earlier one, pruned to the newest 3, the refused one left out.
+        assert [r.epoch for r in store.reports("resnet")] == [3, 4, 5]
+        assert [dict(r.metrics) for r in store.reports("resnet")] == [{"loss": 0.5}] * 3
+        assert [r.epoch for r in store.reports("bert")] == [7]
+        store.add_report("resnet", 6, 2, 0, {}, now=6.0)
+        assert [r.epoch for r in store.reports("resnet")] == [4, 5, 6]
+
+
 def test_report_of_unknown_job_is_refused(store: Store) -> None:
     with pytest.raises(KeyError, match="no job named 'ghost'"):
         store.add_report("ghost", 1, 1, 0, {}, now=1.0)
