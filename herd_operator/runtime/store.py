@@ -685,7 +685,7 @@ class Store:
         Inside ``transaction()`` the report is written with the group's other reports, in
         one batch just before the group commits (so reads inside the group do not see it
         yet): the allocator's RPC thread runs a group of reports every loop turn, and a
-        statement's round trip through Python per report was a quarter of its cost.
+        statement's round trip through Python per report was a fifth of its cost.
         """
         metrics_json = json.dumps({str(k): float(v) for k, v in metrics.items()})
         row = (job, epoch, world_size, rank, now, metrics_json)
