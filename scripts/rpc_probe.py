@@ -21,36 +21,24 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from herd_operator.bench.harness import percentile
-from herd_operator.bench.jobs import bench_job
 from herd_operator.bench.rpcdrive import drive_processes
-from herd_operator.bench.rpcload import JOB, TOKEN, report_handler
-from herd_operator.bench.rpcscale import BIND, REPORT, call_configs
+from herd_operator.bench.rpcload import TOKEN, job_handlers
+from herd_operator.bench.rpcscale import BIND, REPORT, call_configs, cpu_times
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import RpcServer
-from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job
 from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
 from herd_operator.runtime.store import Store
-from specs.values import Demand, Pool
 
 REQUESTS = 20_000
 TIMEOUT_S = 300.0
 ARMS = {"thread": STORE_CHECKPOINT_SECONDS, "commit": None}
 """Checkpoints from the store's own thread (the operator's setting), or SQLite's automatic
 ones, run by whichever commit finds the log over 1,000 pages."""
-
-
-def thread_times(native_id: int) -> tuple[float, float]:
-    """User and system CPU seconds of one thread of this process."""
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
 class Arm:
@@ -62,15 +50,7 @@ class Arm:
         layout = StateLayout(scratch / f"state-{name}")
         layout.create()
         self.store = Store(layout.database, checkpoint_seconds=ARMS[name])
-        self.store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
-        allocator = Allocator(
-            Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True
-        )
-        allocator.request(Demand(JOB, 1, 4, 4))
-        handlers = {
-            "bind": for_own_job(allocator.handle_bind),
-            "report": for_own_job(report_handler(self.store, allocator)),
-        }
+        handlers = job_handlers(self.store, layout, for_own_job)
         self.server = RpcServer(
             TOKEN, handlers, grouped_ops=GROUPED_OPS, commit_group=self.store.transaction
         )
@@ -85,9 +65,10 @@ class Arm:
         configs = call_configs(self.server.address[1], clients, REQUESTS // clients, request)
         thread = self.server._thread
         assert thread is not None and thread.native_id is not None
-        user, system = thread_times(thread.native_id)
+        stat = Path(f"/proc/self/task/{thread.native_id}/stat")
+        user, system = cpu_times(stat)
         result = drive_processes(configs, timeout=TIMEOUT_S)
-        user_after, system_after = thread_times(thread.native_id)
+        user_after, system_after = cpu_times(stat)
         latencies = sorted(result.latencies)
         return {
             "op": op,

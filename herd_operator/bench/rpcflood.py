@@ -27,16 +27,12 @@ from typing import Any
 
 from herd_operator import rpc
 from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures, percentile
-from herd_operator.bench.jobs import bench_job
-from herd_operator.bench.rpcload import JOB, TOKEN, report_handler
+from herd_operator.bench.rpcload import JOB, TOKEN, job_handlers
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import Handler, RpcClient, RpcError, RpcServer
-from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.rpc import RpcClient, RpcError, RpcServer
 from herd_operator.runtime.handlers import GROUPED_OPS, for_anyone
 from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
 from herd_operator.runtime.store import Store
-from specs.values import Demand, Pool
 
 FULL = {"clients": 256, "idlers": 1100, "seconds": 60.0}
 QUICK = {"clients": 16, "idlers": 150, "seconds": 5.0}
@@ -347,15 +343,7 @@ def flood_rows(
     baselines: list[Phase] = []
     floods: list[Phase] = []
     try:
-        store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
-        allocator = Allocator(
-            Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True
-        )
-        allocator.request(Demand(JOB, 1, 4, 4))
-        handlers: dict[str, Handler] = {
-            "bind": for_anyone(allocator.handle_bind),
-            "report": for_anyone(report_handler(store, allocator)),
-        }
+        handlers = job_handlers(store, layout, for_anyone)
         for round_number in range(ctx.repeat):
             for flooded in (False, True):
                 with (

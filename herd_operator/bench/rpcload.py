@@ -14,21 +14,35 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from herd_operator.bench.harness import Row, Stats, percentile
-from herd_operator.rpc import RpcClient
+from herd_operator.bench.jobs import bench_job
+from herd_operator.layout import StateLayout
+from herd_operator.rpc import Handler, RpcClient
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.handlers import ReportHandler
+from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.handlers import PlainHandler, ReportHandler
 from herd_operator.runtime.store import Store
+from specs.values import Demand, Pool
 
 TOKEN = b"bench-token-0123456789abcdef0123"
 HANG_GUARD_S = 120.0
 JOB = "bench"
 
 
-def report_handler(store: Store, allocator: Allocator) -> ReportHandler:
-    """The operator's own `report` handler: it checks the fields, writes the store and tells
-    the allocator the world size; waking the job's reconcile (a queue insert in the
-    operator) is left out, as no reconcile runs here."""
-    return ReportHandler(store, allocator, lambda job: None)
+def job_handlers(
+    store: Store, layout: StateLayout, access: Callable[[PlainHandler], Handler]
+) -> dict[str, Handler]:
+    """Job JOB, recorded in ``store`` and holding the 4 GPUs of a one-host pool, and the
+    operator's own `bind` and `report` handlers for it, each behind ``access`` (who may
+    call). The report handler checks the fields, writes the store and tells the allocator
+    the world size; its wake-up of the job's reconcile (a queue insert in the operator) is
+    left out, as no reconcile runs here."""
+    store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
+    allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
+    allocator.request(Demand(JOB, 1, 4, 4))
+    return {
+        "bind": access(allocator.handle_bind),
+        "report": access(ReportHandler(store, allocator, lambda job: None)),
+    }
 
 
 @contextlib.contextmanager

@@ -28,10 +28,9 @@ from typing import Any
 
 from herd_operator.auth import derive_key, job_identity
 from herd_operator.bench.harness import Context, Row, Skip, Stats, percentile
-from herd_operator.bench.jobs import bench_job
 from herd_operator.bench.rpcdrive import PHASES, DriveConfig, DriveResult, drive_processes, split
 from herd_operator.bench.rpcflood import ensure_descriptors
-from herd_operator.bench.rpcload import JOB, TOKEN, echo_server, measure_op, report_handler
+from herd_operator.bench.rpcload import JOB, TOKEN, echo_server, job_handlers, measure_op
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import RpcServer
 from herd_operator.runtime.allocator import Allocator
@@ -78,13 +77,15 @@ class Redis:
 
     def cpu_seconds(self) -> float:
         """CPU time the Redis process has used so far (Linux: from /proc)."""
-        return _process_cpu_seconds(Path(f"/proc/{self.pid}/stat"))
+        return sum(cpu_times(Path(f"/proc/{self.pid}/stat")))
 
 
-def _process_cpu_seconds(stat: Path) -> float:
+def cpu_times(stat: Path) -> tuple[float, float]:
+    """User and system CPU seconds from a /proc stat file (a process's or a thread's)."""
     # utime and stime, fields 14 and 15, counted after the parenthesised command name.
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
 LISTEN_COUNTERS = ("ListenOverflows", "ListenDrops", "SyncookiesSent", "TCPSynRetrans")
@@ -356,13 +357,7 @@ def run_allocator_rpc(ctx: Context) -> list[Row]:
     layout.create()
     # As the operator opens it: checkpoints in the store's own thread.
     store = Store(layout.database, checkpoint_seconds=STORE_CHECKPOINT_SECONDS)
-    store.record_spec(JOB, "jobs/bench.yaml", bench_job(JOB), "fingerprint", time.time())
-    allocator = Allocator(Pool.from_counts({"localhost": 4}), GrantPublisher(layout), virtual=True)
-    allocator.request(Demand(JOB, 1, 4, 4))
-    handlers = {
-        "bind": for_own_job(allocator.handle_bind),
-        "report": for_own_job(report_handler(store, allocator)),
-    }
+    handlers = job_handlers(store, layout, for_own_job)
     rows = []
     try:
         with (

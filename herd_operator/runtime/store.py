@@ -322,7 +322,9 @@ class Store:
             try:
                 with self._errors("open"):
                     self._conn.execute("PRAGMA wal_autocheckpoint = 0")
-                    self._checkpointer = _Checkpointer(self.path, checkpoint_seconds)
+                    self._checkpointer = _Checkpointer(
+                        self._connect(str(self.path), uri=False), self.path, checkpoint_seconds
+                    )
             except BaseException:
                 self._conn.close()
                 raise
@@ -447,11 +449,11 @@ class Store:
         if lost or not self._conn.in_transaction:
             # A full disk or an I/O error inside made SQLite roll back the whole group.
             self._forget_cached()
-            raise StoreError(f"state store {self.path}: a failed write rolled back the group")
+            raise self._rolled_back()
         try:
             with self._errors("write"):
                 if reports:
-                    _insert_reports(self._conn, reports, self._max_reports_per_job)
+                    _insert_numbered(self._conn, "reports", reports, self._max_reports_per_job)
                     wrote = True
                 self._conn.execute("COMMIT")
         except StoreError:
@@ -692,22 +694,16 @@ class Store:
         with self._lock:
             if self._grouping:
                 if self._group_lost:
-                    raise StoreError(
-                        f"state store {self.path}: a failed write rolled back the group"
-                    )
+                    raise self._rolled_back()
                 if job not in self._group_report_jobs:
                     # The group holds the lock: a job found here is still there at the commit.
                     with self._errors("read"):
-                        found = self._conn.execute(
-                            "SELECT 1 FROM jobs WHERE name = ?", (job,)
-                        ).fetchone()
-                    if found is None:
-                        raise _unknown_job(job)
+                        _require_job(self._conn, job)
                     self._group_report_jobs.add(job)
                 self._group_reports.append(row)
                 return
         with self._write() as conn:
-            _insert_reports(conn, [row], self._max_reports_per_job)
+            _insert_numbered(conn, "reports", [row], self._max_reports_per_job)
 
     def reports(self, job: str, since: float | None = None, limit: int = 1000) -> list[Report]:
         """The job's newest ``limit`` reports with time >= ``since``, oldest first."""
@@ -724,15 +720,8 @@ class Store:
     def add_usage(self, job: str, gpus: int, used_bytes: int, total_bytes: int, now: float) -> None:
         """Record the memory of a job's GPUs at one instant, keeping the newest samples."""
         with self._write() as conn:
-            _insert_numbered(
-                conn,
-                job,
-                "INSERT INTO gpu_usage (job, seq, time, gpus, used_bytes, total_bytes)"
-                " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5 FROM gpu_usage"
-                " WHERE job = ?1",
-                (job, now, gpus, used_bytes, total_bytes),
-            )
-            _prune_numbered(conn, "gpu_usage", job, self._max_reports_per_job)
+            row = (job, now, gpus, used_bytes, total_bytes)
+            _insert_numbered(conn, "gpu_usage", [row], self._max_reports_per_job)
 
     def usage(self, job: str, since: float | None = None, limit: int = 10_000) -> list[UsageSample]:
         """The job's newest ``limit`` usage samples with time >= ``since``, oldest first."""
@@ -1156,9 +1145,7 @@ class Store:
                 if self._group_lost:
                     # A savepoint now would begin a new transaction and commit this write
                     # without the earlier ones of the group.
-                    raise StoreError(
-                        f"state store {self.path}: a failed write rolled back the group"
-                    )
+                    raise self._rolled_back()
                 # Inside transaction(): a savepoint keeps this method all-or-nothing.
                 self._conn.execute("SAVEPOINT write")
                 try:
@@ -1184,6 +1171,9 @@ class Store:
                 raise
             self._conn.execute("COMMIT")
         self._writes_work()
+
+    def _rolled_back(self) -> StoreError:
+        return StoreError(f"state store {self.path}: a failed write rolled back the group")
 
     def _writes_fail(self, exc: sqlite3.Error) -> None:
         """A write the storage refused. Said at most once a minute: every reconcile fails
@@ -1260,14 +1250,12 @@ class _Checkpointer:
     """Copies the write-ahead log into the database every ``interval`` seconds, from a
     daemon thread with a connection of its own (the writer's connection does not)."""
 
-    def __init__(self, path: Path, interval: float) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path, interval: float) -> None:
         self.completed = 0
+        self._conn = conn
         self._path = path
         self._interval = interval
         self._stopping = threading.Event()
-        self._conn = sqlite3.connect(
-            str(path), check_same_thread=False, isolation_level=None, timeout=5.0
-        )
         self._thread = threading.Thread(target=self._run, name="store-checkpoint", daemon=True)
         self._thread.start()
 
@@ -1291,52 +1279,34 @@ class _Checkpointer:
         self._conn.close()
 
 
+_NUMBERED_INSERTS = {
+    "reports": "INSERT INTO reports (job, seq, epoch, world_size, rank, time, metrics_json)"
+    " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5, ?6 FROM reports WHERE job = ?1",
+    "gpu_usage": "INSERT INTO gpu_usage (job, seq, time, gpus, used_bytes, total_bytes)"
+    " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5 FROM gpu_usage WHERE job = ?1",
+}
+"""Each row is numbered after its job's last: per-job sequence numbers make pruning one
+index range delete."""
+
+
 def _insert_numbered(
-    conn: sqlite3.Connection, job: str, insert: str, values: tuple[object, ...]
+    conn: sqlite3.Connection, table: str, rows: Sequence[tuple[object, ...]], keep: int
 ) -> None:
-    """Run ``insert``, which numbers its row after the job's last; KeyError if no job (the
-    foreign key refuses the row)."""
+    """Insert rows (the job first) into a numbered ``table`` in order, then delete all but
+    each job's newest ``keep``; KeyError if a single row's job is unknown (its foreign key).
+    A batch's jobs were checked as they came (``add_report``)."""
     try:
-        conn.execute(insert, values)
-    except sqlite3.IntegrityError as error:
-        if "FOREIGN KEY" not in str(error):
-            raise
-        raise _unknown_job(job) from None
-
-
-_INSERT_REPORT = (
-    "INSERT INTO reports (job, seq, epoch, world_size, rank, time, metrics_json)"
-    " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5, ?6 FROM reports WHERE job = ?1"
-)
-"""Numbers the report after the job's last: per-job sequence numbers make pruning one index
-range delete."""
-
-
-def _insert_reports(
-    conn: sqlite3.Connection,
-    rows: list[tuple[str, int | None, int, int, float, str]],
-    keep: int,
-) -> None:
-    """Insert reports (job, epoch, world size, rank, time, metrics JSON) in order, then keep
-    each job's newest ``keep``; KeyError if the one report's job is unknown (its foreign
-    key). A batch's jobs were checked as they came (``add_report``)."""
-    try:
-        conn.executemany(_INSERT_REPORT, rows)
+        conn.executemany(_NUMBERED_INSERTS[table], rows)
     except sqlite3.IntegrityError as error:
         if len(rows) > 1 or "FOREIGN KEY" not in str(error):
             raise
-        raise _unknown_job(rows[0][0]) from None
+        raise _unknown_job(str(rows[0][0])) from None
     for job in dict.fromkeys(row[0] for row in rows):
-        _prune_numbered(conn, "reports", job, keep)
-
-
-def _prune_numbered(conn: sqlite3.Connection, table: str, job: str, keep: int) -> None:
-    """Delete all but the job's newest ``keep`` rows of ``table`` (numbered by seq)."""
-    conn.execute(
-        f"DELETE FROM {table} WHERE job = ?1"
-        f" AND seq <= (SELECT MAX(seq) FROM {table} WHERE job = ?1) - ?2",
-        (job, keep),
-    )
+        conn.execute(
+            f"DELETE FROM {table} WHERE job = ?1"
+            f" AND seq <= (SELECT MAX(seq) FROM {table} WHERE job = ?1) - ?2",
+            (job, keep),
+        )
 
 
 def _require_job(conn: sqlite3.Connection, name: str) -> None:

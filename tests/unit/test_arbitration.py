@@ -946,10 +946,12 @@ def test_unavailable_gpus_decide_as_a_pool_without_them(story: Story, seed: int)
 # The fast path against the plain algorithm (tests/unit/arbitration_reference.py).
 
 
+CrowdedCase = tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]]
+"""A pool, demands, current placements, frozen jobs and unavailable GPUs."""
+
+
 @st.composite
-def crowded_decisions(
-    draw: st.DrawFn,
-) -> tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]]:
+def crowded_decisions(draw: st.DrawFn) -> CrowdedCase:
     """A pool, demands and current placements of a busy pool: many jobs, some holding GPUs
     that left the pool, some frozen, some GPUs unavailable; desires anywhere."""
     counts = draw(st.lists(st.integers(1, 8), min_size=1, max_size=12))
@@ -990,10 +992,29 @@ def crowded_decisions(
     return pool, demands, current, frozen, unavailable
 
 
+def plain_and_with(case: CrowdedCase, **option: bool) -> tuple[dict[str, Grant], dict[str, Grant]]:
+    """The plain decision of ``case`` and the one with ``option`` (e.g. share_by_gain)."""
+    pool, demands, current, frozen, unavailable = case
+    plain = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
+    return plain, arbitrate(
+        pool, demands, current, frozen=frozen, unavailable=unavailable, **option
+    )
+
+
+def granted_slots(grants: dict[str, Grant], pool: Pool, unavailable: frozenset[Slot]) -> set[Slot]:
+    """Every granted GPU, checked: in the pool, available, and granted to one job only."""
+    owners: set[Slot] = set()
+    for grant in grants.values():
+        slots = set(grant.placement.slots())
+        assert not slots & owners and not slots & unavailable and slots <= set(pool.slots())
+        owners |= slots
+    return owners
+
+
 @settings(max_examples=400, deadline=None)
 @given(case=crowded_decisions())
 def test_the_fast_path_decides_as_the_plain_algorithm(
-    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+    case: CrowdedCase,
 ) -> None:
     pool, demands, current, frozen, unavailable = case
     expected = arbitration_reference.arbitrate(
@@ -1027,7 +1048,7 @@ def test_decision_sequences_match_the_plain_algorithm(story: Story, seed: int) -
 @settings(max_examples=100, deadline=None)
 @given(case=crowded_decisions(), seed=st.integers(0, 2**32 - 1))
 def test_previous_grants_come_back_only_for_unchanged_placements(
-    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+    case: CrowdedCase,
     seed: int,
 ) -> None:
     pool, demands, current, frozen, unavailable = case
@@ -1123,16 +1144,11 @@ def test_lent_gpus_come_back_when_a_job_waits_for_them() -> None:
 @settings(max_examples=200, deadline=None)
 @given(case=crowded_decisions())
 def test_lending_spare_gpus_only_adds_to_what_jobs_get(
-    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+    case: CrowdedCase,
 ) -> None:
-    pool, demands, current, frozen, unavailable = case
-    plain = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
-    lent = arbitrate(
-        pool, demands, current, frozen=frozen, unavailable=unavailable, spare_by_gain=True
-    )
+    pool, demands, _, frozen, unavailable = case
+    plain, lent = plain_and_with(case, spare_by_gain=True)
     by_name = {d.name: d for d in demands}
-    owners: set[Slot] = set()
-    extra = 0
     for name, grant in lent.items():
         demand = by_name[name]
         size, before = grant.placement.size, plain[name].placement.size
@@ -1141,10 +1157,7 @@ def test_lending_spare_gpus_only_adds_to_what_jobs_get(
         assert before <= size <= demand.max
         if size > before:
             assert size <= demand.min + len(demand.gains)
-        extra += size - before
-        slots = set(grant.placement.slots())
-        assert not slots & owners and not slots & unavailable and slots <= set(pool.slots())
-        owners |= slots
+    owners = granted_slots(lent, pool, unavailable)
     idle = pool.size - len(owners) - len(unavailable & set(pool.slots()))
     if idle:
         # GPUs left idle: no unfrozen admitted job could be lent one more.
@@ -1363,17 +1376,14 @@ def test_sharing_by_gain_keeps_tiers_frozen_jobs_and_head_of_line() -> None:
 @settings(max_examples=100, deadline=None)
 @given(case=crowded_decisions())
 def test_sharing_by_gain_runs_the_same_jobs_within_their_bounds(
-    case: tuple[Pool, list[Demand], dict[str, Placement], frozenset[str], frozenset[Slot]],
+    case: CrowdedCase,
 ) -> None:
     pool, demands, current, frozen, unavailable = case
-    plain = arbitrate(pool, demands, current, frozen=frozen, unavailable=unavailable)
-    shared = arbitrate(
-        pool, demands, current, frozen=frozen, unavailable=unavailable, share_by_gain=True
-    )
+    plain, shared = plain_and_with(case, share_by_gain=True)
     by_name = {d.name: d for d in demands}
     one_tier = len({d.priority for d in demands}) == 1
     usable = set(pool.slots()) - unavailable
-    owners: set[Slot] = set()
+    granted_slots(shared, pool, unavailable)  # checks each GPU is granted once, in the pool
     for name, grant in shared.items():
         demand, size = by_name[name], grant.placement.size
         if one_tier:  # across tiers a higher one may take more and keep a lower one out
@@ -1383,6 +1393,3 @@ def test_sharing_by_gain_runs_the_same_jobs_within_their_bounds(
             assert size == min(held.size, demand.max)  # frozen: kept as it is
         elif grant.admitted:
             assert demand.min <= size <= demand.max
-        slots = set(grant.placement.slots())
-        assert not slots & owners and not slots & unavailable and slots <= set(pool.slots())
-        owners |= slots

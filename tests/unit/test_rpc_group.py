@@ -49,6 +49,13 @@ class Gate:
             if len(self.sizes) == self.fail_group:
                 self.store._conn.execute("ROLLBACK")
 
+    def hold(self, peer: RawPeer, epoch: int) -> None:
+        """``peer`` reports ``epoch``; return once its group's commit is held shut."""
+        self.release.clear()
+        peer.send({"id": 1, "op": "report", "args": {"epoch": epoch}})
+        assert self.exiting.wait(GUARD_S)  # the handler ran; the commit is held
+        self.exiting.clear()
+
     def report(self, args: dict[str, Any], caller: Identity) -> dict[str, Any]:
         self.in_group += 1
         epoch = args.get("epoch")
@@ -92,9 +99,7 @@ def test_a_reply_is_sent_only_after_its_group_is_committed(
     server, gate = gated
     (peer,) = _peers(server, 1)
     try:
-        gate.release.clear()
-        peer.send({"id": 1, "op": "report", "args": {"epoch": 7}})
-        assert gate.exiting.wait(GUARD_S)  # the handler ran; the commit is held
+        gate.hold(peer, 7)
         # The reply would be on the socket by now had it been written before the commit.
         assert select.select([peer.sock], [], [], 0.2)[0] == []
         assert _committed_epochs(store.path) == []
@@ -110,9 +115,7 @@ def test_requests_of_one_loop_turn_share_one_commit(gated: tuple[RpcServer, Gate
     server, gate = gated
     first, *others = _peers(server, 6)
     try:
-        gate.release.clear()
-        first.send({"id": 1, "op": "report", "args": {"epoch": 0}})
-        assert gate.exiting.wait(GUARD_S)
+        gate.hold(first, 0)
         # The loop is held in the first group's commit: these five arrive meanwhile and are
         # all read in the loop's next turn.
         for index, peer in enumerate(others, start=1):
@@ -135,10 +138,7 @@ def test_a_failed_commit_fails_every_served_request_of_the_group(
     server, gate = gated
     first, *others = _peers(server, 4)
     try:
-        gate.release.clear()
-        first.send({"id": 1, "op": "report", "args": {"epoch": 0}})
-        assert gate.exiting.wait(GUARD_S)
-        gate.exiting.clear()
+        gate.hold(first, 0)
         for index, peer in enumerate(others[:2], start=1):
             peer.send({"id": 1, "op": "report", "args": {"epoch": index}})
         others[2].send({"id": 1, "op": "report", "args": {"epoch": "three"}})
