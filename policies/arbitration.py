@@ -383,8 +383,10 @@ def _place(
     kept: Mapping[str, Sequence[Slot]],
     target: Mapping[str, int],
     blocked: AbstractSet[Slot],
+    late: AbstractSet[Slot] = frozenset(),
 ) -> dict[str, Placement]:
-    """Choose slots: keep each job's prefix, then grow on its own hosts, then best fit."""
+    """Choose slots: keep each job's prefix, then grow on its own hosts, then best fit; the
+    `late` slots only once no other GPU is free."""
     placements: dict[str, Placement] = {}
     layout: dict[str, dict[str, list[int]]] = {}
     need: dict[str, int] = {}
@@ -416,28 +418,58 @@ def _place(
         for hosts in layout.values():
             for host, gpus in hosts.items():
                 taken.setdefault(host, set()).update(gpus)
-        free = _FreeGpus(pool, taken)
-        for demand in growers:
-            hosts = layout[demand.name]
-            for host, gpus in hosts.items():
-                count = min(need[demand.name], free.count(host))
-                if count:
-                    gpus.extend(free.take(host, count))
-                    need[demand.name] -= count
-        # Larger remainders first: decreasing-size best fit packs hosts tighter.
         rank = {d.name: position for position, d in enumerate(ranked)}
-        for name in sorted((d.name for d in growers), key=lambda n: (-need[n], rank[n])):
-            hosts = layout[name]
-            while need[name] > 0:
-                host = free.best_host(need[name])
-                count = min(need[name], free.count(host))
-                hosts.setdefault(host, []).extend(free.take(host, count))
-                need[name] -= count
+        early = taken
+        if late:
+            early = {host: set(gpus) for host, gpus in taken.items()}
+            for host, gpu in late:
+                early.setdefault(host, set()).add(gpu)
+        free = _FreeGpus(pool, early)
+        _grow(growers, layout, need, free, rank, pool.size - _count_taken(early))
+        if late and any(need[d.name] > 0 for d in growers):
+            for hosts in layout.values():
+                for host, gpus in hosts.items():
+                    taken.setdefault(host, set()).update(gpus)
+            free = _FreeGpus(pool, taken)
+            _grow(growers, layout, need, free, rank, pool.size - _count_taken(taken))
     placements.update(
         (name, Placement(tuple((host, tuple(gpus)) for host, gpus in hosts.items())))
         for name, hosts in layout.items()
     )
     return placements
+
+
+def _count_taken(taken: Mapping[str, AbstractSet[int]]) -> int:
+    return sum(len(gpus) for gpus in taken.values())
+
+
+def _grow(
+    growers: Sequence[Demand],
+    layout: Mapping[str, dict[str, list[int]]],
+    need: dict[str, int],
+    free: _FreeGpus,
+    rank: Mapping[str, int],
+    left: int,
+) -> None:
+    """Give the growers what they still `need` from `free` (`left` GPUs in it): first on
+    the hosts each already has, then best fit, larger remainders first (decreasing-size
+    best fit packs hosts tighter). Stops when `free` runs out."""
+    for demand in growers:
+        hosts = layout[demand.name]
+        for host, gpus in hosts.items():
+            count = min(need[demand.name], free.count(host))
+            if count:
+                gpus.extend(free.take(host, count))
+                need[demand.name] -= count
+                left -= count
+    for name in sorted((d.name for d in growers), key=lambda n: (-need[n], rank[n])):
+        hosts = layout[name]
+        while need[name] > 0 and left > 0:
+            host = free.best_host(need[name])
+            count = min(need[name], free.count(host))
+            hosts.setdefault(host, []).extend(free.take(host, count))
+            need[name] -= count
+            left -= count
 
 
 def _policy_cause(demand: Demand, size: int, shared_by_gain: bool = False) -> str:
@@ -546,6 +578,7 @@ def arbitrate(
     smallest_first: bool = False,
     overdue: AbstractSet[str] = frozenset(),
     share_by_gain: bool = False,
+    draining: AbstractSet[Slot] = frozenset(),
 ) -> dict[str, Grant]:
     """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
 
@@ -562,7 +595,11 @@ def arbitrate(
     keeps the reason of the decision that made a grant; writing thousands of unchanged ones
     again cost a fifth of a decision). With `smallest_first`, jobs are ranked within a tier by
     `_rank_smallest_first` (`overdue`: names of pending jobs that waited past the caller's
-    bound); without it `overdue` is ignored and the order is arrival's.
+    bound); without it `overdue` is ignored and the order is arrival's. `draining` GPUs are
+    being given back by a job whose workers may still be on them: they count as the pool's
+    for admission and shares (they will be free), but are placed only where no other GPU is
+    free, so that the caller, which holds them back until they drained, holds back as few
+    as it must.
     Raises ValueError if two demands share a name or two current placements share a GPU.
     """
     by_name = sorted(demands, key=lambda d: d.name)
@@ -577,7 +614,8 @@ def arbitrate(
     blocked = {slot for slot in unavailable if slot in in_pool}
     held, kept = _kept_slots(pool, by_name, current, blocked)
     counts = _count(pool.size - len(blocked), ranked, kept, frozen, spare_by_gain, share_by_gain)
-    placements = _place(pool, ranked, current, kept, counts.target, blocked)
+    late = {slot for slot in draining if slot in in_pool and slot not in blocked}
+    placements = _place(pool, ranked, current, kept, counts.target, blocked, late)
     reasons = _Reasons(ranked, held, kept, counts)
     grants: dict[str, Grant] = {}
     before = previous or {}

@@ -196,6 +196,32 @@ class Grant:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """A GPU a job gave back that no other job gets until its workers are seen to leave it.
+
+    The allocator keeps one per draining GPU; the store keeps them with the placements, so
+    an operator restarted (or upgraded) while a GPU drains still holds it."""
+
+    job: str
+    given_back_at: float
+    """When the job gave it back (seconds since the epoch: it outlives the process)."""
+    pids: tuple[tuple[str, int], ...] = ()
+    """(host, pid) of the workers bound to it when it was given back."""
+    after_loss: bool = False
+    """Given back because the job lost workers: a report of the smaller size does not free it
+    (the report cannot say which GPUs the survivors use); only its worker's exit does."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the allocator holds after a change: every job's placement (pending jobs' empty)
+    and the GPUs still draining. The store records it as one write."""
+
+    placements: Mapping[str, Placement]
+    draining: Mapping[Slot, Drain] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Report:
     """What a job's workers said once: an epoch end, or a new world size when epoch is None."""
 

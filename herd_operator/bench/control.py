@@ -285,7 +285,9 @@ def run_decision_to_grant(ctx: Context) -> list[Row]:
         Pool.from_counts({"localhost": gpus}),
         publisher,
         virtual=True,
-        on_decision=lambda placements: store.replace_allocations(placements, time.time()),
+        on_decision=lambda decision: store.replace_allocations(
+            decision.placements, time.time(), decision.draining
+        ),
     )
     allocator.request(Demand("bench", 1, gpus, 1))
     hand_file = ctx.scratch / "hand.hosts"

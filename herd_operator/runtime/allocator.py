@@ -23,7 +23,7 @@ import psutil
 
 from herd_operator.rpc import BadRequest, NotFound, host_arg
 from policies.arbitration import arbitrate
-from specs.values import Demand, Grant, Placement, Pool, Slot
+from specs.values import Decision, Demand, Drain, Grant, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,19 @@ class _Drain:
 
     job: str
     until: float
-    """When the job's workers should have left it; past it, it is overdue (and still held)."""
+    """When the job's workers should have left it (the allocator's clock); past it, it is
+    overdue (and still held)."""
     pids: tuple[tuple[str, int], ...]
     """(host, pid) of the workers that were bound to it."""
+    given_back_at: float
+    """Wall-clock time it was given back: what the store keeps, since `until` is of this
+    process's clock."""
     overdue: bool = False
     after_loss: bool = False
     """Given back by `_lose_workers`: a report of the smaller size does not free it."""
+
+    def record(self) -> Drain:
+        return Drain(self.job, self.given_back_at, self.pids, self.after_loss)
 
 
 DEFAULT_DRAIN_SECONDS = 30.0
@@ -137,6 +144,11 @@ class Allocator:
     fewer workers than granted. The grant follows (`observe_world_size`), taking back
     the GPUs of the workers that are gone, with a WorkerLost event; the policy grows
     the job back like any job below its desire.
+
+    Every change ends with the allocator's state handed to `on_decision` (placements and
+    drains, as a `Decision`) and its events to `on_event`, both after its lock is released:
+    the lock order is the store's lock, then the allocator's, never the other way round
+    (see `_record`).
     """
 
     def __init__(
@@ -145,13 +157,14 @@ class Allocator:
         sink: PlacementSink,
         *,
         virtual: bool,
-        on_decision: Callable[[Mapping[str, Placement]], None] = lambda placements: None,
+        on_decision: Callable[[Decision], None] = lambda decision: None,
         min_resize_interval: float = 0.0,
         drain_seconds: float = DEFAULT_DRAIN_SECONDS,
         lost_grace_seconds: float = LOST_GRACE_SECONDS,
         present: Presenter = plain_presentation,
         on_event: EventSink = lambda job, type, reason, message: None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         spare_by_gain: bool = False,
         smallest_first: bool = False,
         max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
@@ -195,11 +208,21 @@ class Allocator:
         self._local_hosts = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
         self.min_resize_interval = min_resize_interval
         self._clock = clock
+        self._wall_clock = wall_clock
         self.virtual = virtual
         self._sink = sink
         self._listeners: list[Callable[[str, Grant], None]] = []
         self._on_decision = on_decision
         self._lock = threading.RLock()
+        # How deep this thread is in `_changing` blocks (only the lock's holder changes it).
+        self._depth = 0
+        # What the store has not been handed yet (see `_record`): whether the state changed
+        # since it was last recorded, and the events raised since.
+        self._unrecorded = False
+        self._unsent_events: list[tuple[str, Literal["Normal", "Warning"], str, str]] = []
+        self._recording = threading.Lock()
+        self._record_failing = False
+        self._record_error: Exception | None = None
         self._demands: dict[str, Demand] = {}
         self._grants: dict[str, Grant] = {}
         self._bindings: dict[tuple[str, str, int], Binding] = {}
@@ -223,13 +246,102 @@ class Allocator:
         for listener in self._listeners:
             listener(job, grant)
 
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The allocator's lock, for a change; what the change leaves for the store is handed
+        to it once the outermost such block has released the lock (`_record`)."""
+        with self._lock:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                outermost = self._depth == 0
+        if outermost:
+            self._record()
+
+    def _record(self) -> None:
+        """Hand the store the allocator's latest state and its events, outside its lock.
+
+        The lock order is the store's lock before the allocator's, never the other way: a
+        group of RPC reports holds the store's transaction while it tells the allocator each
+        job's world size, and the loop's reconciles hold it while they request grants. So a
+        decision never writes to the store under the allocator's lock (that order deadlocked:
+        a burst's decision waited for the store held by a report group, which waited for the
+        allocator). One thread records at a time; one that finds another recording leaves its
+        change to it, and the recording thread looks again after letting go, so no change is
+        left behind. What is recorded is always the state as it is when taken, so an older
+        decision never overwrites a newer one. A write that fails (a full disk) is tried again
+        at the next change or request; the decision stands meanwhile (its grants are
+        published and its jobs woken)."""
+        while self._unrecorded or self._unsent_events:
+            if not self._recording.acquire(blocking=False):
+                return  # the thread recording now looks again once it lets go
+            try:
+                while True:
+                    with self._lock:
+                        events, self._unsent_events = self._unsent_events, []
+                        decision = self._snapshot() if self._unrecorded else None
+                        self._unrecorded = False
+                    if decision is None and not events:
+                        break
+                    for job, kind, reason, message in events:
+                        try:
+                            self._on_event(job, kind, reason, message)
+                        except Exception as err:  # logged with its text when it was raised
+                            log.warning("%s: cannot record the event %s: %s", job, reason, err)
+                    if decision is not None and not self._write(decision):
+                        return
+            finally:
+                self._recording.release()
+
+    def _snapshot(self) -> Decision:
+        return Decision(
+            {job: grant.placement for job, grant in self._grants.items()},
+            {slot: drain.record() for slot, drain in self._draining.items()},
+        )
+
+    def _write(self, decision: Decision) -> bool:
+        """Hand `decision` to the store; False (and said once until it works again) if it
+        refused."""
+        try:
+            self._on_decision(decision)
+        except Exception as err:
+            with self._lock:
+                self._unrecorded = True
+                self._record_error = err
+            if not self._record_failing:
+                self._record_failing = True
+                log.error(
+                    "cannot record the allocator's decision (tried again at each change or"
+                    " request; the grants stand): %s", err,
+                )  # fmt: skip
+            return False
+        if self._record_failing:
+            self._record_failing = False
+            log.warning("the allocator's decisions are recorded again")
+        return True
+
+    def mark_unrecorded(self) -> None:
+        """What was recorded was lost (the store rolled back the group it was written in):
+        record the state again at the next change or request."""
+        with self._lock:
+            self._unrecorded = True
+
+    def record_pending(self) -> Exception | None:
+        """Record now what is still unrecorded (before the operator closes its store); the
+        store's error if the decision is still not recorded, else None."""
+        self._record()
+        with self._lock:
+            return self._record_error if self._unrecorded else None
+
     def request(self, demand: Demand) -> Grant | None:
         """Record a job's demand, decide again for everyone, return the job's grant.
 
         Inside `batch()`, a changed demand is only recorded: the result is None and the job
         is woken (the `watch` listeners) once the batch's single decision is made.
         """
-        with self._lock:
+        with self._changing():
             thawed = self._next_thaw is not None and self._clock() >= self._next_thaw
             drained = self._finish_drains()
             changed = self._demands.get(demand.name) != demand
@@ -257,7 +369,7 @@ class Allocator:
         try:
             yield
         finally:
-            with self._lock:
+            with self._changing():
                 self._batching = False
                 deferred, self._deferred = self._deferred, set()
                 if deferred or self._dirty:
@@ -269,16 +381,23 @@ class Allocator:
                         if job in self._grants and before.get(job) == self._grants[job].placement:
                             self._changed(job, self._grants[job])
 
-    def restore(self, placements: Mapping[str, Placement], bindings: Iterable[Binding]) -> None:
+    def restore(
+        self,
+        placements: Mapping[str, Placement],
+        bindings: Iterable[Binding],
+        draining: Mapping[Slot, Drain] | None = None,
+    ) -> None:
         """Take back what running jobs held under a previous operator (call before any request).
 
         Each job keeps its placement, untouched by decisions, until its first request (the
         controller's reconcile) says what it wants now or it is released; GPUs outside the
         pool, or already taken by a job restored before it, are not restored. `bindings`
         name the host as the worker bound with it (its `name`; `host` may be that name too):
-        they are matched to the pool host through the job's presentation.
+        they are matched to the pool host through the job's presentation. `draining`: the
+        GPUs the jobs were giving back (see `adopted_holdings`): they drain on as they did,
+        their deadline counted from when they were given back.
         """
-        with self._lock:
+        with self._changing():
             pool = set(self.pool.slots())
             taken: set[Slot] = set()
             for job, placement in sorted(placements.items()):
@@ -309,11 +428,26 @@ class Allocator:
                         binding.job, host, binding.local_rank, binding.gpu, binding.pid,
                         "" if name == host else name,
                     )  # fmt: skip
-            self._on_decision(self.placements())
+            now, wall = self._clock(), self._wall_clock()
+            for slot, drain in sorted((draining or {}).items()):
+                if slot not in pool or slot in taken or slot in self._draining:
+                    continue
+                taken.add(slot)
+                left = max(0.0, self.drain_seconds - max(0.0, wall - drain.given_back_at))
+                self._draining[slot] = _Drain(
+                    drain.job, now + left, drain.pids, drain.given_back_at,
+                    after_loss=drain.after_loss,
+                )  # fmt: skip
+                log.info(
+                    "%s: GPU %s:%d still drains (given back %.0f s ago)",
+                    drain.job, slot[0], slot[1], max(0.0, wall - drain.given_back_at),
+                )  # fmt: skip
+            self._schedule_drain_check(now)
+            self._unrecorded = True
 
     def release(self, job: str) -> None:
         """Forget a job: its GPUs go back to the pool (and to whoever waits)."""
-        with self._lock:
+        with self._changing():
             if self._demands.pop(job, None) is None and job not in self._grants:
                 return
             self._held.pop(job, None)
@@ -341,7 +475,7 @@ class Allocator:
         change; those left under their min are pending again. GPUs that come back are
         granted like any free GPU.
         """
-        with self._lock:
+        with self._changing():
             if pool == self.pool:
                 return
             log.info("pool: %s", _describe_pool(pool))
@@ -363,7 +497,7 @@ class Allocator:
         world size then drops, and `observe_world_size` takes back the GPUs it lost, which
         stay unused while the host is cordoned. `cordon(())` lifts it.
         """
-        with self._lock:
+        with self._changing():
             cordoned = frozenset(hosts)
             if cordoned == self._cordoned:
                 return
@@ -381,7 +515,7 @@ class Allocator:
         more had been seen (Horovod dropped failed ones) or for longer than
         `lost_grace_seconds`, shrinks the grant to what runs (see `slots_to_give_up`).
         """
-        with self._lock:
+        with self._changing():
             now = self._clock()
             previous = self._world.get(job)
             self._world[job] = world_size
@@ -446,14 +580,18 @@ class Allocator:
                 # guess was wrong. Only its exit frees the GPU (the job's reports cannot
                 # tell which of its GPUs the survivors use).
                 self._draining[slot] = _Drain(
-                    job, now + self.drain_seconds, ((held.host, held.pid),), after_loss=True
+                    job,
+                    now + self.drain_seconds,
+                    ((held.host, held.pid),),
+                    self._wall_clock(),
+                    after_loss=True,
                 )
         self._schedule_drain_check(now)
         self._short_since.pop(job, None)
         freed = ", ".join(f"{host}:{gpu}" for host, gpu in given_up)
         message = f"world size {world_size} of {len(slots)} granted; GPU(s) {freed} taken back"
         log.warning("%s: %s", job, message)
-        self._on_event(job, "Warning", "WorkerLost", message)
+        self._unsent_events.append((job, "Warning", "WorkerLost", message))
         self._decide(caller="", shrink=(job, Grant(shrunk, f"workers lost: {message}")))
 
     def _finish_drains(self) -> bool:
@@ -490,7 +628,7 @@ class Allocator:
                 f" it stays held until {watched}"
             )
             log.warning("%s: %s", drain.job, message)
-            self._on_event(drain.job, "Warning", "DrainOverdue", message)
+            self._unsent_events.append((drain.job, "Warning", "DrainOverdue", message))
 
     def _schedule_drain_check(self, now: float) -> None:
         self._next_drain_check = min(
@@ -519,7 +657,7 @@ class Allocator:
 
     def release_all(self) -> None:
         """Forget every job at once (operator shutdown): no re-arbitration in between."""
-        with self._lock:
+        with self._changing():
             jobs = list(self._grants)
             self._demands.clear()
             self._grants.clear()
@@ -532,7 +670,7 @@ class Allocator:
             self._next_thaw = None
             for job in jobs:
                 self._sink.withdraw(job)
-            self._on_decision({})
+            self._unrecorded = True
 
     def thaw_at(self) -> float | None:
         """When the next job that resized recently may be resized again (None: none waits).
@@ -580,43 +718,13 @@ class Allocator:
             smallest_first=self.smallest_first,
             overdue=overdue,
             share_by_gain=self.share_by_gain,
+            draining={slot for slot, drain in self._draining.items() if not drain.overdue},
         )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
-        freed = self._start_drains(current, decided, now)
-        if freed and any(
-            slot in freed and freed[slot] != job
-            for job, grant in decided.items()
-            # A job that kept its placement took no GPU: only movers are looked at slot by slot.
-            if grant.placement != current.get(job)
-            for slot in grant.placement.slots()
-        ):
-            # A GPU a job just gave back went to another job in the same decision: decide
-            # again without it; the job that shrank keeps its new size (frozen at it).
-            shrunk = set(freed.values())
-            first = decided
-            current = {**current, **{job: first[job].placement for job in shrunk}}
-            decided = arbitrate(
-                self.pool,
-                demands,
-                current,
-                frozen=frozen | shrunk,
-                unavailable=self._unavailable(),
-                spare_by_gain=self.spare_by_gain,
-                previous=self._grants,
-                smallest_first=self.smallest_first,
-                overdue=overdue,
-                share_by_gain=self.share_by_gain,
-            )
-            decided.update({job: first[job] for job in shrunk})
-            givers = ", ".join(sorted(shrunk))
-            for job, grant in decided.items():
-                if first[job].admitted and not grant.admitted:
-                    decided[job] = Grant(
-                        grant.placement,
-                        f"pending: waiting for GPUs that {givers} gave back to drain"
-                        " (its workers leave them first)",
-                    )
+        self._start_drains(current, decided, now)
+        if self._draining:
+            self._wait_for_drains(decided, current)
         if shrink is not None:
             decided[shrink[0]] = shrink[1]
         decided.update(held)
@@ -679,22 +787,55 @@ class Allocator:
             ):
                 kept[key] = binding
         self._bindings = kept
-        try:
-            self._on_decision({job: grant.placement for job, grant in decided.items()})
-        finally:
-            # The decision stands (grants are published) even when recording it failed: the
-            # jobs it moved must hear of it, or a job admitted here would wait unwoken.
-            for job in changed:
-                if job != caller:
-                    self._changed(job, decided[job])
+        self._unrecorded = True  # handed to the store once the lock is released
+        for job in changed:
+            if job != caller:
+                self._changed(job, decided[job])
+
+    def _wait_for_drains(self, decided: dict[str, Grant], current: Mapping[str, Placement]) -> None:
+        """Take the draining GPUs out of the grants of `decided`: they go to no job yet.
+
+        A decision counts GPUs being given back as the pool's (they will be free) and places
+        them last (`arbitrate`'s `draining`), but they are not free yet: the workers of the
+        job that gave one back leave it only when Horovod removes them. A running job that
+        was to get one grows by the rest of its grant. A job to be admitted waits, pending,
+        until a later decision, once they drained, gives it all of its grant at once: its
+        share is counted for it meanwhile, so nobody else grows into it, and the jobs that
+        shrank for it stay shrunk, so it takes no more than it needs. (Deciding without those
+        GPUs took GPUs from another job, which went to the waiting one at once while that
+        job's workers were still on them; and a job started on part of its grant was frozen
+        at it while the rest went elsewhere.)
+        """
+        for job, grant in list(decided.items()):
+            before = current.get(job, Placement.EMPTY)
+            if grant.placement is before or grant.placement == before:
+                continue  # most jobs keep their placement: they took no GPU
+            taken = {slot for slot in grant.placement.slots() if slot in self._draining}
+            if not taken:
+                continue
+            givers = ", ".join(sorted({self._draining[slot].job for slot in taken}))
+            wait = (
+                f"waiting for GPUs that {givers} gave back to drain (its workers leave them first)"
+            )
+            demand = self._demands.get(job)
+            if demand is None or before.size < demand.min:
+                decided[job] = Grant(Placement.EMPTY, f"pending: {wait}")
+                continue
+            rest = _only(grant.placement, set(grant.placement.slots()) - taken)
+            previous = self._grants.get(job)
+            if previous is not None and previous.placement == rest:
+                decided[job] = previous
+            else:
+                decided[job] = Grant(rest, f"{grant.reason}; {len(taken)} more {wait}")
 
     def _start_drains(
         self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float
-    ) -> dict[Slot, str]:
-        """Slots that running jobs give back in this decision start draining; returns them."""
+    ) -> None:
+        """Slots that running jobs give back in this decision start draining."""
         if self.drain_seconds <= 0:
-            return {}
+            return
         freed: dict[Slot, str] = {}
+        wall = self._wall_clock()
         for job, grant in decided.items():
             before = current.get(job, Placement.EMPTY)
             if not grant.placement.size or before is grant.placement or before == grant.placement:
@@ -708,16 +849,16 @@ class Allocator:
                     for b in self._bindings.values()
                     if b.job == job and (b.host, b.gpu) == slot and b.pid is not None
                 )
-                self._draining[slot] = _Drain(job, now + self.drain_seconds, pids)
+                self._draining[slot] = _Drain(job, now + self.drain_seconds, pids, wall)
                 freed[slot] = job
         if freed:
             self._schedule_drain_check(now)
-        return freed
 
     def _unavailable(self) -> set[Slot]:
-        """GPUs a decision shares out to nobody: draining ones, those of held jobs, and the
-        free GPUs of cordoned hosts (those granted stay with their jobs)."""
-        unavailable = set(self._draining)
+        """GPUs a decision shares out to nobody: those draining past their deadline (they may
+        never be seen free: no decision counts on them), those of held jobs, and the free GPUs
+        of cordoned hosts (those granted stay with their jobs)."""
+        unavailable = {slot for slot, drain in self._draining.items() if drain.overdue}
         for placement in self._held.values():
             unavailable.update(placement.slots())
         if self._cordoned:

@@ -17,8 +17,9 @@ import resource
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -77,7 +78,7 @@ from herd_operator.runtime.pruner import (
     Pruner,
 )
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB, Store, StoreError
-from specs.values import Placement, Pool
+from specs.values import Drain, Placement, Pool, Slot
 
 if TYPE_CHECKING:
     # Imported where used, once the operator serves: a restarted operator answers its
@@ -293,7 +294,9 @@ class Operator:
             config.pool.pool,
             engines,
             virtual=config.pool.virtual,
-            on_decision=lambda placements: store.replace_allocations(placements, time.time()),
+            on_decision=lambda decision: store.replace_allocations(
+                decision.placements, time.time(), decision.draining
+            ),
             min_resize_interval=config.min_resize_interval,
             drain_seconds=config.drain_seconds,
             spare_by_gain=config.spare_by_gain,
@@ -305,6 +308,8 @@ class Operator:
                 job, type, reason, message, time.time()
             ),
         )
+        # A group rolled back (a full disk) took the decisions recorded in it along.
+        store.on_rollback(allocator.mark_unrecorded)
         self.nodes = nodes = NodeWatch(
             config.pool.pool,
             allocator.cordon,
@@ -614,17 +619,19 @@ class Operator:
         adopted = launcher.adopt_recorded()
         running = {item.info.launch_id: item for item in adopted if item.running}
         processes = job_processes(self.layout.root)
-        stored = store.allocations()
         bound = _bindings(processes, running)
-        placements = {}
-        for item in running.values():
-            placement = stored.get(item.job) or _placement_of(bound, item.job, allocator.pool)
-            if placement.size:
-                placements[item.job] = placement
+        placements, draining = adopted_holdings(
+            {item.job for item in running.values()},
+            store.allocations(),
+            store.draining(),
+            bound,
+            allocator.pool,
+            time.time(),
+        )
         self._remove_stale_grants({item.job for item in running.values()})
         for item in adopted:
             engines.adopt(item.job, item.info.spec.engine.kind)
-        allocator.restore(placements, bound)
+        allocator.restore(placements, bound, draining)
         now = time.time()
         for item in running.values():
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(item.info.started_at))
@@ -824,6 +831,8 @@ class Operator:
             if self.layout.runtime is not None:
                 remove_runtime_dir(self.layout.runtime)
                 self.layout.runtime_record.unlink(missing_ok=True)
+        if self.allocator is not None and leave:
+            self.allocator.record_pending()  # a decision the store refused until now
         if self.store is not None:
             self.store.close()
         if self._lock_handle is not None:
@@ -835,9 +844,10 @@ class Operator:
         assert self.allocator is not None
         if self.loop is not None:
             self.loop.record_shutdown()  # logs what the store could not take
-        try:
-            self.allocator.release_all()
-        except StoreError as err:  # a full disk: the GPUs are free all the same
+        self.allocator.release_all()
+        if (err := self.allocator.record_pending()) is not None:
+            # A full disk: the GPUs are free all the same, and the next operator adopts no
+            # job, so it holds none of them.
             log.error("cannot record in the state store that every GPU is free: %s", err)
 
 
@@ -877,20 +887,73 @@ def _bindings(processes: list[JobProcess], running: Mapping[str, Adopted]) -> li
     return found
 
 
-def _placement_of(bindings: list[Binding], job: str, pool: Pool) -> Placement:
+def adopted_holdings(
+    running: AbstractSet[str],
+    stored: Mapping[str, Placement],
+    stored_draining: Mapping[Slot, Drain],
+    bound: Sequence[Binding],
+    pool: Pool,
+    now: float,
+) -> tuple[dict[str, Placement], dict[Slot, Drain]]:
+    """What the jobs a restarted operator adopts hold: a pure function of what it found.
+
+    Each running job's placement is the store's, else what its bound workers show (the
+    crash came before its first decision was recorded). A GPU is free only when seen free,
+    so the GPUs draining are those the store recorded as draining for a job that still
+    runs, and every other GPU a live worker of a running job is bound to outside that job's
+    placement (a decision that shrank the job but whose record was lost): both with the
+    pids of the live workers bound there, which the allocator watches. A drain of a job that
+    no longer runs is over: its workers are gone with it.
+    """
+    placements: dict[str, Placement] = {}
+    for job in sorted(running):
+        placement = stored.get(job) or _placement_of(bound, job, pool)
+        if placement.size:
+            placements[job] = placement
+    owner = {slot: job for job, placement in placements.items() for slot in placement.slots()}
+    live: dict[Slot, dict[str, list[tuple[str, int]]]] = {}
+    for binding in bound:
+        host = _pool_host(binding.host, pool)
+        if binding.job in running and host is not None and binding.pid is not None:
+            live.setdefault((host, binding.gpu), {}).setdefault(binding.job, []).append(
+                (host, binding.pid)
+            )
+    draining: dict[Slot, Drain] = {}
+    for slot, drain in stored_draining.items():
+        if drain.job in running and slot not in owner:
+            watched = dict.fromkeys((*drain.pids, *live.get(slot, {}).get(drain.job, ())))
+            draining[slot] = replace(drain, pids=tuple(watched))
+    for slot, jobs in sorted(live.items()):
+        for job, pids in sorted(jobs.items()):
+            if owner.get(slot) == job or slot in draining:
+                continue
+            if slot in owner:
+                log.warning(
+                    "%s: a live worker of %s (pid %s) is bound to GPU %s:%d, which the store"
+                    " gives to %s",
+                    job, job, pids[0][1], slot[0], slot[1], owner[slot],
+                )  # fmt: skip
+                continue
+            draining[slot] = Drain(job, now, tuple(pids))
+    return placements, draining
+
+
+def _pool_host(name: str, pool: Pool) -> str | None:
+    """The pool host a worker's host name stands for: itself, or the pool's only host (the
+    names a lone host is shown under); None for a name of no pool host."""
+    if name in pool.host_positions:
+        return name
+    return pool.hosts[0][0] if len(pool.hosts) == 1 else None
+
+
+def _placement_of(bindings: Sequence[Binding], job: str, pool: Pool) -> Placement:
     """A job's placement as its bound workers show it, when the store has none (the crash
     came before the decision that placed them was committed). A name that is not a pool
     host is taken for the pool's host when there is one: the names a lone host is shown
     under. GPUs in index order: the order of the lost decision is not known."""
     hosts: dict[str, set[int]] = {}
-    pool_hosts = [host for host, _ in pool.hosts]
     for binding in bindings:
-        if binding.job != job:
-            continue
-        host = binding.host
-        if host not in pool_hosts:
-            if len(pool_hosts) != 1:
-                continue
-            host = pool_hosts[0]
-        hosts.setdefault(host, set()).add(binding.gpu)
+        host = _pool_host(binding.host, pool) if binding.job == job else None
+        if host is not None:
+            hosts.setdefault(host, set()).add(binding.gpu)
     return Placement(tuple((host, tuple(sorted(gpus))) for host, gpus in hosts.items()))

@@ -47,16 +47,17 @@ from controllers.errors import TemporaryError
 from controllers.ports import JobRecord
 from specs import HerdJob
 from specs.status import HerdJobStatus
-from specs.values import Placement, Report, UsageSample
+from specs.values import Drain, Placement, Report, Slot, UsageSample
 
 _log = logging.getLogger(__name__)
 
 DB_FILENAME = "state.db"
 """The store's file name inside the operator's state directory."""
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """1: the first release. 2: the unused ``runtime`` table is dropped. 3: the grant history
-is bounded per job; ``grant_history_trimmed`` says what was dropped."""
+is bounded per job; ``grant_history_trimmed`` says what was dropped. 4: ``drains``, the GPUs
+jobs gave back that their workers may still be on, recorded with the allocations."""
 MAX_REPORTS_PER_JOB = 10_000
 MAX_EVENTS = 100_000
 MAX_GRANTS_PER_JOB = 1_000
@@ -102,6 +103,15 @@ CREATE TABLE allocations (
     PRIMARY KEY (host, gpu)
 );
 CREATE INDEX allocations_by_job ON allocations (job, host_ordinal, local_rank);
+CREATE TABLE drains (
+    host TEXT NOT NULL,
+    gpu INTEGER NOT NULL,
+    job TEXT NOT NULL,
+    given_back_at REAL NOT NULL,
+    pids_json TEXT NOT NULL,
+    after_loss INTEGER NOT NULL,
+    PRIMARY KEY (host, gpu)
+);
 CREATE TABLE reports (
     job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
     seq INTEGER NOT NULL,
@@ -161,9 +171,17 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE grant_history_trimmed (job TEXT PRIMARY KEY, dropped INTEGER NOT NULL,"
         " through REAL NOT NULL)",
     ),
+    4: (
+        "CREATE TABLE drains (host TEXT NOT NULL, gpu INTEGER NOT NULL, job TEXT NOT NULL,"
+        " given_back_at REAL NOT NULL, pids_json TEXT NOT NULL, after_loss INTEGER NOT NULL,"
+        " PRIMARY KEY (host, gpu))",
+    ),
 }
 """What takes a store from the version before to the key's version."""
-_TABLES_ADDED: dict[int, frozenset[str]] = {3: frozenset({"grant_history_trimmed"})}
+_TABLES_ADDED: dict[int, frozenset[str]] = {
+    3: frozenset({"grant_history_trimmed"}),
+    4: frozenset({"drains"}),
+}
 """Tables a store of an older version lacks: a reader opens such a store as it is."""
 
 
@@ -272,6 +290,7 @@ class Store:
         self._said_unwritable = False  # the last word in the log on it was "writes fail"
         self._group_wrote = False
         self._group_lost = False  # SQLite rolled the group back (a full disk, an I/O error)
+        self._rollback_listeners: list[Callable[[], None]] = []
         self._grouping = False  # inside transaction(): writes are savepoints, not commits
         # Inside transaction(): the reports added so far, inserted together at its commit
         # (see add_report), and the jobs already found to exist in it.
@@ -448,7 +467,7 @@ class Store:
         self._group_report_jobs.clear()
         if lost or not self._conn.in_transaction:
             # A full disk or an I/O error inside made SQLite roll back the whole group.
-            self._forget_cached()
+            self._group_rolled_back()
             raise self._rolled_back()
         try:
             with self._errors("write"):
@@ -460,11 +479,24 @@ class Store:
             if self._conn.in_transaction:  # e.g. disk full: leave no transaction open
                 with contextlib.suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
-            # The cached texts may be of writes that were just rolled back.
-            self._forget_cached()
+            self._group_rolled_back()
             raise
         if wrote:
             self._writes_work()
+
+    def on_rollback(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (with the store's lock held) whenever a `transaction()` group is
+        rolled back: what other parts wrote in it is not stored, and they may write it again."""
+        self._rollback_listeners.append(listener)
+
+    def _group_rolled_back(self) -> None:
+        # The cached texts may be of writes that were just rolled back.
+        self._forget_cached()
+        for listener in self._rollback_listeners:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not hide the store's own error
+                _log.exception("state store: a rollback listener failed")
 
     # jobs
 
@@ -607,8 +639,15 @@ class Store:
 
     # allocations
 
-    def replace_allocations(self, placements: Mapping[str, Placement], now: float) -> None:
-        """Replace all allocations with ``placements`` (job -> placement) in one transaction.
+    def replace_allocations(
+        self,
+        placements: Mapping[str, Placement],
+        now: float,
+        draining: Mapping[Slot, Drain] | None = None,
+    ) -> None:
+        """Replace all allocations with ``placements`` (job -> placement), and the draining
+        GPUs with ``draining``, in one transaction: a restarted operator must find a GPU that
+        a job was shrunk off still held (its workers may be on it), never in between.
 
         A job with an empty placement holds nothing and is not stored (the allocator's
         decisions name pending jobs too). ValueError if a GPU is placed twice or a host of
@@ -640,6 +679,16 @@ class Store:
                 " VALUES (?, ?, ?, ?, ?)",
                 rows,
             )
+            conn.execute("DELETE FROM drains")
+            conn.executemany(
+                "INSERT INTO drains (host, gpu, job, given_back_at, pids_json, after_loss)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    (host, gpu, drain.job, drain.given_back_at,
+                     json.dumps([list(pid) for pid in drain.pids]), int(drain.after_loss))
+                    for (host, gpu), drain in (draining or {}).items()
+                ],
+            )  # fmt: skip
             conn.execute(
                 "INSERT INTO meta (key, value) VALUES ('allocations_updated_at', ?)"
                 " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -662,6 +711,32 @@ class Store:
             job: Placement(tuple((host, tuple(gpus)) for host, gpus in placement))
             for job, placement in hosts.items()
         }
+
+    def draining(self) -> dict[Slot, Drain]:
+        """The GPUs jobs gave back and their workers may still be on, as last recorded
+        (empty for a store from before drains were recorded: schema 3 or older)."""
+        try:
+            with self._read() as conn:
+                rows = conn.execute(
+                    "SELECT host, gpu, job, given_back_at, pids_json, after_loss FROM drains"
+                ).fetchall()
+        except StoreError as err:
+            if "no such table" in str(err):
+                return {}
+            raise
+        drains: dict[Slot, Drain] = {}
+        for row in rows:
+            try:
+                pids = tuple((str(host), int(pid)) for host, pid in json.loads(row["pids_json"]))
+            except (ValueError, TypeError) as err:
+                # Still a drain: the GPU stays held until the job reports its smaller size.
+                _log.warning("state store: drain of %s:%s: unreadable pids (%s)",
+                             row["host"], row["gpu"], err)  # fmt: skip
+                pids = ()
+            drains[(row["host"], row["gpu"])] = Drain(
+                row["job"], row["given_back_at"], pids, bool(row["after_loss"])
+            )
+        return drains
 
     def allocations_updated_at(self) -> float | None:
         """When ``replace_allocations`` last ran, or None if it never did."""

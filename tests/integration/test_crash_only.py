@@ -274,3 +274,99 @@ def test_an_operator_told_to_leave_its_jobs_hands_them_to_the_next_one(
     assert [int(e) for e in re.findall(r"<stdout>:epoch (\d+):", job_log)] == list(range(8))
     # The last operator had nothing left to hand over: it cleaned up like any stop.
     assert not (state / "runtime-dir").exists() and not (state / "allocator.json").exists()
+
+
+def bound_workers(state: Path) -> dict[str, dict[int, int]]:
+    """Live workers of the state dir's jobs: job -> GPU -> pid (from the shim's HERD_GPU)."""
+    found: dict[str, dict[int, int]] = {}
+    for proc in job_processes(state):
+        gpu = proc.env.get("HERD_GPU")
+        if gpu is not None:
+            found.setdefault(proc.job, {})[int(gpu)] = proc.pid
+    return found
+
+
+def wait_for(what: str, probe: Any, deadline: float, operator: subprocess.Popen[bytes]) -> Any:
+    while not (value := probe()):
+        assert operator.poll() is None, f"the operator exited while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+@pytest.mark.parametrize("restart", ["SIGKILL", "leave-jobs-running"])
+def test_a_restart_during_a_drain_gives_the_draining_gpus_to_nobody(
+    chaos_dirs: tuple[Path, Path], restart: str
+) -> None:
+    """A job shrunk to admit another gives GPUs back; its workers there leave them only when
+    Horovod removes them (here: never, until the test kills them). An operator killed (or
+    stopped for an upgrade) while they drain must, after its restart, still hold them: the
+    job waiting for them starts only once those workers are gone. Before drains were
+    recorded, the restarted operator granted them at once: two jobs on one GPU."""
+    jobs, state = chaos_dirs
+    sleeper = ["python", "-c", "import time; time.sleep(600)"]
+    log = state.parent / "operator.log"
+    argv = [HERD, "run", "--specs-dir", str(jobs), "--state-dir", str(state),
+            "--hosts", "localhost:4", "--resync-seconds", "0.5", "--grace-seconds", "2",
+            "--min-resize-interval", "0", "--metrics-port", "0"]  # fmt: skip
+    if restart == "leave-jobs-running":
+        argv.append("--leave-jobs-running")
+    deadline = time.monotonic() + GUARD_S
+    operator = start_operator(argv, log)
+    try:
+        wait_until_serving(state, operator, deadline)
+        slow = spec_document("slow", 1, 4, sleeper)
+        (jobs / "slow.yaml").write_text(yaml.safe_dump(slow))
+        wait_for("4 workers of slow", lambda: len(bound_workers(state).get("slow", {})) == 4,
+                 deadline, operator)  # fmt: skip
+        urgent = spec_document("urgent", 2, 2, sleeper, priority=10)
+        (jobs / "urgent.yaml").write_text(yaml.safe_dump(urgent))
+
+        def shrunk() -> bool:
+            with contextlib.suppress(Exception), Store.open_readonly(state / "state.db") as s:
+                slow = s.allocations().get("slow")
+                return slow is not None and slow.size == 2
+            return False
+
+        wait_for("slow shrunk to 2", shrunk, deadline, operator)
+        draining = {gpu: pid for gpu, pid in bound_workers(state)["slow"].items() if gpu >= 2}
+        assert len(draining) == 2, bound_workers(state)
+
+        if restart == "SIGKILL":
+            operator.send_signal(signal.SIGKILL)
+            operator.wait(30)
+        else:
+            operator.send_signal(signal.SIGTERM)
+            assert operator.wait(60) == 0, log.read_text()[-3000:]
+        time.sleep(1.0)
+        operator = start_operator(argv, log)
+        with GpuSharingSampler(state, interval=0.1) as sampler:
+            wait_until_serving(state, operator, deadline)
+            # Several of the operator's resyncs, each a chance to hand the GPUs on: what it
+            # decides is in the store (its workers may take seconds more to show up).
+            settle = time.monotonic() + 6.0
+            granted_early: list[Any] = []
+            while time.monotonic() < settle:
+                assert operator.poll() is None, log.read_text()[-3000:]
+                with contextlib.suppress(Exception), Store.open_readonly(state / "state.db") as s:
+                    if placement := s.allocations().get("urgent"):
+                        granted_early.append(placement)
+                time.sleep(0.2)
+            assert granted_early == [], f"urgent granted draining GPUs: {granted_early[:1]}"
+            assert "urgent" not in bound_workers(state), "urgent started on draining GPUs"
+            for pid in draining.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            granted = wait_for(
+                "urgent's 2 workers",
+                lambda: (
+                    len(bound_workers(state).get("urgent", {})) == 2
+                    and bound_workers(state)["urgent"]
+                ),
+                deadline,
+                operator,
+            )
+        assert sampler.samples > 20 and sampler.shared == [], f"GPUs shared: {sampler.shared[:5]}"
+        assert set(granted) == set(draining), "urgent gets the GPUs slow gave back"
+    finally:
+        stop_operator(operator)

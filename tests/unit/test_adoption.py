@@ -31,6 +31,8 @@ from controllers.workqueue import WorkQueue
 from herd_operator.environment import JOB_ENV, STATE_DIR_ENV
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator, Binding
+from herd_operator.runtime.dispatch import EngineDispatch
+from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.keeper import read_exit_file, read_launch_error
 from herd_operator.runtime.launcher import (
     Adopted,
@@ -40,11 +42,19 @@ from herd_operator.runtime.launcher import (
     find_orphans,
     job_processes,
 )
-from herd_operator.runtime.operator import ExitsRecordedFirst, _bindings, _placement_of
+from herd_operator.runtime.operator import (
+    ExitsRecordedFirst,
+    OperatorConfig,
+    _bindings,
+    _placement_of,
+    adopted_holdings,
+)
+from herd_operator.runtime.operator import Operator as HerdOperator
+from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store, StoreError
 from specs import ConditionType, HerdJob, HerdJobSpec, is_true
 from specs.status import HerdJobStatus
-from specs.values import Demand, Placement, Pool
+from specs.values import Demand, Drain, Placement, Pool
 from tests.unit.test_launcher import Exits
 from tests.unit.test_reconciler import FakeSpecs, herd_job
 
@@ -333,7 +343,7 @@ def allocator(gpus: int = 4) -> tuple[Allocator, Sink, list[dict[str, Placement]
         Pool.from_counts({"localhost": gpus}),
         sink,
         virtual=True,
-        on_decision=lambda placements: decisions.append(dict(placements)),
+        on_decision=lambda decision: decisions.append(dict(decision.placements)),
     )
     return made, sink, decisions
 
@@ -740,3 +750,217 @@ def test_a_failed_start_leaves_no_record_of_a_launch_that_never_ran(
         launcher.launch(replace(request(tmp_path, "pass"), working_dir=str(tmp_path / "none")))
     assert list(records.glob("*.json")) == []
     assert launcher.state("train").phase == ProcessPhase.ABSENT
+
+
+# ---- what adopted jobs hold: placements, drains, and the GPUs their live workers are on ----
+
+
+def drain(job: str, at: float = 10.0, *pids: int, after_loss: bool = False) -> Drain:
+    return Drain(job, at, tuple(("localhost", pid) for pid in pids), after_loss)
+
+
+def test_adopted_holdings_keeps_the_stores_placements_and_the_drains_of_running_jobs() -> None:
+    pool = Pool.from_counts({"localhost": 6})
+    placements, draining = adopted_holdings(
+        running={"slow", "steady"},
+        stored={"slow": place(0, 1), "steady": place(4), "ended": place(5)},
+        stored_draining={
+            ("localhost", 2): drain("slow", 10.0, 41),
+            ("localhost", 3): drain("slow", 10.0, after_loss=True),
+            ("localhost", 5): drain("ended", 10.0, 51),  # its job is gone: so are its workers
+        },
+        bound=[
+            Binding("slow", "localhost", 0, 0, 30, "localhost"),
+            Binding("slow", "localhost", 2, 2, 42, "localhost"),  # still on the draining GPU
+        ],
+        pool=pool,
+        now=100.0,
+    )
+    assert placements == {"slow": place(0, 1), "steady": place(4)}
+    assert draining == {
+        ("localhost", 2): Drain("slow", 10.0, (("localhost", 41), ("localhost", 42))),
+        ("localhost", 3): drain("slow", 10.0, after_loss=True),
+    }
+
+
+def test_a_live_worker_outside_its_jobs_placement_makes_its_gpu_drain() -> None:
+    """The decision that shrank the job was not recorded (or its drain record was lost): the
+    worker still on the GPU says the GPU is not free. A name of the lone host counts as it."""
+    pool = Pool.from_counts({"localhost": 4})
+    placements, draining = adopted_holdings(
+        running={"slow", "other"},
+        stored={"slow": place(0, 1), "other": place(3)},
+        stored_draining={},
+        bound=[
+            Binding("slow", "127.0.0.1", 2, 2, 42, "127.0.0.1"),
+            Binding("slow", "localhost", 3, 3, 43, "localhost"),  # on another job's GPU
+            Binding("gone", "localhost", 0, 3, 44, "localhost"),  # a job not adopted
+        ],
+        pool=pool,
+        now=100.0,
+    )
+    assert placements == {"slow": place(0, 1), "other": place(3)}
+    assert draining == {("localhost", 2): Drain("slow", 100.0, (("localhost", 42),))}
+
+
+def test_a_job_with_no_stored_allocation_holds_what_its_workers_show() -> None:
+    pool = Pool.from_counts({"h1": 2, "h2": 2})
+    placements, draining = adopted_holdings(
+        running={"new"},
+        stored={},
+        stored_draining={},
+        bound=[Binding("new", "h2", 0, 1, 7, "h2"), Binding("new", "h3", 0, 0, 8, "h3")],
+        pool=pool,
+        now=1.0,
+    )
+    assert placements == {"new": place(1, host="h2")}, "h3 is no host of the pool"
+    assert draining == {}
+
+
+def test_restored_drains_hold_their_gpus_until_their_workers_exit_or_the_job_reports(
+    tmp_path: Path,
+) -> None:
+    clock = [100.0]
+    alloc = Allocator(
+        Pool.from_counts({"localhost": 4}), Sink(), virtual=True, clock=lambda: clock[0]
+    )
+    worker = subprocess.Popen(["sleep", "60"])
+    try:
+        alloc.restore(
+            {"slow": place(0, 1)},
+            [],
+            {
+                ("localhost", 2): drain("slow", time.time(), worker.pid),
+                ("localhost", 3): drain("slow", time.time()),
+            },
+        )
+        assert alloc.draining() == {("localhost", 2): "slow", ("localhost", 3): "slow"}
+        urgent = alloc.request(Demand("urgent", 2, 2, 2, priority=10, arrival=2))
+        assert urgent is not None and not urgent.admitted, "both GPUs still drain"
+    finally:
+        worker.kill()
+        worker.wait()
+    clock[0] += 1.0  # the next look at the drains' workers: GPU 2's is gone
+    urgent = alloc.request(Demand("urgent", 2, 2, 2, priority=10, arrival=2))
+    assert urgent is not None and not urgent.admitted, "GPU 3 still drains (no pid to watch)"
+    assert alloc.draining() == {("localhost", 3): "slow"}
+    alloc.request(Demand("slow", 1, 4, 2, arrival=1))  # slow's first reconcile
+    alloc.observe_world_size("slow", 2)  # it runs at 2: the GPU given back is left
+    urgent_grant = alloc.grant("urgent")
+    assert urgent_grant is not None and sorted(urgent_grant.placement.slots()) == [
+        ("localhost", 2),
+        ("localhost", 3),
+    ]
+
+
+def test_a_restored_drain_keeps_the_deadline_it_had() -> None:
+    warned: list[str] = []
+    alloc = Allocator(
+        Pool.from_counts({"localhost": 2}),
+        Sink(),
+        virtual=True,
+        drain_seconds=30.0,
+        on_event=lambda job, kind, reason, message: warned.append(reason),
+    )
+    alloc.restore({"slow": place(0)}, [], {("localhost", 1): drain("slow", time.time() - 60)})
+    alloc.request(Demand("other", 1, 1, 1, arrival=2))
+    assert warned == ["DrainOverdue"], "given back a minute ago: overdue at once"
+
+
+class AdoptingOperator(HerdOperator):
+    """A real operator's adoption step, on parts the test made (no servers, no loop)."""
+
+    def adopt(self, store: Store) -> Allocator:
+        self.layout.create()
+        engines = EngineDispatch(EngineContext(self.layout, ("localhost",)))
+        allocator = Allocator(
+            Pool.from_counts({"localhost": 4}), engines, virtual=True, drain_seconds=30.0
+        )
+        launcher = Launcher(Exits(), grace_seconds=2.0, records_dir=self.layout.launches_dir)
+        self.launcher = launcher
+        self._adopt(store, allocator, launcher, engines)
+        return allocator
+
+
+def workers_script(ready: Path, gpus: tuple[int, ...]) -> str:
+    """A job's process that starts one "worker" per GPU, each with the shim's variables."""
+    return (
+        "import os, pathlib, subprocess, sys, time\n"
+        f"procs = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
+        " env={**os.environ, 'HERD_GPU': str(g), 'HOROVOD_LOCAL_RANK': str(i),"
+        " 'HOROVOD_HOSTNAME': 'localhost'})"
+        f" for i, g in enumerate({list(gpus)!r})]\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(120)\n"
+    )
+
+
+def test_the_operators_adoption_restores_placements_drains_and_live_workers(
+    tmp_path: Path,
+) -> None:
+    """An operator killed while slow's GPUs 2 and 3 drained: the store says slow holds 0-1
+    and GPU 2 drains (GPU 3's drain was never recorded); slow's workers still run on all
+    four. The successor's adoption holds all four, with the workers' pids to watch, and
+    removes the grants a previous operator left for jobs that no longer run."""
+    config = OperatorConfig(
+        specs_dir=tmp_path / "jobs",
+        state_dir=tmp_path / "state",
+        pool=StaticPool(Pool.from_counts({"localhost": 4}), True, "test pool"),
+    )
+    operator = AdoptingOperator(config)
+    layout = operator.layout
+    layout.create()
+    store = Store(layout.database)
+    store.record_spec("slow", "slow.yaml", herd_job("slow", gpus=(1, 4)), "f", 1.0)
+    store.replace_allocations(
+        {"slow": place(0, 1)}, 2.0, {("localhost", 2): drain("slow", time.time())}
+    )
+    first = Launcher(Exits(), grace_seconds=2.0, records_dir=layout.launches_dir)
+    ready = tmp_path / "ready"
+    first.launch(
+        replace(
+            request(tmp_path, workers_script(ready, (0, 1, 2, 3)), job="slow"),
+            env={STATE_DIR_ENV: str(layout.root.resolve()), JOB_ENV: "slow"},
+        )
+    )
+    wait_until(ready.exists, "the workers")
+    layout.grants_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in ("slow.hosts", "gone.hosts", "gone.discover.sh"):
+        (layout.grants_dir / leftover).write_text("localhost:1\n")
+    try:
+        allocator = operator.adopt(store)
+        assert allocator.placements() == {"slow": place(0, 1)}
+        assert allocator.draining() == {("localhost", 2): "slow", ("localhost", 3): "slow"}
+        assert sorted((b.gpu, b.local_rank) for b in allocator.bindings()) == [(0, 0), (1, 1)]
+        assert sorted(path.name for path in layout.grants_dir.iterdir()) == ["slow.hosts"]
+        urgent = allocator.request(Demand("urgent", 2, 2, 2, priority=10, arrival=2))
+        assert urgent is not None and not urgent.admitted
+    finally:
+        first.stop_all(timeout=10)
+        assert operator.launcher is not None
+        operator.launcher.stop_all(timeout=10)
+        store.close()
+
+
+def test_a_lost_group_gives_the_launcher_back_the_exits_the_group_recorded(
+    tmp_path: Path, records: Path, launchers: list[Launcher]
+) -> None:
+    """`ExitsRecordedFirst`: a store group that cannot commit takes the status recording an
+    exit with it, so the exit must be seen again by the reconcile that redoes it (not its
+    record released, which would make the successor start the finished job again)."""
+    store = Store(tmp_path / "state.db")
+    launcher = launcher_on(records, launchers)
+    info = launcher.launch(request(tmp_path, "raise SystemExit(3)"))
+    wait_until(lambda: launcher.state("train").phase == ProcessPhase.EXITED, "the exit")
+    grouped = ExitsRecordedFirst(store, launcher)
+    with pytest.raises(StoreError), grouped.transaction():
+        launcher.forget("train")  # the reconcile recorded the exit in its status...
+        store._conn.execute("ROLLBACK")  # ...and the group is lost (a full disk)
+    state = launcher.state("train")
+    assert (state.phase, state.exit_code, state.launch) == (ProcessPhase.EXITED, 3, info)
+    assert (records / "train.json").exists()
+
+    with grouped.transaction():  # redone, and committed this time
+        launcher.forget("train")
+    assert not (records / "train.json").exists(), "released once the group committed"
+    store.close()

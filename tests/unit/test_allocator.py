@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, NotFound
 from herd_operator.runtime.allocator import Allocator, slots_to_give_up
 from herd_operator.runtime.engines.horovod import GrantPublisher, present
-from specs.values import Demand, Grant, Placement, Pool
+from specs.values import Decision, Demand, Grant, Placement, Pool
 
 # Hang guard for running a discovery script; never a performance expectation.
 GUARD_S = 10.0
@@ -31,8 +30,8 @@ class Recorder:
     def on_change(self, job: str, grant: Grant) -> None:
         self.changes.append((job, grant))
 
-    def on_decision(self, placements: Mapping[str, Placement]) -> None:
-        self.decisions.append(dict(placements))
+    def on_decision(self, decision: Decision) -> None:
+        self.decisions.append(dict(decision.placements))
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ from herd_operator.runtime.metrics import OperatorMetrics
 from herd_operator.runtime.store import Store, StoreError
 from policies.base import PolicyError
 from specs import ConditionType, get_condition
-from specs.values import Demand, Grant, Pool
+from specs.values import Decision, Demand, Grant, Pool
 from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
 from tests.unit.test_reconciler import World, facts, herd_job, started
 
@@ -402,29 +402,59 @@ def test_a_store_error_raised_by_a_job_is_its_own_temporary_error(
     assert [job.name for job in store.list_jobs()] == ["b"]
 
 
-def test_a_decision_the_store_cannot_record_hands_the_whole_burst_back(
+def test_a_decision_the_store_cannot_record_is_recorded_once_it_can(
     layout: StateLayout, store: Store
 ) -> None:
-    def refuse(placements: object) -> None:
-        raise StoreError("disk full")
+    """The burst's decision stands (its grants are published, its jobs proceed) when the
+    store refuses it; the allocator records it at the next request that finds the store
+    working, not never (a burst handed back decided nothing new, so it wrote nothing)."""
+    for name in ("a", "b"):
+        store.record_spec(name, f"{name}.yaml", herd_job(name, gpus=(1, 1)), f"f{name}", 1.0)
+    refusing = True
 
+    def record(decision: Decision) -> None:
+        if refusing:
+            raise StoreError("disk full")
+        store.replace_allocations(decision.placements, 2.0, decision.draining)
+
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 2}),
+        GrantPublisher(layout),
+        virtual=True,
+        on_decision=record,
+    )
+
+    def ask(name: str) -> None:
+        allocator.request(Demand(name, 1, 1, 1))
+
+    loop, _, outcomes = loop_for(ask, allocator, store)
+    assert loop.reconcile_burst(taken(loop.queue, "a", "b")) == []
+    assert outcomes.seen == [Outcome.SUCCESS, Outcome.SUCCESS]
+    assert store.allocations() == {}
+    refusing = False
+    allocator.request(Demand("a", 1, 1, 1))  # nothing changes: only the record is written
+    assert {job: p.size for job, p in store.allocations().items()} == {"a": 1, "b": 1}
+
+
+def test_a_lost_group_makes_the_allocator_record_its_decision_again(
+    layout: StateLayout, store: Store
+) -> None:
+    """A decision written inside a store group that is then rolled back (a full disk at its
+    commit) is not in the store: the allocator hears of the rollback and writes it again."""
+    store.record_spec("a", "a.yaml", herd_job("a", gpus=(1, 1)), "fa", 1.0)
     allocator = Allocator(
         Pool.from_counts({"localhost": 1}),
         GrantPublisher(layout),
         virtual=True,
-        on_decision=refuse,
+        on_decision=lambda d: store.replace_allocations(d.placements, 2.0, d.draining),
     )
-    asked: list[str] = []
-
-    def ask(name: str) -> None:
-        asked.append(name)
-        allocator.request(Demand(name, 1, 1, 1))
-
-    loop, queue, outcomes = loop_for(ask, allocator, store)
-    assert loop.reconcile_burst(taken(loop.queue, "a", "b")) == ["a", "b"]
-    assert asked == ["a", "b"]
-    assert outcomes.seen[-2:] == [Outcome.LOST, Outcome.LOST]
-    assert queue.failures("a") == 1
+    store.on_rollback(allocator.mark_unrecorded)
+    with pytest.raises(StoreError), store.transaction():
+        allocator.request(Demand("a", 1, 1, 1))
+        store._conn.execute("ROLLBACK")  # what SQLite does to a group that hit a full disk
+    assert store.allocations() == {}
+    allocator.request(Demand("a", 1, 1, 1))
+    assert {job: p.size for job, p in store.allocations().items()} == {"a": 1}
 
 
 # ---- shutdown ----
@@ -599,8 +629,7 @@ def test_jobs_a_decision_moved_are_woken_even_when_the_store_refuses_it(
     waiting = allocator.request(Demand("second", 1, 1, 1, arrival=2.0))
     assert waiting is not None and not waiting.admitted
     refusing = True
-    with pytest.raises(StoreError):
-        allocator.release("first")  # frees the GPU: second is admitted in this decision
+    allocator.release("first")  # frees the GPU: second is admitted in this decision
     grant = allocator.grant("second")
     assert grant is not None and grant.admitted
     assert ready(queue) == ["second"]

@@ -28,7 +28,7 @@ from herd_operator.runtime.store import (
 )
 from specs import HerdJob
 from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Placement, UsageSample
+from specs.values import Drain, Placement, UsageSample
 from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
 
 
@@ -328,11 +328,12 @@ def test_a_new_store_is_created_at_the_current_version_without_the_runtime_table
     db_path: Path,
 ) -> None:
     Store(db_path).close()
-    assert SCHEMA_VERSION == 3
-    assert user_version(db_path) == 3
+    assert SCHEMA_VERSION == 4
+    assert user_version(db_path) == 4
     assert tables(db_path) == {
         "jobs",
         "allocations",
+        "drains",
         "reports",
         "gpu_usage",
         "grant_history",
@@ -350,6 +351,7 @@ def test_a_reader_reads_a_version_1_store_as_it_is(db_path: Path) -> None:
         assert (job.spec, job.status.epoch, job.generation) == (SPEC, 3, 1)
         assert [record.name for record in reader.list_jobs()] == ["resnet"]
         assert reader.allocations() == {}
+        assert reader.draining() == {}, "no drains were recorded then"
         assert reader.trimmed_history() == {}, "no bound then: nothing was dropped"
     assert user_version(db_path) == 1  # a reader never migrates
     assert "runtime" in tables(db_path)
@@ -362,7 +364,7 @@ def test_the_writer_migrates_a_version_1_store(db_path: Path) -> None:
         assert job is not None and (job.uid, job.status.epoch) == ("0" * 32, 3)
     assert user_version(db_path) == SCHEMA_VERSION
     assert "runtime" not in tables(db_path)
-    assert "grant_history_trimmed" in tables(db_path)
+    assert {"grant_history_trimmed", "drains"} <= tables(db_path)
     with Store(db_path) as again:  # migrated once: opening again changes nothing
         assert again.get_job("resnet") == job
 
@@ -613,6 +615,30 @@ def test_replace_allocations_replaces_the_whole_table(store: Store) -> None:
     store.replace_allocations({}, now=3.0)
     assert store.allocations() == {}
     assert store.allocations_updated_at() == 3.0
+
+
+def test_draining_gpus_are_recorded_with_the_allocations_and_replaced_with_them(
+    store: Store,
+) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp", now=1.0)
+    draining = {
+        ("h", 2): Drain("resnet", 40.5, (("h", 4242), ("h", 4243))),
+        ("g", 0): Drain("resnet", 41.0, (), after_loss=True),
+    }
+    store.replace_allocations({"resnet": placed(("h", [0, 1]))}, now=42.0, draining=draining)
+    assert store.draining() == draining
+    assert store.allocations() == {"resnet": placed(("h", [0, 1]))}
+    store.replace_allocations({"resnet": placed(("h", [0, 1]))}, now=43.0)
+    assert store.draining() == {}, "each decision says every drain there is"
+
+
+def test_a_refused_decision_leaves_the_drains_as_they_were(store: Store) -> None:
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp", now=1.0)
+    draining = {("h", 2): Drain("resnet", 40.0, (("h", 7),))}
+    store.replace_allocations({"resnet": placed(("h", [0]))}, now=1.0, draining=draining)
+    with pytest.raises(KeyError):
+        store.replace_allocations({"ghost": placed(("h", [0]))}, now=2.0)
+    assert store.draining() == draining
 
 
 def test_gpu_placed_for_two_jobs_is_refused_and_nothing_changes(store: Store) -> None:
