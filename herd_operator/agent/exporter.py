@@ -7,15 +7,23 @@ with the operator, which adds it to Prometheus' file_sd targets and scrapes it
 for the policies' memory signal. Without a reachable operator it still serves,
 with empty job labels. With `--dcgm-job-mapping-dir` it also keeps dcgm-exporter's HPC
 job mapping files for this node's GPUs (exporters/dcgm.py).
+
+How many virtual GPUs a node without NVML GPUs serves (`choose_gpu_count`): `--virtual-gpus`
+if given, else as many as the operator's pool has on this host (the answer to each
+registration), else Slurm's count for this node, else 4; the log says which.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import socket
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +44,131 @@ log = logging.getLogger(__name__)
 REGISTER_EVERY_SECONDS = 5.0
 """The registration is also the node's heartbeat: a node silent for the operator's
 --node-timeout (30 s) leaves the pool."""
+RETRY_REGISTER_SECONDS = 2.0
+"""Until the operator answers (not started yet, or away)."""
 OWNERS_MAX_AGE_SECONDS = 1.0
+
+DEFAULT_VIRTUAL_GPUS = 4
+"""Virtual GPUs of an agent that learns no count from anywhere (see `choose_gpu_count`)."""
+MAX_POOL_GPUS = 65_536
+"""The most GPUs on one host an operator's answer is believed for (a job's own limit)."""
+SLURM_GPU_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+"""Slurm's variables that give this node's GPUs in an `srun` step on any node of the
+allocation: slurmstepd sets SLURM_GPUS_ON_NODE for the step's own node (whatever the batch
+script had), and SLURM_GPUS_PER_NODE is the same on every node. Not SLURM_JOB_GPUS: a step
+started without GPUs keeps the batch node's value."""
+_GPU_COUNT = re.compile(r"(?:[A-Za-z0-9_.-]+:)?(?P<count>[0-9]+)")
+FROM_POOL = "the operator's pool"
+
+
+@dataclass(frozen=True)
+class GpuCount:
+    count: int
+    source: str
+    """Where the count came from, in words for the log."""
+
+
+def slurm_gpu_count(environ: Mapping[str, str]) -> tuple[int, str] | None:
+    """This node's GPUs by Slurm's variables (`4`, `a100:4`, `a100:2,v100:2`) and the
+    variable that said so; None where none gives a count above 0. ValueError naming the
+    variable for a value that is not Slurm's syntax."""
+    for variable in SLURM_GPU_VARIABLES:
+        text = environ.get(variable, "").strip()
+        if not text:
+            continue
+        total = 0
+        for entry in text.split(","):
+            match = _GPU_COUNT.fullmatch(entry.strip())
+            if match is None:
+                raise ValueError(
+                    f"{variable}={text!r}: expected COUNT or TYPE:COUNT (e.g. a100:4), "
+                    "or pass --virtual-gpus"
+                )
+            total += int(match["count"])
+        if total:
+            return total, variable
+    return None
+
+
+def choose_gpu_count(
+    nvml: int, requested: int | None, pool: int | None, slurm: tuple[int, str] | None
+) -> GpuCount:
+    """How many GPUs this node's agent serves, and why.
+
+    NVML's GPUs where it sees some (real GPUs are what they are); else `--virtual-gpus`
+    (`requested`); else the GPUs the operator's pool has on this host (`pool`, from the
+    answer to a registration; None before one, 0: the host is not in the pool); else
+    Slurm's count for this node; else DEFAULT_VIRTUAL_GPUS.
+    """
+    if nvml > 0:
+        return GpuCount(nvml, "NVML")
+    if requested is not None:
+        return GpuCount(requested, "--virtual-gpus")
+    if pool:
+        return GpuCount(pool, FROM_POOL)
+    if slurm is not None:
+        count, variable = slurm
+        return GpuCount(count, f"Slurm's {variable}")
+    return GpuCount(
+        DEFAULT_VIRTUAL_GPUS,
+        "the default: no NVML GPU, no --virtual-gpus, no word from the operator's pool, "
+        "no Slurm GPU variable",
+    )
+
+
+def pool_disagreement(host: str, served: GpuCount, pool: int | None) -> str | None:
+    """A warning when the operator's pool (`pool` GPUs on `host`, None: not said) is not
+    what this agent serves; None when they agree or the pool did not say."""
+    if pool is None or served.source == FROM_POOL:
+        return None
+    if pool == 0:
+        return (
+            f"{host} is not in the operator's pool: no job gets a GPU of this agent's "
+            "(pass --host with this node's name as the pool spells it)"
+        )
+    if pool != served.count:
+        return (
+            f"serving {served.count} GPUs ({served.source}) but the operator's pool has "
+            f"{pool} on {host}: jobs get only the pool's"
+        )
+    return None
+
+
+def pool_gpus(reply: Mapping[str, Any]) -> int | None:
+    """The GPUs the operator's pool has on this host, from its answer to a registration;
+    None from an operator that does not say (older ones) or says something else."""
+    gpus = reply.get("gpus")
+    if isinstance(gpus, int) and not isinstance(gpus, bool) and 0 <= gpus <= MAX_POOL_GPUS:
+        return gpus
+    return None
+
+
+class ServedGpus:
+    """The GPU count an agent serves, following what the operator's pool says."""
+
+    def __init__(
+        self, host: str, nvml: int, requested: int | None, slurm: tuple[int, str] | None
+    ) -> None:
+        self.host = host
+        self._nvml = nvml
+        self._requested = requested
+        self._slurm = slurm
+        self.current = choose_gpu_count(nvml, requested, None, slurm)
+        self._warned: str | None = None
+
+    def heard(self, pool: int | None) -> tuple[GpuCount | None, str | None]:
+        """The operator answered a registration saying `pool` (None: nothing). Returns the
+        new count when the count changed (not when only its source did), and a warning when
+        the pool disagrees in a new way."""
+        if pool is None:
+            return None, None  # the last word stands: an operator that did not say
+        chosen = choose_gpu_count(self._nvml, self._requested, pool, self._slurm)
+        changed = chosen if chosen.count != self.current.count else None
+        self.current = chosen
+        warning = pool_disagreement(self.host, chosen, pool)
+        new_warning = warning if warning != self._warned else None
+        self._warned = warning
+        return changed, new_warning
 
 
 class AllocatorView:
@@ -132,9 +264,11 @@ class AllocatorView:
         self._refresh()
         return {gpu: list(pids) for gpu, pids in self._pids.items()}
 
-    def register(self, port: int) -> bool:
+    def register(self, port: int) -> dict[str, Any] | None:
+        """Register (the node's heartbeat); the operator's answer, None when it did not
+        answer."""
         with self._lock:
-            return self._call("register_exporter", host=self.host, port=port) is not None
+            return self._call("register_exporter", host=self.host, port=port)
 
     def unregister(self, port: int) -> bool:
         """Leave the operator's scrape targets now (they would expire otherwise)."""
@@ -147,15 +281,16 @@ def run_exporter(
     host: str | None,
     listen: str,
     port: int,
-    virtual_gpus: int,
+    virtual_gpus: int | None,
     virtual_gpu_memory: int,
     stop: threading.Event,
     *,
-    virtual_requested: bool = False,
     per_process: bool = False,
     dcgm_job_mapping_dir: Path | None = None,
     key: bytes | None = None,
+    environ: Mapping[str, str] = os.environ,
 ) -> int:
+    """Serve until `stop`. `virtual_gpus`: --virtual-gpus (None: see `choose_gpu_count`)."""
     host = host or socket.gethostname()
     try:
         agent_identity(host)
@@ -163,24 +298,32 @@ def run_exporter(
         log.error("%r is not a host name the operator accepts; pass --host", host)
         return 2
     view = AllocatorView(StateLayout(state_dir), host, key)
+    nvml = nvml_gpu_count()
     source: GpuSource
-    if nvml_gpu_count():
+    virtual: VirtualGpuSource | None = None
+    if nvml:
         source = NvmlGpuSource(host)
-        kind = "NVML"
+        gpus = ServedGpus(host, nvml, virtual_gpus, None)
     else:
-        if not virtual_requested:
-            try:
+        try:
+            if virtual_gpus is None:
                 check_no_unseen_gpus()
-            except ValueError as err:
-                log.error("%s", err)
-                return 2
-        source = VirtualGpuSource(host, virtual_gpus, virtual_gpu_memory, view.bound_pids)
-        kind = f"{virtual_gpus} virtual"
+            slurm = slurm_gpu_count(environ) if virtual_gpus is None else None
+            gpus = ServedGpus(host, 0, virtual_gpus, slurm)
+        except ValueError as err:
+            log.error("%s", err)
+            return 2
+        source = virtual = VirtualGpuSource(
+            host, gpus.current.count, virtual_gpu_memory, view.bound_pids
+        )
     registry = CollectorRegistry()
     registry.register(GpuCollector(source, view.owners, per_process=per_process))
     server = serve_metrics(registry, listen, port)
     bound = server.server_port
-    log.info("exporter for %s (%s GPUs) on http://%s:%d/metrics", host, kind, listen, bound)
+    log.info(
+        "exporter for %s (%s) on http://%s:%d/metrics",
+        host, _shown(gpus.current, virtual is not None), listen, bound,
+    )  # fmt: skip
     mapping: JobMappingLoop | None = None
     if dcgm_job_mapping_dir is not None:
         mapping = JobMappingLoop(JobMappingWriter(dcgm_job_mapping_dir, view.gpu_owners))
@@ -189,11 +332,27 @@ def run_exporter(
     registered = False
     try:
         while not stop.is_set():
-            ok = view.register(bound)
-            if ok and not registered:
-                log.info("registered with the operator")
-            registered = ok
-            stop.wait(REGISTER_EVERY_SECONDS if ok else 2.0)
+            reply = view.register(bound)
+            if reply is not None:
+                pool = pool_gpus(reply)
+                if not registered:
+                    log.info(
+                        "registered with the operator as agent:%s%s",
+                        host, "" if pool is None else f" (its pool has {pool} GPUs here)",
+                    )  # fmt: skip
+                was = gpus.current
+                changed, warning = gpus.heard(pool)
+                if changed is not None and virtual is not None:
+                    # read() takes the count at each scrape: the next one has the new GPUs.
+                    virtual.count = changed.count
+                    log.info(
+                        "%s now serves %s (was %s)",
+                        host, _shown(changed, True), _shown(was, True),
+                    )  # fmt: skip
+                if warning is not None:
+                    log.warning("%s", warning)
+            registered = reply is not None
+            stop.wait(REGISTER_EVERY_SECONDS if registered else RETRY_REGISTER_SECONDS)
     finally:
         if registered and view.unregister(bound):
             log.info("unregistered from the operator")
@@ -202,3 +361,8 @@ def run_exporter(
         server.shutdown()
         server.server_close()
     return 0
+
+
+def _shown(gpus: GpuCount, virtual: bool) -> str:
+    kind = "virtual GPUs" if virtual else "GPUs"
+    return f"{gpus.count} {kind}, from {gpus.source}"

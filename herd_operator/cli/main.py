@@ -357,8 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument(
         "--virtual-gpus",
         type=_positive_int,
-        help="virtual GPUs where NVML finds none (default: 4); given, also on a host whose "
-        "NVIDIA devices NVML cannot read",
+        help="virtual GPUs where NVML finds none (default: as many as the operator's pool "
+        "has on this host, else Slurm's SLURM_GPUS_ON_NODE or SLURM_GPUS_PER_NODE, else 4); "
+        "given, also on a host whose NVIDIA devices NVML cannot read",
     )
     exporter.add_argument("--virtual-gpu-memory", type=parse_bytes, default=2 << 30)
     exporter.add_argument(
@@ -788,10 +789,9 @@ def cmd_exporter(args: argparse.Namespace) -> int:
             args.host,
             args.listen,
             args.port,
-            args.virtual_gpus or 4,
+            args.virtual_gpus,
             args.virtual_gpu_memory,
             stop,
-            virtual_requested=args.virtual_gpus is not None,
             per_process=args.process_metrics,
             dcgm_job_mapping_dir=args.dcgm_job_mapping_dir,
             key=key,

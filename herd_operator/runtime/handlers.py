@@ -27,6 +27,7 @@ from herd_operator.rpc import BadRequest, Forbidden, Handler, NotFound, host_arg
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store
 from specs.models import MAX_GPUS
+from specs.values import Pool
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,8 @@ def _exporter_address(args: dict[str, Any]) -> str:
 
 
 class ExporterRegistry:
-    """`register_exporter`: node exporters say where they serve.
+    """`register_exporter`: node exporters say where they serve (answered, given the pool,
+    with `{"gpus": N}`, the GPUs the pool has on the exporter's host: 0 outside it).
 
     Kept as Prometheus file_sd targets (with the operator's own endpoint) and as the
     URLs the usage observer scrapes when the pool spans several hosts. An exporter that
@@ -221,9 +223,13 @@ class ExporterRegistry:
         *,
         expire_after: float = EXPORTER_EXPIRY_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        pool: Callable[[], Pool] | None = None,
     ) -> None:
         self.targets_file = targets_file
         self.operator_address = operator_address
+        self._pool = pool
+        """The pool now (it can change): each registration is answered with the GPUs it
+        has on the exporter's host, which a node agent without NVML serves as virtual GPUs."""
         self.expire_after = expire_after
         self._clock = clock
         self._exporters: dict[str, float] = {}
@@ -246,7 +252,10 @@ class ExporterRegistry:
             log.info("exporter registered: %s", address)
             self.write_targets()
         self.expire()
-        return {}
+        if self._pool is None:
+            return {}
+        gpus = dict(self._pool().hosts).get(host_arg(args, "host"), ())
+        return {"gpus": len(gpus)}
 
     def unregister(self, args: dict[str, Any]) -> dict[str, Any]:
         """`unregister_exporter`: an exporter that stops says so, and leaves the targets now

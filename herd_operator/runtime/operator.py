@@ -324,7 +324,9 @@ class Operator:
         if previous_runtime is not None and previous_runtime != self.layout.runtime:
             remove_runtime_dir(previous_runtime)  # nothing adopted reads it
         # Ready before the RPC server starts: an exporter may register at once.
-        self.exporters = exporters = ExporterRegistry(self.layout.scrape_targets_file, None)
+        self.exporters = exporters = ExporterRegistry(
+            self.layout.scrape_targets_file, None, pool=lambda: allocator.pool
+        )
         self.server = server = self._start_rpc_server(
             token,
             {

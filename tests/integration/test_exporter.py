@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporters.nvml import nvml_gpu_count
 from tests.integration.harness import REPO, digits_command, operator_harness, spec_document
 
 HERD = str(Path(sys.executable).with_name("herd-operator"))
@@ -118,8 +120,9 @@ def test_an_exporter_given_its_hosts_key_on_stdin_registers_and_the_key_stays_of
     tmp_path: Path,
 ) -> None:
     """`agent-key --host H | exporter --key-stdin --host H`, as the sbatch runs it through
-    srun; about 5 s. With `run --no-agent-key-files` no agent key is on the state dir."""
-    with operator_harness(tmp_path, metrics_port=0, agent_key_files=False) as herd:
+    srun; about 5 s. With `run --no-agent-key-files` no agent key is on the state dir. As in
+    the sbatch, no --virtual-gpus: the agent serves as many GPUs as the pool has on its host."""
+    with operator_harness(tmp_path, 3, metrics_port=0, agent_key_files=False) as herd:
         assert not any(herd.layout.secrets_dir.glob("agent*"))
         state = str(herd.layout.root)
         printed = subprocess.run(
@@ -128,6 +131,8 @@ def test_an_exporter_given_its_hosts_key_on_stdin_registers_and_the_key_stays_of
         )  # fmt: skip
         key = printed.stdout.strip()
         assert len(key) == 64
+        # Not inside a Slurm job, whatever runs the tests: the count comes from the pool.
+        without_slurm = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         # A pipe like srun's stdin: the key, then end of file.
         read_end, write_end = os.pipe()
         os.write(write_end, printed.stdout.encode())
@@ -135,21 +140,35 @@ def test_an_exporter_given_its_hosts_key_on_stdin_registers_and_the_key_stays_of
         try:
             exporter = subprocess.Popen(
                 [HERD, "exporter", "--state-dir", state, "--port", "0", "--listen", "127.0.0.1",
-                 "--host", "localhost", "--virtual-gpus", "2", "--key-stdin"],
+                 "--host", "localhost", "--key-stdin"],
                 cwd=REPO, stdin=read_end, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True,
+                text=True, env=without_slurm,
             )  # fmt: skip
         finally:
             os.close(read_end)
         try:
             targets = herd.layout.scrape_targets_file
+
+            def registered() -> str | None:
+                text = targets.read_text() if targets.exists() else ""
+                found = re.search(r"localhost:[0-9]+", text)
+                return found[0] if found else None
+
+            address = herd.wait_for(registered, "the exporter to register with the key from stdin")
+            gpus = nvml_gpu_count() or 3  # NVML's GPUs are served as NVML sees them
             herd.wait_for(
-                lambda: targets.exists() and "localhost:" in targets.read_text(),
-                "the exporter to register with the key from stdin",
+                lambda: (
+                    {gpu for name, gpu, _ in scrape(address) if name.endswith("total_bytes")}
+                    == {str(index) for index in range(gpus)}
+                ),
+                f"the exporter to serve {gpus} GPUs",
             )
         finally:
             exporter.send_signal(signal.SIGTERM)
             output, _ = exporter.communicate(timeout=30)
         assert exporter.returncode == 0, output
         assert "registered with the operator" in output and key not in output
+        assert "registered with the operator as agent:localhost (its pool has 3 GPUs here)" in (
+            output
+        )
         assert not any(herd.layout.secrets_dir.glob("agent*"))

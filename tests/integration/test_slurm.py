@@ -4,6 +4,7 @@ The operator runs as the batch script, as a user would start it, with no `--host
 must find the allocation's three nodes and their GRES GPUs from Slurm's variables, listen
 where the other nodes reach it, and run elastic jobs whose workers horovodrun starts on
 the other nodes over ssh. The test then resizes a job across nodes by editing its spec.
+A second test runs deploy/slurm/herd.sbatch itself and kills one of its node agents.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
 from tests.integration.harness import (
     HERD,
+    REPO,
     OperatorHarness,
     digits_command,
     spec_document,
@@ -210,3 +214,94 @@ def test_an_operator_in_an_allocation_runs_and_resizes_jobs_across_its_nodes(
     text = operator_output()
     assert "Traceback" not in text, text[-4000:]
     assert os.path.exists(output)
+
+
+def herd_sbatch_for(root: Path, cluster: NamespaceCluster, herd: OperatorHarness) -> Path:
+    """deploy/slurm/herd.sbatch itself, for the test cluster: its #SBATCH lines (Perlmutter's
+    constraint, QOS and 4 nodes of 4 GPUs) swapped for 3 nodes of 2 GRES GPUs, and the
+    variables it reads pointed at the test's paths. Everything else is the script as shipped."""
+    shebang, *body = (REPO / "deploy" / "slurm" / "herd.sbatch").read_text().splitlines()
+    script = root / "herd.sbatch"
+    python_bin = Path(sys.executable).parent
+    script.write_text(
+        "\n".join(
+            [
+                shebang,
+                "#SBATCH -N 3",
+                "#SBATCH --gres=gpu:2",
+                f"#SBATCH -o {root}/herd.%j.out",
+                "#SBATCH --no-kill",
+                f"export PATH={cluster.bin_dir}:{python_bin}:$PATH",
+                f"export REPO={REPO} HERD={HERD} HERD_STATE_DIR={herd.layout.root}",
+                f"export HERD_SPECS_DIR={herd.specs_dir} HERD_NETWORK_INTERFACE=eth0",
+                *(line for line in body if not line.startswith("#SBATCH")),
+            ]
+        )
+        + "\n"
+    )
+    return script
+
+
+def agent_pids(state_dir: Path, host: str) -> list[int]:
+    """The live `herd-operator exporter --host HOST` processes of this state dir (not the
+    srun that started them)."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        argv = process.info["cmdline"] or []
+        if (
+            "exporter" in argv
+            and str(state_dir) in argv
+            and "--host" in argv[:-1]
+            and argv[argv.index("--host") + 1] == host
+            and Path(argv[0]).name != "srun"
+            and process.info["status"] != psutil.STATUS_ZOMBIE
+        ):
+            found.append(process.pid)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_the_batch_script_restarts_a_killed_agent_before_its_node_is_cordoned(
+    tmp_path: Path, cluster: NamespaceCluster
+) -> None:
+    """deploy/slurm/herd.sbatch under its own `set -euo pipefail`: an agent killed (SIGKILL,
+    so srun ends with an error) is started again, heard by the operator, and its node is
+    never cordoned (the operator's --node-timeout is 30 s there). No training job runs."""
+    herd = OperatorHarness(tmp_path / "herd")
+    herd.specs_dir.mkdir(parents=True)
+    slurm_job = cluster.sbatch(herd_sbatch_for(tmp_path, cluster, herd))
+    output = tmp_path / f"herd.{slurm_job}.out"
+    agents_log = herd.layout.root / "agents.log"
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {path.name}:\n" + (path.read_text()[-3000:] if path.exists() else "(none)")
+            for path in (output, agents_log)
+        )
+
+    def heard(host: str) -> int:
+        """How many times an agent of `host` said it registered with the operator."""
+        text = agents_log.read_text() if agents_log.exists() else ""
+        return text.count(f"registered with the operator as agent:{host}")
+
+    try:
+        herd.wait_for(lambda: len(agents(herd)) == 3, f"an agent on each node\n{logs()}", 90)
+        (first,) = herd.wait_for(lambda: agent_pids(herd.layout.root, "h2"), "h2's agent", 10)
+        os.kill(first, signal.SIGKILL)
+        killed = time.monotonic()
+        herd.wait_for(
+            lambda: [pid for pid in agent_pids(herd.layout.root, "h2") if pid != first],
+            f"h2's agent to be started again\n{logs()}",
+            60,
+        )
+        herd.wait_for(lambda: heard("h2") >= 2, f"the new agent to register\n{logs()}", 60)
+        print(f"h2's agent back {time.monotonic() - killed:.1f} s after the kill", flush=True)
+        assert not node_event(herd, "NodeLost", "h2"), herd.diagnostics(None)
+        assert "agent on h2 ended" in agents_log.read_text(), logs()
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.run(cluster.controller, ["scancel", slurm_job], timeout=10)
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and cluster.job_state(slurm_job) != "GONE":
+            time.sleep(0.5)
+    assert "Traceback" not in logs(), logs()

@@ -284,5 +284,5 @@ def test_the_exporter_refuses_virtual_gpus_on_a_gpu_node(
     monkeypatch.setattr(exporter, "check_no_unseen_gpus", refuse)
     stop = threading.Event()
     stop.set()
-    code = exporter.run_exporter(tmp_path, "h1", "127.0.0.1", 0, 4, 1 << 30, stop)
+    code = exporter.run_exporter(tmp_path, "h1", "127.0.0.1", 0, None, 1 << 30, stop)
     assert code == 2
