@@ -1,11 +1,15 @@
 """Crash-only: `herd-operator run` killed with SIGKILL at random moments, and started again.
 
-Two real elastic jobs (one resized by a schedule) run through every kill. After each
-restart the operator must adopt them: no job is stopped or started again, no epoch is
-trained twice or lost, and at no moment do two jobs' workers sit on one GPU (a sampler
-reads the GPU each live worker was bound to, from its environment, all along).
+Three real elastic jobs run through every stop: one resized by a schedule (grows and
+shrinks), one steady, and one of a higher priority that arrives after the first stop and
+shrinks the first while it trains (its GPUs drain, then it grows back once the late job
+ends). Most stops are a SIGKILL at a random moment, some wait for a GPU to drain first,
+and some are the upgrade path (SIGTERM under `--leave-jobs-running`). After each restart
+the operator must adopt the jobs: no job is stopped or started again, no epoch is trained
+twice or lost, and at no moment do two jobs' workers sit on one GPU (a sampler reads the
+GPU each live worker was bound to, from its environment, all along).
 
-The number of kills is HERD_CHAOS_KILLS (default 3, so the suite stays short; the
+The number of stops is HERD_CHAOS_KILLS (default 3, so the suite stays short; the
 figures in docs/reliability.md come from a run with 20), the moments come from
 HERD_CHAOS_SEED (default 11), and HERD_CHAOS_REPORT names a JSON file for the figures.
 """
@@ -138,6 +142,15 @@ def chaos_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     kill_marked_processes(state)  # whatever a failed run left
 
 
+def draining(state: Path) -> bool:
+    """Whether the store records a GPU being given back (its workers may still be on it)."""
+    try:
+        with Store.open_readonly(state / "state.db") as store:
+            return bool(store.draining())
+    except Exception:  # the database may be mid-creation right after a kill
+        return False
+
+
 def test_operator_killed_at_random_moments_never_stops_restarts_or_overlaps_jobs(
     chaos_dirs: tuple[Path, Path],
 ) -> None:
@@ -153,15 +166,22 @@ def test_operator_killed_at_random_moments_never_stops_restarts_or_overlaps_jobs
     steady = spec_document(
         "steady", 1, 1, digits_command(EPOCHS, "--step-delay", "0.03"), env=slow_start
     )
+    # Arrives after the first stop; its min takes GPUs from `resized`, which drain first.
+    late = spec_document(
+        "late", 2, 2, digits_command(4, "--step-delay", "0.03"), env=slow_start, priority=10
+    )
     for document in (resized, steady):
         (jobs / f"{document['metadata']['name']}.yaml").write_text(yaml.safe_dump(document))
-    names = ["resized", "steady"]
+    names = ["resized", "steady", "late"]
+    epochs_of = {"resized": EPOCHS, "steady": EPOCHS, "late": 4}
     log = state.parent / "operator.log"
     argv = [HERD, "run", "--specs-dir", str(jobs), "--state-dir", str(state),
             "--hosts", "localhost:4", "--resync-seconds", "0.5", "--grace-seconds", "5",
-            "--min-resize-interval", "1", "--metrics-port", "0"]  # fmt: skip
+            "--min-resize-interval", "1", "--metrics-port", "0",
+            "--leave-jobs-running"]  # fmt: skip
     rng = random.Random(SEED)
     kills: list[float] = []
+    stops = {"start-up": 0, "running": 0, "draining": 0, "upgrade": 0}
     ready_after: list[float] = []  # seconds from a restart to an operator that serves again
     deadline = time.monotonic() + GUARD_S
     operator = start_operator(argv, log)
@@ -169,8 +189,10 @@ def test_operator_killed_at_random_moments_never_stops_restarts_or_overlaps_jobs
         with GpuSharingSampler(state) as sampler:
             while len(kills) < KILLS and not finished(state, names):
                 assert time.monotonic() < deadline, "timed out"
+                how = "SIGKILL"
                 if kills and rng.random() < 0.25:
                     time.sleep(rng.uniform(0.0, 1.0))  # in the middle of start-up
+                    stops["start-up"] += 1
                 else:
                     ready = wait_until_serving(state, operator, deadline)
                     if kills:
@@ -178,9 +200,22 @@ def test_operator_killed_at_random_moments_never_stops_restarts_or_overlaps_jobs
                     # Any instant of the jobs' first launches may be hit too: a launch is
                     # recorded before its process starts (tests/unit/test_adoption.py).
                     time.sleep(rng.uniform(0.5, 5.0))
-                operator.send_signal(signal.SIGKILL)
-                operator.wait(30)
+                    mode = rng.random()
+                    if mode < 0.3:
+                        # Wait (a while) for a GPU to drain, then stop right in it.
+                        until = time.monotonic() + 10.0
+                        while not draining(state) and time.monotonic() < until:
+                            time.sleep(0.05)
+                    if mode >= 0.8:
+                        how = "SIGTERM"  # the upgrade path: --leave-jobs-running
+                        stops["upgrade"] += 1
+                    else:
+                        stops["draining" if draining(state) else "running"] += 1
+                operator.send_signal(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)
+                operator.wait(60)
                 kills.append(time.time())
+                if len(kills) == 1:
+                    (jobs / "late.yaml").write_text(yaml.safe_dump(late))
                 time.sleep(rng.uniform(0.0, 1.5))  # down for a moment
                 operator = start_operator(argv, log)
             ready_after.append(wait_until_serving(state, operator, deadline))
@@ -205,19 +240,21 @@ def test_operator_killed_at_random_moments_never_stops_restarts_or_overlaps_jobs
         reasons = [event.reason for event in events[name]]
         job_log = (state / "logs" / f"{name}.log").read_text()
         epochs = [int(e) for e in re.findall(r"<stdout>:epoch (\d+):", job_log)]
+        total = epochs_of[name]
         relaunches += reasons.count("Started") - 1
-        epochs_repeated_or_lost += len(epochs) - len(set(epochs)) + EPOCHS - len(set(epochs))
+        epochs_repeated_or_lost += len(epochs) - len(set(epochs)) + total - len(set(epochs))
         assert reasons.count("Started") == 1, f"{name} was started again: {reasons}; {context}"
         assert "Orphaned" not in reasons and "BackOff" not in reasons, reasons
         assert job_log.count("==== ") == 1, f"{name} launched more than once:\n{job_log}"
-        assert epochs == list(range(EPOCHS)), f"{name}: epochs trained {epochs}\n{job_log}"
-        assert f"done: {EPOCHS} epochs" in job_log
+        assert epochs == list(range(total)), f"{name}: epochs trained {epochs}\n{job_log}"
+        assert f"done: {total} epochs" in job_log
     resizes = [e.message for e in events["resized"] if e.reason == "Resized"]
     assert resizes, "the schedule should have resized a job across the kills"
 
     adoption = [float(s) for s in re.findall(r"adopted \d+ running job.* in ([\d.]+) s", text)]
     figures = {
         "kills": len(kills),
+        "stops": stops,
         "seed": SEED,
         "gpu_samples": sampler.samples,
         "gpus_shared": len(sampler.shared),
