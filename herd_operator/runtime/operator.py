@@ -211,6 +211,10 @@ class ExitsRecordedFirst:
         self._store = store
         self._launcher = launcher
 
+    @property
+    def writable(self) -> bool:
+        return self._store.writable
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         try:

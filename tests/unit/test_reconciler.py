@@ -79,8 +79,11 @@ class FakeLauncher:
     stops: list[str] = field(default_factory=list)
     states: dict[str, ProcessState] = field(default_factory=dict)
     start_error: Exception | None = None
+    attempts: list[float] = field(default_factory=list)
+    """The clock's time at each call of start, successful or not."""
 
     def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo:
+        self.attempts.append(self.clock())
         if self.start_error is not None:
             raise self.start_error
         # The real launcher refuses a second process for a job; a double start is a bug.
