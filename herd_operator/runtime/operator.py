@@ -58,6 +58,7 @@ from herd_operator.runtime.handlers import (
     for_own_host,
     for_own_job,
     heard_from,
+    store_group,
 )
 from herd_operator.runtime.launcher import (
     Adopted,
@@ -430,7 +431,7 @@ class Operator:
                 host=config.listen_host,
                 port=port,
                 grouped_ops=GROUPED_OPS,
-                commit_group=store.transaction,
+                commit_group=lambda: store_group(store),
             )
 
         port = config.listen_port
