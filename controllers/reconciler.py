@@ -476,7 +476,7 @@ class JobReconciler:
         if lost:
             message = _lost(lost, gone_for, launch, workers, granted)
             self._event(name, "Warning", "WorkerLost", message, now)
-        if not watch.seen:  # no worker of this launch has bound yet: nothing to show
+        if status.workers is None and not watch.seen:  # none of this launch's has bound yet
             return None, None
         return workers.alive, watch
 

@@ -899,6 +899,15 @@ def test_a_worker_lost_by_a_job_that_does_not_report_is_shown_after_a_grace(
         world.clock.advance(RESYNC_S)
         world.reconcile("a")
     assert len(worker_lost_events(world, "a")) == 1
+    for process in procs:  # every worker gone while the driver runs: ACTIVE 0, not `-`
+        end(process)
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")
+    world.clock.advance(WORKER_LOST_GRACE_S)
+    world.reconcile("a")
+    gpus = world.status("a").gpus
+    assert gpus is not None and gpus.active == 0
+    assert worker_lost_events(world, "a")[-1].startswith("3 workers gone for 30s")
     assert ("Warning", "WorkerLost") in [event[:2] for event in world.events("a")]
 
 
