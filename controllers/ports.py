@@ -106,6 +106,17 @@ class StorePort(Protocol):
     ) -> object: ...
 
 
+@dataclass(frozen=True)
+class Workers:
+    """A launch's workers as their GPU bindings show them (the shim binds each worker with
+    its pid): what a script that never reports shows of itself."""
+
+    alive: int
+    """Workers bound to a GPU of the job's grant that run, started since the launch did."""
+    idle: tuple[tuple[str, int], ...]
+    """The granted GPUs (host, index) with no such worker."""
+
+
 class AllocatorPort(Protocol):
     def request(self, demand: Demand) -> Grant | None:
         """The job's grant; None when the decision is deferred (the job is woken after)."""
@@ -113,6 +124,10 @@ class AllocatorPort(Protocol):
 
     def grant(self, job: str) -> Grant | None: ...
     def release(self, job: str) -> None: ...
+    def workers(self, job: str, since: float) -> Workers | None:
+        """The job's workers started since `since` (unix time: the launch's start); None
+        when it holds no GPU or one on a host whose processes cannot be seen from here."""
+        ...
 
 
 class ProcessPhase(enum.Enum):
@@ -142,6 +157,9 @@ class ProcessState:
     stopped_by_us: bool = False
     launch_error: str | None = None
     """Why the command never ran (the keeper could not execute it); None when it ran."""
+    ended_at: float | None = None
+    """When the launch ended (exited only; unix time, from its keeper's exit record): a
+    launch that ended while no operator ran is seen long after. None when unknown."""
 
 
 class LauncherPort(Protocol):

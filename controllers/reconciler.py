@@ -30,6 +30,7 @@ from controllers.ports import (
     SpecSource,
     SpecView,
     StorePort,
+    Workers,
 )
 from policies.base import JobObservations, Policy, PolicyError, Signal
 from policies.registry import load_policy
@@ -43,7 +44,7 @@ from specs import (
     set_condition,
     spec_fingerprint,
 )
-from specs.status import GpuCounts, HerdJobStatus
+from specs.status import GpuCounts, HerdJobStatus, WorkerWatch
 from specs.values import Demand, Grant, Report
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,34 @@ TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
 USAGE_HISTORY_SECONDS = 3600.0
 """GPU usage samples older than this are not read for a policy (an epoch longer than an hour
 is averaged over its last hour)."""
+WORKER_LOST_GRACE_SECONDS = 30.0
+"""How long fewer workers than were seen may run, while the job's driver still runs, before
+the missing ones are lost (`watch_workers`). Horovod's workers end one by one when a job
+succeeds, and its driver exits once the last has: within seconds, unless rank 0 saves for
+longer. Lost workers of a reporting job are noticed about as late, after Gloo's 30 s."""
+
+
+def watch_workers(
+    watch: WorkerWatch | None, alive: int, granted: int, now: float, grace: float
+) -> tuple[WorkerWatch, int, float]:
+    """A look at a running launch that does not report: `alive` of its workers run on its
+    `granted` GPUs. Returns the watch to keep, how many workers to call lost now, and for
+    how long fewer than seen have run.
+
+    Fewer than the most seen (`watch.seen`, at most `granted`: a shrink takes workers away
+    on purpose; from 0: workers still starting are not missing) for `grace` seconds in a row
+    are lost. Not at once: workers also end one by one when the job succeeds, and the
+    driver's exit, which ends the watch, follows within that. Once called, the lost ones are
+    forgotten (`seen` drops to `alive`), so a loss is said once; a worker Horovod starts
+    again on the GPU counts as seen again.
+    """
+    seen = min(max(watch.seen if watch is not None else 0, alive), granted)
+    if alive >= seen:
+        return WorkerWatch(seen=seen), 0, 0.0
+    since = watch.short_since if watch is not None and watch.short_since is not None else now
+    if now - since < grace:
+        return WorkerWatch(seen=seen, short_since=since), 0, now - since
+    return WorkerWatch(seen=alive), seen - alive, now - since
 
 
 def restart_delay(restarts: int, base: float = 1.0, cap: float = 60.0) -> float:
@@ -72,10 +101,12 @@ class JobReconciler:
         stop_poll_seconds: float = 0.5,
         metrics_stale_seconds: float = 15.0,
         report_deadline_seconds: float = REPORT_DEADLINE_SECONDS,
+        worker_lost_grace_seconds: float = WORKER_LOST_GRACE_SECONDS,
         observer: ReconcileObserver | None = None,
     ) -> None:
         self.metrics_stale_seconds = metrics_stale_seconds
         self.report_deadline_seconds = report_deadline_seconds
+        self.worker_lost_grace_seconds = worker_lost_grace_seconds
         self.observer: ReconcileObserver = observer or NoObserver()
         self.specs = specs
         self.store = store
@@ -203,8 +234,9 @@ class JobReconciler:
         if process.phase == ProcessPhase.ABSENT:
             return self._start_or_wait(name, job, status, grant, decision.gpus, generation, now)
         return self._running(
-            name, job, status, grant, decision.gpus, reports, observed, policy, generation, now
-        )
+            name, job, status, grant, decision.gpus, reports, observed, policy, launch,
+            generation, now,
+        )  # fmt: skip
 
     # ---- steps ----
 
@@ -262,6 +294,7 @@ class JobReconciler:
                 "started_at": launch.started_at,
                 "retry_at": None,
                 "epoch": None,
+                "workers": None,
             }
         )
 
@@ -274,6 +307,8 @@ class JobReconciler:
         self._record_release(name, status, f"job {outcome}", now)
         status = status.model_copy(
             update={
+                # Mends a status stored while an exit left Resizing as the run had it.
+                "conditions": _not_resizing(status.conditions, generation, now),
                 "gpus": _counts(job, status, None, 0, None),
                 "placement": [],
                 "grant_reason": "",
@@ -360,11 +395,16 @@ class JobReconciler:
         reports: Sequence[Report],
         observed: JobObservations,
         policy: Policy,
+        launch: LaunchInfo | None,
         generation: int,
         now: float,
     ) -> Result:
-        """A running job: its conditions and counts from the grant and the workers' reports."""
-        active = reports[-1].world_size if reports else None
+        """A running job: its conditions and counts from the grant and the workers' reports
+        (until a worker reports, from their GPU bindings: see `_watch_workers`)."""
+        reported = reports[-1].world_size if reports else None
+        active, watch = reported, None
+        if not reports and launch is not None:
+            active, watch = self._watch_workers(name, status, grant, launch, now)
         epochs = [report.epoch for report in reports if report.epoch is not None]
         epoch = epochs[-1] if epochs else status.epoch
         conditions = set_condition(
@@ -381,13 +421,14 @@ class JobReconciler:
             ConditionType.Running,
             TRUE,
             "Training" if reports else "Started",
-            f"world size {active}" if active else "waiting for the workers' first report",
+            f"world size {reported}" if reported else "waiting for the workers' first report",
             generation,
             now,
         )
-        resizing = active is not None and active != grant.placement.size
+        # What the workers say (Horovod's world): bindings show live processes, not a size.
+        resizing = reported is not None and reported != grant.placement.size
         was_resizing = get_condition(status.conditions, ConditionType.Resizing)
-        if not resizing and was_resizing is not None and was_resizing.status == TRUE and active:
+        if not resizing and was_resizing is not None and was_resizing.status == TRUE and reported:
             self.observer.resize_completed(name, now - was_resizing.last_transition_time)
         conditions = self._reporting_condition(
             name, conditions, bool(reports), observed.started_at, generation, now
@@ -399,7 +440,7 @@ class JobReconciler:
             ConditionType.Resizing,
             TRUE if resizing else FALSE,
             "Resizing" if resizing else "Stable",
-            f"{active} -> {grant.placement.size} workers" if resizing else "",
+            f"{reported} -> {grant.placement.size} workers" if resizing else "",
             generation,
             now,
         )
@@ -408,6 +449,7 @@ class JobReconciler:
                 "conditions": conditions,
                 "gpus": _counts(job, status, desired, grant.placement.size, active),
                 "epoch": epoch,
+                "workers": watch,
                 # Workers that report got past the launch: a later failure to launch starts
                 # its backoff over.
                 **({"launch_failures": 0} if reports else {}),
@@ -415,6 +457,28 @@ class JobReconciler:
         )
         self._save(name, status, generation, now)
         return Result(requeue_after=self.resync_seconds)
+
+    def _watch_workers(
+        self, name: str, status: HerdJobStatus, grant: Grant, launch: LaunchInfo, now: float
+    ) -> tuple[int | None, WorkerWatch | None]:
+        """(active, the watch) of a launch no worker has reported for: active is how many
+        of its workers bound to its GPUs run (None until one has bound); one gone for
+        `worker_lost_grace_seconds` while the launch runs gets a `WorkerLost` Warning. A
+        script that never reports showed ACTIVE `-` and no sign of a lost worker until the
+        report deadline (600 s)."""
+        workers = self.allocator.workers(name, launch.started_at)
+        if workers is None:  # GPUs on another host: their processes cannot be seen here
+            return None, None
+        granted = grant.placement.size
+        watch, lost, gone_for = watch_workers(
+            status.workers, workers.alive, granted, now, self.worker_lost_grace_seconds
+        )
+        if lost:
+            message = _lost(lost, gone_for, launch, workers, granted)
+            self._event(name, "Warning", "WorkerLost", message, now)
+        if status.workers is None and not watch.seen:  # none of this launch's has bound yet
+            return None, None
+        return workers.alive, watch
 
     def _accept_spec(
         self, view: SpecView, now: float
@@ -457,8 +521,11 @@ class JobReconciler:
         now: float,
     ) -> HerdJobStatus:
         self.launcher.forget(name)
-        status = status.model_copy(update={"launch_failures": 0})  # it did run
-        conditions = status.conditions
+        status = status.model_copy(update={"launch_failures": 0, "workers": None})  # it ran
+        # When it ended: a launch that ended while no operator ran is seen at the restart.
+        ended = min(process.ended_at, now) if process.ended_at is not None else now
+        # No process of the launch is left to resize (a failed job showed Resizing=True).
+        conditions = _not_resizing(status.conditions, generation, now)
         code = process.exit_code
         if process.stopped_by_us:
             conditions = set_condition(
@@ -485,13 +552,10 @@ class JobReconciler:
                 generation,
                 now,
             )
-            conditions = set_condition(
-                conditions, ConditionType.Resizing, FALSE, "Stable", "", generation, now
-            )
             return status.model_copy(
                 update={
                     "conditions": conditions,
-                    "finished_at": now,
+                    "finished_at": ended,
                     "observed_generation": generation,
                 }
             )
@@ -527,7 +591,11 @@ class JobReconciler:
             now,
         )
         return status.model_copy(
-            update={"conditions": conditions, "finished_at": now, "observed_generation": generation}
+            update={
+                "conditions": conditions,
+                "finished_at": ended,
+                "observed_generation": generation,
+            }
         )
 
     def _restart_fresh(self, status: HerdJobStatus, generation: int, now: float) -> HerdJobStatus:
@@ -620,6 +688,7 @@ class JobReconciler:
                 "started_at": launch.started_at,
                 "retry_at": None,
                 "epoch": None,
+                "workers": None,
             }
         )
         self._save(name, status, generation, now)
@@ -845,6 +914,18 @@ def _with_spec_validity(
     return status.model_copy(update={"conditions": conditions})
 
 
+def _not_resizing(
+    conditions: tuple[Condition, ...], generation: int, now: float
+) -> tuple[Condition, ...]:
+    """`Resizing=False`: what a job with no running process shows, whatever its last run
+    was doing (unchanged, and no transition, when it says so already)."""
+    if not is_true(conditions, ConditionType.Resizing) and (
+        get_condition(conditions, ConditionType.Resizing) is not None
+    ):
+        return conditions
+    return set_condition(conditions, ConditionType.Resizing, FALSE, "Stable", "", generation, now)
+
+
 def _allocated(status: HerdJobStatus) -> int:
     return status.gpus.allocated if status.gpus else 0
 
@@ -876,6 +957,15 @@ def _counts(
         desired=desired if desired is not None else (status.gpus.desired if status.gpus else None),
         allocated=allocated,
         active=active,
+    )
+
+
+def _lost(lost: int, gone_for: float, launch: LaunchInfo, workers: Workers, granted: int) -> str:
+    idle = ", ".join(f"{host}:{gpu}" for host, gpu in workers.idle)
+    return (
+        f"{lost} worker{'s' if lost > 1 else ''} gone for {gone_for:.0f}s while {launch.command}"
+        f" pid {launch.pid} runs: {workers.alive} of the {granted} granted GPUs have a live"
+        f" worker (none on {idle})"
     )
 
 

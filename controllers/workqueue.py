@@ -16,7 +16,8 @@ watcher and the controllers ``add()`` keys. The guarantees:
   timeout passes or once ``shutdown()`` was called; after shutdown, adds are
   ignored, so workers drain out instead of picking up new work.
 - Backoff: ``backoff(key)`` counts a failure and returns
-  ``min(base_delay * 2**(failures - 1), max_delay)``; ``add_rate_limited(key)``
+  ``min(base_delay * 2**(failures - 1), max_delay)`` (the base and cap may be given per
+  call, for a slower schedule of some failures); ``add_rate_limited(key)``
   re-adds the key after that delay; ``forget(key)`` resets the count after a
   success.
 - ``len(queue)`` counts the ready plus the delayed keys.
@@ -127,13 +128,19 @@ class WorkQueue:
                 if not self._shut_down:
                     self._make_ready(key)
 
-    def backoff(self, key: str) -> float:
-        """Count a failure of ``key`` and return the delay before its next try."""
+    def backoff(
+        self, key: str, *, base_delay: float | None = None, max_delay: float | None = None
+    ) -> float:
+        """Count a failure of ``key`` and return the delay before its next try.
+
+        ``base_delay`` and ``max_delay`` replace the queue's for this delay (a slower
+        schedule for some failures); the count of failures is the key's either way."""
         with self._cond:
             exponent = self._failures.get(key, 0)
             self._failures[key] = exponent + 1
-            delay = self._base_delay * 2.0 ** min(exponent, _MAX_BACKOFF_EXPONENT)
-            return min(delay, self._max_delay)
+        base = self._base_delay if base_delay is None else base_delay
+        delay = base * 2.0 ** min(exponent, _MAX_BACKOFF_EXPONENT)
+        return min(delay, self._max_delay if max_delay is None else max_delay)
 
     def add_rate_limited(self, key: str) -> None:
         """Re-add ``key`` after its backoff delay (counts one more failure)."""

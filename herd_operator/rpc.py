@@ -170,6 +170,13 @@ class Forbidden(Exception):
     """Raised by a handler when the caller's identity may not do what it asked."""
 
 
+class Unavailable(Exception):
+    """Raised by a handler (or a group's commit) that cannot serve now for a reason said
+    already where it is known (a state store that refuses writes says so itself, once a
+    minute at most): answered as an internal error, logged at debug instead of with a
+    traceback per request."""
+
+
 def host_arg(args: Mapping[str, Any], key: str) -> str:
     """The host name in ``args[key]``; raises BadRequest naming the field if it is not one."""
     value = args.get(key)
@@ -920,12 +927,15 @@ class RpcServer:
                     answers.append(
                         self._invoke(request_id, op, handler, args, identity, connection.peer)
                     )
-        except Exception:
-            logger.exception(
-                "the commit of a group of %d request(s) failed; every one of them that was"
-                " served gets an internal error",
-                len(group),
-            )
+        except Exception as error:
+            if isinstance(error, Unavailable):
+                logger.debug("the commit of a group of %d request(s): %s", len(group), error)
+            else:
+                logger.exception(
+                    "the commit of a group of %d request(s) failed; every one of them that"
+                    " was served gets an internal error",
+                    len(group),
+                )
             committed = answers
             answers = []
             for index, (_, request_id, op, *_) in enumerate(group):
@@ -958,6 +968,9 @@ class RpcServer:
         except Forbidden as error:
             self._log_forbidden(identity, op, peer)
             return self._error(request_id, "forbidden", _clip(str(error)))
+        except Unavailable as error:
+            logger.debug("op %r unavailable (request from %s): %s", op, peer, error)
+            return self._internal(request_id, op)
         except Exception:
             logger.exception("handler for op %r failed (request from %s)", op, peer)
             return self._internal(request_id, op)

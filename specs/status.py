@@ -36,6 +36,16 @@ class GpuCounts(StatusModel):
     """The world size the workers last reported (None: nothing reported yet)."""
 
 
+class WorkerWatch(StatusModel):
+    """A running launch whose workers have not reported, as their GPU bindings show it:
+    what tells a lost worker from workers that end one by one as the job succeeds."""
+
+    seen: int = 0
+    """The most workers of the launch found running at once (at most the GPUs it holds)."""
+    short_since: float | None = None
+    """When fewer than `seen` were first found running (None: all of them run)."""
+
+
 class HerdJobStatus(StatusModel):
     observed_generation: int = 0
     conditions: tuple[Condition, ...] = ()
@@ -53,6 +63,8 @@ class HerdJobStatus(StatusModel):
     retry_at: float | None = None
     last_resize_at: float | None = None
     """When the grant of the running job last changed size."""
+    workers: WorkerWatch | None = None
+    """The running launch's workers, while none has reported (None otherwise)."""
     policy_reason: str = ""
     grant_reason: str = ""
 

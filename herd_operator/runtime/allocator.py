@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 import psutil
 
+from controllers.ports import Workers
 from herd_operator.rpc import BadRequest, NotFound, host_arg
 from policies.arbitration import arbitrate
 from specs.values import Decision, Demand, Drain, Grant, Placement, Pool, Slot
@@ -944,6 +945,29 @@ class Allocator:
                 raise NotFound(f"no job {job!r}")
             return {"placement": grant.placement.to_json(), "reason": grant.reason}
 
+    def workers(self, job: str, since: float) -> Workers | None:
+        """The job's workers as their bindings show them (each bind names the worker's pid):
+        how many bound to a GPU of its grant run and started at or after `since` (unix time:
+        the launch's start; a worker of an earlier launch, or another process that got its
+        pid, is not one), and which granted GPUs have none. None when the job holds no GPU,
+        or one on another host, whose processes cannot be seen from here."""
+        with self._lock:
+            grant = self._grants.get(job)
+            if grant is None or not grant.placement.size:
+                return None
+            slots = grant.placement.slots()
+            if any(host not in self._local_hosts for host, _ in slots):
+                return None
+            pids = {
+                (b.host, b.gpu): b.pid
+                for b in self._bindings.values()
+                if b.job == job and b.pid is not None
+            }
+        running = {
+            slot for slot in slots if (pid := pids.get(slot)) is not None and _since(pid, since)
+        }
+        return Workers(len(running), tuple(slot for slot in slots if slot not in running))
+
 
 def _only(placement: Placement, slots: set[Slot]) -> Placement:
     """`placement` without the GPUs not in `slots`; the order stays (position i on a host
@@ -957,6 +981,16 @@ def _only(placement: Placement, slots: set[Slot]) -> Placement:
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _since(pid: int, since: float) -> bool:
+    """Whether `pid` runs and started at or after `since` (psutil's start time counts from
+    the boot time in whole seconds: a second of slack each way)."""
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() >= since - 2.0
     except psutil.Error:
         return False
 

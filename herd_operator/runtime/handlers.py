@@ -17,15 +17,16 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeGuard
 
 from herd_operator.auth import Identity
 from herd_operator.layout import write_atomically
-from herd_operator.rpc import BadRequest, Forbidden, Handler, NotFound, host_arg
+from herd_operator.rpc import BadRequest, Forbidden, Handler, NotFound, Unavailable, host_arg
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.store import Store
+from herd_operator.runtime.store import Store, StoreError
 from specs.models import MAX_GPUS
 from specs.values import Pool
 
@@ -44,6 +45,26 @@ A report's other effects (the allocator learns the world size, the job is woken)
 when its handler runs, just before the commit; if the commit fails they stay (what the
 worker said is still true, and a reconcile reads only committed reports), and the worker
 gets an error."""
+
+
+@contextmanager
+def said_by_the_store(store: Store) -> Iterator[None]:
+    """A store error while the store refuses writes (a full disk) is `Unavailable`: the
+    server answers it without a traceback per request or group, since the store says that
+    writes fail itself, once a minute at most."""
+    try:
+        yield
+    except StoreError as err:
+        if store.writable:
+            raise
+        raise Unavailable(str(err)) from err
+
+
+@contextmanager
+def store_group(store: Store) -> Iterator[None]:
+    """`store.transaction()` for the RPC server's groups of `GROUPED_OPS`."""
+    with said_by_the_store(store), store.transaction():
+        yield
 
 
 PlainHandler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -155,12 +176,13 @@ class ReportHandler:
                 f"'metrics' must map at most {MAX_METRICS_PER_REPORT} names of 1 to"
                 f" {MAX_METRIC_NAME_CHARS} characters to finite numbers"
             )
-        try:
-            # The store refuses a report of no job itself (a foreign key): no read first.
-            self.store.add_report(job, epoch, world_size, rank, metrics, self.clock())
-        except KeyError:
-            raise NotFound(f"no job {job!r}") from None
-        self.allocator.observe_world_size(job, world_size)
+        with said_by_the_store(self.store):
+            try:
+                # The store refuses a report of no job itself (a foreign key): no read first.
+                self.store.add_report(job, epoch, world_size, rank, metrics, self.clock())
+            except KeyError:
+                raise NotFound(f"no job {job!r}") from None
+            self.allocator.observe_world_size(job, world_size)  # may record a decision
         self.wake(job)
         return {}
 

@@ -59,6 +59,16 @@ def read_exit_file(path: Path) -> int | None:
     return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
+def read_exit_time(path: Path) -> float | None:
+    """When the command ended, from its exit file (None when there is none)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ended_at = data.get("ended_at") if isinstance(data, dict) else None
+    return float(ended_at) if isinstance(ended_at, (int, float)) and ended_at > 0 else None
+
+
 def read_exit_start(path: Path) -> tuple[int | None, float | None]:
     """The keeper's pid and start time from its exit file (None for what it lacks)."""
     try:

@@ -46,6 +46,7 @@ from herd_operator.layout import write_atomically
 from herd_operator.runtime.keeper import (
     read_exit_file,
     read_exit_start,
+    read_exit_time,
     read_launch_error,
 )
 from specs import HerdJobSpec
@@ -84,6 +85,8 @@ class _Process:
     exit_code: int | None = None
     launch_error: str | None = None
     """Why the keeper could not execute the command (from its exit file)."""
+    ended_at: float | None = None
+    """When it ended: its keeper's record, else when this launcher saw it end."""
     exited: bool = False
     escalation: threading.Timer | None = None
 
@@ -244,9 +247,11 @@ class Launcher:
         launch_error = self._launch_error(job, process.info.launch_id)
         if launch_error is None and process.popen is not None:
             launch_error = self._keeper_failure(job, process.info.launch_id, code)
+        ended_at = self._exit_time(job, process.info.launch_id) or time.time()
         with self._lock:
             process.exit_code = code
             process.launch_error = launch_error
+            process.ended_at = ended_at
             process.exited = True
         self._on_exit(job)
 
@@ -254,6 +259,11 @@ class Launcher:
         if self.records_dir is None:
             return None
         return read_launch_error(self._exit_file(job, launch_id))
+
+    def _exit_time(self, job: str, launch_id: str) -> float | None:
+        if self.records_dir is None:
+            return None
+        return read_exit_time(self._exit_file(job, launch_id))
 
     def _keeper_failure(self, job: str, launch_id: str, code: int | None) -> str | None:
         """Why our keeper child ended with an error and no exit file: it could not start
@@ -315,6 +325,8 @@ class Launcher:
             if not running:
                 process.exit_code = read_exit_file(self._exit_file(job, info.launch_id))
                 process.launch_error = self._launch_error(job, info.launch_id)
+                # Its status's finishedAt: when it ended, not when this operator started.
+                process.ended_at = self._exit_time(job, info.launch_id)
                 process.exited = True
             with self._lock:
                 if job in self._processes:
@@ -379,6 +391,7 @@ class Launcher:
             process.info,
             stopped_by_us,
             launch_error=process.launch_error,
+            ended_at=process.ended_at,
         )
 
     def stop(self, job: str) -> None:

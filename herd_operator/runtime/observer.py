@@ -3,7 +3,9 @@
 Every `interval` seconds it reads the GPUs of this host (NVML, or virtual GPUs
 measured from their workers' memory) and records, per job, the summed used and
 total memory of the GPUs the job holds. A job with a GPU that could not be read
-gets no sample that round: the memory policy then holds instead of guessing.
+gets no sample that round: the memory policy then holds instead of guessing. A round
+the store cannot record (a full disk) is skipped without a word: the store says that
+writes fail, once a minute at most, and a traceback a second said it again.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from controllers.errors import TemporaryError
 from exporters.gpu import GpuReading, GpuSource
 from specs.values import Placement
 
@@ -63,6 +66,9 @@ class UsageObserver:
                 self.record(job, gpus, used, total, now)
             except KeyError:
                 continue  # the job was deleted between the read and the record
+            except TemporaryError as err:  # the store refuses writes: it says so itself
+                log.debug("GPU usage not recorded this round: %s", err)
+                return
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

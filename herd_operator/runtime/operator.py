@@ -59,6 +59,7 @@ from herd_operator.runtime.handlers import (
     for_own_host,
     for_own_job,
     heard_from,
+    store_group,
 )
 from herd_operator.runtime.launcher import (
     Adopted,
@@ -211,6 +212,10 @@ class ExitsRecordedFirst:
     def __init__(self, store: Store, launcher: Launcher) -> None:
         self._store = store
         self._launcher = launcher
+
+    @property
+    def writable(self) -> bool:
+        return self._store.writable
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -433,7 +438,7 @@ class Operator:
                 host=config.listen_host,
                 port=port,
                 grouped_ops=GROUPED_OPS,
-                commit_group=store.transaction,
+                commit_group=lambda: store_group(store),
             )
 
         port = config.listen_port

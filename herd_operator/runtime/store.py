@@ -288,7 +288,7 @@ class Store:
         self._failed_writes = 0
         self._last_unwritable_log: float | None = None  # monotonic
         self._said_unwritable = False  # the last word in the log on it was "writes fail"
-        self._group_wrote = False
+        self._group_wrote = False  # a write of the group changed a row (see _write)
         self._group_lost = False  # SQLite rolled the group back (a full disk, an I/O error)
         self._rollback_listeners: list[Callable[[], None]] = []
         self._grouping = False  # inside transaction(): writes are savepoints, not commits
@@ -1223,6 +1223,7 @@ class Store:
                     raise self._rolled_back()
                 # Inside transaction(): a savepoint keeps this method all-or-nothing.
                 self._conn.execute("SAVEPOINT write")
+                changes = self._conn.total_changes
                 try:
                     yield self._conn
                 except BaseException:
@@ -1233,19 +1234,33 @@ class Store:
                         self._group_lost = True
                     raise
                 self._conn.execute("RELEASE write")
-                self._group_wrote = True  # proven by the group's commit
+                if self._conn.total_changes != changes:
+                    self._group_wrote = True  # proven by the group's commit
                 return
             if self._conn.in_transaction:
                 raise StoreError(f"{self.path}: cannot write inside snapshot()")
             self._conn.execute("BEGIN IMMEDIATE")
+            changes = self._conn.total_changes
             try:
                 yield self._conn
             except BaseException:
                 if self._conn.in_transaction:  # SQLite rolls back itself on some errors
                     self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
-        self._writes_work()
+            try:
+                self._conn.execute("COMMIT")
+            except sqlite3.Error:
+                # A commit the disk refused may leave the transaction open (SQLite rolls
+                # back by itself on some errors only): every later write would fail too.
+                if self._conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._conn.execute("ROLLBACK")
+                raise
+            # Only a commit that wrote a row needed room: one that changed nothing (a prune
+            # with nothing to prune) succeeds on a full disk too, and proves nothing.
+            wrote = self._conn.total_changes != changes
+        if wrote:
+            self._writes_work()
 
     def _rolled_back(self) -> StoreError:
         return StoreError(f"state store {self.path}: a failed write rolled back the group")
@@ -1273,6 +1288,8 @@ class Store:
         )
 
     def _writes_work(self) -> None:
+        """A commit that wrote rows: the storage takes writes (again). Said once per
+        `writes fail` said, with the event `StoreWritable`."""
         with self._lock:
             if self.writable:
                 return

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from controllers.reconciler import WORKER_LOST_GRACE_SECONDS
 from herd_operator.runtime.engines.horovod import DRIVER_MODULE
 from specs.values import Grant, Placement
 from tests.integration.harness import (
@@ -103,15 +104,57 @@ def test_a_killed_worker_costs_the_job_one_gpu_not_the_run(herd: OperatorHarness
     assert any(e.message.startswith(f"{smaller} -> 4 GPUs") for e in grown), reasons
 
 
-def rank_of(pid: int) -> int | None:
+def rank_of(pid: int, job: str = "digits") -> int | None:
     """The Horovod rank of a worker process, from the environment horovodrun gave it."""
     try:
         environ = psutil.Process(pid).environ()
     except psutil.Error:
         return None
-    if environ.get("HERD_JOB") != "digits" or "HOROVOD_RANK" not in environ:
+    if environ.get("HERD_JOB") != job or "HOROVOD_RANK" not in environ:
         return None
     return int(environ["HOROVOD_RANK"])
+
+
+def test_a_worker_lost_by_a_script_that_does_not_report_is_shown(tmp_path: Path) -> None:
+    """examples/train_plain.py reports nothing: its job showed ACTIVE `-`, and a lost worker
+    went unseen until the report deadline (600 s). Its workers' bindings show it: ACTIVE
+    from the live bound workers, and a `WorkerLost` Warning once one has been gone for
+    WORKER_LOST_GRACE_SECONDS while the job's driver runs (issue 25, item 8)."""
+    with operator_harness(tmp_path) as herd:
+        plain = ["python", "examples/train_plain.py", "--epochs", "1000", "--step-delay", "0.1"]
+        herd.write_spec(spec_document("plain", 4, 4, plain))
+        allocator = herd.operator.allocator
+
+        def active() -> int | None:
+            job = herd.job("plain")
+            return None if job is None else job["gpus"]["active"]
+
+        herd.wait_for(lambda: active() == 4, "ACTIVE 4, from the bound workers", job="plain")
+        victim = next(
+            b
+            for b in allocator.bindings()
+            if b.job == "plain" and b.pid is not None and rank_of(b.pid, "plain") not in (None, 0)
+        )
+        assert victim.pid is not None
+        killed_at = time.time()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim.pid, signal.SIGKILL)
+        herd.wait_for(lambda: active() == 3, "ACTIVE 3 once the worker is gone", job="plain")
+        lost = herd.wait_for(
+            lambda: next((e for e in herd.events("plain") if e.reason == "WorkerLost"), None),
+            "a WorkerLost event",
+            job="plain",
+        )
+        print(f"WorkerLost {lost.time - killed_at:.1f} s after the kill: {lost.message}")
+        assert lost.type == "Warning"
+        assert f"none on localhost:{victim.gpu}" in lost.message, lost.message
+        assert lost.time - killed_at >= WORKER_LOST_GRACE_SECONDS  # not while it may be ending
+        assert is_true_condition(herd.condition("plain", "Running"))
+        assert not any(e.reason == "ReportDeadlineExceeded" for e in herd.events("plain"))
+
+
+def is_true_condition(condition: dict[str, object] | None) -> bool:
+    return condition is not None and condition["status"] == "True"
 
 
 def test_a_drained_gpu_waits_for_the_worker_that_still_runs_on_it(tmp_path: Path) -> None:

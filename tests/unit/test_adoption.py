@@ -16,7 +16,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -261,11 +261,18 @@ def test_a_launch_that_ended_while_no_operator_ran_is_reported_with_its_status(
     info = first.launch(request(tmp_path, "raise SystemExit(4)"))
     wait_until(lambda: not psutil.pid_exists(info.pid) or _zombie(info.pid), "the exit")
 
+    noticed = time.time()  # after the exit, before the next launcher sees it
+
     second = launcher_on(records, launchers)
     (adopted,) = second.adopt_recorded()
     assert not adopted.running
     state = second.state("train")
     assert (state.phase, state.exit_code, state.stopped_by_us) == (ProcessPhase.EXITED, 4, False)
+    # When it ended (the keeper's record), not when this launcher found out: the job's
+    # finishedAt.
+    exit_file = records / f"train.{info.launch_id}.exit"
+    assert state.ended_at == json.loads(exit_file.read_text())["ended_at"]
+    assert state.ended_at is not None and info.started_at <= state.ended_at <= noticed
 
 
 def test_a_launch_whose_keeper_was_killed_too_has_an_unknown_status(
@@ -643,12 +650,18 @@ def killed_in_the_group(store: Store) -> Iterator[None]:
 class Operator:
     """What a (re)started operator has: a store, a launcher, an allocator, a reconciler."""
 
-    def __init__(self, layout: StateLayout, specs: FakeSpecs, launcher: Launcher) -> None:
+    def __init__(
+        self,
+        layout: StateLayout,
+        specs: FakeSpecs,
+        launcher: Launcher,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.store = Store(layout.database)
         self.launcher = launcher
         self.port = JobsOnLauncher(launcher, layout.logs_dir, layout.root)
         allocator = Allocator(Pool.from_counts({"localhost": 1}), Sink(), virtual=True)
-        self.reconciler = JobReconciler(specs, self.store, allocator, self.port)
+        self.reconciler = JobReconciler(specs, self.store, allocator, self.port, clock=clock)
 
     def started_events(self, job: str) -> list[str]:
         return [event.message for event in self.store.events(job) if event.reason == "Started"]
@@ -720,6 +733,38 @@ def test_an_operator_killed_at_any_point_of_a_launch_leaves_one_launch_and_one_s
             launcher.stop_all(timeout=GUARD_S)
         if spawned := getattr(first_launcher, "spawned", None):
             spawned.wait(GUARD_S)
+
+
+def test_a_job_that_ended_while_no_operator_ran_finished_when_it_ended(tmp_path: Path) -> None:
+    """Its `finishedAt` was the next operator's first reconcile: the keeper's exit record
+    knows when it ended, and the successor's status says so."""
+    layout = StateLayout(tmp_path / "state")
+    layout.create()
+    specs = FakeSpecs()
+    specs.put(herd_job("train", gpus=(1, 1), command=[sys.executable, "-c", "pass"]))
+    first_launcher = Launcher(Exits(), grace_seconds=2.0, records_dir=layout.launches_dir)
+    successor_launcher = Launcher(Exits(), grace_seconds=2.0, records_dir=layout.launches_dir)
+    try:
+        first = Operator(layout, specs, first_launcher)
+        first.reconciler.reconcile("train")  # launched
+        wait_until(lambda: first_launcher.state("train").phase == ProcessPhase.EXITED, "the end")
+        first.store.close()  # gone before it reconciled the end
+        (exit_file,) = layout.launches_dir.glob("train.*.exit")
+        ended = json.loads(exit_file.read_text())["ended_at"]
+
+        # The next operator starts ten minutes later.
+        successor = Operator(layout, specs, successor_launcher, clock=lambda: ended + 600.0)
+        (adopted,) = successor_launcher.adopt_recorded()
+        assert not adopted.running
+        successor.reconciler.reconcile("train")
+
+        record = successor.store.get_job("train")
+        assert record is not None and is_true(record.status.conditions, ConditionType.Succeeded)
+        assert record.status.finished_at == ended
+        successor.store.close()
+    finally:
+        for launcher in (first_launcher, successor_launcher):
+            launcher.stop_all(timeout=GUARD_S)
 
 
 def test_a_launch_recorded_as_starting_that_ended_before_the_restart_is_not_run_again(

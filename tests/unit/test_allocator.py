@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from controllers.ports import Workers
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, NotFound
 from herd_operator.runtime.allocator import Allocator, slots_to_give_up
@@ -645,3 +648,40 @@ def test_max_wait_must_be_positive(layout: StateLayout) -> None:
     pool = Pool.from_counts({"localhost": 1})
     with pytest.raises(ValueError, match=r"max_wait_seconds must be finite and > 0, got 0"):
         Allocator(pool, GrantPublisher(layout), virtual=True, max_wait_seconds=0)
+
+
+# ---- the workers of a launch, as their bindings show them ----
+
+
+def test_workers_counts_the_running_workers_bound_since_the_launch(
+    allocator: Allocator, tmp_path: Path
+) -> None:
+    """A job whose script never reports shows its workers through their binds (each with
+    its pid): one counts when it runs and started since the launch, so a dead worker, or
+    an old process that got a dead worker's pid, does not."""
+    assert allocator.workers("a", since=0.0) is None  # holds nothing
+    allocator.request(Demand("a", 4, 4, 4))
+    since = time.time() - 1.0
+    live = subprocess.Popen(["sleep", "600"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        for rank, pid in enumerate([live.pid, dead.pid, 1]):  # pid 1 started long before
+            allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": rank, "pid": pid})
+        workers = allocator.workers("a", since)
+        assert workers == Workers(
+            alive=1, idle=(("localhost", 1), ("localhost", 2), ("localhost", 3))
+        )
+        assert psutil.Process(1).create_time() < since - 2.0
+    finally:
+        live.kill()
+        live.wait()
+    assert allocator.workers("a", since) == Workers(0, tuple(("localhost", i) for i in range(4)))
+
+
+def test_workers_on_another_host_cannot_be_seen_from_here(layout: StateLayout) -> None:
+    made = Allocator(
+        Pool.from_counts({"localhost": 1, "node2": 1}), GrantPublisher(layout), virtual=True
+    )
+    made.request(Demand("wide", 2, 2, 2))
+    assert made.workers("wide", since=0.0) is None

@@ -14,6 +14,9 @@ code lived in the operator's wiring file:
 
 from __future__ import annotations
 
+import errno
+import itertools
+import logging
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,8 +39,14 @@ from herd_operator.runtime.store import Store, StoreError
 from policies.base import PolicyError
 from specs import ConditionType, get_condition
 from specs.values import Decision, Demand, Grant, Pool
-from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
-from tests.unit.test_reconciler import World, facts, herd_job, started
+from tests.unit.full_disk import (
+    cap_at_present_size,
+    fail_commits,
+    fill_up,
+    make_room,
+    refuse_writes,
+)
+from tests.unit.test_reconciler import T0, FakeClock, World, facts, herd_job, started
 
 SPEC = herd_job(gpus=(1, 1))
 
@@ -513,6 +522,69 @@ def test_a_full_disk_keeps_the_jobs_running_and_the_loop_catches_up_when_space_r
     assert [event.reason for event in world.store.events() if event.job is None] == [
         "StoreWritable"
     ]
+
+
+def run_until(loop: ControlLoop, clock: FakeClock, until: float) -> None:
+    """Run the loop on a fake clock: each ready key at once, then on to the next due one."""
+    while clock.now < until:
+        if loop.run_once(timeout=0):
+            continue
+        due = min(loop.queue._due.values(), default=until)
+        clock.now = min(max(due, clock.now), until)
+
+
+NOTHING_STORED = [1.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0] + [60.0] * 8
+"""1 s, as the recorded failure asked, then the loop's 1, 2, 4 ... 60 s for lost writes."""
+STATUS_STORED = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] + [60.0] * 8
+"""The launch failures' own backoff, from the statuses that small writes still stored."""
+
+
+@pytest.mark.parametrize(
+    ("unwritable", "gaps_between_tries"),
+    [
+        (fail_commits, NOTHING_STORED),  # what a full disk does: the commits fail
+        (refuse_writes, NOTHING_STORED),  # no group can even begin
+        (fill_up, STATUS_STORED),  # the file is full, yet small writes fit
+    ],
+    ids=["commits-fail", "read-only", "file-full"],
+)
+def test_a_launch_failing_on_a_full_disk_is_retried_after_1_2_4_to_60_s_and_said_boundedly(
+    world: World,
+    caplog: pytest.LogCaptureFixture,
+    unwritable: Callable[[Store], None],
+    gaps_between_tries: list[float],
+) -> None:
+    """Seen on a full disk: one job's launch tried about ten times a second, two log lines
+    each. A success forgot the key's backoff before its group's commit failed, and the
+    lost group came back after the queue's 50 ms; the launch's own 1, 2, 4 ... 60 s lives in
+    a status the disk did not take."""
+    tries: list[float] = []  # when the loop took the job (reconciled, or its group lost)
+
+    class Tries:
+        def reconciled(self, outcome: Outcome, seconds: float) -> None:
+            if not tries or tries[-1] != world.clock.now:
+                tries.append(world.clock.now)
+
+    queue = WorkQueue(clock=world.clock)
+    loop = ControlLoop(queue, world.reconciler, world.allocator, world.store, observer=Tries())
+    world.specs.put(herd_job("a"))
+    world.launcher.start_error = OSError(errno.ENOSPC, "No space left on device")
+    queue.add("a")
+    run_until(loop, world.clock, T0 + 0.5)  # recorded: LaunchFailed, attempt 1, next in 1 s
+    assert world.launcher.attempts == tries == [T0]
+    unwritable(world.store)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        run_until(loop, world.clock, T0 + 600.0)
+    assert not world.store.writable
+    # No retry storm: 1, 2, 4 ... 32 s apart, then a minute.
+    assert [later - earlier for earlier, later in itertools.pairwise(tries)] == gaps_between_tries
+    assert set(world.launcher.attempts) <= set(tries)  # (none when no group can begin)
+    said = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # The store says writes fail (once a minute at most); each try may say why it failed
+    # (a LaunchFailed line); nothing says it once per job and retry on top.
+    assert len(said) <= len(tries) + 10, [r.getMessage() for r in said]
+    assert not [r for r in said if r.exc_info]
 
 
 def test_the_shutdown_on_a_full_disk_stops_nothing_less_and_says_what_it_could_not_record(

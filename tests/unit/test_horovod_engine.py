@@ -387,7 +387,8 @@ def test_job_launcher_starts_horovodrun_with_the_grant_in_place(
     info = jobs.start(job, 1, 2)
     assert exits.called.wait(GUARD_S), "on_exit was not called"
     assert (info.command, info.spec, info.generation) == ("horovodrun", job.spec, 1)
-    assert jobs.state("train") == ProcessState(ProcessPhase.EXITED, code, info, False)
+    state = jobs.state("train")
+    assert state == ProcessState(ProcessPhase.EXITED, code, info, False, ended_at=state.ended_at)
 
     log_lines = layout.log_file("train").read_text().splitlines()
     header, marker, path, env_file, cwd, grant, alias_grant, *args = log_lines

@@ -182,7 +182,10 @@ def test_natural_exit(tmp_path: Path, launcher: Launcher, exits: Exits, code: in
     assert exits.jobs == ["train"]
 
     state = launcher.state("train")
-    assert state == ProcessState(ProcessPhase.EXITED, code, info, stopped_by_us=False)
+    assert state.ended_at is not None and info.started_at <= state.ended_at <= time.time()
+    assert state == ProcessState(
+        ProcessPhase.EXITED, code, info, stopped_by_us=False, ended_at=state.ended_at
+    )
 
     header, marker, *args = request.log_file.read_text().splitlines()
     match = re.fullmatch(r"==== \S+ launch ([0-9a-f]{32}): (.*)", header)
@@ -230,4 +233,5 @@ def test_stop_after_a_natural_exit_is_not_a_stop_by_us(
     assert exits.called.wait(GUARD_S), "on_exit was not called"
     # The controller read RUNNING a moment ago and now decides to stop: the job beat it.
     launcher.stop("train")
-    assert launcher.state("train") == ProcessState(ProcessPhase.EXITED, 0, info, False)
+    state = launcher.state("train")
+    assert state == ProcessState(ProcessPhase.EXITED, 0, info, False, ended_at=state.ended_at)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from herd_operator.runtime.store import Store, StoreError
 from specs import Condition, ConditionStatus, HerdJob
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Placement, Pool
-from tests.unit.full_disk import fill_up, make_room
+from tests.unit.full_disk import accept_writes, fill_up, make_room, refuse_writes
 
 SPEC = {
     "apiVersion": "herd/v1alpha1",
@@ -210,6 +211,33 @@ def test_usage_observer_records_each_job_and_tolerates_a_deleted_job(tmp_path: P
     placements = {"a": Placement((("h", (0,)),)), "gone": Placement((("h", (1,)),))}
     UsageObserver(Source(), lambda: placements, record_usage).sample_once()
     assert recorded == [("a", 1, 100, 1000)]
+
+
+def test_usage_samples_on_a_full_disk_are_skipped_without_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store says that writes fail (once a minute at most); a traceback for each
+    sample (one a second) filled the log while the disk was full."""
+
+    class Source:
+        def read(self) -> list[GpuReading]:
+            return [reading(0, 100), reading(1, 700)]
+
+    store = Store(tmp_path / "state.db")
+    record(store, "a", desired=1, allocated=1)
+    record(store, "b", desired=1, allocated=1)
+    placements = {"a": Placement((("h", (0,)),)), "b": Placement((("h", (1,)),))}
+    observer = UsageObserver(Source(), lambda: placements, store.add_usage)
+    refuse_writes(store)  # small rows like these still fit in a full file's free space
+    with caplog.at_level("INFO"):
+        for _ in range(30):
+            observer.sample_once()
+    assert not store.writable
+    (said,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "writes fail" in said  # by the store, once
+    accept_writes(store)
+    observer.sample_once()
+    assert [len(store.usage(job)) for job in ("a", "b")] == [1, 1]
 
 
 def condition(kind: str, status: ConditionStatus, reason: str) -> Condition:

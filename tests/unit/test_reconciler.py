@@ -7,13 +7,16 @@ only the processes are faked, so each test drives a job's lifecycle by hand.
 from __future__ import annotations
 
 import sqlite3
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from controllers.ports import (
     LaunchInfo,
@@ -21,17 +24,18 @@ from controllers.ports import (
     ProcessState,
     SpecView,
 )
-from controllers.reconciler import JobReconciler, Result, restart_delay
+from controllers.reconciler import JobReconciler, Result, restart_delay, watch_workers
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
 from herd_operator.runtime.store import Event, GrantChange, Store, UnreadableSpecError
-from specs import Condition, ConditionType, HerdJob, get_condition, is_true
+from specs import Condition, ConditionStatus, ConditionType, HerdJob, get_condition, is_true
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Pool, Report
 from tests.unit.plugin_policy import LegacyPolicy, RecordingPolicy
 
 RESYNC_S = 5.0
+WORKER_LOST_GRACE_S = 30.0
 REPORT_DEADLINE_S = 120.0
 STOP_POLL_S = 0.5
 T0 = 1000.0
@@ -79,8 +83,11 @@ class FakeLauncher:
     stops: list[str] = field(default_factory=list)
     states: dict[str, ProcessState] = field(default_factory=dict)
     start_error: Exception | None = None
+    attempts: list[float] = field(default_factory=list)
+    """The clock's time at each call of start, successful or not."""
 
     def start(self, job: HerdJob, generation: int, np: int) -> LaunchInfo:
+        self.attempts.append(self.clock())
         if self.start_error is not None:
             raise self.start_error
         # The real launcher refuses a second process for a job; a double start is a bug.
@@ -752,6 +759,286 @@ def test_spec_change_after_failure_runs_the_job_again_with_fresh_restarts(world:
     assert world.launcher.starts == [("a", 1, 4), ("a", 2, 4)]
     assert facts(world.condition("a", ConditionType.Failed))[:2] == ("False", "SpecChanged")
     assert world.status("a").restarts == 0
+
+
+@pytest.mark.parametrize(
+    ("code", "restart", "ended"),
+    [
+        (1, {"onFailure": False}, "Failed"),
+        (1, {"onFailure": True, "backoffLimit": 0}, "Failed"),
+        (1, {"onFailure": True, "backoffLimit": 3}, "BackOff"),
+        (0, None, "Completed"),
+    ],
+)
+def test_a_job_whose_processes_exited_is_not_resizing(
+    world: World, code: int, restart: dict[str, Any] | None, ended: str
+) -> None:
+    """`describe` showed `Resizing=True` on a Failed job: it kept the condition of its last
+    reconcile while running (workers reporting fewer than granted)."""
+    started(world, herd_job(restart=restart))
+    world.clock.advance(1.0)
+    world.store.add_report("a", 0, 3, 0, {}, world.clock())
+    world.reconcile("a")
+    assert facts(world.condition("a", ConditionType.Resizing))[:2] == ("True", "Resizing")
+    world.launcher.exit("a", code)
+
+    world.reconcile("a")
+
+    assert facts(world.condition("a", ConditionType.Running))[1] == ended
+    assert facts(world.condition("a", ConditionType.Resizing))[0] == "False"
+    assert world.status("a").summary() != "Resizing"
+
+
+def test_a_finished_job_recorded_as_resizing_is_shown_stable(world: World) -> None:
+    """A status an older operator stored with `Resizing=True` on a Failed job is mended by
+    the next reconcile of the finished job."""
+    started(world, herd_job(restart={"onFailure": False}))
+    world.launcher.exit("a", 1)
+    world.reconcile("a")
+    status = world.status("a")
+    stale = tuple(
+        c.model_copy(update={"status": ConditionStatus.TRUE, "reason": "Resizing"})
+        if c.type == ConditionType.Resizing
+        else c
+        for c in status.conditions
+    )
+    world.store.put_status("a", status.model_copy(update={"conditions": stale}), world.clock())
+
+    world.reconcile("a")
+
+    assert facts(world.condition("a", ConditionType.Resizing))[0] == "False"
+    assert world.status("a").summary() == "Failed"
+
+
+@pytest.mark.parametrize(
+    ("code", "finished"), [(0, ConditionType.Succeeded), (3, ConditionType.Failed)]
+)
+def test_finished_at_is_when_the_launch_ended_not_when_the_operator_saw_it(
+    world: World, code: int, finished: ConditionType
+) -> None:
+    """A job that ended while no operator ran was recorded as finished at the restart: its
+    keeper's exit record knows when it ended, and the launcher passes that on."""
+    started(world, herd_job(restart={"onFailure": False}))
+    ended = world.clock() + 60.0
+    world.clock.advance(900.0)  # the operator was down; this reconcile is its successor's
+    state = world.launcher.states["a"]
+    world.launcher.states["a"] = replace(
+        state, phase=ProcessPhase.EXITED, exit_code=code, ended_at=ended
+    )
+
+    world.reconcile("a")
+
+    assert is_true(world.status("a").conditions, finished)
+    assert world.status("a").finished_at == ended
+
+
+@pytest.fixture
+def workers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Real processes for a job's workers (the allocator checks their pids); stopped after."""
+    made: list[subprocess.Popen[bytes]] = []
+    yield made
+    for process in made:
+        process.kill()
+        process.wait()
+
+
+def bound_workers(
+    world: World, made: list[subprocess.Popen[bytes]], job: str, count: int
+) -> list[subprocess.Popen[bytes]]:
+    """`count` workers of `job`, each bound to its GPU as the shim binds one."""
+    new = [subprocess.Popen(["sleep", "600"]) for _ in range(count)]
+    made.extend(new)
+    for rank, process in enumerate(new):
+        world.allocator.handle_bind(
+            {"job": job, "host": "localhost", "local_rank": rank, "pid": process.pid}
+        )
+    return new
+
+
+def end(process: subprocess.Popen[bytes]) -> None:
+    process.kill()
+    process.wait()  # reaped: its pid is gone
+
+
+def worker_lost_events(world: World, name: str) -> list[str]:
+    return [message for _, reason, message in world.events(name) if reason == "WorkerLost"]
+
+
+def test_a_worker_lost_by_a_job_that_does_not_report_is_shown_after_a_grace(
+    world: World, workers: list[subprocess.Popen[bytes]]
+) -> None:
+    """Its script never reports: ACTIVE showed `-` and nothing said a worker was gone until
+    the 600 s report deadline. Its workers' bindings show it: a live bound worker is
+    active, and one gone for WORKER_LOST_GRACE_S while the job's driver runs is lost."""
+    started(world, herd_job(gpus=(4, 4)))
+    procs = bound_workers(world, workers, "a", 4)
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")
+    gpus = world.status("a").gpus
+    assert gpus is not None and (gpus.allocated, gpus.active) == (4, 4)
+
+    end(procs[2])
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")
+    gpus = world.status("a").gpus
+    assert gpus is not None and (gpus.allocated, gpus.active) == (4, 3)
+    assert worker_lost_events(world, "a") == []  # maybe the job is ending: not yet
+    assert world.status("a").summary() == "Running"  # not Resizing: no report said so
+    world.clock.advance(WORKER_LOST_GRACE_S - 1.0)
+    world.reconcile("a")
+    assert worker_lost_events(world, "a") == []
+
+    world.clock.advance(1.0)
+    world.reconcile("a")
+    (lost,) = worker_lost_events(world, "a")
+    assert lost == (
+        "1 worker gone for 30s while horovodrun pid 4001 runs: 3 of the 4 granted GPUs"
+        " have a live worker (none on localhost:2)"
+    )
+    for _ in range(3):  # said once
+        world.clock.advance(RESYNC_S)
+        world.reconcile("a")
+    assert len(worker_lost_events(world, "a")) == 1
+    for process in procs:  # every worker gone while the driver runs: ACTIVE 0, not `-`
+        end(process)
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")
+    world.clock.advance(WORKER_LOST_GRACE_S)
+    world.reconcile("a")
+    gpus = world.status("a").gpus
+    assert gpus is not None and gpus.active == 0
+    assert worker_lost_events(world, "a")[-1].startswith("3 workers gone for 30s")
+    assert ("Warning", "WorkerLost") in [event[:2] for event in world.events("a")]
+
+
+def test_workers_that_end_one_by_one_as_their_job_succeeds_are_not_called_lost(
+    world: World, workers: list[subprocess.Popen[bytes]]
+) -> None:
+    """Horovod's workers exit one by one when a job succeeds (rank 0 may save a checkpoint
+    after the others left): a gone worker while the driver runs is lost only after a
+    grace, which the driver's own exit ends."""
+    started(world, herd_job(gpus=(4, 4)))
+    procs = bound_workers(world, workers, "a", 4)
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")
+    for process in reversed(procs[1:]):
+        end(process)
+        world.clock.advance(RESYNC_S)
+        world.reconcile("a")
+    world.clock.advance(WORKER_LOST_GRACE_S - 3 * RESYNC_S - 1.0)
+    world.reconcile("a")
+    end(procs[0])
+    world.launcher.exit("a", 0)
+
+    world.reconcile("a")
+
+    assert world.status("a").summary() == "Succeeded"
+    assert worker_lost_events(world, "a") == []
+
+
+def test_a_relaunch_watches_only_its_own_workers(
+    world: World, workers: list[subprocess.Popen[bytes]]
+) -> None:
+    """The bindings of a launch's workers outlive it (dead pids, the same slots): the next
+    launch's watch starts over and counts only workers that started since it did."""
+    started(world, herd_job(gpus=(2, 2), restart={"onFailure": True, "backoffLimit": 3}))
+    for process in bound_workers(world, workers, "a", 2):
+        end(process)
+    world.launcher.exit("a", 1)
+    world.reconcile("a")
+    world.clock.advance(restart_delay(1))
+    world.reconcile("a")  # launched again: no worker of it has bound yet
+    assert len(world.launcher.starts) == 2
+    for _ in range(int(WORKER_LOST_GRACE_S / RESYNC_S) + 2):
+        world.clock.advance(RESYNC_S)
+        world.reconcile("a")
+    gpus = world.status("a").gpus
+    assert gpus is not None and gpus.active is None  # none of its workers has bound yet
+    assert worker_lost_events(world, "a") == []
+    procs = bound_workers(world, workers, "a", 2)  # they bind, on the same GPUs
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")
+    gpus = world.status("a").gpus
+    assert gpus is not None and gpus.active == 2
+    end(procs[1])
+    world.clock.advance(RESYNC_S)
+    world.reconcile("a")
+    gpus = world.status("a").gpus
+    assert gpus is not None and gpus.active == 1
+
+
+Look = tuple[float, int, int]
+"""(seconds since the last look, workers found running, GPUs granted)"""
+looks = st.lists(
+    st.tuples(st.sampled_from([0.0, 1.0, 5.0, 29.0, 30.0, 31.0]), st.integers(0, 6)).flatmap(
+        lambda look: st.tuples(st.just(look[0]), st.just(look[1]), st.integers(look[1], 6))
+    ),
+    max_size=25,
+)
+
+
+def watched(sequence: Sequence[Look]) -> list[tuple[float, int, float]]:
+    """(time, workers called lost, for how long gone) at each look of `sequence`."""
+    watch, now, calls = None, T0, []
+    for elapsed, alive, granted in sequence:
+        now += elapsed
+        watch, lost, gone_for = watch_workers(watch, alive, granted, now, WORKER_LOST_GRACE_S)
+        calls.append((now, lost, gone_for))
+    return calls
+
+
+@given(looks)
+def test_a_loss_is_called_only_after_a_grace_and_never_more_than_dropped(
+    sequence: list[Look],
+) -> None:
+    calls = watched(sequence)
+    # Called only once fewer than seen have run for the grace, and no worker twice: never
+    # more in all than the falls in the number running (a shrink of the grant is no fall).
+    falls, previous = 0, 0
+    for _, alive, granted in sequence:
+        falls += max(0, min(previous, granted) - alive)
+        previous = alive
+    assert sum(lost for _, lost, _ in calls) <= falls
+    times = [now for now, _, _ in calls]
+    for index, (now, lost, gone_for) in enumerate(calls):
+        if not lost:
+            continue
+        assert gone_for >= WORKER_LOST_GRACE_S
+        # Fewer ran at every look since the shortage began than at some look before it.
+        began = max(look for look, time in enumerate(times) if time == now - gone_for)
+        peak = max((alive for _, alive, _ in sequence[:began]), default=0)
+        assert all(alive < peak for _, alive, _ in sequence[began : index + 1])
+
+
+@given(looks)
+def test_workers_that_only_start_or_come_back_are_never_lost(sequence: list[Look]) -> None:
+    """Starting (none seen yet), growing, or a grant that shrinks with its workers."""
+    rising = sorted(alive for _, alive, _ in sequence)
+    steady = [
+        (elapsed, alive, alive) for (elapsed, _, _), alive in zip(sequence, rising, strict=True)
+    ]
+    assert all(lost == 0 for _, lost, _ in watched(steady))
+    shrinking = [
+        (elapsed, alive, alive)
+        for (elapsed, _, _), alive in zip(sequence, rising[::-1], strict=True)
+    ]
+    assert all(lost == 0 for _, lost, _ in watched(shrinking))
+
+
+@given(st.integers(1, 6), st.integers(0, 5), st.sampled_from([1.0, 5.0, 10.0]))
+def test_a_lasting_shortage_is_called_once_when_the_grace_is_over(
+    seen: int, left: int, every: float
+) -> None:
+    left = min(left, seen - 1)
+    sequence = [(0.0, seen, seen)] + [(every, left, seen)] * int(3 * WORKER_LOST_GRACE_S / every)
+    calls = watched(sequence)
+    ((when, lost, gone_for),) = [call for call in calls if call[1]]
+    assert lost == seen - left
+    first_short = T0 + every
+    assert (
+        gone_for == when - first_short
+        and WORKER_LOST_GRACE_S <= gone_for < WORKER_LOST_GRACE_S + every
+    )
 
 
 def test_restart_delay_doubles_up_to_the_cap() -> None:

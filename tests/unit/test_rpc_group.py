@@ -15,8 +15,14 @@ from typing import Any
 import pytest
 
 from herd_operator.auth import Identity
+from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, RpcServer
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.engines.horovod import GrantPublisher
+from herd_operator.runtime.handlers import GROUPED_OPS, ReportHandler, for_own_job, store_group
 from herd_operator.runtime.store import Store
+from specs.values import Pool
+from tests.unit.full_disk import fail_commits, refuse_writes
 from tests.unit.test_rpc import GUARD_S, TOKEN, RawPeer
 from tests.unit.test_store import make_spec
 
@@ -211,3 +217,42 @@ def test_grouping_options_are_checked(options: dict[str, Any], message: str) -> 
     ping: Callable[[dict[str, Any], Identity], dict[str, Any]] = lambda args, caller: {}  # noqa: E731
     with pytest.raises(ValueError, match=re.escape(message)):
         RpcServer(TOKEN, {"ping": ping}, **options)
+
+
+@pytest.mark.parametrize("unwritable", [fail_commits, refuse_writes], ids=["full", "read-only"])
+def test_reports_on_a_full_disk_are_refused_without_a_traceback_each(
+    store: Store,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    unwritable: Callable[[Store], None],
+) -> None:
+    """The operator's report handler and group commit on a store that refuses writes: each
+    report gets an internal error (its worker reports again at its next epoch), and the log
+    gets the store's `writes fail`, not a traceback per group or request."""
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 1}), GrantPublisher(StateLayout(tmp_path)), virtual=True
+    )
+    handler = for_own_job(ReportHandler(store, allocator, wake=lambda job: None))
+    unwritable(store)
+    with (
+        caplog.at_level(logging.DEBUG),
+        RpcServer(
+            TOKEN,
+            {"report": handler},
+            grouped_ops=GROUPED_OPS,
+            commit_group=lambda: store_group(store),
+        ) as server,
+    ):
+        (peer,) = _peers(server, 1)
+        try:
+            internal = {"code": "internal", "message": "internal error in op 'report'"}
+            for epoch in range(5):
+                peer.send({"id": epoch, "op": "report", "args": {"job": JOB, "world_size": 1}})
+                assert peer.read() == {"id": epoch, "ok": False, "error": internal}
+        finally:
+            peer.close()
+    assert server.request_counts() == {("report", "internal"): 5}
+    assert not store.writable
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "writes fail" in said[0], said
+    assert not [r for r in caplog.records if r.exc_info and r.levelno >= logging.WARNING]

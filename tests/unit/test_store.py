@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sqlite3
@@ -9,7 +10,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,13 @@ from herd_operator.runtime.store import (
 from specs import HerdJob
 from specs.status import GpuCounts, HerdJobStatus
 from specs.values import Drain, Placement, UsageSample
-from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
+from tests.unit.full_disk import (
+    cap_at_present_size,
+    commit_again,
+    fail_commits,
+    fill_up,
+    make_room,
+)
 
 
 def make_spec(low: int = 1, high: int = 4, name: str = "resnet") -> HerdJob:
@@ -1157,3 +1164,52 @@ def test_a_group_a_full_disk_rolled_back_is_lost_and_proves_nothing(store: Store
     assert not store.writable  # the group's one good write proves nothing
     assert store.get_job("bert") is None
     assert [event.reason for event in store.events()] == []
+
+
+@pytest.mark.parametrize(
+    "writes_nothing",
+    [
+        lambda store: store.prune_deleted_history(older_than=10.0),  # the pruner, each minute
+        lambda store: store.record_pool_size(4, now=3.0),  # the size it logged last
+        lambda store: store.delete_job("ghost"),
+    ],
+    ids=["prune-nothing", "same-pool-size", "delete-nothing"],
+)
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "in-a-group"])
+def test_a_write_that_changed_nothing_does_not_say_writes_work_again(
+    store: Store,
+    caplog: pytest.LogCaptureFixture,
+    writes_nothing: Callable[[Store], object],
+    grouped: bool,
+) -> None:
+    """A commit that wrote no row needs no room: on a full disk it succeeds, and taking it
+    for a working store logged `writes work again` (and set `herd_store_writable` back to
+    1) while the disk was still full."""
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    store.record_pool_size(4, now=1.0)
+    fill_up(store)
+    with pytest.raises(StoreError):
+        store.add_event("resnet", "Warning", "Big", "x" * 100_000, now=2.0)
+    assert not store.writable
+    caplog.clear()  # filling the file up flapped: small writes fitted while big ones failed
+    with caplog.at_level("INFO"), store.transaction() if grouped else contextlib.nullcontext():
+        writes_nothing(store)
+    assert not store.writable
+    assert not [r for r in caplog.records if "writes work again" in r.getMessage()]
+    make_room(store)
+    store.add_event("resnet", "Normal", "Small", "fits", now=3.0)  # a row: now it is proven
+    assert store.writable
+
+
+def test_a_commit_the_disk_refuses_leaves_no_transaction_open(store: Store) -> None:
+    """SQLite may keep the transaction of a failed COMMIT open; the store then took every
+    later write for one inside snapshot() and refused it, after the disk was freed too."""
+    store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp1", now=1.0)
+    fail_commits(store)
+    with pytest.raises(StoreError, match="database or disk is full"):
+        store.add_event("resnet", "Normal", "Lost", "not committed", now=2.0)
+    assert not store.writable
+    commit_again(store)
+    store.add_event("resnet", "Normal", "Kept", "committed", now=3.0)
+    assert store.writable
+    assert [event.reason for event in store.events("resnet")] == ["Kept"]

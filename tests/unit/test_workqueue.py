@@ -173,6 +173,14 @@ def test_backoff_doubles_from_base_up_to_cap() -> None:
     assert queue.failures("b") == 0
 
 
+def test_backoff_may_take_its_own_base_and_cap_and_counts_the_same_failures() -> None:
+    queue = WorkQueue(base_delay=0.05, max_delay=1.0)
+    slow = [queue.backoff("a", base_delay=1.0, max_delay=60.0) for _ in range(8)]
+    assert slow == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert queue.backoff("a") == 1.0  # the queue's own schedule, at the key's 9th failure
+    assert queue.failures("a") == 9
+
+
 def test_backoff_stays_at_cap_after_very_many_failures() -> None:
     queue = WorkQueue()
     for _ in range(2000):
