@@ -21,11 +21,13 @@ def test_every_package_of_the_tree_is_in_the_distribution() -> None:
     """The packages are listed (for herd_operator.examples, built from examples/): a new
     package of the tree that is not listed would be missing from every wheel."""
     setuptools_config = PYPROJECT["tool"]["setuptools"]
-    found = find_packages(
-        str(REPO), include=["herd_operator*", "specs*", "controllers*", "policies*", "exporters*"]
-    )
+    found = find_packages(str(REPO), include=["herd_operator*"])
     assert sorted(setuptools_config["packages"]) == sorted([*found, "herd_operator.examples"])
     assert setuptools_config["package-dir"] == {"herd_operator.examples": "examples"}
+    # The user's top-level folders are installed through herd_operator's links to them only.
+    for name in ("specs", "policies", "controllers", "exporters"):
+        assert (REPO / "herd_operator" / name).resolve() == REPO / name
+        assert f"herd_operator.{name}" in setuptools_config["packages"]
 
 
 DISTRIBUTED = (
@@ -47,6 +49,7 @@ import json, sys, tempfile
 from pathlib import Path
 import herd_operator
 from herd_operator.cli.demo import DEMO_SCRIPT, DEMO_SPECS, find_examples, stage_examples
+from herd_operator.specs import HerdJob  # a `specs/` folder where it runs must not shadow it
 examples = find_examples()
 staged = stage_examples(examples, Path(tempfile.mkdtemp()))
 print(json.dumps({
@@ -86,6 +89,16 @@ def test_the_demo_finds_its_examples_in_a_non_editable_install(tmp_path: Path) -
         timeout=240,
     )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    # (`bin` holds the console script, which --target installs beside the packages.)
+    installed = sorted(
+        p.name for p in target.iterdir() if p.name != "bin" and not p.name.endswith(".dist-info")
+    )
+    assert installed == ["herd_operator"], "one importable name in site-packages"
+    (top_level,) = target.glob("*.dist-info/top_level.txt")
+    assert top_level.read_text().split() == ["herd_operator"]
+    # Where users run `herd-operator run --specs-dir specs`: a folder of theirs named specs.
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "__init__.py").write_text("raise ImportError('the user folder')\n")
     env = {**os.environ, "PYTHONPATH": str(target)}
     lookup = subprocess.run(
         [sys.executable, "-c", LOOKUP],

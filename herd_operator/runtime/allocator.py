@@ -21,10 +21,10 @@ from typing import Any, Literal, Protocol
 
 import psutil
 
-from controllers.ports import Workers
+from herd_operator.controllers.ports import Workers
+from herd_operator.policies.arbitration import arbitrate
 from herd_operator.rpc import BadRequest, NotFound, host_arg
-from policies.arbitration import arbitrate
-from specs.values import Decision, Demand, Drain, Grant, Placement, Pool, Slot
+from herd_operator.specs.values import Decision, Demand, Drain, Grant, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from herd_operator.layout import write_atomically
 from herd_operator.rpc import BadRequest, Forbidden, Handler, NotFound, Unavailable, host_arg
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store, StoreError
-from specs.models import MAX_GPUS
-from specs.values import Pool
+from herd_operator.specs.models import MAX_GPUS
+from herd_operator.specs.values import Pool
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from controllers.errors import TemporaryError
-from exporters.gpu import GpuReading, GpuSource
-from specs.values import Placement
+from herd_operator.controllers.errors import TemporaryError
+from herd_operator.exporters.gpu import GpuReading, GpuSource
+from herd_operator.specs.values import Placement
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters.nvml import nvml_gpu_count
+from herd_operator.exporters.nvml import nvml_gpu_count
 from tests.integration.harness import REPO, digits_command, operator_harness, spec_document
 
 HERD = str(Path(sys.executable).with_name("herd-operator"))

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from controllers.reconciler import WORKER_LOST_GRACE_SECONDS
+from herd_operator.controllers.reconciler import WORKER_LOST_GRACE_SECONDS
 from herd_operator.runtime.engines.horovod import DRIVER_MODULE
-from specs.values import Grant, Placement
+from herd_operator.specs.values import Grant, Placement
 from tests.integration.harness import (
     OperatorHarness,
     digits_command,

@@ -24,7 +24,7 @@ from herd_operator.agent.exporter import (
     slurm_gpu_count,
 )
 from herd_operator.runtime.handlers import ExporterRegistry
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 counts = st.integers(min_value=1, max_value=64)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store
-from specs.values import Decision, Demand, Placement, Pool, Slot
+from herd_operator.specs.values import Decision, Demand, Placement, Pool, Slot
 from tests.unit.test_reconciler import herd_job
 
 # Hang guard for the deadlock test's threads; never a performance expectation.

@@ -21,7 +21,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import GROUPED_OPS, ReportHandler, for_own_job, store_group
 from herd_operator.runtime.store import Store
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 from tests.unit.full_disk import fail_commits, refuse_writes
 from tests.unit.test_rpc import GUARD_S, TOKEN, RawPeer
 from tests.unit.test_store import make_spec

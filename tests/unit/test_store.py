@@ -27,9 +27,9 @@ from herd_operator.runtime.store import (
     TrimmedHistory,
     UnreadableSpecError,
 )
-from specs import HerdJob
-from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Drain, Placement, UsageSample
+from herd_operator.specs import HerdJob
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.values import Drain, Placement, UsageSample
 from tests.unit.full_disk import (
     cap_at_present_size,
     commit_again,
