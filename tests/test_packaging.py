@@ -22,7 +22,8 @@ def test_every_package_of_the_tree_is_in_the_distribution() -> None:
     package of the tree that is not listed would be missing from every wheel."""
     setuptools_config = PYPROJECT["tool"]["setuptools"]
     found = find_packages(str(REPO), include=["herd_operator*"])
-    assert sorted(setuptools_config["packages"]) == sorted([*found, "herd_operator.examples"])
+    data = ["herd_operator.examples", "herd_operator.examples.specs"]
+    assert sorted(setuptools_config["packages"]) == sorted([*found, *data])
     assert setuptools_config["package-dir"] == {"herd_operator.examples": "examples"}
     # The user's top-level folders are installed through herd_operator's links to them only.
     for name in ("specs", "policies", "controllers", "exporters"):
