@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from herd_operator.exporters.gpu import GpuReading
-from herd_operator.exporters.sources import PrometheusGpuSource, ScrapeGpuSource, _Sample
+from herd_operator.exporters.sources import MetricSample, PrometheusGpuSource, ScrapeGpuSource
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class _DcgmGpu:
 
 
 def dcgm_readings(
-    samples: Iterable[_Sample],
+    samples: Iterable[MetricSample],
     now: float,
     max_age: float,
     host_of: Callable[[Mapping[str, str]], str | None],
@@ -133,7 +133,7 @@ def _instance_host(labels: Mapping[str, str]) -> str | None:
 class DcgmScrapeGpuSource(ScrapeGpuSource):
     """GPU readings scraped from dcgm-exporter's `/metrics` pages (one per node)."""
 
-    def page_readings(self, samples: list[_Sample], url: str) -> list[GpuReading]:
+    def page_readings(self, samples: list[MetricSample], url: str) -> list[GpuReading]:
         return dcgm_readings(samples, time.time(), self.max_age, lambda _: _url_host(url))
 
 
@@ -142,7 +142,7 @@ class DcgmPrometheusGpuSource(PrometheusGpuSource):
 
     families = DCGM_FAMILIES
 
-    def series_readings(self, samples: list[_Sample]) -> list[GpuReading]:
+    def series_readings(self, samples: list[MetricSample]) -> list[GpuReading]:
         return dcgm_readings(samples, time.time(), self.max_age_seconds, _instance_host)
 
 

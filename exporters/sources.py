@@ -57,7 +57,9 @@ class _Malformed(ValueError):
 
 
 @dataclass(frozen=True)
-class _Sample:
+class MetricSample:
+    """One sample of a metrics page or a PromQL answer: what every GPU source reads."""
+
     name: str
     labels: Mapping[str, str]
     value: float
@@ -108,7 +110,7 @@ def _kind(labels: Mapping[str, str]) -> GpuKind:
     raise _Malformed(f"unknown GPU kind {kind!r} in {dict(labels)}")
 
 
-def _readings(samples: Iterable[_Sample], now: float, max_age: float) -> list[GpuReading]:
+def _readings(samples: Iterable[MetricSample], now: float, max_age: float) -> list[GpuReading]:
     """One reading per (host, gpu) in order of first appearance, from fresh samples only."""
     gpus: dict[tuple[str, int], _GpuParts] = {}
     for sample in samples:
@@ -165,10 +167,10 @@ def _fetch(url: str, timeout: float) -> bytes:
         return body
 
 
-def _exposition_samples(text: str) -> list[_Sample]:
+def _exposition_samples(text: str) -> list[MetricSample]:
     try:
         return [
-            _Sample(
+            MetricSample(
                 sample.name,
                 sample.labels,
                 float(sample.value),
@@ -249,7 +251,7 @@ class ScrapeGpuSource:
         with self._lock:
             self._health.failed(url, reason, err)
 
-    def page_readings(self, samples: list[_Sample], url: str) -> list[GpuReading]:
+    def page_readings(self, samples: list[MetricSample], url: str) -> list[GpuReading]:
         """The GPU readings on the page at `url` (herd's exporters' series)."""
         return _readings(samples, time.time(), self.max_age)
 
@@ -320,7 +322,7 @@ class PrometheusGpuSource:
         window_ms = math.ceil(self.max_age_seconds * 1000)
         return f'{{__name__=~"{names}"}}[{window_ms}ms]'
 
-    def series_readings(self, samples: list[_Sample]) -> list[GpuReading]:
+    def series_readings(self, samples: list[MetricSample]) -> list[GpuReading]:
         """The GPU readings in the series the query returned (herd's exporters' series)."""
         return _readings(samples, time.time(), self.max_age_seconds)
 
@@ -334,7 +336,7 @@ class PrometheusGpuSource:
             try:
                 series = promql(self.base_url, self.query, self.timeout)
                 samples = [
-                    _Sample(labels.get("__name__", ""), labels, value, timestamp)
+                    MetricSample(labels.get("__name__", ""), labels, value, timestamp)
                     for labels, timestamp, value in series
                 ]
                 readings = self.series_readings(samples)

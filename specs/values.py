@@ -213,7 +213,7 @@ class Drain:
 
 
 @dataclass(frozen=True)
-class Decision:
+class Allocation:
     """What the allocator holds after a change: every job's placement (pending jobs' empty)
     and the GPUs still draining. The store records it as one write."""
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
-from herd_operator.specs import HerdJob
+from herd_operator.policies.api import Decision, HerdJob, JobObservations, Signal, clamp
 
 
 class LossPlateauParams(BaseModel):

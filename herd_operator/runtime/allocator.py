@@ -24,7 +24,7 @@ import psutil
 from herd_operator.controllers.ports import Workers
 from herd_operator.policies.arbitration import arbitrate
 from herd_operator.rpc import BadRequest, NotFound, host_arg
-from herd_operator.specs.values import Decision, Demand, Drain, Grant, Placement, Pool, Slot
+from herd_operator.specs.values import Allocation, Demand, Drain, Grant, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Allocator:
     the job back like any job below its desire.
 
     Every change ends with the allocator's state handed to `on_decision` (placements and
-    drains, as a `Decision`) and its events to `on_event`, both after its lock is released:
+    drains, as an `Allocation`) and its events to `on_event`, both after its lock is released:
     the lock order is the store's lock, then the allocator's, never the other way round
     (see `_record`).
     """
@@ -158,7 +158,7 @@ class Allocator:
         sink: PlacementSink,
         *,
         virtual: bool,
-        on_decision: Callable[[Decision], None] = lambda decision: None,
+        on_decision: Callable[[Allocation], None] = lambda decision: None,
         min_resize_interval: float = 0.0,
         drain_seconds: float = DEFAULT_DRAIN_SECONDS,
         lost_grace_seconds: float = LOST_GRACE_SECONDS,
@@ -296,13 +296,13 @@ class Allocator:
             finally:
                 self._recording.release()
 
-    def _snapshot(self) -> Decision:
-        return Decision(
+    def _snapshot(self) -> Allocation:
+        return Allocation(
             {job: grant.placement for job, grant in self._grants.items()},
             {slot: drain.record() for slot, drain in self._draining.items()},
         )
 
-    def _write(self, decision: Decision) -> bool:
+    def _write(self, decision: Allocation) -> bool:
         """Hand `decision` to the store; False (and said once until it works again) if it
         refused."""
         try:

@@ -17,7 +17,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, NotFound
 from herd_operator.runtime.allocator import Allocator, slots_to_give_up
 from herd_operator.runtime.engines.horovod import GrantPublisher, present
-from herd_operator.specs.values import Decision, Demand, Grant, Placement, Pool
+from herd_operator.specs.values import Allocation, Demand, Grant, Placement, Pool
 
 # Hang guard for running a discovery script; never a performance expectation.
 GUARD_S = 10.0
@@ -33,7 +33,7 @@ class Recorder:
     def on_change(self, job: str, grant: Grant) -> None:
         self.changes.append((job, grant))
 
-    def on_decision(self, decision: Decision) -> None:
+    def on_decision(self, decision: Allocation) -> None:
         self.decisions.append(dict(decision.placements))
 
 

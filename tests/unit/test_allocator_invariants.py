@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store
-from herd_operator.specs.values import Decision, Demand, Placement, Pool, Slot
+from herd_operator.specs.values import Allocation, Demand, Placement, Pool, Slot
 from tests.unit.test_reconciler import herd_job
 
 # Hang guard for the deadlock test's threads; never a performance expectation.
@@ -180,7 +180,7 @@ def test_a_report_group_and_a_decision_do_not_deadlock(tmp_path: Path) -> None:
     deciding = threading.Event()
     reporting = threading.Event()
 
-    def record(decision: Decision) -> None:
+    def record(decision: Allocation) -> None:
         if not deciding.is_set():
             deciding.set()
             reporting.wait(GUARD_S)  # the report thread holds the store's lock by now

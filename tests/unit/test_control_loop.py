@@ -38,7 +38,7 @@ from herd_operator.runtime.handlers import ReportHandler
 from herd_operator.runtime.metrics import OperatorMetrics
 from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs import ConditionType, get_condition
-from herd_operator.specs.values import Decision, Demand, Grant, Pool
+from herd_operator.specs.values import Allocation, Demand, Grant, Pool
 from tests.unit.full_disk import (
     cap_at_present_size,
     fail_commits,
@@ -421,7 +421,7 @@ def test_a_decision_the_store_cannot_record_is_recorded_once_it_can(
         store.record_spec(name, f"{name}.yaml", herd_job(name, gpus=(1, 1)), f"f{name}", 1.0)
     refusing = True
 
-    def record(decision: Decision) -> None:
+    def record(decision: Allocation) -> None:
         if refusing:
             raise StoreError("disk full")
         store.replace_allocations(decision.placements, 2.0, decision.draining)
