@@ -235,6 +235,14 @@ def test_a_stop_event_stops_the_worker_and_its_children(tmp_path: Path) -> None:
             ["--grant-file", "g", "--poll-seconds", "0", "--", "-np", "1", "--min-np", "1", "x"],
             "--poll-seconds must be > 0",
         ),
+        (
+            ["--grant-file", "g", "--grow-retry-seconds", "0", "--", "-np", "1", "x"],
+            "--grow-retry-seconds must be > 0",
+        ),
+        (
+            ["--grant-file", "g", "--grow-timeout-seconds", "-1", "--", "-np", "1", "x"],
+            "--grow-timeout-seconds must be > 0",
+        ),
     ],
 )
 def test_bad_driver_arguments_are_refused_with_a_reason(
