@@ -7,14 +7,19 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pydantic
 import pytest
 from horovod.runner.common.util.hosts import SlotInfo
 from hypothesis import given
 from hypothesis import strategies as st
 
+from herd_operator.layout import StateLayout
+from herd_operator.runtime.engines import EngineContext
+from herd_operator.runtime.engines.horovod import HorovodEngine
 from herd_operator.runtime.engines.hvd_driver import (
     MAX_GROW_RETRY_SECONDS,
     GrowHold,
@@ -26,6 +31,12 @@ from herd_operator.runtime.engines.hvd_driver import (
     rendezvous_rank,
     withhold,
 )
+from specs.models import (
+    DEFAULT_GLOO_TIMEOUT_SECONDS,
+    DEFAULT_GROW_TIMEOUT_SECONDS,
+    spec_fingerprint,
+)
+from tests.unit.test_horovod_engine import make_job
 
 GUARD_S = 30.0
 """How long a test waits for a thread it started: far longer than any answer takes."""
@@ -107,6 +118,32 @@ def test_a_grow_given_up_again_and_again_is_retried_less_and_less_often(
 ) -> None:
     assert grow_retry_seconds(failures, first) == seconds
     assert grow_retry_seconds(failures, first) <= max(first, MAX_GROW_RETRY_SECONDS)
+
+
+# ---- the spec's knob ----
+
+
+@pytest.mark.parametrize(
+    ("field", "default", "flag"),
+    [
+        ("glooTimeoutSeconds", DEFAULT_GLOO_TIMEOUT_SECONDS, "--gloo-timeout-seconds"),
+        ("growTimeoutSeconds", DEFAULT_GROW_TIMEOUT_SECONDS, "--grow-timeout-seconds"),
+    ],
+)
+def test_the_timeouts_are_spec_options_with_documented_defaults(
+    field: str, default: int, flag: str, tmp_path: Path
+) -> None:
+    assert (DEFAULT_GLOO_TIMEOUT_SECONDS, DEFAULT_GROW_TIMEOUT_SECONDS) == (30, 120)
+    engine = HorovodEngine(EngineContext(StateLayout(tmp_path), ("localhost",)))
+    for options, value in [({}, default), ({field: 45}, 45)]:
+        argv = engine.launch_argv(make_job(engine={"options": options}), 1)
+        assert argv[argv.index(flag) + 1] == str(value)
+    # A spec that does not set it keeps its fingerprint (and generation) across the upgrade.
+    assert spec_fingerprint(make_job(horovod={field: default})) == spec_fingerprint(make_job())
+    assert spec_fingerprint(make_job(horovod={field: 45})) != spec_fingerprint(make_job())
+    for bad in [0, "45"]:
+        with pytest.raises(pydantic.ValidationError, match=field):
+            make_job(horovod={field: bad})
 
 
 # ---- the slots withheld ----

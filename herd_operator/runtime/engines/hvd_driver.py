@@ -83,7 +83,7 @@ EVENT_CHECK_SECONDS = 1.0
 """How often a worker's supervisor looks at its stop events (horovodrun's: every 1 s)."""
 DEFAULT_GROW_TIMEOUT_SECONDS = 120.0
 """How long the running workers of a grow wait for its new workers to reach the rendezvous
-(`--grow-timeout-seconds`)."""
+(`--grow-timeout-seconds`; the spec's `growTimeoutSeconds`)."""
 DEFAULT_GROW_RETRY_SECONDS = 30.0
 """How long the slots of a grow given up are withheld after its first failure (unless the
 grant changes first); doubled after each failure in a row, up to `MAX_GROW_RETRY_SECONDS`."""
