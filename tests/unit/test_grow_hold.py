@@ -31,7 +31,7 @@ from herd_operator.runtime.engines.hvd_driver import (
     rendezvous_rank,
     withhold,
 )
-from specs.models import (
+from herd_operator.specs.models import (
     DEFAULT_GLOO_TIMEOUT_SECONDS,
     DEFAULT_GROW_TIMEOUT_SECONDS,
     spec_fingerprint,

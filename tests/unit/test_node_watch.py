@@ -12,7 +12,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import heard_from
 from herd_operator.runtime.pools.heartbeat import NodeWatch, lost_nodes
-from specs.values import Demand, Pool
+from herd_operator.specs.values import Demand, Pool
 
 THREE = Pool.from_counts({"h1": 2, "h2": 2, "h3": 2})
 

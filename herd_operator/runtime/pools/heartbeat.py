@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import itertools
 import re
 from collections.abc import Mapping
 
-from exporters.nvml import nvml_gpu_count
+from herd_operator.exporters.nvml import nvml_gpu_count
 from herd_operator.runtime.pools.base import PoolOptions, StaticPool
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 _RANGE = re.compile(r"^(?P<low>[0-9]+)(?:-(?P<high>[0-9]+))?$")
 _GPU_COUNT = re.compile(r"^(?:(?P<type>[A-Za-z0-9_.-]+):)?(?P<count>[0-9]+)$")
