@@ -157,6 +157,13 @@ class PolicyRef(ApiModel):
 MAX_PRELOAD_MODULES = 64
 HorovodLauncher = Literal["driver", "horovodrun"]
 DEFAULT_HOROVOD_LAUNCHER: HorovodLauncher = "driver"
+DEFAULT_GLOO_TIMEOUT_SECONDS = 30
+"""Horovod's own default, made explicit: a crashed worker stalls the others for up to this
+long (measured: 30.1 s for rank 0 of 4 after rank 2's SIGKILL), so it stays short."""
+DEFAULT_GROW_TIMEOUT_SECONDS = 120
+"""A worker that a grow starts on a loaded node can take more than 30 s to import torch and
+reach `hvd.init()`; the running workers wait for it at the barrier, where Gloo's timeout
+does not run."""
 
 
 class HorovodOptions(ApiModel):
@@ -165,6 +172,21 @@ class HorovodOptions(ApiModel):
     elastic_timeout_seconds: int = Field(default=600, strict=True, gt=0, le=MAX_TIMEOUT_SECONDS)
     """How long Horovod waits for enough workers after a resize before it gives up
     (`horovodrun --elastic-timeout`)."""
+    gloo_timeout_seconds: int = Field(
+        default=DEFAULT_GLOO_TIMEOUT_SECONDS, strict=True, gt=0, le=MAX_TIMEOUT_SECONDS
+    )
+    """How long a worker waits for another (`horovodrun --gloo-timeout-seconds`, given to the
+    workers as `HOROVOD_GLOO_TIMEOUT_SECONDS`; the default is Horovod's own): at a rendezvous,
+    and in a collective whose peer hangs, crashed or is on a node that is gone, which is how
+    long such a loss stalls the job. Under `horovodrun` it is also all the time a worker that
+    a grow starts has to reach `hvd.init()`; under the `driver`, `growTimeoutSeconds` is."""
+    grow_timeout_seconds: int = Field(
+        default=DEFAULT_GROW_TIMEOUT_SECONDS, strict=True, gt=0, le=MAX_TIMEOUT_SECONDS
+    )
+    """Under the `driver` launcher, how long the running workers wait for the new workers of
+    a grow to start and reach the rendezvous (`hvd.init()`). A grow not joined by then is
+    given up: the new workers are stopped, the job goes on at its old size with its
+    progress, and the grow is tried again later."""
     reset_limit: int | None = Field(default=None, strict=True, ge=0, le=MAX_COUNT)
     """How many times Horovod may reset the job (each resize is one) before it fails
     (`horovodrun --reset-limit`); none: no limit."""
@@ -452,6 +474,10 @@ def spec_fingerprint(job: HerdJob) -> str:
     defaults = {"launcher"} if job.spec.horovod.launcher == DEFAULT_HOROVOD_LAUNCHER else set()
     if not job.spec.horovod.preload:  # and no preload, which specs before it had
         defaults.add("preload")
+    if job.spec.horovod.gloo_timeout_seconds == DEFAULT_GLOO_TIMEOUT_SECONDS:  # nor these
+        defaults.add("gloo_timeout_seconds")
+    if job.spec.horovod.grow_timeout_seconds == DEFAULT_GROW_TIMEOUT_SECONDS:
+        defaults.add("grow_timeout_seconds")
     if defaults:
         excluded["horovod"] = defaults
     spec = job.spec.model_dump(mode="json", by_alias=True, exclude=excluded or None)

@@ -242,3 +242,26 @@ def running_harness(root: Path, gpus: int = 4, **overrides: Any) -> Iterator[Ope
 
 operator_harness = contextmanager(running_harness)
 """`with operator_harness(root, **overrides) as herd:` when a fixture does not fit."""
+
+
+SLOW_GROWN_WORKER = """
+import os, runpy, sys, time
+flag = sys.argv[1]
+if os.environ["HOROVOD_RANK"] != "0" and not os.path.exists(flag):
+    open(flag, "w").close()
+    print("starting slowly", flush=True)
+    time.sleep(600)  # a start far longer than any Gloo timeout (a loaded node)
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def slow_first_grown_worker(
+    flag: Path, command: Sequence[str], python: str = "python"
+) -> list[str]:
+    """`command` (`python SCRIPT ...`), but the first worker of a rank other than 0 (one a
+    grow started) sleeps instead of starting, until it is stopped; the later ones start as
+    usual. `flag` is the file that says the slow one was started."""
+    if command[0] not in ("python", sys.executable):
+        raise ValueError(f"not a python command: {command}")
+    return [python, "-c", SLOW_GROWN_WORKER, str(flag), *command[1:]]

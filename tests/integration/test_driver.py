@@ -27,6 +27,7 @@ import pytest
 from herd_operator.bench.harness import stop_session
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.engines.horovod import DRIVER_MODULE
+from tests.integration.harness import slow_first_grown_worker
 
 REPO = Path(__file__).resolve().parents[2]
 PLAIN = [sys.executable, str(REPO / "examples" / "train_plain.py"), "--epochs", "100000"]
@@ -227,3 +228,48 @@ def test_a_grow_from_2_to_4_forks_the_new_workers_from_the_zygote(tmp_path: Path
         assert marked(job.mark) == []
     epochs = [e for e, _ in job.epochs()]
     assert epochs == sorted(epochs)
+
+
+def test_a_grow_whose_new_worker_starts_too_slowly_leaves_the_job_at_its_old_size(
+    tmp_path: Path,
+) -> None:
+    # Issue 25, item 5: the running worker waited in Gloo's rendezvous for the new one,
+    # aborted after Gloo's timeout, and the whole job failed ("failure count == 2"): the
+    # operator then started it again from epoch 0. Now the driver holds it where Gloo's
+    # timeout does not run (here for twice that timeout), then gives the grow up.
+    # 34-55 s here.
+    slow = slow_first_grown_worker(tmp_path / "slow-once", PLAIN, sys.executable)
+    grow = ["--grow-timeout-seconds", "20", "--grow-retry-seconds", "1"]
+    with driver_job(
+        tmp_path,
+        "localhost:1\n",
+        1,
+        "--min-np", "1", "--max-np", "2", "--gloo-timeout-seconds", "10",
+        command=slow,
+        driver_args=grow,
+    ) as job:  # fmt: skip
+        first = job.wait_for_epoch(1)
+        job.grant("localhost:2\n")
+        job.wait_for(
+            lambda: "<stdout>:starting slowly" in job.output or None, "the slow new worker"
+        )
+        given_up = job.wait_for(
+            lambda: next(
+                iter(re.findall(r"gave up the grow to 2.*|Process 0 exit.*", job.output)), None
+            ),
+            "the grow given up (or the running worker lost)",
+        )
+        assert "going on at 1" in given_up, job.output[-3000:]
+        # The running worker kept its state: the epochs go on from where they were.
+        after = job.wait_for_epoch(1, after=max(e for e, _ in job.epochs()))
+        assert after > first
+        # Retried after the cool-down, with a worker that starts as usual: the job grows.
+        job.wait_for_epoch(2, after=after)
+        assert job.process.poll() is None
+        assert len(job.worker_pids()) == 2
+        running = job.output  # before the stop, whose SIGTERM ends every worker
+        (tmp_path / "kept.log").write_text(running)
+    epochs = [e for e, _ in job.epochs()]
+    assert epochs == sorted(epochs), "an epoch was trained twice: the job started again"
+    assert "Process 0 exit" not in running  # the running worker was never lost
+    assert running.count("starting worker localhost[0]") == 1

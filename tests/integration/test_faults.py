@@ -25,6 +25,7 @@ from tests.integration.harness import (
     digits_command,
     marked_processes,
     operator_harness,
+    slow_first_grown_worker,
     spec_document,
 )
 
@@ -244,3 +245,61 @@ def test_a_driver_killed_alone_fails_its_job_and_leaves_no_worker(tmp_path: Path
         assert marked_processes(herd.layout.root) == {}
     assert runtime is None or not runtime.exists()
     assert [e.reason for e in herd.events("digits")].count("Started") == 1
+
+
+def test_a_grow_whose_new_worker_starts_too_slowly_costs_the_job_no_progress(
+    herd: OperatorHarness,
+) -> None:
+    """Issue 25, item 5: the worker a grow started took longer than Gloo's timeout to start;
+    the running worker aborted, the job failed and was started again from epoch 0. Now the
+    job's driver holds the running worker past Gloo's timeout (10 s) up to the spec's
+    growTimeoutSeconds (15 s), gives the grow up, and the job goes on at its old size.
+    About 30 s here."""
+    command = digits_command(1000, "--step-delay", "0.03")
+    slow = slow_first_grown_worker(herd.root / "slow-once", command)
+    schedule = {"name": "schedule", "params": {"initial": 1, "steps": [{"atEpoch": 1, "gpus": 2}]}}
+    timeouts = {"glooTimeoutSeconds": 10, "growTimeoutSeconds": 15}
+    herd.write_spec(spec_document("slow", 1, 2, slow, policy=schedule, horovod=timeouts))
+    log = herd.layout.log_file("slow")
+    herd.wait_for(
+        lambda: log.exists() and "<stdout>:starting slowly" in log.read_text(),
+        "the grow",
+        job="slow",
+    )
+    launch = herd.launch_id("slow")
+    # The spec's Gloo timeout is the workers' (Horovod exports it to them).
+    (worker,) = [p for p in workers_of(herd, "slow") if p.environ()["HOROVOD_RANK"] == "0"]
+    assert worker.environ()["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "10"
+    gave_up = herd.wait_for(
+        lambda: "gave up the grow to 2" in (text := log.read_text()) and text,
+        "the grow given up",
+        job="slow",
+    )
+    assert "going on at 1" in gave_up and "Process 0 exit" not in gave_up, gave_up[-2000:]
+    given_up_at = time.time()
+    last = max(r.epoch for r in herd.reports("slow") if r.epoch is not None)
+    herd.wait_for(
+        lambda: any(
+            r.epoch is not None and r.epoch > last and r.time > given_up_at
+            for r in herd.reports("slow")
+        ),
+        "an epoch after the grow was given up",
+        job="slow",
+    )
+    epochs = [r.epoch for r in herd.reports("slow") if r.epoch is not None]
+    assert epochs == sorted(epochs), f"the epochs started again: {epochs}"
+    assert herd.launch_id("slow") == launch, "the job was relaunched"
+    assert [e.reason for e in herd.events("slow")].count("Started") == 1
+    assert worker.is_running(), "the running worker was replaced"
+
+
+def workers_of(herd: OperatorHarness, job: str) -> list[psutil.Process]:
+    """The job's live worker processes (those with a Horovod rank)."""
+    found = []
+    for pid in marked_processes(herd.layout.root):
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            environ = process.environ()
+            if environ.get("HERD_JOB") == job and "HOROVOD_RANK" in environ:
+                found.append(process)
+    return found

@@ -389,7 +389,8 @@ def test_horovod_options_under_engine_are_validated_with_their_path() -> None:
     assert errors_of(engine={"options": {"elasticTimeoutSeconds": 0, "timeout": 5}}) == [
         "spec.engine.options.elasticTimeoutSeconds: must be greater than 0, got integer 0",
         "spec.engine.options.timeout: unknown field "
-        "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs, launcher, preload)",
+        "(allowed: elasticTimeoutSeconds, glooTimeoutSeconds, growTimeoutSeconds, "
+        "resetLimit, extraArgs, launcher, preload)",
     ]
 
 

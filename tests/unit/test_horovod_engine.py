@@ -100,6 +100,8 @@ def test_argv_minimal_on_one_local_host(tmp_path: Path) -> None:
         str(tmp_path / "grants" / "train.discover.sh"),
         "--elastic-timeout",
         "600",
+        "--gloo-timeout-seconds",
+        "30",
         "--blacklist-cooldown-range",
         "10",
         "30",
@@ -173,7 +175,7 @@ def test_loopback_interface_only_when_every_host_is_local(
     tmp_path: Path, hosts: tuple[str, ...], loopback: bool
 ) -> None:
     argv = argv_for(make_spec(), tmp_path, hosts=hosts)
-    assert (argv[14:16] == ["--network-interface", "lo"]) is loopback
+    assert (argv[16:18] == ["--network-interface", "lo"]) is loopback
     assert argv.count("--network-interface") == int(loopback)
 
 
@@ -307,6 +309,8 @@ def test_engine_publishes_and_withdraws_the_grant_files(layout: StateLayout) -> 
         {"training": {"batchPolicy": "preserve-batch"}},
         {"gpus": {"min": 2, "max": 4}},
         {"horovod": {"elasticTimeoutSeconds": 30}},
+        {"horovod": {"glooTimeoutSeconds": 60}},
+        {"horovod": {"growTimeoutSeconds": 60}},
         {"engine": {"options": {"extraArgs": ["--verbose"]}}},
     ],
 )

@@ -235,6 +235,14 @@ def test_a_stop_event_stops_the_worker_and_its_children(tmp_path: Path) -> None:
             ["--grant-file", "g", "--poll-seconds", "0", "--", "-np", "1", "--min-np", "1", "x"],
             "--poll-seconds must be > 0",
         ),
+        (
+            ["--grant-file", "g", "--grow-retry-seconds", "0", "--", "-np", "1", "x"],
+            "--grow-retry-seconds must be > 0",
+        ),
+        (
+            ["--grant-file", "g", "--grow-timeout-seconds", "-1", "--", "-np", "1", "x"],
+            "--grow-timeout-seconds must be > 0",
+        ),
     ],
 )
 def test_bad_driver_arguments_are_refused_with_a_reason(
@@ -271,13 +279,15 @@ def test_the_engine_starts_the_driver_by_default_with_horovodruns_arguments(
     grant = layout.grant_file("train").resolve()
     bare = horovodrun_argv(job.spec, 2, None, ("localhost",), "horovodrun", PYTHON)
     assert argv[:5] == [PYTHON, "-m", horovod_module.DRIVER_MODULE, "--grant-file", str(grant)]
-    assert argv[5:] == ["--", *bare[1:]]
+    assert argv[5:7] == ["--grow-timeout-seconds", "120"]  # the spec's growTimeoutSeconds
+    assert argv[7:] == ["--", *bare[1:]]
     assert "--host-discovery-script" not in argv
     assert not layout.discovery_script("train").exists()  # no script: nothing runs it
     fallback = engine.launch_argv(make_job(horovod={"launcher": "horovodrun"}), 2)
     assert "--host-discovery-script" in fallback
     preloaded = engine.launch_argv(make_job(horovod={"preload": ["torch", "horovod.torch"]}), 2)
-    assert preloaded[5:7] == ["--preload", "torch,horovod.torch"]
+    assert preloaded[7:9] == ["--preload", "torch,horovod.torch"]
+    assert parse_driver_args(preloaded[3:])[0].grow_timeout_seconds == 120
     assert parse_driver_args(preloaded[3:])[0].preload == ["torch", "horovod.torch"]
 
 

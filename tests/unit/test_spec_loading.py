@@ -101,7 +101,8 @@ def test_good_file_loads(tmp_path: Path) -> None:
                 (
                     "spec.horovod.timeout",
                     "unknown field "
-                    "(allowed: elasticTimeoutSeconds, resetLimit, extraArgs, launcher, preload)",
+                    "(allowed: elasticTimeoutSeconds, glooTimeoutSeconds, growTimeoutSeconds, "
+                    "resetLimit, extraArgs, launcher, preload)",
                 )
             ],
             id="unknown-nested-field",

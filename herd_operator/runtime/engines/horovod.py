@@ -74,6 +74,9 @@ def horovodrun_argv(
     if discovery_script is not None:
         argv += ["--host-discovery-script", str(discovery_script)]
     argv += ["--elastic-timeout", str(spec.horovod.elastic_timeout_seconds)]
+    if "--gloo-timeout-seconds" not in spec.horovod.extra_args:
+        # Horovod exports it to the workers, over the operator's HOROVOD_GLOO_TIMEOUT_SECONDS.
+        argv += ["--gloo-timeout-seconds", str(spec.horovod.gloo_timeout_seconds)]
     if "--blacklist-cooldown-range" not in spec.horovod.extra_args:
         # Without it a host name blacklisted after a worker failure never comes back.
         low, high = BLACKLIST_COOLDOWN_SECONDS
@@ -103,6 +106,7 @@ def driver_argv(
     horovodrun's own arguments, with the grant file in place of the discovery script."""
     horovod_args = horovodrun_argv(spec, np, None, hosts, "horovodrun", python, network_interface)
     ours = ["--grant-file", str(grant_file)]
+    ours += ["--grow-timeout-seconds", str(spec.horovod.grow_timeout_seconds)]
     if spec.horovod.preload:
         ours += ["--preload", ",".join(spec.horovod.preload)]
     return [python, "-m", DRIVER_MODULE, *ours, "--", *horovod_args[1:]]
