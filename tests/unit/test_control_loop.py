@@ -30,7 +30,7 @@ from herd_operator.controllers.ports import Result
 from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.layout import StateLayout
 from herd_operator.policies.base import PolicyError
-from herd_operator.rpc import BadRequest, NotFound
+from herd_operator.rpc.protocol import BadRequest, NotFound
 from herd_operator.runtime import store as store_module
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
