@@ -32,7 +32,7 @@ from herd_operator.bench.rpcdrive import PHASES, DriveConfig, DriveResult, drive
 from herd_operator.bench.rpcflood import ensure_descriptors
 from herd_operator.bench.rpcload import JOB, TOKEN, echo_server, job_handlers, measure_op
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import RpcServer
+from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job
