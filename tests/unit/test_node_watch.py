@@ -122,7 +122,11 @@ def test_a_cordoned_node_keeps_its_jobs_until_their_workers_are_seen_gone(
     allocator.observe_world_size("wide", 4)
     after = allocator.placements()["wide"]
     assert after.size == 4 and "h3" not in dict(after.hosts)
-    allocator.request(Demand("wide", 2, 6, 6, arrival=1.0))  # still wants 6
+    # A decision runs (a changed demand; the same one again would decide nothing): h3's
+    # free GPUs are the only ones, and a cordoned host's free GPUs go to nobody.
+    allocator.request(Demand("wide", 2, 6, 5, arrival=1.0))
+    assert allocator.placements()["wide"].size == 4
+    allocator.request(Demand("wide", 2, 6, 6, arrival=1.0))
     assert allocator.placements()["wide"].size == 4
     # Back: its GPUs are granted again.
     allocator.cordon(set())
