@@ -574,7 +574,7 @@ class Allocator:
             demands,
             current,
             frozen=frozen,
-            unavailable=self._unavailable(),
+            unavailable=self._unavailable(current),
             spare_by_gain=self.spare_by_gain,
             previous=self._grants,
             smallest_first=self.smallest_first,
@@ -601,7 +601,7 @@ class Allocator:
                 demands,
                 current,
                 frozen=frozen | shrunk,
-                unavailable=self._unavailable(),
+                unavailable=self._unavailable(current),
                 spare_by_gain=self.spare_by_gain,
                 previous=self._grants,
                 smallest_first=self.smallest_first,
@@ -714,14 +714,21 @@ class Allocator:
             self._schedule_drain_check(now)
         return freed
 
-    def _unavailable(self) -> set[Slot]:
+    def _unavailable(self, current: Mapping[str, Placement]) -> set[Slot]:
         """GPUs a decision shares out to nobody: draining ones, those of held jobs, and the
-        free GPUs of cordoned hosts (those granted stay with their jobs)."""
+        GPUs of cordoned hosts that no job keeps in it: a job keeps its `current` placement
+        (a job shrunk to the workers it still has, not the GPUs it gave up), unless it is
+        being released (no demand any more)."""
         unavailable = set(self._draining)
         for placement in self._held.values():
             unavailable.update(placement.slots())
         if self._cordoned:
-            granted = {slot for grant in self._grants.values() for slot in grant.placement.slots()}
+            granted = {
+                slot
+                for job, placement in current.items()
+                if job in self._demands
+                for slot in placement.slots()
+            }
             unavailable.update(
                 (host, gpu)
                 for host, gpus in self.pool.hosts

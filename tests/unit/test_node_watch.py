@@ -131,3 +131,38 @@ def test_a_cordoned_node_keeps_its_jobs_until_their_workers_are_seen_gone(
     # Back: its GPUs are granted again.
     allocator.cordon(set())
     assert allocator.placements()["wide"].size == 6
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_gpus_of_a_job_released_on_a_lost_node_go_to_nobody(
+    allocator: Allocator, batched: bool
+) -> None:
+    """`solo` ran alone on h3 and ended with it; its release must not hand h3's GPUs to
+    `by`, which wants more (what killed the bystander in issue 25: `by` grown onto h3)."""
+    allocator.request(Demand("by", 2, 3, 2, arrival=1.0))
+    allocator.request(Demand("wide", 2, 2, 2, arrival=2.0))
+    allocator.request(Demand("solo", 2, 2, 2, arrival=3.0))
+    assert dict(allocator.placements()["solo"].hosts) == {"h3": (0, 1)}
+    allocator.request(Demand("by", 2, 3, 3, arrival=1.0))
+    allocator.cordon({"h3"})
+    if batched:
+        with allocator.batch():
+            allocator.release("solo")
+    else:
+        allocator.release("solo")
+    assert allocator.placements()["by"].size == 2 and "solo" not in allocator.placements()
+    allocator.cordon(set())
+    assert allocator.placements()["by"].size == 3
+
+
+def test_gpus_a_shrink_takes_back_on_a_cordoned_node_go_to_nobody(allocator: Allocator) -> None:
+    """h3 is cordoned while `wide` runs there; Horovod drops its workers on h3 and the
+    allocator takes their GPUs back (WorkerLost). That same decision must not hand them to
+    `pair`, which waits for GPUs."""
+    allocator.request(Demand("wide", 2, 6, 6, arrival=1.0, priority=1))
+    allocator.request(Demand("pair", 2, 2, 2, arrival=2.0))
+    allocator.observe_world_size("wide", 6)
+    allocator.cordon({"h3"})
+    allocator.observe_world_size("wide", 4)
+    assert "h3" not in dict(allocator.placements()["wide"].hosts)
+    assert not allocator.placements()["pair"].size
