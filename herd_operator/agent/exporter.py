@@ -34,8 +34,9 @@ from specs.values import Placement
 log = logging.getLogger(__name__)
 
 REGISTER_EVERY_SECONDS = 5.0
-"""The registration is also the node's heartbeat: a node silent for the operator's
---node-timeout (30 s) leaves the pool."""
+"""The registration is also the node's heartbeat, and says this interval: a node whose
+agent missed two calls is suspect (no GPU of it granted) until it answers a probe or calls
+again, and one silent for the operator's --node-timeout (30 s) is lost."""
 OWNERS_MAX_AGE_SECONDS = 1.0
 
 
@@ -134,7 +135,12 @@ class AllocatorView:
 
     def register(self, port: int) -> bool:
         with self._lock:
-            return self._call("register_exporter", host=self.host, port=port) is not None
+            return (
+                self._call(
+                    "register_exporter", host=self.host, port=port, every=REGISTER_EVERY_SECONDS
+                )
+                is not None
+            )
 
     def unregister(self, port: int) -> bool:
         """Leave the operator's scrape targets now (they would expire otherwise)."""

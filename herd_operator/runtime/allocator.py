@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
@@ -156,8 +157,15 @@ class Allocator:
         smallest_first: bool = False,
         max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
         share_by_gain: bool = False,
+        unavailable_hosts: Callable[[], AbstractSet[str]] = frozenset,
+        on_workers_lost: Callable[[str, frozenset[str]], None] = lambda job, hosts: None,
     ) -> None:
-        """`spare_by_gain`: GPUs no job wants go to the jobs whose policy reports the most
+        """`unavailable_hosts()`: hosts none of whose free GPUs a decision may grant, asked
+        in every decision (suspect or lost nodes: `pools/heartbeat.NodeWatch`), on top of
+        those `cordon` names. `on_workers_lost(job, hosts)`: told, before the decision that
+        takes their GPUs back, that `job` lost workers and ran on `hosts` (where they may
+        have vanished with their node).
+        `spare_by_gain`: GPUs no job wants go to the jobs whose policy reports the most
         gain for their next GPU (`Demand.gains`) instead of sitting idle.
         `share_by_gain`: every GPU above the admitted jobs' mins goes, tier by tier, to the job
         whose next GPU adds most (`arbitrate`'s `share_by_gain`, which includes lending).
@@ -208,6 +216,8 @@ class Allocator:
         self._held: dict[str, Placement] = {}
         self._cordoned: frozenset[str] = frozenset()
         """Hosts whose free GPUs are granted to nobody (see `cordon`)."""
+        self._unavailable_hosts = unavailable_hosts
+        self._on_workers_lost = on_workers_lost
         # When each job's size last changed; a job is left alone for min_resize_interval
         # after that, since every change costs a Horovod reset.
         self._resized_at: dict[str, float] = {}
@@ -454,6 +464,8 @@ class Allocator:
         message = f"world size {world_size} of {len(slots)} granted; GPU(s) {freed} taken back"
         log.warning("%s: %s", job, message)
         self._on_event(job, "Warning", "WorkerLost", message)
+        # Before the decision: a node the workers vanished with must not get them back.
+        self._on_workers_lost(job, frozenset(host for host, _ in grant.placement.hosts))
         self._decide(caller="", shrink=(job, Grant(shrunk, f"workers lost: {message}")))
 
     def _finish_drains(self) -> bool:
@@ -716,13 +728,14 @@ class Allocator:
 
     def _unavailable(self, current: Mapping[str, Placement]) -> set[Slot]:
         """GPUs a decision shares out to nobody: draining ones, those of held jobs, and the
-        GPUs of cordoned hosts that no job keeps in it: a job keeps its `current` placement
-        (a job shrunk to the workers it still has, not the GPUs it gave up), unless it is
-        being released (no demand any more)."""
+        GPUs of cordoned, suspect or lost hosts that no job keeps in it: a job keeps its
+        `current` placement (a job shrunk to the workers it still has, not the GPUs it gave
+        up), unless it is being released (no demand any more)."""
         unavailable = set(self._draining)
         for placement in self._held.values():
             unavailable.update(placement.slots())
-        if self._cordoned:
+        cordoned = self._cordoned | self._unavailable_hosts()
+        if cordoned:
             granted = {
                 slot
                 for job, placement in current.items()
@@ -732,7 +745,7 @@ class Allocator:
             unavailable.update(
                 (host, gpu)
                 for host, gpus in self.pool.hosts
-                if host in self._cordoned
+                if host in cordoned
                 for gpu in gpus
                 if (host, gpu) not in granted
             )
