@@ -141,8 +141,9 @@ class OperatorConfig:
     network_interface: str | None = None
     """The interface between the pool's nodes, for Horovod (None: a pool on this host)."""
     node_timeout_seconds: float = DEFAULT_NODE_TIMEOUT_SECONDS
-    """A node whose agent was heard and then silent this long is cordoned (none of its free
-    GPUs granted) until it is heard again."""
+    """A node whose agent was heard and then silent this long is lost (none of its free GPUs
+    granted) until its agent calls again, whatever probes say; one whose agent missed two
+    calls is suspect at once (`pools/heartbeat.py`)."""
     resync_seconds: float = 5.0
     relist_seconds: float = 10.0
     report_deadline_seconds: float = REPORT_DEADLINE_SECONDS

@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +25,10 @@ from tests.integration.harness import (
     HERD,
     OperatorHarness,
     digits_command,
+    new_grants_on,
+    soon,
     spec_document,
+    steps,
     workers_by_host,
 )
 
@@ -220,62 +222,6 @@ def test_an_operator_in_an_allocation_runs_and_resizes_jobs_across_its_nodes(
     assert os.path.exists(output)
 
 
-GRANT_LINE = re.compile(
-    r"herd_operator\.runtime\.allocator: grant (?P<job>[^:\s]+): "
-    r"(?P<placement>nothing \(pending\)|[^\[\]\s,]+\[[0-9, ]*\](?:, [^\[\]\s,]+\[[0-9, ]*\])*) \("
-)
-
-
-def grant_history(log_text: str) -> list[tuple[str, dict[str, set[int]]]]:
-    """The allocator's grants as logged, in order: (job, host -> its GPUs)."""
-    found = []
-    for line in log_text.splitlines():
-        match = GRANT_LINE.search(line)
-        if match is None:
-            continue
-        hosts: dict[str, set[int]] = {}
-        if not match["placement"].startswith("nothing"):
-            for host, gpus in re.findall(r"([^\[\]\s,]+)\[([0-9, ]*)\]", match["placement"]):
-                hosts[host] = {int(gpu) for gpu in gpus.split(",") if gpu.strip()}
-        found.append((match["job"], hosts))
-    return found
-
-
-def new_grants_on(log_text: str, offset: int, host: str) -> list[str]:
-    """GPUs of `host` that a grant logged after `offset` gave a job that did not hold them."""
-    held: dict[str, set[int]] = {}
-    for job, hosts in grant_history(log_text[:offset]):
-        held[job] = hosts.get(host, set())
-    found = []
-    for job, hosts in grant_history(log_text[offset:]):
-        now = hosts.get(host, set())
-        found += [f"{job}:{host}:{gpu}" for gpu in sorted(now - held.get(job, set()))]
-        held[job] = now
-    return found
-
-
-def soon(probe: Any, timeout: float) -> Any:
-    """`probe()` once it is truthy, polled until `timeout`; its last value if never."""
-    deadline = time.monotonic() + timeout
-    value = probe()
-    while not value and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = probe()
-    return value
-
-
-def steps(path: Path) -> list[tuple[float, int]]:
-    """The step log of a job's rank 0 (`--step-log`): (wall time, world size) per step."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            rows.append((float(parts[0]), int(parts[1])))
-    return rows
-
-
 @pytest.mark.timeout(600)
 def test_a_lost_nodes_gpus_go_to_nobody_and_no_job_is_failed_for_it(
     tmp_path: Path, cluster: NamespaceCluster
@@ -365,7 +311,7 @@ def test_a_lost_nodes_gpus_go_to_nobody_and_no_job_is_failed_for_it(
             150,
         )
         mark(f"wide training at 2: {bool(wide_at_2)}")
-        time.sleep(15)  # longer than the resize freeze and a few agent heartbeats
+        time.sleep(5)  # longer than the resize freeze and the resync: a regrow would show
         granted = new_grants_on(operator_output(), offset, lost)
         figures["grants_to_lost_node"] = granted
         figures["failed"] = [name for name in ("by", "wide", "solo") if failed(name)]
@@ -417,7 +363,7 @@ def test_a_lost_nodes_gpus_go_to_nobody_and_no_job_is_failed_for_it(
             f"an agent on {lost} calling the operator again",
             60,
         )
-        time.sleep(12)  # more than two of its calls
+        time.sleep(7)  # its next call, and the node watch's checks after it
         assert not node_event(herd, "NodeBack", lost)
         assert new_grants_on(operator_output(), offset, lost) == []
         for name in ("by", "wide", "solo"):
