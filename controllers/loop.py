@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from controllers.errors import PermanentError, TemporaryError
-from controllers.ports import Result
-from controllers.workqueue import WorkQueue
-from specs.values import Grant
+from herd_operator.controllers.errors import PermanentError, TemporaryError
+from herd_operator.controllers.ports import Result
+from herd_operator.controllers.workqueue import WorkQueue
+from herd_operator.specs.values import Grant
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from specs import HerdJob, HerdJobSpec
-from specs.status import HerdJobStatus
-from specs.values import Demand, Grant, Report, UsageSample
+from herd_operator.specs import HerdJob, HerdJobSpec
+from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.values import Demand, Grant, Report, UsageSample
 
 EventType = Literal["Normal", "Warning"]
 

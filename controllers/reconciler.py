@@ -14,8 +14,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from controllers.errors import PermanentError, TemporaryError
-from controllers.ports import (
+from herd_operator.controllers.errors import PermanentError, TemporaryError
+from herd_operator.controllers.ports import (
     REPORT_DEADLINE_SECONDS,
     AllocatorPort,
     EventType,
@@ -34,9 +34,9 @@ from controllers.ports import (
     SpecView,
     StorePort,
 )
-from policies.base import JobObservations, Policy, PolicyError, Signal
-from policies.registry import load_policy
-from specs import (
+from herd_operator.policies.base import JobObservations, Policy, PolicyError, Signal
+from herd_operator.policies.registry import load_policy
+from herd_operator.specs import (
     Condition,
     ConditionStatus,
     ConditionType,
@@ -46,8 +46,8 @@ from specs import (
     set_condition,
     spec_fingerprint,
 )
-from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Demand, Grant, Report
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.values import Demand, Grant, Report
 
 log = logging.getLogger(__name__)
 

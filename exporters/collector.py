@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporters.gpu import GpuReading, GpuSource
+from herd_operator.exporters.gpu import GpuReading, GpuSource
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporters.gpu import GpuReading
-from exporters.sources import PrometheusGpuSource, ScrapeGpuSource, _Sample
+from herd_operator.exporters.gpu import GpuReading
+from herd_operator.exporters.sources import PrometheusGpuSource, ScrapeGpuSource, _Sample
 
 log = logging.getLogger(__name__)
 

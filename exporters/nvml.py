@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from exporters.gpu import GpuReading, ProcessMemory
+from herd_operator.exporters.gpu import GpuReading, ProcessMemory
 
 log = logging.getLogger(__name__)
 

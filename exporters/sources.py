@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters.gpu import GpuKind, GpuReading, ProcessMemory
+from herd_operator.exporters.gpu import GpuKind, GpuReading, ProcessMemory
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from specs.values import Demand, Grant, Placement, Pool, Slot
+from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 
 def _gpus(count: int) -> str:

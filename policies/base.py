@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specs import HerdJob
-from specs.values import Report, UsageSample
+from herd_operator.specs import HerdJob
+from herd_operator.specs.values import Report, UsageSample
 
 
 class Signal(enum.StrEnum):
@@ -67,7 +67,7 @@ class Policy(Protocol):
     observes: frozenset[Signal]
     """What the policy decides on (a class attribute): the reconciler gathers only these.
     The registry gives a plug-in written before this existed its old view (see
-    `policies.registry`)."""
+    `herd_operator.policies.registry`)."""
 
     def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
         """Return the GPU count this job should run at, within [min, max], and why."""

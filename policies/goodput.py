@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from policies.base import Decision, JobObservations, Signal, clamp
-from specs import HerdJob
-from specs.models import SCHEMA_CONFIG
-from specs.values import Report
+from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
+from herd_operator.specs import HerdJob
+from herd_operator.specs.models import SCHEMA_CONFIG
+from herd_operator.specs.values import Report
 
 _RECENT = 3
 """Epochs per size that make its rate (the median): a slow epoch does not move the fit."""

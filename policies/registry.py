@@ -24,13 +24,13 @@ from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, ValidationError
 
-from policies.base import Decision, JobObservations, Policy, PolicyError, Signal
-from policies.goodput import GoodputPolicy
-from policies.memory import MemoryPolicy
-from policies.schedule import SchedulePolicy
-from policies.static import StaticPolicy
-from specs import HerdJob, PolicyRef
-from specs.loading import error_message, format_location
+from herd_operator.policies.base import Decision, JobObservations, Policy, PolicyError, Signal
+from herd_operator.policies.goodput import GoodputPolicy
+from herd_operator.policies.memory import MemoryPolicy
+from herd_operator.policies.schedule import SchedulePolicy
+from herd_operator.policies.static import StaticPolicy
+from herd_operator.specs import HerdJob, PolicyRef
+from herd_operator.specs.loading import error_message, format_location
 
 ENTRY_POINT_GROUP = "herd_operator.policies"
 LEGACY_OBSERVES: frozenset[Signal] = frozenset({Signal.EPOCHS})

@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from policies.base import Decision, JobObservations, Signal, clamp
-from specs import HerdJob
-from specs.models import SCHEMA_CONFIG
+from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
+from herd_operator.specs import HerdJob
+from herd_operator.specs.models import SCHEMA_CONFIG
 
 _CAMEL_CONFIG = ConfigDict(
     extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True, **SCHEMA_CONFIG

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.base import Decision, JobObservations, Signal, clamp
-from specs import HerdJob
-from specs.models import SCHEMA_CONFIG
+from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
+from herd_operator.specs import HerdJob
+from herd_operator.specs.models import SCHEMA_CONFIG
 
 
 class StaticParams(BaseModel):

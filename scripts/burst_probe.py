@@ -38,7 +38,7 @@ from herd_operator.rpc import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import for_own_job
-from specs.values import Demand, Pool
+from herd_operator.specs.values import Demand, Pool
 
 BUCKETS_S = (0.25, 0.5, 1, 2, 4, 8, 16, float("inf"))
 SERVER_LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from exporters.collector import GpuCollector, exposition
-from exporters.nvml import NvmlGpuSource
+from herd_operator.exporters.collector import GpuCollector, exposition
+from herd_operator.exporters.nvml import NvmlGpuSource
 
 HOLDER = """
 import sys, time, torch

@@ -6,10 +6,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 # The names below are imported on first use (PEP 562), so that importing one light module
-# (`specs.values`) or the models does not load the YAML loader too: a restarted operator
+# (`herd_operator.specs.values`) or the models does not load the YAML loader too: a restarted operator
 # serves its jobs' workers before it reads a spec file.
 if TYPE_CHECKING:
-    from specs.conditions import (
+    from herd_operator.specs.conditions import (
         Condition,
         ConditionStatus,
         ConditionType,
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
         is_true,
         set_condition,
     )
-    from specs.loading import (
+    from herd_operator.specs.loading import (
         MAX_SPEC_BYTES,
         SpecError,
         SpecFile,
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         load_spec_text,
         scan_spec_dir,
     )
-    from specs.models import (
+    from herd_operator.specs.models import (
         API_VERSION,
         HOROVOD_ENGINE,
         KIND,
@@ -47,35 +47,35 @@ if TYPE_CHECKING:
 
 else:
     _HOMES = {
-        "Condition": "specs.conditions",
-        "ConditionStatus": "specs.conditions",
-        "ConditionType": "specs.conditions",
-        "get_condition": "specs.conditions",
-        "is_true": "specs.conditions",
-        "set_condition": "specs.conditions",
-        "MAX_SPEC_BYTES": "specs.loading",
-        "SpecError": "specs.loading",
-        "SpecFile": "specs.loading",
-        "SpecIndex": "specs.loading",
-        "index_specs": "specs.loading",
-        "is_spec_filename": "specs.loading",
-        "load_spec_file": "specs.loading",
-        "load_spec_text": "specs.loading",
-        "scan_spec_dir": "specs.loading",
-        "API_VERSION": "specs.models",
-        "HOROVOD_ENGINE": "specs.models",
-        "KIND": "specs.models",
-        "EngineRef": "specs.models",
-        "GpuRange": "specs.models",
-        "HerdJob": "specs.models",
-        "HerdJobSpec": "specs.models",
-        "HorovodOptions": "specs.models",
-        "ObjectMeta": "specs.models",
-        "PolicyRef": "specs.models",
-        "RestartPolicy": "specs.models",
-        "TrainingOptions": "specs.models",
-        "json_schema": "specs.models",
-        "spec_fingerprint": "specs.models",
+        "Condition": "herd_operator.specs.conditions",
+        "ConditionStatus": "herd_operator.specs.conditions",
+        "ConditionType": "herd_operator.specs.conditions",
+        "get_condition": "herd_operator.specs.conditions",
+        "is_true": "herd_operator.specs.conditions",
+        "set_condition": "herd_operator.specs.conditions",
+        "MAX_SPEC_BYTES": "herd_operator.specs.loading",
+        "SpecError": "herd_operator.specs.loading",
+        "SpecFile": "herd_operator.specs.loading",
+        "SpecIndex": "herd_operator.specs.loading",
+        "index_specs": "herd_operator.specs.loading",
+        "is_spec_filename": "herd_operator.specs.loading",
+        "load_spec_file": "herd_operator.specs.loading",
+        "load_spec_text": "herd_operator.specs.loading",
+        "scan_spec_dir": "herd_operator.specs.loading",
+        "API_VERSION": "herd_operator.specs.models",
+        "HOROVOD_ENGINE": "herd_operator.specs.models",
+        "KIND": "herd_operator.specs.models",
+        "EngineRef": "herd_operator.specs.models",
+        "GpuRange": "herd_operator.specs.models",
+        "HerdJob": "herd_operator.specs.models",
+        "HerdJobSpec": "herd_operator.specs.models",
+        "HorovodOptions": "herd_operator.specs.models",
+        "ObjectMeta": "herd_operator.specs.models",
+        "PolicyRef": "herd_operator.specs.models",
+        "RestartPolicy": "herd_operator.specs.models",
+        "TrainingOptions": "herd_operator.specs.models",
+        "json_schema": "herd_operator.specs.models",
+        "spec_fingerprint": "herd_operator.specs.models",
     }
 
     def __getattr__(name: str) -> object:

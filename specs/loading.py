@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from specs.models import EngineRef, HerdJob, HorovodOptions
+from herd_operator.specs.models import EngineRef, HerdJob, HorovodOptions
 
 MAX_SPEC_BYTES = 1 << 20
 # Bounds on the loaded YAML: aliases can expand a small file into billions of values, and

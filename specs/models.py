@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from specs.values import MODULE_NAME_PATTERN
+from herd_operator.specs.values import MODULE_NAME_PATTERN
 
 API_VERSION = "herd/v1alpha1"
 KIND = "HerdJob"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from specs.conditions import Condition, ConditionType, get_condition, is_true
+from herd_operator.specs.conditions import Condition, ConditionType, get_condition, is_true
 
 
 class StatusModel(BaseModel):

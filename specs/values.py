@@ -3,7 +3,7 @@ and what is observed of a running job (worker reports, GPU memory samples).
 
 One definition each. They import nothing of ours, so `specs`, `policies`,
 `controllers`, the runtime and the exporters can all speak them. Decisions on them
-live elsewhere (`policies.arbitration`, the policies).
+live elsewhere (`herd_operator.policies.arbitration`, the policies).
 """
 
 from __future__ import annotations

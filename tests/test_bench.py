@@ -46,8 +46,8 @@ from herd_operator.bench.training import (
     samples_per_second,
 )
 from herd_operator.cli import main
-from specs import load_spec_file
-from specs.values import Demand, Placement, Pool
+from herd_operator.specs import load_spec_file
+from herd_operator.specs.values import Demand, Placement, Pool
 
 # Without the real-training benchmarks (test_slurm covers the multi-node path) and `soak`
 # (30 s even with --quick; its own tests below).

@@ -28,10 +28,10 @@ from types import MappingProxyType
 from typing import Any
 
 from herd_operator.agent.batching import BatchPlan, BatchSettings, micro_batches, plan_batches
-from policies.base import JobObservations
-from policies.registry import load_policy
-from specs import HerdJob
-from specs.values import Report, UsageSample
+from herd_operator.policies.base import JobObservations
+from herd_operator.policies.registry import load_policy
+from herd_operator.specs import HerdJob
+from herd_operator.specs.values import Report, UsageSample
 
 GIB = 1 << 30
 MEMORY_SCHEDULE = "memory"

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from policies.base import Decision, JobObservations, Signal, clamp
-from specs import HerdJob
+from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
+from herd_operator.specs import HerdJob
 
 
 class LossPlateauParams(BaseModel):

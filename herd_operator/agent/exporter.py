@@ -21,15 +21,15 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from exporters.collector import GpuCollector
-from exporters.dcgm import JobMappingLoop, JobMappingWriter
-from exporters.gpu import GpuSource, VirtualGpuSource
-from exporters.http import serve_metrics
-from exporters.nvml import NvmlGpuSource, check_no_unseen_gpus, nvml_gpu_count
 from herd_operator.auth import TokenFileError, agent_identity, read_token_file
+from herd_operator.exporters.collector import GpuCollector
+from herd_operator.exporters.dcgm import JobMappingLoop, JobMappingWriter
+from herd_operator.exporters.gpu import GpuSource, VirtualGpuSource
+from herd_operator.exporters.http import serve_metrics
+from herd_operator.exporters.nvml import NvmlGpuSource, check_no_unseen_gpus, nvml_gpu_count
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import RpcClient, parse_address
-from specs.values import Placement
+from herd_operator.specs.values import Placement
 
 log = logging.getLogger(__name__)
 

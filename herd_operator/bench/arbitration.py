@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from herd_operator.bench.harness import Context, Row, Stats, timed_repeats
-from policies.arbitration import arbitrate
-from specs.values import Demand, Placement, Pool
+from herd_operator.policies.arbitration import arbitrate
+from herd_operator.specs.values import Demand, Placement, Pool
 
 
 def perlmutter_pool(nodes: int, gpus_per_node: int = 4) -> Pool:

@@ -31,7 +31,7 @@ from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.operator import Operator, OperatorConfig
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
-from specs.values import Demand, Placement, Pool
+from herd_operator.specs.values import Demand, Placement, Pool
 
 MARKS_ENV = "HERD_BENCH_MARKS"
 """The directory where the fake horovodrun writes its start time, to a file named after the

@@ -26,7 +26,7 @@ from herd_operator.layout import write_atomically
 from herd_operator.runtime.engines.horovod import DRIVER_MODULE, horovodrun_executable
 from herd_operator.runtime.operator import Operator, OperatorConfig
 from herd_operator.runtime.pools import StaticPool
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 IDLE_WORKER = ["sleep", "1000000"]
 START_GUARD_S = 120.0

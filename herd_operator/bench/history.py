@@ -20,7 +20,7 @@ from pathlib import Path
 
 from herd_operator.bench.harness import Context, Row, Stats
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB, Store
-from specs import HerdJob
+from herd_operator.specs import HerdJob
 
 GRANTS_PER_JOB = 100
 OLD = 1_000.0

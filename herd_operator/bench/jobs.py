@@ -6,7 +6,7 @@ must not include pydantic and the spec models.
 
 from __future__ import annotations
 
-from specs import HerdJob
+from herd_operator.specs import HerdJob
 
 
 def bench_job(name: str) -> HerdJob:

@@ -21,7 +21,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import PlainHandler, ReportHandler
 from herd_operator.runtime.store import Store
-from specs.values import Demand, Pool
+from herd_operator.specs.values import Demand, Pool
 
 TOKEN = b"bench-token-0123456789abcdef0123"
 HANG_GUARD_S = 120.0

@@ -38,7 +38,7 @@ from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job
 from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
 from herd_operator.runtime.store import Store
-from specs.values import Demand, Pool
+from herd_operator.specs.values import Demand, Pool
 
 DRIVER_PROCESSES = 2
 """Load-generator processes (this machine has 2 cores; the server has its own thread)."""

@@ -74,10 +74,10 @@ def measure_yaml(directory: Path) -> dict[str, float]:
 def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) -> dict[str, float]:
     """Relist cold and warm, then reconcile every job once (stopping after `budget_s`)
     and again (the steady state) the jobs that the first pass reached."""
-    from controllers.loop import ControlLoop
-    from controllers.ports import LaunchInfo, ProcessPhase, ProcessState, Result
-    from controllers.reconciler import JobReconciler
-    from controllers.workqueue import WorkQueue
+    from herd_operator.controllers.loop import ControlLoop
+    from herd_operator.controllers.ports import LaunchInfo, ProcessPhase, ProcessState, Result
+    from herd_operator.controllers.reconciler import JobReconciler
+    from herd_operator.controllers.workqueue import WorkQueue
     from herd_operator.layout import (
         StateLayout,
         make_runtime_dir,
@@ -89,8 +89,8 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
     from herd_operator.runtime.operator import tune_gc
     from herd_operator.runtime.specdir import SpecDirectory
     from herd_operator.runtime.store import Store
-    from specs import HerdJob
-    from specs.values import Pool
+    from herd_operator.specs import HerdJob
+    from herd_operator.specs.values import Pool
 
     @dataclass
     class RecordingLauncher:

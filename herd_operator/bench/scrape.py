@@ -24,15 +24,15 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
-from exporters.collector import GpuCollector
-from exporters.gpu import GpuReading, ProcessMemory
-from exporters.http import serve_metrics
 from herd_operator.bench.harness import Context, Row, Stats
+from herd_operator.exporters.collector import GpuCollector
+from herd_operator.exporters.gpu import GpuReading, ProcessMemory
+from herd_operator.exporters.http import serve_metrics
 from herd_operator.runtime.metrics import StateCollector
 from herd_operator.runtime.store import Store
-from specs import Condition, ConditionStatus, HerdJob
-from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Placement, Pool
+from herd_operator.specs import Condition, ConditionStatus, HerdJob
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.values import Placement, Pool
 
 
 class EightGpus:

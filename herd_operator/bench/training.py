@@ -32,7 +32,7 @@ from herd_operator.layout import write_atomically
 from herd_operator.runtime.engines.horovod import horovodrun_executable
 from herd_operator.runtime.operator import Operator, OperatorConfig
 from herd_operator.runtime.pools import StaticPool
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "bench-train"

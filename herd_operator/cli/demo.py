@@ -26,7 +26,7 @@ from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.operator import Operator, OperatorConfig
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 CHECKOUT_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 """examples/ of a source checkout (and of an editable install, which runs from one)."""

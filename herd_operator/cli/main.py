@@ -30,7 +30,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from controllers.ports import REPORT_DEADLINE_SECONDS, JobRecord
 from herd_operator.cli.logs import show_log
 from herd_operator.cli.selectors import Selector, SelectorError, parse_selector
 from herd_operator.cli.views import (
@@ -47,6 +46,7 @@ from herd_operator.cli.views import (
     open_store,
     resource_list,
 )
+from herd_operator.controllers.ports import REPORT_DEADLINE_SECONDS, JobRecord
 from herd_operator.layout import StateLayout, default_state_dir
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
@@ -59,7 +59,7 @@ from herd_operator.runtime.store import (
 )
 
 if TYPE_CHECKING:
-    from specs import SpecFile
+    from herd_operator.specs import SpecFile
 
 _Number = TypeVar("_Number", int, float)
 
@@ -1084,7 +1084,7 @@ def cmd_check_state(args: argparse.Namespace) -> int:
 def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
     """Load each file, check its policy and engine, and check names across the files."""
     from herd_operator.runtime.specdir import with_known_references
-    from specs import index_specs, load_spec_file
+    from herd_operator.specs import index_specs, load_spec_file
 
     files = [with_known_references(load_spec_file(path)) for path in paths]
     problems = [str(error) for spec_file in files for error in spec_file.errors]
@@ -1112,8 +1112,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from policies.registry import builtin_params_models
-    from specs import json_schema
+    from herd_operator.policies.registry import builtin_params_models
+    from herd_operator.specs import json_schema
 
     print(json.dumps(json_schema(builtin_params_models()), indent=2))
     return EXIT_OK

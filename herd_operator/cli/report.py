@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from controllers.ports import JobRecord
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, format_table, open_store
+from herd_operator.controllers.ports import JobRecord
+from herd_operator.policies.memory import MemoryParams
 from herd_operator.runtime.store import (
     MAX_EVENTS,
     MAX_REPORTS_PER_JOB,
@@ -38,10 +39,9 @@ from herd_operator.runtime.store import (
 )
 from herd_operator.runtime.store import Event as StoredEvent
 from herd_operator.runtime.store import GrantChange as StoredGrantChange
-from policies.memory import MemoryParams
-from specs import ConditionType, PolicyRef, get_condition
-from specs.status import HerdJobStatus
-from specs.values import Report, UsageSample
+from herd_operator.specs import ConditionType, PolicyRef, get_condition
+from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.values import Report, UsageSample
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

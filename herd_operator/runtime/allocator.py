@@ -22,9 +22,9 @@ from typing import Any, Literal, Protocol
 
 import psutil
 
+from herd_operator.policies.arbitration import arbitrate
 from herd_operator.rpc import BadRequest, NotFound, host_arg
-from policies.arbitration import arbitrate
-from specs.values import Demand, Grant, Placement, Pool, Slot
+from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import os
 import threading
 from collections.abc import Mapping
 
-from controllers.errors import PermanentError
-from controllers.ports import LaunchInfo, ProcessState
 from herd_operator.auth import job_key, write_token_file
+from herd_operator.controllers.errors import PermanentError
+from herd_operator.controllers.ports import LaunchInfo, ProcessState
 from herd_operator.environment import (
     BATCH_POLICY_ENV,
     ENV_FILE_ENV,
@@ -36,8 +36,8 @@ from herd_operator.runtime.engines import (
     engine_factory,
 )
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
-from specs import HerdJob
-from specs.values import Placement, Slot
+from herd_operator.specs import HerdJob
+from herd_operator.specs.values import Placement, Slot
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from herd_operator.layout import write_atomically
 from herd_operator.rpc import BadRequest, Forbidden, Handler, NotFound, host_arg
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store
-from specs.models import MAX_GPUS
+from herd_operator.specs.models import MAX_GPUS
 
 log = logging.getLogger(__name__)
 

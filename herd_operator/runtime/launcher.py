@@ -40,7 +40,7 @@ from typing import BinaryIO
 import psutil
 import pydantic
 
-from controllers.ports import LaunchInfo, ProcessPhase, ProcessState
+from herd_operator.controllers.ports import LaunchInfo, ProcessPhase, ProcessState
 from herd_operator.environment import GPU_ENV, JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.keeper import (
@@ -48,7 +48,7 @@ from herd_operator.runtime.keeper import (
     read_exit_start,
     read_launch_error,
 )
-from specs import HerdJobSpec
+from herd_operator.specs import HerdJobSpec
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from controllers.loop import Outcome
+from herd_operator.controllers.loop import Outcome
 from herd_operator.runtime.store import Store
-from specs import ConditionStatus, ConditionType
-from specs.conditions import get_condition
-from specs.status import HerdJobStatus
-from specs.values import Placement, Pool
+from herd_operator.specs import ConditionStatus, ConditionType
+from herd_operator.specs.conditions import get_condition
+from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.values import Placement, Pool
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RESIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)

@@ -13,8 +13,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from exporters.gpu import GpuReading, GpuSource
-from specs.values import Placement
+from herd_operator.exporters.gpu import GpuReading, GpuSource
+from herd_operator.specs.values import Placement
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry
 
-from controllers.ports import REPORT_DEADLINE_SECONDS
-from controllers.workqueue import WorkQueue
-from exporters.collector import GpuCollector
-from exporters.gpu import GpuSource, VirtualGpuSource
-from exporters.http import serve_metrics
-from exporters.nvml import NvmlGpuSource
 from herd_operator.auth import agent_key, ensure_token_file, write_token_file
+from herd_operator.controllers.ports import REPORT_DEADLINE_SECONDS
+from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.environment import ALLOCATOR_ENV, GPU_ENV, STATE_DIR_ENV
+from herd_operator.exporters.collector import GpuCollector
+from herd_operator.exporters.gpu import GpuSource, VirtualGpuSource
+from herd_operator.exporters.http import serve_metrics
+from herd_operator.exporters.nvml import NvmlGpuSource
 from herd_operator.layout import (
     StateLayout,
     is_runtime_dir,
@@ -79,14 +79,14 @@ from herd_operator.runtime.pruner import (
     Pruner,
 )
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB, Store, StoreError
-from specs.values import Placement, Pool
+from herd_operator.specs.values import Placement, Pool
 
 if TYPE_CHECKING:
     # Imported where used, once the operator serves: a restarted operator answers its
     # jobs' workers before it spends the time to import the control loop, the policies,
     # the spec directory's watcher and the optional metric sources.
-    from controllers.loop import ControlLoop
-    from exporters.dcgm import JobMappingLoop
+    from herd_operator.controllers.loop import ControlLoop
+    from herd_operator.exporters.dcgm import JobMappingLoop
     from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
 
 log = logging.getLogger(__name__)
@@ -383,8 +383,8 @@ class Operator:
             config.specs_dir,
             self.layout.root,
         )
-        from controllers.loop import ControlLoop
-        from controllers.reconciler import JobReconciler
+        from herd_operator.controllers.loop import ControlLoop
+        from herd_operator.controllers.reconciler import JobReconciler
         from herd_operator.runtime.specdir import SpecDirectory
 
         self.specs = SpecDirectory(config.specs_dir)
@@ -523,7 +523,7 @@ class Operator:
         """Where the policies' memory signal comes from: the exported metrics, read back."""
         # Each source imported only when chosen: most runs use none of them.
         if self.config.gpu_metrics == "dcgm":
-            from exporters.dcgm import (
+            from herd_operator.exporters.dcgm import (
                 DcgmPrometheusGpuSource,
                 DcgmScrapeGpuSource,
                 dcgm_exporter_urls,
@@ -536,12 +536,12 @@ class Operator:
                 list(self.config.dcgm_exporter_urls) or dcgm_exporter_urls(hosts)
             )
         if self.config.prometheus_url:
-            from exporters.sources import PrometheusGpuSource
+            from herd_operator.exporters.sources import PrometheusGpuSource
 
             return PrometheusGpuSource(self.config.prometheus_url)
         if local is not None:
             return local
-        from exporters.sources import ScrapeGpuSource
+        from herd_operator.exporters.sources import ScrapeGpuSource
 
         return ScrapeGpuSource(exporters.urls)
 
@@ -568,7 +568,7 @@ class Operator:
                 if slot_host == host
             }
 
-        from exporters.dcgm import JobMappingLoop, JobMappingWriter
+        from herd_operator.exporters.dcgm import JobMappingLoop, JobMappingWriter
 
         return JobMappingLoop(JobMappingWriter(directory, owners))
 

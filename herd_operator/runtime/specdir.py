@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from controllers.ports import SpecView
+from herd_operator.controllers.ports import SpecView
+from herd_operator.policies.base import PolicyError
+from herd_operator.policies.registry import load_policy
 from herd_operator.runtime.engines import UnknownEngineError, engine_problem
-from policies.base import PolicyError
-from policies.registry import load_policy
-from specs import (
+from herd_operator.specs import (
     SpecError,
     SpecFile,
     index_specs,
@@ -28,7 +28,7 @@ from specs import (
     load_spec_file,
     spec_fingerprint,
 )
-from specs.models import is_job_name
+from herd_operator.specs.models import is_job_name
 
 log = logging.getLogger(__name__)
 

@@ -43,11 +43,11 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Literal
 
-from controllers.errors import TemporaryError
-from controllers.ports import JobRecord
-from specs import HerdJob
-from specs.status import HerdJobStatus
-from specs.values import Placement, Report, UsageSample
+from herd_operator.controllers.errors import TemporaryError
+from herd_operator.controllers.ports import JobRecord
+from herd_operator.specs import HerdJob
+from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.values import Placement, Report, UsageSample
 
 _log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The discrete-event simulation: a virtual clock driving the operator's real decisions.
 
 Nothing here decides who gets a GPU. Each job's wish comes from the real policy
-(`policies.registry.load_policy`), called with what the operator would observe (epoch
+(`herd_operator.policies.registry.load_policy`), called with what the operator would observe (epoch
 reports, GPU memory samples, its grant and last resize); the grants come from the real
 `Allocator` (gang admission, priorities, fair share, shrink-to-admit, the resize rate limit
 and drains, through `arbitrate()`), run on the simulation's clock. What the simulation adds is
@@ -23,12 +23,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from herd_operator.policies.base import JobObservations, Policy, Signal
+from herd_operator.policies.registry import load_policy
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
-from policies.base import JobObservations, Policy, Signal
-from policies.registry import load_policy
-from specs import HerdJob, PolicyRef
-from specs.values import Demand, Grant, Placement, Pool, Report, UsageSample
+from herd_operator.specs import HerdJob, PolicyRef
+from herd_operator.specs.values import Demand, Grant, Placement, Pool, Report, UsageSample
 
 KEPT_OBSERVATIONS = 16
 """Epoch reports and memory samples kept per job: every built-in policy reads the latest few."""

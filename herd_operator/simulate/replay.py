@@ -3,7 +3,7 @@
 The store of a run holds each job's spec (GPU range, priority, policy), when it was declared,
 its workers' epoch-end reports (time and world size), every grant change and when it
 finished. From the reports this module derives each job's model: the epoch time at each
-size it ran at, Amdahl's serial share fitted on them (`policies.goodput.fit_serial`; with one
+size it ran at, Amdahl's serial share fitted on them (`herd_operator.policies.goodput.fit_serial`; with one
 size only, a prior), hence its work in single-GPU seconds. The simulator then runs those jobs,
 arriving when they were declared, on a pool of the recorded size, under the recorded policy,
 and the grant timelines and completion times are compared: what the simulator's job model
@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from herd_operator.policies.goodput import fit_serial, rates_by_size, speedup
 from herd_operator.runtime.store import Store
 from herd_operator.simulate.engine import SimConfig, Simulation
 from herd_operator.simulate.model import JobModel
-from policies.goodput import fit_serial, rates_by_size, speedup
-from specs import PolicyRef
-from specs.values import Pool, Report
+from herd_operator.specs import PolicyRef
+from herd_operator.specs.values import Pool, Report
 
 PRIOR_SERIAL = 0.05
 """The serial share of a job that ran at one size only (its scaling was not measured)."""

@@ -12,8 +12,8 @@ from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
-from specs import PolicyRef
-from specs.values import Pool
+from herd_operator.specs import PolicyRef
+from herd_operator.specs.values import Pool
 
 FIRST_COME = "fcfs"
 """Not a policy of the operator: every job rigid at its asked size (min = max), `static`,

@@ -25,7 +25,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.runtime.operator import Operator, OperatorConfig
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 REPO = Path(__file__).resolve().parents[2]
 HERD = str(Path(sys.executable).with_name("herd-operator"))

@@ -18,7 +18,7 @@ import yaml
 
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store, StoreError
-from specs import ConditionType, get_condition
+from herd_operator.specs import ConditionType, get_condition
 from tests.integration.harness import HERD, REPO, kill_marked_processes, spec_document
 
 STEPS = 5

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from herd_operator.runtime.engines.horovod import DRIVER_MODULE
-from specs.values import Grant, Placement
+from herd_operator.specs.values import Grant, Placement
 from tests.integration.harness import (
     OperatorHarness,
     digits_command,

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, Phase, assume, given, settings
 
-from specs import load_spec_file
+from herd_operator.specs import load_spec_file
 from tests.fuzzing import ODD_DOCUMENTS, spec_bytes
 from tests.integration.harness import OperatorHarness, spec_document
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from policies.registry import reset_plugin_cache
+from herd_operator.policies.registry import reset_plugin_cache
 from tests.integration.harness import OperatorHarness, digits_command, spec_document
 from tests.unit.plugin_policy import TEST_PLUGINS, install, write_distribution
 

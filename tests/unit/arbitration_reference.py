@@ -1,4 +1,4 @@
-"""The plain arbitration algorithm of `policies.arbitration` as it stood before its fast
+"""The plain arbitration algorithm of `herd_operator.policies.arbitration` as it stood before its fast
 path (commit fedb469), kept as the reference that the property tests compare it against.
 
 Do not optimise this file: its value is that it is the straightforward version.
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from specs.values import Demand, Grant, Placement, Pool, Slot
+from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 
 def _gpus(count: int) -> str:

@@ -16,9 +16,9 @@ from typing import ClassVar
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.base import Decision, JobObservations, Signal, clamp
-from policies.registry import ENTRY_POINT_GROUP, reset_plugin_cache
-from specs import HerdJob
+from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
+from herd_operator.policies.registry import ENTRY_POINT_GROUP, reset_plugin_cache
+from herd_operator.specs import HerdJob
 
 HERE = "tests.unit.plugin_policy"
 EXAMPLE_PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins"

@@ -24,10 +24,10 @@ from typing import Any
 import psutil
 import pytest
 
-from controllers.loop import ControlLoop
-from controllers.ports import LaunchInfo, ProcessPhase, ProcessState
-from controllers.reconciler import JobReconciler
-from controllers.workqueue import WorkQueue
+from herd_operator.controllers.loop import ControlLoop
+from herd_operator.controllers.ports import LaunchInfo, ProcessPhase, ProcessState
+from herd_operator.controllers.reconciler import JobReconciler
+from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.environment import JOB_ENV, STATE_DIR_ENV
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator, Binding
@@ -42,9 +42,9 @@ from herd_operator.runtime.launcher import (
 )
 from herd_operator.runtime.operator import ExitsRecordedFirst, _bindings, _placement_of
 from herd_operator.runtime.store import Store, StoreError
-from specs import ConditionType, HerdJob, HerdJobSpec, is_true
-from specs.status import HerdJobStatus
-from specs.values import Demand, Placement, Pool
+from herd_operator.specs import ConditionType, HerdJob, HerdJobSpec, is_true
+from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.values import Demand, Placement, Pool
 from tests.unit.test_launcher import Exits
 from tests.unit.test_reconciler import FakeSpecs, herd_job
 

@@ -15,7 +15,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest, NotFound
 from herd_operator.runtime.allocator import Allocator, slots_to_give_up
 from herd_operator.runtime.engines.horovod import GrantPublisher, present
-from specs.values import Demand, Grant, Placement, Pool
+from herd_operator.specs.values import Demand, Grant, Placement, Pool
 
 # Hang guard for running a discovery script; never a performance expectation.
 GUARD_S = 10.0

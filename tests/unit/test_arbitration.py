@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.arbitration import arbitrate
-from specs.values import Demand, Grant, HostGpus, Placement, Pool, Slot
+from herd_operator.policies.arbitration import arbitrate
+from herd_operator.specs.values import Demand, Grant, HostGpus, Placement, Pool, Slot
 from tests.unit import arbitration_reference
 
 

@@ -16,7 +16,7 @@ from herd_operator.cli.demo import summary
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.pruner import Pruner
 from herd_operator.runtime.store import Store
-from specs import HerdJob
+from herd_operator.specs import HerdJob
 from tests.unit.test_cli import run_cli
 
 NOW = 1_700_000_000.0

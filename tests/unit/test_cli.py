@@ -17,7 +17,7 @@ import yaml
 from herd_operator.cli import main
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
-from specs import (
+from herd_operator.specs import (
     ConditionStatus,
     ConditionType,
     HerdJob,
@@ -26,7 +26,7 @@ from specs import (
     set_condition,
     spec_fingerprint,
 )
-from specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
 from tests.unit.test_store import corrupt_a_table_page
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

@@ -12,8 +12,8 @@ import pytest
 from herd_operator.cli.logs import LogFollower, tail_offset
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
-from specs import ConditionStatus, ConditionType, set_condition
-from specs.status import HerdJobStatus
+from herd_operator.specs import ConditionStatus, ConditionType, set_condition
+from herd_operator.specs.status import HerdJobStatus
 from tests.unit.test_cli import EXIT_FAILURE, EXIT_OK, make_job, record, run_cli
 
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from specs import (
+from herd_operator.specs import (
     Condition,
     ConditionStatus,
     ConditionType,

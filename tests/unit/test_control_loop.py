@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controllers.errors import PermanentError, TemporaryError
-from controllers.loop import ControlLoop, Outcome
-from controllers.ports import Result
-from controllers.workqueue import WorkQueue
+from herd_operator.controllers.errors import PermanentError, TemporaryError
+from herd_operator.controllers.loop import ControlLoop, Outcome
+from herd_operator.controllers.ports import Result
+from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.layout import StateLayout
+from herd_operator.policies.base import PolicyError
 from herd_operator.rpc import BadRequest, NotFound
 from herd_operator.runtime import store as store_module
 from herd_operator.runtime.allocator import Allocator
@@ -33,9 +34,8 @@ from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import ReportHandler
 from herd_operator.runtime.metrics import OperatorMetrics
 from herd_operator.runtime.store import Store, StoreError
-from policies.base import PolicyError
-from specs import ConditionType, get_condition
-from specs.values import Demand, Grant, Pool
+from herd_operator.specs import ConditionType, get_condition
+from herd_operator.specs.values import Demand, Grant, Pool
 from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
 from tests.unit.test_reconciler import World, facts, herd_job, started
 
@@ -198,7 +198,7 @@ def test_a_permanent_error_is_not_retried_and_shows_as_stalled(
     def vanished(ref: object) -> object:
         raise PolicyError("spec.policy.name", "plug-in 'gone:Policy' cannot be imported")
 
-    monkeypatch.setattr("controllers.reconciler.load_policy", vanished)
+    monkeypatch.setattr("herd_operator.controllers.reconciler.load_policy", vanished)
     assert handle(loop, "a") == Outcome.PERMANENT_ERROR
     assert queue.failures("a") == 0
     clock.now += 3600.0

@@ -19,13 +19,13 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters.collector import GpuCollector
-from exporters.gpu import GpuReading, ProcessMemory
+from herd_operator.exporters.collector import GpuCollector
+from herd_operator.exporters.gpu import GpuReading, ProcessMemory
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.store import Store
-from specs import Condition, ConditionStatus, HerdJob
-from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Placement, Pool
+from herd_operator.specs import Condition, ConditionStatus, HerdJob
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.values import Placement, Pool
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "herd-dashboard.json"
 METRIC = re.compile(r"\b(herd_[a-z0-9_]+)(\{[^}]*\})?")

@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters.dcgm import (
+from herd_operator.cli.main import build_parser
+from herd_operator.exporters.dcgm import (
     FB_FREE,
     FB_USED,
     HPC_JOB_LABEL,
@@ -36,13 +37,12 @@ from exporters.dcgm import (
     JobMappingWriter,
     dcgm_exporter_urls,
 )
-from exporters.gpu import GpuReading
-from herd_operator.cli.main import build_parser
+from herd_operator.exporters.gpu import GpuReading
 from herd_operator.runtime.handlers import ExporterRegistry
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.operator import Operator, OperatorConfig
 from herd_operator.runtime.pools import StaticPool
-from specs.values import Placement, Pool
+from herd_operator.specs.values import Placement, Pool
 
 HELP = {
     "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",

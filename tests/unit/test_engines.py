@@ -25,11 +25,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from controllers.errors import PermanentError
-from controllers.ports import ProcessPhase
-from controllers.reconciler import JobReconciler
 from herd_operator.auth import job_key, read_token_file
 from herd_operator.cli.main import validate_files
+from herd_operator.controllers.errors import PermanentError
+from herd_operator.controllers.ports import ProcessPhase
+from herd_operator.controllers.reconciler import JobReconciler
 from herd_operator.environment import ENV_FILE_ENV, TOKEN_FILE_ENV
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator, plain_presentation
@@ -39,7 +39,7 @@ from herd_operator.runtime.engines.horovod import HorovodEngine
 from herd_operator.runtime.launcher import Launcher
 from herd_operator.runtime.specdir import SpecDirectory
 from herd_operator.runtime.store import Store
-from specs import (
+from herd_operator.specs import (
     ConditionType,
     HerdJob,
     HerdJobSpec,
@@ -48,7 +48,7 @@ from specs import (
     load_spec_text,
     spec_fingerprint,
 )
-from specs.values import Demand, Placement, Pool, Slot
+from herd_operator.specs.values import Demand, Placement, Pool, Slot
 
 # Hang guard for waiting on processes; never a performance expectation.
 GUARD_S = 20.0

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters.collector import GpuCollector, exposition
-from exporters.gpu import GpuReading, ProcessMemory
+from herd_operator.exporters.collector import GpuCollector, exposition
+from herd_operator.exporters.gpu import GpuReading, ProcessMemory
 
 GIB = 1 << 30
 
@@ -180,7 +180,7 @@ def test_a_source_that_raises_gives_up_0_and_counts_it(caplog: pytest.LogCapture
     source = BrokenSource()
     collector = GpuCollector(source)
 
-    with caplog.at_level(logging.INFO, logger="exporters.collector"):
+    with caplog.at_level(logging.INFO, logger="herd_operator.exporters.collector"):
         exposition(collector)
         found = series(exposition(collector))
         source.broken = False

@@ -14,9 +14,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from exporters.collector import GpuCollector, exposition
-from exporters.gpu import GpuReading, ProcessMemory
-from exporters.sources import PrometheusGpuSource, PromQLError, ScrapeGpuSource, promql
+from herd_operator.exporters.collector import GpuCollector, exposition
+from herd_operator.exporters.gpu import GpuReading, ProcessMemory
+from herd_operator.exporters.sources import (
+    PrometheusGpuSource,
+    PromQLError,
+    ScrapeGpuSource,
+    promql,
+)
 
 GIB = 1 << 30
 
@@ -132,7 +137,7 @@ def test_urls_can_come_from_a_function_asked_at_every_read(
     assert source.read() == node2()
     assert source.up is True
 
-    with caplog.at_level(logging.WARNING, logger="exporters.sources"):
+    with caplog.at_level(logging.WARNING, logger="herd_operator.exporters.sources"):
         registered.append(closed_port_url)
         source.read()
         source.read()
@@ -153,7 +158,7 @@ def test_bad_endpoints_are_skipped_counted_and_logged_once_per_change(
     urls.append(http.base + "/broken/metrics")
     source = ScrapeGpuSource(urls, timeout=10)
 
-    with caplog.at_level(logging.INFO, logger="exporters.sources"):
+    with caplog.at_level(logging.INFO, logger="herd_operator.exporters.sources"):
         first = source.read()
         second = source.read()
         http.routes["/broken/metrics"] = http.routes["/good/metrics"]
@@ -263,7 +268,7 @@ def test_prometheus_error_status_gives_no_readings_and_is_counted(
     http.routes["/api/v1/query"] = Response(400, json.dumps(error), "application/json")
     source = PrometheusGpuSource(http.base)
 
-    with caplog.at_level(logging.WARNING, logger="exporters.sources"):
+    with caplog.at_level(logging.WARNING, logger="herd_operator.exporters.sources"):
         assert source.read() == []
         assert source.read() == []
 

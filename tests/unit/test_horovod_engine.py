@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from controllers.ports import ProcessPhase, ProcessState
+from herd_operator.controllers.ports import ProcessPhase, ProcessState
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import ENGINES, EngineContext
@@ -31,8 +31,8 @@ from herd_operator.runtime.engines.horovod import (
     relaunch_reason,
 )
 from herd_operator.runtime.launcher import Launcher
-from specs import HerdJob, HerdJobSpec
-from specs.values import Placement
+from herd_operator.specs import HerdJob, HerdJobSpec
+from herd_operator.specs.values import Placement
 
 # Hang guard for waiting on processes; never a performance expectation.
 from tests.unit.test_launcher import GUARD_S, Exits

@@ -19,10 +19,10 @@ from typing import Any
 import psutil
 import pytest
 
-from controllers.ports import ProcessPhase, ProcessState
+from herd_operator.controllers.ports import ProcessPhase, ProcessState
 from herd_operator.environment import LAUNCH_ID_ENV
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
-from specs import HerdJobSpec
+from herd_operator.specs import HerdJobSpec
 
 # Hang guard for waiting on processes; never a performance expectation.
 GUARD_S = 20.0

@@ -15,7 +15,7 @@ from examples.experiments.memory_schedule import (
     memory_phases,
 )
 from herd_operator.agent.batching import BatchPolicyName, BatchSettings, plan_batches
-from policies.base import PolicyError
+from herd_operator.policies.base import PolicyError
 
 EPOCHS = 6  # the study's sample budget
 

@@ -13,7 +13,7 @@ from wsgiref.simple_server import WSGIServer
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from exporters.http import serve_metrics
+from herd_operator.exporters.http import serve_metrics
 
 GUARD_S = 10.0
 

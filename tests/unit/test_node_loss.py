@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from controllers.ports import NodeVerdict, ProcessPhase
-from controllers.reconciler import NODE_VERDICT_POLL_SECONDS, JobReconciler, Result
+from herd_operator.controllers.ports import NodeVerdict, ProcessPhase
+from herd_operator.controllers.reconciler import NODE_VERDICT_POLL_SECONDS, JobReconciler, Result
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.pools.heartbeat import NodeWatch, WatchRules
 from herd_operator.runtime.store import Store
-from specs import ConditionType, is_true
-from specs.status import HerdJobStatus
-from specs.values import Pool
+from herd_operator.specs import ConditionType, is_true
+from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.values import Pool
 from tests.unit.test_node_watch import Clock, Probes
 from tests.unit.test_reconciler import FakeClock, FakeLauncher, FakeSpecs, herd_job
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controllers.ports import NodeVerdict
+from herd_operator.controllers.ports import NodeVerdict
 from herd_operator.layout import StateLayout
 from herd_operator.rpc import BadRequest
 from herd_operator.runtime.allocator import Allocator
@@ -37,7 +37,7 @@ from herd_operator.runtime.pools.heartbeat import (
     tcp_probe,
     verdict,
 )
-from specs.values import Demand, Placement, Pool
+from herd_operator.specs.values import Demand, Placement, Pool
 
 THREE = Pool.from_counts({"h1": 2, "h2": 2, "h3": 2})
 RULES = WatchRules(late_after_heartbeats=2, timeout=30, reprobe_seconds=2, verdict_seconds=15)

@@ -9,8 +9,8 @@ from typing import Literal
 
 import pytest
 
-from exporters.gpu import GpuReading, ProcessMemory
-from exporters.nvml import NvmlGpuSource
+from herd_operator.exporters.gpu import GpuReading, ProcessMemory
+from herd_operator.exporters.nvml import NvmlGpuSource
 from tests.unit import fake_pynvml
 from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
 
@@ -150,7 +150,7 @@ def test_a_gpu_lost_mid_run_disappears_and_is_counted(
 
     config.gpus[1].lose()
     config.gpus[3].failures = {"memory_v2": fake_pynvml.NVMLError_GpuIsLost}
-    with caplog.at_level(logging.WARNING, logger="exporters.nvml"):
+    with caplog.at_level(logging.WARNING, logger="herd_operator.exporters.nvml"):
         second = source.read()
         third = source.read()
 
@@ -182,7 +182,7 @@ def test_without_the_library_no_readings_one_warning(
     clock = Clock()
     source = NvmlGpuSource("cpu-node", clock=clock)
 
-    with caplog.at_level(logging.WARNING, logger="exporters.nvml"):
+    with caplog.at_level(logging.WARNING, logger="herd_operator.exporters.nvml"):
         results = []
         for _ in range(3):
             results.append(source.read())
@@ -235,7 +235,7 @@ def test_losing_the_driver_after_init_releases_and_retries_later(
     assert len(source.read()) == 2
 
     config.count_error = config.shutdown_error = fake_pynvml.NVMLError_Uninitialized
-    with caplog.at_level(logging.INFO, logger="exporters.nvml"):
+    with caplog.at_level(logging.INFO, logger="herd_operator.exporters.nvml"):
         assert source.read() == []
         assert source.up is False
         assert config.shutdown_calls == 1

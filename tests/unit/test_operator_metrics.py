@@ -10,14 +10,14 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controllers.loop import Outcome
-from exporters.gpu import GpuReading
+from herd_operator.controllers.loop import Outcome
+from herd_operator.exporters.gpu import GpuReading
 from herd_operator.runtime.metrics import JOB_STATUSES, OperatorMetrics, StateCollector, job_status
 from herd_operator.runtime.observer import UsageObserver, job_usage
 from herd_operator.runtime.store import Store, StoreError
-from specs import Condition, ConditionStatus, HerdJob
-from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Placement, Pool
+from herd_operator.specs import Condition, ConditionStatus, HerdJob
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.values import Placement, Pool
 from tests.unit.full_disk import fill_up, make_room
 
 SPEC = {

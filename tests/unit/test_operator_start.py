@@ -25,9 +25,9 @@ from herd_operator.runtime.operator import (
     raise_descriptor_limit,
 )
 from herd_operator.runtime.pools import StaticPool
-from specs import ConditionStatus, ConditionType, HerdJob, set_condition
-from specs.status import HerdJobStatus
-from specs.values import Pool
+from herd_operator.specs import ConditionStatus, ConditionType, HerdJob, set_condition
+from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.values import Pool
 from tests.unit.full_disk import refuse_writes
 
 GUARD_S = 30.0

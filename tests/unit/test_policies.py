@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Decision, JobObservations, Policy, PolicyError
-from policies.memory import MemoryPolicy
-from policies.registry import load_policy
-from policies.schedule import SchedulePolicy
-from specs import HerdJob, PolicyRef
-from specs.values import Report, UsageSample
+from herd_operator.policies.base import Decision, JobObservations, Policy, PolicyError
+from herd_operator.policies.memory import MemoryPolicy
+from herd_operator.policies.registry import load_policy
+from herd_operator.policies.schedule import SchedulePolicy
+from herd_operator.specs import HerdJob, PolicyRef
+from herd_operator.specs.values import Report, UsageSample
 
 GIB = 1 << 30
 PROPERTY_SETTINGS = settings(max_examples=100, deadline=None)

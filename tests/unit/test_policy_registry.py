@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from policies.base import JobObservations, PolicyError, Signal
-from policies.registry import (
+from herd_operator.policies.base import JobObservations, PolicyError, Signal
+from herd_operator.policies.registry import (
     LegacyPlugin,
     find_policy_class,
     load_policy,
     plugin_names,
     reset_plugin_cache,
 )
-from policies.static import StaticPolicy
-from specs import HerdJob, PolicyRef
+from herd_operator.policies.static import StaticPolicy
+from herd_operator.specs import HerdJob, PolicyRef
 from tests.unit.plugin_policy import (
     TEST_PLUGINS,
     HalfPolicy,
@@ -321,7 +321,7 @@ def test_a_broken_plugin_is_imported_once_until_a_reset(
         assert policy_error(PolicyRef(name="broken")).message == expected
     assert imports.read_text().splitlines() == ["imported"]
     # Its traceback is logged once, since the message alone is kept.
-    (record,) = [r for r in caplog.records if r.name == "policies.registry"]
+    (record,) = [r for r in caplog.records if r.name == "herd_operator.policies.registry"]
     assert record.getMessage() == (
         "plug-in policy 'broken' (herd_test_broken:Policy) cannot be loaded"
     )

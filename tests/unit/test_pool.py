@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from exporters.nvml import nvml_gpu_count
+from herd_operator.exporters.nvml import nvml_gpu_count
 from herd_operator.runtime.pools import discover_pool, hosts, local
 from herd_operator.runtime.pools.hosts import parse_hosts
 

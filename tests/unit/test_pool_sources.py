@@ -26,7 +26,7 @@ from herd_operator.runtime.pools import (
     hosts,
     local,
 )
-from specs.values import Demand, Pool
+from herd_operator.specs.values import Demand, Pool
 from tests.integration.harness import OperatorHarness
 
 TWO_NODES = Pool.from_counts({"node-a": 2, "node-b": 2})

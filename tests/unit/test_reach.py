@@ -6,7 +6,7 @@ import pytest
 
 from herd_operator.runtime.engines.horovod import horovodrun_argv
 from herd_operator.runtime.reach import Reach, plan_reach
-from specs import HerdJobSpec
+from herd_operator.specs import HerdJobSpec
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "10.200.0.11", "h1")
 INTERFACES = {"lo": ["127.0.0.1"], "eth0": ["10.200.0.11"], "ib0": ["192.168.5.1"]}

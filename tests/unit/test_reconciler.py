@@ -15,20 +15,20 @@ from typing import Any
 
 import pytest
 
-from controllers.ports import (
+from herd_operator.controllers.ports import (
     LaunchInfo,
     ProcessPhase,
     ProcessState,
     SpecView,
 )
-from controllers.reconciler import JobReconciler, Result, restart_delay
+from herd_operator.controllers.reconciler import JobReconciler, Result, restart_delay
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
 from herd_operator.runtime.store import Event, GrantChange, Store, UnreadableSpecError
-from specs import Condition, ConditionType, HerdJob, get_condition, is_true
-from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Pool, Report
+from herd_operator.specs import Condition, ConditionType, HerdJob, get_condition, is_true
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.values import Pool, Report
 from tests.unit.plugin_policy import LegacyPolicy, RecordingPolicy
 
 RESYNC_S = 5.0
@@ -1132,8 +1132,8 @@ def test_a_policy_that_vanished_is_raised_before_an_exit_is_consumed(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The exit stays to be seen once the policy is back (it was once forgotten unrecorded)."""
-    from controllers.errors import PermanentError
-    from policies.base import PolicyError
+    from herd_operator.controllers.errors import PermanentError
+    from herd_operator.policies.base import PolicyError
 
     started(world, herd_job("a", restart={"onFailure": True, "backoffLimit": 3}))
     world.launcher.exit("a", 3)
@@ -1141,7 +1141,7 @@ def test_a_policy_that_vanished_is_raised_before_an_exit_is_consumed(
     def vanished(ref: object) -> object:
         raise PolicyError("spec.policy.name", "gone")
 
-    monkeypatch.setattr("controllers.reconciler.load_policy", vanished)
+    monkeypatch.setattr("herd_operator.controllers.reconciler.load_policy", vanished)
     with pytest.raises(PermanentError):
         world.reconcile("a")
     assert world.launcher.state("a").phase == ProcessPhase.EXITED  # not forgotten

@@ -30,8 +30,14 @@ from herd_operator.cli.report import (
 )
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
-from specs import ConditionStatus, ConditionType, HerdJob, set_condition, spec_fingerprint
-from specs.status import HerdJobStatus
+from herd_operator.specs import (
+    ConditionStatus,
+    ConditionType,
+    HerdJob,
+    set_condition,
+    spec_fingerprint,
+)
+from herd_operator.specs.status import HerdJobStatus
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC

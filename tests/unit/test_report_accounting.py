@@ -30,8 +30,14 @@ from herd_operator.cli.report import (
     pool_stack,
 )
 from herd_operator.runtime.store import Store
-from specs import ConditionStatus, ConditionType, HerdJob, set_condition, spec_fingerprint
-from specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs import (
+    ConditionStatus,
+    ConditionType,
+    HerdJob,
+    set_condition,
+    spec_fingerprint,
+)
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
 from tests.unit.test_report import spec_json
 
 T0 = 1_700_000_000.0

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from herd_operator.cli.main import EXIT_FAILURE, main
-from policies.base import PolicyError
-from policies.registry import BUILTIN_POLICIES, load_policy
-from specs import PolicyRef
+from herd_operator.policies.base import PolicyError
+from herd_operator.policies.registry import BUILTIN_POLICIES, load_policy
+from herd_operator.specs import PolicyRef
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples" / "specs").glob("*.yaml"))

@@ -10,6 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from herd_operator.policies.base import JobObservations
+from herd_operator.policies.goodput import (
+    GoodputParams,
+    GoodputPolicy,
+    fit_serial,
+    knee,
+    rates_by_size,
+    speedup,
+)
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import (
@@ -23,10 +32,8 @@ from herd_operator.simulate.model import (
 from herd_operator.simulate.report import summarize, write
 from herd_operator.simulate.runner import Workload, parse_pool, simulate
 from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
-from policies.base import JobObservations
-from policies.goodput import GoodputParams, GoodputPolicy, fit_serial, knee, rates_by_size, speedup
-from specs import HerdJob, PolicyRef
-from specs.values import Placement, Pool, Report
+from herd_operator.specs import HerdJob, PolicyRef
+from herd_operator.specs.values import Placement, Pool, Report
 
 
 def job(name: str = "a", **changes: object) -> JobModel:
@@ -392,7 +399,7 @@ def recorded_store(path: Path, *, b_epoch_seconds: float = 8.0) -> Path:
     from t=100; b (1 GPU) arrives at t=120 and runs 5 epochs on the third GPU; each launch
     takes 12 s to its first progress and 3 s to exit after its last epoch."""
     from herd_operator.runtime.store import Store
-    from specs.status import HerdJobStatus
+    from herd_operator.specs.status import HerdJobStatus
 
     store = Store(path)
     store.record_pool_size(3, 100.0)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from exporters import nvml
+from herd_operator.exporters import nvml
 from herd_operator.runtime.pools import PoolOptions, discover_pool, hosts, local, slurm
 from herd_operator.runtime.pools.hosts import parse_hosts
 from herd_operator.runtime.pools.slurm import (
@@ -21,7 +21,7 @@ from herd_operator.runtime.pools.slurm import (
     gpus_per_node,
     slurm_pool,
 )
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 FORMS = [
     "nid001234",

@@ -1,4 +1,4 @@
-"""Fuzzing `specs.loading` directly: any bytes in a spec file become SpecErrors, never an
+"""Fuzzing `herd_operator.specs.loading` directly: any bytes in a spec file become SpecErrors, never an
 exception, and never the catch-all "cannot be loaded" that marks an unforeseen one."""
 
 from __future__ import annotations
@@ -12,8 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specs import SpecFile, index_specs, load_spec_file, load_spec_text, spec_fingerprint
-from specs.loading import FILE_FIELD, SpecError
+from herd_operator.specs import (
+    SpecFile,
+    index_specs,
+    load_spec_file,
+    load_spec_text,
+    spec_fingerprint,
+)
+from herd_operator.specs.loading import FILE_FIELD, SpecError
 from tests.fuzzing import (
     DUPLICATE_KEY_DOCUMENT,
     ODD_DOCUMENTS,

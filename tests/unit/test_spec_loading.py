@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specs import (
+from herd_operator.specs import (
     MAX_SPEC_BYTES,
     SpecError,
     SpecFile,

@@ -13,7 +13,7 @@ import pytest
 
 from herd_operator.runtime import specdir as specdir_module
 from herd_operator.runtime.specdir import SpecDirectory
-from specs import HerdJob, SpecFile, load_spec_file
+from herd_operator.specs import HerdJob, SpecFile, load_spec_file
 
 # Every write gets a distinct mtime, so the stat cache sees each edit even when the
 # file system's clock is coarser than the test (same size, same tick).

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from specs import (
+from herd_operator.specs import (
     API_VERSION,
     KIND,
     GpuRange,

@@ -26,9 +26,9 @@ from herd_operator.runtime.store import (
     TrimmedHistory,
     UnreadableSpecError,
 )
-from specs import HerdJob
-from specs.status import GpuCounts, HerdJobStatus
-from specs.values import Placement, UsageSample
+from herd_operator.specs import HerdJob
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.values import Placement, UsageSample
 from tests.unit.full_disk import cap_at_present_size, fill_up, make_room
 
 

@@ -16,7 +16,7 @@ from herd_operator.environment import (
     WARMUP_STEPS_ENV,
 )
 from herd_operator.runtime.dispatch import training_env
-from specs import HerdJob, json_schema, load_spec_text, spec_fingerprint
+from herd_operator.specs import HerdJob, json_schema, load_spec_text, spec_fingerprint
 
 
 def job(**spec: Any) -> HerdJob:

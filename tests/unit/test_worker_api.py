@@ -39,7 +39,7 @@ from herd_operator.runtime.handlers import (
     for_own_host,
     for_own_job,
 )
-from specs.values import Demand, Pool
+from herd_operator.specs.values import Demand, Pool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Hang guard for the shim subprocesses; never a performance expectation.

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from controllers.workqueue import WorkQueue
+from herd_operator.controllers.workqueue import WorkQueue
 
 # Only a guard against a hang; never an assertion about speed.
 HANG_GUARD_S = 10.0

@@ -13,7 +13,7 @@ from herd_operator.runtime.engines.base import (
     UnknownEngineError,
 )
 from herd_operator.runtime.engines.horovod import HorovodEngine
-from specs import HerdJobSpec
+from herd_operator.specs import HerdJobSpec
 
 ENGINES: dict[str, EngineFactory] = {
     "horovod": HorovodEngine,

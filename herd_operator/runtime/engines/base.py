@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from herd_operator.layout import StateLayout
-from specs import HerdJob, HerdJobSpec
-from specs.values import Placement, Slot
+from herd_operator.specs import HerdJob, HerdJobSpec
+from herd_operator.specs.values import Placement, Slot
 
 
 @dataclass(frozen=True)

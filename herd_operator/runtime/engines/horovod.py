@@ -29,8 +29,8 @@ import psutil
 
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.engines.base import EngineContext
-from specs import HerdJob, HerdJobSpec
-from specs.values import Placement, Slot
+from herd_operator.specs import HerdJob, HerdJobSpec
+from herd_operator.specs.values import Placement, Slot
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 BLACKLIST_COOLDOWN_SECONDS = (10, 30)

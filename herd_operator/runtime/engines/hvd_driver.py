@@ -68,7 +68,7 @@ from horovod.runner.util import network
 from herd_operator.runtime.engines import env_exec
 from herd_operator.runtime.engines.forkserver import Zygote, forkable
 from herd_operator.runtime.engines.parent_death import dies_with_parent
-from specs.values import MODULE_NAME_PATTERN
+from herd_operator.specs.values import MODULE_NAME_PATTERN
 
 DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
 DEFAULT_POLL_SECONDS = 0.05

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from exporters.nvml import check_no_unseen_gpus
+from herd_operator.exporters.nvml import check_no_unseen_gpus
 from herd_operator.runtime.pools import hosts, local, slurm
 from herd_operator.runtime.pools.base import (
     DEFAULT_VIRTUAL_GPUS,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 DEFAULT_VIRTUAL_GPUS = 4
 

@@ -42,8 +42,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from controllers.ports import NodeVerdict
-from specs.values import Pool
+from herd_operator.controllers.ports import NodeVerdict
+from herd_operator.specs.values import Pool
 
 log = logging.getLogger(__name__)
 

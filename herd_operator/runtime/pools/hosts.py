@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from exporters.nvml import nvml_gpu_count
+from herd_operator.exporters.nvml import nvml_gpu_count
 from herd_operator.runtime.pools.slurm import HostListError, expand_hostlist, split_hostlist_entries
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 # HOSTS:GPUS or HOSTS:TYPE:GPUS, where HOSTS is a name or a Slurm host list (nid[001-004]).
 _HOST_ENTRY = re.compile(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import socket
 
-from exporters.nvml import nvml_gpu_count
+from herd_operator.exporters.nvml import nvml_gpu_count
 from herd_operator.runtime.pools.base import PoolOptions, StaticPool
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 
 def detect_nvml(options: PoolOptions) -> StaticPool | None:

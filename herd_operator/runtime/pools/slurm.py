@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from exporters.nvml import nvml_gpu_count
+from herd_operator.exporters.nvml import nvml_gpu_count
 from herd_operator.runtime.pools.base import PoolListener, PoolOptions, StaticPool
-from specs.values import Pool
+from herd_operator.specs.values import Pool
 
 log = logging.getLogger(__name__)
 
