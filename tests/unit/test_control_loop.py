@@ -31,12 +31,12 @@ from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.layout import StateLayout
 from herd_operator.policies.base import PolicyError
 from herd_operator.rpc import BadRequest, NotFound
+from herd_operator.runtime import store as store_module
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import ReportHandler
 from herd_operator.runtime.metrics import OperatorMetrics
 from herd_operator.runtime.store import Store, StoreError
-from herd_operator.runtime.store import connection as store_module
 from herd_operator.specs import ConditionType, get_condition
 from herd_operator.specs.values import Decision, Demand, Grant, Pool
 from tests.unit.full_disk import (

@@ -26,7 +26,7 @@ from herd_operator.runtime.store import (
     TrimmedHistory,
     UnreadableSpecError,
 )
-from herd_operator.runtime.store import connection as store_module
+from herd_operator.runtime.store import schema as store_module
 from herd_operator.specs import HerdJob
 from herd_operator.specs.status import GpuCounts, HerdJobStatus
 from herd_operator.specs.values import Drain, Placement, UsageSample
