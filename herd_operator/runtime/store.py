@@ -44,8 +44,8 @@ from types import MappingProxyType, TracebackType
 from typing import Literal
 
 from herd_operator.controllers.errors import TemporaryError
-from herd_operator.controllers.ports import JobRecord
 from herd_operator.specs import HerdJob
+from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import HerdJobStatus
 from herd_operator.specs.values import Drain, Placement, Report, Slot, UsageSample
 
