@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from prometheus_client import CollectorRegistry
 
 from herd_operator.auth import agent_key, ensure_token_file, write_token_file
-from herd_operator.controllers.ports import REPORT_DEADLINE_SECONDS
 from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.environment import ALLOCATOR_ENV, GPU_ENV, STATE_DIR_ENV
 from herd_operator.exporters.collector import GpuCollector
@@ -82,6 +81,7 @@ from herd_operator.runtime.pruner import (
     Pruner,
 )
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB, Store, StoreError
+from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS
 from herd_operator.specs.values import Drain, Placement, Pool, Slot
 
 if TYPE_CHECKING:
