@@ -62,19 +62,18 @@ from herd_operator.runtime.handlers import (
     heard_from,
     store_group,
 )
-from herd_operator.runtime.launcher import (
-    Adopted,
-    JobProcess,
-    Launcher,
-    find_orphans,
-    job_processes,
-    stop_orphans,
-)
+from herd_operator.runtime.launcher import Adopted, Launcher
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
 from herd_operator.runtime.pools.base import ListsHosts
 from herd_operator.runtime.pools.heartbeat import DEFAULT_NODE_TIMEOUT_SECONDS, NodeWatch
+from herd_operator.runtime.process_table import (
+    JobProcess,
+    find_orphans,
+    job_processes,
+    stop_orphans,
+)
 from herd_operator.runtime.pruner import (
     DEFAULT_RETENTION_SECONDS,
     PRUNE_INTERVAL_SECONDS,
@@ -708,7 +707,7 @@ class Operator:
         before = dict(self.allocator.pool.hosts)
         self.nodes.set_pool(pool)
         try:
-            # The store before the allocator's lock (see `_cordon`).
+            # One group for the decision's record, the pool's size and the events.
             with self.store.transaction():
                 self.allocator.set_pool(pool)
                 self._record_pool_change(before, dict(pool.hosts), pool.size)
