@@ -45,7 +45,9 @@ class GpuSource(Protocol):
 
 
 def process_tree_rss(pid: int) -> int | None:
-    """Resident memory of a process and its children (data loader workers), or None if gone."""
+    """Resident memory of a process and its children (data loader workers), or None if gone
+    (or no process at all: a pid comes from a job's worker, and -1 makes psutil raise
+    ValueError)."""
     try:
         proc = psutil.Process(pid)
         total = proc.memory_info().rss
@@ -55,7 +57,7 @@ def process_tree_rss(pid: int) -> int | None:
             except psutil.Error:
                 continue
         return int(total)
-    except psutil.Error:
+    except (psutil.Error, ValueError, OverflowError):
         return None
 
 

@@ -38,7 +38,7 @@ from herd_operator.rpc.connection import ConnectionObserver
 from herd_operator.rpc.server import RpcServer, uvloop_event_loop
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
-from herd_operator.runtime.handlers import for_own_job
+from herd_operator.runtime.handlers import AllocatorOps, for_own_job
 from herd_operator.specs.values import Demand, Pool
 
 BUCKETS_S = (0.25, 0.5, 1, 2, 4, 8, 16, float("inf"))
@@ -154,7 +154,7 @@ def main(argv: Sequence[str]) -> None:
                 if options.server_loop != "both":
                     ours = ours and [options.server_loop]
                 for loop_name in ours:
-                    handlers = {"bind": for_own_job(allocator.handle_bind)}
+                    handlers = {"bind": for_own_job(AllocatorOps(allocator).bind)}
                     with RpcServer(
                         TOKEN,
                         handlers,

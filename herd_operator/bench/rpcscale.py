@@ -35,7 +35,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
-from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job
+from herd_operator.runtime.handlers import GROUPED_OPS, AllocatorOps, for_own_job
 from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
 from herd_operator.runtime.store import Store
 from herd_operator.specs.values import Demand, Pool
@@ -305,7 +305,7 @@ def _burst_row(ctx: Context, redis: Redis) -> Row:
 
     failed = 0
     for _ in range(min(ctx.repeat, BURST_REPEAT)):
-        with RpcServer(TOKEN, {"bind": for_own_job(allocator.handle_bind)}) as server:
+        with RpcServer(TOKEN, {"bind": for_own_job(AllocatorOps(allocator).bind)}) as server:
             configs = burst_configs(server.address[1], workers, request, key)
             counters, cpu = tcp_counters(), server.cpu_seconds()
             result = _burst(configs, ctx, "ours")

@@ -28,7 +28,7 @@ from herd_operator.environment import (
     WARMUP_STEPS_ENV,
 )
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.runtime.allocator import plain_presentation
+from herd_operator.runtime.bindings import plain_presentation
 from herd_operator.runtime.engines import (
     Engine,
     EngineContext,

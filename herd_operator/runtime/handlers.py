@@ -32,7 +32,8 @@ from herd_operator.rpc.protocol import (
     Unavailable,
     host_arg,
 )
-from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.allocator import Allocator, NotJobsProcess
+from herd_operator.runtime.bindings import NoSuchWorker
 from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs.models import MAX_GPUS
 from herd_operator.specs.values import Pool
@@ -192,6 +193,70 @@ class ReportHandler:
             self.allocator.observe_world_size(job, world_size)  # may record a decision
         self.wake(job)
         return {}
+
+
+MAX_PID = 2**22
+"""Linux's largest pid_max: a pid a worker says is at most this (and above 0)."""
+MAX_LOCAL_RANK = MAX_GPUS - 1
+
+
+class AllocatorOps:
+    """The allocator's RPC operations: `bind`, `grant` and `placements`.
+
+    Every field comes from a job's or an agent's process and is untrusted: each is checked
+    (type, range) and refused naming the field, and a worker's pid on this host must be a
+    process of its own job (`Allocator.bind`). The allocator's own errors become the
+    protocol's here: it raises none.
+    """
+
+    def __init__(self, allocator: Allocator) -> None:
+        self.allocator = allocator
+
+    def bind(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Which GPU is a worker's: by (job, host, local_rank), as Horovod numbers them."""
+        job = _job_arg(args)
+        host = host_arg(args, "host")
+        local_rank = args.get("local_rank")
+        if not _integer_in(local_rank, 0, MAX_LOCAL_RANK):
+            raise BadRequest(f"'local_rank' must be an integer from 0 to {MAX_LOCAL_RANK}")
+        pid = args.get("pid")
+        if pid is not None and not _integer_in(pid, 1, MAX_PID):
+            raise BadRequest(f"'pid' must be an integer from 1 to {MAX_PID}, or absent")
+        try:
+            slots = self.allocator.bind(job, host, local_rank, pid)
+        except NoSuchWorker as err:
+            raise NotFound(str(err)) from None
+        except NotJobsProcess as err:
+            raise BadRequest(str(err)) from None
+        return {
+            "gpu": slots[local_rank][1],
+            "gpus": [gpu for _, gpu in slots],
+            "virtual": self.allocator.virtual,
+        }
+
+    def grant(self, args: dict[str, Any]) -> dict[str, Any]:
+        job = _job_arg(args)
+        grant = self.allocator.grant(job)
+        if grant is None:
+            raise NotFound(f"no job {job!r}")
+        return {"placement": grant.placement.to_json(), "reason": grant.reason}
+
+    def placements(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Every job's GPUs, for node exporters labelling GPUs with their job."""
+        placements, bindings = self.allocator.placements(), self.allocator.bindings()
+        return {
+            "placements": {
+                job: placement.to_json() for job, placement in placements.items() if placement.size
+            },
+            "bindings": [[b.job, b.host, b.local_rank, b.gpu, b.pid] for b in bindings],
+        }
+
+
+def _job_arg(args: dict[str, Any]) -> str:
+    job = args.get("job")
+    if not isinstance(job, str) or not job:
+        raise BadRequest("'job' must be a non-empty string")
+    return job
 
 
 def _integer_in(value: object, low: int, high: int) -> TypeGuard[int]:

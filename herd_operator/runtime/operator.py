@@ -42,17 +42,15 @@ from herd_operator.layout import (
 )
 from herd_operator.rpc.protocol import Handler, parse_address
 from herd_operator.rpc.server import RpcServer
-from herd_operator.runtime.allocator import (
-    DEFAULT_DRAIN_SECONDS,
-    DEFAULT_MAX_WAIT_SECONDS,
-    Allocator,
-    Binding,
-)
+from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
+from herd_operator.runtime.bindings import Binding
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
+from herd_operator.runtime.drains import DEFAULT_DRAIN_SECONDS
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.engines.horovod import LOCAL_HOSTS, local_names
 from herd_operator.runtime.handlers import (
     GROUPED_OPS,
+    AllocatorOps,
     ExporterRegistry,
     ReportHandler,
     for_agents,
@@ -341,12 +339,13 @@ class Operator:
         self.exporters = exporters = ExporterRegistry(
             self.layout.scrape_targets_file, None, pool=lambda: allocator.pool
         )
+        ops = AllocatorOps(allocator)
         self.server = server = self._start_rpc_server(
             token,
             {
-                "bind": for_own_job(allocator.handle_bind),
-                "grant": for_own_job(allocator.handle_grant),
-                "placements": for_agents(allocator.handle_placements),
+                "bind": for_own_job(ops.bind),
+                "grant": for_own_job(ops.grant),
+                "placements": for_agents(ops.placements),
                 "report": for_own_job(ReportHandler(store, allocator, self.queue.add)),
                 "register_exporter": for_own_host(heard_from(nodes, exporters)),
                 "unregister_exporter": for_own_host(exporters.unregister),

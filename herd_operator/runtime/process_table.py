@@ -133,3 +133,36 @@ def marked_processes(launch_id: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process here (not a zombie). Any pid a job said is taken:
+    one that is no process (0, negative, too large) is simply not alive."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, ValueError, OverflowError, OSError):
+        return False
+
+
+def started_since(pid: int, since: float) -> bool:
+    """Whether `pid` runs and started at or after `since` (psutil's start time counts from
+    the boot time in whole seconds: a second of slack each way)."""
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() >= since - 2.0
+    except (psutil.Error, ValueError, OverflowError, OSError):
+        return False
+
+
+def is_process_of_job(job: str, pid: int) -> bool:
+    """Whether `pid` is a live process here that belongs to `job`: it carries the job's
+    name in `HERD_JOB`, as everything the operator starts for a job does (the workers, the
+    zygote, the forked workers: a fork's /proc environ is its zygote's). A process this user
+    cannot read, or a pid that is no process, is not the job's. Read from /proc directly:
+    every worker's bind asks, and psutil's Process costs a second read."""
+    try:
+        with open(f"/proc/{int(pid)}/environ", "rb") as environ:
+            variables = environ.read()
+    except (OSError, ValueError, OverflowError):
+        return False
+    return f"\0{JOB_ENV}={job}\0".encode() in b"\0" + variables

@@ -30,7 +30,8 @@ from herd_operator.controllers.reconciler import JobReconciler
 from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.environment import JOB_ENV, STATE_DIR_ENV
 from herd_operator.layout import StateLayout
-from herd_operator.runtime.allocator import Allocator, Binding
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.bindings import Binding
 from herd_operator.runtime.dispatch import EngineDispatch
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.keeper import read_exit_file, read_launch_error

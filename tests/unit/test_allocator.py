@@ -13,14 +13,24 @@ import psutil
 import pytest
 
 from herd_operator.controllers.ports import Workers
+from herd_operator.exporters.gpu import process_tree_rss
 from herd_operator.layout import StateLayout
 from herd_operator.rpc.protocol import BadRequest, NotFound
-from herd_operator.runtime.allocator import Allocator, slots_to_give_up
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.bindings import slots_to_give_up
 from herd_operator.runtime.engines.horovod import GrantPublisher, present
+from herd_operator.runtime.handlers import AllocatorOps
+from herd_operator.runtime.process_table import alive, is_process_of_job, started_since
 from herd_operator.specs.values import Allocation, Demand, Grant, Placement, Pool
 
 # Hang guard for running a discovery script; never a performance expectation.
 GUARD_S = 10.0
+
+
+def any_pid(job: str, pid: int) -> bool:
+    """Binding mechanics are tested apart from the pid check (its own tests below): every
+    pid counts as a process of the job."""
+    return True
 
 
 class Recorder:
@@ -58,6 +68,7 @@ def allocator(layout: StateLayout, recorder: Recorder) -> Allocator:
         virtual=True,
         on_decision=recorder.on_decision,
         drain_seconds=0,
+        belongs=any_pid,
     )
     made.watch(recorder.on_change)
     return made
@@ -91,7 +102,10 @@ def test_request_publishes_the_grant_and_the_script_prints_it(
 
 def test_multi_host_grant_lists_every_host(layout: StateLayout) -> None:
     allocator = Allocator(
-        Pool.from_counts({"nid001": 2, "nid002": 2}), GrantPublisher(layout), virtual=False
+        Pool.from_counts({"nid001": 2, "nid002": 2}),
+        GrantPublisher(layout),
+        virtual=False,
+        belongs=any_pid,
     )
     allocator.request(demand("a", 3, 3))
     script = GrantPublisher(layout).discovery_script("a")
@@ -158,7 +172,9 @@ def test_release_of_an_unknown_job_does_nothing(allocator: Allocator, recorder: 
 def test_handle_bind_answers_by_local_rank(allocator: Allocator) -> None:
     allocator.request(demand("x", 1, 1))
     allocator.request(demand("a", 3, 3))
-    reply = allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": 1, "pid": 77})
+    reply = AllocatorOps(allocator).bind(
+        {"job": "a", "host": "localhost", "local_rank": 1, "pid": 77}
+    )
     assert reply == {"gpu": 2, "gpus": [1, 2, 3], "virtual": True}
     (binding,) = allocator.bindings()
     assert (binding.job, binding.host, binding.local_rank, binding.gpu, binding.pid) == (
@@ -190,7 +206,7 @@ def test_handle_bind_not_found(allocator: Allocator, args: dict[str, object], me
     allocator.request(demand("b", 2, 2))
     allocator.request(demand("waiting", 1, 1))
     with pytest.raises(NotFound) as caught:
-        allocator.handle_bind(args)
+        AllocatorOps(allocator).bind(args)
     assert str(caught.value) == message
     assert allocator.bindings() == []
 
@@ -208,18 +224,18 @@ BAD_HOST = (
         ({"job": "", "host": "localhost", "local_rank": 0}, "'job' must be a non-empty string"),
         ({"job": "a", "host": 3, "local_rank": 0}, BAD_HOST),
         ({"job": "a", "host": "localhost\nforged", "local_rank": 0}, BAD_HOST),
-        ({"job": "a", "host": "localhost"}, "'local_rank' must be a non-negative integer"),
+        ({"job": "a", "host": "localhost"}, "'local_rank' must be an integer from 0 to 65535"),
         (
             {"job": "a", "host": "localhost", "local_rank": -1},
-            "'local_rank' must be a non-negative integer",
+            "'local_rank' must be an integer from 0 to 65535",
         ),
         (
             {"job": "a", "host": "localhost", "local_rank": True},
-            "'local_rank' must be a non-negative integer",
+            "'local_rank' must be an integer from 0 to 65535",
         ),
         (
             {"job": "a", "host": "localhost", "local_rank": "0"},
-            "'local_rank' must be a non-negative integer",
+            "'local_rank' must be an integer from 0 to 65535",
         ),
     ],
 )
@@ -228,14 +244,14 @@ def test_handle_bind_bad_request(
 ) -> None:
     allocator.request(demand("a", 2, 2))
     with pytest.raises(BadRequest) as caught:
-        allocator.handle_bind(args)
+        AllocatorOps(allocator).bind(args)
     assert str(caught.value) == message
 
 
 def test_shrink_drops_bindings_of_ranks_no_longer_granted(allocator: Allocator) -> None:
     allocator.request(demand("a", 1, 4))
     for rank in range(4):
-        allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": rank})
+        AllocatorOps(allocator).bind({"job": "a", "host": "localhost", "local_rank": rank})
     allocator.request(demand("b", 3, 3))
     assert sorted(b.local_rank for b in allocator.bindings()) == [0]
 
@@ -248,7 +264,7 @@ def test_release_all_clears_everything(
     publisher = GrantPublisher(layout)
     publisher.discovery_script("a")
     publisher.discovery_script("b")
-    allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": 0})
+    AllocatorOps(allocator).bind({"job": "a", "host": "localhost", "local_rank": 0})
 
     allocator.release_all()
     assert allocator.placements() == {}
@@ -275,6 +291,7 @@ def draining_allocator(layout: StateLayout, recorder: Recorder, clock: Clock) ->
         virtual=True,
         drain_seconds=30.0,
         clock=clock,
+        belongs=any_pid,
     )
     made.watch(recorder.on_change)
     return made
@@ -325,6 +342,7 @@ def test_a_drain_past_its_timeout_warns_once_and_keeps_the_gpus(
         drain_seconds=30.0,
         on_event=events,
         clock=clock,
+        belongs=any_pid,
     )
     allocator.request(Demand("a", 1, 4, 4, arrival=1))
     allocator.request(Demand("b", 2, 2, 2, arrival=2))
@@ -357,7 +375,9 @@ def test_a_drain_ends_when_the_bound_workers_are_gone(
     allocator.request(Demand("a", 1, 4, 4, arrival=1))
     worker = subprocess.Popen(["sleep", "60"])
     try:
-        allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": 3, "pid": worker.pid})
+        AllocatorOps(allocator).bind(
+            {"job": "a", "host": "localhost", "local_rank": 3, "pid": worker.pid}
+        )
         allocator.request(Demand("b", 1, 1, 1, arrival=2))  # a: 4 -> 3, GPU 3 drains
         assert allocator.draining() == {("localhost", 3): "a"}
         assert not allocator.request(Demand("b", 1, 1, 1, arrival=2)).admitted
@@ -397,6 +417,7 @@ def named_allocator(layout: StateLayout, **kwargs: Any) -> Allocator:
         present=lambda job, placement: present(placement, NAMES),
         drain_seconds=0,
         **kwargs,
+        belongs=any_pid,
     )
 
 
@@ -404,14 +425,16 @@ def test_a_worker_binds_to_the_gpu_shown_under_its_host_name(layout: StateLayout
     allocator = named_allocator(layout)
     allocator.request(demand("a", 1, 4))
     assert layout.grant_file("a").read_text() == "localhost:2\n127.0.0.1:2\n"
-    reply = allocator.handle_bind({"job": "a", "host": "127.0.0.1", "local_rank": 1, "pid": 9})
+    reply = AllocatorOps(allocator).bind(
+        {"job": "a", "host": "127.0.0.1", "local_rank": 1, "pid": 9}
+    )
     assert reply == {"gpu": 3, "gpus": [1, 3], "virtual": True}
-    reply = allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": 1})
+    reply = AllocatorOps(allocator).bind({"job": "a", "host": "localhost", "local_rank": 1})
     assert reply["gpu"] == 2
     bindings = {(b.name, b.local_rank): (b.host, b.gpu) for b in allocator.bindings()}
     assert bindings == {("127.0.0.1", 1): ("localhost", 3), ("", 1): ("localhost", 2)}
     with pytest.raises(NotFound):
-        allocator.handle_bind({"job": "a", "host": "127.0.0.1", "local_rank": 2})
+        AllocatorOps(allocator).bind({"job": "a", "host": "127.0.0.1", "local_rank": 2})
 
     allocator.request(demand("b", 1, 1))  # a: 4 -> 3 gives back GPU 3
     assert allocator.grant("a").placement.gpus_on("localhost") == (0, 1, 2)  # type: ignore[union-attr]
@@ -469,10 +492,12 @@ def test_a_job_that_lost_a_worker_shrinks_to_what_runs_and_grows_back(
     clock.now += 60
     alive = os.getpid()
     for name, rank in [("localhost", 0), ("127.0.0.1", 0), ("localhost", 1), ("127.0.0.1", 1)]:
-        allocator.handle_bind({"job": "a", "host": name, "local_rank": rank, "pid": alive})
+        AllocatorOps(allocator).bind({"job": "a", "host": name, "local_rank": rank, "pid": alive})
     # The worker of GPU 1 (127.0.0.1, local rank 0) was killed; it bound again under a
     # pid that is gone now.
-    allocator.handle_bind({"job": "a", "host": "127.0.0.1", "local_rank": 0, "pid": dead_pid()})
+    AllocatorOps(allocator).bind(
+        {"job": "a", "host": "127.0.0.1", "local_rank": 0, "pid": dead_pid()}
+    )
     allocator.observe_world_size("a", 4)
     assert events.raised == []
     allocator.observe_world_size("a", 3)  # Horovod went on without it
@@ -508,12 +533,13 @@ def test_a_live_worker_on_a_taken_back_gpu_keeps_it_until_it_exits(layout: State
         virtual=True,
         drain_seconds=30.0,
         clock=clock,
+        belongs=any_pid,
     )
     allocator.request(Demand("a", 1, 2, 2, arrival=1))
     worker = subprocess.Popen(["sleep", "60"])
     try:
         for rank in (0, 1):
-            allocator.handle_bind(
+            AllocatorOps(allocator).bind(
                 {"job": "a", "host": "localhost", "local_rank": rank, "pid": worker.pid}
             )
         allocator.observe_world_size("a", 2)
@@ -592,6 +618,7 @@ def test_a_host_horovod_blacklisted_is_taken_back_whole_once_its_workers_exit(
         drain_seconds=30.0,
         on_event=events,
         clock=clock,
+        belongs=any_pid,
     )
     allocator.request(Demand("a", 1, 4, 4, arrival=1))
     stopping = subprocess.Popen(["sleep", "60"])  # the other worker of 127.0.0.1, exiting
@@ -599,7 +626,7 @@ def test_a_host_horovod_blacklisted_is_taken_back_whole_once_its_workers_exit(
         pids = {("localhost", 0): os.getpid(), ("localhost", 1): os.getpid()}
         pids |= {("127.0.0.1", 0): dead_pid(), ("127.0.0.1", 1): stopping.pid}
         for (host, rank), pid in pids.items():
-            allocator.handle_bind({"job": "a", "host": host, "local_rank": rank, "pid": pid})
+            AllocatorOps(allocator).bind({"job": "a", "host": host, "local_rank": rank, "pid": pid})
         allocator.observe_world_size("a", 4)
         allocator.observe_world_size("a", 2)
         grant = allocator.grant("a")
@@ -627,6 +654,7 @@ def test_smallest_first_lets_a_job_overtake_until_the_blocked_one_waited_max_wai
         clock=clock,
         smallest_first=True,
         max_wait_seconds=600.0,
+        belongs=any_pid,
     )
     assert made.request(Demand("r", 3, 3, 3, arrival=0.0)).placement.size == 3
     assert made.request(Demand("big", 2, 2, 2, arrival=1.0)).placement.size == 0
@@ -667,7 +695,9 @@ def test_workers_counts_the_running_workers_bound_since_the_launch(
     dead.wait()
     try:
         for rank, pid in enumerate([live.pid, dead.pid, 1]):  # pid 1 started long before
-            allocator.handle_bind({"job": "a", "host": "localhost", "local_rank": rank, "pid": pid})
+            AllocatorOps(allocator).bind(
+                {"job": "a", "host": "localhost", "local_rank": rank, "pid": pid}
+            )
         workers = allocator.workers("a", since)
         assert workers == Workers(
             alive=1, idle=(("localhost", 1), ("localhost", 2), ("localhost", 3))
@@ -681,7 +711,69 @@ def test_workers_counts_the_running_workers_bound_since_the_launch(
 
 def test_workers_on_another_host_cannot_be_seen_from_here(layout: StateLayout) -> None:
     made = Allocator(
-        Pool.from_counts({"localhost": 1, "node2": 1}), GrantPublisher(layout), virtual=True
+        Pool.from_counts({"localhost": 1, "node2": 1}),
+        GrantPublisher(layout),
+        virtual=True,
+        belongs=any_pid,
     )
     made.request(Demand("wide", 2, 2, 2))
     assert made.workers("wide", since=0.0) is None
+
+
+# ---- what a job's worker says is untrusted (issue 27.1) ----
+
+
+def job_process(job: str) -> subprocess.Popen[bytes]:
+    """A process of `job` as the operator starts them: `HERD_JOB` in its environment."""
+    process = subprocess.Popen(["sleep", "60"], env={**os.environ, "HERD_JOB": job})
+    deadline = time.monotonic() + GUARD_S
+    # Popen returns as exec begins, a moment before /proc shows the new environment.
+    while not is_process_of_job(job, process.pid):
+        assert time.monotonic() < deadline, "its environment never showed"
+        time.sleep(0.01)
+    return process
+
+
+@pytest.mark.parametrize("pid", [-1, 0, True, "4242", 4.0, 2**40, [1]])
+def test_a_pid_that_is_no_pid_is_refused_naming_the_field(layout: StateLayout, pid: object) -> None:
+    """A job's worker bound with pid -1 (its own key, any value it liked); psutil raised
+    ValueError for it at each GPU sample and at the next shrink, and every job's reconcile
+    failed until the job was deleted."""
+    allocator = Allocator(Pool.from_counts({"localhost": 2}), GrantPublisher(layout), virtual=True)
+    allocator.request(demand("a", 1, 2))
+    with pytest.raises(BadRequest, match=r"^'pid' must be an integer from 1 to 4194304"):
+        AllocatorOps(allocator).bind({"job": "a", "host": "localhost", "local_rank": 0, "pid": pid})
+    assert allocator.bindings() == []
+
+
+def test_a_local_pid_must_be_a_process_of_the_job(layout: StateLayout) -> None:
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 2, "node2": 2}), GrantPublisher(layout), virtual=True
+    )
+    allocator.request(demand("a", 4, 4))
+    ours, other = job_process("a"), job_process("b")
+    ops = AllocatorOps(allocator)
+    try:
+        for pid in (other.pid, os.getpid()):
+            with pytest.raises(BadRequest, match=rf"pid {pid} is not a process of job 'a'"):
+                ops.bind({"job": "a", "host": "localhost", "local_rank": 0, "pid": pid})
+        ops.bind({"job": "a", "host": "localhost", "local_rank": 0, "pid": ours.pid})
+        # Another host's processes cannot be seen from here: its pid is taken as said.
+        ops.bind({"job": "a", "host": "node2", "local_rank": 1, "pid": other.pid})
+    finally:
+        for process in (ours, other):
+            process.kill()
+            process.wait()
+    assert sorted((b.host, b.pid) for b in allocator.bindings()) == sorted(
+        [("localhost", ours.pid), ("node2", other.pid)]
+    )
+
+
+@pytest.mark.parametrize("pid", [-1, 0, 2**40])
+def test_a_pid_that_is_no_process_is_simply_not_alive(pid: int) -> None:
+    """Whatever a binding holds, the checks that read the process table answer; they raised
+    ValueError for -1 (psutil's), which reached every job's reconcile."""
+    assert alive(pid) is False
+    assert started_since(pid, 0.0) is False
+    assert is_process_of_job("a", pid) is False
+    assert process_tree_rss(pid) is None

@@ -32,7 +32,8 @@ from herd_operator.controllers.ports import ProcessPhase
 from herd_operator.controllers.reconciler import JobReconciler
 from herd_operator.environment import ENV_FILE_ENV, TOKEN_FILE_ENV
 from herd_operator.layout import StateLayout
-from herd_operator.runtime.allocator import Allocator, plain_presentation
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.bindings import plain_presentation
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import ENGINES, EngineContext, engine_factory
 from herd_operator.runtime.engines.horovod import HorovodEngine

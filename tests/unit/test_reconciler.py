@@ -6,9 +6,11 @@ only the processes are faked, so each test drives a job's lifecycle by hand.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +30,8 @@ from herd_operator.controllers.reconciler import JobReconciler, Result, restart_
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
+from herd_operator.runtime.handlers import AllocatorOps
+from herd_operator.runtime.process_table import is_process_of_job
 from herd_operator.runtime.store import Event, GrantChange, Store, UnreadableSpecError
 from herd_operator.specs import (
     Condition,
@@ -853,10 +857,19 @@ def bound_workers(
     world: World, made: list[subprocess.Popen[bytes]], job: str, count: int
 ) -> list[subprocess.Popen[bytes]]:
     """`count` workers of `job`, each bound to its GPU as the shim binds one."""
-    new = [subprocess.Popen(["sleep", "600"]) for _ in range(count)]
+    # Each carries its job's name, as every process the operator starts for a job does.
+    env = {**os.environ, "HERD_JOB": job}
+    new = [subprocess.Popen(["sleep", "600"], env=env) for _ in range(count)]
     made.extend(new)
+    for process in new:
+        # Popen returns once exec has begun, a moment before the kernel shows the new
+        # environment in /proc (a shim binds from inside a process that runs long since).
+        deadline = time.monotonic() + 10.0
+        while not is_process_of_job(job, process.pid):
+            assert time.monotonic() < deadline, "the worker's environment never showed"
+            time.sleep(0.01)
     for rank, process in enumerate(new):
-        world.allocator.handle_bind(
+        AllocatorOps(world.allocator).bind(
             {"job": job, "host": "localhost", "local_rank": rank, "pid": process.pid}
         )
     return new

@@ -36,6 +36,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import (
     EXPORTER_EXPIRY_SECONDS,
+    AllocatorOps,
     ExporterRegistry,
     for_agents,
     for_own_host,
@@ -135,9 +136,9 @@ class Allocation:
         self.server = RpcServer(
             self.master,
             {
-                "bind": for_own_job(self.allocator.handle_bind),
+                "bind": for_own_job(AllocatorOps(self.allocator).bind),
                 "report": for_own_job(self.report),
-                "placements": for_agents(self.allocator.handle_placements),
+                "placements": for_agents(AllocatorOps(self.allocator).placements),
                 "register_exporter": for_own_host(self.exporters),
                 "unregister_exporter": for_own_host(self.exporters.unregister),
             },
