@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
+from devtools.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
 from tests.integration.harness import (
     HERD,
     REPO,
