@@ -54,6 +54,7 @@ import herd_operator
 from herd_operator.cli.demo import DEMO_SCRIPT, DEMO_SPECS, find_examples, stage_examples
 from herd_operator.specs import HerdJob  # a `specs/` folder where it runs must not shadow it
 from herd_operator.bench.suite import BENCHMARKS, run_bench  # the whole registry, without devtools
+from herd_operator.bench.training import train_command
 examples = find_examples()
 staged = stage_examples(examples, Path(tempfile.mkdtemp()))
 outcomes, _, _ = run_bench(
@@ -65,6 +66,7 @@ print(json.dumps({
     "staged": sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()),
     "benchmarks": [bench.name for bench in BENCHMARKS],
     "bench_ran": [(o.benchmark, len(o.rows), o.skipped, o.error) for o in outcomes],
+    "training_script": train_command(Path("steps.txt"))[1],
 }))
 """
 
@@ -138,6 +140,11 @@ def test_the_demo_finds_its_examples_in_a_non_editable_install(tmp_path: Path) -
     # benchmark runs (`devtools` is not on the path there).
     assert "arbitration" in found["benchmarks"]
     assert found["bench_ran"] == [["arbitration", 1, None, None]]
+    # resize-stall and training-overhead run the example training script that the package
+    # carries (not one of a checkout, which an installed package has not).
+    script = Path(found["training_script"])
+    assert script == target / "herd_operator" / "examples" / "train_digits.py"
+    assert script.is_file()
 
 
 def test_the_demo_says_what_is_missing_when_the_examples_are_gone(
