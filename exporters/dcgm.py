@@ -31,9 +31,11 @@ is free, so that DCGM's own series carry herd's job names.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -218,15 +220,24 @@ class JobMappingWriter:
 
 
 def _replace(path: Path, text: str) -> None:
-    # dcgm-exporter's reader skips names that are not integers, so the temporary file is
-    # invisible to it; readable by all, as dcgm-exporter often runs as another user.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Replace `path` whole with `text`, through a temporary file this process made.
+
+    The directory may be shared with other users: a temporary name chosen in advance could
+    be another user's link, and writing or chmodding it by path would change the file it
+    points to. mkstemp creates a new file (O_CREAT|O_EXCL: never through a link) with a
+    random name that is not an integer, so dcgm-exporter's reader skips it; its mode is
+    set on the descriptor it opened (readable by all: dcgm-exporter often runs as another
+    user), and the rename replaces the entry `path`, not a file a link there points to.
+    """
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.chmod(0o644)
-        os.replace(tmp, path)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            os.fchmod(out.fileno(), 0o644)
+            out.write(text)
+        os.replace(name, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(name)
         raise
 
 

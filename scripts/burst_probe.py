@@ -10,7 +10,8 @@ Prints one JSON line per burst. Times are seconds from the start of the burst; e
 (p50, p99, max, histogram) with the histogram's buckets ending at 0.25, 0.5, 1, 2, 4, 8, 16 s
 and beyond; `answer` is, for each handshake that authenticated, the seconds from its
 challenge to its hello as the server saw them. `kernel` is how far the machine-wide TcpExt
-listen counters moved. A diagnostic: it wraps the server's connection callbacks to count them.
+listen counters moved. A diagnostic: it hears the server's connection events through its
+observer (`RpcServer(observer=...)`) and counts them.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from typing import Any
 from devtools.bench import rpcscale
 from devtools.bench.rpcdrive import DriveResult, drive_processes
 from devtools.bench.rpcload import JOB, TOKEN
-from herd_operator import rpc
 from herd_operator.auth import derive_key, job_identity
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import RpcServer
+from herd_operator.rpc.connection import ConnectionObserver
+from herd_operator.rpc.server import RpcServer, uvloop_event_loop
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import for_own_job
@@ -42,7 +43,7 @@ from herd_operator.specs.values import Demand, Pool
 
 BUCKETS_S = (0.25, 0.5, 1, 2, 4, 8, 16, float("inf"))
 SERVER_LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-    "uvloop": rpc._new_event_loop,
+    "uvloop": uvloop_event_loop,
     "asyncio": asyncio.new_event_loop,
 }
 TIMEOUT_S = 300.0
@@ -87,43 +88,33 @@ def counted(before: dict[str, int]) -> dict[str, int]:
     }
 
 
-class ServerEvents:
-    """Wraps `_Connection`'s callbacks: accept times, how often each ran, and each
+class ServerEvents(ConnectionObserver):
+    """The server's connection events: accept times, how often each kind came, and each
     authenticated handshake's answer time (challenge to hello, on the server)."""
 
     def __init__(self) -> None:
-        self.accepted: list[float] = []
+        self.accepted_at: list[float] = []
         self.answers: list[float] = []
         self.calls: Counter[str] = Counter()
-        made = rpc._Connection.connection_made
-        authenticate = rpc._Connection._authenticate
 
-        def timed_authenticate(connection: rpc._Connection, hello: dict[str, Any]) -> None:
-            answer = rpc._pool_clock() - connection.admitted
-            authenticate(connection, hello)
-            self.answers.append(answer)  # not reached when the hello fails
+    def accepted(self) -> None:
+        self.accepted_at.append(time.perf_counter())
 
-        def connection_made(connection: rpc._Connection, transport: Any) -> None:
-            self.accepted.append(time.perf_counter())
-            made(connection, transport)
+    def challenged(self) -> None:
+        self.calls["challenged"] += 1
 
-        setattr(rpc._Connection, "connection_made", connection_made)  # noqa: B010
-        setattr(rpc._Connection, "_authenticate", timed_authenticate)  # noqa: B010
-        for name in ("greet", "_authenticate", "_waited", "abort"):
-            self._count(name)
+    def rechecked(self) -> None:
+        self.calls["rechecked"] += 1
 
-    def _count(self, name: str) -> None:
-        original: Callable[..., Any] = getattr(rpc._Connection, name)
-        calls = self.calls
+    def evicted(self) -> None:
+        self.calls["evicted"] += 1
 
-        def counting(connection: rpc._Connection, *args: Any) -> Any:
-            calls[name] += 1
-            return original(connection, *args)
-
-        setattr(rpc._Connection, name, counting)
+    def authenticated(self, answer_s: float) -> None:
+        self.calls["authenticated"] += 1
+        self.answers.append(answer_s)
 
     def clear(self) -> None:
-        self.accepted.clear()
+        self.accepted_at.clear()
         self.answers.clear()
         self.calls.clear()
 
@@ -163,9 +154,14 @@ def main(argv: Sequence[str]) -> None:
                 if options.server_loop != "both":
                     ours = ours and [options.server_loop]
                 for loop_name in ours:
-                    rpc._new_event_loop = SERVER_LOOPS[loop_name]
                     handlers = {"bind": for_own_job(allocator.handle_bind)}
-                    with RpcServer(TOKEN, handlers, max_unauthenticated=options.pool) as server:
+                    with RpcServer(
+                        TOKEN,
+                        handlers,
+                        max_unauthenticated=options.pool,
+                        new_event_loop=SERVER_LOOPS[loop_name],
+                        observer=events,
+                    ) as server:
                         configs = rpcscale.burst_configs(server.address[1], workers, request, key)
                         events.clear()
                         load, counters = os.getloadavg()[0], rpcscale.tcp_counters()
@@ -179,7 +175,7 @@ def main(argv: Sequence[str]) -> None:
                             **summary(result),
                             "server_cpu_s": round(server.cpu_seconds() - cpu, 2),
                             "kernel": counted(counters),
-                            "accepted": spread([t - started for t in events.accepted]),
+                            "accepted": spread([t - started for t in events.accepted_at]),
                             "answer": spread(events.answers),
                             "server_calls": dict(events.calls),
                         }

@@ -29,7 +29,7 @@ from devtools.bench.rpcload import TOKEN, job_handlers
 from devtools.bench.rpcscale import BIND, REPORT, call_configs, cpu_times
 from herd_operator.bench.harness import percentile
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import RpcServer
+from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job
 from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
 from herd_operator.runtime.store import Store

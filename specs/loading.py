@@ -125,9 +125,28 @@ def load_spec_file(path: Path) -> SpecFile:
 _BASE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+_TOO_MANY_VALUES = (
+    f"more than {MAX_SPEC_VALUES} values once YAML aliases and merge keys are expanded"
+    " (or an alias refers to itself)"
+)
+
+
+class _ExpansionError(yaml.YAMLError):
+    """The document stands for too many values once its aliases and merge keys are expanded."""
+
+
 class _SafeLoader(_BASE_LOADER):  # type: ignore[valid-type,misc]
-    """The safe loader, refusing a key given twice in one mapping: YAML forbids it, and
-    PyYAML would silently keep the last (a second `metadata:` would rename the job)."""
+    """The safe loader, refusing a key given twice in one mapping (YAML forbids it, and
+    PyYAML would silently keep the last: a second `metadata:` would rename the job), and a
+    document too large once expanded, before anything of it is built."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        # Aliases and merge keys (`<<`) let a few hundred bytes stand for billions of values,
+        # and PyYAML before 6.0.4 flattened nested merges in exponential time: a 613-byte
+        # file kept the relist busy for minutes. Counted on the composed nodes, each once.
+        if _expanded_size(node, MAX_SPEC_VALUES) > MAX_SPEC_VALUES:
+            raise _ExpansionError(_TOO_MANY_VALUES)
+        return super().construct_document(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()
@@ -166,6 +185,8 @@ def _load_spec_text(text: str, file: str) -> SpecFile:
     path = Path(file)
     try:
         documents = [doc for doc in yaml.load_all(text, Loader=_SAFE_LOADER) if doc is not None]
+    except _ExpansionError as exc:
+        return _failed(path, None, str(exc))
     except yaml.MarkedYAMLError as exc:
         return _failed(path, None, _yaml_error_message(exc))
     except yaml.YAMLError as exc:
@@ -347,6 +368,42 @@ def _where(mark: yaml.Mark) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
+def _expanded_size(root: yaml.Node, limit: int) -> int:
+    """How many values the composed document stands for once every alias and merge key is
+    expanded (a mapping counts 1 plus its keys and values), at most `limit + 1`. Each node
+    is sized once, so this is linear in the file, whatever the expansion. An alias inside
+    what it refers to adds nothing here: the built document is then too deep, which
+    `_shape_problem` says."""
+    over = limit + 1
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_sized = stack.pop()
+        key = id(node)
+        if children_sized:
+            open_nodes.discard(key)
+            total = 1 + sum(sizes.get(id(child), 0) for child in _children(node))
+            sizes[key] = min(total, over)
+            continue
+        if key in sizes:
+            continue
+        if key in open_nodes:
+            continue  # a cycle: the alias is inside its own anchor
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+    return sizes[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [item for pair in node.value for item in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
 def _shape_problem(raw: dict[Any, Any]) -> str | None:
     """Say why the loaded data is too big or too deep to validate, or None."""
     count = 0
@@ -355,10 +412,7 @@ def _shape_problem(raw: dict[Any, Any]) -> str | None:
         item, depth = pending.pop()
         count += 1
         if count > MAX_SPEC_VALUES:
-            return (
-                f"more than {MAX_SPEC_VALUES} values once YAML aliases are expanded "
-                "(or an alias refers to itself)"
-            )
+            return _TOO_MANY_VALUES
         if depth > MAX_SPEC_DEPTH:
             return (
                 f"nested more than {MAX_SPEC_DEPTH} levels deep (or a YAML alias refers to itself)"

@@ -29,7 +29,9 @@ from devtools.bench.rpcload import JOB, TOKEN, job_handlers
 from herd_operator import rpc
 from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures, percentile
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import RpcClient, RpcError, RpcServer
+from herd_operator.rpc.client import RpcClient
+from herd_operator.rpc.protocol import RpcError
+from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.handlers import GROUPED_OPS, for_anyone
 from herd_operator.runtime.operator import STORE_CHECKPOINT_SECONDS
 from herd_operator.runtime.store import Store

@@ -16,7 +16,8 @@ from typing import Any
 from herd_operator.bench.harness import Row, Stats, percentile
 from herd_operator.bench.jobs import bench_job
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import Handler, RpcClient
+from herd_operator.rpc.client import RpcClient
+from herd_operator.rpc.protocol import Handler
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import PlainHandler, ReportHandler

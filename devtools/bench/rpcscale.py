@@ -32,7 +32,7 @@ from devtools.bench.rpcload import JOB, TOKEN, echo_server, job_handlers, measur
 from herd_operator.auth import derive_key, job_identity
 from herd_operator.bench.harness import Context, Row, Skip, Stats, percentile
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import RpcServer
+from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job

@@ -36,7 +36,8 @@ from herd_operator.exporters.gpu import GpuSource, VirtualGpuSource
 from herd_operator.exporters.http import serve_metrics
 from herd_operator.exporters.nvml import NvmlGpuSource, check_no_unseen_gpus, nvml_gpu_count
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import RpcClient, parse_address
+from herd_operator.rpc.client import RpcClient
+from herd_operator.rpc.protocol import parse_address
 from herd_operator.specs.values import Placement
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from tenacity import (
 from herd_operator.agent import worker
 from herd_operator.auth import TokenFileError
 from herd_operator.environment import ENV_FILE_ENV, GPU_ENV, GPUS_ENV, JOB_ENV, VIRTUAL_ENV
-from herd_operator.rpc import AuthError, RpcError
+from herd_operator.rpc.protocol import AuthError, RpcError
 
 BIND_WAIT_SECONDS = float(os.environ.get("HERD_BIND_TIMEOUT", "600"))
 BIND_RETRY_SECONDS = 0.5

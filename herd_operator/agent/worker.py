@@ -36,7 +36,8 @@ from herd_operator.environment import (
     TOKEN_FILE_ENV,
     VIRTUAL_ENV,
 )
-from herd_operator.rpc import RpcClient, parse_address
+from herd_operator.rpc.client import RpcClient
+from herd_operator.rpc.protocol import parse_address
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import psutil
 
 from herd_operator.controllers.ports import Workers
 from herd_operator.policies.arbitration import arbitrate
-from herd_operator.rpc import BadRequest, NotFound, host_arg
+from herd_operator.rpc.protocol import BadRequest, NotFound, host_arg
 from herd_operator.specs.values import Allocation, Demand, Drain, Grant, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,14 @@ from typing import Any, Protocol, TypeGuard
 
 from herd_operator.auth import Identity
 from herd_operator.layout import write_atomically
-from herd_operator.rpc import BadRequest, Forbidden, Handler, NotFound, Unavailable, host_arg
+from herd_operator.rpc.protocol import (
+    BadRequest,
+    Forbidden,
+    Handler,
+    NotFound,
+    Unavailable,
+    host_arg,
+)
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs.models import MAX_GPUS

@@ -41,7 +41,8 @@ from herd_operator.layout import (
     runtime_base,
     write_atomically,
 )
-from herd_operator.rpc import Handler, RpcServer, parse_address
+from herd_operator.rpc.protocol import Handler, parse_address
+from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import (
     DEFAULT_DRAIN_SECONDS,
     DEFAULT_MAX_WAIT_SECONDS,

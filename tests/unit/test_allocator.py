@@ -14,7 +14,7 @@ import pytest
 
 from herd_operator.controllers.ports import Workers
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import BadRequest, NotFound
+from herd_operator.rpc.protocol import BadRequest, NotFound
 from herd_operator.runtime.allocator import Allocator, slots_to_give_up
 from herd_operator.runtime.engines.horovod import GrantPublisher, present
 from herd_operator.specs.values import Allocation, Demand, Grant, Placement, Pool

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 import urllib.parse
@@ -420,3 +421,24 @@ def test_unknown_owners_leave_the_files_as_they_are(tmp_path: Path) -> None:
     owners = {}
     writer.write()
     assert hpc_jobs_by_gpu(tmp_path) == {}
+
+
+def test_a_link_planted_where_a_temporary_file_goes_is_not_followed(tmp_path: Path) -> None:
+    """Another user of a shared mapping directory links the names the writer's temporary
+    files had (`.N.<pid>.tmp`) to a file of theirs: the writer must not truncate, rewrite or
+    chmod it (it did all three), and its own files are right all the same."""
+    shared = tmp_path / "mapping"
+    shared.mkdir()
+    victim = tmp_path / "victim-secret"
+    victim.write_text("do not touch\n")
+    victim.chmod(0o600)
+    for index in range(4):
+        (shared / f".{index}.{os.getpid()}.tmp").symlink_to(victim)
+    writer = JobMappingWriter(shared, lambda: {0: "resnet", 2: "bert"})
+    writer.write()
+    assert victim.read_text() == "do not touch\n"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert (shared / "0").read_text() == "resnet\n" and (shared / "2").read_text() == "bert\n"
+    assert stat.S_IMODE((shared / "0").stat().st_mode) == 0o644, "readable by dcgm-exporter"
+    leftovers = {path.name for path in shared.iterdir()} - {"0", "2"}
+    assert all(os.path.islink(shared / name) for name in leftovers), "no temporary file left"

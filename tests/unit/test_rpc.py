@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -9,31 +10,45 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from herd_operator import rpc
 from herd_operator.auth import ADMIN, Identity, derive_key, job_identity, new_nonce, prove
-from herd_operator.rpc import (
+from herd_operator.rpc.client import RpcClient
+from herd_operator.rpc.connection import ConnectionObserver
+from herd_operator.rpc.protocol import (
+    CHALLENGE_FRAME,
     MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    WELCOME_FRAME,
     AuthError,
     BadRequest,
     Forbidden,
     Handler,
     NotFound,
-    RpcClient,
     RpcError,
-    RpcServer,
     parse_address,
 )
+from herd_operator.rpc.server import RpcServer
 
 TOKEN = bytes(range(32))
 WRONG_TOKEN = b"\xee" * 32
 # Hang guard for every blocking step; never a performance expectation.
 GUARD_S = 10.0
+
+
+class ManualClock:
+    """A clock a test moves by hand, for ``RpcServer(clock=...)``: it reads ``now``."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _echo(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
@@ -341,10 +356,10 @@ def test_wrong_token_is_rejected_and_the_server_keeps_serving(
 
 
 def test_auth_failures_are_rate_limited_per_peer_in_the_log(
-    server: RpcServer, rpc_log: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    make_server: Callable[..., RpcServer], rpc_log: pytest.LogCaptureFixture
 ) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(rpc, "_log_clock", lambda: now[0])
+    clock = ManualClock()
+    server = make_server(clock=clock)
 
     def fail_to_authenticate() -> None:
         with RpcClient(server.address, WRONG_TOKEN) as intruder, pytest.raises(AuthError):
@@ -354,7 +369,7 @@ def test_auth_failures_are_rate_limited_per_peer_in_the_log(
         fail_to_authenticate()
     assert len(_messages(rpc_log, logging.WARNING)) == 1
 
-    now[0] += 1.5
+    clock.now += 1.5
     fail_to_authenticate()
     warnings = _messages(rpc_log, logging.WARNING)
     assert len(warnings) == 2
@@ -924,19 +939,22 @@ def _is_open(peer: RawPeer) -> bool:
 
 
 @pytest.fixture
-def pool_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Drives the clock that ages unauthenticated connections: set ``[0]`` to move it."""
-    now = [1000.0]
-    monkeypatch.setattr(rpc, "_pool_clock", lambda: now[0])
-    return now
+def pool_clock() -> ManualClock:
+    """The clock that ages unauthenticated connections (give it to the server as ``clock``):
+    set ``now`` to move it."""
+    return ManualClock()
 
 
 def test_silent_connections_older_than_the_eviction_age_make_room_for_newcomers(
-    make_server: Callable[..., RpcServer], pool_clock: list[float]
+    make_server: Callable[..., RpcServer], pool_clock: ManualClock
 ) -> None:
     """1,100 idle local connections once made 58 of 87 real calls fail ("server is busy")."""
     server = make_server(
-        max_connections=64, max_unauthenticated=4, eviction_age=0.2, handshake_timeout=GUARD_S
+        max_connections=64,
+        max_unauthenticated=4,
+        eviction_age=0.2,
+        handshake_timeout=GUARD_S,
+        clock=pool_clock,
     )
     idlers = [RawPeer.connect(server.address) for _ in range(4)]  # connect, never answer
     newcomers: list[RawPeer] = []
@@ -945,12 +963,12 @@ def test_silent_connections_older_than_the_eviction_age_make_room_for_newcomers(
             assert idler.read() is not None  # each got its challenge before the next came
         # The pool is full of silent connections, all younger than the eviction age: a
         # newcomer waits in line rather than take the place of one of them...
-        pool_clock[0] += 0.1
+        pool_clock.now += 0.1
         waiting = RawPeer.connect(server.address)
         newcomers.append(waiting)
         assert select.select([waiting.sock], [], [], 0.5)[0] == []  # no challenge yet
         # ...and takes the oldest idler's place once that one is older than the age.
-        pool_clock[0] += 1.0
+        pool_clock.now += 1.0
         assert (waiting.read() or {}).get("type") == "challenge"
         assert not _is_open(idlers[0])
     finally:
@@ -959,15 +977,17 @@ def test_silent_connections_older_than_the_eviction_age_make_room_for_newcomers(
 
 
 def test_silent_connections_older_than_the_eviction_age_give_newcomers_their_place_at_once(
-    make_server: Callable[..., RpcServer], pool_clock: list[float]
+    make_server: Callable[..., RpcServer], pool_clock: ManualClock
 ) -> None:
-    server = make_server(max_connections=64, max_unauthenticated=4, eviction_age=1.0)
+    server = make_server(
+        max_connections=64, max_unauthenticated=4, eviction_age=1.0, clock=pool_clock
+    )
     idlers = [RawPeer.connect(server.address) for _ in range(4)]  # connect, never answer
     newcomers: list[RawPeer] = []
     try:
         for idler in idlers:
             assert idler.read() is not None
-        pool_clock[0] += 1.5
+        pool_clock.now += 1.5
         for _ in range(2):
             newcomer = RawPeer.connect(server.address)
             newcomers.append(newcomer)
@@ -983,19 +1003,21 @@ def test_silent_connections_older_than_the_eviction_age_give_newcomers_their_pla
 
 
 def test_a_connection_that_waited_in_line_gets_the_eviction_age_from_its_challenge(
-    make_server: Callable[..., RpcServer], pool_clock: list[float]
+    make_server: Callable[..., RpcServer], pool_clock: ManualClock
 ) -> None:
     """Aged from its accept, a shim that waited in line for its challenge was taken for an
     idler at once and dropped for the next in line before it could answer: in a burst of
     7,168 under load that dropped and re-queued thousands of workers."""
-    server = make_server(max_unauthenticated=1, eviction_age=0.2, handshake_timeout=GUARD_S)
+    server = make_server(
+        max_unauthenticated=1, eviction_age=0.2, handshake_timeout=GUARD_S, clock=pool_clock
+    )
     idler = RawPeer.connect(server.address)
     peers = [idler]
     try:
         assert (idler.read() or {}).get("type") == "challenge"
         queued = RawPeer.connect(server.address)  # waits in line: the one place is taken
         peers.append(queued)
-        pool_clock[0] += 1.0  # the idler is old enough: the queued one takes its place
+        pool_clock.now += 1.0  # the idler is old enough: the queued one takes its place
         challenge = queued.read()
         assert challenge is not None and challenge["type"] == "challenge"
         newcomer = RawPeer.connect(server.address)
@@ -1028,9 +1050,11 @@ def test_a_newcomer_that_waited_the_handshake_deadline_in_line_is_refused_as_bus
 
 
 def test_a_client_that_has_begun_its_hello_is_never_dropped_for_a_newcomer(
-    make_server: Callable[..., RpcServer], pool_clock: list[float]
+    make_server: Callable[..., RpcServer], pool_clock: ManualClock
 ) -> None:
-    server = make_server(max_unauthenticated=4, eviction_age=1.0, handshake_timeout=GUARD_S)
+    server = make_server(
+        max_unauthenticated=4, eviction_age=1.0, handshake_timeout=GUARD_S, clock=pool_clock
+    )
     slow = RawPeer.connect(server.address)
     newcomers: list[RawPeer] = []
     try:
@@ -1047,7 +1071,7 @@ def test_a_client_that_has_begun_its_hello_is_never_dropped_for_a_newcomer(
         # client's first byte by the time it answered them); the rest take one another's
         # places, never the slow client's.
         for _ in range(20):
-            pool_clock[0] += 5.0
+            pool_clock.now += 5.0
             newcomer = RawPeer.connect(server.address)
             newcomers.append(newcomer)
             assert (newcomer.read() or {}).get("type") == "challenge"
@@ -1230,23 +1254,113 @@ def test_a_hello_that_trickles_is_dropped_after_the_handshake_deadline(
 def test_the_preformatted_handshake_frames_are_the_protocols_json() -> None:
     nonce = new_nonce()
     proof = prove(b"key", "server", nonce, new_nonce())
-    challenge = rpc._CHALLENGE_FRAME % nonce.encode("ascii")
-    welcome = rpc._WELCOME_FRAME % proof.encode("ascii")
+    challenge = CHALLENGE_FRAME % nonce.encode("ascii")
+    welcome = WELCOME_FRAME % proof.encode("ascii")
     assert challenge.endswith(b"\n") and challenge.count(b"\n") == 1
     assert welcome.endswith(b"\n") and welcome.count(b"\n") == 1
-    assert json.loads(challenge) == {"v": rpc.PROTOCOL_VERSION, "type": "challenge", "nonce": nonce}
+    assert json.loads(challenge) == {"v": PROTOCOL_VERSION, "type": "challenge", "nonce": nonce}
     assert json.loads(welcome) == {"type": "welcome", "proof": proof}
 
 
-def test_the_server_runs_on_uvloop(server: RpcServer) -> None:
-    loop = server._loop
-    assert loop is not None and type(loop).__module__.startswith("uvloop")
+def _loop_module(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
+    # Handlers run on the server's loop, inside its callbacks.
+    return {"module": type(asyncio.get_running_loop()).__module__}
 
 
-def test_importing_the_client_does_not_import_uvloop() -> None:
-    # The workers' shim imports this module for RpcClient: it must not pay for the loop.
-    probe = "import sys, herd_operator.rpc; print('uvloop' in sys.modules)"
+def test_the_server_runs_on_uvloop() -> None:
+    with (
+        RpcServer(TOKEN, {"loop": _loop_module}) as server,
+        RpcClient(server.address, TOKEN) as client,
+    ):
+        assert client.call("loop")["module"].startswith("uvloop")
+
+
+def test_the_server_runs_on_the_loop_it_is_given() -> None:
+    # scripts/burst_probe.py compares uvloop with asyncio's own loop through this argument.
+    with (
+        RpcServer(TOKEN, {"loop": _loop_module}, new_event_loop=asyncio.new_event_loop) as server,
+        RpcClient(server.address, TOKEN) as client,
+    ):
+        assert client.call("loop")["module"].startswith("asyncio")
+
+
+class Tally(ConnectionObserver):
+    """Counts the connection events it hears of, and keeps the handshakes' answer times."""
+
+    def __init__(self) -> None:
+        self.events: Counter[str] = Counter()
+        self.answers: list[float] = []
+        self.looked_again = threading.Event()
+
+    def accepted(self) -> None:
+        self.events["accepted"] += 1
+
+    def challenged(self) -> None:
+        self.events["challenged"] += 1
+
+    def rechecked(self) -> None:
+        self.events["rechecked"] += 1
+        self.looked_again.set()
+
+    def evicted(self) -> None:
+        self.events["evicted"] += 1
+
+    def authenticated(self, answer_s: float) -> None:
+        self.answers.append(answer_s)
+
+
+def test_the_observer_hears_accepts_challenges_rechecks_evictions_and_answer_times(
+    make_server: Callable[..., RpcServer], pool_clock: ManualClock
+) -> None:
+    tally = Tally()
+    server = make_server(
+        max_unauthenticated=1,
+        eviction_age=0.1,
+        handshake_timeout=GUARD_S,
+        clock=pool_clock,
+        observer=tally,
+    )
+    idler = RawPeer.connect(server.address)
+    peers = [idler]
+    try:
+        assert (idler.read() or {}).get("type") == "challenge"
+        assert tally.events == {"accepted": 1, "challenged": 1}
+        queued = RawPeer.connect(server.address)  # the one place is taken: it waits in line
+        peers.append(queued)
+        assert tally.looked_again.wait(GUARD_S)  # ...and found the idler too young
+        pool_clock.now += 1.0  # the idler is old enough: at its next look the queued one
+        challenge = queued.read()  # takes its place
+        assert challenge is not None and challenge["type"] == "challenge"
+        pool_clock.now += 0.25
+        queued.answer(challenge)
+        assert tally.answers == [0.25]  # from its challenge, not from its accept
+        assert tally.events["accepted"] == 2
+        assert tally.events["challenged"] == 2
+        assert tally.events["evicted"] == 1
+        assert tally.events["rechecked"] >= 1
+        assert not _is_open(idler)
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_what_runs_inside_jobs_imports_no_server_code_and_no_event_loop() -> None:
+    """The shim starts before every worker of a job, and the worker API loads with the
+    user's script: they import the client and the protocol, never the server."""
+    server_side = [
+        "herd_operator.rpc.server",
+        "herd_operator.rpc.connection",
+        "herd_operator.rpc.pool",
+        "herd_operator.rpc.handshake",
+        "herd_operator.rpc.dispatch",
+        "asyncio",
+        "uvloop",
+    ]
+    probe = (
+        "import sys, json, herd_operator.agent.shim, herd_operator.worker;"
+        f" print(json.dumps([name for name in {server_side!r} if name in sys.modules]))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
-    assert result.stdout.strip() == "False"
+    assert json.loads(result.stdout) == []

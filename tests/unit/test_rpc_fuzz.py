@@ -2,7 +2,7 @@
 
 Before authentication any bytes must end in one connection error frame (or a plain
 close), never a welcome; after a real handshake every request frame gets exactly the
-response the protocol (rpc.py's docstring) prescribes. After every example a normal
+response the protocol (rpc/protocol.py's docstring) prescribes. After every example a normal
 RpcClient still gets its answer, and nothing in the server's log is a traceback.
 """
 
@@ -21,9 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from herd_operator import rpc
 from herd_operator.auth import Identity, new_nonce, prove
-from herd_operator.rpc import MAX_FRAME_BYTES, Handler, NotFound, RpcClient, RpcServer
+from herd_operator.rpc.client import RpcClient
+from herd_operator.rpc.protocol import MAX_FRAME_BYTES, Handler, NotFound
+from herd_operator.rpc.server import RpcServer
 from tests.unit.test_rpc import _add, _echo
 
 # A failing example's repr may hold a 190 kB frame; hypothesis warns that it is large.
@@ -41,7 +42,7 @@ FUZZ = settings(
 )
 CONNECTION_CODES = {"bad_request", "unauthenticated", "timeout"}
 LABEL = re.compile(r"[A-Za-z0-9._:@\[\]/-]{1,128}")
-"""A client label the protocol accepts (rpc.py's docstring)."""
+"""A client label the protocol accepts (rpc/protocol.py's docstring)."""
 
 
 def _lookup(args: dict[str, Any], caller: Identity) -> dict[str, Any]:
@@ -467,12 +468,12 @@ def test_the_handshake_timeout_is_logged_with_its_own_deadline() -> None:
     assert any("no auth frame within 0.5 s" in line for line in lines), lines
 
 
-def test_garbage_before_authentication_is_logged_at_a_bounded_rate(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_garbage_before_authentication_is_logged_at_a_bounded_rate() -> None:
     # A frozen clock: a limiter like the one for auth failures would allow one line.
-    monkeypatch.setattr(rpc, "_log_clock", lambda: 1000.0)
-    malformed_auth = _warnings_from(30, b'{"type": "auth"}\n')
+    def frozen() -> float:
+        return 1000.0
+
+    malformed_auth = _warnings_from(30, b'{"type": "auth"}\n', clock=frozen)
     assert len(malformed_auth) == 1, malformed_auth  # the limiter as it works today
-    garbage = _warnings_from(30, b"not json\n")
+    garbage = _warnings_from(30, b"not json\n", clock=frozen)
     assert len(garbage) <= 2, f"{len(garbage)} lines, e.g. {garbage[:2]}"

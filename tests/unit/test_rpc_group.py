@@ -16,7 +16,8 @@ import pytest
 
 from herd_operator.auth import Identity
 from herd_operator.layout import StateLayout
-from herd_operator.rpc import BadRequest, RpcServer
+from herd_operator.rpc.protocol import BadRequest
+from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import GROUPED_OPS, ReportHandler, for_own_job, store_group

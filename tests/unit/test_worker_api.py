@@ -29,7 +29,9 @@ from herd_operator.auth import (
 )
 from herd_operator.environment import ALLOCATOR_ENV, ENV_FILE_ENV, JOB_ENV, TOKEN_FILE_ENV
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.rpc import AuthError, NotFound, RpcClient, RpcError, RpcServer
+from herd_operator.rpc.client import RpcClient
+from herd_operator.rpc.protocol import AuthError, NotFound, RpcError
+from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.handlers import (
