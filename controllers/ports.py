@@ -130,6 +130,31 @@ class AllocatorPort(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class NodeVerdict:
+    """Whether a job's failure was its nodes': what `NodesPort.exit_verdict` found."""
+
+    lost: tuple[str, ...] = ()
+    """Nodes where the job's workers ran that were lost: the job ended because of them."""
+    waiting: tuple[str, ...] = ()
+    """Nodes not heard from since the job ended: not known yet (ask again shortly)."""
+
+
+class NodesPort(Protocol):
+    def exit_verdict(self, key: str, job: str, hosts: Sequence[str]) -> NodeVerdict:
+        """A launch (`key`) of `job` whose workers ran on `hosts` ended in failure: which of
+        those nodes were lost, and which are not heard from yet. Asking makes them suspect
+        (none of their free GPUs is granted) until each is heard from."""
+        ...
+
+
+class NoNodes:
+    """A pool on one host: no node can be lost from under a job."""
+
+    def exit_verdict(self, key: str, job: str, hosts: Sequence[str]) -> NodeVerdict:
+        return NodeVerdict()
+
+
 class ProcessPhase(enum.Enum):
     ABSENT = "absent"
     RUNNING = "running"

@@ -22,6 +22,9 @@ from herd_operator.controllers.ports import (
     JobRecord,
     LauncherPort,
     LaunchInfo,
+    NodesPort,
+    NodeVerdict,
+    NoNodes,
     NoObserver,
     ProcessPhase,
     ProcessState,
@@ -50,6 +53,8 @@ from herd_operator.specs.values import Demand, Grant, Report
 log = logging.getLogger(__name__)
 
 TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
+NODE_VERDICT_POLL_SECONDS = 0.5
+"""How soon to look again at a failed job's exit while its nodes are not heard from yet."""
 USAGE_HISTORY_SECONDS = 3600.0
 """GPU usage samples older than this are not read for a policy (an epoch longer than an hour
 is averaged over its last hour)."""
@@ -103,7 +108,9 @@ class JobReconciler:
         report_deadline_seconds: float = REPORT_DEADLINE_SECONDS,
         worker_lost_grace_seconds: float = WORKER_LOST_GRACE_SECONDS,
         observer: ReconcileObserver | None = None,
+        nodes: NodesPort | None = None,
     ) -> None:
+        self.nodes: NodesPort = nodes or NoNodes()
         self.metrics_stale_seconds = metrics_stale_seconds
         self.report_deadline_seconds = report_deadline_seconds
         self.worker_lost_grace_seconds = worker_lost_grace_seconds
@@ -196,7 +203,11 @@ class JobReconciler:
         if process.launch is not None and process.launch.launch_id != status.launch_id:
             status = self._record_start(name, status, process.launch, now)
         if process.phase == ProcessPhase.EXITED:
-            status = self._after_exit(name, job, status, process, generation, now)
+            after = self._after_exit(name, job, status, process, generation, now)
+            if after is None:  # its nodes are not heard from yet: whose end it is is not known
+                self._save(name, status, generation, now)
+                return Result(requeue_after=NODE_VERDICT_POLL_SECONDS)
+            status = after
             process = ProcessState(ProcessPhase.ABSENT)
 
         if _finished(status):
@@ -248,9 +259,10 @@ class JobReconciler:
         process: ProcessState,
         generation: int,
         now: float,
-    ) -> HerdJobStatus:
-        """The job's processes exited: a success, a failure to retry or give up on, or a run
-        the spec had already moved past."""
+    ) -> HerdJobStatus | None:
+        """The job's processes exited: a success, a failure to retry or give up on, a run
+        that ended with a node of its, or a run the spec had already moved past. None while
+        a failure cannot be told from a node's loss yet (its nodes are being asked)."""
         if _exit_recorded(status, process):
             # The status already says how this launch ended: its record outlived the commit
             # of that status (the operator was killed before removing it). Acting again
@@ -263,12 +275,63 @@ class JobReconciler:
             return self._launch_failed(name, status, process.launch_error, generation, now)
         superseded = self._relaunch_reason(process, job)
         if not superseded:
+            lost: tuple[str, ...] = ()
+            if not process.stopped_by_us and process.exit_code != 0:
+                verdict = self._node_verdict(name, status, process)
+                if verdict.waiting:
+                    log.info(
+                        "%s: %s; waiting to hear from %s, where its workers ran, before"
+                        " recording it", name, _exit_message(process), ", ".join(verdict.waiting),
+                    )  # fmt: skip
+                    return None
+                lost = verdict.lost
+            if lost:
+                return self._after_node_loss(name, status, process, lost, generation, now)
             return self._on_exit(name, job, status, process, generation, now)
         # It exited while the spec moved on to something it could not have run: that exit
         # says nothing about the new spec, which runs from scratch.
         self.launcher.forget(name)
         self._event(name, "Normal", "Relaunching", superseded, now)
         return self._restart_fresh(status, generation, now)
+
+    def _node_verdict(self, name: str, status: HerdJobStatus, process: ProcessState) -> NodeVerdict:
+        """Whether the nodes the failed launch ran on were lost: those of its grant (it is
+        released only after this) and of its recorded placement."""
+        grant = self.allocator.grant(name)
+        hosts = {host for host, _ in grant.placement.hosts} if grant is not None else set()
+        hosts.update(host for host, _ in status.placement)
+        key = process.launch.launch_id if process.launch is not None else name
+        return self.nodes.exit_verdict(key, name, sorted(hosts))
+
+    def _after_node_loss(
+        self,
+        name: str,
+        status: HerdJobStatus,
+        process: ProcessState,
+        lost: Sequence[str],
+        generation: int,
+        now: float,
+    ) -> HerdJobStatus:
+        """The job ended with a node it ran on: not a failure of its code. It is launched
+        again at once, on the nodes left (its grant, which named the lost node, is given
+        back and asked for anew), without counting a restart against `backoffLimit` and
+        whatever `restartPolicy.onFailure` says. Elastic Horovod's state lives in the
+        workers, so the new launch starts the script again: from its own checkpoint, if
+        it keeps one."""
+        self.launcher.forget(name)
+        nodes = ", ".join(lost)
+        message = (
+            f"{_exit_message(process)} after node(s) {nodes}, where its workers ran, were lost:"
+            " launched again on the nodes left (not counted as a failure of the job)"
+        )
+        self._event(name, "Warning", "NodeLost", message, now)
+        self.allocator.release(name)
+        conditions = set_condition(
+            status.conditions, ConditionType.Running, FALSE, "NodeLost", message, generation, now
+        )
+        return status.model_copy(
+            update={"conditions": conditions, "launch_failures": 0, "retry_at": now}
+        )
 
     def _record_start(
         self, name: str, status: HerdJobStatus, launch: LaunchInfo, now: float

@@ -43,8 +43,9 @@ from herd_operator.specs.values import Placement
 log = logging.getLogger(__name__)
 
 REGISTER_EVERY_SECONDS = 5.0
-"""The registration is also the node's heartbeat: a node silent for the operator's
---node-timeout (30 s) leaves the pool."""
+"""The registration is also the node's heartbeat, and says this interval: a node whose
+agent missed two calls is suspect (no GPU of it granted) until it answers a probe or calls
+again, and one silent for the operator's --node-timeout (30 s) is lost."""
 RETRY_REGISTER_SECONDS = 2.0
 """Until the operator answers (not started yet, or away)."""
 OWNERS_MAX_AGE_SECONDS = 1.0
@@ -269,7 +270,9 @@ class AllocatorView:
         """Register (the node's heartbeat); the operator's answer, None when it did not
         answer."""
         with self._lock:
-            return self._call("register_exporter", host=self.host, port=port)
+            return self._call(
+                "register_exporter", host=self.host, port=port, every=REGISTER_EVERY_SECONDS
+            )
 
     def unregister(self, port: int) -> bool:
         """Leave the operator's scrape targets now (they would expire otherwise)."""

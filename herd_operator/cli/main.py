@@ -185,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="a node whose agent (herd-operator exporter) was heard and then silent this "
-        "long is cordoned, none of its free GPUs granted, until it is heard again "
-        "(default: 30)",
+        "long is lost, none of its free GPUs granted, until its agent calls again, even if "
+        "the node answers probes; an agent that misses two of its calls makes its node "
+        "suspect at once, until a probe or the agent answers (default: 30)",
     )
     run.add_argument(
         "--network-interface",

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
@@ -170,8 +171,15 @@ class Allocator:
         smallest_first: bool = False,
         max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
         share_by_gain: bool = False,
+        unavailable_hosts: Callable[[], AbstractSet[str]] = frozenset,
+        on_workers_lost: Callable[[str, frozenset[str]], None] = lambda job, hosts: None,
     ) -> None:
-        """`spare_by_gain`: GPUs no job wants go to the jobs whose policy reports the most
+        """`unavailable_hosts()`: hosts none of whose free GPUs a decision may grant, asked
+        in every decision (suspect or lost nodes: `pools/heartbeat.NodeWatch`), on top of
+        those `cordon` names. `on_workers_lost(job, hosts)`: told, before the decision that
+        takes their GPUs back, that `job` lost workers and ran on `hosts` (where they may
+        have vanished with their node).
+        `spare_by_gain`: GPUs no job wants go to the jobs whose policy reports the most
         gain for their next GPU (`Demand.gains`) instead of sitting idle.
         `share_by_gain`: every GPU above the admitted jobs' mins goes, tier by tier, to the job
         whose next GPU adds most (`arbitrate`'s `share_by_gain`, which includes lending).
@@ -232,6 +240,8 @@ class Allocator:
         self._held: dict[str, Placement] = {}
         self._cordoned: frozenset[str] = frozenset()
         """Hosts whose free GPUs are granted to nobody (see `cordon`)."""
+        self._unavailable_hosts = unavailable_hosts
+        self._on_workers_lost = on_workers_lost
         # When each job's size last changed; a job is left alone for min_resize_interval
         # after that, since every change costs a Horovod reset.
         self._resized_at: dict[str, float] = {}
@@ -593,6 +603,8 @@ class Allocator:
         message = f"world size {world_size} of {len(slots)} granted; GPU(s) {freed} taken back"
         log.warning("%s: %s", job, message)
         self._unsent_events.append((job, "Warning", "WorkerLost", message))
+        # Before the decision: a node the workers vanished with must not get them back.
+        self._on_workers_lost(job, frozenset(host for host, _ in grant.placement.hosts))
         self._decide(caller="", shrink=(job, Grant(shrunk, f"workers lost: {message}")))
 
     def _finish_drains(self) -> bool:
@@ -713,7 +725,7 @@ class Allocator:
             demands,
             current,
             frozen=frozen,
-            unavailable=self._unavailable(),
+            unavailable=self._unavailable(current),
             spare_by_gain=self.spare_by_gain,
             previous=self._grants,
             smallest_first=self.smallest_first,
@@ -855,19 +867,27 @@ class Allocator:
         if freed:
             self._schedule_drain_check(now)
 
-    def _unavailable(self) -> set[Slot]:
+    def _unavailable(self, current: Mapping[str, Placement]) -> set[Slot]:
         """GPUs a decision shares out to nobody: those draining past their deadline (they may
-        never be seen free: no decision counts on them), those of held jobs, and the free GPUs
-        of cordoned hosts (those granted stay with their jobs)."""
+        never be seen free: no decision counts on them), those of held jobs, and the GPUs of
+        cordoned, suspect or lost hosts that no job keeps in it: a job keeps its `current`
+        placement (a job shrunk to the workers it still has, not the GPUs it gave up), unless
+        it is being released (no demand any more)."""
         unavailable = {slot for slot, drain in self._draining.items() if drain.overdue}
         for placement in self._held.values():
             unavailable.update(placement.slots())
-        if self._cordoned:
-            granted = {slot for grant in self._grants.values() for slot in grant.placement.slots()}
+        cordoned = self._cordoned | self._unavailable_hosts()
+        if cordoned:
+            granted = {
+                slot
+                for job, placement in current.items()
+                if job in self._demands
+                for slot in placement.slots()
+            }
             unavailable.update(
                 (host, gpu)
                 for host, gpus in self.pool.hosts
-                if host in self._cordoned
+                if host in cordoned
                 for gpu in gpus
                 if (host, gpu) not in granted
             )

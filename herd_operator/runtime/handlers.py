@@ -206,16 +206,32 @@ def _finite(value: float) -> bool:
 
 
 class Heartbeats(Protocol):
-    def heartbeat(self, host: str) -> None: ...
+    def heartbeat(self, host: str, port: int | None = None, every: float | None = None) -> None: ...
+
+
+MAX_HEARTBEAT_SECONDS = 3600.0
 
 
 def heard_from(nodes: Heartbeats, handler: PlainHandler) -> PlainHandler:
     """`handler`, after telling `nodes` that the request's host was heard (its agent's
-    periodic registration is its heartbeat)."""
+    periodic registration is its heartbeat), where the agent serves (`port`, which the node
+    watch probes) and how often it calls (`every`, optional: agents before it did not say)."""
 
     def serve(args: dict[str, Any]) -> dict[str, Any]:
-        reply = handler(args)
-        nodes.heartbeat(host_arg(args, "host"))
+        reply = handler(args)  # checks `host` and `port`
+        every = args.get("every")
+        if every is not None and not (
+            isinstance(every, int | float)
+            and not isinstance(every, bool)
+            and 0 < every <= MAX_HEARTBEAT_SECONDS
+        ):
+            raise BadRequest(f"'every' must be seconds in (0, {MAX_HEARTBEAT_SECONDS:g}]")
+        port = args.get("port")
+        nodes.heartbeat(
+            host_arg(args, "host"),
+            port if isinstance(port, int) else None,
+            float(every) if every is not None else None,
+        )
         return reply
 
     return serve

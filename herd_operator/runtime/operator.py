@@ -51,6 +51,7 @@ from herd_operator.runtime.allocator import (
 )
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
+from herd_operator.runtime.engines.horovod import LOCAL_HOSTS, local_names
 from herd_operator.runtime.handlers import (
     GROUPED_OPS,
     ExporterRegistry,
@@ -73,6 +74,7 @@ from herd_operator.runtime.launcher import (
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
+from herd_operator.runtime.pools.base import ListsHosts
 from herd_operator.runtime.pools.heartbeat import DEFAULT_NODE_TIMEOUT_SECONDS, NodeWatch
 from herd_operator.runtime.pruner import (
     DEFAULT_RETENTION_SECONDS,
@@ -142,8 +144,9 @@ class OperatorConfig:
     network_interface: str | None = None
     """The interface between the pool's nodes, for Horovod (None: a pool on this host)."""
     node_timeout_seconds: float = DEFAULT_NODE_TIMEOUT_SECONDS
-    """A node whose agent was heard and then silent this long is cordoned (none of its free
-    GPUs granted) until it is heard again."""
+    """A node whose agent was heard and then silent this long is lost (none of its free GPUs
+    granted) until its agent calls again, whatever probes say; one whose agent missed two
+    calls is suspect at once (`pools/heartbeat.py`)."""
     resync_seconds: float = 5.0
     relist_seconds: float = 10.0
     report_deadline_seconds: float = REPORT_DEADLINE_SECONDS
@@ -296,6 +299,16 @@ class Operator:
         engines = EngineDispatch(
             EngineContext(self.layout, hosts, network_interface=config.network_interface)
         )
+        # Before the allocator, which asks it in every decision which nodes may be granted.
+        source = config.pool
+        self.nodes = nodes = NodeWatch(
+            source.pool,
+            self._cordon,
+            config.node_timeout_seconds,
+            on_node=self._node_event,
+            local_hosts={*LOCAL_HOSTS, socket.gethostname(), *local_names()},
+            still_listed=source.still_lists if isinstance(source, ListsHosts) else _listed,
+        )
         self.allocator = allocator = Allocator(
             config.pool.pool,
             engines,
@@ -313,15 +326,11 @@ class Operator:
             on_event=lambda job, type, reason, message: store.add_event(
                 job, type, reason, message, time.time()
             ),
+            unavailable_hosts=nodes.unavailable,
+            on_workers_lost=nodes.workers_vanished,
         )
         # A group rolled back (a full disk) took the decisions recorded in it along.
         store.on_rollback(allocator.mark_unrecorded)
-        self.nodes = nodes = NodeWatch(
-            config.pool.pool,
-            allocator.cordon,
-            config.node_timeout_seconds,
-            on_node=self._node_event,
-        )
         self.launcher = launcher = Launcher(
             self.queue.add, grace_seconds=config.grace_seconds, records_dir=self.layout.launches_dir
         )
@@ -401,6 +410,7 @@ class Operator:
             metrics_stale_seconds=max(15.0, 10 * config.sample_seconds),
             report_deadline_seconds=config.report_deadline_seconds,
             observer=self.metrics,
+            nodes=nodes,
         )
         self.loop = ControlLoop(
             self.queue,
@@ -690,13 +700,48 @@ class Operator:
                     os.unlink(entry.path)
 
     def _pool_changed(self, pool: Pool) -> None:
-        """A node lost or back: the allocator decides again; the store logs the new size."""
-        assert self.allocator is not None and self.store is not None
-        self.allocator.set_pool(pool)
+        """The pool source changed the pool (Slurm took a node out of the allocation, or a
+        node's GPUs changed): the node watch forgets the nodes that left (their agents' calls
+        no longer bring them back), the allocator decides again, the store logs the new size
+        and an event names each node that left or joined."""
+        assert self.allocator is not None and self.store is not None and self.nodes is not None
+        before = dict(self.allocator.pool.hosts)
+        self.nodes.set_pool(pool)
         try:
-            self.store.record_pool_size(pool.size, time.time())
+            # The store before the allocator's lock (see `_cordon`).
+            with self.store.transaction():
+                self.allocator.set_pool(pool)
+                self._record_pool_change(before, dict(pool.hosts), pool.size)
         except StoreError as err:
-            log.warning("cannot record the pool's new size in the state store: %s", err)
+            log.warning("cannot record the pool's change in the state store: %s", err)
+            self.allocator.set_pool(pool)  # a no-op if the group applied it before failing
+
+    def _record_pool_change(
+        self, before: Mapping[str, tuple[int, ...]], after: Mapping[str, tuple[int, ...]], size: int
+    ) -> None:
+        assert self.store is not None
+        now = time.time()
+        self.store.record_pool_size(size, now)
+        for host in sorted(before.keys() - after.keys()):
+            self.store.add_event(
+                None, "Warning", "NodeRemoved",
+                f"node {host} left the pool with its {len(before[host])} GPU(s): its pool"
+                f" source ({self.config.pool.description}) no longer lists it, and its agent's"
+                " calls do not bring it back",
+                now,
+            )  # fmt: skip
+        for host in sorted(after.keys() - before.keys()):
+            self.store.add_event(
+                None, "Normal", "NodeAdded",
+                f"node {host} joined the pool with {len(after[host])} GPU(s)", now,
+            )  # fmt: skip
+
+    def _cordon(self, hosts: set[str]) -> None:
+        """The node watch's cordon: the allocator decides again without these nodes' free
+        GPUs (it also asks the watch itself in every decision). The allocator records the
+        decision after its lock is released (the lock order: docs/architecture.md)."""
+        if self.allocator is not None:
+            self.allocator.cordon(hosts)
 
     def _enqueue_known_jobs(self) -> None:
         """Reconcile every recorded job once: adopted jobs converge from where they are,
@@ -750,16 +795,34 @@ class Operator:
         return 0
 
     def _node_event(self, host: str, lost: bool, why: str) -> None:
-        """A node was cordoned or is back: an event of the operator's, not of a job's (the
-        jobs it moves get their own Resized and WorkerLost events)."""
+        """A node was lost or is back: an event of the operator's, not of a job's (the jobs
+        it moves get their own Resized, WorkerLost and NodeLost events)."""
         if self.store is None:
             return
+        if lost:
+            held = {
+                job: sum(len(gpus) for name, gpus in placement.hosts if name == host)
+                for job, placement in (
+                    self.allocator.placements() if self.allocator else {}
+                ).items()
+            }
+            holders = ", ".join(f"{job} {count}" for job, count in sorted(held.items()) if count)
+            message = (
+                f"node {host} lost: {why}. None of its free GPUs is granted until it answers"
+                + (
+                    f"; GPUs still held there, by jobs left to Horovod: {holders}"
+                    if holders
+                    else ""
+                )
+            )
+        else:
+            message = f"node {host} is back: {why}"
         try:
             self.store.add_event(
                 None,
                 "Warning" if lost else "Normal",
                 "NodeLost" if lost else "NodeBack",
-                f"node {host} {'cordoned: no GPU of it is granted' if lost else 'is back'}: " + why,
+                message,
                 time.time(),
             )
         except StoreError as err:  # a full disk must not stop the pool from following nodes
@@ -965,3 +1028,8 @@ def _placement_of(bindings: Sequence[Binding], job: str, pool: Pool) -> Placemen
         if host is not None:
             hosts.setdefault(host, set()).add(binding.gpu)
     return Placement(tuple((host, tuple(sorted(gpus))) for host, gpus in hosts.items()))
+
+
+def _listed(host: str) -> bool:
+    """A pool source that never takes a node out lists every node of its pool."""
+    return True

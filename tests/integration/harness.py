@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -98,6 +99,62 @@ def workers_by_host(state_dir: Path) -> dict[str, int]:
                 host = env.get("HOROVOD_HOSTNAME", "?")
                 counts[host] = counts.get(host, 0) + 1
     return counts
+
+
+GRANT_LINE = re.compile(
+    r"herd_operator\.runtime\.allocator: grant (?P<job>[^:\s]+): "
+    r"(?P<placement>nothing \(pending\)|[^\[\]\s,]+\[[0-9, ]*\](?:, [^\[\]\s,]+\[[0-9, ]*\])*) \("
+)
+
+
+def grant_history(log_text: str) -> list[tuple[str, dict[str, set[int]]]]:
+    """The allocator's grants as logged, in order: (job, host -> its GPUs)."""
+    found = []
+    for line in log_text.splitlines():
+        match = GRANT_LINE.search(line)
+        if match is None:
+            continue
+        hosts: dict[str, set[int]] = {}
+        if not match["placement"].startswith("nothing"):
+            for host, gpus in re.findall(r"([^\[\]\s,]+)\[([0-9, ]*)\]", match["placement"]):
+                hosts[host] = {int(gpu) for gpu in gpus.split(",") if gpu.strip()}
+        found.append((match["job"], hosts))
+    return found
+
+
+def new_grants_on(log_text: str, offset: int, host: str) -> list[str]:
+    """GPUs of `host` that a grant logged after `offset` gave a job that did not hold them."""
+    held: dict[str, set[int]] = {}
+    for job, hosts in grant_history(log_text[:offset]):
+        held[job] = hosts.get(host, set())
+    found = []
+    for job, hosts in grant_history(log_text[offset:]):
+        now = hosts.get(host, set())
+        found += [f"{job}:{host}:{gpu}" for gpu in sorted(now - held.get(job, set()))]
+        held[job] = now
+    return found
+
+
+def soon(probe: Any, timeout: float) -> Any:
+    """`probe()` once it is truthy, polled until `timeout`; its last value if never."""
+    deadline = time.monotonic() + timeout
+    value = probe()
+    while not value and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = probe()
+    return value
+
+
+def steps(path: Path) -> list[tuple[float, int]]:
+    """The step log of a job's rank 0 (`--step-log`): (wall time, world size) per step."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            rows.append((float(parts[0]), int(parts[1])))
+    return rows
 
 
 def kill_marked_processes(state_dir: Path) -> None:

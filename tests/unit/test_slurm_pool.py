@@ -183,6 +183,7 @@ def no_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_without_hosts_the_slurm_allocation_comes_first(monkeypatch: pytest.MonkeyPatch) -> None:
     no_nvml(monkeypatch)
+    monkeypatch.setattr(slurm, "read_job_details", lambda job_id: None)  # no Slurm client
     monkeypatch.setattr(nvml, "nvidia_device_files", lambda dev=Path("/dev"): [])
     environ = {"SLURM_JOB_NODELIST": "h[1-3]", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_ID": "5"}
     source = discover_pool(None, 4, PoolOptions(4, environ=environ))
@@ -286,3 +287,168 @@ def test_the_exporter_refuses_virtual_gpus_on_a_gpu_node(
     stop.set()
     code = exporter.run_exporter(tmp_path, "h1", "127.0.0.1", 0, None, 1 << 30, stop)
     assert code == 2
+
+
+# ---- the allocation as Slurm says it now: `scontrol show job -d` ----
+
+OUTPUT = Path(__file__).parent / "slurm_output"
+"""Captured from the test cluster's real Slurm (Debian's 22.05, `bench/cluster.py`):
+`sbatch -N3 --gpus=4`, `sbatch -N3 --gres=gpu:2 --no-kill`, and the latter after
+`scontrol update NodeName=h3 State=DOWN` ("Removing failed node h3 from JobId=2")."""
+
+
+def captured(name: str) -> str:
+    return (OUTPUT / name).read_text()
+
+
+def test_gpus_spread_unevenly_over_the_nodes_are_read_per_node() -> None:
+    """`sbatch -N3 --gpus=4`: Slurm gave h1 two GPUs and h2, h3 one each, while the batch
+    script's SLURM_GPUS_ON_NODE says 2 (3 x 2 was the old reading)."""
+    allocation = slurm.parse_job_details(captured("show_job_gpus4_over_3_nodes.txt"))
+    assert (allocation.job_id, allocation.state) == ("1", "RUNNING")
+    assert allocation.nodes == ("h1", "h2", "h3")
+    assert allocation.pool() == Pool((("h1", (0, 1)), ("h2", (0,)), ("h3", (0,))))
+
+
+def test_a_node_slurm_removed_from_the_job_is_not_in_the_pool() -> None:
+    before = slurm.parse_job_details(captured("show_job_gres2_3_nodes.txt"))
+    assert before.pool() == Pool.from_counts({"h1": 2, "h2": 2, "h3": 2})
+    after = slurm.parse_job_details(captured("show_job_gres2_h3_removed.txt"))
+    assert after.nodes == ("h1", "h2") and after.pool() == Pool.from_counts({"h1": 2, "h2": 2})
+
+
+@pytest.mark.parametrize(
+    ("gres", "indices"),
+    [
+        ("gpu:4(IDX:0-3)", (0, 1, 2, 3)),
+        ("gpu:a100:4(IDX:0-3)", (0, 1, 2, 3)),
+        ("gpu:2(IDX:2-3)", (2, 3)),  # the other half of a shared node
+        ("gpu:3(IDX:0,2-3)", (0, 2, 3)),
+        ("gpu(IDX:0-1)", (0, 1)),  # Slurm 18's GRES_IDX
+        ("gpu:a100:1(IDX:0),gpu:v100:1(IDX:1)", (0, 1)),
+        ("nic:1,gpu:2(IDX:0-1)", (0, 1)),
+        ("gpu:2", (0, 1)),  # no IDX: numbered from 0
+        ("gpu:a100:2", (0, 1)),
+        ("", ()),
+        ("nic:1", ()),
+    ],
+)
+def test_a_nodes_gres_gives_its_gpu_indices(gres: str, indices: tuple[int, ...]) -> None:
+    assert slurm.parse_gres_gpus(gres) == indices
+
+
+def test_other_forms_of_the_per_node_lines() -> None:
+    text = (
+        "JobId=77 JobName=x\n   JobState=RUNNING Reason=None\n   ReqNodeList=(null)"
+        " ExcNodeList=n9\n   NodeList=nid[001-003]\n"
+        "     Nodes=nid001 CPU_IDs=0-63 Mem=0 GRES_IDX=gpu(IDX:0-3)\n"
+        "     Nodes=nid[002-003] CPU_IDs=0-63 Mem=0 GRES=gpu:a100:2(IDX:2-3)\n"
+    )
+    allocation = slurm.parse_job_details(text)
+    assert allocation.pool() == Pool(
+        (("nid001", (0, 1, 2, 3)), ("nid002", (2, 3)), ("nid003", (2, 3)))
+    )
+    # A node of the job without a GRES line has no GPU: it is not in the pool.
+    assert slurm.parse_job_details(text.replace("nid[001-003]", "nid[001-004]")).pool().size == 8
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("JobName=x NodeList=h1", "no JobId"),
+        ("JobId=1 NodeList=h[2-1]", "NodeList"),
+        ("JobId=1 NodeList=h1\n  Nodes=h1 CPU_IDs=0 GRES=gpu:2(IDX:x)", "is not an index"),
+        ("JobId=1 NodeList=h1\n  Nodes=h1 CPU_IDs=0 GRES=gpu:a100", "neither IDX nor a count"),
+    ],
+)
+def test_output_that_cannot_be_read_says_which_field(text: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        slurm.parse_job_details(text)
+
+
+class SlurmAnswers:
+    """What `scontrol show job -d` answers, in turn; None: Slurm could not be asked."""
+
+    def __init__(self, *answers: str | None) -> None:
+        self.answers = list(answers)
+        self.asked = 0
+
+    def __call__(self, job_id: str) -> str | None:
+        self.asked += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_the_pool_follows_slurm_and_a_removed_node_never_comes_back() -> None:
+    clock = [0.0]
+    answers = SlurmAnswers(
+        None,  # slurmctld busy: the pool stays
+        captured("show_job_gres2_3_nodes.txt"),
+        captured("show_job_gres2_h3_removed.txt"),
+    )
+    source = slurm.SlurmPool(
+        "2",
+        slurm.parse_job_details(captured("show_job_gres2_3_nodes.txt")),
+        virtual=True,
+        nodelist="h[1-3]",
+        read=answers,
+        clock=lambda: clock[0],
+    )
+    assert source.description == (
+        "Slurm job 2: 3 nodes (h[1-3]) x 2 virtual GPUs (scontrol show job -d)"
+    )
+    changes: list[Pool] = []
+    source._listener = changes.append  # as start() sets it, without the polling thread
+    three = Pool.from_counts({"h1": 2, "h2": 2, "h3": 2})
+    assert source.refresh() == three and source.refresh() == three and changes == []
+    assert source.refresh() == Pool.from_counts({"h1": 2, "h2": 2})
+    assert changes == [Pool.from_counts({"h1": 2, "h2": 2})]
+    # h3's link is back and its agent calls: Slurm does not list it, so it stays out.
+    assert not source.still_lists("h3") and source.still_lists("h1")
+    asked = answers.asked
+    assert not source.still_lists("h3")  # within a second: the last answer, not Slurm again
+    assert answers.asked == asked
+    clock[0] += 1.0
+    assert not source.still_lists("h3") and answers.asked == asked + 1
+    assert changes == [Pool.from_counts({"h1": 2, "h2": 2})]
+
+
+def test_an_answer_of_a_job_that_ends_or_lost_its_gpus_keeps_the_pool() -> None:
+    ending = captured("show_job_gres2_h3_removed.txt").replace("RUNNING", "COMPLETING")
+    source = slurm.SlurmPool(
+        "2",
+        slurm.parse_job_details(captured("show_job_gres2_3_nodes.txt")),
+        virtual=True,
+        read=SlurmAnswers(ending, "JobId=2 JobState=RUNNING NodeList=h1", "garbage"),
+    )
+    three = Pool.from_counts({"h1": 2, "h2": 2, "h3": 2})
+    assert source.refresh() == three and source.refresh() == three
+    assert source.refresh() == three
+
+
+def test_slurm_is_asked_first_and_its_per_node_gpus_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    no_nvml(monkeypatch)
+    monkeypatch.setattr(nvml, "nvidia_device_files", lambda dev=Path("/dev"): [])
+    environ = {
+        "SLURM_JOB_ID": "1",
+        "SLURM_JOB_NODELIST": "h[1-3]",
+        "SLURM_GPUS": "4",
+        "SLURM_GPUS_ON_NODE": "2",
+        "SLURM_JOB_GPUS": "0,1",
+    }  # as the batch script of `sbatch -N3 --gpus=4` has them
+    monkeypatch.setattr(
+        slurm, "read_job_details", lambda job_id: captured("show_job_gpus4_over_3_nodes.txt")
+    )
+    source = discover_pool(None, 4, PoolOptions(4, environ=environ))
+    assert source.pool == Pool((("h1", (0, 1)), ("h2", (0,)), ("h3", (0,))))
+    assert source.description == (
+        "Slurm job 1: 3 nodes (h[1-3]), 4 virtual GPUs: h1 x 2, h2 x 1, h3 x 1"
+        " (scontrol show job -d)"
+    )
+    # Without Slurm's client the variables cannot tell the nodes apart: refused, not 3 x 2.
+    monkeypatch.setattr(slurm, "read_job_details", lambda job_id: None)
+    with pytest.raises(ValueError, match=r"4 GPUs \(SLURM_GPUS\) over 3 nodes, not 2 on each"):
+        discover_pool(None, 4, PoolOptions(4, environ=environ))
+    alike = {**environ, "SLURM_GPUS": "6"}
+    assert discover_pool(None, 4, PoolOptions(4, environ=alike)).pool == Pool.from_counts(
+        {"h1": 2, "h2": 2, "h3": 2}
+    )

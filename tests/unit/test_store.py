@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from herd_operator.runtime import store as store_module
 from herd_operator.runtime.store import (
     DB_FILENAME,
     SCHEMA_VERSION,
@@ -27,6 +26,7 @@ from herd_operator.runtime.store import (
     TrimmedHistory,
     UnreadableSpecError,
 )
+from herd_operator.runtime.store import schema as store_module
 from herd_operator.specs import HerdJob
 from herd_operator.specs.status import GpuCounts, HerdJobStatus
 from herd_operator.specs.values import Drain, Placement, UsageSample

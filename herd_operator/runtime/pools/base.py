@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from herd_operator.specs.values import Pool
 
@@ -35,6 +35,17 @@ class PoolSource(Protocol):
         ...
 
     def stop(self) -> None: ...
+
+
+@runtime_checkable
+class ListsHosts(Protocol):
+    """A source that can take a node out of its pool (Slurm) says whether it still lists
+    one; a node it no longer lists is never back, whatever its agent says."""
+
+    def still_lists(self, host: str) -> bool:
+        """Whether `host` is in the pool, asked of the source's authority now (may block a
+        few seconds)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -8,21 +8,43 @@ several variables, depending on how they were asked for and where the shell runs
 - `SLURM_GPUS_ON_NODE`: the GPUs of the node this process runs on (batch script, steps);
 - `SLURM_JOB_GPUS`: the indices of this node's GPUs, e.g. `0,1,2,3`.
 
-The nodes of one allocation are taken to be alike (Slurm's own `--gpus-per-node`
-assumes it). The host list is expanded here rather than by `scontrol show hostnames`,
-so the operator does not need Slurm's client or configuration on its node; the tests
-compare the two on many forms.
+Those variables are fixed when the job starts and say nothing of other nodes: `sbatch -N3
+--gpus=4` gives nodes of 2, 1 and 1 GPUs while `SLURM_GPUS_ON_NODE` says 2, and a node
+Slurm later takes out of the job (it stopped answering for `SlurmdTimeout`, under
+`--no-kill`: "Removing failed node") is still in `SLURM_JOB_NODELIST`. So where Slurm's
+client works, the pool is what `scontrol show job -d` says, each node with its own GPUs
+(`parse_job_details`, a pure function tested on output of a real Slurm), asked again every
+`SLURM_POLL_SECONDS` and whenever a lost node would come back (`SlurmPool.still_lists`):
+Slurm's view of the allocation wins. Without the client the variables are used, with the
+nodes taken to be alike, as `--gpus-per-node` has them (a `--gpus` total that does not
+split evenly is refused). The host list is expanded here rather than by `scontrol show
+hostnames`; the tests compare the two on many forms.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import re
-from collections.abc import Mapping
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from herd_operator.exporters.nvml import nvml_gpu_count
-from herd_operator.runtime.pools.base import PoolOptions, StaticPool
+from herd_operator.runtime.pools.base import PoolListener, PoolOptions, StaticPool
 from herd_operator.specs.values import Pool
+
+log = logging.getLogger(__name__)
+
+SLURM_POLL_SECONDS = 10.0
+"""How often the allocation is asked of Slurm (one `scontrol` call: nothing for slurmctld)."""
+SCONTROL_TIMEOUT_SECONDS = 10.0
+REFRESH_AT_MOST_EVERY_SECONDS = 1.0
+"""`still_lists` reuses an answer this recent, so a node that keeps calling from outside the
+allocation does not make the operator call Slurm at each check."""
 
 _RANGE = re.compile(r"^(?P<low>[0-9]+)(?:-(?P<high>[0-9]+))?$")
 _GPU_COUNT = re.compile(r"^(?:(?P<type>[A-Za-z0-9_.-]+):)?(?P<count>[0-9]+)$")
@@ -181,6 +203,7 @@ def slurm_pool(environ: Mapping[str, str], virtual: bool = False) -> StaticPool 
     count, variable = found
     if count < 1:
         raise ValueError(f"{variable} gives {count} GPUs per node: no GPU to share")
+    _check_gpus_split_evenly(environ, len(nodes), count)
     pool = Pool.from_counts(dict.fromkeys(nodes, count))
     kind = "virtual GPUs" if virtual else "GPUs"
     description = (
@@ -190,12 +213,257 @@ def slurm_pool(environ: Mapping[str, str], virtual: bool = False) -> StaticPool 
     return StaticPool(pool, virtual, description)
 
 
-def detect_slurm(options: PoolOptions) -> StaticPool | None:
+def _check_gpus_split_evenly(environ: Mapping[str, str], nodes: int, count: int) -> None:
+    """`--gpus=N` (a total) over nodes that do not all get N/nodes: the variables cannot say
+    which node has how many, and taking the batch node's count for all would be wrong."""
+    total = environ.get("SLURM_GPUS", "").strip()
+    if not total or environ.get("SLURM_GPUS_PER_NODE", "").strip():
+        return
+    asked = parse_gpu_count(total, "SLURM_GPUS")
+    if asked != nodes * count:
+        job = environ.get("SLURM_JOB_ID", "?")
+        raise ValueError(
+            f"Slurm job {job} has {asked} GPUs (SLURM_GPUS) over {nodes} nodes, not {count} on"
+            " each: which node has how many is known only to Slurm, and its client"
+            " (scontrol) could not be asked here; allocate with --gpus-per-node, or pass"
+            " --hosts 'node1:N,node2:M'"
+        )
+
+
+# ---- `scontrol show job -d` ----
+
+_GRES_INDEX = re.compile(r"IDX:(?P<indices>[^)]*)")
+_GRES_COUNT = re.compile(r"^gpu(?::[A-Za-z0-9_.-]+)?:(?P<count>[0-9]+)")
+
+
+@dataclass(frozen=True)
+class SlurmAllocation:
+    """A job's allocation as `scontrol show job -d` gives it."""
+
+    job_id: str
+    state: str
+    nodes: tuple[str, ...]
+    """The nodes the job holds now (its `NodeList`), in Slurm's order."""
+    gpus: Mapping[str, tuple[int, ...]]
+    """Each node's GPU indices, from its `Nodes=... GRES=gpu:N(IDX:...)` line."""
+
+    def pool(self) -> Pool:
+        """The nodes the job holds that have GPUs, each with its own."""
+        return Pool(tuple((node, self.gpus[node]) for node in self.nodes if self.gpus.get(node)))
+
+
+def _split_outside_parentheses(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth = max(0, depth - 1)
+        elif char == "," and not depth:
+            parts.append(text[start:index])
+            start = index + 1
+    parts.append(text[start:])
+    return [part for part in parts if part]
+
+
+def parse_gres_gpus(text: str) -> tuple[int, ...]:
+    """A node's GPU indices from its GRES field: `gpu:2(IDX:0-1)`, `gpu:a100:4(IDX:0-3)`,
+    `gpu(IDX:0,2)` (Slurm 18's `GRES_IDX`), several types, other GRES beside (`nic:1`).
+    Without `IDX` the GPUs are numbered from 0. Raises ValueError for a field it cannot read."""
+    indices: list[int] = []
+    for entry in _split_outside_parentheses(text.strip()):
+        if not (entry == "gpu" or entry.startswith(("gpu:", "gpu("))):
+            continue
+        found = _GRES_INDEX.search(entry)
+        if found is not None:
+            for part in found["indices"].split(","):
+                if not part:
+                    continue
+                low, _, high = part.partition("-")
+                if not low.isdigit() or (high and not high.isdigit()):
+                    raise ValueError(f"GRES {text!r}: {part!r} is not an index or a range")
+                indices.extend(range(int(low), int(high or low) + 1))
+            continue
+        counted = _GRES_COUNT.match(entry)
+        if counted is None:
+            raise ValueError(f"GRES {text!r}: {entry!r} has neither IDX nor a count")
+        indices.extend(range(int(counted["count"])))
+    return tuple(sorted(set(indices)))
+
+
+def parse_job_details(text: str) -> SlurmAllocation:
+    """`scontrol show job -d <id>`'s output as an allocation. Raises ValueError, naming
+    the field, for output it cannot read."""
+    fields = dict(re.findall(r"(?:^|\s)(JobId|JobState|NodeList)=(\S+)", text))
+    if "JobId" not in fields:
+        raise ValueError("scontrol show job: no JobId= in the output")
+    nodelist = fields.get("NodeList", "(null)")
+    try:
+        nodes = tuple(expand_hostlist(nodelist)) if nodelist != "(null)" else ()
+    except HostListError as err:
+        raise ValueError(f"scontrol show job: NodeList: {err}") from None
+    gpus: dict[str, tuple[int, ...]] = {}
+    for line in text.splitlines():
+        found = re.match(r"\s*Nodes=(\S+)\s.*?\bGRES(?:_IDX)?=(\S*)", line)
+        if found is None:
+            continue
+        try:
+            hosts = expand_hostlist(found[1])
+        except HostListError as err:
+            raise ValueError(f"scontrol show job: Nodes: {err}") from None
+        indices = parse_gres_gpus(found[2])
+        for host in hosts:
+            gpus[host] = indices
+    return SlurmAllocation(fields["JobId"], fields.get("JobState", ""), nodes, gpus)
+
+
+def read_job_details(job_id: str) -> str | None:
+    """`scontrol show job -d <job_id>`'s output; None when Slurm's client is missing or
+    fails (said in the log)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return None
+    try:
+        done = subprocess.run(
+            [scontrol, "show", "job", "-d", job_id],
+            capture_output=True,
+            text=True,
+            timeout=SCONTROL_TIMEOUT_SECONDS,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning("scontrol show job -d %s: %s", job_id, err)
+        return None
+    if done.returncode:
+        log.warning("scontrol show job -d %s: %s", job_id, done.stderr.strip() or done.returncode)
+        return None
+    return done.stdout
+
+
+def _describe(job_id: str, nodelist: str, pool: Pool, kind: str) -> str:
+    counts = {len(gpus) for _, gpus in pool.hosts}
+    nodes = len(pool.hosts)
+    plural = "s" if nodes != 1 else ""
+    if len(counts) == 1:
+        return f"Slurm job {job_id}: {nodes} node{plural} ({nodelist}) x {counts.pop()} {kind}"
+    each = ", ".join(f"{host} x {len(gpus)}" for host, gpus in pool.hosts)
+    return f"Slurm job {job_id}: {nodes} node{plural} ({nodelist}), {pool.size} {kind}: {each}"
+
+
+class SlurmPool:
+    """The allocation's pool as Slurm says it now (see the module's docstring)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        allocation: SlurmAllocation,
+        virtual: bool,
+        nodelist: str = "",
+        read: Callable[[str], str | None] = read_job_details,
+        poll_seconds: float = SLURM_POLL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.job_id = job_id
+        self.virtual = virtual
+        self._kind = "virtual GPUs" if virtual else "GPUs"
+        self._read = read
+        self._poll_seconds = poll_seconds
+        self._clock = clock
+        self._pool = allocation.pool()
+        self._asked = clock()
+        self._listener: PoolListener | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.description = (
+            _describe(job_id, nodelist or ",".join(allocation.nodes), self._pool, self._kind)
+            + " (scontrol show job -d)"
+        )
+
+    @property
+    def pool(self) -> Pool:
+        with self._lock:
+            return self._pool
+
+    def start(self, on_change: PoolListener) -> None:
+        self._listener = on_change
+        self._thread = threading.Thread(target=self._poll, name="slurm-pool", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(SCONTROL_TIMEOUT_SECONDS + 1)
+
+    def still_lists(self, host: str) -> bool:
+        """Whether Slurm still gives the job `host`, asked now (or within the last second)."""
+        self.refresh(max_age=REFRESH_AT_MOST_EVERY_SECONDS)
+        return host in dict(self.pool.hosts)
+
+    def refresh(self, max_age: float = 0.0) -> Pool:
+        """Ask Slurm for the allocation; a changed pool goes to the listener. An answer that
+        cannot be used (Slurm unreachable, the job ending, output not understood) keeps the
+        pool as it is."""
+        with self._lock:
+            if self._clock() - self._asked < max_age:
+                return self._pool
+            self._asked = self._clock()
+            text = self._read(self.job_id)
+            if text is None:
+                return self._pool
+            try:
+                allocation = parse_job_details(text)
+            except ValueError as err:
+                log.warning("Slurm job %s: %s; the pool stays as it is", self.job_id, err)
+                return self._pool
+            pool = allocation.pool()
+            if allocation.state not in ("RUNNING", "") or not pool.size:
+                log.warning(
+                    "Slurm job %s is %s with %d GPU(s): the pool stays as it is",
+                    self.job_id, allocation.state or "in no state", pool.size,
+                )  # fmt: skip
+                return self._pool
+            if pool == self._pool:
+                return pool
+            left = sorted(set(dict(self._pool.hosts)) - set(dict(pool.hosts)))
+            log.warning(
+                "Slurm job %s now holds %s%s", self.job_id,
+                ", ".join(f"{host}:{len(gpus)}" for host, gpus in pool.hosts),
+                f" ({', '.join(left)} taken out of the allocation)" if left else "",
+            )  # fmt: skip
+            self._pool = pool
+            if self._listener is not None:
+                # Under the lock: two refreshes tell their pools in the order they read them.
+                self._listener(pool)
+            return pool
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._poll_seconds):
+            try:
+                self.refresh()
+            except Exception:  # the poll must outlive a failing listener
+                log.exception("asking Slurm for the allocation")
+
+
+def detect_slurm(options: PoolOptions) -> SlurmPool | StaticPool | None:
     """The pool source for POOL_SOURCES: the allocation this operator runs in.
 
-    Its GPUs are real when NVML sees GPUs on this node (the nodes of one allocation are
-    alike), else virtual: CPU workers stand in for Slurm's GRES GPUs (tests, CPU nodes).
+    Its GPUs are real when NVML sees GPUs on this node, else virtual: CPU workers stand in
+    for Slurm's GRES GPUs (tests, CPU nodes). Asked of `scontrol show job -d` where Slurm's
+    client answers (and followed while the operator runs), else read from the variables.
     """
     if not _nodelist(options.environ):
         return None  # not in an allocation: NVML is not asked
-    return slurm_pool(options.environ, virtual=nvml_gpu_count() == 0)
+    virtual = nvml_gpu_count() == 0
+    job_id = options.environ.get("SLURM_JOB_ID", "").strip()
+    text = read_job_details(job_id) if job_id else None
+    if text is not None:
+        try:
+            allocation = parse_job_details(text)
+        except ValueError as err:
+            log.warning("Slurm job %s: %s; reading its variables instead", job_id, err)
+        else:
+            if allocation.pool().size:
+                return SlurmPool(job_id, allocation, virtual, _nodelist(options.environ))
+            log.warning("Slurm job %s: scontrol shows no GPU; reading its variables", job_id)
+    return slurm_pool(options.environ, virtual=virtual)
