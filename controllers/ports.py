@@ -8,20 +8,16 @@ control loop never imports the runtime and is tested with in-memory parts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from herd_operator.specs import HerdJob, HerdJobSpec
+from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import HerdJobStatus
 from herd_operator.specs.values import Demand, Grant, Report, UsageSample
 
 EventType = Literal["Normal", "Warning"]
-
-REPORT_DEADLINE_SECONDS = 600.0
-"""How long a launch may run without any worker's report before `Reporting=False` and a
-Warning say so (workers report at each epoch end and reset through herd_operator.worker).
-Here, not in the reconciler, so the CLI's and the runtime's defaults need no control loop."""
 
 
 @dataclass(frozen=True)
@@ -48,35 +44,6 @@ class SpecSource(Protocol):
     def view(self, name: str) -> SpecView | None:
         """None when no file declares the name any more (the job was deleted)."""
         ...
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A job as the store last recorded it: its last good spec and its status, parsed.
-
-    The store owns their serialization; specs and statuses are immutable models, so a
-    record can share them with the store's cache and with the spec directory.
-    """
-
-    name: str
-    uid: str
-    """Changes when a job is deleted and declared again under the same name."""
-    spec_path: str
-    fingerprint: str
-    generation: int
-    """Bumped by each change of the spec's fingerprint: (uid, generation) fixes the spec."""
-    status: HerdJobStatus
-    created_at: float
-    updated_at: float
-    load_spec: Callable[[], HerdJob] = field(repr=False, compare=False)
-    """Gives `spec`. The reconciler reads the spec from the spec directory and needs the
-    stored one only while the file is invalid, so the store parses it on first use: a
-    restarted operator does not hold a second parsed copy of every spec."""
-
-    @property
-    def spec(self) -> HerdJob:
-        """The last good spec: the one the operator acts on while the file is invalid."""
-        return self.load_spec()
 
 
 class StorePort(Protocol):

@@ -16,10 +16,8 @@ from collections.abc import Callable, Sequence
 
 from herd_operator.controllers.errors import PermanentError, TemporaryError
 from herd_operator.controllers.ports import (
-    REPORT_DEADLINE_SECONDS,
     AllocatorPort,
     EventType,
-    JobRecord,
     LauncherPort,
     LaunchInfo,
     NodesPort,
@@ -47,6 +45,8 @@ from herd_operator.specs import (
     set_condition,
     spec_fingerprint,
 )
+from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS
+from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import GpuCounts, HerdJobStatus, WorkerWatch
 from herd_operator.specs.values import Demand, Grant, Report
 

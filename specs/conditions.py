@@ -30,6 +30,13 @@ class ConditionType(StrEnum):
     MetricsStale = "MetricsStale"
 
 
+REPORT_DEADLINE_SECONDS = 600.0
+"""How long a launch may run without any worker's report before `Reporting=False` and a
+Warning say so (workers report at each epoch end and reset through herd_operator.worker).
+Here, with the condition, so the CLI's, the runtime's and the reconciler's defaults are one
+and none of them imports another layer for it."""
+
+
 class ConditionStatus(StrEnum):
     TRUE = "True"
     FALSE = "False"

@@ -1,4 +1,5 @@
-"""The `herd-operator` command line: commands (`main`), views, the report and the demo."""
+"""The `herd-operator` command line: `main` assembles the command groups (a module each),
+and the views, the report and the demo they share."""
 
 from __future__ import annotations
 

@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from herd_operator.controllers.ports import JobRecord
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Event, Store, StoreError, UnreadableSpecError
 from herd_operator.specs.conditions import ConditionType, get_condition, is_true
 from herd_operator.specs.models import API_VERSION, HOROVOD_ENGINE, KIND, HerdJobSpec
+from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import HerdJobStatus
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

@@ -17,6 +17,9 @@ started, and the pid is filled in after: at no instant does a process of a launc
 without a record naming its launch id, so a killed operator's successor never takes a
 launch for an orphan. A "starting" record is resolved by the launch id marker: a live
 keeper carrying it is adopted; none, and no exit file, means the launch never ran.
+
+The records' format and paths are in `launch_records.py`, the scans of the process table
+(a launch's processes, orphans) in `process_table.py`.
 """
 
 from __future__ import annotations
@@ -28,27 +31,21 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import psutil
-import pydantic
 
 from herd_operator.controllers.ports import LaunchInfo, ProcessPhase, ProcessState
-from herd_operator.environment import GPU_ENV, JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
-from herd_operator.layout import write_atomically
-from herd_operator.runtime.keeper import (
-    read_exit_file,
-    read_exit_start,
-    read_exit_time,
-    read_launch_error,
-)
+from herd_operator.environment import LAUNCH_ID_ENV
+from herd_operator.runtime.keeper import read_exit_start
+from herd_operator.runtime.launch_records import LaunchRecord, LaunchRecords, read_record
+from herd_operator.runtime.process_table import descendants, marked_processes, same_process
 from herd_operator.specs import HerdJobSpec
 
 log = logging.getLogger(__name__)
@@ -113,18 +110,11 @@ class Launcher:
         self.grace_seconds = grace_seconds
         self.records_dir = records_dir
         """Where launches are recorded for a restarted operator (None: not at all, no keeper)."""
+        self._records = None if records_dir is None else LaunchRecords(records_dir)
         self._lock = threading.Lock()
         self._processes: dict[str, _Process] = {}
         self._forgotten: list[tuple[str, _Process]] = []
         """Exited launches forgotten whose records wait for ``release_forgotten``."""
-
-    def _record_file(self, job: str) -> Path:
-        assert self.records_dir is not None
-        return self.records_dir / f"{job}.json"
-
-    def _exit_file(self, job: str, launch_id: str) -> Path:
-        assert self.records_dir is not None
-        return self.records_dir / f"{job}.{launch_id}.exit"
 
     def launch(self, request: LaunchRequest) -> LaunchInfo:
         with self._lock:
@@ -132,20 +122,19 @@ class Launcher:
                 raise RuntimeError(f"job {request.job} already has a process")
         launch_id = uuid.uuid4().hex
         argv = list(request.argv)
-        if self.records_dir is not None:
-            self.records_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            exit_file = self._exit_file(request.job, launch_id)
-            argv = [sys.executable, "-m", "herd_operator.runtime.keeper", str(exit_file), "--"]
-            argv += request.argv
+        records = self._records
+        if records is not None:
+            records.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            argv = records.keeper_argv(request.job, launch_id, argv)
             # Before the process exists, and durable: an operator killed from here on leaves
             # a record naming the launch id its processes carry, so its successor adopts
             # them instead of stopping them as orphans. A launch that cannot be recorded is
             # not started (OSError: the reconciler retries it with backoff).
-            starting = _Record(
+            starting = LaunchRecord(
                 request.job, launch_id, None, None, request.generation, request.command,
                 request.spec,
             )  # fmt: skip
-            self._write_record(starting, durable=True)
+            records.write(starting, durable=True)
         env = dict(os.environ)
         env.update(request.env)
         env[LAUNCH_ID_ENV] = launch_id
@@ -153,8 +142,8 @@ class Launcher:
         try:
             popen = self._start_logged(request, launch_id, argv, workdir, env)
         except (OSError, ValueError, subprocess.SubprocessError):
-            if self.records_dir is not None:  # it names a launch that never ran
-                self._record_file(request.job).unlink(missing_ok=True)
+            if records is not None:  # it names a launch that never ran
+                records.record_file(request.job).unlink(missing_ok=True)
             raise
         info = LaunchInfo(
             launch_id=launch_id,
@@ -165,7 +154,7 @@ class Launcher:
             spec=request.spec,
         )
         process = _Process(info, popen, {popen.pid})
-        if self.records_dir is not None:
+        if records is not None:
             self._record_started(request.job, info)
         with self._lock:
             self._processes[request.job] = process
@@ -215,39 +204,31 @@ class Launcher:
         "starting" record, which adoption resolves by the launch id. Not fatal either, for
         the same reason.
         """
-        record = _Record(job, info.launch_id, info.pid, info.started_at, info.generation,
-                         info.command, info.spec)  # fmt: skip
+        assert self._records is not None  # only a recorded launch has a pid to add
+        record = LaunchRecord(job, info.launch_id, info.pid, info.started_at, info.generation,
+                              info.command, info.spec)  # fmt: skip
         try:
-            self._write_record(record, durable=False)
+            self._records.write(record, durable=False)
         except OSError as err:
             log.warning(
                 "%s: cannot add the pid to the launch record (a restarted operator finds the"
                 " launch by its id): %s", job, err,
             )  # fmt: skip
 
-    def _write_record(self, record: _Record, *, durable: bool) -> None:
-        data = {
-            "launch_id": record.launch_id,
-            "pid": record.pid,
-            "started_at": record.started_at,
-            "generation": record.generation,
-            "command": record.command,
-            "spec": record.spec.model_dump(mode="json", by_alias=True),
-        }
-        # 0600: it holds the spec's env.
-        write_atomically(
-            self._record_file(record.job), json.dumps(data), mode=0o600, durable=durable
-        )
-
     def _wait(self, job: str, process: _Process) -> None:
         if process.popen is not None:
             code: int | None = process.popen.wait()
         else:
             code = self._wait_adopted(job, process)
-        launch_error = self._launch_error(job, process.info.launch_id)
-        if launch_error is None and process.popen is not None:
-            launch_error = self._keeper_failure(job, process.info.launch_id, code)
-        ended_at = self._exit_time(job, process.info.launch_id) or time.time()
+        launch_id = process.info.launch_id
+        launch_error: str | None = None
+        ended_at: float | None = None
+        if self._records is not None:
+            launch_error = self._records.launch_error(job, launch_id)
+            if launch_error is None and process.popen is not None:
+                launch_error = self._records.keeper_failure(job, launch_id, code)
+            ended_at = self._records.exit_time(job, launch_id)
+        ended_at = ended_at or time.time()
         with self._lock:
             process.exit_code = code
             process.launch_error = launch_error
@@ -255,36 +236,12 @@ class Launcher:
             process.exited = True
         self._on_exit(job)
 
-    def _launch_error(self, job: str, launch_id: str) -> str | None:
-        if self.records_dir is None:
-            return None
-        return read_launch_error(self._exit_file(job, launch_id))
-
-    def _exit_time(self, job: str, launch_id: str) -> float | None:
-        if self.records_dir is None:
-            return None
-        return read_exit_time(self._exit_file(job, launch_id))
-
-    def _keeper_failure(self, job: str, launch_id: str, code: int | None) -> str | None:
-        """Why our keeper child ended with an error and no exit file: it could not start
-        (its Python failed, say), so the command never ran. (A keeper that ran the command
-        but could not write the file, on a full disk, looks the same; it is then tried
-        again with backoff instead of being marked Failed, which errs on the side of the
-        job.)"""
-        if self.records_dir is None or code is None or code <= 0:
-            return None
-        if self._exit_file(job, launch_id).exists():
-            return None
-        return (
-            f"the keeper ({sys.executable} -m herd_operator.runtime.keeper) exited with "
-            f"status {code} before it ran the command; its output is in the job's log"
-        )
-
     def _wait_adopted(self, job: str, process: _Process) -> int | None:
         """Wait for a launch that is not our child; its keeper tells how it ended."""
-        while _same_process(process.info.pid, process.info.launch_id):
+        assert self._records is not None  # only a recorded launch is adopted
+        while same_process(process.info.pid, process.info.launch_id):
             time.sleep(ADOPTED_POLL_SECONDS)
-        return read_exit_file(self._exit_file(job, process.info.launch_id))
+        return self._records.exit_code(job, process.info.launch_id)
 
     def adopt_recorded(self) -> list[Adopted]:
         """Take over the launches a previous operator recorded (call before launching).
@@ -300,33 +257,34 @@ class Launcher:
         and ended; with neither, the launch never ran, and its record is dropped so that
         the job is launched (once) like one that has no process.
         """
-        if self.records_dir is None or not self.records_dir.is_dir():
+        records = self._records
+        if records is None:
             return []
         adopted = []
-        for path in sorted(self.records_dir.glob("*.json")):
+        for path in records.recorded():
             job = path.stem
             try:
-                record = _read_record(path)
+                record = read_record(path)
             except (OSError, ValueError) as err:
                 log.warning("%s: dropping the unreadable launch record %s: %s", job, path, err)
                 path.unlink(missing_ok=True)
                 continue
             if record.pid is None or record.started_at is None:
-                resolved = self._resolve_starting(path, record)
+                resolved = self._resolve_starting(records, path, record)
                 if resolved is None:
                     continue
                 info, running = resolved
             else:
                 info = record.info()
-                running = _same_process(info.pid, info.launch_id)
+                running = same_process(info.pid, info.launch_id)
             # The pid of a launch that ended may be another process's by now: it is no
             # leftover of the launch (those carry its launch id, and `state` finds them).
             process = _Process(info, None, {info.pid} if running else set())
             if not running:
-                process.exit_code = read_exit_file(self._exit_file(job, info.launch_id))
-                process.launch_error = self._launch_error(job, info.launch_id)
+                process.exit_code = records.exit_code(job, info.launch_id)
+                process.launch_error = records.launch_error(job, info.launch_id)
                 # Its status's finishedAt: when it ended, not when this operator started.
-                process.ended_at = self._exit_time(job, info.launch_id)
+                process.ended_at = records.exit_time(job, info.launch_id)
                 process.exited = True
             with self._lock:
                 if job in self._processes:
@@ -339,12 +297,14 @@ class Launcher:
             adopted.append(Adopted(job, info, running))
         return adopted
 
-    def _resolve_starting(self, path: Path, record: _Record) -> tuple[LaunchInfo, bool] | None:
+    def _resolve_starting(
+        self, records: LaunchRecords, path: Path, record: LaunchRecord
+    ) -> tuple[LaunchInfo, bool] | None:
         """What became of a launch recorded as starting: its live keeper (running), an end
         its keeper recorded (not running), or None: it never ran (or its keeper was killed
         before recording an end; any processes left of it are then orphans)."""
-        exit_file = self._exit_file(record.job, record.launch_id)
-        for proc in _marked_processes(record.launch_id):
+        exit_file = records.exit_file(record.job, record.launch_id)
+        for proc in marked_processes(record.launch_id):
             with contextlib.suppress(psutil.Error):
                 # The keeper is the launched process: `python -m ...keeper EXIT_FILE -- ...`
                 # (the file's name holds the launch id; the dir may be spelt another way).
@@ -414,7 +374,7 @@ class Launcher:
             process.escalation = timer
         leader = _group_leader(process)
         if leader is not None:
-            process.known_pids |= _descendants(leader)
+            process.known_pids |= descendants(leader)
             _signal_group(leader, signal.SIGTERM)
         if process.exited:  # the launched process is gone: signal its orphans
             for proc in self._leftovers(process):
@@ -439,15 +399,15 @@ class Launcher:
         """Live processes of this launch: known by descent or by the environment marker."""
         found: dict[int, psutil.Process] = {}
         leader = _group_leader(process)
-        descendants = _descendants(leader) if leader is not None else set()
-        for pid in process.known_pids | descendants:
+        below = descendants(leader) if leader is not None else set()
+        for pid in process.known_pids | below:
             try:
                 proc = psutil.Process(pid)
                 if proc.status() != psutil.STATUS_ZOMBIE and _has_marker(proc, process.info):
                     found[pid] = proc
             except psutil.Error:
                 continue
-        for proc in _marked_processes(process.info.launch_id):
+        for proc in marked_processes(process.info.launch_id):
             found.setdefault(proc.pid, proc)
         return list(found.values())
 
@@ -466,7 +426,7 @@ class Launcher:
             del self._processes[job]
             if process.escalation is not None:
                 process.escalation.cancel()
-            if self.records_dir is not None:
+            if self._records is not None:
                 self._forgotten.append((job, process))
 
     def release_forgotten(self) -> None:
@@ -474,13 +434,8 @@ class Launcher:
         with self._lock:
             forgotten, self._forgotten = self._forgotten, []
         for job, process in forgotten:
-            launch_id = process.info.launch_id
-            record = self._record_file(job)
-            # A launch of the job since then wrote its own record under the same name.
-            with contextlib.suppress(OSError, ValueError):
-                if _read_record(record).launch_id == launch_id:
-                    record.unlink(missing_ok=True)
-            self._exit_file(job, launch_id).unlink(missing_ok=True)
+            assert self._records is not None  # only recorded launches are kept forgotten
+            self._records.remove(job, process.info.launch_id)
 
     def restore_forgotten(self) -> None:
         """Take back the launches forgotten since the last release: the writes that recorded
@@ -515,144 +470,6 @@ class Launcher:
         return stubborn
 
 
-@dataclass(frozen=True)
-class Orphan:
-    job: str
-    launch_id: str
-    pids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class JobProcess:
-    """A live process of a job launched for some state dir, as its environment says."""
-
-    pid: int
-    job: str
-    launch_id: str
-    env: Mapping[str, str]
-    """The few variables that say where it stands (see `_KEPT_ENV`)."""
-
-
-_KEPT_ENV = (GPU_ENV, "HOROVOD_HOSTNAME", "HOROVOD_LOCAL_RANK")
-
-
-def job_processes(state_dir: Path) -> list[JobProcess]:
-    """Every live process of the jobs launched for `state_dir`, by any operator.
-
-    They carry the state dir and a launch id in their environment (one pass over the
-    process table: it costs ~1 ms per 100 processes).
-    """
-    wanted = str(state_dir.resolve())
-    found = []
-    me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid == me:
-            continue
-        try:
-            env = proc.environ()
-            if env.get(STATE_DIR_ENV) != wanted or not env.get(LAUNCH_ID_ENV):
-                continue
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.Error:
-            continue
-        kept = {name: env[name] for name in _KEPT_ENV if name in env}
-        found.append(JobProcess(proc.pid, env.get(JOB_ENV, "?"), env[LAUNCH_ID_ENV], kept))
-    return found
-
-
-def find_orphans(processes: Sequence[JobProcess], adopted: Set[str] = frozenset()) -> list[Orphan]:
-    """The processes of launches nobody adopted (`adopted`: launch ids), grouped by launch.
-
-    Left alone, they would train on beside the jobs this operator starts, on the same GPUs.
-    """
-    found: dict[tuple[str, str], list[int]] = {}
-    for proc in processes:
-        if proc.launch_id not in adopted:
-            found.setdefault((proc.job, proc.launch_id), []).append(proc.pid)
-    return [
-        Orphan(job, launch, tuple(sorted(pids))) for (job, launch), pids in sorted(found.items())
-    ]
-
-
-def stop_orphans(orphans: Sequence[Orphan], grace_seconds: float) -> None:
-    """SIGTERM every orphan process, SIGKILL what outlives the grace period."""
-    procs = []
-    for orphan in orphans:
-        for pid in orphan.pids:
-            with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(pid)
-                proc.terminate()
-                procs.append(proc)
-    _, alive = psutil.wait_procs(procs, timeout=grace_seconds)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=5)
-
-
-def _same_process(pid: int, launch_id: str) -> bool:
-    """Whether `pid` is still the live process of that launch (not a reused pid)."""
-    try:
-        proc = psutil.Process(pid)
-        return (
-            proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(LAUNCH_ID_ENV) == launch_id
-        )
-    except psutil.Error:
-        return False
-
-
-@dataclass(frozen=True)
-class _Record:
-    """A launch record: `pid` and `started_at` are None while it is starting (written
-    before the process exists)."""
-
-    job: str
-    launch_id: str
-    pid: int | None
-    started_at: float | None
-    generation: int
-    command: str
-    spec: HerdJobSpec
-
-    def info(self) -> LaunchInfo:
-        return LaunchInfo(
-            launch_id=self.launch_id,
-            pid=self.pid or 0,
-            started_at=self.started_at or 0.0,
-            generation=self.generation,
-            command=self.command,
-            spec=self.spec,
-        )
-
-
-def _read_record(path: Path) -> _Record:
-    """A launch record written by `Launcher._write_record`; ValueError if it is not one."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    try:
-        pid, started_at = data["pid"], data["started_at"]
-        return _Record(
-            job=path.stem,
-            launch_id=str(data["launch_id"]),
-            pid=None if pid is None else int(pid),
-            started_at=None if started_at is None else float(started_at),
-            generation=int(data["generation"]),
-            command=str(data["command"]),
-            spec=HerdJobSpec.model_validate(data["spec"]),
-        )
-    except (KeyError, TypeError, pydantic.ValidationError) as err:
-        raise ValueError(f"not a launch record: {err}") from err
-
-
-def _descendants(pid: int) -> set[int]:
-    try:
-        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
 def _group_leader(process: _Process) -> int | None:
     """The launched process's pid, to signal its group and look under: None once the keeper
     of an adopted launch is gone (not our child, so not kept from reuse by a zombie: the pid
@@ -670,22 +487,6 @@ def _has_marker(proc: psutil.Process, info: LaunchInfo) -> bool:
     except psutil.Error:
         # Cannot read it (gone, or another user's): trust descent.
         return True
-
-
-def _marked_processes(launch_id: str) -> list[psutil.Process]:
-    found = []
-    me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid == me:
-            continue
-        try:
-            if proc.environ().get(LAUNCH_ID_ENV) == launch_id and (
-                proc.status() != psutil.STATUS_ZOMBIE
-            ):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

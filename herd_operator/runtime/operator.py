@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from prometheus_client import CollectorRegistry
 
 from herd_operator.auth import agent_key, ensure_token_file, write_token_file
-from herd_operator.controllers.ports import REPORT_DEADLINE_SECONDS
 from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.environment import ALLOCATOR_ENV, GPU_ENV, STATE_DIR_ENV
 from herd_operator.exporters.collector import GpuCollector
@@ -63,25 +62,25 @@ from herd_operator.runtime.handlers import (
     heard_from,
     store_group,
 )
-from herd_operator.runtime.launcher import (
-    Adopted,
-    JobProcess,
-    Launcher,
-    find_orphans,
-    job_processes,
-    stop_orphans,
-)
+from herd_operator.runtime.launcher import Adopted, Launcher
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.observer import UsageObserver
 from herd_operator.runtime.pools import PoolSource
 from herd_operator.runtime.pools.base import ListsHosts
 from herd_operator.runtime.pools.heartbeat import DEFAULT_NODE_TIMEOUT_SECONDS, NodeWatch
+from herd_operator.runtime.process_table import (
+    JobProcess,
+    find_orphans,
+    job_processes,
+    stop_orphans,
+)
 from herd_operator.runtime.pruner import (
     DEFAULT_RETENTION_SECONDS,
     PRUNE_INTERVAL_SECONDS,
     Pruner,
 )
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB, Store, StoreError
+from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS
 from herd_operator.specs.values import Drain, Placement, Pool, Slot
 
 if TYPE_CHECKING:
@@ -708,7 +707,7 @@ class Operator:
         before = dict(self.allocator.pool.hosts)
         self.nodes.set_pool(pool)
         try:
-            # The store before the allocator's lock (see `_cordon`).
+            # One group for the decision's record, the pool's size and the events.
             with self.store.transaction():
                 self.allocator.set_pool(pool)
                 self._record_pool_change(before, dict(pool.hosts), pool.size)

@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from herd_operator.cli.views import job_object
-from herd_operator.runtime.launcher import job_processes
+from herd_operator.runtime.process_table import job_processes
 from herd_operator.runtime.store import Store
 from tests.integration.harness import (
     HERD,

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from herd_operator.cli import main
-from herd_operator.cli.report import grant_steps, job_sources, load_run, pool_stack
+from herd_operator.cli.report.figure_data import grant_steps, pool_stack
+from herd_operator.cli.report.series import job_sources, load_run
 from herd_operator.runtime.store import Event
 from tests.integration.harness import digits_command, operator_harness, spec_document
 

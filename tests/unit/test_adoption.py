@@ -34,14 +34,7 @@ from herd_operator.runtime.allocator import Allocator, Binding
 from herd_operator.runtime.dispatch import EngineDispatch
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.keeper import read_exit_file, read_launch_error
-from herd_operator.runtime.launcher import (
-    Adopted,
-    JobProcess,
-    Launcher,
-    LaunchRequest,
-    find_orphans,
-    job_processes,
-)
+from herd_operator.runtime.launcher import Adopted, Launcher, LaunchRequest
 from herd_operator.runtime.operator import (
     ExitsRecordedFirst,
     OperatorConfig,
@@ -51,6 +44,7 @@ from herd_operator.runtime.operator import (
 )
 from herd_operator.runtime.operator import Operator as HerdOperator
 from herd_operator.runtime.pools import StaticPool
+from herd_operator.runtime.process_table import JobProcess, find_orphans, job_processes
 from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs import ConditionType, HerdJob, HerdJobSpec, is_true
 from herd_operator.specs.status import HerdJobStatus

@@ -26,7 +26,7 @@ import yaml
 from pydantic import ValidationError
 
 from herd_operator.auth import job_key, read_token_file
-from herd_operator.cli.main import validate_files
+from herd_operator.cli.spec_commands import validate_files
 from herd_operator.controllers.errors import PermanentError
 from herd_operator.controllers.ports import ProcessPhase
 from herd_operator.controllers.reconciler import JobReconciler

@@ -18,7 +18,7 @@ import pytest
 from horovod.runner.common.util.hosts import SlotInfo
 
 from herd_operator.runtime.engines import env_exec
-from herd_operator.runtime.engines.hvd_driver import (
+from herd_operator.runtime.engines.hvd_workers import (
     ENV_EXEC_SCRIPT,
     make_worker_factory,
     remote_worker_argv,

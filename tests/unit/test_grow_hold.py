@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.engines.horovod import HorovodEngine
-from herd_operator.runtime.engines.hvd_driver import (
+from herd_operator.runtime.engines.hvd_grow import (
     MAX_GROW_RETRY_SECONDS,
     GrowHold,
     GrowOutcome,

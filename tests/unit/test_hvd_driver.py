@@ -27,13 +27,15 @@ from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.engines import horovod as horovod_module
 from herd_operator.runtime.engines.forkserver import Zygote, forkable
 from herd_operator.runtime.engines.horovod import HorovodEngine, horovodrun_argv
-from herd_operator.runtime.engines.hvd_driver import (
+from herd_operator.runtime.engines.hvd_discovery import (
     GrantFileDiscovery,
     GrantFileError,
     MissedUpdateRedelivery,
-    make_worker_factory,
-    parse_driver_args,
     parse_grant,
+)
+from herd_operator.runtime.engines.hvd_driver import parse_driver_args
+from herd_operator.runtime.engines.hvd_workers import (
+    make_worker_factory,
     run_local_worker,
     worker_environment,
 )

@@ -213,6 +213,7 @@ def test_the_allocator_options_of_run_reach_the_operators_allocator(
     `--share-by-gain`: the real command line starts the real operator, stopped as soon as it
     is up, whose allocator has them."""
     cli = importlib.import_module("herd_operator.cli.main")  # the package's `main` is the function
+    run_command = importlib.import_module("herd_operator.cli.run")
     started: list[Operator] = []
     original = Operator.run
 
@@ -223,7 +224,7 @@ def test_the_allocator_options_of_run_reach_the_operators_allocator(
 
     monkeypatch.setattr(Operator, "run", run_then_stop)
     # The real handlers would stay installed in the test process after the command returns.
-    monkeypatch.setattr(cli, "_stop_on_signals", threading.Event)
+    monkeypatch.setattr(run_command, "stop_on_signals", threading.Event)
     common = ["--hosts", "localhost:2", "--virtual-gpus", "2", "--metrics-port", "0"]
     common += ["--specs-dir", str(tmp_path / "specs"), "--runtime-dir", str(tmp_path / "run")]
     assert cli.main(["run", *common, "--state-dir", str(tmp_path / "plain")]) == 0

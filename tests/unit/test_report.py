@@ -13,21 +13,17 @@ import pytest
 import yaml
 
 from herd_operator.cli import main
-from herd_operator.cli.report import (
-    GrantStep,
-    JobSeries,
-    ReportError,
-    figure_title,
-    format_duration,
+from herd_operator.cli.report.command import ReportError, output_format
+from herd_operator.cli.report.figure import figure_title
+from herd_operator.cli.report.figure_data import (
     grant_steps,
-    job_sources,
     label_lifts,
-    load_run,
-    output_format,
     threshold_lines,
     time_unit,
     world_size_steps,
 )
+from herd_operator.cli.report.series import GrantStep, JobSeries, job_sources, load_run
+from herd_operator.cli.report.text import format_duration
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
 from herd_operator.specs import (

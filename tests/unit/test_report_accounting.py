@@ -17,18 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from herd_operator.cli.report import (
-    DELETED,
-    JobSeries,
-    RunData,
-    format_summary,
-    grant_steps,
-    job_sources,
-    job_styles,
-    line_offsets,
-    load_run,
-    pool_stack,
-)
+from herd_operator.cli.report.figure_data import grant_steps, job_styles, line_offsets, pool_stack
+from herd_operator.cli.report.series import DELETED, JobSeries, RunData, job_sources, load_run
+from herd_operator.cli.report.text import format_summary
 from herd_operator.runtime.store import Store
 from herd_operator.specs import (
     ConditionStatus,

@@ -15,7 +15,8 @@ import jsonschema
 import pytest
 import yaml
 
-from herd_operator.cli.main import EXIT_FAILURE, main
+from herd_operator.cli.main import main
+from herd_operator.cli.views import EXIT_FAILURE
 from herd_operator.policies.base import PolicyError
 from herd_operator.policies.registry import BUILTIN_POLICIES, load_policy
 from herd_operator.specs import PolicyRef

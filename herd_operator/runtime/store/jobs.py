@@ -18,9 +18,9 @@ import sqlite3
 import uuid
 from collections.abc import Callable
 
-from herd_operator.controllers.ports import JobRecord
 from herd_operator.runtime.store.connection import StoreBase, StoreError
 from herd_operator.specs import HerdJob
+from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import HerdJobStatus
 
 _log = logging.getLogger(__name__)

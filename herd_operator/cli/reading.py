@@ -1,0 +1,376 @@
+"""`herd-operator get`, `describe`, `events` and `logs`: what the store and the job logs say,
+while the operator runs and after, as tables, objects or a followed log.
+
+Apart from the commands that change or run things: these only read (the store opened
+read-only), and their watch loops are theirs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from herd_operator.cli.arguments import (
+    Subcommands,
+    add_command,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    state_dir_option,
+)
+from herd_operator.cli.logs import show_log
+from herd_operator.cli.selectors import Selector, SelectorError, parse_selector
+from herd_operator.cli.views import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    dash,
+    format_age,
+    format_events,
+    format_table,
+    herdjob_resource,
+    job_has_ended,
+    job_object,
+    open_store,
+    resource_list,
+)
+from herd_operator.layout import StateLayout
+from herd_operator.runtime.store import Event, Store, UnreadableSpecError
+from herd_operator.specs.records import JobRecord
+
+WATCH_POLL_SECONDS = 0.5
+"""How often `get -w` and `events -w` read the store (one small read each)."""
+WATCH_EVENTS_WINDOW = 1000
+"""Events read per look by `events -w`: more than the operator adds between two looks."""
+
+
+def add_commands(commands: Subcommands) -> None:
+    get = add_command(commands, "get", cmd_get, help="list jobs (kubectl-like table)")
+    state_dir_option(get)
+    get.add_argument("name", nargs="?", help="only this job (-o json|yaml: the one object)")
+    get.add_argument(
+        "-o",
+        "--output",
+        choices=["table", "wide", "json", "yaml", "name"],
+        default="table",
+        help="table (default), wide, json or yaml (a HerdJob object, or a List of them), "
+        "name (herdjob/NAME)",
+    )
+    get.add_argument(
+        "-l",
+        "--selector",
+        type=_selector,
+        help="only jobs whose labels match: key=value, key!=value, key, !key, "
+        "'key in (a,b)', 'key notin (a,b)', joined by commas (all must hold)",
+    )
+    get.add_argument("--no-headers", action="store_true", help="tables without their header")
+    _watch_options(get, "after the list, print each job that changes (Ctrl-C ends)")
+
+    describe = add_command(
+        commands, "describe", cmd_describe, help="conditions, placement and events of a job"
+    )
+    state_dir_option(describe)
+    describe.add_argument("name")
+
+    events = add_command(commands, "events", cmd_events, help="list events")
+    state_dir_option(events)
+    events.add_argument("name", nargs="?", help="only this job's events")
+    events.add_argument("--limit", type=positive_int, default=100)
+    events.add_argument("--no-headers", action="store_true", help="no header line")
+    _watch_options(events, "after the list, print each new or repeated event (Ctrl-C ends)")
+
+    logs = add_command(
+        commands, "logs", cmd_logs, help="print a job's output (<state-dir>/logs/<job>.log)"
+    )
+    state_dir_option(logs)
+    logs.add_argument("name", metavar="NAME")
+    logs.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing what the job writes until it ends (Ctrl-C ends sooner)",
+    )
+    logs.add_argument(
+        "--tail",
+        type=non_negative_int,
+        metavar="N",
+        help="only the last N lines (default: all)",
+    )
+    logs.add_argument(
+        "--timeout",
+        type=positive_float,
+        metavar="SECONDS",
+        help="with -f: stop following after SECONDS (default: until the job ends)",
+    )
+
+
+def _watch_options(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("-w", "--watch", action="store_true", help=what)
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        metavar="SECONDS",
+        help="with -w: stop watching after SECONDS (default: until Ctrl-C)",
+    )
+
+
+def _selector(text: str) -> Selector:
+    try:
+        return parse_selector(text)
+    except SelectorError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _selected(records: Sequence[JobRecord], selector: Selector | None) -> list[JobRecord]:
+    if selector is None:
+        return list(records)
+    return [record for record in records if selector.matches(_labels(record))]
+
+
+def _labels(record: JobRecord) -> dict[str, str]:
+    try:
+        return dict(record.spec.metadata.labels)
+    except UnreadableSpecError:  # its labels are unknown: no selector matches them
+        return {}
+
+
+def _table_header(wide: bool) -> list[str]:
+    header = ["NAME", "STATUS", "MIN", "MAX", "DESIRED", "ALLOCATED", "ACTIVE", "AGE"]
+    return header + (["EPOCH", "RESTARTS", "GEN", "POLICY", "PLACEMENT"] if wide else [])
+
+
+def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
+    gpus = obj["gpus"]
+    row = [
+        obj["name"],
+        obj["status"],
+        dash(gpus["min"]),
+        dash(gpus["max"]),
+        dash(gpus["desired"]),
+        str(gpus["allocated"]),
+        dash(gpus["active"]),
+        format_age(now - obj["createdAt"]),
+    ]
+    if wide:
+        placement = ",".join(
+            f"{host}:{'+'.join(map(str, gpu_list))}" for host, gpu_list in obj["placement"].items()
+        )
+        row += [
+            dash(obj["epoch"]),
+            str(obj["restarts"]),
+            f"{obj['observedGeneration']}/{obj['generation']}",
+            dash(obj["policy"]),
+            placement or "-",
+        ]
+    return row
+
+
+def _print_objects(
+    records: Sequence[JobRecord], args: argparse.Namespace, *, header: bool, single: bool
+) -> None:
+    """`records` in the `-o` format; `single`: one object, not a List (get NAME)."""
+    layout = StateLayout(args.state_dir)
+    if args.output in ("json", "yaml"):
+        objects = [herdjob_resource(r, layout.log_file(r.name)) for r in records]
+        shown = objects[0] if single and len(objects) == 1 else resource_list(objects)
+        if args.output == "json":
+            print(json.dumps(shown, indent=2), flush=True)
+        else:
+            import yaml  # here: `run` never needs it, and starts sooner without it
+
+            print(yaml.safe_dump(shown, sort_keys=False), end="", flush=True)
+        return
+    if args.output == "name":
+        for record in records:
+            print(f"herdjob/{record.name}", flush=True)
+        return
+    wide = args.output == "wide"
+    now = time.time()
+    rows = [_table_row(job_object(record), now, wide) for record in records]
+    if header and not args.no_headers:
+        rows.insert(0, _table_header(wide))
+    if rows:
+        print(format_table(rows), flush=True)
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    with open_store(args.state_dir) as store:
+        records = _selected(store.list_jobs(), args.selector)
+        if args.name:
+            records = [record for record in records if record.name == args.name]
+            if not records:
+                print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
+                return EXIT_FAILURE
+        if records or args.output in ("json", "yaml"):
+            _print_objects(records, args, header=True, single=bool(args.name))
+        elif args.output != "name":
+            print(f"No jobs in {args.state_dir}.", file=sys.stderr)
+        if args.watch:
+            _watch_jobs(store, args, records)
+    return EXIT_OK
+
+
+def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecord]) -> None:
+    """Print each job again when it changes (a table row: when a cell other than AGE does);
+    a deleted job's row says `Deleted`. Ends at --timeout, or by Ctrl-C (in `main`)."""
+    wide = args.output == "wide"
+    printed_header = bool(shown)
+
+    def fingerprint(record: JobRecord) -> object:
+        if args.output in ("table", "wide"):
+            row = _table_row(job_object(record), 0.0, wide)
+            del row[7]  # AGE grows on its own: not a change of the job
+            return row
+        return (record.generation, record.status, record.spec_path)
+
+    last = {record.name: fingerprint(record) for record in shown}
+    for _ in _ticks(args.timeout):
+        records = _selected(store.list_jobs(), args.selector)
+        if args.name:
+            records = [record for record in records if record.name == args.name]
+        changed = [record for record in records if last.get(record.name) != fingerprint(record)]
+        gone = sorted(set(last) - {record.name for record in records})
+        if changed and args.output in ("json", "yaml"):
+            for record in changed:  # one object per change, as kubectl -w prints them
+                if args.output == "yaml":
+                    print("---", flush=True)
+                _print_objects([record], args, header=False, single=True)
+        elif changed:
+            _print_objects(changed, args, header=not printed_header, single=False)
+            printed_header = printed_header or args.output in ("table", "wide")
+        if gone and args.output in ("table", "wide", "name"):
+            for name in gone:
+                print(
+                    f"herdjob/{name}" if args.output == "name" else f"{name}   Deleted",
+                    flush=True,
+                )
+        last = {record.name: fingerprint(record) for record in records}
+
+
+def _ticks(timeout: float | None) -> Iterator[None]:
+    """Yield every WATCH_POLL_SECONDS, until `timeout` seconds have passed (None: forever)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        time.sleep(WATCH_POLL_SECONDS)
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        yield
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    with open_store(args.state_dir) as store:
+        record = store.get_job(args.name)
+        events = store.events(args.name, limit=20)
+        decisions = store.grant_history(args.name, limit=10)
+        trimmed = store.trimmed_history(args.name).get(args.name)
+    if record is None:
+        print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
+        return EXIT_FAILURE
+    obj = job_object(record)
+    status = record.status
+    now = time.time()
+    gpus = obj["gpus"]
+    lines = [
+        f"Name:         {obj['name']}",
+        f"Spec file:    {obj['specPath']}",
+        f"Log:          {StateLayout(args.state_dir).log_file(args.name)}"
+        f" (herd-operator logs {args.name})",
+        f"Generation:   {obj['generation']} (observed {obj['observedGeneration']})",
+        f"Status:       {obj['status']}",
+        *([f"Spec:         {obj['specError']}"] if "specError" in obj else []),
+        f"Priority:     {dash(obj['priority'])}",
+        f"Policy:       {dash(obj['policy'])}"
+        + (f" ({status.policy_reason})" if status.policy_reason else ""),
+        f"GPUs:         min {dash(gpus['min'])}, max {dash(gpus['max'])},"
+        f" desired {dash(gpus['desired'])}, "
+        f"allocated {gpus['allocated']}, active {dash(gpus['active'])}",
+        f"Epoch:        {dash(obj['epoch'])}",
+        f"Restarts:     {obj['restarts']}",
+        f"Age:          {format_age(now - obj['createdAt'])}",
+        "Placement:" + ("" if obj["placement"] else "    none"),
+    ]
+    for host, gpu_list in obj["placement"].items():
+        lines.append(
+            f"  {host} -> GPUs {', '.join(map(str, gpu_list))} (local ranks 0..{len(gpu_list) - 1})"
+        )
+    if status.grant_reason:
+        lines.append(f"Last decision: {status.grant_reason}")
+    lines.append("Conditions:")
+    if status.conditions:
+        rows = [["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"]] + [
+            [c.type, str(c.status), c.reason, format_age(now - c.last_transition_time), c.message]
+            for c in status.conditions
+        ]
+        lines += ["  " + line for line in format_table(rows).splitlines()]
+    lines.append("Decisions:" + ("" if decisions else "    none"))
+    if decisions:
+        rows = [["AGE", "GPUS", "REASON"]] + [
+            [format_age(now - change.time), str(change.gpus), change.reason] for change in decisions
+        ]
+        lines += ["  " + line for line in format_table(rows).splitlines()]
+    if trimmed is not None:
+        lines.append(
+            f"  ({trimmed.dropped} older change(s) were dropped by the history bound, the"
+            f" newest of them {format_age(now - trimmed.through)} ago)"
+        )
+    lines.append("Events:" + ("" if events else "       none"))
+    if events:
+        lines += ["  " + line for line in format_events(events, now, False).splitlines()]
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    with open_store(args.state_dir) as store:
+        events = store.events(args.name, limit=args.limit)
+        header = not args.no_headers
+        if events:
+            print(format_events(events, time.time(), True, header=header), flush=True)
+        elif not args.watch:
+            print("No events.")
+        if args.watch:
+            _watch_events(store, args, events, header=header and not events)
+    return EXIT_OK
+
+
+def _watch_events(
+    store: Store, args: argparse.Namespace, shown: Sequence[Event], header: bool
+) -> None:
+    """Print each event that is new or happened again (its count grew) since the last look."""
+    seen = {event.id: event.count for event in shown}
+    for _ in _ticks(args.timeout):
+        # The newest events by last occurrence: any that is new or repeated is among them.
+        fresh = [
+            event
+            for event in store.events(args.name, limit=WATCH_EVENTS_WINDOW)
+            if seen.get(event.id) != event.count
+        ]
+        if fresh:
+            print(format_events(fresh, time.time(), True, header=header), flush=True)
+            header = False
+            seen.update((event.id, event.count) for event in fresh)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    log_file = StateLayout(args.state_dir).log_file(args.name)
+    with open_store(args.state_dir) as store:
+        if store.get_job(args.name) is None and not log_file.exists():
+            print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
+            return EXIT_FAILURE
+
+        def still_running() -> bool:
+            record = store.get_job(args.name)
+            return record is not None and not job_has_ended(record.status)
+
+        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        found = show_log(log_file, args.tail, args.follow, still_running, deadline)
+    if not found:
+        print(
+            f"herd-operator: job {args.name!r} has no log yet ({log_file}): it has not started",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    return EXIT_OK

@@ -1,0 +1,175 @@
+"""`herd-operator simulate` and `replay`: workloads on a simulated cluster under the real
+policies and allocator, and a recorded run simulated again (`herd_operator.simulate`).
+
+Apart so the simulator, imported only when it runs, has one small door in the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from herd_operator.cli.arguments import (
+    Subcommands,
+    add_command,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+from herd_operator.cli.views import EXIT_OK, EXIT_USAGE
+from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
+
+
+def add_commands(commands: Subcommands) -> None:
+    simulate = add_command(
+        commands,
+        "simulate",
+        cmd_simulate,
+        help="run a workload on a simulated cluster under the real policies and allocator",
+    )
+    simulate.add_argument(
+        "workload", help="'perlmutter' (the generated Perlmutter-like mix) or a CSV trace"
+    )
+    simulate.add_argument("--pool", default="1792x4", help="NODESxGPUS (default: 1792x4)")
+    simulate.add_argument(
+        "--policy",
+        default="fcfs,static,memory,goodput",
+        help="comma-separated: fcfs (rigid, first come), static, memory, goodput, or any"
+        " installed policy (default: fcfs,static,memory,goodput); NAME+spare: under an"
+        " allocator that lends spare GPUs by the gain the policy reports; NAME+share: one"
+        " that divides every GPU above the mins by that gain; NAME+small: one that admits"
+        " the pending job with the smallest min first (combined: NAME+small+share)",
+    )
+    simulate.add_argument("--jobs", type=positive_int, default=1000, help="generated jobs")
+    simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")
+    simulate.add_argument(
+        "--load", type=positive_float, default=0.9, help="offered load of the mix (default 0.9)"
+    )
+    simulate.add_argument(
+        "--tick",
+        type=non_negative_float,
+        default=0.0,
+        help="decide at multiples of this many seconds (default 0: at each event)",
+    )
+    simulate.add_argument(
+        "--resync",
+        type=non_negative_float,
+        default=0.0,
+        help="reconcile every job again every this many seconds, as the operator's periodic"
+        " resync (5 s there) does (default 0: only at each job's events)",
+    )
+    simulate.add_argument(
+        "--max-wait",
+        type=positive_float,
+        default=DEFAULT_MAX_WAIT_SECONDS,
+        help="under +small: a job pending this many seconds is admitted first"
+        f" (default {DEFAULT_MAX_WAIT_SECONDS:g}, as run --max-wait)",
+    )
+    simulate.add_argument(
+        "--output", type=Path, default=Path("sim-results"), help="default: ./sim-results"
+    )
+    replay = add_command(
+        commands,
+        "replay",
+        cmd_replay,
+        help="simulate a recorded run of the operator again and compare the two timelines",
+    )
+    replay.add_argument(
+        "state",
+        type=Path,
+        help="the run's store: its state.db, the directory holding it, or a demo's --state-dir",
+    )
+    replay.add_argument(
+        "--min-resize-interval",
+        type=non_negative_float,
+        default=30.0,
+        help="the recorded operator's --min-resize-interval (default 30; the demo runs with 5)",
+    )
+    replay.add_argument(
+        "--model-start",
+        action="store_true",
+        help="launch jobs in the simulator's constant start time, not in what each recorded"
+        " job took from its first grant to its first epoch",
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from herd_operator.simulate.report import write
+    from herd_operator.simulate.runner import (
+        describe_timing,
+        load_workload,
+        parse_pool,
+        simulate,
+    )
+
+    # The allocator's warnings (drains past 30 s when a tick delays the workers' reports)
+    # are about simulated jobs: thousands of lines nobody needs.
+    logging.getLogger("herd_operator.runtime.allocator").setLevel(logging.ERROR)
+    arbitration_ms = 25.8  # docs/benchmarks.md: arbitrate() on 1,792 x 4 GPUs, 2,000 jobs
+    try:
+        pool = parse_pool(args.pool)
+        workload = load_workload(args.workload, pool, args.jobs, args.seed, args.load)
+        policies = [name.strip() for name in args.policy.split(",") if name.strip()]
+        results = simulate(
+            workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait
+        )
+    except ValueError as err:
+        print(f"herd-operator simulate: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    header = (
+        f"{workload.description} on {args.pool} ({pool.size} GPUs), tick {args.tick:g} s\n\n"
+        + describe_timing(results, arbitration_ms)
+    )
+    paths = write(results, args.output, header)
+    print((args.output / "summary.md").read_text())
+    print(f"wrote {', '.join(str(path) for path in paths)}")
+    return EXIT_OK
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from herd_operator.simulate.model import (
+        GROW_STALL_SECONDS,
+        SHRINK_STALL_SECONDS,
+        START_SECONDS,
+    )
+    from herd_operator.simulate.replay import (
+        describe,
+        describe_stalls,
+        measured_stalls,
+        read_store,
+        replay,
+    )
+
+    logging.getLogger("herd_operator.runtime.allocator").setLevel(logging.ERROR)
+    path: Path = args.state
+    for candidate in (path, path / "state.db", path / "state" / "state.db"):
+        if candidate.is_file():
+            path = candidate
+            break
+    else:
+        print(f"herd-operator replay: no state.db at {args.state}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        run = read_store(path)
+        comparisons = replay(
+            run,
+            min_resize_interval=args.min_resize_interval,
+            measured_start=not args.model_start,
+        )
+        stalls = [stall for job in run.jobs for stall in measured_stalls(job)]
+    except ValueError as err:
+        print(f"herd-operator replay: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{path}: {len(run.jobs)} jobs on {run.pool_gpus} GPUs, replayed in the simulator\n")
+    print(describe(comparisons, {job.name: job.arrival for job in run.jobs}))
+    worst = max(abs(c.end_error) for c in comparisons)
+    least = min(c.size_agreement for c in comparisons)
+    print(f"\nworst completion error {worst:.1%}; least time with the same grant {least:.0%}")
+    print(
+        "\nLaunches and resizes as recorded (the simulator's model: first start"
+        f" {START_SECONDS:g} s, grow {GROW_STALL_SECONDS:g} s, shrink {SHRINK_STALL_SECONDS:g} s)\n"
+    )
+    print(describe_stalls(stalls))
+    return EXIT_OK
