@@ -21,6 +21,7 @@ from devtools.bench.rpcscale import run_allocator_rpc
 from devtools.bench.soak import run_soak
 from herd_operator.bench.harness import Benchmark
 from herd_operator.bench.suite import BENCHMARKS, TRAINING, run_bench
+from herd_operator.cli.arguments import positive_int
 
 PROGRAM = ("python", "-m", "devtools.bench")
 
@@ -74,13 +75,6 @@ EVERY: tuple[Benchmark, ...] = (*BENCHMARKS, *DEVELOPER_BENCHMARKS)
 then the developer's, `soak` last so that the short ones report first."""
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=" ".join(PROGRAM),
@@ -97,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where benchmarks.md and benchmarks.json go (default: ./bench-results)",
     )
     parser.add_argument(
-        "--repeat", type=_positive_int, help="measured repetitions (default: per benchmark)"
+        "--repeat", type=positive_int, help="measured repetitions (default: per benchmark)"
     )
     return parser
 
