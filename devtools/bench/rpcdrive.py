@@ -413,6 +413,11 @@ def drive_processes(
             if process.poll() is None:
                 process.kill()
                 process.wait()
+    return _merged(outputs)
+
+
+def _merged(outputs: Sequence[Mapping[str, Any]]) -> DriveResult:
+    """The driver processes' results as one: every latency, failure and phase time."""
     latencies = sorted(value for output in outputs for value in output["latencies"])
     failures = [failure for output in outputs for failure in output["failures"]]
     elapsed = max(output["elapsed"] for output in outputs)

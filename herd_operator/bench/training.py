@@ -403,6 +403,16 @@ def run_resize_stall(ctx: Context) -> list[Row]:
                         getattr(phases[mode], name).extend(getattr(round_phases[mode], name))
     if not up["bare"]:
         raise TimeoutError(f"every round was dropped (stuck runs by mode: {dropped})")
+    return _stall_rows(up, down, phases, dropped)
+
+
+def _stall_rows(
+    up: dict[str, list[float]],
+    down: dict[str, list[float]],
+    phases: dict[str, GrowPhases],
+    dropped: dict[str, int],
+) -> list[Row]:
+    """The grow and shrink rows of the driver and of the zygote, each against bare."""
     rows = []
     for mode, how in (("driver", ""), ("zygote", ", workers forked by a zygote")):
         for label, ours, bare in (
