@@ -22,8 +22,8 @@ say() { echo "bootstrap: $*" >&2; }
 # Debian packages the tests start for real: Prometheus (observability), poppler's pdftoppm
 # (the report tests render the PDF they write), for the multi-node tests a real Slurm
 # (slurmctld, slurmd, munge), sshd per namespace host and iproute2, and Redis with
-# redis-benchmark (the baseline of `herd-operator bench --only allocator-rpc`). Checked on every run
-# (cheap), since a new machine can come with an old venv.
+# redis-benchmark (the baseline of `python -m devtools.bench --only allocator-rpc`). Checked on
+# every run (cheap), since a new machine can come with an old venv.
 # Each pair is a command that shows the package is there, and the package.
 debian_needs=(
   prometheus:prometheus pdftoppm:poppler-utils

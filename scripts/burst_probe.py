@@ -1,5 +1,5 @@
 """Where a burst of binds spends its seconds: one burst against our RPC server, then the same
-connects + PING against Redis, with what `herd-operator bench --only allocator-rpc` does not
+connects + PING against Redis, with what `python -m devtools.bench --only allocator-rpc` does not
 show: when the server accepted each connection, and how often it challenged, authenticated,
 dropped (as an idler) and re-checked waiting connections.
 
@@ -29,10 +29,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from devtools.bench import rpcscale
+from devtools.bench.rpcdrive import DriveResult, drive_processes
+from devtools.bench.rpcload import JOB, TOKEN
 from herd_operator.auth import derive_key, job_identity
-from herd_operator.bench import rpcscale
-from herd_operator.bench.rpcdrive import DriveResult, drive_processes
-from herd_operator.bench.rpcload import JOB, TOKEN
 from herd_operator.layout import StateLayout
 from herd_operator.rpc.connection import ConnectionObserver
 from herd_operator.rpc.server import RpcServer, uvloop_event_loop

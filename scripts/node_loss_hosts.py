@@ -1,6 +1,6 @@
 """A node lost under a job, with no agents: `run --hosts h1:2,h2:2`, the operator on h1.
 
-Two network-namespace hosts with sshd (`herd_operator.bench.cluster`, no Slurm), needs
+Two network-namespace hosts with sshd (`devtools.cluster`, no Slurm), needs
 root. `wide` (min 2, max 4) trains on both hosts; `pair` (min 2, priority -1) waits for
 GPUs. h2's link goes down for `--watch` seconds, then comes back. Prints, as JSON: the
 GPUs of h2 granted after its link went down (each a job that did not hold it before),
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the tests' harness: its operator, specs and log readers
+sys.path.insert(0, str(REPO))  # devtools and the tests' harness, neither installed
 
-from herd_operator.bench.cluster import cluster_unavailable, namespace_cluster  # noqa: E402
+from devtools.bench.multinode import job_environment  # noqa: E402
+from devtools.cluster import cluster_unavailable, namespace_cluster  # noqa: E402
 from herd_operator.bench.harness import stop_session  # noqa: E402
-from herd_operator.bench.multinode import job_environment  # noqa: E402
 from tests.integration.harness import (  # noqa: E402
     HERD,
     OperatorHarness,

@@ -1,5 +1,5 @@
 """Where a request's time goes on the allocator's RPC server: `bind` or `report` at N
-clients, as `herd-operator bench --only allocator-rpc` serves them, with the server
+clients, as `python -m devtools.bench --only allocator-rpc` serves them, with the server
 thread's CPU per request split into user and system time, and an A/B of the store's
 background checkpoints (the operator's setting) against SQLite's own checkpoints in the
 committing thread.
@@ -24,10 +24,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from devtools.bench.rpcdrive import drive_processes
+from devtools.bench.rpcload import TOKEN, job_handlers
+from devtools.bench.rpcscale import BIND, REPORT, call_configs, cpu_times
 from herd_operator.bench.harness import percentile
-from herd_operator.bench.rpcdrive import drive_processes
-from herd_operator.bench.rpcload import TOKEN, job_handlers
-from herd_operator.bench.rpcscale import BIND, REPORT, call_configs, cpu_times
 from herd_operator.layout import StateLayout
 from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.handlers import GROUPED_OPS, for_own_job

@@ -1,6 +1,7 @@
-"""Tests for `herd-operator bench`: the harness's arithmetic and files, and a --quick run.
+"""Tests for `herd-operator bench` and the checkout's `python -m devtools.bench`: the
+harness's arithmetic and files, and a --quick run of each.
 
-No timing assertions: the machine is shared. The quick run checks that the
+No timing assertions: the machine is shared. The quick runs check that the
 cheap benchmarks run end to end and that their results files are complete.
 """
 
@@ -18,6 +19,10 @@ from typing import Any
 import psutil
 import pytest
 
+from devtools.bench.rpcflood import ensure_descriptors, flood_rows
+from devtools.bench.soak import Sample, SoakPlan, job_processes, slope_per_hour, soak
+from devtools.bench.suite import DEVELOPER_BENCHMARKS, EVERY
+from devtools.bench.suite import main as devtools_bench
 from herd_operator.bench.arbitration import first_fit, seeded_demands
 from herd_operator.bench.driver import tree_cpu_seconds
 from herd_operator.bench.harness import (
@@ -34,9 +39,7 @@ from herd_operator.bench.harness import (
     select,
     write_results,
 )
-from herd_operator.bench.rpcflood import ensure_descriptors, flood_rows
 from herd_operator.bench.scale import write_specs
-from herd_operator.bench.soak import Sample, SoakPlan, job_processes, slope_per_hour, soak
 from herd_operator.bench.suite import BENCHMARKS
 from herd_operator.bench.training import (
     StepLog,
@@ -51,11 +54,9 @@ from herd_operator.specs.values import Demand, Placement, Pool
 
 # Without the real-training benchmarks (test_slurm covers the multi-node path) and `soak`
 # (30 s even with --quick; its own tests below).
-CHEAP = [
-    b.name
-    for b in BENCHMARKS
-    if b.name not in ("resize-stall", "training-overhead", "multinode-resize", "soak")
-]
+EXPENSIVE = ("resize-stall", "training-overhead", "multinode-resize", "soak")
+CHEAP = [b.name for b in BENCHMARKS if b.name not in EXPENSIVE]
+CHEAP_DEVELOPER = [b.name for b in DEVELOPER_BENCHMARKS if b.name not in EXPENSIVE]
 
 
 def row(ours: list[float], baseline: list[float], better: Any = "lower") -> Row:
@@ -336,30 +337,63 @@ def test_cli_rejects_unknown_benchmark(capsys: pytest.CaptureFixture[str], tmp_p
     assert not (tmp_path / "benchmarks.json").exists()
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+def test_the_installed_command_offers_no_developer_benchmark(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["bench", "--only", "rpc-flood", "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "herd-operator bench: unknown benchmark(s): rpc-flood;" in err
+    offered = err.partition("choose from ")[2].strip().split(", ")
+    assert offered == [bench.name for bench in BENCHMARKS]
+
+
+def test_the_checkout_command_runs_every_benchmark_soak_last(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    names = [bench.name for bench in EVERY]
+    assert names[: len(BENCHMARKS)] == [bench.name for bench in BENCHMARKS]
+    assert len(set(names)) == len(names) and names[-1] == "soak"
+    assert devtools_bench(["--only", "nope", "--output", str(tmp_path)]) == 2
+    assert "python -m devtools.bench: unknown benchmark(s): nope;" in capsys.readouterr().err
+    assert not (tmp_path / "benchmarks.json").exists()
+
+
+QuickRun = tuple[int, Path, list[str], str]
+
+
+@pytest.fixture(scope="module", params=["herd-operator bench", "python -m devtools.bench"])
+def quick_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
+    """A --quick run of the cheap benchmarks of the installed command, and of the checkout's
+    developer benchmarks; the latter from another working directory, since `rpcdrive`'s
+    child processes must find the uninstalled `devtools` wherever a run was started."""
     output = tmp_path_factory.mktemp("bench") / "results"
-    code = main(["bench", "--quick", "--only", ",".join(CHEAP), "--output", str(output)])
-    return code, output
+    if request.param == "herd-operator bench":
+        names = CHEAP
+        code = main(["bench", "--quick", "--only", ",".join(names), "--output", str(output)])
+    else:
+        names = CHEAP_DEVELOPER
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(output.parent)
+            args = ["--quick", "--only", ",".join(names), "--output", str(output)]
+            code = devtools_bench(args)
+    return code, output, names, request.param
 
 
-def test_quick_run_succeeds_and_names_every_benchmark_it_ran(quick_run: tuple[int, Path]) -> None:
-    code, output = quick_run
+def test_quick_run_succeeds_and_names_every_benchmark_it_ran(quick_run: QuickRun) -> None:
+    code, output, names, program = quick_run
     assert code == 0
     document = json.loads((output / "benchmarks.json").read_text())
     ran = document["benchmarks"]
-    assert [entry["name"] for entry in ran] == CHEAP
-    assert [entry["error"] for entry in ran] == [None] * len(CHEAP)
-    assert document["command"] == (
-        f"herd-operator bench --quick --only {','.join(CHEAP)} --output {output}"
-    )
+    assert [entry["name"] for entry in ran] == names
+    assert [entry["error"] for entry in ran] == [None] * len(names)
+    assert document["command"] == f"{program} --quick --only {','.join(names)} --output {output}"
     markdown = (output / "benchmarks.md").read_text()
-    for name in CHEAP:
+    for name in names:
         assert f"- `{name}`:" in markdown
 
 
-def test_quick_run_rows_are_complete(quick_run: tuple[int, Path]) -> None:
-    _, output = quick_run
+def test_quick_run_rows_are_complete(quick_run: QuickRun) -> None:
+    _, output, _, _ = quick_run
     document = json.loads((output / "benchmarks.json").read_text())
     for entry in document["benchmarks"]:
         assert entry["rows"], f"{entry['name']} produced no rows"

@@ -40,6 +40,8 @@ DISTRIBUTED = (
     "policies",
     "exporters",
     "examples",
+    # Not installed: built from, so that the test sees setuptools leave it out.
+    "devtools",
 )
 CACHES = shutil.ignore_patterns("__pycache__", "*.pyc")
 
@@ -51,12 +53,20 @@ from pathlib import Path
 import herd_operator
 from herd_operator.cli.demo import DEMO_SCRIPT, DEMO_SPECS, find_examples, stage_examples
 from herd_operator.specs import HerdJob  # a `specs/` folder where it runs must not shadow it
+from herd_operator.bench.suite import BENCHMARKS, run_bench  # the whole registry, without devtools
+from herd_operator.bench.training import train_command
 examples = find_examples()
 staged = stage_examples(examples, Path(tempfile.mkdtemp()))
+outcomes, _, _ = run_bench(
+    quick=True, only="arbitration", output=Path(tempfile.mkdtemp()), repeat=1, argv=[]
+)
 print(json.dumps({
     "package": herd_operator.__file__,
     "examples": str(examples),
     "staged": sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()),
+    "benchmarks": [bench.name for bench in BENCHMARKS],
+    "bench_ran": [(o.benchmark, len(o.rows), o.skipped, o.error) for o in outcomes],
+    "training_script": train_command(Path("steps.txt"))[1],
 }))
 """
 
@@ -97,6 +107,11 @@ def test_the_demo_finds_its_examples_in_a_non_editable_install(tmp_path: Path) -
     assert installed == ["herd_operator"], "one importable name in site-packages"
     (top_level,) = target.glob("*.dist-info/top_level.txt")
     assert top_level.read_text().split() == ["herd_operator"]
+    # The wheel's own list of its files: nothing of the checkout's developer tooling.
+    (record,) = target.glob("*.dist-info/RECORD")
+    shipped = [line.partition(",")[0] for line in record.read_text().splitlines()]
+    assert [path for path in shipped if "devtools" in path] == []
+    assert "herd_operator/bench/suite.py" in shipped
     # Where users run `herd-operator run --specs-dir specs`: a folder of theirs named specs.
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "__init__.py").write_text("raise ImportError('the user folder')\n")
@@ -121,6 +136,15 @@ def test_the_demo_finds_its_examples_in_a_non_editable_install(tmp_path: Path) -
     # What the checkout's examples/ holds apart from the demo's files is not shipped as
     # part of the package (the plug-in example is a distribution of its own).
     assert not (target / "herd_operator" / "examples" / "plugins").exists()
+    # `herd-operator bench` works from the installed copy alone: its registry imports, and a
+    # benchmark runs (`devtools` is not on the path there).
+    assert "arbitration" in found["benchmarks"]
+    assert found["bench_ran"] == [["arbitration", 1, None, None]]
+    # resize-stall and training-overhead run the example training script that the package
+    # carries (not one of a checkout, which an installed package has not).
+    script = Path(found["training_script"])
+    assert script == target / "herd_operator" / "examples" / "train_digits.py"
+    assert script.is_file()
 
 
 def test_the_demo_says_what_is_missing_when_the_examples_are_gone(

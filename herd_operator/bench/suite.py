@@ -22,13 +22,8 @@ from herd_operator.bench.harness import (
     select,
     write_results,
 )
-from herd_operator.bench.history import run_history
-from herd_operator.bench.multinode import run_multinode_resize
-from herd_operator.bench.rpcflood import run_rpc_flood
-from herd_operator.bench.rpcscale import run_allocator_rpc
 from herd_operator.bench.scale import run_scale
 from herd_operator.bench.scrape import run_scrape
-from herd_operator.bench.soak import run_soak
 from herd_operator.bench.training import run_resize_stall, run_training_overhead
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,15 +62,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         requires=TRAINING,
     ),
     Benchmark(
-        "multinode-resize",
-        "spec edit -> first training step at the new world size, growing a job from one"
-        " network-namespace host onto a second over ssh and back (real horovodrun; needs root)",
-        run_multinode_resize,
-        full_repeat=3,
-        quick_repeat=1,
-        requires=TRAINING,
-    ),
-    Benchmark(
         "discovery-cost",
         "CPU time per call of a job's discovery script (Horovod calls it every second)",
         run_discovery_cost,
@@ -99,22 +85,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         requires=("horovod.runner",),
     ),
     Benchmark(
-        "allocator-rpc",
-        "authenticated bind/report requests per second on loopback, 1/64/256 concurrent clients,"
-        " against Redis PING; 7,168 workers binding at once",
-        run_allocator_rpc,
-        full_repeat=3,
-        quick_repeat=1,
-    ),
-    Benchmark(
-        "rpc-flood",
-        "256 authenticated clients calling for 60 s while 1,100 unauthenticated connections"
-        " are held open (reopened when dropped), against the same clients alone",
-        run_rpc_flood,
-        full_repeat=1,
-        quick_repeat=1,
-    ),
-    Benchmark(
         "scrape",
         "GET /metrics: the exporter with 8 GPUs and the operator with 1,000 jobs; CPU per scrape",
         run_scrape,
@@ -135,23 +105,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         full_repeat=15,
         quick_repeat=2,
     ),
-    Benchmark(
-        "history",
-        "10,000 jobs x 100 grant changes, half deleted: store size after the prune, its"
-        " longest store hold, and an insert at the per-job bound",
-        run_history,
-        full_repeat=3,
-        quick_repeat=1,
-    ),
-    Benchmark(
-        "soak",
-        "a real `herd-operator run` for 30 min (HERD_BENCH_SOAK_MINUTES) with jobs coming,"
-        " resizing and going: its RSS, threads, fds and state dir over time",
-        run_soak,
-        full_repeat=1,
-        quick_repeat=1,
-        requires=("torch", "horovod.torch"),  # examples/train_plain.py
-    ),
 )
 
 
@@ -163,20 +116,26 @@ def run_bench(
     repeat: int | None,
     argv: Sequence[str],
     progress: Callable[[str], None] | None = None,
+    benchmarks: Sequence[Benchmark] = BENCHMARKS,
+    program: Sequence[str] = ("herd-operator", "bench"),
 ) -> tuple[list[Outcome], Path, Path]:
     """Run the selected benchmarks and write `benchmarks.md` and `benchmarks.json` to `output`.
+
+    `benchmarks` is the registry `only` picks from, and `program` the command the results
+    files name: a checkout's `python -m devtools.bench` passes its own (this package's and
+    the developer benchmarks).
 
     Raises ValueError for an unknown benchmark name or a repeat count under 1.
     """
     if repeat is not None and repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {repeat}")
-    chosen = select(BENCHMARKS, only)
+    chosen = select(benchmarks, only)
 
     def to_stderr(line: str) -> None:
         print(f"bench: {line}", file=sys.stderr, flush=True)
 
     machine = machine_info(REPO)  # before the run: its load average is the one that matters
     outcomes = run_benchmarks(chosen, quick=quick, repeat=repeat, progress=progress or to_stderr)
-    command = shlex.join(["herd-operator", "bench", *argv])
+    command = shlex.join([*program, *argv])
     markdown, report = write_results(output, outcomes, machine, command)
     return outcomes, markdown, report

@@ -35,6 +35,13 @@ from herd_operator.runtime.pools import StaticPool
 from herd_operator.specs.values import Pool
 
 REPO = Path(__file__).resolve().parents[2]
+"""The checkout's root, in a checkout (an installed package has none)."""
+_PACKAGED_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+TRAIN_SCRIPT = (
+    _PACKAGED_SCRIPT if _PACKAGED_SCRIPT.is_file() else REPO / "examples" / "train_digits.py"
+)
+"""The example training script: an installed package carries it as herd_operator/examples/
+(package data built from examples/), which a checkout does not have; there it is examples/."""
 JOB = "bench-train"
 HANG_GUARD_S = 180.0
 BATCH_SIZE = 32  # examples/train_digits.py's default --batch-size
@@ -43,8 +50,7 @@ STEADY_STEPS = 20
 
 def train_command(step_log: Path) -> list[str]:
     """The example training script itself, long enough to be stopped, logging every step."""
-    script = REPO / "examples" / "train_digits.py"
-    return ["python", str(script), "--epochs", "1000000", "--step-log", str(step_log)]
+    return ["python", str(TRAIN_SCRIPT), "--epochs", "1000000", "--step-log", str(step_log)]
 
 
 PRELOAD = ("torch", "horovod.torch")
@@ -63,7 +69,7 @@ def training_spec(
         "metadata": {"name": name},
         "spec": {
             "command": train_command(step_log),
-            "workingDir": str(REPO),
+            "workingDir": str(step_log.parent),  # the run's own directory, never site-packages
             "gpus": {"min": min_np, "max": max_np},
             "policy": {"name": "static", "params": {"gpus": size}},
             **horovod,
@@ -166,7 +172,7 @@ def bare_job(root: Path, size: int, min_np: int, max_np: int) -> Iterator[BareJo
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     with open(root / "horovodrun.log", "wb") as output:
         process = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+            argv, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         yield BareJob(hosts_file, log)
@@ -397,6 +403,16 @@ def run_resize_stall(ctx: Context) -> list[Row]:
                         getattr(phases[mode], name).extend(getattr(round_phases[mode], name))
     if not up["bare"]:
         raise TimeoutError(f"every round was dropped (stuck runs by mode: {dropped})")
+    return _stall_rows(up, down, phases, dropped)
+
+
+def _stall_rows(
+    up: dict[str, list[float]],
+    down: dict[str, list[float]],
+    phases: dict[str, GrowPhases],
+    dropped: dict[str, int],
+) -> list[Row]:
+    """The grow and shrink rows of the driver and of the zygote, each against bare."""
     rows = []
     for mode, how in (("driver", ""), ("zygote", ", workers forked by a zygote")):
         for label, ours, bare in (

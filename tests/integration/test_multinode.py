@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
+from devtools.bench.multinode import job_environment
+from devtools.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
 from herd_operator.bench.harness import stop_session
-from herd_operator.bench.multinode import job_environment
 from herd_operator.environment import STATE_DIR_ENV
 from tests.integration.harness import (
     HERD,

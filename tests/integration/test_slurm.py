@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
+from devtools.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
 from tests.integration.harness import (
     HERD,
     REPO,

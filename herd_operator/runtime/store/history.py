@@ -21,7 +21,7 @@ about 10,000, and the report and ``describe`` need the recent ones."""
 PRUNE_BATCH_JOBS = 50
 """Names of the grant history that one ``prune_deleted_history`` call looks at: one short
 write transaction (about 20 ms for 50 deleted jobs of 100 grant changes each, on the loaded
-2-core machine: ``herd-operator bench --only history``), so the loop and the RPC thread,
+2-core machine: ``python -m devtools.bench --only history``), so the loop and the RPC thread,
 which share the store's lock, wait little."""
 
 

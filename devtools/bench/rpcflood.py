@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from devtools.bench.rpcload import JOB, TOKEN, job_handlers
 from herd_operator import rpc
 from herd_operator.bench.harness import Context, Row, Stats, paired_ratio_figures, percentile
-from herd_operator.bench.rpcload import JOB, TOKEN, job_handlers
 from herd_operator.layout import StateLayout
 from herd_operator.rpc.client import RpcClient
 from herd_operator.rpc.protocol import RpcError

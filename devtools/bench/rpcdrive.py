@@ -8,7 +8,7 @@ request in flight at a time, and the work is spread over several processes so th
 generator is not what saturates. It speaks the real protocol: the v2 handshake with a
 real HMAC proof, then JSON-lines requests, checking each response's id and `ok`.
 
-Run as ``python -m herd_operator.bench.rpcdrive CONFIG_JSON``; the parent
+Run as ``python -m devtools.bench.rpcdrive CONFIG_JSON``; the parent
 (`drive_processes`) starts the processes, waits for each to print ``ready``, writes
 ``go`` to all at once, and reads one JSON line of results from each.
 
@@ -43,6 +43,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import uvloop
@@ -50,6 +51,9 @@ import uvloop
 from herd_operator.auth import new_nonce, prove
 
 Mode = Literal["calls", "raw", "burst", "raw-burst"]
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The driver processes run from here, where `python -m devtools.bench.rpcdrive` finds
+`devtools` (it is not installed), whatever the parent's working directory."""
 READY = b"ready\n"
 GO = b"go\n"
 _CONNECT_RETRIES = 8
@@ -377,10 +381,11 @@ def drive_processes(
     """
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "herd_operator.bench.rpcdrive", config.to_json()],
+            [sys.executable, "-m", "devtools.bench.rpcdrive", config.to_json()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            cwd=CHECKOUT,
             env=None if env is None else dict(env),
         )
         for config in configs
@@ -408,6 +413,11 @@ def drive_processes(
             if process.poll() is None:
                 process.kill()
                 process.wait()
+    return _merged(outputs)
+
+
+def _merged(outputs: Sequence[Mapping[str, Any]]) -> DriveResult:
+    """The driver processes' results as one: every latency, failure and phase time."""
     latencies = sorted(value for output in outputs for value in output["latencies"])
     failures = [failure for output in outputs for failure in output["failures"]]
     elapsed = max(output["elapsed"] for output in outputs)

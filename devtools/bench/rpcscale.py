@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from devtools.bench.rpcdrive import PHASES, DriveConfig, DriveResult, drive_processes, split
+from devtools.bench.rpcflood import ensure_descriptors
+from devtools.bench.rpcload import JOB, TOKEN, echo_server, job_handlers, measure_op
 from herd_operator.auth import derive_key, job_identity
 from herd_operator.bench.harness import Context, Row, Skip, Stats, percentile
-from herd_operator.bench.rpcdrive import PHASES, DriveConfig, DriveResult, drive_processes, split
-from herd_operator.bench.rpcflood import ensure_descriptors
-from herd_operator.bench.rpcload import JOB, TOKEN, echo_server, job_handlers, measure_op
 from herd_operator.layout import StateLayout
 from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import Allocator

@@ -1,6 +1,6 @@
 """`multinode-resize`: a spec edit -> the first training step at the new size, across hosts.
 
-Three hosts, each a network namespace with its own address (`bench.cluster`, no Slurm):
+Three hosts, each a network namespace with its own address (`devtools.cluster`, no Slurm):
 h1 and h2 with 2 virtual GPUs and an sshd each, and h0, where the jobs are launched from
 (a service node: every worker is started over ssh). A job (min 2, max 4) of the example
 training script starts at 2 workers on h1, is grown to 4 (the new workers on h2) and
@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from herd_operator.bench.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
+from devtools.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
 from herd_operator.bench.harness import (
     Context,
     Row,
