@@ -15,6 +15,7 @@ registration), else Slurm's count for this node, else 4; the log says which.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -22,11 +23,12 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 from prometheus_client import CollectorRegistry
 
 from herd_operator.auth import TokenFileError, agent_identity, read_token_file
@@ -280,10 +282,123 @@ class AllocatorView:
             return self._call("unregister_exporter", host=self.host, port=port) is not None
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD = "0.0.0.0"
+
+
+@dataclass(frozen=True)
+class ListenChoice:
+    """Where the exporter serves without --listen, and why (for its log)."""
+
+    address: str
+    reason: str
+    warning: str | None = None
+
+
+def is_loopback(address: str) -> bool:
+    if address in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def default_listen(
+    host: str,
+    resolved: str | None,
+    operator: str | None,
+    route: str | None,
+    local: Collection[str],
+) -> ListenChoice:
+    """Where `herd-operator exporter` serves without --listen: where it is scraped, and on
+    no other interface (each other one would only let more of the network reach it).
+
+    The operator and Prometheus scrape `host:PORT`, the name the exporter registers, so it
+    serves on the address `host` resolves to here (`resolved`) when that is this node's
+    (`local`): this node's own address on a cluster, loopback for a pool on this node alone
+    (`localhost`, or an operator on this node). A name that resolves to loopback while the
+    operator (`operator`, its address from the state dir) is on another node, or that
+    resolves to no address of this node: the address this node reaches the operator from
+    (`route`). Every interface only when none of these is known, with a warning.
+    """
+    own = resolved if resolved and (is_loopback(resolved) or resolved in local) else None
+    operator_here = operator is not None and (is_loopback(operator) or operator in local)
+    if own is not None and not is_loopback(own):
+        return ListenChoice(own, f"the address {host} resolves to, where it is scraped")
+    if own is not None and (operator_here or (operator is None and host in LOOPBACK_NAMES)):
+        return ListenChoice(own, f"loopback: {host} resolves to it and the pool is this node")
+    if route is not None:
+        found = "to loopback" if own is not None else "to no address of this node"
+        return ListenChoice(
+            route,
+            f"the address this node reaches the operator at {operator} from ({host} "
+            f"resolves {found} here)",
+        )
+    return ListenChoice(
+        WILDCARD,
+        "every interface",
+        f"serving on every interface: {host} resolves to "
+        f"{resolved or 'nothing'} here and the operator's address is not known (no "
+        "allocator.json in the state dir yet); pass --listen with the address the operator "
+        "and Prometheus scrape",
+    )
+
+
+def choose_listen(host: str, layout: StateLayout) -> ListenChoice:
+    """`default_listen` for this node, from its resolver, its interfaces and the state dir."""
+    operator = _operator_address(layout)
+    return default_listen(
+        host,
+        _resolve(host),
+        operator,
+        None if operator is None else _route_to(operator),
+        _local_addresses(),
+    )
+
+
+def _resolve(name: str) -> str | None:
+    try:
+        return socket.gethostbyname(name)
+    except (OSError, ValueError):  # ValueError: UnicodeError, a label over 63 characters
+        return None
+
+
+def _operator_address(layout: StateLayout) -> str | None:
+    """The address of the operator that wrote (or last wrote) the state dir's endpoint."""
+    try:
+        endpoint = json.loads(layout.endpoint_file.read_text(encoding="utf-8"))
+        host, _ = parse_address(str(endpoint["address"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return host if ":" in host else _resolve(host)
+
+
+def _route_to(address: str) -> str | None:
+    """This node's address on the route to `address`: connecting a UDP socket sends
+    nothing, it only picks the route."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def _local_addresses() -> set[str]:
+    return {
+        entry.address.partition("%")[0]
+        for entries in psutil.net_if_addrs().values()
+        for entry in entries
+        if entry.family in (socket.AF_INET, socket.AF_INET6)
+    }
+
+
 def run_exporter(
     state_dir: Path,
     host: str | None,
-    listen: str,
+    listen: str | None,
     port: int,
     virtual_gpus: int | None,
     virtual_gpu_memory: int,
@@ -294,7 +409,8 @@ def run_exporter(
     key: bytes | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> int:
-    """Serve until `stop`. `virtual_gpus`: --virtual-gpus (None: see `choose_gpu_count`)."""
+    """Serve until `stop`. `virtual_gpus`: --virtual-gpus (None: see `choose_gpu_count`);
+    `listen`: --listen (None: see `default_listen`)."""
     host = host or socket.gethostname()
     try:
         agent_identity(host)
@@ -322,11 +438,15 @@ def run_exporter(
         )
     registry = CollectorRegistry()
     registry.register(GpuCollector(source, view.owners, per_process=per_process))
-    server = serve_metrics(registry, listen, port)
+    chosen = ListenChoice(listen, "--listen") if listen else choose_listen(host, view.layout)
+    if chosen.warning is not None:
+        log.warning("%s", chosen.warning)
+    server = serve_metrics(registry, chosen.address, port)
     bound = server.server_port
+    shown = f"[{chosen.address}]" if ":" in chosen.address else chosen.address
     log.info(
-        "exporter for %s (%s) on http://%s:%d/metrics",
-        host, _shown(gpus.current, virtual is not None), listen, bound,
+        "exporter for %s (%s) on http://%s:%d/metrics (%s)",
+        host, _shown(gpus.current, virtual is not None), shown, bound, chosen.reason,
     )  # fmt: skip
     mapping: JobMappingLoop | None = None
     if dcgm_job_mapping_dir is not None:

@@ -45,7 +45,12 @@ def add_commands(commands: Subcommands) -> None:
     )
     state_dir_option(exporter)
     exporter.add_argument("--port", type=port, default=9411, help="default: 9411 (0: any)")
-    exporter.add_argument("--listen", default="0.0.0.0", help="default: 0.0.0.0")
+    exporter.add_argument(
+        "--listen",
+        help="address to serve on (default: the one --host resolves to here, where the operator "
+        "and Prometheus scrape it: loopback for a pool on this node alone, else this node's "
+        "address, not every interface; docs/observability.md; 0.0.0.0: every interface)",
+    )
     exporter.add_argument(
         "--host", help="this node's name as the pool spells it (default: the host name)"
     )
@@ -130,7 +135,8 @@ def cmd_exporter(args: argparse.Namespace) -> int:
         )
     except OSError as err:
         print(
-            f"herd-operator exporter: cannot serve on {args.listen}:{args.port}: {err}",
+            f"herd-operator exporter: cannot serve on {args.listen or 'its address'}:{args.port}: "
+            f"{err}",
             file=sys.stderr,
         )
         return EXIT_FAILURE

@@ -121,7 +121,9 @@ def test_an_exporter_given_its_hosts_key_on_stdin_registers_and_the_key_stays_of
 ) -> None:
     """`agent-key --host H | exporter --key-stdin --host H`, as the sbatch runs it through
     srun; about 5 s. With `run --no-agent-key-files` no agent key is on the state dir. As in
-    the sbatch, no --virtual-gpus: the agent serves as many GPUs as the pool has on its host."""
+    the sbatch, no --virtual-gpus: the agent serves as many GPUs as the pool has on its host,
+    and no --listen: it serves on loopback, where its name (localhost) is, not on every
+    interface."""
     with operator_harness(tmp_path, 3, metrics_port=0, agent_key_files=False) as herd:
         assert not any(herd.layout.secrets_dir.glob("agent*"))
         state = str(herd.layout.root)
@@ -139,8 +141,8 @@ def test_an_exporter_given_its_hosts_key_on_stdin_registers_and_the_key_stays_of
         os.close(write_end)
         try:
             exporter = subprocess.Popen(
-                [HERD, "exporter", "--state-dir", state, "--port", "0", "--listen", "127.0.0.1",
-                 "--host", "localhost", "--key-stdin"],
+                [HERD, "exporter", "--state-dir", state, "--port", "0", "--host", "localhost",
+                 "--key-stdin"],
                 cwd=REPO, stdin=read_end, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True, env=without_slurm,
             )  # fmt: skip
@@ -171,4 +173,5 @@ def test_an_exporter_given_its_hosts_key_on_stdin_registers_and_the_key_stays_of
         assert "registered with the operator as agent:localhost (its pool has 3 GPUs here)" in (
             output
         )
+        assert re.search(r"on http://127\.0\.0\.1:[0-9]+/metrics \(loopback: ", output), output
         assert not any(herd.layout.secrets_dir.glob("agent*"))

@@ -46,6 +46,18 @@ def cluster(tmp_path: Path) -> Iterator[NamespaceCluster]:
         yield made
 
 
+SCRAPE = [
+    sys.executable, "-c",
+    "import sys, urllib.error, urllib.request\n"
+    "url = f'http://{sys.argv[1]}/metrics'\n"
+    "try:\n"
+    "    print(urllib.request.urlopen(url, timeout=10).read().decode())\n"
+    "except urllib.error.URLError as err:\n"
+    "    print('refused' if isinstance(err.reason, ConnectionRefusedError) else err)\n",
+]  # fmt: skip
+"""Scrape HOST:PORT (the argument) and print the page, or `refused`."""
+
+
 def agents(herd: OperatorHarness) -> list[str]:
     """The node agents registered with the operator (its Prometheus targets file)."""
     try:
@@ -150,6 +162,12 @@ def test_an_operator_in_an_allocation_runs_and_resizes_jobs_across_its_nodes(
         mark("wide at 6")
         assert workers_by_host(herd.layout.root) == {"h1": 2, "h2": 2, "h3": 2}
         herd.wait_for(lambda: len(agents(herd)) == 3, "an agent on each node", 60)
+        # Each agent serves where its name resolves (no --listen in the batch script): the
+        # operator's node scrapes it there, and its own node's loopback is not served.
+        for target in agents(herd):
+            host, _, port = target.rpartition(":")
+            assert "herd_gpu_memory_total_bytes" in cluster.run("h1", [*SCRAPE, target])
+            assert "refused" in cluster.run(host, [*SCRAPE, f"127.0.0.1:{port}"])
 
         # h3's link goes down: its agent falls silent and the node is cordoned; Horovod
         # drops the workers it cannot reach, the job goes on at 4 on the other two, and
