@@ -18,13 +18,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from herd_operator.controllers.launching import restart_delay
 from herd_operator.controllers.ports import (
     LaunchInfo,
     ProcessPhase,
     ProcessState,
+    Result,
     SpecView,
 )
-from herd_operator.controllers.reconciler import JobReconciler, Result, restart_delay, watch_workers
+from herd_operator.controllers.reconciler import JobReconciler
+from herd_operator.controllers.running import watch_workers
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
