@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NoReturn
 
+from herd_operator.controllers.errors import LAUNCH_BACKOFF, LaunchError
 from herd_operator.controllers.job_status import (
     FALSE,
     TRUE,
@@ -50,7 +52,11 @@ class LaunchSteps(ReconcilerBase):
         desired: int,
         generation: int,
         now: float,
+        failures: int,
     ) -> Result:
+        """Start the job's launch once it is admitted (and a failed run's `BackOff` is over);
+        else show why it waits. A launch that cannot be started raises `LaunchError` after
+        the status shows it (see `_launch_failed`)."""
         conditions = status.conditions
         size = grant.placement.size
         if not grant.admitted:
@@ -66,7 +72,7 @@ class LaunchSteps(ReconcilerBase):
             )
             self._save(name, status, generation, now)
             return Result()  # the allocator wakes the job when its grant changes
-        retry_at = status.retry_at
+        retry_at = status.retry_at  # a failed run restarts after its BackOff
         if retry_at is not None and retry_at > now:
             status = status.model_copy(
                 update={"gpus": gpu_counts(job, status, desired, size, None)}
@@ -80,13 +86,10 @@ class LaunchSteps(ReconcilerBase):
         try:
             launch = self.launcher.start(job, generation, size)
         except (OSError, RuntimeError) as err:
-            status = self._launch_failed(name, status, str(err), generation, now)
             status = status.model_copy(
                 update={"gpus": gpu_counts(job, status, desired, size, None)}
             )
-            self._save(name, status, generation, now)
-            assert status.retry_at is not None
-            return Result(requeue_after=status.retry_at - now)
+            self._launch_failed(name, status, str(err), generation, now, failures)
         self._event(
             name, "Normal", "Started", f"{launch.command} pid {launch.pid} with {size} workers", now
         )
@@ -116,20 +119,34 @@ class LaunchSteps(ReconcilerBase):
             }
         )
         self._save(name, status, generation, now)
-        return Result(requeue_after=self.resync_seconds)
+        # Whether the command runs shows only when the keeper executes it: a launch failure
+        # then must back off from where the last one left (`Result.keep_backoff`).
+        return Result(requeue_after=self.resync_seconds, keep_backoff=True)
 
     def _launch_failed(
-        self, name: str, status: HerdJobStatus, error: str, generation: int, now: float
-    ) -> HerdJobStatus:
+        self,
+        name: str,
+        status: HerdJobStatus,
+        error: str,
+        generation: int,
+        now: float,
+        failures: int,
+    ) -> NoReturn:
         """The job's command could not be started (no horovodrun on PATH, a missing
         workingDir, an executable that cannot be run): shown where people look, then tried
         again after a growing delay, since the cause may be fixed without touching the spec.
 
-        The event's text stays the same from one attempt to the next, so that the store
-        counts the attempts on one event instead of adding a row for each.
+        The retry is the work queue's, as for any temporary error: `LaunchError` is raised
+        once the status is saved, and the loop requeues the job on `LAUNCH_BACKOFF` from the
+        job's count of failed reconciles in a row (`failures`, before this one), which is
+        how this status knows when the next try comes. A retry time kept in the status as
+        well (as before) was a second backoff: it held back a spec edit that mended the
+        command for up to a minute, and the loop had to stand in for it when the store lost
+        the status. The event's text stays the same from one attempt to the next, so that
+        the store counts the attempts on one event instead of adding a row for each.
         """
-        failures = status.launch_failures + 1
-        delay = restart_delay(failures)
+        attempt = failures + 1
+        delay = LAUNCH_BACKOFF.delay(attempt)
         message = f"cannot launch {name}: {error}"
         self._event(name, "Warning", "LaunchFailed", message, now)
         conditions = set_condition(
@@ -137,13 +154,12 @@ class LaunchSteps(ReconcilerBase):
             ConditionType.Running,
             FALSE,
             "LaunchFailed",
-            f"{message} (attempt {failures}; next in {delay:.0f}s)",
+            f"{message} (attempt {attempt}; next in {delay:.0f}s)",
             generation,
             now,
         )
-        return status.model_copy(
-            update={"conditions": conditions, "launch_failures": failures, "retry_at": now + delay}
-        )
+        self._save(name, status.model_copy(update={"conditions": conditions}), generation, now)
+        raise LaunchError(message)
 
     def _record_start(
         self, name: str, status: HerdJobStatus, launch: LaunchInfo, now: float
@@ -181,10 +197,12 @@ class LaunchSteps(ReconcilerBase):
         process: ProcessState,
         generation: int,
         now: float,
+        failures: int,
     ) -> HerdJobStatus | None:
         """The job's processes exited: a success, a failure to retry or give up on, a run
         that ended with a node of its, or a run the spec had already moved past. None while
-        a failure cannot be told from a node's loss yet (its nodes are being asked)."""
+        a failure cannot be told from a node's loss yet (its nodes are being asked). A
+        command that never ran raises `LaunchError` (see `_launch_failed`)."""
         if _exit_recorded(status, process):
             # The status already says how this launch ended: its record outlived the commit
             # of that status (the operator was killed before removing it). Acting again
@@ -194,7 +212,7 @@ class LaunchSteps(ReconcilerBase):
         if process.launch_error:
             # The command never ran (the keeper could not execute it): not the job's exit.
             self.launcher.forget(name)
-            return self._launch_failed(name, status, process.launch_error, generation, now)
+            self._launch_failed(name, status, process.launch_error, generation, now, failures)
         superseded = self._relaunch_reason(process, job)
         if not superseded:
             lost: tuple[str, ...] = ()
@@ -251,9 +269,8 @@ class LaunchSteps(ReconcilerBase):
         conditions = set_condition(
             status.conditions, ConditionType.Running, FALSE, "NodeLost", message, generation, now
         )
-        return status.model_copy(
-            update={"conditions": conditions, "launch_failures": 0, "retry_at": now}
-        )
+        # retry_at: the exit is recorded (`_exit_recorded`), and the relaunch waits for nothing.
+        return status.model_copy(update={"conditions": conditions, "retry_at": now})
 
     def _on_exit(
         self,
@@ -265,7 +282,7 @@ class LaunchSteps(ReconcilerBase):
         now: float,
     ) -> HerdJobStatus:
         self.launcher.forget(name)
-        status = status.model_copy(update={"launch_failures": 0, "workers": None})  # it ran
+        status = status.model_copy(update={"workers": None})
         # When it ended: a launch that ended while no operator ran is seen at the restart.
         ended = min(process.ended_at, now) if process.ended_at is not None else now
         # No process of the launch is left to resize (a failed job showed Resizing=True).
@@ -359,7 +376,6 @@ class LaunchSteps(ReconcilerBase):
             update={
                 "conditions": conditions,
                 "restarts": 0,
-                "launch_failures": 0,
                 "retry_at": None,
                 "finished_at": None,
             }
@@ -368,14 +384,16 @@ class LaunchSteps(ReconcilerBase):
 
 def _exit_recorded(status: HerdJobStatus, process: ProcessState) -> bool:
     """Whether ``status`` already records the end of the exited launch ``process``: it
-    names that launch, and is finished or waits to retry (what recording an exit sets; a
-    new launch changes the launch id and clears the retry time)."""
+    names that launch, and is finished or waits to retry, or shows that its command could
+    not be executed (what recording an exit sets; a new launch changes the launch id and
+    clears the retry time)."""
     launch = process.launch
-    return (
-        launch is not None
-        and status.launch_id == launch.launch_id
-        and (status.finished_at is not None or status.retry_at is not None)
-    )
+    if launch is None or status.launch_id != launch.launch_id:
+        return False
+    if status.finished_at is not None or status.retry_at is not None:
+        return True
+    running = get_condition(status.conditions, ConditionType.Running)
+    return bool(process.launch_error) and running is not None and running.reason == "LaunchFailed"
 
 
 def _exit_message(process: ProcessState) -> str:

@@ -4,8 +4,11 @@ Level-triggered and idempotent: it never relies on which event woke it. It reads
 the spec (or the last good one), the job's process, the workers' reports and
 the allocator's grant, then acts at most once on each (launch, stop, release)
 and writes the status. Errors are sorted in two kinds: a `TemporaryError` is
-retried with backoff by the queue; a `PermanentError` is shown as a condition
-and not retried until the spec changes.
+retried with backoff by the queue (a launch that cannot be started is one,
+`LaunchError`, shown in the status first); a `PermanentError` is shown as a
+condition and not retried until the spec changes. Any other error is a bug: the
+`STALL_AFTER_FAILURES`-th failed reconcile in a row that ends in one shows the job
+`Stalled` with it too.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from herd_operator.controllers.errors import PermanentError
+from herd_operator.controllers.errors import STALL_AFTER_FAILURES, PermanentError, TemporaryError
 from herd_operator.controllers.job_status import (
     FALSE,
     TRUE,
@@ -91,19 +94,30 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
 
     # ---- entry points ----
 
-    def reconcile(self, name: str) -> Result:
-        """One step towards the spec. A `PermanentError` is shown as `Stalled`, then raised."""
+    def reconcile(self, name: str, failures: int = 0) -> Result:
+        """One step towards the spec. ``failures``: how many reconciles of the job failed in
+        a row just before this one (the work queue's count behind the job's backoff).
+
+        A `PermanentError` is shown as `Stalled`, then raised; so is an unexpected error
+        (a bug) that makes `STALL_AFTER_FAILURES` failures in a row, with reason
+        `ReconcileError` and the error's text. The next reconcile that goes through shows
+        `Stalled=False` (`_save`)."""
         try:
-            result = self._reconcile(name)
+            return self._reconcile(name, failures)
         except PermanentError as err:
-            self._record_stalled(name, err)
+            self._record_stalled(name, err.reason, str(err))
             raise
-        return result
+        except TemporaryError:
+            raise
+        except (Exception, SystemExit) as err:
+            if failures + 1 >= STALL_AFTER_FAILURES:
+                self._record_stalled(name, "ReconcileError", _stalled_by(err))
+            raise
 
     def known_jobs(self) -> list[str]:
         return [record.name for record in self.store.list_jobs()]
 
-    def _record_stalled(self, name: str, err: PermanentError) -> None:
+    def _record_stalled(self, name: str, reason: str, message: str) -> None:
         record = self.store.get_job(name)
         if record is None:
             return
@@ -113,16 +127,16 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
             status.conditions,
             ConditionType.Stalled,
             TRUE,
-            err.reason,
-            str(err),
+            reason,
+            message,
             record.generation,
             now,
         )
         if conditions is not status.conditions:
-            self._event(name, "Warning", err.reason, str(err), now)
+            self._event(name, "Warning", reason, message, now)
         self._write(name, status.model_copy(update={"conditions": conditions}), now)
 
-    def _reconcile(self, name: str) -> Result:
+    def _reconcile(self, name: str, failures: int) -> Result:
         now = self.clock()
         view = self.specs.view(name)
         if view is None:
@@ -139,7 +153,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
         if process.launch is not None and process.launch.launch_id != status.launch_id:
             status = self._record_start(name, status, process.launch, now)
         if process.phase == ProcessPhase.EXITED:
-            after = self._after_exit(name, job, status, process, generation, now)
+            after = self._after_exit(name, job, status, process, generation, now, failures)
             if after is None:  # its nodes are not heard from yet: whose end it is is not known
                 self._save(name, status, generation, now)
                 return Result(requeue_after=NODE_VERDICT_POLL_SECONDS)
@@ -179,7 +193,9 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
         status = self._note_grant_change(name, status, grant, decision.gpus, now)
 
         if process.phase == ProcessPhase.ABSENT:
-            return self._start_or_wait(name, job, status, grant, decision.gpus, generation, now)
+            return self._start_or_wait(
+                name, job, status, grant, decision.gpus, generation, now, failures
+            )
         return self._running(
             name, job, status, grant, decision.gpus, reports, observed, policy, launch,
             generation, now,
@@ -288,3 +304,12 @@ def _with_spec_validity(
             status.conditions, ConditionType.SpecValid, TRUE, "Valid", "", generation, now
         )
     return status.model_copy(update={"conditions": conditions})
+
+
+def _stalled_by(err: BaseException) -> str:
+    """What `Stalled=True ReconcileError` says of a bug that lasts: the same text at each try,
+    so the condition and its Warning event are set once."""
+    return (
+        f"{type(err).__name__}: {err} ({STALL_AFTER_FAILURES} or more reconciles in a row"
+        " failed; tried again at the longest backoff; the operator's log has the traceback)"
+    )

@@ -116,9 +116,6 @@ class RunningSteps(ReconcilerBase):
                 "gpus": gpu_counts(job, status, desired, grant.placement.size, active),
                 "epoch": epoch,
                 "workers": watch,
-                # Workers that report got past the launch: a later failure to launch starts
-                # its backoff over.
-                **({"launch_failures": 0} if reports else {}),
             }
         )
         self._save(name, status, generation, now)

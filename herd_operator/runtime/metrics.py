@@ -104,7 +104,7 @@ class OperatorMetrics:
     def reconciled(self, outcome: Outcome, seconds: float) -> None:
         self.reconciles.labels(outcome=outcome.value).inc()
         if outcome is Outcome.LOST:
-            return  # counted already when it ran
+            return  # its writes were lost and it is redone (if it ran at all): no duration
         self.reconcile_duration.observe(seconds)
 
     # ReconcileObserver (controllers.ports)
