@@ -4,12 +4,21 @@ controller-runtime's `reconcileHandler`, for one process: `handle(key)` runs one
 reconcile and maps its result or error to a queue action, and counts each outcome:
 
     outcome           queue action
-    success           forget the key's backoff; requeue after `requeue_after` if set
+    success           forget the key's backoff (unless the result keeps it: a launch just
+                      started); requeue after `requeue_after` if set
     permanent_error   forget the key (the reconciler showed it as `Stalled`); no retry
-    temporary_error   requeue with the key's exponential backoff
-    unexpected_error  logged with its traceback; requeued with backoff like a temporary one
+    temporary_error   requeue with the key's exponential backoff, on the error's own
+                      schedule if it has one (a launch failure: 1, 2, 4 ... 60 s)
+    unexpected_error  logged with its traceback; requeued with backoff like a temporary one;
+                      from the `STALL_AFTER_FAILURES`-th failure in a row (the reconciler
+                      then shows `Stalled`), at the queue's longest delay, one line a try
     lost              the store could not commit the group the reconcile was in: requeued
                       after 1, 2, 4 ... 60 s
+
+Each key taken off the queue is counted once, with the outcome that stood: a reconcile
+whose group was lost counts as `lost` only. Each reconcile is told how many of the key's
+reconciles failed in a row before it (the queue's count behind the backoff), so what it
+shows of a retry (a launch failure's next try) is what the queue does.
 
 A burst of keys (a restart, many new specs) is reconciled under one allocator decision
 (`Batcher.batch()`) and few store commits (`Transactions.transaction()`, one per
@@ -19,7 +28,8 @@ group the store lost (a full disk) wait 1, 2, 4 ... 60 s, whatever their reconci
 for, since what they decided (a launch failure's retry time) was not stored. While the
 store refuses writes (`Transactions.writable`), a reconcile that failed is retried on the
 same slow schedule and the loop says nothing of the store: the store says it (once a
-minute at most), so the log stays bounded however long the disk is full.
+minute at most), so the log stays bounded however long the disk is full. A store error that
+is also a `PermanentError` (a damaged store) is not retried, for a group either.
 
 The allocator calls `wake(job)` when it changes the grant of a job other than the one
 asking, so that job converges too. Nothing here knows the runtime: the parts come in
@@ -34,10 +44,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from herd_operator.controllers.errors import PermanentError, TemporaryError
+from herd_operator.controllers.errors import STALL_AFTER_FAILURES, PermanentError, TemporaryError
 from herd_operator.controllers.ports import Result
 from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.specs.values import Grant
@@ -54,9 +64,10 @@ waits at most this long (plus one reconcile) for it."""
 STORE_RETRY_SECONDS = 1.0
 STORE_RETRY_MAX_SECONDS = 60.0
 """A key whose writes the store did not take (its group was lost, or it failed while the
-store refuses writes) is retried after 1, 2, 4 ... 60 s: the backoff a launch failure's
-status would have asked for, had the store kept it. The queue's own 50 ms base made a job
-whose launch failed on a full disk retry about ten times a second."""
+store refuses writes) is retried after 1, 2, 4 ... 60 s, its count of failures in a row
+going on (a launch failing on a full disk keeps the launch's own schedule). The queue's
+own 50 ms base made a job whose launch failed on a full disk retry about ten times a
+second."""
 
 
 class Outcome(enum.StrEnum):
@@ -70,7 +81,10 @@ class Outcome(enum.StrEnum):
 
 
 class Reconciler(Protocol):
-    def reconcile(self, name: str) -> Result: ...
+    def reconcile(self, name: str, failures: int) -> Result:
+        """One reconcile of `name`; `failures`: how many of its reconciles failed in a row
+        just before this one (the queue's count behind the key's backoff)."""
+        ...
 
     def record_shutdown(self, name: str) -> None:
         """The operator stopped the job's processes on its way out: say so in its status."""
@@ -117,12 +131,26 @@ class NoLoopObserver:
 
 @dataclass(frozen=True)
 class _Reconciled:
-    """One reconcile, before its queue action: taken once its store group's fate is known."""
+    """One reconcile, before its queue action and its count: taken once its store group's
+    fate is known."""
 
     name: str
     outcome: Outcome
-    requeue_after: float | None = None
+    seconds: float
+    failures: int
+    """The key's failures in a row before this reconcile."""
+    result: Result | None = None
     error: BaseException | None = None
+
+
+@dataclass
+class _Burst:
+    """The keys of a burst the loop reconciled (taken off the queue and run) and those whose
+    queue action and count are taken (their group committed, or the store cannot be
+    helped): what a lost group or decision hands back, and how."""
+
+    reconciled: dict[str, _Reconciled] = field(default_factory=dict)
+    settled: set[str] = field(default_factory=set)
 
 
 class ControlLoop:
@@ -194,53 +222,82 @@ class ControlLoop:
         return reconciled.outcome
 
     def _reconcile(self, name: str) -> _Reconciled:
-        """Run one reconcile and count its outcome; the key is done, its queue action left
-        for `_settle` (or `_hand_back`, when its group is lost)."""
+        """Run one reconcile; the key is done, its queue action and count left for
+        `_settle` (or `_hand_back`, when its group is lost)."""
+        failures = self.queue.failures(name)
         started = time.perf_counter()
+        result: Result | None = None
+        error: BaseException | None = None
         try:
-            result = self.reconciler.reconcile(name)
+            result = self.reconciler.reconcile(name, failures)
         except PermanentError as err:
-            reconciled = _Reconciled(name, Outcome.PERMANENT_ERROR)
+            outcome, error = Outcome.PERMANENT_ERROR, err
             log.error("%s: %s (not retried until the spec changes)", name, err)
         except TemporaryError as err:
-            reconciled = _Reconciled(name, Outcome.TEMPORARY_ERROR, error=err)
+            outcome, error = Outcome.TEMPORARY_ERROR, err
         except (Exception, SystemExit) as err:
             # SystemExit too: plug-in code (a policy) may call sys.exit; one job's bug must
             # not end the loop and stop every job. (Ctrl-C and signals stop the operator
             # through its stop event, not through exceptions here.)
-            reconciled = _Reconciled(name, Outcome.UNEXPECTED_ERROR, error=err)
-            log.error("%s: reconcile failed", name, exc_info=err)
+            outcome, error = Outcome.UNEXPECTED_ERROR, err
+            if failures < STALL_AFTER_FAILURES:  # then the job shows it: a line a try
+                log.error("%s: reconcile failed", name, exc_info=err)
+            else:
+                log.error("%s: reconcile failed again (stalled): %r", name, err)
         else:
-            reconciled = _Reconciled(name, Outcome.SUCCESS, result.requeue_after)
+            outcome = Outcome.SUCCESS
         finally:
             self.queue.done(name)
         elapsed = time.perf_counter() - started
-        self.observer.reconciled(reconciled.outcome, elapsed)
-        log.debug("reconciled %s in %.1f ms: %s", name, elapsed * 1000, reconciled.outcome)
-        return reconciled
+        log.debug("reconciled %s in %.1f ms: %s", name, elapsed * 1000, outcome)
+        return _Reconciled(name, outcome, elapsed, failures, result, error)
 
     def _settle(self, reconciled: _Reconciled) -> None:
-        """The queue action of a reconcile whose writes were committed (or made outside a
-        group): a success or a permanent error forgets the key's backoff, a failure backs
-        off (slowly while the store refuses writes: see STORE_RETRY_SECONDS)."""
+        """Count a reconcile whose writes were committed (or made outside a group) and take
+        its queue action: a success (unless it keeps the backoff) or a permanent error
+        forgets the key's backoff, a failure backs off (see `_retry_delay`)."""
+        self.observer.reconciled(reconciled.outcome, reconciled.seconds)
         name = reconciled.name
-        if reconciled.outcome in (Outcome.SUCCESS, Outcome.PERMANENT_ERROR):
+        result = reconciled.result
+        if result is not None:
+            if not result.keep_backoff:
+                self.queue.forget(name)
+            if result.requeue_after is not None:
+                self.queue.add_after(name, result.requeue_after)
+        elif reconciled.outcome == Outcome.PERMANENT_ERROR:
             self.queue.forget(name)
-            if reconciled.requeue_after is not None:
-                self.queue.add_after(name, reconciled.requeue_after)
-            return
-        if self.transactions.writable:
-            delay = self.queue.backoff(name)
-            if reconciled.outcome == Outcome.TEMPORARY_ERROR:
-                log.warning("%s: %s; retrying in %.1fs", name, reconciled.error, delay)
-            else:
-                log.info("%s: retrying in %.1fs", name, delay)  # its traceback is logged
         else:
-            # The store says once a minute that writes fail; a line per job and retry
-            # would say it again, as often as the jobs retry.
+            self.queue.add_after(name, self._retry_delay(reconciled))
+
+    def _retry_delay(self, reconciled: _Reconciled) -> float:
+        """Count the failure and say when to try again: on the error's own schedule (a
+        launch failure's 1, 2, 4 ... 60 s) or the queue's; at the queue's longest delay once
+        a bug has stalled the job; slowly while the store refuses writes (see
+        STORE_RETRY_SECONDS), without a line of its own (the store says it)."""
+        name, error = reconciled.name, reconciled.error
+        if not self.transactions.writable:
             delay = self._store_backoff(name)
-            log.debug("%s: %s; retrying in %.1fs", name, reconciled.error, delay)
-        self.queue.add_after(name, delay)
+            log.debug("%s: %s; retrying in %.1fs", name, error, delay)
+            return delay
+        if isinstance(error, TemporaryError):
+            backoff = error.backoff
+            delay = (
+                self.queue.backoff(name)
+                if backoff is None
+                else self.queue.backoff(
+                    name, base_delay=backoff.base_seconds, max_delay=backoff.max_seconds
+                )
+            )
+            # A line of its own unless the reconciler said it already (a Warning event).
+            (log.info if error.shown else log.warning)(
+                "%s: %s; retrying in %.1fs", name, error, delay
+            )
+            return delay
+        delay = self.queue.backoff(name)
+        if reconciled.failures + 1 >= STALL_AFTER_FAILURES:
+            delay = self.queue.max_delay  # the reconciler showed the job Stalled
+        log.info("%s: retrying in %.1fs", name, delay)  # its traceback is logged
+        return delay
 
     def _store_backoff(self, name: str) -> float:
         return self.queue.backoff(
@@ -254,30 +311,27 @@ class ControlLoop:
         committed (or begun: another writer held the database); they are requeued with
         backoff, and the level-triggered reconcile redoes their writes.
         """
-        handled: set[str] = set()
+        burst = _Burst()
         try:
             with self.batcher.batch():
-                lost = self._reconcile_in_groups(keys, handled)
+                lost = self._reconcile_in_groups(keys, burst)
         except TemporaryError as err:
             # The batch's decision could not be recorded (the store refused its write): every
             # job of the burst is reconciled again, which decides again.
-            (log.error if self.transactions.writable else log.debug)(
-                "allocator decision: %s; reconciling %d job(s) again", err, len(keys)
-            )
-            lost = list(keys)
-        self._hand_back(lost, handled)
+            lost = self._lose(keys, err, burst, "allocator decision")
+        self._hand_back(lost, burst)
         return lost
 
     def _reconcile_grouped(self, keys: Sequence[str]) -> list[str]:
         """Reconcile ``keys`` in store groups without a shared allocator decision."""
-        handled: set[str] = set()
-        lost = self._reconcile_in_groups(keys, handled)
-        self._hand_back(lost, handled)
+        burst = _Burst()
+        lost = self._reconcile_in_groups(keys, burst)
+        self._hand_back(lost, burst)
         return lost
 
-    def _reconcile_in_groups(self, keys: Sequence[str], handled: set[str]) -> list[str]:
-        """Handle ``keys`` one store group (``group_seconds``) at a time, adding each to
-        ``handled`` as it is taken; returns the keys whose group was lost.
+    def _reconcile_in_groups(self, keys: Sequence[str], burst: _Burst) -> list[str]:
+        """Handle ``keys`` one store group (``group_seconds``) at a time, noting each in
+        ``burst`` as it is reconciled and settled; returns the keys whose group was lost.
 
         A reconcile's queue action is taken after its group: a success must not forget the
         key's backoff before its writes are committed, or a store that loses every group
@@ -291,30 +345,56 @@ class ControlLoop:
                 with self.transactions.transaction():
                     group_ends = time.monotonic() + self.group_seconds
                     while index < len(keys):
-                        handled.add(keys[index])
                         group.append(self._reconcile(keys[index]))
+                        burst.reconciled[keys[index]] = group[-1]
                         index += 1
                         if time.monotonic() >= group_ends:
                             break
             except TemporaryError as err:
-                failed = list(keys[first:index]) if index > first else list(keys[first:])
-                # While the store refuses writes it says so itself, once a minute at most.
-                (log.error if self.transactions.writable else log.debug)(
-                    "state store: %s; reconciling %d job(s) again", err, len(failed)
-                )
-                lost += failed
+                failed = keys[first:index] if index > first else keys[first:]
+                lost += self._lose(failed, err, burst, "state store")
                 index = first + len(failed)
             else:
                 for reconciled in group:
                     self._settle(reconciled)
+                    burst.settled.add(reconciled.name)
         return lost
 
-    def _hand_back(self, lost: Sequence[str], handled: set[str]) -> None:
-        """Requeue after 1, 2, 4 ... 60 s the keys whose writes were lost."""
-        for key in dict.fromkeys(lost):
-            if key not in handled:  # taken off the queue, never reconciled: hand it back
+    def _lose(
+        self, keys: Sequence[str], err: TemporaryError, burst: _Burst, what: str
+    ) -> list[str]:
+        """The store lost the writes of ``keys`` (``what`` failed): returns those to hand
+        back, all of them unless the store is damaged (a `PermanentError` too): waiting
+        cannot mend that, so its keys are counted as permanent errors and forgotten, as a
+        reconcile that raised it would be."""
+        if not isinstance(err, PermanentError):
+            # While the store refuses writes it says so itself, once a minute at most.
+            (log.error if self.transactions.writable else log.debug)(
+                "%s: %s; reconciling %d job(s) again", what, err, len(keys)
+            )
+            return list(keys)
+        log.error("%s: %s (%d job(s) not retried until their specs change)", what, err, len(keys))
+        for key in keys:
+            if key in burst.settled:
+                continue
+            reconciled = burst.reconciled.get(key)
+            if reconciled is None:  # taken off the queue, never reconciled: hand it back
                 self.queue.done(key)
-            self.observer.reconciled(Outcome.LOST, 0.0)
+            seconds = reconciled.seconds if reconciled is not None else 0.0
+            self.observer.reconciled(Outcome.PERMANENT_ERROR, seconds)
+            self.queue.forget(key)
+            burst.settled.add(key)
+        return []
+
+    def _hand_back(self, lost: Sequence[str], burst: _Burst) -> None:
+        """Requeue after 1, 2, 4 ... 60 s the keys whose writes were lost, counting as `lost`
+        each one whose outcome was not counted yet (a key whose group committed before the
+        burst's decision was lost counted its own)."""
+        for key in dict.fromkeys(lost):
+            if key not in burst.settled:
+                if key not in burst.reconciled:  # taken off the queue, never reconciled
+                    self.queue.done(key)
+                self.observer.reconciled(Outcome.LOST, 0.0)
             self.queue.add_after(key, self._store_backoff(key))
 
     def record_shutdown(self) -> bool:

@@ -38,6 +38,11 @@ class Result:
     """What the queue should do next with a reconciled key (None: nothing until an event)."""
 
     requeue_after: float | None = None
+    keep_backoff: bool = False
+    """Keep counting the key's failures in a row rather than forget them: the reconcile
+    started a launch whose command is not yet seen to run. A keeper that cannot execute
+    it ends a moment later, and that launch failure must wait longer than the last one,
+    not 1 s again after every start. (The next reconcile that goes through forgets.)"""
 
 
 class SpecSource(Protocol):

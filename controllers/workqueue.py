@@ -142,6 +142,11 @@ class WorkQueue:
         delay = base * 2.0 ** min(exponent, _MAX_BACKOFF_EXPONENT)
         return min(delay, self._max_delay if max_delay is None else max_delay)
 
+    @property
+    def max_delay(self) -> float:
+        """The longest delay ``backoff`` gives by default (its cap)."""
+        return self._max_delay
+
     def add_rate_limited(self, key: str) -> None:
         """Re-add ``key`` after its backoff delay (counts one more failure)."""
         self.add_after(key, self.backoff(key))

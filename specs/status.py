@@ -55,12 +55,13 @@ class HerdJobStatus(StatusModel):
     epoch: int | None = None
     """Last epoch the workers reported."""
     restarts: int = 0
-    launch_failures: int = 0
-    """Launches in a row whose command could not be started (backs off the next try)."""
     launch_id: str | None = None
     started_at: float | None = None
     finished_at: float | None = None
     retry_at: float | None = None
+    """When a run that failed is started again (`BackOff`, under `restartPolicy`). A launch
+    that could not be started keeps no retry time here: the work queue retries it (statuses
+    stored before say `launchFailures` too, which is read past)."""
     last_resize_at: float | None = None
     """When the grant of the running job last changed size."""
     workers: WorkerWatch | None = None

@@ -148,9 +148,9 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
     class Recording:
         """The reconciler, noting each name it is asked for."""
 
-        def reconcile(self, name: str) -> Result:
+        def reconcile(self, name: str, failures: int) -> Result:
             done.append(name)
-            return reconciler.reconcile(name)
+            return reconciler.reconcile(name, failures)
 
         def record_shutdown(self, name: str) -> None:
             reconciler.record_shutdown(name)

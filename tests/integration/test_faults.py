@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from herd_operator.controllers.reconciler import WORKER_LOST_GRACE_SECONDS
+from herd_operator.controllers.running import WORKER_LOST_GRACE_SECONDS
 from herd_operator.runtime.engines.horovod import DRIVER_MODULE
 from herd_operator.specs.values import Grant, Placement
 from tests.integration.harness import (

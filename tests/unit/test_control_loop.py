@@ -20,14 +20,19 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from herd_operator.controllers.errors import PermanentError, TemporaryError
+from herd_operator.controllers.errors import (
+    STALL_AFTER_FAILURES,
+    PermanentError,
+    TemporaryError,
+)
 from herd_operator.controllers.loop import ControlLoop, Outcome
-from herd_operator.controllers.ports import Result
+from herd_operator.controllers.ports import ProcessPhase, Result
 from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.layout import StateLayout
 from herd_operator.policies.base import PolicyError
@@ -47,7 +52,15 @@ from tests.unit.full_disk import (
     make_room,
     refuse_writes,
 )
-from tests.unit.test_reconciler import T0, FakeClock, World, facts, herd_job, started
+from tests.unit.test_reconciler import (
+    RESYNC_S,
+    T0,
+    FakeClock,
+    World,
+    facts,
+    herd_job,
+    started,
+)
 
 SPEC = herd_job(gpus=(1, 1))
 
@@ -59,7 +72,7 @@ class FunctionReconciler:
         self.body = body
         self.shut_down: list[str] = []
 
-    def reconcile(self, name: str) -> Result:
+    def reconcile(self, name: str, failures: int) -> Result:
         return self.body(name) or Result()
 
     def record_shutdown(self, name: str) -> None:
@@ -536,10 +549,12 @@ def run_until(loop: ControlLoop, clock: FakeClock, until: float) -> None:
         clock.now = min(max(due, clock.now), until)
 
 
-NOTHING_STORED = [1.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0] + [60.0] * 8
-"""1 s, as the recorded failure asked, then the loop's 1, 2, 4 ... 60 s for lost writes."""
-STATUS_STORED = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] + [60.0] * 8
-"""The launch failures' own backoff, from the statuses that small writes still stored."""
+NOTHING_STORED = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] + [60.0] * 8
+"""The queue's 1, 2, 4 ... 60 s for the job, its count going on through the lost writes
+(when a launch failure's retry was kept in its status, a lost status started it over:
+1, 1, 2, 4 ...)."""
+STATUS_STORED = NOTHING_STORED
+"""The same backoff, whether or not small writes still store the statuses."""
 
 
 @pytest.mark.parametrize(
@@ -559,8 +574,8 @@ def test_a_launch_failing_on_a_full_disk_is_retried_after_1_2_4_to_60_s_and_said
 ) -> None:
     """Seen on a full disk: one job's launch tried about ten times a second, two log lines
     each. A success forgot the key's backoff before its group's commit failed, and the
-    lost group came back after the queue's 50 ms; the launch's own 1, 2, 4 ... 60 s lives in
-    a status the disk did not take."""
+    lost group came back after the queue's 50 ms; the launch's own 1, 2, 4 ... 60 s lived in
+    a status the disk did not take (it is the queue's now, and goes on)."""
     tries: list[float] = []  # when the loop took the job (reconciled, or its group lost)
 
     class Tries:
@@ -719,3 +734,207 @@ def test_a_reconcile_that_calls_sys_exit_does_not_end_the_loop(
     loop, queue, _ = loop_for(exits, one_gpu(layout), store)
     assert handle(loop, "a") == Outcome.UNEXPECTED_ERROR
     assert queue.failures("a") == 1
+
+
+# ---- one error taxonomy: launch failures, bugs that last, a damaged store ----
+
+
+class TriesAt:
+    """When the loop took each key (one call per reconcile, and one per key of a lost group)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.times: list[float] = []
+        self.outcomes: list[Outcome] = []
+
+    def reconciled(self, outcome: Outcome, seconds: float) -> None:
+        self.times.append(self.clock.now)
+        self.outcomes.append(outcome)
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [later - earlier for earlier, later in itertools.pairwise(times)]
+
+
+def test_a_launch_failure_is_retried_by_the_queue_after_1_2_4_to_60_s_as_its_status_says(
+    world: World,
+) -> None:
+    """The next try of a launch that failed comes from the queue's backoff for the job (no
+    second backoff kept in its status): the status says when it comes, the queue counts the
+    tries, and an edit of the spec that mends the launch is tried at once, not a minute on."""
+    tries = TriesAt(world.clock)
+    queue = WorkQueue(clock=world.clock)
+    loop = ControlLoop(queue, world.reconciler, world.allocator, world.store, observer=tries)
+    world.specs.put(herd_job("a"))
+    world.launcher.start_error = OSError("horovodrun: not found")
+    queue.add("a")
+
+    run_until(loop, world.clock, T0 + 300.0)
+
+    assert gaps(world.launcher.attempts) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    assert world.launcher.attempts == tries.times  # one reconcile a try, no wake-up between
+    running = world.condition("a", ConditionType.Running)
+    assert facts(running) == (
+        "False",
+        "LaunchFailed",
+        "cannot launch a: horovodrun: not found (attempt 10; next in 60s)",
+    )
+    (event,) = world.raw_events("a")
+    assert (event.type, event.reason, event.count) == ("Warning", "LaunchFailed", 10)
+    assert queue.failures("a") == 10  # the queue's count is the one behind the delays
+    run_until(loop, world.clock, T0 + 303.5)
+    assert world.launcher.attempts[-1] == T0 + 303.0  # when the status said it would be
+
+    # The user mends the command: the edit wakes the job (the spec watcher adds its key),
+    # and the launch is tried at once.
+    world.clock.advance(10.0)
+    world.launcher.start_error = None
+    world.specs.put(herd_job("a", command=["python3", "train.py"]))
+    queue.add("a")
+    loop.run_once(timeout=0)
+    assert world.launcher.starts == [("a", 2, 4)]
+    assert facts(world.condition("a", ConditionType.Running))[:2] == ("True", "Started")
+    run_until(loop, world.clock, world.clock.now + RESYNC_S + 0.5)
+    assert queue.failures("a") == 0  # it runs: the backoff is forgotten
+
+
+def test_launches_the_keeper_cannot_execute_back_off_further_though_each_one_started(
+    world: World,
+) -> None:
+    """The keeper starts (so the reconcile that launched went through) and then cannot
+    execute the command: each such launch failure waits twice as long as the one before,
+    not 1 s again after every start."""
+    queue = WorkQueue(clock=world.clock)
+    loop = ControlLoop(queue, world.reconciler, world.allocator, world.store)
+    world.specs.put(herd_job("a"))
+    queue.add("a")
+    said: list[str] = []
+    for launches in range(1, 8):
+        while len(world.launcher.starts) < launches:  # on to the next launch, and no further
+            if not loop.run_once(timeout=0):
+                world.clock.now = max(min(queue._due.values()), world.clock.now)
+        state = world.launcher.states["a"]
+        world.launcher.states["a"] = replace(
+            state,
+            phase=ProcessPhase.EXITED,
+            exit_code=127,
+            launch_error="cannot run 'horovodrun': Permission denied",
+        )
+        queue.add("a")  # the launcher wakes the job when its process exits
+        loop.run_once(timeout=0)
+        said.append(world.condition("a", ConditionType.Running).message)
+    assert [message.rsplit("(", 1)[1] for message in said] == [
+        f"attempt {n}; next in {delay}s)"
+        for n, delay in enumerate([1, 2, 4, 8, 16, 32, 60], start=1)
+    ]
+    assert gaps(world.launcher.attempts) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+
+
+def test_a_bug_that_lasts_shows_the_job_stalled_after_10_tries_and_is_retried_at_the_cap(
+    world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected error is retried with backoff; the tenth failed reconcile in a row
+    shows the job `Stalled=True ReconcileError` with the error, where people look, and from
+    then on it is tried at the queue's longest delay (30 s), never forgotten, with one
+    traceback in the log and one line a try. The next reconcile that goes through clears it."""
+    assert STALL_AFTER_FAILURES == 10  # the tries below are counted for it
+    tries = TriesAt(world.clock)
+    queue = WorkQueue(clock=world.clock)  # 50 ms doubling to 30 s
+    loop = ControlLoop(queue, world.reconciler, world.allocator, world.store, observer=tries)
+    started(world, herd_job("a"))
+
+    def bug(demand: Demand) -> Grant | None:
+        raise KeyError(demand.name)
+
+    monkeypatch.setattr(world.allocator, "request", bug)
+    queue.add("a")
+    with caplog.at_level(logging.INFO):
+        run_until(loop, world.clock, T0 + 25.0)  # 9 tries: 50 ms, 100 ms ... 12.8 s apart
+        assert len(tries.times) == 9
+        assert get_condition(world.status("a").conditions, ConditionType.Stalled) is None
+        run_until(loop, world.clock, T0 + 26.0)  # the tenth
+        assert len(tries.times) == 10
+        stalled = world.condition("a", ConditionType.Stalled)
+        assert facts(stalled)[:2] == ("True", "ReconcileError")
+        assert stalled.message.startswith("KeyError: 'a' (")
+        assert world.status("a").summary() == "Stalled"
+        run_until(loop, world.clock, T0 + 200.0)
+    assert set(tries.outcomes) == {Outcome.UNEXPECTED_ERROR}
+    assert gaps(tries.times)[9:] == pytest.approx([30.0] * 5)  # at the cap, still tried
+    assert queue.failures("a") == len(tries.times) == 15
+    assert [e[:2] for e in world.events("a")].count(("Warning", "ReconcileError")) == 1
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 10  # then one line a try, not a traceback every 30 s
+
+    monkeypatch.undo()  # the bug is gone: the next try goes through
+    run_until(loop, world.clock, T0 + 231.0)
+    assert facts(world.condition("a", ConditionType.Stalled))[:2] == ("False", "Recovered")
+    assert world.status("a").summary() != "Stalled"
+    assert queue.failures("a") == 0
+
+
+def damage_the_jobs_table(store: Store) -> None:
+    """Overwrite the jobs table's root page in the file, under the open store, as a disk
+    that damages what it holds would (SQLite reads it as SQLITE_CORRUPT)."""
+    raw = sqlite3.connect(store.path)
+    raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the rows are in the file, not the WAL
+    page_size = raw.execute("PRAGMA page_size").fetchone()[0]
+    root = raw.execute("SELECT rootpage FROM sqlite_master WHERE name = 'jobs'").fetchone()[0]
+    raw.close()
+    with open(store.path, "r+b") as handle:
+        handle.seek((root - 1) * page_size + 8)
+        handle.write(b"\xff" * (page_size - 8))
+
+
+def test_a_damaged_store_is_not_retried_and_the_log_says_what_to_do(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Waiting cannot mend a corrupt store: the reconcile is a permanent error (retried
+    like a full disk, a damaged store had every job reconciled again every minute, each
+    time failing the same way); the log names the check and the way out."""
+    clock = Clock()
+    queue = WorkQueue(base_delay=1.0, clock=clock)
+    tries = Outcomes()
+    loop = ControlLoop(queue, world.reconciler, world.allocator, world.store, observer=tries)
+    started(world, herd_job("a"))
+    damage_the_jobs_table(world.store)
+
+    assert handle(loop, "a") == Outcome.PERMANENT_ERROR
+    clock.now += 3600.0
+    assert ready(queue) == []  # never retried by the queue
+    assert queue.failures("a") == 0
+    (said,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "is damaged: database disk image is malformed" in said
+    assert "herd-operator check-state" in said and "move the file aside" in said
+
+    world.specs.put(herd_job("b"))  # in a group too: not handed back to be tried again
+    assert loop.reconcile_burst(taken(queue, "b")) == []
+    assert tries.seen == [Outcome.PERMANENT_ERROR, Outcome.PERMANENT_ERROR]
+    clock.now += 3600.0
+    assert ready(queue) == []
+
+
+def test_the_reconciles_of_a_lost_group_are_counted_once(layout: StateLayout, store: Store) -> None:
+    """Each key of a group the store could not commit is one reconcile, counted as lost:
+    it was counted once by its outcome and once more as lost, so `herd_reconcile_total`
+    said 4 reconciles where 2 ran."""
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    def record(name: str) -> None:
+        store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
+
+    queue = WorkQueue()
+    loop = ControlLoop(queue, FunctionReconciler(record), one_gpu(layout), store, observer=metrics)
+    fail_commits(store)
+
+    assert loop.reconcile_burst(taken(queue, "a", "b")) == ["a", "b"]
+
+    def count(outcome: Outcome) -> float:
+        value = metrics.registry.get_sample_value(
+            "herd_reconcile_total", {"outcome": outcome.value}
+        )
+        assert value is not None
+        return value
+
+    assert {outcome: count(outcome) for outcome in Outcome if count(outcome)} == {Outcome.LOST: 2}
+    assert queue.failures("a") == queue.failures("b") == 1  # back after 1 s

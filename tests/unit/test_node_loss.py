@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from herd_operator.controllers.ports import NodeVerdict, ProcessPhase
-from herd_operator.controllers.reconciler import NODE_VERDICT_POLL_SECONDS, JobReconciler, Result
+from herd_operator.controllers.ports import NodeVerdict, ProcessPhase, Result
+from herd_operator.controllers.reconciler import NODE_VERDICT_POLL_SECONDS, JobReconciler
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher

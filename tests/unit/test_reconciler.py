@@ -20,13 +20,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from herd_operator.controllers.errors import LaunchError
+from herd_operator.controllers.launching import restart_delay
 from herd_operator.controllers.ports import (
     LaunchInfo,
     ProcessPhase,
     ProcessState,
+    Result,
     SpecView,
 )
-from herd_operator.controllers.reconciler import JobReconciler, Result, restart_delay, watch_workers
+from herd_operator.controllers.reconciler import JobReconciler
+from herd_operator.controllers.running import watch_workers
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
@@ -246,7 +250,7 @@ def test_new_valid_spec_starts_with_the_granted_size(world: World) -> None:
     result = world.reconcile("a")
 
     assert world.launcher.starts == [("a", 1, 4)]
-    assert result == Result(requeue_after=RESYNC_S)
+    assert result == Result(requeue_after=RESYNC_S, keep_backoff=True)
     record = world.store.get_job("a")
     assert record is not None and record.generation == 1
     status = world.status("a")
@@ -354,7 +358,7 @@ def test_job_stopped_for_a_relaunch_starts_again_with_the_new_generation(world: 
 
     result = world.reconcile("a")
 
-    assert result == Result(requeue_after=RESYNC_S)
+    assert result == Result(requeue_after=RESYNC_S, keep_backoff=True)
     assert world.launcher.starts == [("a", 1, 4), ("a", 2, 4)]
     status = world.status("a")
     assert status.restarts == 0  # our own stop is not a failure
@@ -658,7 +662,7 @@ def test_failure_with_restart_policy_backs_off_before_restarting(world: World) -
     assert world.launcher.starts == [("a", 1, 4)]
 
     world.clock.advance(0.5)
-    assert world.reconcile("a") == Result(requeue_after=RESYNC_S)
+    assert world.reconcile("a") == Result(requeue_after=RESYNC_S, keep_backoff=True)
     assert world.launcher.starts == [("a", 1, 4), ("a", 1, 4)]
     status = world.status("a")
     assert (status.restarts, status.retry_at) == (1, None)
@@ -1069,7 +1073,8 @@ def test_launch_error_is_a_condition_and_an_event_retried_with_backoff(world: Wo
     world.specs.put(herd_job())
     world.launcher.start_error = OSError("horovodrun: not found")
 
-    result = world.reconcile("a")
+    with pytest.raises(LaunchError, match="cannot launch a: horovodrun: not found"):
+        world.reconcile("a")  # the queue retries it (tests/unit/test_control_loop.py)
 
     assert world.launcher.starts == []
     # Shown where people look, not only in the operator's log, within this one reconcile.
@@ -1084,23 +1089,23 @@ def test_launch_error_is_a_condition_and_an_event_retried_with_backoff(world: Wo
     assert world.events("a") == [
         ("Warning", "LaunchFailed", "cannot launch a: horovodrun: not found")
     ]
-    assert result == Result(requeue_after=1.0)
 
-    # Woken early (a resync, another job's decision): no new try before the delay is over.
-    world.clock.advance(0.5)
-    assert world.reconcile("a") == Result(requeue_after=0.5)
-    delays = []
-    for _ in range(8):
-        world.clock.advance(world.reconcile("a").requeue_after or 0.0)
-        delays.append(world.reconcile("a").requeue_after)
-    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]  # not a retry storm
+    # The n-th failure in a row (the queue's count, handed to the reconcile) says when the
+    # next try comes: the queue's backoff for launch failures, 1, 2, 4 ... 60 s.
+    said = []
+    for failures in range(1, 9):
+        world.clock.advance(1.0)
+        with pytest.raises(LaunchError):
+            world.reconciler.reconcile("a", failures)
+        said.append(world.condition("a", ConditionType.Running).message.rsplit("; ", 1)[1])
+    assert said == [f"next in {delay}s)" for delay in (2, 4, 8, 16, 32, 60, 60, 60)]
     (event,) = world.raw_events("a")  # one event, counted: no row per attempt
     assert (event.reason, event.count) == ("LaunchFailed", 9)
     assert len(world.store.grant_history("a")) == 1  # one decision, not one per attempt
 
     world.launcher.start_error = None  # fixed without touching the spec: the retry starts it
     world.clock.advance(60.0)
-    world.reconcile("a")
+    assert world.reconciler.reconcile("a", 9).keep_backoff  # not known to run yet
     assert facts(world.condition("a", ConditionType.Running))[:2] == ("True", "Started")
 
 
@@ -1118,7 +1123,8 @@ def test_a_command_the_keeper_cannot_execute_is_a_launch_failure_not_an_exit(
         launch_error="cannot run 'horovodrun': No such file or directory",
     )
 
-    result = world.reconcile("a")
+    with pytest.raises(LaunchError):
+        world.reconcile("a")
 
     assert facts(world.condition("a", ConditionType.Running))[:2] == ("False", "LaunchFailed")
     assert get_condition(world.status("a").conditions, ConditionType.Failed) is None
@@ -1127,9 +1133,30 @@ def test_a_command_the_keeper_cannot_execute_is_a_launch_failure_not_an_exit(
         "LaunchFailed",
         "cannot launch a: cannot run 'horovodrun': No such file or directory",
     ) in world.events("a")
-    assert result == Result(requeue_after=1.0)
     world.clock.advance(1.0)
-    world.reconcile("a")
+    world.reconciler.reconcile("a", 1)
+    assert world.launcher.starts == [("a", 1, 4), ("a", 1, 4)]
+
+
+def test_an_exit_that_could_not_execute_the_command_is_recorded_once(world: World) -> None:
+    """The status recording a launch error outlived the launch's record (the operator was
+    killed between the commit and the record's removal): it is not a second failure."""
+    started(world, herd_job())
+    state = replace(
+        world.launcher.states["a"],
+        phase=ProcessPhase.EXITED,
+        exit_code=127,
+        launch_error="cannot run 'horovodrun': Permission denied",
+    )
+    world.launcher.states["a"] = state
+    with pytest.raises(LaunchError):
+        world.reconcile("a")
+    world.launcher.states["a"] = state  # the record is still there
+
+    world.reconcile("a")  # launches again, and says nothing of the old exit
+
+    (event,) = [e for e in world.raw_events("a") if e.reason == "LaunchFailed"]
+    assert event.count == 1
     assert world.launcher.starts == [("a", 1, 4), ("a", 1, 4)]
 
 

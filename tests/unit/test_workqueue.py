@@ -7,7 +7,10 @@ import time
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from herd_operator.controllers.errors import Backoff
 from herd_operator.controllers.workqueue import WorkQueue
 
 # Only a guard against a hang; never an assertion about speed.
@@ -179,6 +182,25 @@ def test_backoff_may_take_its_own_base_and_cap_and_counts_the_same_failures() ->
     assert slow == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
     assert queue.backoff("a") == 1.0  # the queue's own schedule, at the key's 9th failure
     assert queue.failures("a") == 9
+
+
+@settings(deadline=None)  # a loaded machine: no timing in unit tests
+@given(
+    base=st.floats(min_value=1e-3, max_value=10.0),
+    spread=st.floats(min_value=1.0, max_value=1e4),
+    tries=st.integers(min_value=1, max_value=80),
+)
+def test_a_backoff_schedule_says_the_delay_the_queue_gives(
+    base: float, spread: float, tries: int
+) -> None:
+    """What a launch failure's status says of its next try (`Backoff.delay` of the attempt)
+    is what the queue waits on that schedule, failure after failure."""
+    schedule = Backoff(base, base * spread)
+    queue = WorkQueue()
+    for attempt in range(1, tries + 1):
+        waited = queue.backoff("a", base_delay=base, max_delay=base * spread)
+        assert schedule.delay(attempt) == waited
+    assert queue.max_delay == 30.0
 
 
 def test_backoff_stays_at_cap_after_very_many_failures() -> None:

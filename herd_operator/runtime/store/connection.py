@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from herd_operator.controllers.errors import TemporaryError
+from herd_operator.controllers.errors import PermanentError, TemporaryError
 
 _log = logging.getLogger(__name__)
 
@@ -50,9 +50,16 @@ class StoreError(TemporaryError):
     """
 
 
-class DamagedStoreError(StoreError):
+class DamagedStoreError(StoreError, PermanentError):
     """The state database is corrupt, not a database, or was truncated: nothing waiting
-    can help, so the operator refuses to start on it (the message says how to recover)."""
+    can help, so the operator refuses to start on it (the message says how to recover).
+
+    A `StoreError` to whoever opens or reads the store, and a `PermanentError` to the
+    control loop, which checks that first: a reconcile that meets a damaged store is not
+    retried (it failed the same way every minute, for every job)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="StoreDamaged")
 
 
 DeferredWrite = Callable[[sqlite3.Connection], None]
@@ -254,11 +261,14 @@ class StoreBase(ABC):
     def _damaged(self, problem: str) -> DamagedStoreError:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         aside = shlex.quote(str(self.path.with_name(f"damaged-{stamp}")))
+        state_dir = shlex.quote(str(self.path.parent))
         return DamagedStoreError(
-            f"state store {self.path} is damaged: {problem}. To start over without it, stop"
-            f" the operator and move the file aside with its -wal and -shm files: `mkdir {aside}"
-            f" && mv {shlex.quote(str(self.path))}* {aside}/`. The jobs then start again from"
-            " their spec files; their events and history stay in the moved files."
+            f"state store {self.path} is damaged: {problem}. Waiting will not mend it"
+            f" (`herd-operator check-state --state-dir {state_dir} --full` checks the file)."
+            " To start over without it, stop the operator and move the file aside with its"
+            f" -wal and -shm files: `mkdir {aside} && mv {shlex.quote(str(self.path))}*"
+            f" {aside}/`. The jobs then start again from their spec files; their events and"
+            " history stay in the moved files."
         )
 
     @contextmanager

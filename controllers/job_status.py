@@ -1,0 +1,141 @@
+"""What every step of the reconcile shares: the parts it acts through, the writes it makes,
+and the pure helpers over a job's status.
+
+`ReconcilerBase` names the parts and settings `JobReconciler` is built with (each step's
+mixin reads them from it) and holds the writes every step makes: the status (`_save`
+clears `Stalled` once a reconcile goes through), the job's events, the grant history's drop
+to 0 GPUs, and the demand that holds a stopping job's GPUs. Apart from the steps because
+each step module builds on it, and none of it decides anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from herd_operator.controllers.ports import (
+    AllocatorPort,
+    EventType,
+    LauncherPort,
+    NodesPort,
+    ProcessState,
+    ReconcileObserver,
+    SpecSource,
+    StorePort,
+)
+from herd_operator.specs import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    HerdJob,
+    get_condition,
+    is_true,
+    set_condition,
+)
+from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.values import Demand
+
+log = logging.getLogger("herd_operator.controllers.reconciler")
+
+TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
+
+
+class ReconcilerBase:
+    """The parts and settings of a `JobReconciler` (set by its constructor), and the
+    writes every step of its reconcile makes."""
+
+    specs: SpecSource
+    store: StorePort
+    allocator: AllocatorPort
+    launcher: LauncherPort
+    nodes: NodesPort
+    observer: ReconcileObserver
+    clock: Callable[[], float]
+    resync_seconds: float
+    stop_poll_seconds: float
+    metrics_stale_seconds: float
+    report_deadline_seconds: float
+    worker_lost_grace_seconds: float
+
+    def _record_release(self, name: str, status: HerdJobStatus, reason: str, now: float) -> None:
+        """Log the drop to 0 GPUs of a job that ends (succeeded, failed, stopped, deleted).
+
+        The grant history is what `report` integrates: without this row a finished job would
+        count as holding its last grant until the end of the run. ``status.gpus.allocated``
+        is the level the history last logged (``_note_grant_change`` keeps them in step), so
+        a job that held nothing, or whose drop is logged already, gets no second row.
+        """
+        if allocated_gpus(status):
+            self.store.add_grant_change(name, 0, reason, now)
+
+    def _relaunch_reason(self, process: ProcessState, job: HerdJob) -> str:
+        """Why the running processes cannot follow this spec without a relaunch ('' if they can)."""
+        if process.launch is None:
+            return ""
+        return self.launcher.relaunch_reason(process.launch, job)
+
+    def _hold_gpus(self, name: str, priority: int, arrival: float) -> None:
+        """A stopping job keeps every GPU it holds until its processes are gone.
+
+        Its demand is pinned to its current size, so no other job is placed on a GPU
+        that a dying worker still uses.
+        """
+        grant = self.allocator.grant(name)
+        size = grant.placement.size if grant is not None else 0
+        if size:
+            self.allocator.request(Demand(name, size, size, size, priority, arrival))
+
+    def _save(self, name: str, status: HerdJobStatus, generation: int, now: float) -> None:
+        """Write the status of a reconcile that went through: a `Stalled` job has recovered."""
+        conditions = status.conditions
+        if is_true(conditions, ConditionType.Stalled):
+            conditions = set_condition(
+                conditions, ConditionType.Stalled, FALSE, "Recovered", "", generation, now
+            )
+        self._write(
+            name,
+            status.model_copy(update={"observed_generation": generation, "conditions": conditions}),
+            now,
+        )
+
+    def _write(self, name: str, status: HerdJobStatus, now: float) -> None:
+        # Most resyncs change nothing: the store then writes nothing.
+        self.store.put_status(name, status, now)
+
+    def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:
+        self.store.add_event(job, type, reason, message, now)
+        (log.warning if type == "Warning" else log.info)("%s: %s: %s", job, reason, message)
+
+
+def not_resizing(
+    conditions: tuple[Condition, ...], generation: int, now: float
+) -> tuple[Condition, ...]:
+    """`Resizing=False`: what a job with no running process shows, whatever its last run
+    was doing (unchanged, and no transition, when it says so already)."""
+    if not is_true(conditions, ConditionType.Resizing) and (
+        get_condition(conditions, ConditionType.Resizing) is not None
+    ):
+        return conditions
+    return set_condition(conditions, ConditionType.Resizing, FALSE, "Stable", "", generation, now)
+
+
+def allocated_gpus(status: HerdJobStatus) -> int:
+    return status.gpus.allocated if status.gpus else 0
+
+
+def is_finished(status: HerdJobStatus) -> bool:
+    return is_true(status.conditions, ConditionType.Succeeded) or is_true(
+        status.conditions, ConditionType.Failed
+    )
+
+
+def gpu_counts(
+    job: HerdJob, status: HerdJobStatus, desired: int | None, allocated: int, active: int | None
+) -> GpuCounts:
+    return GpuCounts(
+        min=job.spec.gpus.min,
+        max=job.spec.gpus.max,
+        desired=desired if desired is not None else (status.gpus.desired if status.gpus else None),
+        allocated=allocated,
+        active=active,
+    )

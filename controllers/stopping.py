@@ -1,0 +1,134 @@
+"""The reconcile's steps that end what a job runs or holds.
+
+`StopSteps` stops processes the spec has moved past (holding their GPUs until they are
+gone), keeps a finished job holding nothing, finishes a deleted job once its processes
+have exited, and records the operator's own shutdown in each status (a reconcile step the
+loop runs). Apart from the launch and running steps: each ends with no process of the job
+left, or waits for that.
+"""
+
+from __future__ import annotations
+
+from herd_operator.controllers.errors import TemporaryError
+from herd_operator.controllers.job_status import (
+    FALSE,
+    ReconcilerBase,
+    allocated_gpus,
+    gpu_counts,
+    not_resizing,
+)
+from herd_operator.controllers.ports import ProcessPhase, ProcessState, Result
+from herd_operator.specs import ConditionType, HerdJob, is_true, set_condition
+from herd_operator.specs.records import JobRecord
+from herd_operator.specs.status import HerdJobStatus
+
+
+class StopSteps(ReconcilerBase):
+    """Stopping, finishing and deleting a job."""
+
+    def record_shutdown(self, name: str) -> None:
+        """The operator stopped the job with itself: it no longer runs or holds GPUs."""
+        record = self.store.get_job(name)
+        if record is None:
+            return
+        status = record.status
+        running = is_true(status.conditions, ConditionType.Running)
+        if not running and not allocated_gpus(status):
+            return  # nothing ran and nothing was held (a job waiting in BackOff may hold GPUs)
+        now = self.clock()
+        self._record_release(name, status, "operator shut down", now)
+        conditions = status.conditions
+        if running:
+            self._event(name, "Normal", "Stopped", "operator shut down", now)
+            for condition_type in (ConditionType.Running, ConditionType.Resizing):
+                conditions = set_condition(
+                    conditions,
+                    condition_type,
+                    FALSE,
+                    "OperatorStopped",
+                    "the operator shut down",
+                    status.observed_generation,
+                    now,
+                )
+        gpus = (
+            status.gpus.model_copy(update={"allocated": 0, "active": None}) if status.gpus else None
+        )
+        status = status.model_copy(update={"conditions": conditions, "gpus": gpus, "placement": []})
+        self._write(name, status, now)
+
+    def _stop_if_superseded(
+        self,
+        name: str,
+        job: HerdJob,
+        record: JobRecord,
+        status: HerdJobStatus,
+        process: ProcessState,
+        now: float,
+    ) -> Result | None:
+        """Stop processes the spec has moved past; while they stop, hold their GPUs.
+
+        None when the running processes can follow the spec.
+        """
+        reason = self._relaunch_reason(process, job)
+        if reason and process.phase == ProcessPhase.RUNNING:
+            self.launcher.stop(name)
+            self._event(name, "Normal", "Relaunching", reason, now)
+            process = ProcessState(ProcessPhase.STOPPING, launch=process.launch)
+        if process.phase != ProcessPhase.STOPPING:
+            return None
+        self._hold_gpus(name, job.spec.priority, record.created_at)
+        conditions = set_condition(
+            status.conditions,
+            ConditionType.Running,
+            FALSE,
+            "Stopping",
+            reason or "waiting for the job's processes to exit",
+            record.generation,
+            now,
+        )
+        self._save(
+            name, status.model_copy(update={"conditions": conditions}), record.generation, now
+        )
+        return Result(requeue_after=self.stop_poll_seconds)
+
+    def _stay_finished(
+        self, name: str, job: HerdJob, status: HerdJobStatus, generation: int, now: float
+    ) -> Result:
+        """A job that succeeded or failed for this spec holds nothing and waits for an edit."""
+        self.allocator.release(name)
+        outcome = "succeeded" if is_true(status.conditions, ConditionType.Succeeded) else "failed"
+        self._record_release(name, status, f"job {outcome}", now)
+        status = status.model_copy(
+            update={
+                # Mends a status stored while an exit left Resizing as the run had it.
+                "conditions": not_resizing(status.conditions, generation, now),
+                "gpus": gpu_counts(job, status, None, 0, None),
+                "placement": [],
+                "grant_reason": "",
+            }
+        )
+        self._save(name, status, generation, now)
+        return Result()
+
+    def _finalize_deletion(self, name: str, now: float) -> Result:
+        process = self.launcher.state(name)
+        if process.phase in (ProcessPhase.RUNNING, ProcessPhase.STOPPING):
+            if process.phase == ProcessPhase.RUNNING:
+                self.launcher.stop(name)
+                self._event(name, "Normal", "Stopping", "spec deleted: stopping the job", now)
+            record = self.store.get_job(name)
+            if record is not None:
+                try:
+                    priority = record.spec.spec.priority
+                except TemporaryError:  # its stored spec is unreadable and the file is gone
+                    priority = 0  # the spec's default: the job only needs to finish stopping
+                self._hold_gpus(name, priority, record.created_at)
+            return Result(requeue_after=self.stop_poll_seconds)
+        self.launcher.forget(name)
+        self.allocator.release(name)
+        record = self.store.get_job(name)
+        if record is not None:
+            self._record_release(name, record.status, "spec deleted", now)
+        if self.store.delete_job(name):
+            self._event(name, "Normal", "Deleted", "spec deleted: job removed, GPUs freed", now)
+        return Result()
