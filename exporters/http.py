@@ -261,9 +261,10 @@ class MetricsServer(WSGIServer):
         """Peers whose connections were closed unread since the last warning."""
         self._next_flood_log = 0.0
         self._arrivals = 0
-        super().__init__(address, _Handler)  # binds and listens, or raises OSError
+        # Before the bind: a bind that fails calls server_close(), which closes these too.
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_writer.setblocking(False)
+        super().__init__(address, _Handler)  # binds and listens, or raises OSError
 
     # ---- what tests and benchmarks read ----
 
