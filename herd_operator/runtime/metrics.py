@@ -17,11 +17,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from herd_operator.controllers.loop import Outcome
+from herd_operator.lifecycle import LoopHealth
 from herd_operator.runtime.store import Store
 from herd_operator.specs import ConditionStatus, ConditionType
 from herd_operator.specs.conditions import get_condition
 from herd_operator.specs.status import HerdJobStatus
-from herd_operator.specs.values import Placement, Pool
+from herd_operator.specs.values import Placement, Pool, UsageSample
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RESIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -62,10 +63,13 @@ def job_status(status: HerdJobStatus) -> str:
 
 
 class OperatorMetrics:
-    """Counters and histograms the operator updates; also the controllers' resize observer."""
+    """Counters and histograms the operator updates; also the controllers' resize observer,
+    and the liveness of the operator's loops (`loops`, which each `Periodic` reports to)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self.loops = LoopHealth()
+        registry.register(LoopCollector(self.loops))
         self.reconcile_duration = Histogram(
             "herd_reconcile_duration_seconds",
             "Time one reconcile of one job took.",
@@ -113,6 +117,63 @@ class OperatorMetrics:
 
     def resize_completed(self, job: str, seconds: float) -> None:
         self.resize_duration.observe(seconds)
+
+
+def _add_if_known(family: GaugeMetricFamily, job: str, value: float | None) -> None:
+    if value is not None:
+        family.add_metric([job], value)
+
+
+def _memory_ratio(sample: UsageSample | None, holding: bool) -> float | None:
+    """Used over total memory at the job's last sample. A sample describes the GPUs the
+    job held then: only shown while it holds some."""
+    if sample is None or not sample.total_bytes or not holding:
+        return None
+    return sample.used_bytes / sample.total_bytes
+
+
+def _thresholds(policy: str, params: Mapping[str, object]) -> list[tuple[str, float]]:
+    """The memory policy's bounds, as its spec sets them or by default; none for others."""
+    if policy != "memory":
+        return []
+    found = []
+    for bound, default in (("low", 0.25), ("high", 0.75)):
+        threshold = params.get(bound, default)
+        if isinstance(threshold, int | float):
+            found.append((bound, float(threshold)))
+    return found
+
+
+class LoopCollector(Collector):
+    """Whether each of the operator's loops runs, its failed steps and its last success."""
+
+    def __init__(self, health: LoopHealth) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "herd_loop_up",
+            "1 while the loop's thread runs; 0 once it died (an error that ended it, said in"
+            " the log) or stopped.",
+            labels=["loop"],
+        )
+        errors = CounterMetricFamily(
+            "herd_loop_errors",
+            "Steps of the loop that failed (each logged, the first of a run with its"
+            " traceback, then at most once a minute; the loop backs off and goes on).",
+            labels=["loop"],
+        )
+        success = GaugeMetricFamily(
+            "herd_loop_last_success_timestamp_seconds",
+            "When a step of the loop last succeeded (Unix time).",
+            labels=["loop"],
+        )
+        for name, state in sorted(self.health.snapshot().items()):
+            up.add_metric([name], 1 if state.running else 0)
+            errors.add_metric([name], state.errors)
+            if state.last_success is not None:
+                success.add_metric([name], state.last_success)
+        yield from (up, errors, success)
 
 
 class StateCollector(Collector):
@@ -191,22 +252,14 @@ class StateCollector(Collector):
             if now_in in ENDED_STATUSES:
                 continue  # no policy asks, no worker reports: nothing else is current
             if status.gpus is not None:
-                if status.gpus.desired is not None:
-                    desired.add_metric([record.name], status.gpus.desired)
-                if status.gpus.active is not None:
-                    active.add_metric([record.name], status.gpus.active)
-            if status.epoch is not None:
-                epoch.add_metric([record.name], status.epoch)
-            sample = latest_usage.get(record.name)
-            # A sample describes the GPUs the job held then: only shown while it holds some.
-            if sample is not None and sample.total_bytes and record.name in holding:
-                memory.add_metric([record.name], sample.used_bytes / sample.total_bytes)
-            policy_name, params = policies.get(record.name, ("", {}))
-            if policy_name == "memory":
-                for bound, default in (("low", 0.25), ("high", 0.75)):
-                    threshold = params.get(bound, default)
-                    if isinstance(threshold, int | float):
-                        thresholds.add_metric([record.name, bound], float(threshold))
+                _add_if_known(desired, record.name, status.gpus.desired)
+                _add_if_known(active, record.name, status.gpus.active)
+            _add_if_known(epoch, record.name, status.epoch)
+            ratio = _memory_ratio(latest_usage.get(record.name), record.name in holding)
+            if ratio is not None:
+                memory.add_metric([record.name], ratio)
+            for bound, threshold in _thresholds(*policies.get(record.name, ("", {}))):
+                thresholds.add_metric([record.name, bound], threshold)
         for (condition_type, condition_status), count in sorted(counts.items()):
             jobs.add_metric([condition_type, condition_status], count)
         yield from (jobs, job_statuses, restarts, desired, allocated, active, epoch, memory)
