@@ -45,6 +45,7 @@ from pathlib import Path
 
 from herd_operator.exporters.gpu import GpuReading
 from herd_operator.exporters.sources import MetricSample, PrometheusGpuSource, ScrapeGpuSource
+from herd_operator.lifecycle import STOP_SECONDS, LoopHealth, Periodic
 
 log = logging.getLogger(__name__)
 
@@ -242,30 +243,38 @@ def _replace(path: Path, text: str) -> None:
 
 
 class JobMappingLoop:
-    """Runs `writer.write()` every `interval` seconds on a thread until `stop()`."""
+    """Runs `writer.write()` every `interval` seconds on a thread (a `Periodic`, the first
+    write at once) until `stop()`, which removes the files unless `clear_on_stop` is False
+    (the operator then clears them itself unless it hands its jobs over)."""
 
-    def __init__(self, writer: JobMappingWriter, interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        writer: JobMappingWriter,
+        interval: float = 1.0,
+        *,
+        clear_on_stop: bool = True,
+        health: LoopHealth | None = None,
+    ) -> None:
         self.writer = writer
         self.interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dcgm-job-mapping", daemon=True)
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.writer.write()
-            except Exception:  # a bug in owners(): the loop goes on
-                log.exception("writing the DCGM job mapping failed; will retry")
-            if self._stop.wait(self.interval):
-                return
+        self.clear_on_stop = clear_on_stop
+        self._loop = Periodic(
+            "dcgm-job-mapping",
+            writer.write,
+            interval,
+            what="writing the DCGM job mapping",
+            immediately=True,
+            health=health,
+            logger=log,
+        )
+        self.name = self._loop.name
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop.start()
 
-    def stop(self, *, clear: bool = True) -> None:
-        """Stop writing; with `clear`, remove the files (no job is known to hold the GPUs)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        if clear:
+    def stop(self, timeout: float = STOP_SECONDS, *, clear: bool | None = None) -> None:
+        """Stop writing; with `clear` (default: `clear_on_stop`), remove the files (no job is
+        known to hold the GPUs)."""
+        self._loop.stop(timeout)
+        if self.clear_on_stop if clear is None else clear:
             self.writer.clear()

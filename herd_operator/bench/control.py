@@ -27,8 +27,9 @@ from herd_operator.bench.jobs import bench_job
 from herd_operator.environment import JOB_ENV
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.config import OperatorConfig
 from herd_operator.runtime.engines.horovod import GrantPublisher
-from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.operator import Operator
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
 from herd_operator.specs.values import Demand, Placement, Pool

@@ -29,8 +29,9 @@ from herd_operator.bench.harness import (
     stop_session,
 )
 from herd_operator.layout import write_atomically
+from herd_operator.runtime.config import OperatorConfig
 from herd_operator.runtime.engines.horovod import horovodrun_executable
-from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.operator import Operator
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.specs.values import Pool
 

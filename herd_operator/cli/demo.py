@@ -23,7 +23,8 @@ import yaml
 
 from herd_operator.cli.views import format_table, job_object
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.config import OperatorConfig
+from herd_operator.runtime.operator import Operator
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.store import Store
 from herd_operator.specs.values import Pool

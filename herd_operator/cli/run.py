@@ -242,8 +242,9 @@ def _state_options(run: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from herd_operator.runtime.config import OperatorConfig, OperatorError
     from herd_operator.runtime.engines.horovod import local_names
-    from herd_operator.runtime.operator import Operator, OperatorConfig, OperatorError, tune_gc
+    from herd_operator.runtime.operator import Operator, tune_gc
     from herd_operator.runtime.pools import DEFAULT_VIRTUAL_GPUS, PoolOptions, discover_pool
     from herd_operator.runtime.reach import local_interfaces, own_address, plan_reach
 

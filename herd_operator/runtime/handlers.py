@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeGuard
 
 from herd_operator.auth import Identity
 from herd_operator.layout import write_atomically
+from herd_operator.lifecycle import STOP_SECONDS, LoopHealth, Periodic
 from herd_operator.rpc.protocol import (
     BadRequest,
     Forbidden,
@@ -306,6 +307,7 @@ EXPORTER_EXPIRY_SECONDS = 90.0
 """A node exporter not heard from for this long is dropped from the scrape targets and the
 scraped URLs. Exporters register again every 5 s (`REGISTER_EVERY_SECONDS` in
 herd_operator/agent/exporter.py, their heartbeat): long silence means it stopped."""
+EXPORTER_EXPIRE_EVERY_SECONDS = 5.0
 
 
 def _exporter_address(args: dict[str, Any]) -> str:
@@ -322,8 +324,8 @@ class ExporterRegistry:
     Kept as Prometheus file_sd targets (with the operator's own endpoint) and as the
     URLs the usage observer scrapes when the pool spans several hosts. An exporter that
     stops registering (its node or its agent stopped) expires after `expire_after`
-    seconds: `expire()` (run every few seconds by the operator, and on each
-    registration and each `urls()`) drops it and rewrites the targets file.
+    seconds: `expire()` (every `expire_every` seconds from `start()` to `stop()`, and on
+    each registration and each `urls()`) drops it and rewrites the targets file.
     """
 
     def __init__(
@@ -334,6 +336,8 @@ class ExporterRegistry:
         expire_after: float = EXPORTER_EXPIRY_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         pool: Callable[[], Pool] | None = None,
+        expire_every: float = EXPORTER_EXPIRE_EVERY_SECONDS,
+        health: LoopHealth | None = None,
     ) -> None:
         self.targets_file = targets_file
         self.operator_address = operator_address
@@ -345,8 +349,16 @@ class ExporterRegistry:
         self._exporters: dict[str, float] = {}
         """address -> when it last registered"""
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._expiry = Periodic(
+            "exporter-expiry",
+            self.expire,
+            expire_every,
+            what="expiring silent node exporters",
+            # The targets file could not be written: the next round tries again.
+            expected=(OSError,),
+            health=health,
+        )
+        self.name = self._expiry.name
 
     def urls(self) -> list[str]:
         self.expire()
@@ -394,23 +406,12 @@ class ExporterRegistry:
             self.write_targets()
         return gone
 
-    def start(self, interval: float = 5.0) -> None:
-        """Expire exporters every `interval` seconds on a thread, until `stop()`."""
+    def start(self) -> None:
+        """Expire exporters every `expire_every` seconds on a thread, until `stop()`."""
+        self._expiry.start()
 
-        def run() -> None:
-            while not self._stop.wait(interval):
-                try:
-                    self.expire()
-                except OSError as err:  # the targets file could not be written: next time
-                    log.warning("cannot rewrite the scrape targets: %s", err)
-
-        self._thread = threading.Thread(target=run, name="exporter-expiry", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(timeout=5)
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        self._expiry.stop(timeout)
 
     def write_targets(self) -> None:
         """Prometheus file_sd targets: the operator and every registered node exporter."""

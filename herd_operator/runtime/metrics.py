@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from herd_operator.controllers.loop import Outcome
+from herd_operator.lifecycle import LoopHealth
 from herd_operator.runtime.store import Store
 from herd_operator.specs import ConditionStatus, ConditionType
 from herd_operator.specs.conditions import get_condition
@@ -62,10 +63,13 @@ def job_status(status: HerdJobStatus) -> str:
 
 
 class OperatorMetrics:
-    """Counters and histograms the operator updates; also the controllers' resize observer."""
+    """Counters and histograms the operator updates; also the controllers' resize observer,
+    and the liveness of the operator's loops (`loops`, which each `Periodic` reports to)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self.loops = LoopHealth()
+        registry.register(LoopCollector(self.loops))
         self.reconcile_duration = Histogram(
             "herd_reconcile_duration_seconds",
             "Time one reconcile of one job took.",
@@ -113,6 +117,38 @@ class OperatorMetrics:
 
     def resize_completed(self, job: str, seconds: float) -> None:
         self.resize_duration.observe(seconds)
+
+
+class LoopCollector(Collector):
+    """Whether each of the operator's loops runs, its failed steps and its last success."""
+
+    def __init__(self, health: LoopHealth) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "herd_loop_up",
+            "1 while the loop's thread runs; 0 once it died (an error that ended it, said in"
+            " the log) or stopped.",
+            labels=["loop"],
+        )
+        errors = CounterMetricFamily(
+            "herd_loop_errors",
+            "Steps of the loop that failed (each logged, the first of a run with its"
+            " traceback, then at most once a minute; the loop backs off and goes on).",
+            labels=["loop"],
+        )
+        success = GaugeMetricFamily(
+            "herd_loop_last_success_timestamp_seconds",
+            "When a step of the loop last succeeded (Unix time).",
+            labels=["loop"],
+        )
+        for name, state in sorted(self.health.snapshot().items()):
+            up.add_metric([name], 1 if state.running else 0)
+            errors.add_metric([name], state.errors)
+            if state.last_success is not None:
+                success.add_metric([name], state.last_success)
+        yield from (up, errors, success)
 
 
 class StateCollector(Collector):

@@ -11,12 +11,12 @@ writes fail, once a minute at most, and a traceback a second said it again.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 
 from herd_operator.controllers.errors import TemporaryError
 from herd_operator.exporters.gpu import GpuReading, GpuSource
+from herd_operator.lifecycle import STOP_SECONDS, LoopHealth, Periodic
 from herd_operator.specs.values import Placement
 
 log = logging.getLogger(__name__)
@@ -51,13 +51,25 @@ class UsageObserver:
         record: RecordUsage,
         *,
         interval: float = 1.0,
+        health: LoopHealth | None = None,
     ) -> None:
         self.source = source
         self.placements = placements
         self.record = record
         self.interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="usage-observer", daemon=True)
+        self._loop = Periodic(
+            "usage-observer",
+            self.sample_once,
+            interval,
+            what="sampling GPU usage",
+            health=health,
+            # Back within seconds of a source that failed: a job's samples go stale in 15.
+            max_backoff=5.0,
+        )
+
+    @property
+    def name(self) -> str:
+        return self._loop.name
 
     def sample_once(self) -> None:
         now = time.time()
@@ -70,17 +82,8 @@ class UsageObserver:
                 log.debug("GPU usage not recorded this round: %s", err)
                 return
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.sample_once()
-            except Exception:
-                log.exception("GPU usage sampling failed; will retry")
-
     def start(self) -> None:
-        self._thread.start()
+        self._loop.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        self._loop.stop(timeout)

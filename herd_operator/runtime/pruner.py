@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from herd_operator.layout import StateLayout
+from herd_operator.lifecycle import STOP_SECONDS, LoopHealth, Periodic
 from herd_operator.runtime.store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ class PruneResult:
 
 class Pruner:
     """Removes deleted jobs' grant history and files once they are older than the
-    retention; `prune_once` is one full walk, `start` walks every `interval` seconds."""
+    retention; `prune_once` is one full walk, `start` walks every `interval` seconds (a
+    `Periodic`: a failing walk is logged and retried)."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class Pruner:
         interval_seconds: float = PRUNE_INTERVAL_SECONDS,
         pause_seconds: float = PAUSE_SECONDS,
         clock: Callable[[], float] = time.time,
+        health: LoopHealth | None = None,
     ) -> None:
         if retention_seconds < 0:
             raise ValueError(f"retention_seconds must be >= 0, got {retention_seconds}")
@@ -72,37 +74,38 @@ class Pruner:
         self.interval_seconds = interval_seconds
         self.pause_seconds = pause_seconds
         self.clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Periodic(
+            "pruner",
+            self._walk,
+            interval_seconds,
+            what="pruning deleted jobs' history and files",
+            # A full disk, a busy database: the next walk retries.
+            expected=(StoreError,),
+            health=health,
+        )
+        self._stop = self._loop.stopping
+
+    @property
+    def name(self) -> str:
+        return self._loop.name
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="pruner", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        self._loop.stop(timeout)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
-            try:
-                result = self.prune_once()
-            except StoreError as err:  # a full disk, a busy database: the next walk retries
-                log.warning("pruning deleted jobs' history: %s", err)
-                continue
-            except Exception:  # one bad walk must not end pruning for the allocation
-                log.exception("pruning deleted jobs' history and files failed")
-                continue
-            if result.histories or result.files:
-                log.info(
-                    "pruned %d deleted job(s)' grant history and %d file(s) (%d bytes)"
-                    " older than %.0f s",
-                    result.histories,
-                    result.files,
-                    result.bytes,
-                    self.retention_seconds,
-                )
+    def _walk(self) -> None:
+        result = self.prune_once()
+        if result.histories or result.files:
+            log.info(
+                "pruned %d deleted job(s)' grant history and %d file(s) (%d bytes)"
+                " older than %.0f s",
+                result.histories,
+                result.files,
+                result.bytes,
+                self.retention_seconds,
+            )
 
     def prune_once(self) -> PruneResult:
         """One walk over the grant history and the per-job files, in small steps."""

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from herd_operator.controllers.ports import SpecView
+from herd_operator.lifecycle import STOP_SECONDS, LoopHealth, Periodic
 from herd_operator.policies.base import PolicyError
 from herd_operator.policies.registry import load_policy
 from herd_operator.runtime.engines import UnknownEngineError, engine_problem
 from herd_operator.specs import (
     SpecError,
     SpecFile,
+    SpecIndex,
     index_specs,
     is_spec_filename,
     load_spec_file,
@@ -106,8 +108,6 @@ class SpecDirectory:
 
     def relist(self) -> set[str]:
         """Re-read the directory; returns the names whose view changed (new and deleted too)."""
-        files: dict[str, tuple[_Stamp, SpecFile, str]] = {}
-        skipped: dict[str, str] = {}
         try:
             entries = list(os.scandir(self.directory))
         except FileNotFoundError:
@@ -115,6 +115,34 @@ class SpecDirectory:
             entries = []
         directory = self.directory.resolve()
         self._warn_if_writable_by_others(directory)
+        files, skipped = self._read(entries, directory)
+        for file_name in sorted(skipped.keys() - self._skipped.keys()):
+            log.warning("spec directory: skipping %s: %s", file_name, skipped[file_name])
+        self._skipped = skipped
+        spec_files, fingerprints, declared = self._declared_by(files)
+        index = index_specs(spec_files)
+        views, keys = _views_of(index, fingerprints)
+        unnamed = tuple(str(error) for error in index.unnamed)
+        with self._lock:
+            changed = {
+                name
+                for name in views.keys() | self._keys.keys()
+                if keys.get(name) != self._keys.get(name)
+            }
+            new_unnamed = set(unnamed) - set(self._unnamed)
+            self._files, self._views, self._keys, self._unnamed = files, views, keys, unnamed
+            self._declared = declared
+        for message in sorted(new_unnamed):
+            log.warning("invalid spec file: %s", message)
+        return changed
+
+    def _read(
+        self, entries: list[os.DirEntry[str]], directory: Path
+    ) -> tuple[dict[str, tuple[_Stamp, SpecFile, str]], dict[str, str]]:
+        """Per spec file: its stamp, what loading it gave and its job's fingerprint (read
+        again only when its stamp changed); and the entries skipped, with why."""
+        files: dict[str, tuple[_Stamp, SpecFile, str]] = {}
+        skipped: dict[str, str] = {}
         for entry in sorted(entries, key=lambda e: e.name):
             if not is_spec_filename(entry.name):
                 continue
@@ -144,12 +172,16 @@ class SpecDirectory:
                 loaded = with_known_references(load_spec_file(path))
                 fingerprint = spec_fingerprint(loaded.job) if loaded.job is not None else ""
                 files[entry.name] = (stamp, loaded, fingerprint)
-        for file_name in sorted(skipped.keys() - self._skipped.keys()):
-            log.warning("spec directory: skipping %s: %s", file_name, skipped[file_name])
-        self._skipped = skipped
+        return files, skipped
+
+    def _declared_by(
+        self, files: dict[str, tuple[_Stamp, SpecFile, str]]
+    ) -> tuple[list[SpecFile], dict[int, str], dict[str, str]]:
+        """The files to index, their fingerprints (by the loaded SpecFile's identity) and
+        the job name each file declares now."""
         declared: dict[str, str] = {}
         spec_files = []
-        fingerprints: dict[int, str] = {}  # by the loaded SpecFile's identity
+        fingerprints: dict[int, str] = {}
         for file_name, (_, spec_file, fingerprint) in files.items():
             fingerprints[id(spec_file)] = fingerprint
             if (
@@ -164,31 +196,26 @@ class SpecDirectory:
             if spec_file.name is not None:
                 declared[file_name] = spec_file.name
             spec_files.append(spec_file)
-        index = index_specs(spec_files)
-        views: dict[str, SpecView] = {}
-        keys: dict[str, tuple[str, ...]] = {}
-        for name, spec_file in index.jobs.items():
-            assert spec_file.job is not None
-            fingerprint = fingerprints[id(spec_file)]
-            views[name] = SpecView(name, str(spec_file.path), spec_file.job, (), fingerprint)
-            keys[name] = (str(spec_file.path), fingerprint)
-        for name, errors in index.invalid.items():
-            messages = tuple(str(error) for error in errors)
-            views[name] = SpecView(name, errors[0].file if errors else "", None, messages)
-            keys[name] = messages
-        unnamed = tuple(str(error) for error in index.unnamed)
-        with self._lock:
-            changed = {
-                name
-                for name in views.keys() | self._keys.keys()
-                if keys.get(name) != self._keys.get(name)
-            }
-            new_unnamed = set(unnamed) - set(self._unnamed)
-            self._files, self._views, self._keys, self._unnamed = files, views, keys, unnamed
-            self._declared = declared
-        for message in sorted(new_unnamed):
-            log.warning("invalid spec file: %s", message)
-        return changed
+        return spec_files, fingerprints, declared
+
+
+def _views_of(
+    index: SpecIndex, fingerprints: dict[int, str]
+) -> tuple[dict[str, SpecView], dict[str, tuple[str, ...]]]:
+    """Each job's view, and the key that says when it changed (its file and fingerprint, or
+    its errors)."""
+    views: dict[str, SpecView] = {}
+    keys: dict[str, tuple[str, ...]] = {}
+    for name, spec_file in index.jobs.items():
+        assert spec_file.job is not None
+        fingerprint = fingerprints[id(spec_file)]
+        views[name] = SpecView(name, str(spec_file.path), spec_file.job, (), fingerprint)
+        keys[name] = (str(spec_file.path), fingerprint)
+    for name, errors in index.invalid.items():
+        messages = tuple(str(error) for error in errors)
+        views[name] = SpecView(name, errors[0].file if errors else "", None, messages)
+        keys[name] = messages
+    return views, keys
 
 
 def with_known_references(spec_file: SpecFile) -> SpecFile:
@@ -222,31 +249,40 @@ class DirectoryWatcher:
         *,
         relist_seconds: float = 10.0,
         use_events: bool = True,
+        health: LoopHealth | None = None,
     ) -> None:
         self.specs = specs
         self.on_changed = on_changed
         self.relist_seconds = relist_seconds
         self.use_events = use_events
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="spec-relist", daemon=True)
+        self._loop = Periodic(
+            "spec-relist",
+            self._relist,
+            relist_seconds,
+            what=f"relist of {specs.directory}",
+            health=health,
+        )
         self._observer: object | None = None
+
+    @property
+    def name(self) -> str:
+        return self._loop.name
 
     def start(self) -> None:
         self.on_changed(self.specs.relist())
         if self.use_events:
             self._start_observer()
-        self._thread.start()
+        self._loop.start()
 
     def _start_observer(self) -> None:
         from watchdog.events import FileSystemEvent, FileSystemEventHandler
         from watchdog.observers import Observer
 
-        wake = self._wake
+        wake = self._loop.wake
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
-                wake.set()
+                wake()
 
         observer = Observer()
         try:
@@ -262,26 +298,14 @@ class DirectoryWatcher:
             return
         self._observer = observer
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.relist_seconds)
-            if self._stop.is_set():
-                break
-            self._wake.clear()
-            try:
-                changed = self.specs.relist()
-            except Exception:
-                log.exception("relist of %s failed; will retry", self.specs.directory)
-                continue
-            if changed:
-                self.on_changed(changed)
+    def _relist(self) -> None:
+        changed = self.specs.relist()
+        if changed:
+            self.on_changed(changed)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
         observer = self._observer
         if observer is not None:
             observer.stop()  # type: ignore[attr-defined]
-            observer.join(timeout=5)  # type: ignore[attr-defined]
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            observer.join(timeout=timeout)  # type: ignore[attr-defined]
+        self._loop.stop(timeout)

@@ -30,19 +30,15 @@ from herd_operator.controllers.reconciler import JobReconciler
 from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.environment import JOB_ENV, STATE_DIR_ENV
 from herd_operator.layout import StateLayout
+from herd_operator.runtime.adoption import _bindings, _placement_of, adopt, adopted_holdings
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import Binding
+from herd_operator.runtime.config import OperatorConfig
 from herd_operator.runtime.dispatch import EngineDispatch
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.keeper import read_exit_file, read_launch_error
 from herd_operator.runtime.launcher import Adopted, Launcher, LaunchRequest
-from herd_operator.runtime.operator import (
-    ExitsRecordedFirst,
-    OperatorConfig,
-    _bindings,
-    _placement_of,
-    adopted_holdings,
-)
+from herd_operator.runtime.operator import ExitsRecordedFirst
 from herd_operator.runtime.operator import Operator as HerdOperator
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.runtime.process_table import JobProcess, find_orphans, job_processes
@@ -694,7 +690,7 @@ def test_an_operator_killed_at_any_point_of_a_launch_leaves_one_launch_and_one_s
         assert (spawned is None) == (kill_at == "before the process")
 
         successor = Operator(layout, specs, successor_launcher)
-        adopted = successor_launcher.adopt_recorded()  # what Operator._adopt does first
+        adopted = successor_launcher.adopt_recorded()  # what the operator's `adopt` does first
         running = {item.info.launch_id for item in adopted if item.running}
         assert find_orphans(job_processes(layout.root), running) == [], "nothing to stop"
         if spawned is None:
@@ -918,7 +914,7 @@ class AdoptingOperator(HerdOperator):
         )
         launcher = Launcher(Exits(), grace_seconds=2.0, records_dir=self.layout.launches_dir)
         self.launcher = launcher
-        self._adopt(store, allocator, launcher, engines)
+        adopt(self.layout, store, allocator, launcher, engines, self.config.grace_seconds)
         return allocator
 
 

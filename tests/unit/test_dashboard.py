@@ -77,6 +77,9 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
     metrics = OperatorMetrics(registry)
     metrics.resize_completed("resnet", 3.0)
     metrics.reconcile_duration.observe(0.01)
+    metrics.loops.started("pruner")  # a loop that ran a step and failed one
+    metrics.loops.succeeded("pruner")
+    metrics.loops.failed("pruner")
     registry.register(
         StateCollector(
             store, lambda: Pool.from_counts({"n1": 2}), lambda: placements,

@@ -39,10 +39,12 @@ from herd_operator.exporters.dcgm import (
     dcgm_exporter_urls,
 )
 from herd_operator.exporters.gpu import GpuReading
+from herd_operator.runtime.config import OperatorConfig
 from herd_operator.runtime.handlers import ExporterRegistry
 from herd_operator.runtime.observer import UsageObserver
-from herd_operator.runtime.operator import Operator, OperatorConfig
+from herd_operator.runtime.operator import Operator
 from herd_operator.runtime.pools import StaticPool
+from herd_operator.runtime.telemetry import job_mapping, observed_gpus
 from herd_operator.specs.values import Placement, Pool
 
 HELP = {
@@ -383,15 +385,19 @@ def test_run_flags_point_the_memory_signal_at_dcgm(tmp_path: Path) -> None:
 
     registry = ExporterRegistry(tmp_path / "targets.json", None)
     scraped = operator_for(tmp_path, {"nid001": 4, "nid002": 4}, gpu_metrics="dcgm")
-    source = scraped._observed_gpus(None, registry)
+    source = observed_gpus(scraped.config, None, registry)
     assert isinstance(source, DcgmScrapeGpuSource)
     assert source._urls == ["http://nid001:9400/metrics", "http://nid002:9400/metrics"]
     through_prometheus = operator_for(
         tmp_path, {"nid001": 4}, gpu_metrics="dcgm", prometheus_url="http://prom:9090"
     )
-    assert isinstance(through_prometheus._observed_gpus(None, registry), DcgmPrometheusGpuSource)
+    assert isinstance(
+        observed_gpus(through_prometheus.config, None, registry), DcgmPrometheusGpuSource
+    )
     herd_metrics = operator_for(tmp_path, {"nid001": 4}, prometheus_url="http://prom:9090")
-    assert not isinstance(herd_metrics._observed_gpus(None, registry), DcgmPrometheusGpuSource)
+    assert not isinstance(
+        observed_gpus(herd_metrics.config, None, registry), DcgmPrometheusGpuSource
+    )
 
 
 def test_a_one_host_operator_maps_the_gpus_its_jobs_hold(tmp_path: Path) -> None:
@@ -400,13 +406,13 @@ def test_a_one_host_operator_maps_the_gpus_its_jobs_hold(tmp_path: Path) -> None
             return {"resnet": Placement((("nid001", (0, 2)),)), "bert": Placement.EMPTY}
 
     operator = operator_for(tmp_path, {"nid001": 4}, dcgm_job_mapping_dir=tmp_path / "map")
-    loop = operator._job_mapping(Placements())  # type: ignore[arg-type]
+    loop = job_mapping(operator.config, Placements())  # type: ignore[arg-type]
     assert loop is not None
     loop.writer.write()
     assert hpc_jobs_by_gpu(tmp_path / "map") == {"0": ["resnet"], "2": ["resnet"]}
     # Many hosts: each node's exporter keeps its own node's files.
     many = operator_for(tmp_path, {"a": 1, "b": 1}, dcgm_job_mapping_dir=tmp_path / "map")
-    assert many._job_mapping(Placements()) is None  # type: ignore[arg-type]
+    assert job_mapping(many.config, Placements()) is None  # type: ignore[arg-type]
 
 
 def test_unknown_owners_leave_the_files_as_they_are(tmp_path: Path) -> None:

@@ -493,7 +493,8 @@ def test_the_watchs_cordon_takes_the_store_before_the_allocators_lock(tmp_path: 
     (a report's world size); the node watch's cordon, on its own thread, decides and writes
     the decision to the store. Were it to hold the allocator's lock while it waits for the
     store, both would wait for ever: that stopped an operator in a run of the Slurm test."""
-    from herd_operator.runtime.operator import Operator, OperatorConfig
+    from herd_operator.runtime.config import OperatorConfig
+    from herd_operator.runtime.operator import Operator
     from herd_operator.runtime.pools import StaticPool
     from herd_operator.runtime.store import Store
 
@@ -551,7 +552,8 @@ def test_gpus_a_shrink_takes_back_on_a_cordoned_node_go_to_nobody(allocator: All
 
 def test_the_node_lost_event_names_the_jobs_that_still_hold_gpus_there(tmp_path: Path) -> None:
     """Issue 25, item 8: the event said "no GPU of it is granted" while a job held 2 there."""
-    from herd_operator.runtime.operator import Operator, OperatorConfig
+    from herd_operator.runtime.config import OperatorConfig
+    from herd_operator.runtime.operator import Operator
     from herd_operator.runtime.pools import StaticPool
     from herd_operator.runtime.store import Store
 

@@ -18,12 +18,8 @@ import pytest
 
 from herd_operator.auth import agent_key, read_token_file
 from herd_operator.layout import StateLayout, make_runtime_dir
-from herd_operator.runtime.operator import (
-    Operator,
-    OperatorConfig,
-    OperatorError,
-    raise_descriptor_limit,
-)
+from herd_operator.runtime.config import OperatorConfig, OperatorError
+from herd_operator.runtime.operator import Operator, raise_descriptor_limit
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.specs import ConditionStatus, ConditionType, HerdJob, set_condition
 from herd_operator.specs.status import HerdJobStatus
@@ -246,3 +242,51 @@ def test_the_allocator_options_of_run_reach_the_operators_allocator(
     # The two ways of dividing by gain are one or the other: argparse refuses both.
     with pytest.raises(SystemExit):
         cli.main(["run", *common, "--spare-by-gain", "--share-by-gain"])
+
+
+def test_a_start_refused_after_the_store_opened_leaves_no_endpoint_nor_runtime_dir(
+    tmp_path: Path,
+) -> None:
+    """Issue 26, item 3: `--specs-dir` naming a regular file is refused once the operator has
+    opened its store, written its endpoint file and made its runtime dir. The refused start
+    left `allocator.json` (with its dead pid), the `runtime-dir` record and the runtime dir
+    with its grants behind; it must undo them, and a second start then works."""
+    config = refused_start_config(tmp_path, metrics_port=None)
+    config.specs_dir.write_text("not a directory\n")
+    layout = StateLayout(config.state_dir)
+    with pytest.raises(NotADirectoryError):
+        Operator(config).run(threading.Event())
+    assert not layout.endpoint_file.exists()
+    assert not layout.runtime_record.exists()
+    assert list((tmp_path / "runtime").iterdir()) == []
+    assert not layout.grants_dir.exists()
+    assert rpc_threads() == []
+
+    config.specs_dir.unlink()
+    config.specs_dir.mkdir()
+    with running_operator(config) as operator:
+        assert operator.layout.runtime is not None and operator.layout.grants_dir.is_dir()
+        assert layout.endpoint_file.exists()
+    assert not layout.endpoint_file.exists()
+    assert list((tmp_path / "runtime").iterdir()) == []
+
+
+def test_a_refused_start_puts_back_the_endpoint_file_a_crashed_operator_left(
+    tmp_path: Path,
+) -> None:
+    """The workers of a crashed operator's jobs know the port in its endpoint file, which the
+    next start listens on again: a start refused after it wrote its own file puts that one
+    back (it wrote over it), for the start after it."""
+    layout = StateLayout(tmp_path / "state")
+    layout.root.mkdir(parents=True)
+    config = refused_start_config(tmp_path, metrics_port=None)
+    config.specs_dir.write_text("not a directory\n")
+    with socket.socket() as taken:  # the crashed operator's port, still held: not reused
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        crashed = f'{{"address": "127.0.0.1:{taken.getsockname()[1]}", "pid": 2147483646}}'
+        layout.endpoint_file.write_text(crashed)
+        with pytest.raises(NotADirectoryError):
+            Operator(config).run(threading.Event())
+    assert layout.endpoint_file.read_text() == crashed
+    assert rpc_threads() == []

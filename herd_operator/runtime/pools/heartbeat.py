@@ -43,6 +43,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from herd_operator.controllers.ports import NodeVerdict
+from herd_operator.lifecycle import STOP_SECONDS, LoopHealth, Periodic
 from herd_operator.specs.values import Pool
 
 log = logging.getLogger(__name__)
@@ -212,6 +213,19 @@ def tcp_probe(host: str, port: int, timeout: float, refusal_answers: bool) -> bo
         return False
 
 
+@dataclass(frozen=True)
+class _Round:
+    """What one check of the watch found (`NodeWatch._judge_all`)."""
+
+    judged: dict[str, Judgement]
+    probes: dict[str, int | None]
+    """The nodes to probe now, with their agent's port (None: none known)."""
+    newly_lost: set[str]
+    maybe_back: set[str]
+    """Nodes told lost that are judged OK now: back if their pool source still lists them."""
+    newly_suspect: set[str]
+
+
 def _in_a_thread(work: Callable[[], None]) -> None:
     threading.Thread(target=work, name="node-probe", daemon=True).start()
 
@@ -238,6 +252,7 @@ class NodeWatch:
         run_probe: Callable[[Callable[[], None]], None] = _in_a_thread,
         still_listed: Callable[[str], bool] = lambda host: True,
         rules: WatchRules | None = None,
+        health: LoopHealth | None = None,
     ) -> None:
         """`local_hosts`: this host's names (never suspected for vanished workers).
         `still_listed(host)`: asked before a lost node is back; False keeps it out (its
@@ -263,9 +278,17 @@ class NodeWatch:
         """Per job, the nodes where it lost workers (asked too when it ends in failure)."""
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Periodic(
+            "node-watch",
+            self.check,
+            CHECK_SECONDS,
+            what="the node watch's check",
+            health=health,
+            # A lost node must still be said within seconds of a check that works again.
+            max_backoff=4 * CHECK_SECONDS,
+        )
+        self._wake = self._loop.wake
+        self.name = self._loop.name
 
     # ---- what others call ----
 
@@ -284,7 +307,7 @@ class NodeWatch:
             )
             doubted = host in self._lost or host in self._suspect
         if doubted:
-            self._wake.set()
+            self._wake()
 
     def workers_vanished(self, job: str, hosts: Collection[str]) -> None:
         """`job` lost workers that ran on `hosts` (the allocator's WorkerLost): they are
@@ -298,7 +321,7 @@ class NodeWatch:
                 while len(self._vanished_by_job) > EXITS_KEPT:
                     self._vanished_by_job.popitem(last=False)
         if remote:
-            self._wake.set()
+            self._wake()
 
     def exit_verdict(self, key: str, job: str, hosts: Collection[str]) -> NodeVerdict:
         """A launch (`key`) of `job` whose workers ran on `hosts` ended in failure: which of
@@ -316,7 +339,7 @@ class NodeWatch:
             considered, at = entry
             result = verdict(self._facts, considered, at, now, self.rules, self._lost)
         if result.waiting:
-            self._wake.set()
+            self._wake()
         return result
 
     def unavailable(self) -> frozenset[str]:
@@ -342,63 +365,66 @@ class NodeWatch:
             self._facts = {h: f for h, f in self._facts.items() if h in self.hosts}
             self._lost &= self.hosts
             self._suspect &= self.hosts
-        self._wake.set()
+        self._wake()
 
     # ---- the watch ----
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._watch, name="node-watch", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(5)
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        self._loop.stop(timeout)
 
     def check(self) -> set[str]:
         """Judge every node: probe those due, tell and cordon those lost or back; returns
         the nodes newly lost."""
         with self._lock:
             now = self.clock()
-            judged = {host: judge(facts, now, self.rules) for host, facts in self._facts.items()}
-            due = [
-                host
-                for host, judgement in judged.items()
-                if probe_due(self._facts[host], judgement, now, self.rules)
-            ]
-            for host in due:
-                self._facts[host] = replace(self._facts[host], probing=True)
-            targets = {host: self._facts[host].agent_port for host in due}
-            newly_lost = {
-                host
-                for host, judgement in judged.items()
-                if judgement.state is NodeState.LOST and host not in self._lost
-            }
-            self._lost |= newly_lost
-            maybe_back = {host for host in self._lost if judged.get(host, OK).state is NodeState.OK}
-            suspect = {
-                h for h, j in judged.items() if j.state is NodeState.SUSPECT and h not in self._lost
-            }
-            newly_suspect, self._suspect = suspect - self._suspect, suspect
-        for host in sorted(newly_suspect):
+            found = self._judge_all(now)
+        judged = found.judged
+        for host in sorted(found.newly_suspect):
             log.info("node %s is suspect: %s; no GPU of it is granted until it answers",
                      host, judged[host].why)  # fmt: skip
-        for host in sorted(newly_lost):
+        for host in sorted(found.newly_lost):
             why = judged[host].why
             log.warning("node %s is lost: %s", host, why)
             self._tell(host, True, why)
-        back = {host for host in sorted(maybe_back) if self.still_listed(host)}
+        back = {host for host in sorted(found.maybe_back) if self.still_listed(host)}
         if back:
             with self._lock:
                 self._lost -= back
             for host in sorted(back):
                 log.warning("node %s is back: it answered again", host)
                 self._tell(host, False, "it answered again")
-        for host, port in targets.items():
+        for host, port in found.probes.items():
             self._start_probe(host, port, now)
         self._publish()
-        return newly_lost
+        return found.newly_lost
+
+    def _judge_all(self, now: float) -> _Round:
+        """(Under the lock.) Judge every node, mark those due a probe as probing, and
+        record the nodes newly lost and the suspect ones."""
+        judged = {host: judge(facts, now, self.rules) for host, facts in self._facts.items()}
+        due = [
+            host
+            for host, judgement in judged.items()
+            if probe_due(self._facts[host], judgement, now, self.rules)
+        ]
+        for host in due:
+            self._facts[host] = replace(self._facts[host], probing=True)
+        probes = {host: self._facts[host].agent_port for host in due}
+        newly_lost = {
+            host
+            for host, judgement in judged.items()
+            if judgement.state is NodeState.LOST and host not in self._lost
+        }
+        self._lost |= newly_lost
+        maybe_back = {host for host in self._lost if judged.get(host, OK).state is NodeState.OK}
+        suspect = {
+            h for h, j in judged.items() if j.state is NodeState.SUSPECT and h not in self._lost
+        }
+        newly_suspect, self._suspect = suspect - self._suspect, suspect
+        return _Round(judged, probes, newly_lost, maybe_back, newly_suspect)
 
     def _publish(self) -> None:
         """Hand the allocator the nodes it may not grant from, when they changed. Serialized,
@@ -434,20 +460,9 @@ class NodeWatch:
                     facts = replace(facts, unanswered=max(started, facts.unanswered or -math.inf))
                 self._facts[host] = replace(facts, probing=False)
             log.debug("probe of %s:%d: %s", host, target, "answered" if answered else "no answer")
-            self._wake.set()
+            self._wake()
 
         self.run_probe(work)
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(CHECK_SECONDS)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                self.check()
-            except Exception:  # the watch must outlive a failing listener
-                log.exception("node watch")
 
     # ---- helpers (under the lock) ----
 

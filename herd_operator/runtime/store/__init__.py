@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from herd_operator.lifecycle import LoopHealth
 from herd_operator.runtime.store.allocations import AllocationsMixin
 from herd_operator.runtime.store.connection import DamagedStoreError, StoreError
 from herd_operator.runtime.store.events import MAX_EVENTS, Event, EventsMixin, EventType
@@ -94,6 +95,7 @@ class Store(SchemaMixin, JobsMixin, AllocationsMixin, ReportsMixin, HistoryMixin
         previous_state: Sequence[Path] = (),
         clock: Callable[[], float] = time.time,
         checkpoint_seconds: float | None = None,
+        loop_health: LoopHealth | None = None,
     ) -> None:
         """Open the store at ``path`` (the database file).
 
@@ -110,6 +112,8 @@ class Store(SchemaMixin, JobsMixin, AllocationsMixin, ReportsMixin, HistoryMixin
         of in whichever commit finds the log over SQLite's 1,000 pages. That commit would
         hold the store's lock for the copy and its fsyncs: the allocator's RPC thread, which
         commits the workers' reports, saw its p99 double (docs/benchmarks.md, run 15).
+        The thread is a `Periodic` (`store-checkpoint`) reporting to ``loop_health``; it stops
+        with ``close()``.
         """
         if max_reports_per_job < 1 or max_events < 1 or max_grants_per_job < 1:
             raise ValueError(
@@ -140,7 +144,7 @@ class Store(SchemaMixin, JobsMixin, AllocationsMixin, ReportsMixin, HistoryMixin
                 self._find_unreadable_specs()
                 self._make_sidecars_private()
             if checkpoint_seconds is not None and not readonly:
-                self._start_checkpointer(checkpoint_seconds)
+                self._start_checkpointer(checkpoint_seconds, loop_health)
         except BaseException:
             self._conn.close()
             raise

@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Self
 
 from herd_operator.controllers.errors import PermanentError, TemporaryError
+from herd_operator.lifecycle import LoopHealth, Periodic
 
 _log = logging.getLogger(__name__)
 
@@ -238,12 +239,12 @@ class StoreBase(ABC):
             if sidecar.exists():
                 os.chmod(sidecar, 0o600)
 
-    def _start_checkpointer(self, seconds: float) -> None:
+    def _start_checkpointer(self, seconds: float, health: LoopHealth | None) -> None:
         """Copy the write-ahead log from a thread of the store's own (see ``Store``)."""
         with self._errors("open"):
             self._conn.execute("PRAGMA wal_autocheckpoint = 0")
             self._checkpointer = _Checkpointer(
-                self._connect(str(self.path), uri=False), self.path, seconds
+                self._connect(str(self.path), uri=False), self.path, seconds, health
             )
 
     @contextmanager
@@ -389,32 +390,32 @@ class StoreBase(ABC):
 
 class _Checkpointer:
     """Copies the write-ahead log into the database every ``interval`` seconds, from a
-    daemon thread with a connection of its own (the writer's connection does not)."""
+    daemon thread (a `Periodic`) with a connection of its own (the writer's connection does
+    not); a failing checkpoint is said once per streak of failures (the writes report their
+    own) and backed off."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path, interval: float) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path, interval: float, health: LoopHealth | None
+    ) -> None:
         self.completed = 0
         self._conn = conn
-        self._path = path
-        self._interval = interval
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="store-checkpoint", daemon=True)
-        self._thread.start()
+        self._loop = Periodic(
+            "store-checkpoint",
+            self._checkpoint,
+            interval,
+            what=f"state store {path}: checkpoint",
+            expected=(sqlite3.Error,),
+            health=health,
+            logger=_log,
+        )
+        self._loop.start()
 
-    def _run(self) -> None:
-        failing = False
-        while not self._stopping.wait(self._interval):
-            try:
-                # PASSIVE: copy what no reader still needs; never wait for the writer.
-                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-            except sqlite3.Error as exc:
-                if not failing:  # once per streak of failures: the writes report their own
-                    _log.warning("state store %s: checkpoint failed: %s", self._path, exc)
-                failing = True
-                continue
-            failing = False
-            self.completed += 1
+    def _checkpoint(self) -> None:
+        # PASSIVE: copy what no reader still needs; never wait for the writer.
+        self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        self.completed += 1
 
     def stop(self) -> None:
-        self._stopping.set()
-        self._thread.join()
+        # Waited for: the connection is closed next, and a checkpoint never waits long.
+        self._loop.stop(None)
         self._conn.close()

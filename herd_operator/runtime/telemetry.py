@@ -1,0 +1,174 @@
+"""Where the operator's GPU readings come from and where its metrics go.
+
+This host's GPUs (NVML, or virtual GPUs measured from their workers), the source of the
+policies' memory signal (the exported metrics read back: this host, the node exporters,
+Prometheus or dcgm-exporter), the collectors and the HTTP server of `/metrics`, and
+dcgm-exporter's job mapping files.
+
+Apart from the operator's wiring because each is a choice among optional sources, made
+from the settings alone (tests/unit/test_dcgm.py checks them without starting an operator),
+and the sources are imported only when chosen: most runs use none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+
+from herd_operator.exporters.collector import GpuCollector
+from herd_operator.exporters.gpu import GpuSource, VirtualGpuSource
+from herd_operator.exporters.http import serve_metrics
+from herd_operator.exporters.nvml import NvmlGpuSource
+from herd_operator.lifecycle import LoopHealth
+from herd_operator.rpc.server import RpcServer
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.runtime.config import OperatorConfig
+from herd_operator.runtime.handlers import ExporterRegistry
+from herd_operator.runtime.metrics import StateCollector
+from herd_operator.runtime.store import Store
+
+if TYPE_CHECKING:
+    from herd_operator.exporters.dcgm import JobMappingLoop
+
+log = logging.getLogger(__name__)
+
+
+def local_gpus(config: OperatorConfig, allocator: Allocator) -> GpuSource | None:
+    """This host's GPUs, when the pool is this one host: NVML, or virtual GPUs whose
+    memory is their workers' memory."""
+    hosts = config.pool.pool.hosts
+    if len(hosts) != 1:
+        return None
+    host, gpus = hosts[0]
+    if not config.pool.virtual:
+        return NvmlGpuSource(host)
+
+    def bound_pids() -> dict[int, list[int]]:
+        pids: dict[int, list[int]] = {}
+        for binding in allocator.bindings():
+            if binding.host == host and binding.pid is not None:
+                pids.setdefault(binding.gpu, []).append(binding.pid)
+        return pids
+
+    return VirtualGpuSource(host, max(gpus) + 1, config.virtual_gpu_memory_bytes, bound_pids)
+
+
+def observed_gpus(
+    config: OperatorConfig, local: GpuSource | None, exporters: ExporterRegistry
+) -> GpuSource:
+    """Where the policies' memory signal comes from: the exported metrics, read back."""
+    # Each source imported only when chosen: most runs use none of them.
+    if config.gpu_metrics == "dcgm":
+        from herd_operator.exporters.dcgm import (
+            DcgmPrometheusGpuSource,
+            DcgmScrapeGpuSource,
+            dcgm_exporter_urls,
+        )
+
+        if config.prometheus_url:
+            return DcgmPrometheusGpuSource(config.prometheus_url)
+        hosts = [host for host, _ in config.pool.pool.hosts]
+        return DcgmScrapeGpuSource(list(config.dcgm_exporter_urls) or dcgm_exporter_urls(hosts))
+    if config.prometheus_url:
+        from herd_operator.exporters.sources import PrometheusGpuSource
+
+        return PrometheusGpuSource(config.prometheus_url)
+    if local is not None:
+        return local
+    from herd_operator.exporters.sources import ScrapeGpuSource
+
+    return ScrapeGpuSource(exporters.urls)
+
+
+def job_mapping(
+    config: OperatorConfig, allocator: Allocator, health: LoopHealth | None = None
+) -> JobMappingLoop | None:
+    """dcgm-exporter's job mapping files for this host's GPUs, when asked for. The loop
+    leaves its files on stop: the operator clears them unless its jobs run on."""
+    directory = config.dcgm_job_mapping_dir
+    hosts = config.pool.pool.hosts
+    if directory is None:
+        return None
+    if len(hosts) != 1:
+        log.warning(
+            "--dcgm-job-mapping-dir: the pool spans %d hosts; each node's exporter keeps "
+            "its node's files (herd-operator exporter --dcgm-job-mapping-dir)",
+            len(hosts),
+        )
+        return None
+    host = hosts[0][0]
+
+    def owners() -> dict[int, str]:
+        return {
+            index: job
+            for job, placement in allocator.placements().items()
+            for slot_host, index in placement.slots()
+            if slot_host == host
+        }
+
+    from herd_operator.exporters.dcgm import JobMappingLoop, JobMappingWriter
+
+    return JobMappingLoop(JobMappingWriter(directory, owners), clear_on_stop=False, health=health)
+
+
+def register_collectors(
+    registry: CollectorRegistry,
+    config: OperatorConfig,
+    local: GpuSource | None,
+    store: Store,
+    allocator: Allocator,
+    server: RpcServer,
+) -> None:
+    """The jobs' and the pool's state, and this host's GPUs when the pool is this host."""
+    registry.register(
+        StateCollector(
+            store,
+            lambda: allocator.pool,
+            allocator.placements,
+            server.request_counts,
+            allocator.overdue_drains,
+        )
+    )
+    if local is not None:
+
+        def owners() -> dict[tuple[str, int], str]:
+            return {
+                slot: job
+                for job, placement in allocator.placements().items()
+                for slot in placement.slots()
+            }
+
+        registry.register(GpuCollector(local, owners, per_process=config.process_metrics))
+
+
+class MetricsServer:
+    """`/metrics` over HTTP on `config.metrics_host:metrics_port` (a runnable: `start` binds);
+    `address` is where Prometheus reaches it (the advertised host, or this host's name when it
+    listens on every address)."""
+
+    name = "metrics-server"
+
+    def __init__(self, registry: CollectorRegistry, config: OperatorConfig, port: int) -> None:
+        self._registry = registry
+        self._config = config
+        self._port = port
+        self._server: Any = None
+        self.address: str | None = None
+
+    def start(self) -> None:
+        config = self._config
+        self._server = serve_metrics(self._registry, config.metrics_host, self._port)
+        host = config.advertise_host or config.metrics_host
+        if host in ("0.0.0.0", "::"):
+            host = socket.gethostname()
+        port = self._server.server_port
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.info("metrics on http://%s/metrics", self.address)
+
+    def stop(self, timeout: float) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
