@@ -32,13 +32,13 @@ as any other job would be).
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from herd_operator.policies.placement import place
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 
@@ -59,82 +59,6 @@ def _rank_smallest_first(
     if demand.name in overdue:
         return (-demand.priority, 0, 0, demand.arrival, demand.name)
     return (-demand.priority, 1, demand.min, demand.arrival, demand.name)
-
-
-class _FreeGpus:
-    """Free GPUs per host, plus hosts bucketed by free count for best fit."""
-
-    def __init__(self, pool: Pool, taken: Mapping[str, AbstractSet[int]]) -> None:
-        """`taken`: the GPUs in use, per host (all of them in the pool). A host's free list is
-        made when a job takes from it: on a busy 1,792-node pool, listing every host's free
-        GPUs for each decision cost more than the placing."""
-        self._sorted = names = pool.sorted_hosts
-        self._taken = taken
-        self._free: dict[str, list[int]] = {}
-        self._position = pool.host_positions
-        self._by_count: dict[int, list[int]] = {}
-        for count, positions in pool.positions_by_gpu_count.items():
-            if count:
-                self._by_count[count] = [p for p in positions if names[p][0] not in taken]
-        partly: dict[int, list[int]] = {}
-        for host, used in taken.items():
-            position = self._position[host]
-            left = len(self._sorted[position][1]) - len(used)
-            if left > 0:
-                partly.setdefault(left, []).append(position)
-        for count, added in partly.items():
-            bucket = self._by_count.setdefault(count, [])
-            bucket.extend(added)
-            bucket.sort()
-        self._most = max(pool.positions_by_gpu_count, default=0)
-
-    def _free_on(self, host: str) -> list[int]:
-        free = self._free.get(host)
-        if free is None:
-            gpus = self._sorted[self._position[host]][1]
-            used = self._taken.get(host)
-            free = self._free[host] = (
-                [gpu for gpu in gpus if gpu not in used] if used else list(gpus)
-            )
-        return free
-
-    def count(self, host: str) -> int:
-        if host not in self._position:
-            return 0
-        free = self._free.get(host)
-        if free is not None:
-            return len(free)
-        return len(self._sorted[self._position[host]][1]) - len(self._taken.get(host, ()))
-
-    def take(self, host: str, count: int) -> list[int]:
-        """Remove and return the `count` lowest free GPUs of `host`."""
-        free = self._free_on(host)
-        before = len(free)
-        taken = free[:count]
-        del free[:count]
-        position = self._position[host]
-        bucket = self._by_count[before]
-        del bucket[bisect.bisect_left(bucket, position)]
-        if free:
-            bisect.insort(self._by_count.setdefault(len(free), []), position)
-        return taken
-
-    def best_host(self, need: int) -> str:
-        """The host with the fewest free GPUs that holds `need`, else the one with the most."""
-        for count in range(need, self._most + 1):
-            if self._by_count.get(count):
-                return self._sorted[self._by_count[count][0]][0]
-        for count in range(min(need, self._most + 1) - 1, 0, -1):
-            if self._by_count.get(count):
-                return self._sorted[self._by_count[count][0]][0]
-        raise ValueError(f"no free GPU left for a job needing {_gpus(need)}")
-
-
-def _group(slots: Iterable[Slot]) -> dict[str, list[int]]:
-    grouped: dict[str, list[int]] = {}
-    for host, gpu in slots:
-        grouped.setdefault(host, []).append(gpu)
-    return grouped
 
 
 def _kept_slots(
@@ -213,6 +137,18 @@ def _frozen_note(
     return f" ({names}{f' and {more} more' if more > 0 else ''} resized recently)"
 
 
+@dataclass
+class _Tally:
+    """The counting phase's state as it goes through the tiers."""
+
+    target: dict[str, int]
+    free: int
+    waiting: dict[str, str]
+    admissions: list[Demand]
+    blocker: Demand | None = None
+    """The first pending job that did not fit: nobody overtakes it (head of line)."""
+
+
 def _count(
     size: int,
     ranked: Sequence[Demand],
@@ -228,40 +164,61 @@ def _count(
     free = size - sum(
         target[d.name] if d.name in held_fixed else d.min for d in ranked if d.name in running
     )
-    waiting: dict[str, str] = {}
-    admissions: list[Demand] = []
-    blocker: Demand | None = None
+    tally = _Tally(target, free, {}, [])
     for _, tier_iter in itertools.groupby(ranked, key=lambda d: d.priority):
         tier = list(tier_iter)
-        for demand in tier:
-            if demand.name in held_fixed:
-                continue
-            if demand.name in running:
-                target[demand.name] = demand.min
-            elif blocker is not None:
-                target[demand.name] = 0
-                waiting[demand.name] = (
-                    f"waiting behind {blocker.name} (priority {blocker.priority})"
-                )
-            elif demand.min <= free:
-                target[demand.name] = demand.min
-                free -= demand.min
-                admissions.append(demand)
-            else:
-                target[demand.name] = 0
-                note = _frozen_note(demand, free, fixed, target)
-                waiting[demand.name] = f"needs {_gpus(demand.min)}, {free} free{note}"
-                blocker = demand
-        if share_by_gain:
-            if free > 0:
-                free = _share_by_gain(tier, target, held_fixed, free)
+        _admit_tier(tier, tally, running, held_fixed, fixed)
+        if tally.free > 0:
+            tally.free = _divide_tier(tier, target, held_fixed, tally.free, share_by_gain)
+    if spare_by_gain and not share_by_gain and tally.free > 0:
+        _share_spare_by_gain(ranked, target, held_fixed, tally.free)
+    return _Counts(target, tally.waiting, tally.admissions, held_fixed, share_by_gain)
+
+
+def _divide_tier(
+    tier: Sequence[Demand],
+    target: dict[str, int],
+    held_fixed: AbstractSet[str],
+    free: int,
+    share_by_gain: bool,
+) -> int:
+    """The `free` GPUs among a tier's admitted jobs above their mins: by gain, or by
+    max-min fair share up to their wishes. Returns the GPUs left."""
+    if share_by_gain:
+        return _share_by_gain(tier, target, held_fixed, free)
+    sharers = [d for d in tier if 0 < target[d.name] < d.wanted and d.name not in held_fixed]
+    return _fair_share(sharers, target, free) if sharers else free
+
+
+def _admit_tier(
+    tier: Sequence[Demand],
+    tally: _Tally,
+    running: AbstractSet[str],
+    held_fixed: AbstractSet[str],
+    fixed: Sequence[Demand],
+) -> None:
+    """One priority tier: running jobs at their min, pending ones admitted in order while
+    their whole min fits, and none past the first that does not (it blocks the line)."""
+    for demand in tier:
+        if demand.name in held_fixed:
             continue
-        sharers = [d for d in tier if 0 < target[d.name] < d.wanted and d.name not in held_fixed]
-        if free > 0 and sharers:
-            free = _fair_share(sharers, target, free)
-    if spare_by_gain and not share_by_gain and free > 0:
-        _share_spare_by_gain(ranked, target, held_fixed, free)
-    return _Counts(target, waiting, admissions, held_fixed, share_by_gain)
+        if demand.name in running:
+            tally.target[demand.name] = demand.min
+        elif tally.blocker is not None:
+            tally.target[demand.name] = 0
+            blocker = tally.blocker
+            tally.waiting[demand.name] = (
+                f"waiting behind {blocker.name} (priority {blocker.priority})"
+            )
+        elif demand.min <= tally.free:
+            tally.target[demand.name] = demand.min
+            tally.free -= demand.min
+            tally.admissions.append(demand)
+        else:
+            tally.target[demand.name] = 0
+            note = _frozen_note(demand, tally.free, fixed, tally.target)
+            tally.waiting[demand.name] = f"needs {_gpus(demand.min)}, {tally.free} free{note}"
+            tally.blocker = demand
 
 
 def _share_spare_by_gain(
@@ -374,102 +331,6 @@ def _fair_share(sharers: Sequence[Demand], target: dict[str, int], free: int) ->
     for d in at_level[:left]:
         target[d.name] = low + 1
     return 0
-
-
-def _place(
-    pool: Pool,
-    ranked: Sequence[Demand],
-    current: Mapping[str, Placement],
-    kept: Mapping[str, Sequence[Slot]],
-    target: Mapping[str, int],
-    blocked: AbstractSet[Slot],
-    late: AbstractSet[Slot] = frozenset(),
-) -> dict[str, Placement]:
-    """Choose slots: keep each job's prefix, then grow on its own hosts, then best fit; the
-    `late` slots only once no other GPU is free."""
-    placements: dict[str, Placement] = {}
-    layout: dict[str, dict[str, list[int]]] = {}
-    need: dict[str, int] = {}
-    kept_placements: list[Placement] = []
-    for demand in ranked:
-        name = demand.name
-        size = target[name]
-        if size <= 0:
-            continue
-        slots = kept[name]
-        before = current.get(name, Placement.EMPTY)
-        if size == len(slots) == before.size and not before.has_empty_host:
-            # Keeps exactly what it holds (most jobs in most decisions): the same placement.
-            placements[name] = before
-            kept_placements.append(before)
-            continue
-        # Truncating the flat slot list removes the last GPU of the last host first.
-        layout[name] = _group(slots[:size])
-        need[name] = size - min(size, len(slots))
-    growers = [d for d in ranked if need.get(d.name, 0) > 0]
-    if growers:
-        # Which GPUs are taken matters only to growers: most decisions have none to place.
-        taken: dict[str, set[int]] = {}
-        for host, gpu in blocked:
-            taken.setdefault(host, set()).add(gpu)
-        for placement in kept_placements:
-            for host, held in placement.hosts:
-                taken.setdefault(host, set()).update(held)
-        for hosts in layout.values():
-            for host, gpus in hosts.items():
-                taken.setdefault(host, set()).update(gpus)
-        rank = {d.name: position for position, d in enumerate(ranked)}
-        early = taken
-        if late:
-            early = {host: set(gpus) for host, gpus in taken.items()}
-            for host, gpu in late:
-                early.setdefault(host, set()).add(gpu)
-        free = _FreeGpus(pool, early)
-        _grow(growers, layout, need, free, rank, pool.size - _count_taken(early))
-        if late and any(need[d.name] > 0 for d in growers):
-            for hosts in layout.values():
-                for host, gpus in hosts.items():
-                    taken.setdefault(host, set()).update(gpus)
-            free = _FreeGpus(pool, taken)
-            _grow(growers, layout, need, free, rank, pool.size - _count_taken(taken))
-    placements.update(
-        (name, Placement(tuple((host, tuple(gpus)) for host, gpus in hosts.items())))
-        for name, hosts in layout.items()
-    )
-    return placements
-
-
-def _count_taken(taken: Mapping[str, AbstractSet[int]]) -> int:
-    return sum(len(gpus) for gpus in taken.values())
-
-
-def _grow(
-    growers: Sequence[Demand],
-    layout: Mapping[str, dict[str, list[int]]],
-    need: dict[str, int],
-    free: _FreeGpus,
-    rank: Mapping[str, int],
-    left: int,
-) -> None:
-    """Give the growers what they still `need` from `free` (`left` GPUs in it): first on
-    the hosts each already has, then best fit, larger remainders first (decreasing-size
-    best fit packs hosts tighter). Stops when `free` runs out."""
-    for demand in growers:
-        hosts = layout[demand.name]
-        for host, gpus in hosts.items():
-            count = min(need[demand.name], free.count(host))
-            if count:
-                gpus.extend(free.take(host, count))
-                need[demand.name] -= count
-                left -= count
-    for name in sorted((d.name for d in growers), key=lambda n: (-need[n], rank[n])):
-        hosts = layout[name]
-        while need[name] > 0 and left > 0:
-            host = free.best_host(need[name])
-            count = min(need[name], free.count(host))
-            hosts.setdefault(host, []).extend(free.take(host, count))
-            need[name] -= count
-            left -= count
 
 
 def _policy_cause(demand: Demand, size: int, shared_by_gain: bool = False) -> str:
@@ -615,7 +476,7 @@ def arbitrate(
     held, kept = _kept_slots(pool, by_name, current, blocked)
     counts = _count(pool.size - len(blocked), ranked, kept, frozen, spare_by_gain, share_by_gain)
     late = {slot for slot in draining if slot in in_pool and slot not in blocked}
-    placements = _place(pool, ranked, current, kept, counts.target, blocked, late)
+    placements = place(pool, ranked, current, kept, counts.target, blocked, late)
     reasons = _Reasons(ranked, held, kept, counts)
     grants: dict[str, Grant] = {}
     before = previous or {}
