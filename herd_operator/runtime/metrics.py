@@ -21,7 +21,7 @@ from herd_operator.runtime.store import Store
 from herd_operator.specs import ConditionStatus, ConditionType
 from herd_operator.specs.conditions import get_condition
 from herd_operator.specs.status import HerdJobStatus
-from herd_operator.specs.values import Placement, Pool
+from herd_operator.specs.values import Placement, Pool, UsageSample
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RESIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -133,84 +133,20 @@ class StateCollector(Collector):
         self.overdue_drains = overdue_drains
 
     def collect(self) -> Iterator[Metric]:
-        jobs = GaugeMetricFamily(
-            "herd_jobs", "Jobs by condition and its status.", labels=["condition", "status"]
-        )
-        desired = GaugeMetricFamily(
-            "herd_job_gpus_desired", "GPUs the job's policy asks for.", labels=["herd_job"]
-        )
-        allocated = GaugeMetricFamily(
-            "herd_job_gpus_allocated", "GPUs the allocator granted the job.", labels=["herd_job"]
-        )
-        active = GaugeMetricFamily(
-            "herd_job_gpus_active",
-            "World size the job's workers last reported.",
-            labels=["herd_job"],
-        )
-        epoch = GaugeMetricFamily(
-            "herd_job_epoch", "Last epoch the workers reported.", labels=["herd_job"]
-        )
-        memory = GaugeMetricFamily(
-            "herd_job_memory_utilization_ratio",
-            "Used over total memory of the job's GPUs at the last sample.",
-            labels=["herd_job"],
-        )
-        thresholds = GaugeMetricFamily(
-            "herd_job_policy_threshold_ratio",
-            "The memory policy's thresholds for the job.",
-            labels=["herd_job", "bound"],
-        )
-        job_statuses = GaugeMetricFamily(
-            "herd_job_status",
-            "1 for the status the job is in, 0 for the others (one series per status).",
-            labels=["herd_job", "status"],
-        )
-        restarts = CounterMetricFamily(
-            "herd_job_restarts",
-            "Times the operator started the job again after it failed (restartPolicy).",
-            labels=["herd_job"],
-        )
-        counts: dict[tuple[str, str], int] = {
-            (str(t), s): 0 for t in ConditionType for s in ("True", "False", "Unknown")
-        }
+        per_job = _JobFamilies()
         latest_usage = self.store.latest_usage()
         placements = self.placements()
         holding = {job for job, placement in placements.items() if placement.size}
         policies = self.store.job_policies()  # the specs' policies, without parsing them
         for record in self.store.list_jobs():
-            status = record.status
-            for condition in status.conditions:
-                key = (condition.type, str(condition.status))
-                counts[key] = counts.get(key, 0) + 1
-            now_in = job_status(status)
-            for value in JOB_STATUSES:
-                job_statuses.add_metric([record.name, value], 1 if value == now_in else 0)
-            restarts.add_metric([record.name], status.restarts)
-            if status.gpus is not None:
-                allocated.add_metric([record.name], status.gpus.allocated)
-            if now_in in ENDED_STATUSES:
-                continue  # no policy asks, no worker reports: nothing else is current
-            if status.gpus is not None:
-                if status.gpus.desired is not None:
-                    desired.add_metric([record.name], status.gpus.desired)
-                if status.gpus.active is not None:
-                    active.add_metric([record.name], status.gpus.active)
-            if status.epoch is not None:
-                epoch.add_metric([record.name], status.epoch)
-            sample = latest_usage.get(record.name)
-            # A sample describes the GPUs the job held then: only shown while it holds some.
-            if sample is not None and sample.total_bytes and record.name in holding:
-                memory.add_metric([record.name], sample.used_bytes / sample.total_bytes)
-            policy_name, params = policies.get(record.name, ("", {}))
-            if policy_name == "memory":
-                for bound, default in (("low", 0.25), ("high", 0.75)):
-                    threshold = params.get(bound, default)
-                    if isinstance(threshold, int | float):
-                        thresholds.add_metric([record.name, bound], float(threshold))
-        for (condition_type, condition_status), count in sorted(counts.items()):
-            jobs.add_metric([condition_type, condition_status], count)
-        yield from (jobs, job_statuses, restarts, desired, allocated, active, epoch, memory)
-        yield thresholds
+            per_job.add(
+                record.name,
+                record.status,
+                # A sample describes the GPUs the job held then: only shown while it holds some.
+                latest_usage.get(record.name) if record.name in holding else None,
+                policies.get(record.name, ("", {})),
+            )
+        yield from per_job.families()
         yield GaugeMetricFamily(
             "herd_store_writable",
             "1 while the state store takes writes; 0 from a write the storage refused (a full"
@@ -239,3 +175,110 @@ class StateCollector(Collector):
         for (op, result), count in sorted(self.request_counts().items()):
             requests.add_metric([op, result], count)
         yield requests
+
+
+class _JobFamilies:
+    """The families with a series per job (and the jobs' conditions counted), filled one job
+    at a time by a scrape."""
+
+    def __init__(self) -> None:
+        self.desired = GaugeMetricFamily(
+            "herd_job_gpus_desired", "GPUs the job's policy asks for.", labels=["herd_job"]
+        )
+        self.allocated = GaugeMetricFamily(
+            "herd_job_gpus_allocated", "GPUs the allocator granted the job.", labels=["herd_job"]
+        )
+        self.active = GaugeMetricFamily(
+            "herd_job_gpus_active",
+            "World size the job's workers last reported.",
+            labels=["herd_job"],
+        )
+        self.epoch = GaugeMetricFamily(
+            "herd_job_epoch", "Last epoch the workers reported.", labels=["herd_job"]
+        )
+        self.memory = GaugeMetricFamily(
+            "herd_job_memory_utilization_ratio",
+            "Used over total memory of the job's GPUs at the last sample.",
+            labels=["herd_job"],
+        )
+        self.thresholds = GaugeMetricFamily(
+            "herd_job_policy_threshold_ratio",
+            "The memory policy's thresholds for the job.",
+            labels=["herd_job", "bound"],
+        )
+        self.job_statuses = GaugeMetricFamily(
+            "herd_job_status",
+            "1 for the status the job is in, 0 for the others (one series per status).",
+            labels=["herd_job", "status"],
+        )
+        self.restarts = CounterMetricFamily(
+            "herd_job_restarts",
+            "Times the operator started the job again after it failed (restartPolicy).",
+            labels=["herd_job"],
+        )
+        self.counts: dict[tuple[str, str], int] = {
+            (str(t), s): 0 for t in ConditionType for s in ("True", "False", "Unknown")
+        }
+
+    def add(
+        self,
+        name: str,
+        status: HerdJobStatus,
+        sample: UsageSample | None,
+        policy: tuple[str, dict[str, object]],
+    ) -> None:
+        """One job's series; `sample` is its last usage sample if it holds GPUs now."""
+        for condition in status.conditions:
+            key = (condition.type, str(condition.status))
+            self.counts[key] = self.counts.get(key, 0) + 1
+        now_in = job_status(status)
+        for value in JOB_STATUSES:
+            self.job_statuses.add_metric([name, value], 1 if value == now_in else 0)
+        self.restarts.add_metric([name], status.restarts)
+        if status.gpus is not None:
+            self.allocated.add_metric([name], status.gpus.allocated)
+        if now_in not in ENDED_STATUSES:
+            # Only a job that has not ended has a policy that asks and workers that report.
+            self._add_current(name, status, sample, policy)
+
+    def _add_current(
+        self,
+        name: str,
+        status: HerdJobStatus,
+        sample: UsageSample | None,
+        policy: tuple[str, dict[str, object]],
+    ) -> None:
+        """The series of what a job that has not ended asks for and reports."""
+        if status.gpus is not None:
+            if status.gpus.desired is not None:
+                self.desired.add_metric([name], status.gpus.desired)
+            if status.gpus.active is not None:
+                self.active.add_metric([name], status.gpus.active)
+        if status.epoch is not None:
+            self.epoch.add_metric([name], status.epoch)
+        if sample is not None and sample.total_bytes:
+            self.memory.add_metric([name], sample.used_bytes / sample.total_bytes)
+        policy_name, params = policy
+        if policy_name == "memory":
+            for bound, default in (("low", 0.25), ("high", 0.75)):
+                threshold = params.get(bound, default)
+                if isinstance(threshold, int | float):
+                    self.thresholds.add_metric([name, bound], float(threshold))
+
+    def families(self) -> list[Metric]:
+        jobs = GaugeMetricFamily(
+            "herd_jobs", "Jobs by condition and its status.", labels=["condition", "status"]
+        )
+        for (condition_type, condition_status), count in sorted(self.counts.items()):
+            jobs.add_metric([condition_type, condition_status], count)
+        return [
+            jobs,
+            self.job_statuses,
+            self.restarts,
+            self.desired,
+            self.allocated,
+            self.active,
+            self.epoch,
+            self.memory,
+            self.thresholds,
+        ]

@@ -23,6 +23,7 @@ from herd_operator.runtime.engines import UnknownEngineError, engine_problem
 from herd_operator.specs import (
     SpecError,
     SpecFile,
+    SpecIndex,
     index_specs,
     is_spec_filename,
     load_spec_file,
@@ -41,6 +42,11 @@ class _Stamp:
     ctime_ns: int
 
 
+_Loaded = tuple[_Stamp, SpecFile, str]
+"""A spec file's stamp, what loading it gave (references checked) and the job's fingerprint
+("" without a job)."""
+
+
 class SpecDirectory:
     def __init__(self, directory: Path, *, owner_uid: int | None = None) -> None:
         self.directory = directory
@@ -49,7 +55,7 @@ class SpecDirectory:
         self._lock = threading.Lock()
         # Per file: its stamp, what loading it gave (references checked) and the job's
         # fingerprint ("" without a job): both computed once per change of the file.
-        self._files: dict[str, tuple[_Stamp, SpecFile, str]] = {}
+        self._files: dict[str, _Loaded] = {}
         self._views: dict[str, SpecView] = {}
         self._keys: dict[str, tuple[str, ...]] = {}
         self._unnamed: tuple[str, ...] = ()
@@ -104,17 +110,13 @@ class SpecDirectory:
                 directory, mode & 0o777, directory,
             )  # fmt: skip
 
-    def relist(self) -> set[str]:
-        """Re-read the directory; returns the names whose view changed (new and deleted too)."""
-        files: dict[str, tuple[_Stamp, SpecFile, str]] = {}
+    def _read(
+        self, entries: list[os.DirEntry[str]], directory: Path
+    ) -> tuple[dict[str, _Loaded], dict[str, str]]:
+        """Each spec file of `entries` loaded (again only if its stamp changed), and the
+        entries named like specs that are skipped, with why."""
+        files: dict[str, _Loaded] = {}
         skipped: dict[str, str] = {}
-        try:
-            entries = list(os.scandir(self.directory))
-        except FileNotFoundError:
-            log.warning("spec directory %s does not exist (yet); no jobs declared", self.directory)
-            entries = []
-        directory = self.directory.resolve()
-        self._warn_if_writable_by_others(directory)
         for entry in sorted(entries, key=lambda e: e.name):
             if not is_spec_filename(entry.name):
                 continue
@@ -144,38 +146,24 @@ class SpecDirectory:
                 loaded = with_known_references(load_spec_file(path))
                 fingerprint = spec_fingerprint(loaded.job) if loaded.job is not None else ""
                 files[entry.name] = (stamp, loaded, fingerprint)
+        return files, skipped
+
+    def relist(self) -> set[str]:
+        """Re-read the directory; returns the names whose view changed (new and deleted too)."""
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            log.warning("spec directory %s does not exist (yet); no jobs declared", self.directory)
+            entries = []
+        directory = self.directory.resolve()
+        self._warn_if_writable_by_others(directory)
+        files, skipped = self._read(entries, directory)
         for file_name in sorted(skipped.keys() - self._skipped.keys()):
             log.warning("spec directory: skipping %s: %s", file_name, skipped[file_name])
         self._skipped = skipped
-        declared: dict[str, str] = {}
-        spec_files = []
-        fingerprints: dict[int, str] = {}  # by the loaded SpecFile's identity
-        for file_name, (_, spec_file, fingerprint) in files.items():
-            fingerprints[id(spec_file)] = fingerprint
-            if (
-                spec_file.job is None
-                and file_name in self._declared
-                and (spec_file.name is None or not is_job_name(spec_file.name))
-            ):
-                # A file that no longer names a job (or names one that cannot exist, like
-                # `ALPHA`) still speaks for the job it declared: that job keeps its last good
-                # spec (SpecValid=False) instead of being deleted.
-                spec_file = dataclasses.replace(spec_file, name=self._declared[file_name])
-            if spec_file.name is not None:
-                declared[file_name] = spec_file.name
-            spec_files.append(spec_file)
+        spec_files, declared = _speaking_for(files, self._declared)
         index = index_specs(spec_files)
-        views: dict[str, SpecView] = {}
-        keys: dict[str, tuple[str, ...]] = {}
-        for name, spec_file in index.jobs.items():
-            assert spec_file.job is not None
-            fingerprint = fingerprints[id(spec_file)]
-            views[name] = SpecView(name, str(spec_file.path), spec_file.job, (), fingerprint)
-            keys[name] = (str(spec_file.path), fingerprint)
-        for name, errors in index.invalid.items():
-            messages = tuple(str(error) for error in errors)
-            views[name] = SpecView(name, errors[0].file if errors else "", None, messages)
-            keys[name] = messages
+        views, keys = _views(index, files)
         unnamed = tuple(str(error) for error in index.unnamed)
         with self._lock:
             changed = {
@@ -189,6 +177,50 @@ class SpecDirectory:
         for message in sorted(new_unnamed):
             log.warning("invalid spec file: %s", message)
         return changed
+
+
+def _speaking_for(
+    files: dict[str, _Loaded], last_declared: dict[str, str]
+) -> tuple[list[SpecFile], dict[str, str]]:
+    """The loaded files, each named for the job it speaks for, and that name by file name.
+
+    A file that no longer names a job (or names one that cannot exist, like `ALPHA`) still
+    speaks for the job it declared when it last could be read (`last_declared`): that job
+    keeps its last good spec (SpecValid=False) instead of being deleted.
+    """
+    declared: dict[str, str] = {}
+    spec_files = []
+    for file_name, (_, spec_file, _) in files.items():
+        if (
+            spec_file.job is None
+            and file_name in last_declared
+            and (spec_file.name is None or not is_job_name(spec_file.name))
+        ):
+            spec_file = dataclasses.replace(spec_file, name=last_declared[file_name])
+        if spec_file.name is not None:
+            declared[file_name] = spec_file.name
+        spec_files.append(spec_file)
+    return spec_files, declared
+
+
+def _views(
+    index: SpecIndex, files: dict[str, _Loaded]
+) -> tuple[dict[str, SpecView], dict[str, tuple[str, ...]]]:
+    """Each job's view, and the key whose change says its view changed."""
+    # By the loaded SpecFile's identity: the index holds those of the files with a job.
+    fingerprints = {id(spec_file): fingerprint for _, spec_file, fingerprint in files.values()}
+    views: dict[str, SpecView] = {}
+    keys: dict[str, tuple[str, ...]] = {}
+    for name, spec_file in index.jobs.items():
+        assert spec_file.job is not None
+        fingerprint = fingerprints[id(spec_file)]
+        views[name] = SpecView(name, str(spec_file.path), spec_file.job, (), fingerprint)
+        keys[name] = (str(spec_file.path), fingerprint)
+    for name, errors in index.invalid.items():
+        messages = tuple(str(error) for error in errors)
+        views[name] = SpecView(name, errors[0].file if errors else "", None, messages)
+        keys[name] = messages
+    return views, keys
 
 
 def with_known_references(spec_file: SpecFile) -> SpecFile:
