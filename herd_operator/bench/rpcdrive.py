@@ -386,28 +386,42 @@ def drive_processes(
         for config in configs
     ]
     try:
-        for process in processes:
-            assert process.stdout is not None
-            if process.stdout.readline() != READY:
-                _, stderr = process.communicate(timeout=timeout)
-                raise RuntimeError(f"a driver process failed to start: {stderr.decode()[-2000:]}")
-        started = time.perf_counter()
-        for process in processes:
-            assert process.stdin is not None
-            process.stdin.write(GO)
-            process.stdin.flush()
-        outputs = []
-        for process in processes:
-            remaining = max(1.0, timeout - (time.perf_counter() - started))
-            stdout, stderr = process.communicate(timeout=remaining)
-            if process.returncode != 0:
-                raise RuntimeError(f"a driver process failed: {stderr.decode()[-2000:]}")
-            outputs.append(json.loads(stdout))
+        outputs = _start_together(processes, timeout)
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+    return _merged(outputs)
+
+
+def _start_together(processes: list[subprocess.Popen[bytes]], timeout: float) -> list[Any]:
+    """Wait for every process to be ready, tell them all to go, and read each one's results.
+
+    Raises RuntimeError (with the process's stderr) if any process fails.
+    """
+    for process in processes:
+        assert process.stdout is not None
+        if process.stdout.readline() != READY:
+            _, stderr = process.communicate(timeout=timeout)
+            raise RuntimeError(f"a driver process failed to start: {stderr.decode()[-2000:]}")
+    started = time.perf_counter()
+    for process in processes:
+        assert process.stdin is not None
+        process.stdin.write(GO)
+        process.stdin.flush()
+    outputs = []
+    for process in processes:
+        remaining = max(1.0, timeout - (time.perf_counter() - started))
+        stdout, stderr = process.communicate(timeout=remaining)
+        if process.returncode != 0:
+            raise RuntimeError(f"a driver process failed: {stderr.decode()[-2000:]}")
+        outputs.append(json.loads(stdout))
+    return outputs
+
+
+def _merged(outputs: list[Any]) -> DriveResult:
+    """The results of all processes as one run's."""
     latencies = sorted(value for output in outputs for value in output["latencies"])
     failures = [failure for output in outputs for failure in output["failures"]]
     elapsed = max(output["elapsed"] for output in outputs)

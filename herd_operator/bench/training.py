@@ -365,18 +365,7 @@ def run_resize_stall(ctx: Context) -> list[Row]:
                 ctx.progress(f"resize-stall: run {index + 1}, {mode}")
                 root = ctx.scratch / f"{mode}-{index}"
                 try:
-                    if mode == "bare":
-                        with bare_job(root, 2, 2, 4) as hand_edited:
-                            grown, shrunk = resize_stalls(
-                                hand_edited.resize, hand_edited.log, 1, round_phases[mode]
-                            )
-                    else:
-                        preload = PRELOAD if mode == "zygote" else ()
-                        with operator_job(operator, root, 2, 2, 4, preload) as job:
-                            driver_log = operator.layout.log_file(JOB)
-                            grown, shrunk = resize_stalls(
-                                job.resize, job.log, 1, round_phases[mode], driver_log
-                            )
+                    grown, shrunk = _stall_run(operator, mode, root, round_phases[mode])
                 except TimeoutError as err:
                     # One stuck run (a loaded machine) costs its round, not the whole run; the
                     # round is dropped in every mode so that the pairs stay pairs.
@@ -397,6 +386,30 @@ def run_resize_stall(ctx: Context) -> list[Row]:
                         getattr(phases[mode], name).extend(getattr(round_phases[mode], name))
     if not up["bare"]:
         raise TimeoutError(f"every round was dropped (stuck runs by mode: {dropped})")
+    return _resize_stall_rows(up, down, phases, dropped)
+
+
+def _stall_run(
+    operator: Operator, mode: str, root: Path, phases: GrowPhases
+) -> tuple[list[float], list[float]]:
+    """One job's grow and shrink in `mode`: bare horovodrun, or under the operator's driver
+    (`zygote`: with its workers forked by a zygote)."""
+    if mode == "bare":
+        with bare_job(root, 2, 2, 4) as hand_edited:
+            return resize_stalls(hand_edited.resize, hand_edited.log, 1, phases)
+    preload = PRELOAD if mode == "zygote" else ()
+    with operator_job(operator, root, 2, 2, 4, preload) as job:
+        driver_log = operator.layout.log_file(JOB)
+        return resize_stalls(job.resize, job.log, 1, phases, driver_log)
+
+
+def _resize_stall_rows(
+    up: dict[str, list[float]],
+    down: dict[str, list[float]],
+    phases: dict[str, GrowPhases],
+    dropped: dict[str, int],
+) -> list[Row]:
+    """The driver's and the zygote's stalls, each against bare horovodrun's."""
     rows = []
     for mode, how in (("driver", ""), ("zygote", ", workers forked by a zygote")):
         for label, ours, bare in (
