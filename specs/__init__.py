@@ -41,9 +41,9 @@ if TYPE_CHECKING:
         PolicyRef,
         RestartPolicy,
         TrainingOptions,
-        json_schema,
         spec_fingerprint,
     )
+    from herd_operator.specs.schema import json_schema
 
 else:
     _HOMES = {
@@ -74,7 +74,7 @@ else:
         "PolicyRef": "herd_operator.specs.models",
         "RestartPolicy": "herd_operator.specs.models",
         "TrainingOptions": "herd_operator.specs.models",
-        "json_schema": "herd_operator.specs.models",
+        "json_schema": "herd_operator.specs.schema",
         "spec_fingerprint": "herd_operator.specs.models",
     }
 

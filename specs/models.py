@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -24,7 +23,6 @@ from herd_operator.specs.values import MODULE_NAME_PATTERN
 API_VERSION = "herd/v1alpha1"
 KIND = "HerdJob"
 
-JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_LABEL_MAX_LENGTH = 63
@@ -488,104 +486,6 @@ def spec_fingerprint(job: HerdJob) -> str:
         ensure_ascii=False,
     )
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-SCHEMA_ID = f"urn:herd-operator:{API_VERSION}:{KIND}"
-"""The schema's `$id`: stable across releases of this API version. A name, not a place:
-editors find the schema by the path or URL in the spec's `# yaml-language-server:
-$schema=` line, not by its `$id`."""
-
-
-def json_schema(policy_params: Mapping[str, type[BaseModel]] | None = None) -> dict[str, Any]:
-    """JSON Schema of a HerdJob file, for editors (yaml-language-server) and docs.
-
-    `policy_params` maps policy names to their parameter models (the policies' registry
-    knows them; `specs` does not import policies): `spec.policy.params` is checked against
-    the model of the policy `spec.policy.name` names; other names' params stay open.
-    """
-    schema = HerdJob.model_json_schema(by_alias=True)
-    defs: dict[str, Any] = schema["$defs"]
-    # The horovod engine's options are described where they are given; an absent `kind`
-    # means horovod too (`properties` only constrains what is there).
-    defs["EngineRef"].update(
-        {
-            "if": {"properties": {"kind": {"const": HOROVOD_ENGINE}}},
-            "then": {"properties": {"options": {"$ref": "#/$defs/HorovodOptions"}}},
-        }
-    )
-    # What `get NAME -o yaml` adds to a spec, allowed (and ignored) in a file.
-    schema["$defs"]["ObjectMeta"]["properties"].update(
-        {
-            "uid": {
-                "title": "UID",
-                "type": "string",
-                "readOnly": True,
-                "description": "The job's identity, set by the operator; ignored in a spec file.",
-            },
-            "generation": {
-                "title": "Generation",
-                "type": "integer",
-                "minimum": 1,
-                "readOnly": True,
-                "description": "How many times the spec changed, counted by the operator; "
-                "ignored in a spec file.",
-            },
-            "creationTimestamp": {
-                "title": "Creation timestamp",
-                "type": "string",
-                "format": "date-time",
-                "readOnly": True,
-                "description": "When the operator first saw the job (RFC 3339); ignored in a "
-                "spec file.",
-            },
-        }
-    )
-    schema["properties"]["status"] = {
-        "title": "Status",
-        "type": "object",
-        "readOnly": True,
-        "description": "Observed state, written by the operator (`herd-operator get NAME "
-        "-o yaml`); ignored in a spec file.",
-    }
-    default_policy = PolicyRef.model_fields["name"].default
-    branches = []
-    for name, model in sorted((policy_params or {}).items()):
-        params = model.model_json_schema(by_alias=True)
-        for nested_name, nested in params.pop("$defs", {}).items():
-            if defs.setdefault(nested_name, nested) != nested:
-                raise ValueError(f"two different schemas named {nested_name!r}")
-        if defs.setdefault(model.__name__, params) != params:
-            raise ValueError(f"two different schemas named {model.__name__!r}")
-        # An absent name is the default policy's; any other branch needs the name given.
-        when: dict[str, Any] = {"properties": {"name": {"const": name}}}
-        if name != default_policy:
-            when["required"] = ["name"]
-        then = {"properties": {"params": {"$ref": f"#/$defs/{model.__name__}"}}}
-        branches.append({"if": when, "then": then})
-    if branches:
-        defs["PolicyRef"]["allOf"] = branches
-    _unwrap_descriptions(schema)
-    return {
-        "$schema": JSON_SCHEMA_DIALECT,
-        "$id": SCHEMA_ID,
-        **schema,
-        "title": f"{KIND} ({API_VERSION})",
-    }
-
-
-def _unwrap_descriptions(node: object) -> None:
-    """Docstrings wrap at the source's line length; an editor's hover should not."""
-    pending = [node]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, dict):
-            description = item.get("description")
-            if isinstance(description, str):
-                paragraphs = description.split("\n\n")
-                item["description"] = "\n\n".join(" ".join(p.split()) for p in paragraphs)
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
 
 
 def _dump_horovod(options: HorovodOptions) -> dict[str, Any]:

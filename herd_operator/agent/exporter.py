@@ -418,24 +418,11 @@ def run_exporter(
         log.error("%r is not a host name the operator accepts; pass --host", host)
         return 2
     view = AllocatorView(StateLayout(state_dir), host, key)
-    nvml = nvml_gpu_count()
-    source: GpuSource
-    virtual: VirtualGpuSource | None = None
-    if nvml:
-        source = NvmlGpuSource(host)
-        gpus = ServedGpus(host, nvml, virtual_gpus, None)
-    else:
-        try:
-            if virtual_gpus is None:
-                check_no_unseen_gpus()
-            slurm = slurm_gpu_count(environ) if virtual_gpus is None else None
-            gpus = ServedGpus(host, 0, virtual_gpus, slurm)
-        except ValueError as err:
-            log.error("%s", err)
-            return 2
-        source = virtual = VirtualGpuSource(
-            host, gpus.current.count, virtual_gpu_memory, view.bound_pids
-        )
+    try:
+        source, virtual, gpus = _gpu_source(host, view, virtual_gpus, virtual_gpu_memory, environ)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
     registry = CollectorRegistry()
     registry.register(GpuCollector(source, view.owners, per_process=per_process))
     chosen = ListenChoice(listen, "--listen") if listen else choose_listen(host, view.layout)
@@ -458,23 +445,7 @@ def run_exporter(
         while not stop.is_set():
             reply = view.register(bound)
             if reply is not None:
-                pool = pool_gpus(reply)
-                if not registered:
-                    log.info(
-                        "registered with the operator as agent:%s%s",
-                        host, "" if pool is None else f" (its pool has {pool} GPUs here)",
-                    )  # fmt: skip
-                was = gpus.current
-                changed, warning = gpus.heard(pool)
-                if changed is not None and virtual is not None:
-                    # read() takes the count at each scrape: the next one has the new GPUs.
-                    virtual.count = changed.count
-                    log.info(
-                        "%s now serves %s (was %s)",
-                        host, _shown(changed, True), _shown(was, True),
-                    )  # fmt: skip
-                if warning is not None:
-                    log.warning("%s", warning)
+                _heard(host, reply, registered, gpus, virtual)
             registered = reply is not None
             stop.wait(REGISTER_EVERY_SECONDS if registered else RETRY_REGISTER_SECONDS)
     finally:
@@ -485,6 +456,53 @@ def run_exporter(
         server.shutdown()
         server.server_close()
     return 0
+
+
+def _gpu_source(
+    host: str,
+    view: AllocatorView,
+    virtual_gpus: int | None,
+    virtual_gpu_memory: int,
+    environ: Mapping[str, str],
+) -> tuple[GpuSource, VirtualGpuSource | None, ServedGpus]:
+    """The GPUs the agent serves: NVML's where it sees some, else virtual ones (and the
+    virtual source, whose count follows the pool). ValueError for a Slurm variable that is
+    not Slurm's syntax, or NVIDIA devices NVML cannot read without --virtual-gpus."""
+    nvml = nvml_gpu_count()
+    if nvml:
+        return NvmlGpuSource(host), None, ServedGpus(host, nvml, virtual_gpus, None)
+    if virtual_gpus is None:
+        check_no_unseen_gpus()
+    slurm = slurm_gpu_count(environ) if virtual_gpus is None else None
+    gpus = ServedGpus(host, 0, virtual_gpus, slurm)
+    virtual = VirtualGpuSource(host, gpus.current.count, virtual_gpu_memory, view.bound_pids)
+    return virtual, virtual, gpus
+
+
+def _heard(
+    host: str,
+    reply: Mapping[str, Any],
+    registered: bool,
+    gpus: ServedGpus,
+    virtual: VirtualGpuSource | None,
+) -> None:
+    """The operator answered a registration: say so once, and follow its pool's count."""
+    pool = pool_gpus(reply)
+    if not registered:
+        log.info(
+            "registered with the operator as agent:%s%s",
+            host, "" if pool is None else f" (its pool has {pool} GPUs here)",
+        )  # fmt: skip
+    was = gpus.current
+    changed, warning = gpus.heard(pool)
+    if changed is not None and virtual is not None:
+        # read() takes the count at each scrape: the next one has the new GPUs.
+        virtual.count = changed.count
+        log.info(
+            "%s now serves %s (was %s)", host, _shown(changed, True), _shown(was, True)
+        )  # fmt: skip
+    if warning is not None:
+        log.warning("%s", warning)
 
 
 def _shown(gpus: GpuCount, virtual: bool) -> str:

@@ -82,6 +82,34 @@ def plan_reach(
 
     remote = [host for host in hosts if host not in local_names and host not in LOCAL_HOSTS]
     shown = ", ".join(remote[:3]) + (", ..." if len(remote) > 3 else "")
+    _refuse_unreachable(shown, interfaces, listen, advertise, network_interface)
+
+    warnings: list[str] = []
+    interface = network_interface
+    if interface is None:
+        interface = _interface_of_first(interfaces, listen, advertise, own_address)
+    if interface is None:
+        warnings.append(
+            "no --network-interface given or found: Horovod will probe the interfaces of "
+            "every host at each job start (about 9 s); pass --network-interface (hsn0 on "
+            "Perlmutter)"
+        )
+
+    addresses = list(interfaces.get(interface, ())) if interface else []
+    chosen_listen = _listen_address(shown, addresses, listen, own_address)
+    if advertise is None and chosen_listen in WILDCARDS:
+        advertise = _advertise_for_wildcard(chosen_listen, addresses, own_address)
+    return Reach(chosen_listen, advertise or chosen_listen, interface, tuple(warnings))
+
+
+def _refuse_unreachable(
+    shown: str,
+    interfaces: Interfaces,
+    listen: str | None,
+    advertise: str | None,
+    network_interface: str | None,
+) -> None:
+    """Raise ValueError for flags the pool's other nodes (`shown`) could not reach us by."""
     if network_interface is not None and network_interface not in interfaces:
         raise ValueError(
             f"--network-interface {network_interface}: this host has no such interface "
@@ -99,42 +127,47 @@ def plan_reach(
             f"({shown}): advertise an address of this node they reach"
         )
 
-    warnings: list[str] = []
-    interface = network_interface
-    if interface is None:
-        specific = listen if listen not in (None, *WILDCARDS) else None
-        for candidate in (specific, advertise, own_address):
-            if candidate and not is_loopback(candidate):
-                interface = interface_of(candidate, interfaces)
-                if interface:
-                    break
-    if interface is None:
-        warnings.append(
-            "no --network-interface given or found: Horovod will probe the interfaces of "
-            "every host at each job start (about 9 s); pass --network-interface (hsn0 on "
-            "Perlmutter)"
-        )
 
-    addresses = list(interfaces.get(interface, ())) if interface else []
-    if listen is None:
-        fallback = own_address if own_address and not is_loopback(own_address) else None
-        chosen_listen = addresses[0] if addresses else fallback
-        if chosen_listen is None:
-            raise ValueError(
-                f"the pool has other nodes ({shown}) but no address of this node was found "
-                "for them to reach the allocator: pass --listen ADDRESS or "
-                "--network-interface NAME"
-            )
-    else:
-        chosen_listen = listen
-    if advertise is None and chosen_listen in WILDCARDS:
-        advertise = addresses[0] if addresses else own_address
-        if advertise is None or is_loopback(advertise):
-            raise ValueError(
-                f"--listen {chosen_listen or '*'} gives the workers no address to call: "
-                "pass --advertise ADDRESS"
-            )
-    return Reach(chosen_listen, advertise or chosen_listen, interface, tuple(warnings))
+def _interface_of_first(
+    interfaces: Interfaces, listen: str | None, advertise: str | None, own_address: str | None
+) -> str | None:
+    """The interface of the first of a specific `listen`, `advertise` and this host's own
+    address that is not loopback and that an interface holds."""
+    specific = listen if listen not in (None, *WILDCARDS) else None
+    for candidate in (specific, advertise, own_address):
+        if candidate and not is_loopback(candidate):
+            interface = interface_of(candidate, interfaces)
+            if interface:
+                return interface
+    return None
+
+
+def _listen_address(
+    shown: str, addresses: Sequence[str], listen: str | None, own_address: str | None
+) -> str:
+    """`listen` if given; else the interface's first address, else this host's own."""
+    if listen is not None:
+        return listen
+    fallback = own_address if own_address and not is_loopback(own_address) else None
+    chosen = addresses[0] if addresses else fallback
+    if chosen is None:
+        raise ValueError(
+            f"the pool has other nodes ({shown}) but no address of this node was found "
+            "for them to reach the allocator: pass --listen ADDRESS or "
+            "--network-interface NAME"
+        )
+    return chosen
+
+
+def _advertise_for_wildcard(listen: str, addresses: Sequence[str], own_address: str | None) -> str:
+    """What to tell workers to call when the allocator listens on a wildcard `listen`."""
+    advertise = addresses[0] if addresses else own_address
+    if advertise is None or is_loopback(advertise):
+        raise ValueError(
+            f"--listen {listen or '*'} gives the workers no address to call: "
+            "pass --advertise ADDRESS"
+        )
+    return advertise
 
 
 def local_interfaces() -> dict[str, list[str]]:

@@ -150,6 +150,20 @@ class SimResult:
     """With `record`: each batch's instant, its calls, and every job's placement after it."""
 
 
+@dataclass(slots=True)
+class _Tally:
+    """What a run counts as it goes, and the GPUs allocated and their memory used now."""
+
+    events: int = 0
+    batches: int = 0
+    policy_calls: int = 0
+    decide_seconds: float = 0.0
+    policy_seconds: float = 0.0
+    allocated: int = 0
+    memory: float = 0.0
+    """GPUs' worth of memory used."""
+
+
 class Simulation:
     def __init__(self, jobs: Sequence[JobModel], config: SimConfig) -> None:
         names = [job.name for job in jobs]
@@ -229,83 +243,19 @@ class Simulation:
         if self.config.resync > 0 and self.jobs:
             self._push(min(job.arrival for job in self.jobs), Kind.RESYNC, "")
         tick = self.config.tick
-        events = batches = policy_calls = 0
-        decide_seconds = policy_seconds = 0.0
+        tally = _Tally()
         timeline: list[tuple[float, int, float]] = []
         recorded: list[tuple[float, list[Step], dict[str, Placement]]] = []
-        allocated = 0
-        memory = 0.0
         while self._heap:
             first = self._heap[0][0]
             # Never before the first event (float rounding of first / tick * tick could put
             # it a hair before, and then no event would ever be due: a livelock).
             at = first if tick <= 0 else max(math.ceil(first / tick) * tick, first)
             self.now = max(at, self.now)
-            batches += 1
-            touched: dict[str, None] = {}
-            wake = False
-            next_resync: float | None = None
-            batch = self.allocator.batch()
-            batch.__enter__()
-            try:
-                while self._heap and self._heap[0][0] <= self.now:
-                    when, _, kind, name, version = heapq.heappop(self._heap)
-                    events += 1
-                    run = self._runs.get(name)
-                    if kind is Kind.ARRIVAL:
-                        model = self._by_name[name]
-                        run = self._runs[name] = _Run(model, self._spec(model))
-                        run.last_update = self.now
-                        self._active[name] = None
-                        touched[name] = None
-                    elif kind is Kind.WAKE:
-                        wake = True
-                        self._wake_at = None
-                    elif kind is Kind.RESYNC:
-                        touched.update(dict.fromkeys(self._active))
-                        next_resync = when + self.config.resync
-                    elif run is None or run.finished is not None or version != run.version:
-                        continue  # superseded by a later grant change
-                    elif kind is Kind.EPOCH:
-                        if self._epoch(run, when):
-                            allocated -= run.size
-                            memory -= run.size * run.model.memory_fraction(run.size)
-                            self._finish(run, when)
-                        else:
-                            touched[name] = None
-                    elif kind is Kind.SETTLED:
-                        self._record(("world", name, run.size))
-                        self.allocator.observe_world_size(name, run.size)
-                    else:
-                        touched[name] = None
-                clock = time.perf_counter()
-                for name in touched:
-                    run = self._runs[name]
-                    if run.finished is None:
-                        self._reconcile(run)
-                        policy_calls += 1
-                if wake and self._active:
-                    # The operator's resync requests again; a request after a thaw decides.
-                    self._reconcile(self._runs[next(iter(self._active))])
-                    policy_calls += 1
-                policy_seconds += time.perf_counter() - clock
-            finally:
-                clock = time.perf_counter()
-                batch.__exit__(None, None, None)
-                decide_seconds += time.perf_counter() - clock
-            changes, self._changed = self._changed, {}
-            for name, grant in changes.items():
-                run = self._runs[name]
-                if run.finished is not None or grant.placement == run.placement:
-                    continue
-                old = run.size
-                self._apply(run, grant.placement)
-                allocated += run.size - old
-                memory += run.size * run.model.memory_fraction(run.size) - old * (
-                    run.model.memory_fraction(old)
-                )
-                self._push(self.now, Kind.RECONCILE, name, run.version)
-            timeline.append((self.now, allocated, memory))
+            tally.batches += 1
+            next_resync = self._decide(tally)
+            self._apply_changes(tally)
+            timeline.append((self.now, tally.allocated, tally.memory))
             if self.config.record:
                 recorded.append((self.now, self._steps, self.allocator.placements()))
                 self._steps = []
@@ -313,7 +263,101 @@ class Simulation:
             if next_resync is not None and self._heap:
                 # Only while something else will happen: a resync alone changes nothing.
                 self._push(max(next_resync, self.now), Kind.RESYNC, "")
-        outcomes = [
+        return SimResult(
+            policy=self.config.policy.name,
+            pool_gpus=self.config.pool.size,
+            jobs=self._outcomes(),
+            timeline=timeline,
+            decisions=self._decisions,
+            batches=tally.batches,
+            events=tally.events,
+            policy_calls=tally.policy_calls,
+            wall_seconds=time.perf_counter() - started,
+            decide_seconds=tally.decide_seconds,
+            policy_seconds=tally.policy_seconds,
+            unfinished=sorted(name for name in self._active),
+            steps=recorded,
+        )
+
+    def _decide(self, tally: _Tally) -> float | None:
+        """The events due now handled and their jobs reconciled, under one allocator decision;
+        returns when the next resync is due if one was handled."""
+        touched: dict[str, None] = {}
+        batch = self.allocator.batch()
+        batch.__enter__()
+        try:
+            wake, next_resync = self._handle_due(touched, tally)
+            clock = time.perf_counter()
+            for name in touched:
+                run = self._runs[name]
+                if run.finished is None:
+                    self._reconcile(run)
+                    tally.policy_calls += 1
+            if wake and self._active:
+                # The operator's resync requests again; a request after a thaw decides.
+                self._reconcile(self._runs[next(iter(self._active))])
+                tally.policy_calls += 1
+            tally.policy_seconds += time.perf_counter() - clock
+        finally:
+            clock = time.perf_counter()
+            batch.__exit__(None, None, None)
+            tally.decide_seconds += time.perf_counter() - clock
+        return next_resync
+
+    def _handle_due(self, touched: dict[str, None], tally: _Tally) -> tuple[bool, float | None]:
+        """Pop the events due by now; the jobs to reconcile go into `touched`. Returns whether
+        a wake-up was due, and when the next resync is if one was."""
+        wake = False
+        next_resync: float | None = None
+        while self._heap and self._heap[0][0] <= self.now:
+            when, _, kind, name, version = heapq.heappop(self._heap)
+            tally.events += 1
+            run = self._runs.get(name)
+            if kind is Kind.ARRIVAL:
+                model = self._by_name[name]
+                run = self._runs[name] = _Run(model, self._spec(model))
+                run.last_update = self.now
+                self._active[name] = None
+                touched[name] = None
+            elif kind is Kind.WAKE:
+                wake = True
+                self._wake_at = None
+            elif kind is Kind.RESYNC:
+                touched.update(dict.fromkeys(self._active))
+                next_resync = when + self.config.resync
+            elif run is None or run.finished is not None or version != run.version:
+                continue  # superseded by a later grant change
+            elif kind is Kind.EPOCH:
+                if self._epoch(run, when):
+                    tally.allocated -= run.size
+                    tally.memory -= run.size * run.model.memory_fraction(run.size)
+                    self._finish(run, when)
+                else:
+                    touched[name] = None
+            elif kind is Kind.SETTLED:
+                self._record(("world", name, run.size))
+                self.allocator.observe_world_size(name, run.size)
+            else:
+                touched[name] = None
+        return wake, next_resync
+
+    def _apply_changes(self, tally: _Tally) -> None:
+        """The grants the last decision changed, applied to their jobs."""
+        changes, self._changed = self._changed, {}
+        for name, grant in changes.items():
+            run = self._runs[name]
+            if run.finished is not None or grant.placement == run.placement:
+                continue
+            old = run.size
+            self._apply(run, grant.placement)
+            tally.allocated += run.size - old
+            tally.memory += run.size * run.model.memory_fraction(run.size) - old * (
+                run.model.memory_fraction(old)
+            )
+            self._push(self.now, Kind.RECONCILE, name, run.version)
+
+    def _outcomes(self) -> list[JobOutcome]:
+        return [
             JobOutcome(
                 run.model.name,
                 run.model.arrival,
@@ -327,21 +371,6 @@ class Simulation:
             for run in self._runs.values()
             if run.finished is not None
         ]
-        return SimResult(
-            policy=self.config.policy.name,
-            pool_gpus=self.config.pool.size,
-            jobs=outcomes,
-            timeline=timeline,
-            decisions=self._decisions,
-            batches=batches,
-            events=events,
-            policy_calls=policy_calls,
-            wall_seconds=time.perf_counter() - started,
-            decide_seconds=decide_seconds,
-            policy_seconds=policy_seconds,
-            unfinished=sorted(name for name in self._active),
-            steps=recorded,
-        )
 
     def _record(self, step: Step) -> None:
         if self.config.record:
