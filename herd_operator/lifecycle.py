@@ -17,7 +17,7 @@ Apart, at the bottom of the layers, and importing nothing of ours, because the r
 job mapping, which the node agent writes too) all run loops the same way.
 
 The operator's start and stop order, which locks each loop's thread takes and the order
-of those locks are in docs/architecture.md ("One lifecycle", "Where each loop's thread
+of those locks are in docs/mechanisms.md ("One lifecycle", "Where each loop's thread
 takes locks", "Lock order").
 """
 

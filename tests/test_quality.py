@@ -9,6 +9,7 @@ import functools
 import os
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,3 +245,24 @@ def test_the_measure_sees_methods_closures_and_classes_inside_functions() -> Non
         ("plain", 47, 21),
         ("plain.Local.method", 89, 21),
     ]
+
+
+def test_the_architecture_picture_names_every_layer_of_the_contract() -> None:
+    """docs/architecture.md's picture of the packages is the layers contract drawn: every
+    layer the contract names appears in it, so the two cannot drift apart silently."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    (layers,) = [
+        contract["layers"]
+        for contract in project["tool"]["importlinter"]["contracts"]
+        if contract["type"] == "layers"
+    ]
+    text = (REPO / "docs" / "architecture.md").read_text()
+    picture = text[text.index("## Packages and the direction of imports") :]
+    picture = picture[picture.index("```") : picture.index("```", picture.index("```") + 3)]
+    missing = [
+        f"herd_operator.{name}"
+        for layer in layers
+        for name in (part.strip() for part in layer.split("|"))
+        if f"herd_operator.{name}" not in picture
+    ]
+    assert missing == [], "layers of pyproject.toml's contract missing from the picture"

@@ -427,7 +427,7 @@ class Operator:
     def _cordon(self, hosts: set[str]) -> None:
         """The node watch's cordon: the allocator decides again without these nodes' free
         GPUs (it also asks the watch itself in every decision). The allocator records the
-        decision after its lock is released (the lock order: docs/architecture.md)."""
+        decision after its lock is released (the lock order: docs/architecture.md, "Locks")."""
         if self.allocator is not None:
             self.allocator.cordon(hosts)
 
