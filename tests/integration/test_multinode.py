@@ -15,6 +15,8 @@ Horovod's ssh line held `env K=V ...`; the workers there still get both values.
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,9 +44,15 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test hosts:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[NamespaceCluster]:
-    with namespace_cluster(tmp_path / "cluster", compute=2, gpus=2, slurm=False) as made:
-        yield made
+def cluster() -> Iterator[NamespaceCluster]:
+    # Slurm's and munge's sockets live under the cluster's root, and a Unix socket path has
+    # at most 108 bytes: pytest's tmp_path (under xdist, .../popen-gwN/<test>0/) is too long.
+    root = Path(tempfile.mkdtemp(prefix="herd-cluster-"))
+    try:
+        with namespace_cluster(root, compute=2, gpus=2, slurm=False) as made:
+            yield made
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.timeout(420)

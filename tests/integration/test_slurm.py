@@ -13,8 +13,10 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,9 +43,15 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test cluste
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[NamespaceCluster]:
-    with namespace_cluster(tmp_path / "cluster", compute=3, gpus=2) as made:
-        yield made
+def cluster() -> Iterator[NamespaceCluster]:
+    # Slurm's and munge's sockets live under the cluster's root, and a Unix socket path has
+    # at most 108 bytes: pytest's tmp_path (under xdist, .../popen-gwN/<test>0/) is too long.
+    root = Path(tempfile.mkdtemp(prefix="herd-cluster-"))
+    try:
+        with namespace_cluster(root, compute=3, gpus=2) as made:
+            yield made
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 SCRAPE = [

@@ -105,6 +105,21 @@ def test_a_logged_end_is_not_ended_twice(tmp_path: Path) -> None:
     ]
 
 
+def test_a_logged_end_after_the_process_ended_is_the_end(tmp_path: Path) -> None:
+    """`finishedAt` is when the process ended (the keeper's record); the reconcile that saw
+    it gave the GPUs back a moment later, and logged that drop. The GPUs were held until
+    then: no second end at `finishedAt` (there was one, 28 ms short, in the integration
+    test's run)."""
+    with Store(tmp_path / "state.db") as store:
+        record_job(store, "done", T0)
+        store.add_grant_change("done", 2, "admitted", T0 + 10)
+        store.add_grant_change("done", 0, "job failed", T0 + 30.5)
+        store.put_status("done", end_status("failed", T0 + 30, held=0), T0 + 30.5)
+        run = run_of(store, tmp_path)
+    assert [(step.time, step.after) for step in run.jobs[0].grants] == [(10.0, 2), (30.5, 0)]
+    assert run.jobs[0].gpu_seconds(run.end) == 2 * 20.5
+
+
 def test_a_job_run_again_after_its_end_counts_both_runs(tmp_path: Path) -> None:
     with Store(tmp_path / "state.db") as store:
         record_job(store, "again", T0)

@@ -196,12 +196,14 @@ def end_time(source: JobSource) -> tuple[float, str] | None:
 def grant_levels(source: JobSource) -> list[tuple[float, int, str]]:
     """(unix time, GPUs, reason) of the job's grant changes, ended where the job ended.
 
-    The end is added only where the log lacks it (a store of an older operator): the level
-    in force at the end time is above 0, so a later row cannot be the end's.
+    The end is added only where the log lacks it (a store of an older operator, whose log
+    does not end at 0). Where it has it, the log's own drop stands even when it came after
+    the end time: `finished_at` is when the process ended, and the GPUs were held until
+    the reconcile that saw it gave them back.
     """
     changes = [(change.time, change.gpus, change.reason) for change in source.grants]
     ended = end_time(source)
-    if ended is not None:
+    if ended is not None and (not changes or changes[-1][1] > 0):
         at, how = ended
         level = 0
         for time_, gpus, _ in changes:
