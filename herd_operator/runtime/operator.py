@@ -389,12 +389,11 @@ class Operator:
 
     def _pool_changed(self, pool: Pool) -> None:
         """The pool source changed the pool (Slurm took a node out of the allocation, or a
-        node's GPUs changed): the node watch forgets the nodes that left (their agents' calls
-        no longer bring them back), the allocator decides again, the store logs the new size
-        and an event names each node that left or joined."""
+        node's GPUs changed): the allocator decides again, the store logs the new size and
+        an event names each node that left or joined; then the node watch forgets the nodes
+        that left (their agents' calls no longer bring them back)."""
         assert self.allocator is not None and self.store is not None and self.nodes is not None
         before = dict(self.allocator.pool.hosts)
-        self.nodes.set_pool(pool)
         try:
             # One group for the decision's record, the pool's size and the events.
             with self.store.transaction():
@@ -403,6 +402,9 @@ class Operator:
         except StoreError as err:
             log.warning("cannot record the pool's change in the state store: %s", err)
             self.allocator.set_pool(pool)  # a no-op if the group applied it before failing
+        # Only now may the watch forget the nodes that left: it lifts their cordon, and a
+        # decision between that and the allocator's new pool granted a lost node's free GPUs.
+        self.nodes.set_pool(pool)
 
     def _record_pool_change(
         self, before: Mapping[str, tuple[int, ...]], after: Mapping[str, tuple[int, ...]], size: int
