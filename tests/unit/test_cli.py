@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import sqlite3
-import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -368,23 +368,33 @@ def test_state_dir_before_the_command(state: Path, capsys: pytest.CaptureFixture
     assert code == EXIT_FAILURE and "no operator state" in err
 
 
-def test_get_watch_prints_a_change(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def watch_rounds(monkeypatch: pytest.MonkeyPatch, *changes: Callable[[], None]) -> None:
+    """The watch commands' poll, without its clock: each change is made before one round,
+    then one round more (which must print nothing new), then the watch ends."""
+
+    def rounds(timeout: float | None) -> Iterator[None]:
+        for change in changes:
+            change()
+            yield
+        yield
+
+    monkeypatch.setattr("herd_operator.cli.reading._ticks", rounds)
+
+
+def test_get_watch_prints_a_change(
+    state: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A status changes while `get -w` watches: its row is printed again, once."""
 
-    def change_later() -> None:
-        time.sleep(0.7)
+    def change() -> None:
         with Store(StateLayout(state).database) as store:
             record = store.get_job("train")
             assert record is not None and record.status.gpus is not None
             gpus = record.status.gpus.model_copy(update={"allocated": 3, "active": 3})
             store.put_status("train", record.status.model_copy(update={"gpus": gpus}), time.time())
 
-    writer = threading.Thread(target=change_later)
-    writer.start()
-    code, out, _ = run_cli(
-        capsys, "get", "-w", "--timeout", "2.2", "--no-headers", "--state-dir", str(state)
-    )
-    writer.join()
+    watch_rounds(monkeypatch, change)
+    code, out, _ = run_cli(capsys, "get", "-w", "--no-headers", "--state-dir", str(state))
     assert code == EXIT_OK
     rows = [line.split() for line in out.splitlines()]
     assert [row[:7] for row in rows] == [
@@ -395,21 +405,16 @@ def test_get_watch_prints_a_change(state: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_get_watch_yaml_prints_one_object_per_change(
-    state: Path, capsys: pytest.CaptureFixture[str]
+    state: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def change_later() -> None:
-        time.sleep(0.7)
+    def change() -> None:
         with Store(StateLayout(state).database) as store:
             record = store.get_job("idle")
             assert record is not None
             store.put_status("idle", record.status.model_copy(update={"epoch": 1}), time.time())
 
-    writer = threading.Thread(target=change_later)
-    writer.start()
-    code, out, _ = run_cli(
-        capsys, "get", "-w", "-o", "yaml", "--timeout", "2.2", "--state-dir", str(state)
-    )
-    writer.join()
+    watch_rounds(monkeypatch, change)
+    code, out, _ = run_cli(capsys, "get", "-w", "-o", "yaml", "--state-dir", str(state))
     assert code == EXIT_OK
     first, changed = list(yaml.safe_load_all(out))
     assert first["kind"] == "List" and len(first["items"]) == 2
@@ -418,26 +423,30 @@ def test_get_watch_yaml_prints_one_object_per_change(
 
 
 def test_events_watch_prints_new_and_repeated_events(
-    state: Path, capsys: pytest.CaptureFixture[str]
+    state: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def add_later() -> None:
-        time.sleep(0.7)
+    def add() -> None:
         with Store(StateLayout(state).database) as store:
             now = time.time()
             store.add_event("train", "Warning", "LaunchFailed", "no horovodrun", now)
             store.add_event("idle", "Warning", "Pending", "needs 2 GPUs, 0 free", now)
 
-    writer = threading.Thread(target=add_later)
-    writer.start()
-    code, out, _ = run_cli(
-        capsys, "events", "-w", "--timeout", "2.2", "--no-headers", "--state-dir", str(state)
-    )
-    writer.join()
+    watch_rounds(monkeypatch, add)
+    code, out, _ = run_cli(capsys, "events", "-w", "--no-headers", "--state-dir", str(state))
     assert code == EXIT_OK
     reasons = [line.split()[2] for line in out.splitlines()]
     assert reasons[:3] == ["OperatorStarted", "Scaled", "Pending"]
     assert sorted(reasons[3:]) == ["LaunchFailed", "Pending"]  # new, and repeated
     assert out.count("needs 2 GPUs, 0 free (x2)") == 1
+
+
+def test_a_watch_ends_after_its_timeout_with_what_it_printed_first(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (["get", "-w", "-o", "name"], ["events", "-w"]):
+        code, out, err = run_cli(capsys, *argv, "--timeout", "0.1", "--state-dir", str(state))
+        assert (code, err) == (EXIT_OK, ""), argv
+        assert out and out == run_cli(capsys, *argv[:1], *argv[2:], "--state-dir", str(state))[1]
 
 
 def test_watch_ends_quietly_on_ctrl_c(
