@@ -83,6 +83,10 @@ class Pool:
         """`hosts` with each host's GPUs in increasing order."""
         return tuple((host, tuple(sorted(gpus))) for host, gpus in self.hosts)
 
+    def describe(self) -> str:
+        """For log lines: `host:count, ...`."""
+        return ", ".join(f"{host}:{len(gpus)}" for host, gpus in self.hosts) or "no GPUs"
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -111,6 +115,12 @@ class Placement:
     def has_empty_host(self) -> bool:
         """A host listed with no GPU (JSON may say so; decisions never make one)."""
         return not all(gpus for _, gpus in self.hosts)
+
+    def describe(self) -> str:
+        """For log lines: `host[gpu, ...], ...`."""
+        if not self.size:
+            return "nothing (pending)"
+        return ", ".join(f"{host}{list(gpus)}" for host, gpus in self.hosts)
 
     def gpus_on(self, host: str) -> tuple[int, ...]:
         """The job's GPUs on `host`; position i is the GPU of local rank i."""

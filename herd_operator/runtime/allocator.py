@@ -36,6 +36,7 @@ from herd_operator.runtime.bindings import (
     running_workers,
 )
 from herd_operator.runtime.drains import DEFAULT_DRAIN_SECONDS, DrainTracker
+from herd_operator.runtime.first_launch import FirstLaunches
 from herd_operator.runtime.process_table import is_process_of_job
 from herd_operator.runtime.recording import EventSink, Recorder
 from herd_operator.runtime.withheld import only, restorable, wait_for_drains, withheld_slots
@@ -92,6 +93,7 @@ class Allocator:
         unavailable_hosts: Callable[[], AbstractSet[str]] = frozenset,
         on_workers_lost: Callable[[str, frozenset[str]], None] = lambda job, hosts: None,
         belongs: Callable[[str, int], bool] = is_process_of_job,
+        first_launch_seconds: float = 0.0,
     ) -> None:
         """`unavailable_hosts()`: hosts none of whose free GPUs a decision may grant, asked
         in every decision (suspect or lost nodes: `pools/heartbeat.NodeWatch`), on top of
@@ -104,7 +106,8 @@ class Allocator:
         smallest min first). Under `smallest_first` a job pending for `max_wait_seconds`
         (from the first decision that left it pending) goes first (`arbitrate`'s `overdue`):
         no timer is needed, since being overdue changes a decision only when GPUs come free
-        or a job arrives, and each of those decides."""
+        or a job arrives, and each of those decides. `first_launch_seconds`: how long at
+        most a job whose first launch is forming is left alone (`first_launch.py`; 0: not)."""
         if not max_wait_seconds > 0 or not math.isfinite(max_wait_seconds):
             raise ValueError(f"max_wait_seconds must be finite and > 0, got {max_wait_seconds}")
         self.pool = pool
@@ -141,6 +144,7 @@ class Allocator:
         # When each job's size last changed; a job is left alone for min_resize_interval
         # after that, since every change costs a Horovod reset.
         self._resized_at: dict[str, float] = {}
+        self._first = FirstLaunches(first_launch_seconds)
         self._next_thaw: float | None = None
         self._batching = False
         self._deferred: set[str] = set()
@@ -266,9 +270,11 @@ class Allocator:
                 self._held[job] = placement
                 self._grants[job] = Grant(placement, "adopted after an operator restart")
                 self._sink.publish(job, placement)
-                log.info("grant %s: %s (adopted)", job, _describe(placement))
+                log.info("grant %s: %s (adopted)", job, placement.describe())
             self._bindings.restore(bindings, self._held)
             now = self._clock()
+            for job in kept:
+                self._first.started(job, now)  # a launch may have been forming at the crash
             for slot, drain in sorted((draining or {}).items()):
                 if slot not in self.pool.slot_set or slot in taken or slot in self._drains:
                     continue
@@ -288,6 +294,7 @@ class Allocator:
             for per_job in (self._held, self._pending_since, self._resized_at):
                 per_job.pop(job, None)
             self._world.forget(job)
+            self._first.formed(job)
             # Released once its processes are gone: what it was giving back is free now.
             self._drains.release(job)
             self._deferred.discard(job)
@@ -306,7 +313,7 @@ class Allocator:
         with self._changing():
             if pool == self.pool:
                 return
-            log.info("pool: %s", _describe_pool(pool))
+            log.info("pool: %s", pool.describe())
             self.pool = pool
             self._drains.keep_only(set(pool.slots()))
             self._decide_or_defer()
@@ -339,6 +346,7 @@ class Allocator:
         with self._changing():
             now = self._clock()
             previous = self._world.said(job, world_size)
+            self._first.formed(job)
             if job in self._held:
                 return  # adopted, not asked for yet: its first reconcile weighs it again
             grant = self._grants.get(job)
@@ -386,6 +394,7 @@ class Allocator:
             for state in (self._demands, self._grants, self._held, self._resized_at):
                 state.clear()
             self._world.clear()
+            self._first.clear()
             self._bindings.clear()
             self._drains.clear()
             self._next_thaw = None
@@ -421,7 +430,7 @@ class Allocator:
             if placement.size:
                 self._sink.publish(job, placement)
             if log.isEnabledFor(logging.INFO):  # describing 10,000 grants is not free
-                log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
+                log.info("grant %s: %s (%s)", job, placement.describe(), decided[job].reason)
         self._bindings.keep_matching(decided)
         self._recorder.changed()  # handed to the store once the lock is released
         for job in changed:
@@ -438,6 +447,8 @@ class Allocator:
             for job, at in self._resized_at.items()
             if now - at < self.min_resize_interval and current.get(job, Placement.EMPTY).size
         }
+        sizes = {job: placement.size for job, placement in current.items()}
+        frozen |= self._first.frozen(now, sizes, lambda job: len(self._bindings.of_job(job)))
         if shrink is not None:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])
@@ -485,9 +496,13 @@ class Allocator:
         """What the changed grants start: resize freezes, reference sizes, grace periods,
         waits of pending jobs, and when the next freeze ends."""
         for job in changed:
-            if decided[job].placement.size != current.get(job, Placement.EMPTY).size:
+            size = decided[job].placement.size
+            before = current.get(job, Placement.EMPTY).size
+            if size != before:
                 self._resized_at[job] = now
-            self._world.regranted(job, decided[job].placement.size)
+            if size and not before:
+                self._first.started(job, now)  # a launch: frozen until it formed
+            self._world.regranted(job, size)
         self._resized_at = {job: at for job, at in self._resized_at.items() if job in decided}
         if self.smallest_first:
             for job, grant in decided.items():
@@ -495,12 +510,9 @@ class Allocator:
                     self._pending_since.pop(job, None)
                 else:
                     self._pending_since.setdefault(job, now)
-        thaws = [
-            at + self.min_resize_interval
-            for at in self._resized_at.values()
-            if at + self.min_resize_interval > now
-        ]
-        self._next_thaw = min(thaws) if thaws else None
+        ends = [at + self.min_resize_interval for at in self._resized_at.values()]
+        ends += [end] if (end := self._first.next_end()) is not None else []
+        self._next_thaw = min((at for at in ends if at > now), default=None)
 
     def _start_drains(
         self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float
@@ -562,6 +574,10 @@ class Allocator:
             if pid is not None and host in self._local_hosts and not self._belongs(job, pid):
                 raise NotJobsProcess(f"pid {pid} is not a process of job {job!r} on {host}")
             self._bindings.bind(job, name, local_rank, pid, slots)
+            if job in self._first and len(self._bindings.of_job(job)) >= placement.size:
+                # Formed: the next request decides again (what waited for its GPUs may go).
+                self._first.formed(job)
+                self._next_thaw = self._clock()
             return slots
 
     def workers(self, job: str, since: float) -> Workers | None:
@@ -579,13 +595,3 @@ class Allocator:
                 return None
             pids = self._bindings.pids_by_slot(job)
         return running_workers(slots, pids, since)  # reads the process table: not locked
-
-
-def _describe_pool(pool: Pool) -> str:
-    return ", ".join(f"{host}:{len(gpus)}" for host, gpus in pool.hosts) or "no GPUs"
-
-
-def _describe(placement: Placement) -> str:
-    if not placement.size:
-        return "nothing (pending)"
-    return ", ".join(f"{host}{list(gpus)}" for host, gpus in placement.hosts)

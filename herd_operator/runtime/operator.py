@@ -66,6 +66,7 @@ from herd_operator.runtime.telemetry import (
     observed_gpus,
     register_collectors,
 )
+from herd_operator.runtime.world_sizes import LOST_GRACE_SECONDS
 from herd_operator.specs.values import Pool
 
 if TYPE_CHECKING:
@@ -245,6 +246,8 @@ class Operator:
             ),
             unavailable_hosts=nodes.unavailable,
             on_workers_lost=nodes.workers_vanished,
+            # A worker that never binds is lost after this grace anyway.
+            first_launch_seconds=LOST_GRACE_SECONDS,
         )
         # A group rolled back (a full disk) took the decisions recorded in it along.
         store.on_rollback(allocator.mark_unrecorded)
