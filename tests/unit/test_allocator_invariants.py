@@ -43,6 +43,7 @@ class Story:
     running: tuple[Demand, ...]
     newcomer: Demand
     min_resize_interval: float
+    first_launch_seconds: float
 
 
 @st.composite
@@ -58,7 +59,8 @@ def stories(draw: st.DrawFn) -> Story:
         )
     low = draw(st.integers(1, size))
     newcomer = Demand("new", low, draw(st.integers(low, size)), size, draw(st.integers(0, 2)), 10.0)
-    return Story(hosts, tuple(running), newcomer, draw(st.sampled_from([0.0, 30.0])))
+    freezes = st.sampled_from([0.0, 30.0]), st.sampled_from([0.0, 60.0])
+    return Story(hosts, tuple(running), newcomer, draw(freezes[0]), draw(freezes[1]))
 
 
 def owners(allocator: Allocator) -> dict[Slot, str]:
@@ -85,6 +87,7 @@ def test_admission_hands_on_only_drained_gpus_and_takes_no_more_than_it_needs(
         drain_seconds=3600.0,  # only reports free a GPU here (no pid to watch)
         clock=clock,
         min_resize_interval=story.min_resize_interval,
+        first_launch_seconds=story.first_launch_seconds,
     )
     # Settle: every job at what it is granted and says so, nothing draining, no freeze.
     for _ in range(10):
