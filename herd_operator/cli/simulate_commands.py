@@ -40,7 +40,9 @@ def add_commands(commands: Subcommands) -> None:
         " installed policy (default: fcfs,static,memory,goodput); NAME+spare: under an"
         " allocator that lends spare GPUs by the gain the policy reports; NAME+share: one"
         " that divides every GPU above the mins by that gain; NAME+small: one that admits"
-        " the pending job with the smallest min first (combined: NAME+small+share)",
+        " the pending job with the smallest min first (combined: NAME+small+share);"
+        " tiresias, optimus: the baselines of Pollux's artifact, rebuilt (not the operator's"
+        " allocator; docs/simulation.md)",
     )
     simulate.add_argument("--jobs", type=positive_int, default=1000, help="generated jobs")
     simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")

@@ -62,6 +62,9 @@ class JobModel:
     start_seconds: float | None = None
     """Seconds from a grant to the first progress of a fresh launch; None: the measured
     `START_SECONDS` (a replay sets what the recorded job took)."""
+    scale_limit: int = 0
+    """The most GPUs its scaling was measured at (a trace's calibration); 0: not known. Read
+    by the Optimus baseline, which grows a job up to it (`baselines.py`)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gpus <= self.max_gpus:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
+from herd_operator.simulate.baselines import BASELINES, run_baseline
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
@@ -99,6 +100,9 @@ def simulate(
 ) -> list[SimResult]:
     results = []
     for text in policies:
+        if text in BASELINES:
+            results.append(run_baseline(text, workload.jobs, pool.size))
+            continue
         policy, flags = parse_allocator_options(text)
         label, ref = parse_policy(policy)
         jobs = rigid(workload.jobs) if label == FIRST_COME else workload.jobs

@@ -112,6 +112,7 @@ def _job(
     fixed_share: float,
     epochs: int,
     min_share: float,
+    scale_limit: int = 0,
 ) -> JobModel:
     mem_fixed = fixed_share * used
     mem_batch = (1 - fixed_share) * used * requested
@@ -128,6 +129,7 @@ def _job(
         serial_fraction=serial,
         mem_fixed=mem_fixed,
         mem_batch=mem_batch,
+        scale_limit=scale_limit,
     )
 
 
@@ -191,6 +193,7 @@ def load_trace(
                     0.4,
                     fit.epochs,
                     min_share,
+                    max(gpus for gpus, _ in fit.measured),
                 )
             )
     jobs.sort(key=lambda job: (job.arrival, job.name))
