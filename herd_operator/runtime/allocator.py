@@ -447,8 +447,10 @@ class Allocator:
             for job, at in self._resized_at.items()
             if now - at < self.min_resize_interval and current.get(job, Placement.EMPTY).size
         }
-        sizes = {job: placement.size for job, placement in current.items()}
-        frozen |= self._first.frozen(now, sizes, lambda job: len(self._bindings.of_job(job)))
+        # Held jobs count as holding theirs: they are not weighed yet, but still forming.
+        sizes = {job: grant.placement.size for job, grant in self._grants.items()}
+        forming = self._first.frozen(now, sizes, lambda job: len(self._bindings.of_job(job)))
+        frozen |= forming & current.keys()
         if shrink is not None:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])

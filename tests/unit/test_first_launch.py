@@ -132,6 +132,27 @@ def test_an_adopted_job_found_forming_is_not_shrunk_until_its_workers_bound() ->
     assert size(alloc, "a") == 1
 
 
+def test_an_adopted_job_stays_frozen_through_decisions_made_before_its_first_request() -> None:
+    """Decisions for other jobs can come before the adopted job's reconcile asks again
+    (it is held, untouched, until then): they must not end its freeze."""
+    clock = Clock()
+    alloc = Allocator(
+        Pool.from_counts({"localhost": 3}),
+        Sink(),
+        virtual=True,
+        drain_seconds=0,
+        clock=clock,
+        belongs=lambda job, pid: True,
+        first_launch_seconds=LIMIT_S,
+    )
+    two = Placement((("localhost", (0, 1)),))
+    alloc.restore({"a": two}, [Binding("a", "localhost", 0, 0, None)])
+    assert alloc.request(Demand("b", 1, 1, 1, arrival=2)).admitted  # type: ignore[union-attr]
+    alloc.request(Demand("a", 1, 2, 2, arrival=1))
+    assert not alloc.request(Demand("c", 1, 1, 1, arrival=3)).admitted  # type: ignore[union-attr]
+    assert size(alloc, "a") == 2
+
+
 def test_an_adopted_job_whose_workers_all_bound_is_decided_at_once() -> None:
     clock = Clock()
     alloc = Allocator(
