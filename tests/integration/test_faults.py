@@ -194,13 +194,8 @@ def test_a_drained_gpu_waits_for_the_worker_that_still_runs_on_it(tmp_path: Path
                 )
             return bool(held)
 
+        # Its admission is the moment under test; its training after that proves nothing more.
         herd.wait_for(urgent_admitted_on_free_gpus, "the urgent job admitted", job="urgent")
-        herd.wait_for(
-            lambda: (c := herd.condition("urgent", "Succeeded")) and c["status"] == "True",
-            "the urgent job to finish",
-            job="urgent",
-            timeout=180,
-        )
         overdue = [e for e in herd.events("slow") if e.reason == "DrainOverdue"]
         print(f"DrainOverdue events: {[e.message for e in overdue]}")
         assert all(e.type == "Warning" for e in overdue)
