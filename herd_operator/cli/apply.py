@@ -58,6 +58,7 @@ def add_commands(commands: Subcommands) -> None:
         "several jobs), a directory of them, or - for standard input; repeatable",
     )
     specs_dir_option(apply)
+    state_dir_option(apply)  # unused: taken as every verb takes it, so scripts can pass it
 
     delete = add_command(
         commands,
