@@ -16,9 +16,11 @@ import pytest
 import yaml
 
 from herd_operator.cli.spec_files import write_spec_file
+from herd_operator.cli.wait import WaitFor, duration, verdict, wait_for
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
 from herd_operator.specs import (
+    Condition,
     ConditionStatus,
     ConditionType,
     is_spec_filename,
@@ -27,6 +29,7 @@ from herd_operator.specs import (
     set_condition,
     spec_fingerprint,
 )
+from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import HerdJobStatus
 from tests.unit.test_cli import EXIT_FAILURE, EXIT_OK, make_job, run_cli, spec_yaml
 
@@ -185,6 +188,7 @@ CRASH_BEFORE_RENAME = """
 import os, sys
 from pathlib import Path
 from herd_operator.cli.spec_files import write_spec_file
+from herd_operator.cli.wait import WaitFor, duration, verdict, wait_for
 write_spec_file(Path(sys.argv[1]), sys.argv[2], before_rename=lambda _: os._exit(9))
 """
 
@@ -488,3 +492,55 @@ def test_suspend_refuses_a_job_that_finished(tmp_path: Path, specs: Path, capsys
         "error: herdjob/alpha Succeeded: a finished job is not suspended\n",
     )
     assert (specs / "alpha.yaml").read_text() == spec_yaml("alpha")
+
+
+def job_record(generation: int, *conditions: tuple[ConditionType, str, int]) -> JobRecord:
+    """A record at `generation` whose conditions are (type, status, observed generation)."""
+    job = make_job("alpha", 1, 2)
+    status = HerdJobStatus(
+        conditions=tuple(
+            Condition(
+                type=kind, status=ConditionStatus(value), reason="Because",
+                message="why", last_transition_time=1.0, observed_generation=observed,
+            )
+            for kind, value, observed in conditions
+        )
+    )  # fmt: skip
+    return JobRecord("alpha", "uid", "/jobs/a.yaml", "f", generation, status, 1.0, 1.0, lambda: job)
+
+
+SUCCEEDED = wait_for("condition=Succeeded")
+NOT_RUNNING = wait_for("condition=Running=false")
+
+
+@pytest.mark.parametrize(
+    ("record", "wanted", "code"),
+    [
+        (job_record(1), SUCCEEDED, None),
+        (job_record(1, (ConditionType.Succeeded, "True", 1)), SUCCEEDED, EXIT_OK),
+        (job_record(1, (ConditionType.Failed, "True", 1)), SUCCEEDED, EXIT_FAILURE),
+        # Ended for an older spec: the operator runs the new one, so wait on.
+        (job_record(2, (ConditionType.Failed, "True", 1)), SUCCEEDED, None),
+        (job_record(2, (ConditionType.Succeeded, "True", 1)), SUCCEEDED, None),
+        (job_record(1, (ConditionType.Succeeded, "True", 1)), wait_for("condition=Failed"), 1),
+        (job_record(1, (ConditionType.Running, "False", 1)), NOT_RUNNING, EXIT_OK),
+        (job_record(1, (ConditionType.Running, "True", 1)), NOT_RUNNING, None),
+        (job_record(1, (ConditionType.Failed, "True", 1)), wait_for("condition=Running"), 1),
+        (job_record(1, (ConditionType.Failed, "True", 1)), wait_for("condition=failed"), 0),
+        (None, SUCCEEDED, EXIT_FAILURE),
+        (None, wait_for("delete"), EXIT_OK),
+        (job_record(1, (ConditionType.Succeeded, "True", 1)), wait_for("delete"), None),
+    ],
+)
+def test_wait_verdict(record: JobRecord | None, wanted: WaitFor, code: int | None) -> None:
+    answer = verdict(record, wanted, "alpha")
+    assert (answer.code if answer is not None else None) == code
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90.0), ("90s", 90.0), ("1.5", 1.5), ("5m", 300.0), ("1h30m", 5400.0), ("2d", 172800.0),
+     ("250ms", 0.25)],
+)  # fmt: skip
+def test_durations(text: str, seconds: float) -> None:
+    assert duration(text) == seconds
