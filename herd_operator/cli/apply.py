@@ -154,11 +154,23 @@ def plan_apply(
                 )
                 continue
             writes.append(_Write(job.name, path, text, "created"))
-        elif existing.job is not None and same_job(existing.job, job):
+            continue
+        if existing.job is not None and existing.job.spec.suspend:
+            job, text = _kept_suspended(job, text, str(existing.path))
+        if existing.job is not None and same_job(existing.job, job):
             writes.append(_Write(job.name, existing.path, text, "unchanged"))
         else:
             writes.append(_Write(job.name, existing.path, text, "configured"))
     return writes, problems
+
+
+def _kept_suspended(job: HerdJob, text: str, file: str) -> tuple[HerdJob, str]:
+    """A job suspended now stays so when the applied spec does not say `suspend` (as
+    kubectl's apply keeps a field it does not manage): applying an edit is no resume."""
+    if "suspend" in job.spec.model_fields_set:
+        return job, text
+    kept = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+    return kept, with_suspend(text, job, True, file)
 
 
 def cmd_apply(args: argparse.Namespace) -> int:

@@ -164,6 +164,25 @@ def test_apply_takes_stdin_and_a_list_saved_by_get(
     ]
 
 
+def test_apply_keeps_a_suspended_job_suspended_unless_the_spec_says_suspend(
+    tmp_path: Path, specs: Path, capsys: Capture
+) -> None:
+    (specs / "alpha.yaml").write_text(spec_yaml("alpha"))
+    run_cli(capsys, "suspend", "alpha", "--specs-dir", str(specs))
+    source = tmp_path / "alpha.yaml"
+    source.write_text(spec_yaml("alpha", high=2))
+
+    assert apply(capsys, specs, str(source))[1] == "herdjob/alpha configured\n"
+    job = load_spec_file(specs / "alpha.yaml").job
+    assert job is not None and job.spec.suspend and job.spec.gpus.max == 2
+    assert apply(capsys, specs, str(source))[1] == "herdjob/alpha unchanged\n"
+
+    source.write_text(spec_yaml("alpha", high=2) + "  suspend: false\n")
+    assert apply(capsys, specs, str(source))[1] == "herdjob/alpha configured\n"
+    job = load_spec_file(specs / "alpha.yaml").job
+    assert job is not None and not job.spec.suspend
+
+
 def test_apply_needs_the_spec_directory(tmp_path: Path, capsys: Capture) -> None:
     source = tmp_path / "a.yaml"
     source.write_text(spec_yaml("alpha"))
