@@ -193,18 +193,15 @@ def cmd_wait(args: argparse.Namespace) -> int:
     name: str = args.name
     wanted: WaitFor = args.wait_for
     with open_store(args.state_dir) as store:
-        if store.get_job(name) is None and not wanted.deleted and not _declared(args, name):
-            print(not_found(name), file=sys.stderr)
-            return EXIT_FAILURE
-        # Declared but not recorded yet: the operator has not read the file (an apply just
-        # before). It counts as there: deleted only once it was seen.
+        # A job declared but not recorded yet (an apply just before: the operator has not
+        # read the file) is waited for; it counts as deleted only once it was seen.
         seen = False
 
         def probe() -> Verdict | None:
             nonlocal seen
             record = store.get_job(name)
             if record is None and not seen and not wanted.deleted:
-                return None if _declared(args, name) else verdict(None, wanted, name)
+                return _unrecorded(args, name)
             seen = True
             return verdict(record, wanted, name)
 
@@ -219,9 +216,25 @@ def cmd_wait(args: argparse.Namespace) -> int:
     return answer.code
 
 
-def _declared(args: argparse.Namespace, name: str) -> bool:
-    """Whether a spec file declares `name` (in the spec directory, when there is one)."""
+def _unrecorded(args: argparse.Namespace, name: str) -> Verdict | None:
+    """A job the operator has not recorded: None (wait for it) while a valid spec in the
+    spec directory declares it; else why it never will be (NotFound, or its spec's first
+    problem: the operator does not record a job whose spec was never valid)."""
     try:
-        return Declared.scan(specs_dir(args.specs_dir)).files.get(name) is not None
-    except (SpecsDirError, OSError):
-        return False
+        directory = specs_dir(args.specs_dir)
+    except SpecsDirError:
+        directory = None  # no spec directory here: what the store says is all there is
+    try:
+        declared = Declared.scan(directory).one_file(name) if directory else None
+    except SpecsDirError as err:  # several files declare it: the operator runs none
+        return Verdict(EXIT_FAILURE, f"error: {err}")
+    except OSError:
+        declared = None
+    if declared is None:
+        return Verdict(EXIT_FAILURE, not_found(name))
+    if declared.job is None:
+        return Verdict(
+            EXIT_FAILURE,
+            f"error: herdjob/{name} is not run: its spec is invalid ({declared.errors[0]})",
+        )
+    return None

@@ -468,6 +468,19 @@ def test_wait_for_a_job_applied_but_not_yet_recorded_waits_for_it(
     assert (code, out) == (EXIT_OK, "herdjob/beta condition=Running=True: met\n")
 
 
+def test_wait_for_a_job_whose_spec_is_invalid_says_so_at_once(
+    waiting: Path, specs: Path, capsys: Capture
+) -> None:
+    (specs / "beta.yaml").write_text(spec_yaml("beta", low=0))
+    argv = ["wait", "beta", "--for=condition=Running", "--specs-dir", str(specs)]
+    code, out, err = run_cli(capsys, *argv, "--state-dir", str(waiting))
+    assert (code, out) == (EXIT_FAILURE, "")
+    assert err == (
+        "error: herdjob/beta is not run: its spec is invalid"
+        f" ({specs / 'beta.yaml'}: spec.gpus.min: must be at least 1, got integer 0)\n"
+    )
+
+
 def test_wait_for_delete_and_a_job_deleted_while_awaited(
     waiting: Path, capsys: Capture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
