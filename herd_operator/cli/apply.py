@@ -57,6 +57,12 @@ def add_commands(commands: Subcommands) -> None:
         help="a spec file (several YAML documents, or a List saved from `get -o yaml`, are "
         "several jobs), a directory of them, or - for standard input; repeatable",
     )
+    apply.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate and say what each job would be (created, configured, unchanged); "
+        "write nothing",
+    )
     specs_dir_option(apply)
     state_dir_option(apply)  # unused: taken as every verb takes it, so scripts can pass it
 
@@ -65,13 +71,21 @@ def add_commands(commands: Subcommands) -> None:
         "delete",
         cmd_delete,
         help="remove jobs' spec files (the operator stops and forgets them)",
-        description="Remove the spec file of each job named or selected; the operator "
+        description="Remove the spec file of each job named, selected (-l) or declared in "
+        "the -f sources; the operator "
         "stops the job's processes and frees its GPUs, as for any deleted file. Exit 1 when "
         "a name is declared by no spec (the others are deleted), or on --wait's timeout.",
     )
     delete.add_argument("names", nargs="*", metavar="NAME")
     delete.add_argument(
         "-l", "--selector", type=_selector, help="the jobs whose labels match (as `get -l`)"
+    )
+    delete.add_argument(
+        "-f",
+        "--filename",
+        action="append",
+        metavar="FILE|DIR|-",
+        help="the jobs these specs declare (as `apply -f` reads them); repeatable",
     )
     delete.add_argument(
         "--wait",
@@ -189,6 +203,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
         for problem in problems:
             print(problem, file=sys.stderr)
         return _error(f"nothing applied: {len(problems)} problem(s); no spec file was written")
+    if args.dry_run:
+        for write in writes:
+            print(f"herdjob/{write.name} {write.action} (dry run)", flush=True)
+        return EXIT_OK
     for index, write in enumerate(writes):
         if write.action != "unchanged":
             try:
@@ -201,27 +219,18 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    if bool(args.names) == (args.selector is not None):
-        return _error("name the jobs to delete, or select them with -l, not both or neither")
+    given = [bool(args.names), args.selector is not None, bool(args.filename)]
+    if sum(given) != 1:
+        return _error("name the jobs to delete, or give -l or -f; one of them")
     try:
-        directory = specs_dir(args.specs_dir)
-        declared = Declared.scan(directory)
-        if args.selector is not None:
-            names = sorted(
-                name
-                for name, files in declared.files.items()
-                if len(files) == 1
-                and files[0].job is not None
-                and args.selector.matches(files[0].job.metadata.labels)
-            )
-            if not names:
-                print("No resources found", file=sys.stderr)
-                return EXIT_OK
-        else:
-            names = list(dict.fromkeys(args.names))
+        declared = Declared.scan(specs_dir(args.specs_dir))
+        names = _delete_targets(args, declared)
         found = {name: declared.one_file(name) for name in names}
     except SpecsDirError as err:
         return _error(str(err))
+    if not names:
+        print("No resources found", file=sys.stderr)
+        return EXIT_OK
     code = EXIT_OK
     deleted = []
     for name, spec_file in found.items():
@@ -242,6 +251,25 @@ def cmd_delete(args: argparse.Namespace) -> int:
     if args.wait and deleted and not _wait_until_gone(args.state_dir, deleted, args.timeout):
         return _error(f"timed out after {args.timeout:g}s waiting for the operator to remove them")
     return code
+
+
+def _delete_targets(args: argparse.Namespace, declared: Declared) -> list[str]:
+    """The names `delete` was given: as arguments, the jobs whose labels match -l, or the
+    jobs the -f sources declare (valid or not: a name is enough to delete by)."""
+    if args.selector is not None:
+        return sorted(
+            name
+            for name, files in declared.files.items()
+            if len(files) == 1
+            and files[0].job is not None
+            and args.selector.matches(files[0].job.metadata.labels)
+        )
+    if args.filename:
+        from herd_operator.specs.sources import read_sources
+
+        documents = read_sources(args.filename, sys.stdin)
+        return list(dict.fromkeys(d.spec_file.name for d in documents if d.spec_file.name))
+    return list(dict.fromkeys(args.names))
 
 
 def _wait_until_gone(state_dir: Path, names: Sequence[str], timeout: float) -> bool:

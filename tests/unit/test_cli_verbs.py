@@ -49,7 +49,12 @@ def contents(directory: Path) -> dict[str, str]:
 
 
 def apply(capsys: Capture, specs: Path, *sources: str) -> tuple[int, str, str]:
-    flags = [flag for source in sources for flag in ("-f", source)]
+    """`apply -f` each source (an argument starting with `--` is passed as it is)."""
+    flags = [
+        flag
+        for source in sources
+        for flag in ((source,) if source.startswith("--") else ("-f", source))
+    ]
     return run_cli(capsys, "apply", "--specs-dir", str(specs), *flags)
 
 
@@ -75,6 +80,10 @@ def test_apply_creates_then_says_unchanged_then_configured(
     assert written.stat().st_mtime_ns == before  # not even rewritten
 
     source.write_text(spec_yaml("alpha", high=2))
+    assert apply(capsys, specs, str(source), "--dry-run")[1] == (
+        "herdjob/alpha configured (dry run)\n"
+    )
+    assert written.read_text() == text
     assert apply(capsys, specs, str(source)) == (EXIT_OK, "herdjob/alpha configured\n", "")
     job = load_spec_file(written).job
     assert job is not None and job.spec.gpus.max == 2
@@ -265,6 +274,18 @@ def test_delete_by_selector(specs: Path, capsys: Capture) -> None:
     assert sorted(os.listdir(specs)) == ["b.yaml"]
     code, _, err = run_cli(capsys, "delete", "--specs-dir", str(specs))
     assert code == EXIT_FAILURE and "name the jobs" in err
+
+
+def test_delete_the_jobs_a_file_declares(tmp_path: Path, specs: Path, capsys: Capture) -> None:
+    (specs / "a.yaml").write_text(spec_yaml("alpha"))
+    (specs / "b.yaml").write_text(spec_yaml("beta"))
+    (specs / "c.yaml").write_text(spec_yaml("gamma"))
+    source = tmp_path / "applied.yaml"
+    source.write_text(spec_yaml("alpha") + "---\n" + spec_yaml("gamma", low=0))
+    code, out, err = run_cli(capsys, "delete", "-f", str(source), "--specs-dir", str(specs))
+    assert (code, err) == (EXIT_OK, "")
+    assert out.splitlines() == ['herdjob "alpha" deleted', 'herdjob "gamma" deleted']
+    assert sorted(os.listdir(specs)) == ["b.yaml"]
 
 
 def test_delete_wait_waits_for_the_operator_to_forget_the_job(
