@@ -199,13 +199,19 @@ def test_apply_needs_the_spec_directory(tmp_path: Path, capsys: Capture) -> None
     assert code == EXIT_FAILURE and "does not exist" in err and "--specs-dir" in err
 
 
-def test_validate_takes_what_apply_takes(tmp_path: Path, capsys: Capture) -> None:
+def test_validate_takes_what_apply_takes(
+    tmp_path: Path, capsys: Capture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "a.yaml").write_text(spec_yaml("alpha") + "---\n" + spec_yaml("beta"))
-    code, out, err = run_cli(capsys, "validate", str(tmp_path))
+    item = {**yaml.safe_load(spec_yaml("gamma")), "status": {"summary": "Running"}}
+    saved = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [item]})
+    monkeypatch.setattr(sys, "stdin", io.StringIO(saved))
+    code, out, err = run_cli(capsys, "validate", str(tmp_path), "-")
     assert (code, err) == (EXIT_OK, "")
     assert out.splitlines() == [
         f"{tmp_path / 'a.yaml'} (document 1): ok (alpha)",
         f"{tmp_path / 'a.yaml'} (document 2): ok (beta)",
+        "- (items[0]): ok (gamma)",
     ]
 
 
