@@ -2,10 +2,10 @@
 
 `StopSteps` stops processes the spec has moved past (holding their GPUs until they are
 gone), suspends a job (`spec.suspend`: stopped the same way, then holding nothing) and
-shows its resume, keeps a finished job holding nothing, finishes a deleted job once its processes
-have exited, and records the operator's own shutdown in each status (a reconcile step the
-loop runs). Apart from the launch and running steps: each ends with no process of the job
-left, or waits for that.
+shows its resume, keeps a finished job holding nothing, finishes a deleted job once its
+processes have exited, and records the operator's own shutdown in each status (a
+reconcile step the loop runs). Apart from the launch and running steps: each ends with no
+process of the job left, or waits for that.
 """
 
 from __future__ import annotations
