@@ -75,7 +75,12 @@ def test_apply_suspend_resume_delete_a_running_horovod_job(
     # (the one after the last that ended before the suspension, or that one's successor
     # when the suspension came after its checkpoint but before its report).
     assert after[0] >= reached, (after, reached)
-    print(f"suspended in {stopped_in:.1f}s after epoch {reached}; resumed at epoch {after[0]}")
+    times = {event.reason: event.time for event in herd.events("digits")}
+    print(
+        f"suspended in {stopped_in:.1f}s (the operator's Suspending to Suspended:"
+        f" {times['Suspended'] - times['Suspending']:.1f}s) after epoch {reached};"
+        f" resumed at epoch {after[0]}"
+    )
     log = herd.layout.log_file("digits").read_text()
     assert "resuming from" in log
 
