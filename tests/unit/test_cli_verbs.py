@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from herd_operator.cli.spec_files import write_spec_file
+from herd_operator.cli.spec_files import with_suspend, write_spec_file
 from herd_operator.cli.wait import WaitFor, duration, verdict, wait_for
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
@@ -23,8 +25,10 @@ from herd_operator.specs import (
     Condition,
     ConditionStatus,
     ConditionType,
+    HerdJob,
     is_spec_filename,
     load_spec_file,
+    load_spec_text,
     scan_spec_dir,
     set_condition,
     spec_fingerprint,
@@ -221,7 +225,7 @@ def test_validate_takes_what_apply_takes(
 CRASH_BEFORE_RENAME = """
 import os, sys
 from pathlib import Path
-from herd_operator.cli.spec_files import write_spec_file
+from herd_operator.cli.spec_files import with_suspend, write_spec_file
 from herd_operator.cli.wait import WaitFor, duration, verdict, wait_for
 write_spec_file(Path(sys.argv[1]), sys.argv[2], before_rename=lambda _: os._exit(9))
 """
@@ -603,3 +607,38 @@ def test_wait_verdict(record: JobRecord | None, wanted: WaitFor, code: int | Non
 )  # fmt: skip
 def test_durations(text: str, seconds: float) -> None:
     assert duration(text) == seconds
+
+
+def unsuspended(job: HerdJob) -> dict[str, object]:
+    spec = job.spec.model_copy(update={"suspend": False})
+    return job.model_copy(update={"spec": spec}).model_dump()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    indent=st.sampled_from([2, 4]),
+    flow=st.sampled_from([False, None, True]),
+    before=st.sampled_from([None, True, False]),
+    comment=st.booleans(),
+    suspend=st.booleans(),
+)
+def test_the_suspend_edit_gives_the_same_job_but_for_suspend_in_any_layout(
+    indent: int, flow: bool | None, before: bool | None, comment: bool, suspend: bool
+) -> None:
+    document = yaml.safe_load(spec_yaml("alpha"))
+    document["metadata"]["labels"] = {"team": "nlp"}
+    if before is not None:
+        document["spec"]["suspend"] = before
+    text = yaml.safe_dump(document, indent=indent, default_flow_style=flow, sort_keys=False)
+    if comment:
+        text = "# a comment\n" + text
+    job = load_spec_text(text, "alpha.yaml").job
+    assert job is not None
+
+    edited = with_suspend(text, job, suspend, "alpha.yaml")
+
+    loaded = load_spec_text(edited, "alpha.yaml").job
+    assert loaded is not None and loaded.spec.suspend == suspend
+    assert unsuspended(loaded) == unsuspended(job)
+    if comment and not flow:
+        assert edited.startswith("# a comment\n")  # edited in place, not written anew
