@@ -161,9 +161,14 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
             process = ProcessState(ProcessPhase.ABSENT)
 
         if is_finished(status):
-            if status.observed_generation == generation:
+            # A suspension changes the generation, not what the job ran: it stays finished.
+            if status.observed_generation == generation or job.spec.suspend:
                 return self._stay_finished(name, job, status, generation, now)
             status = self._restart_fresh(status, generation, now)  # the spec changed since
+
+        if job.spec.suspend:
+            return self._suspend(name, job, record, status, process, now)
+        status = self._resumed(name, status, generation, now)
 
         if process.phase in (ProcessPhase.RUNNING, ProcessPhase.STOPPING):
             stopping = self._stop_if_superseded(name, job, record, status, process, now)

@@ -1,10 +1,11 @@
 """The reconcile's steps that end what a job runs or holds.
 
 `StopSteps` stops processes the spec has moved past (holding their GPUs until they are
-gone), keeps a finished job holding nothing, finishes a deleted job once its processes
-have exited, and records the operator's own shutdown in each status (a reconcile step the
-loop runs). Apart from the launch and running steps: each ends with no process of the job
-left, or waits for that.
+gone), suspends a job (`spec.suspend`: stopped the same way, then holding nothing) and
+shows its resume, keeps a finished job holding nothing, finishes a deleted job once its
+processes have exited, and records the operator's own shutdown in each status (a
+reconcile step the loop runs). Apart from the launch and running steps: each ends with no
+process of the job left, or waits for that.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 from herd_operator.controllers.errors import TemporaryError
 from herd_operator.controllers.job_status import (
     FALSE,
+    TRUE,
     ReconcilerBase,
     allocated_gpus,
     gpu_counts,
     not_resizing,
 )
 from herd_operator.controllers.ports import ProcessPhase, ProcessState, Result
-from herd_operator.specs import ConditionType, HerdJob, is_true, set_condition
+from herd_operator.specs import ConditionType, HerdJob, get_condition, is_true, set_condition
 from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import HerdJobStatus
 
@@ -132,3 +134,78 @@ class StopSteps(ReconcilerBase):
         if self.store.delete_job(name):
             self._event(name, "Normal", "Deleted", "spec deleted: job removed, GPUs freed", now)
         return Result()
+
+    def _suspend(
+        self,
+        name: str,
+        job: HerdJob,
+        record: JobRecord,
+        status: HerdJobStatus,
+        process: ProcessState,
+        now: float,
+    ) -> Result:
+        """`spec.suspend`: stop the job's processes, holding their GPUs until they are gone
+        (as any stop: no other job is placed on a GPU a dying worker uses), then give its
+        GPUs back through the allocator's release (each drains as any GPU given back) and
+        show `Suspended=True`. The status keeps the last epoch, the restarts and a
+        `BackOff`'s retry time; nothing is asked of the allocator until it is resumed."""
+        generation = record.generation
+        if process.phase == ProcessPhase.RUNNING:
+            self.launcher.stop(name)
+            self._event(name, "Normal", "Suspending", _SUSPENDING, now)
+            process = ProcessState(ProcessPhase.STOPPING, launch=process.launch)
+        if process.phase == ProcessPhase.STOPPING:
+            self._hold_gpus(name, job.spec.priority, record.created_at)
+            conditions = set_condition(
+                status.conditions,
+                ConditionType.Running,
+                FALSE,
+                "Suspending",
+                _SUSPENDING,
+                generation,
+                now,
+            )
+            self._save(name, status.model_copy(update={"conditions": conditions}), generation, now)
+            return Result(requeue_after=self.stop_poll_seconds)
+        self.allocator.release(name)
+        self._record_release(name, status, "job suspended", now)
+        conditions = not_resizing(status.conditions, generation, now)
+        for condition_type in (ConditionType.Admitted, ConditionType.Running):
+            conditions = set_condition(
+                conditions, condition_type, FALSE, "Suspended", _SUSPENDED, generation, now
+            )
+        was = get_condition(status.conditions, ConditionType.Suspended)
+        conditions = set_condition(
+            conditions, ConditionType.Suspended, TRUE, "Suspended", _SUSPENDED, generation, now
+        )
+        if was is None or was.status != TRUE:
+            self._event(name, "Normal", "Suspended", _SUSPENDED, now)
+        status = status.model_copy(
+            update={
+                "conditions": conditions,
+                "gpus": gpu_counts(job, status, None, 0, None),
+                "placement": [],
+                "grant_reason": "",
+                "workers": None,
+            }
+        )
+        self._save(name, status, generation, now)
+        return Result()
+
+    def _resumed(
+        self, name: str, status: HerdJobStatus, generation: int, now: float
+    ) -> HerdJobStatus:
+        """A suspended job whose spec no longer says `suspend`: `Suspended=False Resumed`
+        (and an event), then the usual way: admitted when its min fits, launched anew."""
+        if not is_true(status.conditions, ConditionType.Suspended):
+            return status
+        message = "spec.suspend is false: the job is admitted and launched again"
+        self._event(name, "Normal", "Resumed", message, now)
+        conditions = set_condition(
+            status.conditions, ConditionType.Suspended, FALSE, "Resumed", message, generation, now
+        )
+        return status.model_copy(update={"conditions": conditions})
+
+
+_SUSPENDING = "spec.suspend is true: stopping the job's workers"
+_SUSPENDED = "spec.suspend is true: the job's workers are stopped and its GPUs released"

@@ -61,6 +61,29 @@ def load_digit_images() -> tuple[np.ndarray, np.ndarray]:
     return digits.images, digits.target
 
 
+def load_checkpoint(path: str | None, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load the checkpoint at `path` into the model and optimizer, if there is one; returns
+    the epoch to start from (0 without one)."""
+    if not path or not os.path.exists(path):
+        return 0
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    return int(saved["epoch"])
+
+
+def save_checkpoint(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, next_epoch: int
+) -> None:
+    """Write the checkpoint whole: a stop during the write leaves the previous one."""
+    partial = f"{path}.partial"
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": next_epoch},
+        partial,
+    )
+    os.replace(partial, path)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=8)
@@ -76,6 +99,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--step-log",
         help="rank 0 appends `WALL_TIME WORLD_SIZE` here after every step (for benchmarks)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        help="rank 0 saves the model, the optimizer and the next epoch here after every "
+        "epoch, and a new run starts from it: a suspended job resumes where it was",
     )
     parser.add_argument(
         "--hold-mb",
@@ -106,8 +134,13 @@ def main() -> None:
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 
+    first_epoch = load_checkpoint(args.checkpoint, model, optimizer)
+    if first_epoch:
+        sampler.set_epoch(first_epoch)
+        if hvd.rank() == 0:
+            print(f"resuming from {args.checkpoint}: epoch {first_epoch}", flush=True)
     state = hvd.elastic.TorchState(
-        model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0
+        model=model, optimizer=optimizer, sampler=sampler, epoch=first_epoch, batch=0
     )
 
     def on_reset() -> None:
@@ -155,6 +188,8 @@ def main() -> None:
             sampler.set_epoch(state.epoch + 1)
             state.epoch += 1
             state.commit()
+            if args.checkpoint and hvd.rank() == 0:
+                save_checkpoint(args.checkpoint, model, optimizer, state.epoch)
 
     train(state)
     if hvd.rank() == 0:

@@ -24,6 +24,8 @@ class ConditionType(StrEnum):
     Resizing = "Resizing"
     Succeeded = "Succeeded"
     Failed = "Failed"
+    Suspended = "Suspended"
+    """`spec.suspend` is true and the job's workers are stopped, its GPUs released."""
     Stalled = "Stalled"
     """The operator cannot make progress with this spec (a permanent error); not retried
     until the spec changes."""

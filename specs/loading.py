@@ -181,7 +181,10 @@ def load_spec_text(text: str, file: str) -> SpecFile:
         )
 
 
-def _load_spec_text(text: str, file: str) -> SpecFile:
+def load_documents(text: str, file: str) -> list[Any] | SpecFile:
+    """The YAML documents of `text` (empty ones left out), read as every spec is (safe,
+    bounded, no key twice); or, when it is not such YAML, the failed `SpecFile` that says
+    why (`file` labels it). `apply` reads several documents, and Lists, with it."""
     path = Path(file)
     try:
         documents = [doc for doc in yaml.load_all(text, Loader=_SAFE_LOADER) if doc is not None]
@@ -200,12 +203,36 @@ def _load_spec_text(text: str, file: str) -> SpecFile:
         return _failed(path, None, _unreadable_value_message(text, exc))
     if not documents:
         return _failed(path, None, "file is empty")
-    raw = documents[0]
-    name = _name_of(raw)
+    return documents
+
+
+def _load_spec_text(text: str, file: str) -> SpecFile:
+    documents = load_documents(text, file)
+    if isinstance(documents, SpecFile):
+        return documents
     if len(documents) > 1:
         return _failed(
-            path, name, f"contains {len(documents)} YAML documents; put one HerdJob per file"
+            Path(file),
+            _name_of(documents[0]),
+            f"contains {len(documents)} YAML documents; put one HerdJob per file",
         )
+    return load_spec_document(documents[0], file)
+
+
+def load_spec_document(raw: object, file: str) -> SpecFile:
+    """Validate one loaded YAML document as a HerdJob; `file` labels the errors. Never
+    raises (as `load_spec_text`)."""
+    try:
+        return _load_spec_document(raw, file)
+    except Exception as exc:
+        return _failed(
+            Path(file), None, f"cannot be loaded: {type(exc).__name__}: {_clip(str(exc))}"
+        )
+
+
+def _load_spec_document(raw: object, file: str) -> SpecFile:
+    path = Path(file)
+    name = _name_of(raw)
     if not isinstance(raw, dict):
         return _failed(path, None, f"top level must be a mapping (a HerdJob), got {_describe(raw)}")
     shape_problem = _shape_problem(raw)

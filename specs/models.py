@@ -366,6 +366,11 @@ class HerdJobSpec(ApiModel):
             "the workers are told nothing and the script decides."
         ),
     )
+    suspend: bool = Field(default=False, strict=True)
+    """Stop the job's workers and release its GPUs while keeping the job, as a Kubernetes
+    Job's `spec.suspend`; false again resumes it: it is admitted and launched anew, and a
+    script that keeps a checkpoint goes on from it (`herd-operator suspend NAME` and
+    `resume NAME` set it)."""
 
     @model_validator(mode="after")
     def _one_set_of_horovod_options(self) -> HerdJobSpec:
@@ -468,6 +473,11 @@ def spec_fingerprint(job: HerdJob) -> str:
         excluded["engine"] = True
     if job.spec.training is None:
         excluded["training"] = True
+    # And `suspend: false`, the default. Suspending or resuming is a new generation, as a
+    # Kubernetes Job's `spec.suspend` is; it needs no relaunch of its own (the engine's
+    # `relaunch_reason` does not read it).
+    if not job.spec.suspend:
+        excluded["suspend"] = True
     # And the default launcher, which specs from before the field run under now.
     defaults = {"launcher"} if job.spec.horovod.launcher == DEFAULT_HOROVOD_LAUNCHER else set()
     if not job.spec.horovod.preload:  # and no preload, which specs before it had

@@ -75,6 +75,7 @@ class HerdJobStatus(StatusModel):
             (ConditionType.Succeeded, "Succeeded"),
             (ConditionType.Failed, "Failed"),
             (ConditionType.Stalled, "Stalled"),
+            (ConditionType.Suspended, "Suspended"),
         ):
             if is_true(self.conditions, condition_type):
                 return word

@@ -6,7 +6,11 @@
     herd-operator logs NAME [-f] [--tail N]
     herd-operator events [NAME] [-w]
     herd-operator check-state [--full]
-    herd-operator validate FILE...
+    herd-operator apply -f FILE|DIR|-
+    herd-operator delete NAME... | -l SELECTOR [--wait]
+    herd-operator suspend NAME... / resume NAME...
+    herd-operator wait NAME --for=condition=Succeeded [--timeout 2h]
+    herd-operator validate FILE|DIR|-...
     herd-operator schema
     herd-operator demo
 
@@ -28,6 +32,7 @@ from typing import Any, Protocol
 
 from herd_operator.cli import (
     agent,
+    apply,
     bench_commands,
     demo_command,
     reading,
@@ -35,6 +40,7 @@ from herd_operator.cli import (
     simulate_commands,
     spec_commands,
     state,
+    wait,
 )
 from herd_operator.cli.arguments import (
     Handler,
@@ -58,6 +64,8 @@ COMMAND_GROUPS: tuple[_CommandGroup, ...] = (
     run,
     agent,
     reading,
+    apply,
+    wait,
     state,
     report_command,
     spec_commands,

@@ -23,6 +23,7 @@ from herd_operator.cli.arguments import (
     state_dir_option,
 )
 from herd_operator.cli.foreground import configure_logging, stop_on_signals
+from herd_operator.cli.spec_files import SPECS_DIR_ENV, default_specs_dir
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_USAGE
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
@@ -36,8 +37,8 @@ def add_commands(commands: Subcommands) -> None:
     run.add_argument(
         "--specs-dir",
         type=Path,
-        default=Path("jobs"),
-        help="directory of HerdJob YAML files to watch (default: ./jobs)",
+        default=default_specs_dir(),
+        help=f"directory of HerdJob YAML files to watch (default: ${SPECS_DIR_ENV}, else ./jobs)",
     )
     _pool_options(run)
     run.add_argument(

@@ -1,5 +1,6 @@
-"""`herd-operator validate` and `schema`: job spec files checked as the operator would read
-them, and the JSON Schema of the spec.
+"""`herd-operator validate` and `schema`: job specs checked as the operator would read
+them (and `apply` writes them: `checked_sources` is both commands' reading), and the JSON
+Schema of the spec.
 
 Apart because they need no operator and no state directory, only the declarative API
 and the registries of policies and engines.
@@ -8,49 +9,64 @@ and the registries of policies and engines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from herd_operator.cli.arguments import Subcommands, add_command
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK
 
 if TYPE_CHECKING:
-    from herd_operator.specs import SpecFile
+    from herd_operator.specs.sources import SourceDocument
 
 
 def add_commands(commands: Subcommands) -> None:
     validate = add_command(
-        commands, "validate", cmd_validate, help="check job spec files; exit 1 on problems"
+        commands,
+        "validate",
+        cmd_validate,
+        help="check job spec files; exit 1 on problems",
+        description="Check job specs as the operator and `apply` would take them: files, "
+        "directories (their *.yaml and *.yml files), - for standard input; a file of "
+        "several YAML documents, or a List saved from `get -o yaml` (its status ignored), "
+        "is several jobs. One line per problem, naming the file and the field; exit 1 on any.",
     )
-    validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    validate.add_argument("files", nargs="+", metavar="FILE|DIR|-")
 
     add_command(commands, "schema", cmd_schema, help="print the JSON Schema of the HerdJob spec")
 
 
-def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
-    """Load each file, check its policy and engine, and check names across the files."""
+def checked_sources(
+    sources: Sequence[str], stdin: IO[str]
+) -> tuple[list[SourceDocument], list[str]]:
+    """Every job of `sources`, checked as the operator checks a spec file (its policy and
+    engine too), and the problems, names declared more than once among them included."""
     from herd_operator.runtime.specdir import with_known_references
-    from herd_operator.specs import index_specs, load_spec_file
+    from herd_operator.specs import index_specs
+    from herd_operator.specs.sources import read_sources
 
-    files = [with_known_references(load_spec_file(path)) for path in paths]
+    documents = [
+        dataclasses.replace(document, spec_file=with_known_references(document.spec_file))
+        for document in read_sources(sources, stdin)
+    ]
+    files = [document.spec_file for document in documents]
     problems = [str(error) for spec_file in files for error in spec_file.errors]
     index = index_specs([f for f in files if f.valid])
     for errors in index.invalid.values():
         problems += [str(error) for error in errors]
-    return files, problems
+    return documents, problems
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    files, problems = validate_files(args.files)
+    documents, problems = checked_sources(args.files, sys.stdin)
     for problem in problems:
         print(problem, file=sys.stderr)
     if problems:
         return EXIT_FAILURE
-    for spec_file in files:
-        print(f"{spec_file.path}: ok ({spec_file.name})")
+    for document in documents:
+        print(f"{document.spec_file.path}: ok ({document.spec_file.name})")
     return EXIT_OK
 
 

@@ -33,6 +33,7 @@ JOB_STATUSES = (
     "Resizing",
     "Stalled",
     "Stopped",
+    "Suspended",
     "Succeeded",
     "Failed",
     "Unknown",
@@ -40,8 +41,9 @@ JOB_STATUSES = (
 """The values of `herd_job_status`'s `status` label: a fixed set, so that every job has
 the same series (one of them 1), as kube-state-metrics does for a pod's phase. Condition
 reasons are not used as label values: their set is open."""
-ENDED_STATUSES = frozenset({"Stopped", "Succeeded", "Failed"})
-"""A job in one of these has no policy, workers or samples any more: its per-job gauges of
+ENDED_STATUSES = frozenset({"Stopped", "Suspended", "Succeeded", "Failed"})
+"""A job in one of these has no policy, workers or samples (a suspended one until it is
+resumed): its per-job gauges of
 those (desired, active, epoch, memory, thresholds) are left out, not kept at their last
 value."""
 

@@ -29,6 +29,7 @@ def test_status_values_are_the_kubernetes_strings() -> None:
         "Resizing",
         "Succeeded",
         "Failed",
+        "Suspended",
         "Stalled",
         "MetricsStale",
     ]

@@ -10,6 +10,7 @@ spec side of `engine` (unknown kinds, the legacy `horovod` field, conflicts, sch
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import stat
@@ -26,7 +27,7 @@ import yaml
 from pydantic import ValidationError
 
 from herd_operator.auth import job_key, read_token_file
-from herd_operator.cli.spec_commands import validate_files
+from herd_operator.cli.spec_commands import checked_sources
 from herd_operator.controllers.errors import PermanentError
 from herd_operator.controllers.ports import ProcessPhase
 from herd_operator.controllers.reconciler import JobReconciler
@@ -299,7 +300,7 @@ def test_registry_lookup_names_the_known_kinds(recording: None) -> None:
 def test_validate_reports_an_unknown_kind(tmp_path: Path) -> None:
     path = tmp_path / "a.yaml"
     path.write_text(job_yaml("a", "{kind: nope}"), encoding="utf-8")
-    _, problems = validate_files([path])
+    _, problems = checked_sources([str(path)], io.StringIO())
     assert problems == [f"{path}: spec.engine.kind: unknown engine kind 'nope' (known: horovod)"]
 
 

@@ -281,6 +281,10 @@ def test_job_status_has_one_series_per_status_and_follows_the_conditions(tmp_pat
     put(store, "a", (admitted, condition("Running", ConditionStatus.FALSE, "BackOff")))
     assert [s for s, v in status_series(samples(registry), "a").items() if v] == ["Pending"]
 
+    suspended = condition("Suspended", ConditionStatus.TRUE, "Suspended")
+    put(store, "a", (condition("Admitted", ConditionStatus.FALSE, "Suspended"), suspended))
+    assert [s for s, v in status_series(samples(registry), "a").items() if v] == ["Suspended"]
+
     put(store, "a", (admitted, condition("Succeeded", ConditionStatus.TRUE, "Completed")))
     succeeded = status_series(samples(registry), "a")
     assert set(succeeded) == set(JOB_STATUSES), "the same series, only their values change"
