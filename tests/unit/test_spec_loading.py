@@ -25,7 +25,8 @@ GOOD = (
 )
 
 SPEC_FIELDS = (
-    "command, workingDir, env, gpus, priority, policy, engine, horovod, restartPolicy, training"
+    "command, workingDir, env, gpus, priority, policy, engine, horovod, restartPolicy, training,"
+    " activeDeadlineSeconds, dependsOn"
 )
 
 
