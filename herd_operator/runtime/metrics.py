@@ -302,7 +302,7 @@ class _JobSeries:
                 self.active.add_metric([name], status.gpus.active)
         if status.epoch is not None:
             self.epoch.add_metric([name], status.epoch)
-        self.progress.add(name, status, self.now)
+        self.progress.add(name, status, self.now, running=now_in in ("Running", "Resizing"))
         if sample is not None and sample.total_bytes:
             self.memory.add_metric([name], sample.used_bytes / sample.total_bytes)
         policy_name, params = policy
@@ -355,11 +355,14 @@ class _ProgressSeries:
             labels=["herd_job", "metric"],
         )
 
-    def add(self, name: str, status: HerdJobStatus, now: float) -> None:
+    def add(self, name: str, status: HerdJobStatus, now: float, *, running: bool) -> None:
+        """``running``: the job runs now; a pending one (back in the queue after a lost
+        node, say) shows its progress but no epoch time or ETA, which were its last run's."""
         progress: Progress | None = status.progress
         if progress is not None:
             self.expected.add_metric([name], progress.epochs)
             self.ratio.add_metric([name], min(1.0, progress.completed / progress.epochs))
+        if progress is not None and running:
             if progress.epoch_seconds is not None:
                 self.epoch_time.add_metric([name], progress.epoch_seconds)
             if progress.estimated_completion is not None:

@@ -187,3 +187,27 @@ def test_metrics_are_bounded_and_names_made_one_are_shown_once(tmp_path: Path) -
     clash = [dict(labels) for labels in reported if ("herd_job", "clash") in labels]
     assert clash == [{"herd_job": "clash", "metric": "val_acc"}]
     assert got[("herd_job_reported_metric", (("herd_job", "clash"), ("metric", "val_acc")))] == 1.0
+
+
+def test_a_pending_job_shows_its_progress_but_no_eta(tmp_path: Path) -> None:
+    progress = Progress(
+        epochs=10, completed=4, epoch_seconds=12.5, world_size=2, estimated_completion=NOW + 75
+    )
+    with Store(tmp_path / "state.db") as store:
+        job = herd_job("lost", training={"epochs": 10})
+        store.record_spec("lost", "/jobs/lost.yaml", job, spec_fingerprint(job), NOW)
+        # Back in the queue (its node was lost): Running is False, its last run's ETA stale.
+        status = running(3, progress=progress)
+        conditions = set_condition(
+            status.conditions, ConditionType.Admitted, ConditionStatus.FALSE, "Pending", "",
+            1, NOW,
+        )  # fmt: skip
+        conditions = set_condition(
+            conditions, ConditionType.Running, ConditionStatus.FALSE, "NodeLost", "", 1, NOW
+        )
+        store.put_status("lost", status.model_copy(update={"conditions": conditions}), NOW)
+        got = scrape(store, NOW)
+    job_labels = (("herd_job", "lost"),)
+    assert got[("herd_job_progress_ratio", job_labels)] == 0.4
+    assert ("herd_job_eta_seconds", job_labels) not in got
+    assert ("herd_job_epoch_duration_seconds", job_labels) not in got
