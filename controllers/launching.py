@@ -116,6 +116,10 @@ class LaunchSteps(ReconcilerBase):
                 "retry_at": None,
                 "epoch": None,
                 "workers": None,
+                # The run's clock (activeDeadlineSeconds) starts at its first launch.
+                "run_started_at": launch.started_at
+                if status.run_started_at is None
+                else status.run_started_at,
             }
         )
         self._save(name, status, generation, now)
@@ -186,6 +190,10 @@ class LaunchSteps(ReconcilerBase):
                 "retry_at": None,
                 "epoch": None,
                 "workers": None,
+                # The run's clock (activeDeadlineSeconds) starts at its first launch.
+                "run_started_at": launch.started_at
+                if status.run_started_at is None
+                else status.run_started_at,
             }
         )
 

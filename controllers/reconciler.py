@@ -13,11 +13,13 @@ condition and not retried until the spec changes. Any other error is a bug: the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from herd_operator.controllers.errors import STALL_AFTER_FAILURES, PermanentError, TemporaryError
+from herd_operator.controllers.gating import GateSteps
 from herd_operator.controllers.job_status import (
     FALSE,
     TRUE,
@@ -25,6 +27,7 @@ from herd_operator.controllers.job_status import (
     is_finished,
 )
 from herd_operator.controllers.launching import LaunchSteps
+from herd_operator.controllers.limits import deadline_at, sooner
 from herd_operator.controllers.ports import (
     AllocatorPort,
     LauncherPort,
@@ -58,10 +61,10 @@ USAGE_HISTORY_SECONDS = 3600.0
 is averaged over its last hour)."""
 
 
-class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
+class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
     """The reconcile of one job: this class reads the spec, asks the policy and the allocator,
     and orders the steps; each step lives with its concern (`launching`, `running`,
-    `stopping`), on the parts and writes of `job_status.ReconcilerBase`."""
+    `stopping`, `gating`), on the parts and writes of `job_status.ReconcilerBase`."""
 
     def __init__(
         self,
@@ -165,6 +168,15 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
             if status.observed_generation == generation or job.spec.suspend:
                 return self._stay_finished(name, job, status, generation, now)
             status = self._restart_fresh(status, generation, now)  # the spec changed since
+            status = status.model_copy(update={"run_started_at": None})  # a new run
+
+        past_deadline = self._deadline_gate(name, job, record, status, process, generation, now)
+        if past_deadline is not None:
+            return past_deadline
+        if process.phase == ProcessPhase.ABSENT:
+            status, waiting = self._dependencies_gate(name, job, record, status, generation, now)
+            if waiting is not None:
+                return waiting
 
         if job.spec.suspend:
             return self._suspend(name, job, record, status, process, now)
@@ -198,8 +210,13 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
         status = self._note_grant_change(name, status, grant, decision.gpus, now)
 
         if process.phase == ProcessPhase.ABSENT:
-            return self._start_or_wait(
+            result = self._start_or_wait(
                 name, job, status, grant, decision.gpus, generation, now, failures
+            )
+            # A run waiting for GPUs again (after a lost node) is woken by its grant only.
+            deadline = deadline_at(job.spec.active_deadline_seconds, status.run_started_at)
+            return dataclasses.replace(
+                result, requeue_after=sooner(result.requeue_after, deadline, now)
             )
         return self._running(
             name, job, status, grant, decision.gpus, reports, observed, policy, launch,

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 from herd_operator.controllers.job_status import FALSE, TRUE, ReconcilerBase, gpu_counts
 from herd_operator.controllers.ports import LaunchInfo, Result, Workers
+from herd_operator.controllers.progress import estimate_progress, latest_metrics
 from herd_operator.policies.base import JobObservations, Policy, Signal
 from herd_operator.specs import Condition, ConditionType, HerdJob, get_condition, set_condition
-from herd_operator.specs.status import HerdJobStatus, WorkerWatch
+from herd_operator.specs.status import HerdJobStatus, Progress, WorkerWatch
 from herd_operator.specs.values import Grant, Report
 
 WORKER_LOST_GRACE_SECONDS = 30.0
@@ -116,6 +117,8 @@ class RunningSteps(ReconcilerBase):
                 "gpus": gpu_counts(job, status, desired, grant.placement.size, active),
                 "epoch": epoch,
                 "workers": watch,
+                "progress": _progress(job, reports, epoch),
+                "metrics": latest_metrics(status.metrics, reports),
             }
         )
         self._save(name, status, generation, now)
@@ -220,6 +223,13 @@ class RunningSteps(ReconcilerBase):
             generation,
             now,
         )
+
+
+def _progress(job: HerdJob, reports: Sequence[Report], epoch: int | None) -> Progress | None:
+    training = job.spec.training
+    if training is None or training.epochs is None:
+        return None
+    return estimate_progress(training.epochs, reports, epoch)
 
 
 def _lost(lost: int, gone_for: float, launch: LaunchInfo, workers: Workers, granted: int) -> str:

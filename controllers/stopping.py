@@ -107,6 +107,10 @@ class StopSteps(ReconcilerBase):
                 "gpus": gpu_counts(job, status, None, 0, None),
                 "placement": [],
                 "grant_reason": "",
+                # An ended run has no ETA (its epochs done stay shown).
+                "progress": status.progress.model_copy(update={"estimated_completion": None})
+                if status.progress is not None
+                else None,
             }
         )
         self._save(name, status, generation, now)

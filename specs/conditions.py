@@ -17,6 +17,9 @@ class ConditionType(StrEnum):
     """The condition types the operator sets; their order is the display order."""
 
     SpecValid = "SpecValid"
+    DependenciesMet = "DependenciesMet"
+    """Whether every job of `spec.dependsOn` has Succeeded (set only for a job that names
+    some): False `Waiting` while one has not, False `DependencyFailed` when one never can."""
     Admitted = "Admitted"
     Running = "Running"
     Reporting = "Reporting"

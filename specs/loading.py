@@ -14,6 +14,12 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from herd_operator.specs.dependencies import (
+    DEPENDS_ON_FIELD,
+    cycle_message,
+    dependency_cycles,
+    self_dependency,
+)
 from herd_operator.specs.models import EngineRef, HerdJob, HorovodOptions
 
 MAX_SPEC_BYTES = 1 << 20
@@ -246,6 +252,9 @@ def _load_spec_document(raw: object, file: str) -> SpecFile:
             for error in exc.errors(include_url=False)
         ]
         return SpecFile(path=path, name=name, job=None, errors=_sorted(errors))
+    problem = self_dependency(job.name, job.spec.depends_on)
+    if problem is not None:
+        return _failed_field(path, job.name, DEPENDS_ON_FIELD, problem)
     return SpecFile(path=path, name=job.name, job=job, errors=())
 
 
@@ -296,13 +305,24 @@ def index_specs(files: Sequence[SpecFile]) -> SpecIndex:
             )
             errors.extend(spec_file.errors)
         invalid[name] = _sorted(errors, by_file=True)
+    # A dependency cycle makes every job on it invalid: none of them could ever start.
+    graph = {
+        name: spec_file.job.spec.depends_on
+        for name, spec_file in jobs.items()
+        if spec_file.job is not None and spec_file.job.spec.depends_on
+    }
+    for name, cycle in dependency_cycles(graph).items():
+        path = str(jobs.pop(name).path)
+        invalid[name] = (SpecError(path, DEPENDS_ON_FIELD, cycle_message(cycle)),)
     return SpecIndex(jobs=jobs, invalid=invalid, unnamed=_sorted(unnamed, by_file=True))
 
 
 def _failed(path: Path, name: str | None, message: str) -> SpecFile:
-    return SpecFile(
-        path=path, name=name, job=None, errors=(SpecError(str(path), FILE_FIELD, message),)
-    )
+    return _failed_field(path, name, FILE_FIELD, message)
+
+
+def _failed_field(path: Path, name: str | None, field: str, message: str) -> SpecFile:
+    return SpecFile(path=path, name=name, job=None, errors=(SpecError(str(path), field, message),))
 
 
 def _sorted(errors: Sequence[SpecError], *, by_file: bool = False) -> tuple[SpecError, ...]:

@@ -52,6 +52,11 @@ MAX_COUNT = 1_000_000
 """Restarts and resets."""
 MAX_JSON_INT = 2**63
 """Integers in policy params: what JSON readers everywhere take exactly."""
+MAX_EPOCHS = 2**31 - 1
+"""The most epochs a spec may expect: the largest epoch a worker may report."""
+MAX_DEADLINE_SECONDS = 366 * 24 * 3600
+"""The longest time limit: a year (Slurm sites allow weeks at most)."""
+MAX_DEPENDENCIES = 64
 
 
 _TITLE_WORDS = {"gpu": "GPU", "gpus": "GPUs", "api": "API"}
@@ -306,6 +311,24 @@ class TrainingOptions(ApiModel):
             "whose memory holds less than the whole share). Unset: the script's own choice."
         ),
     )
+    epochs: int | None = Field(
+        default=None,
+        strict=True,
+        ge=1,
+        le=MAX_EPOCHS,
+        description=(
+            "How many epochs the job is expected to run (epochs 0 to epochs-1, as the script "
+            "reports them with report_epoch): what `get`, `describe` and /metrics show its "
+            "progress and ETA against. The operator does not end the job there: the script "
+            "does, as it does without this field. Given alone, it tells the workers nothing "
+            "(their batch policy stays the script's own choice). Unset: no progress is shown."
+        ),
+    )
+
+    def tells_workers(self) -> bool:
+        """Whether the workers are given the batch fields (HERD_BATCH_POLICY ...): unless
+        `epochs` is the only thing said, which is the operator's to read, not theirs."""
+        return self.epochs is None or self.model_copy(update={"epochs": None}) != TrainingOptions()
 
 
 def _check_env_name(name: str) -> str:
@@ -313,6 +336,12 @@ def _check_env_name(name: str) -> str:
         raise ValueError(
             f"invalid environment variable name {name!r}: must match {ENV_NAME_PATTERN[1:-1]}"
         )
+    return name
+
+
+def _check_job_name(name: str) -> str:
+    if not is_job_name(name):
+        raise ValueError(f"{name!r} is not a job name: it {DNS_LABEL_MESSAGE}")
     return name
 
 
@@ -371,6 +400,37 @@ class HerdJobSpec(ApiModel):
     Job's `spec.suspend`; false again resumes it: it is admitted and launched anew, and a
     script that keeps a checkpoint goes on from it (`herd-operator suspend NAME` and
     `resume NAME` set it)."""
+
+    active_deadline_seconds: int | None = Field(
+        default=None, strict=True, ge=1, le=MAX_DEADLINE_SECONDS
+    )
+    """A time limit, in seconds (Kubernetes Job's `activeDeadlineSeconds`, Slurm's `--time`):
+    counted from the job's first start (time queued before it does not count; relaunches,
+    BackOff and waits for GPUs after it do). When it is reached the job is stopped and
+    marked Failed with reason `DeadlineExceeded`. Unset: no limit."""
+    depends_on: list[Annotated[str, AfterValidator(_check_job_name)]] = Field(
+        default_factory=list,
+        max_length=MAX_DEPENDENCIES,
+        json_schema_extra={
+            "uniqueItems": True,
+            "items": {
+                "type": "string",
+                "pattern": DNS_LABEL_PATTERN,
+                "maxLength": DNS_LABEL_MAX_LENGTH,
+            },
+        },
+    )
+    """Jobs that must have Succeeded before this one is admitted (Slurm's
+    `--dependency=afterok`). If one of them fails (or is deleted), this job is marked Failed
+    with reason `DependencyFailed` instead of waiting forever."""
+
+    @field_validator("depends_on")
+    @classmethod
+    def _dependencies_unique(cls, names: list[str]) -> list[str]:
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"names {', '.join(map(repr, repeated))} more than once")
+        return names
 
     @model_validator(mode="after")
     def _one_set_of_horovod_options(self) -> HerdJobSpec:
@@ -473,6 +533,13 @@ def spec_fingerprint(job: HerdJob) -> str:
         excluded["engine"] = True
     if job.spec.training is None:
         excluded["training"] = True
+    elif job.spec.training.epochs is None:  # and no expected epochs, which it had not
+        excluded["training"] = {"epochs"}
+    # Nor a time limit or dependencies, which specs before them had not.
+    if job.spec.active_deadline_seconds is None:
+        excluded["active_deadline_seconds"] = True
+    if not job.spec.depends_on:
+        excluded["depends_on"] = True
     # And `suspend: false`, the default. Suspending or resuming is a new generation, as a
     # Kubernetes Job's `spec.suspend` is; it needs no relaunch of its own (the engine's
     # `relaunch_reason` does not read it).

@@ -11,6 +11,10 @@ from pydantic.alias_generators import to_camel
 
 from herd_operator.specs.conditions import Condition, ConditionType, get_condition, is_true
 
+MAX_JOB_METRICS = 16
+"""The most metric names a job's status (and /metrics) keeps of what its workers report:
+a script that reports a new name every epoch cannot grow the series without bound."""
+
 
 class StatusModel(BaseModel):
     # Frozen: a status is changed by model_copy, never in place, so the store can hand the
@@ -46,6 +50,22 @@ class WorkerWatch(StatusModel):
     """When fewer than `seen` were first found running (None: all of them run)."""
 
 
+class Progress(StatusModel):
+    """How far a job with expected epochs (`spec.training.epochs`) is, and when it should end."""
+
+    epochs: int
+    """The epochs the spec expects."""
+    completed: int = 0
+    """Epochs done: the last epoch the workers reported, plus one (epochs count from 0)."""
+    epoch_seconds: float | None = None
+    """One epoch's time at the current world size, as measured (None: not measured yet at
+    this size); see `controllers.progress.estimate_progress`."""
+    world_size: int | None = None
+    """The world size `epoch_seconds` was measured at: the workers' last report's."""
+    estimated_completion: float | None = None
+    """When the expected epochs should be done (Unix time; None: unknown)."""
+
+
 class HerdJobStatus(StatusModel):
     observed_generation: int = 0
     conditions: tuple[Condition, ...] = ()
@@ -68,6 +88,17 @@ class HerdJobStatus(StatusModel):
     """The running launch's workers, while none has reported (None otherwise)."""
     policy_reason: str = ""
     grant_reason: str = ""
+    run_started_at: float | None = None
+    """When the job's run first started: its first launch since it was declared or its spec
+    last changed after it finished, kept across relaunches (BackOff, a lost node, a spec edit
+    that relaunches it). `activeDeadlineSeconds` counts from it; stored, so an operator
+    restart counts on from it."""
+    progress: Progress | None = None
+    """Progress against `spec.training.epochs` (None: the spec expects no number)."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """The latest value of each metric the workers reported with an epoch end
+    (`report_epoch(epoch, {"loss": ...})`), at most `MAX_JOB_METRICS` names: the first
+    ones reported keep their place."""
 
     def summary(self) -> str:
         """One word for a table's STATUS column, derived from the conditions."""

@@ -28,6 +28,7 @@ from herd_operator.cli.views import (
     EXIT_FAILURE,
     EXIT_OK,
     dash,
+    eta_cell,
     format_age,
     format_events,
     format_table,
@@ -35,7 +36,9 @@ from herd_operator.cli.views import (
     job_has_ended,
     job_object,
     open_store,
+    progress_cell,
     resource_list,
+    rfc3339,
 )
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Event, Store, UnreadableSpecError
@@ -138,8 +141,11 @@ def _labels(record: JobRecord) -> dict[str, str]:
 
 
 def _table_header(wide: bool) -> list[str]:
-    header = ["NAME", "STATUS", "MIN", "MAX", "DESIRED", "ALLOCATED", "ACTIVE", "AGE"]
-    return header + (["EPOCH", "RESTARTS", "GEN", "POLICY", "PLACEMENT"] if wide else [])
+    header = ["NAME", "STATUS", "MIN", "MAX", "DESIRED", "ALLOCATED", "ACTIVE", "PROGRESS", "AGE"]
+    return header + (["EPOCH", "ETA", "RESTARTS", "GEN", "POLICY", "PLACEMENT"] if wide else [])
+
+
+_AGE = _table_header(False).index("AGE")
 
 
 def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
@@ -152,6 +158,7 @@ def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
         dash(gpus["desired"]),
         str(gpus["allocated"]),
         dash(gpus["active"]),
+        progress_cell(obj),
         format_age(now - obj["createdAt"]),
     ]
     if wide:
@@ -160,6 +167,7 @@ def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
         )
         row += [
             dash(obj["epoch"]),
+            eta_cell(obj, now),
             str(obj["restarts"]),
             f"{obj['observedGeneration']}/{obj['generation']}",
             dash(obj["policy"]),
@@ -222,7 +230,7 @@ def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecor
     def fingerprint(record: JobRecord) -> object:
         if args.output in ("table", "wide"):
             row = _table_row(job_object(record), 0.0, wide)
-            del row[7]  # AGE grows on its own: not a change of the job
+            del row[_AGE]  # AGE grows on its own: not a change of the job
             return row
         return (record.generation, record.status, record.spec_path)
 
@@ -288,6 +296,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
         f" desired {dash(gpus['desired'])}, "
         f"allocated {gpus['allocated']}, active {dash(gpus['active'])}",
         f"Epoch:        {dash(obj['epoch'])}",
+        *_describe_progress(obj, now),
         f"Restarts:     {obj['restarts']}",
         f"Age:          {format_age(now - obj['createdAt'])}",
         "Placement:" + ("" if obj["placement"] else "    none"),
@@ -321,6 +330,38 @@ def cmd_describe(args: argparse.Namespace) -> int:
         lines += ["  " + line for line in format_events(events, now, False).splitlines()]
     print("\n".join(lines))
     return EXIT_OK
+
+
+def _describe_progress(obj: dict[str, Any], now: float) -> list[str]:
+    """describe's lines on progress, reported metrics, time limit and dependencies (only
+    those the job has)."""
+    lines = []
+    progress = obj["progress"]
+    if progress is not None:
+        done, expected = progress["completed"], progress["epochs"]
+        line = f"Progress:     {done}/{expected} epochs ({100 * done // expected}%)"
+        if progress["epochSeconds"] is not None:
+            line += f", {progress['epochSeconds']:.1f}s per epoch at this size"
+        if progress["estimatedCompletion"] is not None:
+            line += f", ETA {eta_cell(obj, now)} ({rfc3339(progress['estimatedCompletion'])})"
+        lines.append(line)
+    if obj["metrics"]:
+        shown = ", ".join(f"{name}={value:.6g}" for name, value in obj["metrics"].items())
+        lines.append(f"Metrics:      {shown} (the last reported)")
+    spec = obj["spec"] or {}
+    limit = spec.get("activeDeadlineSeconds")
+    if limit is not None:
+        started = obj["runStartedAt"]
+        when = (
+            f", {format_age(now - started)} used since the first start"
+            f" (reached at {rfc3339(started + limit)})"
+            if started is not None
+            else ", counted from the first start"
+        )
+        lines.append(f"Time limit:   {limit}s{when}")
+    if spec.get("dependsOn"):
+        lines.append(f"Depends on:   {', '.join(spec['dependsOn'])} (must succeed first)")
+    return lines
 
 
 def cmd_events(args: argparse.Namespace) -> int:

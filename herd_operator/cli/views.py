@@ -66,10 +66,45 @@ def job_object(record: JobRecord) -> dict[str, Any]:
         "policy": spec.policy.name if spec else None,
         "createdAt": record.created_at,
         "spec": spec.model_dump(mode="json", by_alias=True) if spec else None,
+        "progress": _progress_view(spec, status),
+        "metrics": dict(status.metrics),
+        "runStartedAt": status.run_started_at,
     }
     if spec_error is not None:
         shown["specError"] = spec_error
     return shown
+
+
+def _progress_view(spec: HerdJobSpec | None, status: HerdJobStatus) -> dict[str, Any] | None:
+    """Epochs done against the spec's expected epochs, and the estimated end while the job
+    runs (None: the spec expects no number of epochs)."""
+    expected = spec.training.epochs if spec is not None and spec.training is not None else None
+    if expected is None:
+        return None
+    progress = status.progress
+    running = is_true(status.conditions, ConditionType.Running)
+    return {
+        "epochs": expected,
+        "completed": 0 if status.epoch is None else status.epoch + 1,
+        "epochSeconds": progress.epoch_seconds if progress is not None else None,
+        "estimatedCompletion": progress.estimated_completion
+        if progress is not None and running
+        else None,
+    }
+
+
+def progress_cell(obj: dict[str, Any]) -> str:
+    """`get`'s PROGRESS: epochs done of those expected ("3/10"), or "-"."""
+    progress = obj["progress"]
+    return "-" if progress is None else f"{progress['completed']}/{progress['epochs']}"
+
+
+def eta_cell(obj: dict[str, Any], now: float) -> str:
+    """`get -o wide`'s ETA: time left until the expected epochs are done ("-": unknown)."""
+    progress = obj["progress"]
+    if progress is None or progress["estimatedCompletion"] is None:
+        return "-"
+    return format_age(progress["estimatedCompletion"] - now)
 
 
 def format_age(seconds: float) -> str:
@@ -176,8 +211,17 @@ def herdjob_resource(record: JobRecord, log_file: Path | None = None) -> dict[st
         "startedAt": rfc3339(status.started_at),
         "finishedAt": rfc3339(status.finished_at),
         "lastResizeAt": rfc3339(status.last_resize_at),
+        "runStartedAt": rfc3339(status.run_started_at),
         "specFile": record.spec_path,
     }
+    progress = _progress_view(job.spec if job is not None else None, status)
+    if progress is not None:
+        shown_status["progress"] = {
+            **progress,
+            "estimatedCompletion": rfc3339(progress["estimatedCompletion"]),
+        }
+    if status.metrics:
+        shown_status["metrics"] = dict(status.metrics)
     if log_file is not None:
         shown_status["logFile"] = str(log_file)
     if spec_error is not None:

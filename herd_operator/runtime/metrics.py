@@ -10,6 +10,8 @@ itself sets `job` to the scrape job's name.
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -21,7 +23,7 @@ from herd_operator.lifecycle import LoopHealth
 from herd_operator.runtime.store import Store
 from herd_operator.specs import ConditionStatus, ConditionType
 from herd_operator.specs.conditions import get_condition
-from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.status import MAX_JOB_METRICS, HerdJobStatus, Progress
 from herd_operator.specs.values import Placement, Pool, UsageSample
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -46,6 +48,18 @@ ENDED_STATUSES = frozenset({"Stopped", "Suspended", "Succeeded", "Failed"})
 resumed): its per-job gauges of
 those (desired, active, epoch, memory, thresholds) are left out, not kept at their last
 value."""
+
+
+_NOT_LABEL_CHARS = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def metric_label(name: str) -> str:
+    """A reported metric's name as `herd_job_reported_metric`'s `metric` label: Prometheus'
+    rule for names (`[a-zA-Z_][a-zA-Z0-9_]*`), each other character an underscore, so that a
+    rule or a dashboard can use it as a metric name ("val/loss" -> "val_loss", "1cycle" ->
+    "_1cycle")."""
+    label = _NOT_LABEL_CHARS.sub("_", name)
+    return label if label and not label[0].isdigit() else f"_{label}"
 
 
 def job_status(status: HerdJobStatus) -> str:
@@ -163,7 +177,9 @@ class StateCollector(Collector):
         placements: Callable[[], Mapping[str, Placement]],
         request_counts: Callable[[], Mapping[tuple[str, str], int]],
         overdue_drains: Callable[[], int] = lambda: 0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self.clock = clock
         self.store = store
         self.pool = pool
         self.placements = placements
@@ -171,7 +187,7 @@ class StateCollector(Collector):
         self.overdue_drains = overdue_drains
 
     def collect(self) -> Iterator[Metric]:
-        series = _JobSeries()
+        series = _JobSeries(self.clock())
         latest_usage = self.store.latest_usage()
         placements = self.placements()
         holding = {job for job, placement in placements.items() if placement.size}
@@ -218,7 +234,9 @@ class StateCollector(Collector):
 class _JobSeries:
     """The per-job families of one scrape, and the count of jobs by condition."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.progress = _ProgressSeries()
         self.jobs = GaugeMetricFamily(
             "herd_jobs", "Jobs by condition and its status.", labels=["condition", "status"]
         )
@@ -286,6 +304,7 @@ class _JobSeries:
                 self.active.add_metric([name], status.gpus.active)
         if status.epoch is not None:
             self.epoch.add_metric([name], status.epoch)
+        self.progress.add(name, status, self.now, running=now_in in ("Running", "Resizing"))
         if sample is not None and sample.total_bytes:
             self.memory.add_metric([name], sample.used_bytes / sample.total_bytes)
         policy_name, params = policy
@@ -300,3 +319,62 @@ class _JobSeries:
             self.jobs.add_metric([condition_type, condition_status], count)
         yield from (self.jobs, self.job_statuses, self.restarts, self.desired, self.allocated)
         yield from (self.active, self.epoch, self.memory, self.thresholds)
+        yield from self.progress.families()
+
+
+class _ProgressSeries:
+    """A running job's progress against its expected epochs, its ETA, and the metrics its
+    workers last reported (`report_epoch`): what `describe` shows, per job."""
+
+    def __init__(self) -> None:
+        self.expected = GaugeMetricFamily(
+            "herd_job_expected_epochs",
+            "Epochs the job's spec expects (spec.training.epochs).",
+            labels=["herd_job"],
+        )
+        self.ratio = GaugeMetricFamily(
+            "herd_job_progress_ratio",
+            "Epochs done over the epochs expected (at most 1).",
+            labels=["herd_job"],
+        )
+        self.epoch_time = GaugeMetricFamily(
+            "herd_job_epoch_duration_seconds",
+            "One epoch's time at the job's current world size: the median of its last"
+            " epochs measured whole at that size.",
+            labels=["herd_job"],
+        )
+        self.eta = GaugeMetricFamily(
+            "herd_job_eta_seconds",
+            "Time until the expected epochs are done, estimated from the epoch time at the"
+            " current size (absent until an epoch is measured at that size).",
+            labels=["herd_job"],
+        )
+        self.reported = GaugeMetricFamily(
+            "herd_job_reported_metric",
+            "The last value of each metric the job's workers report with an epoch end"
+            f" (report_epoch), at most {MAX_JOB_METRICS} names per job; `metric` is the"
+            " name with characters outside [a-zA-Z0-9_] made underscores.",
+            labels=["herd_job", "metric"],
+        )
+
+    def add(self, name: str, status: HerdJobStatus, now: float, *, running: bool) -> None:
+        """``running``: the job runs now; a pending one (back in the queue after a lost
+        node, say) shows its progress but no epoch time or ETA, which were its last run's."""
+        progress: Progress | None = status.progress
+        if progress is not None:
+            self.expected.add_metric([name], progress.epochs)
+            self.ratio.add_metric([name], min(1.0, progress.completed / progress.epochs))
+        if progress is not None and running:
+            if progress.epoch_seconds is not None:
+                self.epoch_time.add_metric([name], progress.epoch_seconds)
+            if progress.estimated_completion is not None:
+                self.eta.add_metric([name], max(0.0, progress.estimated_completion - now))
+        labels: set[str] = set()
+        for metric, value in list(status.metrics.items())[:MAX_JOB_METRICS]:
+            label = metric_label(metric)
+            if label not in labels:  # two names made one: the first reported is shown
+                labels.add(label)
+                self.reported.add_metric([name, label], value)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.expected, self.ratio, self.epoch_time, self.eta, self.reported)

@@ -231,10 +231,11 @@ def test_get_table(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "DESIRED",
         "ALLOCATED",
         "ACTIVE",
+        "PROGRESS",
         "AGE",
     ]
-    assert idle.split() == ["idle", "Unknown", "2", "2", "-", "0", "-", "5h"]
-    assert train.split() == ["train", "Running", "1", "4", "3", "2", "2", "5h"]
+    assert idle.split() == ["idle", "Unknown", "2", "2", "-", "0", "-", "-", "5h"]
+    assert train.split() == ["train", "Running", "1", "4", "3", "2", "2", "-", "5h"]
     for title, cell in [("STATUS", "Unknown"), ("DESIRED", "-"), ("AGE", "5h")]:
         assert header.index(title) == idle.index(cell)
 
@@ -243,8 +244,8 @@ def test_get_wide_and_one_name(state: Path, capsys: pytest.CaptureFixture[str]) 
     code, out, _ = run_cli(capsys, "get", "train", "-o", "wide", "--state-dir", str(state))
     assert code == EXIT_OK
     header, train = out.splitlines()
-    assert header.split()[-5:] == ["EPOCH", "RESTARTS", "GEN", "POLICY", "PLACEMENT"]
-    assert train.split()[-5:] == ["5", "0", "1/2", "static", "localhost:0+1"]
+    assert header.split()[-6:] == ["EPOCH", "ETA", "RESTARTS", "GEN", "POLICY", "PLACEMENT"]
+    assert train.split()[-6:] == ["5", "-", "0", "1/2", "static", "localhost:0+1"]
 
 
 def test_get_missing_name(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -625,8 +626,8 @@ def test_get_and_describe_show_a_job_whose_stored_spec_is_unreadable(
     code, out, err = run_cli(capsys, "get", "--state-dir", str(state))
     assert (code, err) == (EXIT_OK, "")
     _, idle, train = out.splitlines()
-    assert idle.split() == ["idle", "Unknown", "2", "2", "-", "0", "-", "5h"]
-    assert train.split() == ["train", "Running", "-", "-", "3", "2", "2", "5h"]
+    assert idle.split() == ["idle", "Unknown", "2", "2", "-", "0", "-", "-", "5h"]
+    assert train.split() == ["train", "Running", "-", "-", "3", "2", "2", "-", "5h"]
     code, out, _ = run_cli(capsys, "get", "train", "-o", "json", "--state-dir", str(state))
     shown = json.loads(out)
     assert shown["spec"] is None

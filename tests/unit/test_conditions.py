@@ -23,6 +23,7 @@ def test_status_values_are_the_kubernetes_strings() -> None:
     assert [str(status) for status in ConditionStatus] == ["True", "False", "Unknown"]
     assert [str(t) for t in ConditionType] == [
         "SpecValid",
+        "DependenciesMet",
         "Admitted",
         "Running",
         "Reporting",

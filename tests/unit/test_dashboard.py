@@ -24,7 +24,7 @@ from herd_operator.exporters.gpu import GpuReading, ProcessMemory
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.store import Store
 from herd_operator.specs import Condition, ConditionStatus, HerdJob
-from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.status import GpuCounts, HerdJobStatus, Progress
 from herd_operator.specs.values import Placement, Pool
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "herd-dashboard.json"
@@ -68,7 +68,9 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
     )  # fmt: skip
     status = HerdJobStatus(
         conditions=(running,), gpus=GpuCounts(min=1, max=2, desired=2, allocated=1, active=1),
-        epoch=1,
+        epoch=1, metrics={"loss": 0.5, "val/acc": 0.9},
+        progress=Progress(epochs=10, completed=2, epoch_seconds=4.0, world_size=1,
+                          estimated_completion=40.0),
     )  # fmt: skip
     store.put_status("resnet", status, 2.0)
     store.add_usage("resnet", 1, 3 << 30, 80 << 30, 3.0)

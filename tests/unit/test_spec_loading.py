@@ -26,7 +26,8 @@ GOOD = (
 
 SPEC_FIELDS = (
     "command, workingDir, env, gpus, priority, policy, engine, horovod, restartPolicy, training,"
-    " suspend"
+    " suspend,"
+    " activeDeadlineSeconds, dependsOn"
 )
 
 

@@ -313,6 +313,8 @@ def test_json_schema_structure() -> None:
         "restartPolicy",
         "training",
         "suspend",
+        "activeDeadlineSeconds",
+        "dependsOn",
     }
     assert spec["properties"]["command"]["minItems"] == 1
     assert spec["properties"]["env"]["propertyNames"]["pattern"] == "^[A-Za-z_][A-Za-z0-9_]*$"

@@ -75,7 +75,7 @@ def test_unset_training_keeps_the_fingerprint_of_older_specs() -> None:
 
 def test_schema_describes_the_training_fields() -> None:
     fields = json_schema()["$defs"]["TrainingOptions"]["properties"]
-    assert set(fields) == {"batchPolicy", "warmupSteps", "maxWorkerBatch"}
+    assert set(fields) == {"batchPolicy", "warmupSteps", "maxWorkerBatch", "epochs"}
     assert fields["batchPolicy"]["enum"] == ["naive", "linear-lr", "preserve-batch"]
     assert all(field.get("description") for field in fields.values())
 

@@ -188,8 +188,11 @@ def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:
         "command": spec.command,
         "workingDir": spec.working_dir,
         "env": spec.env,
-        # The workers read it from their environment when they start.
-        "training": None if spec.training is None else spec.training.model_dump(by_alias=True),
+        # The workers read it from their environment when they start; not `epochs`, which
+        # only the operator reads (changing it relaunches nothing).
+        "training": None
+        if spec.training is None or not spec.training.tells_workers()
+        else spec.training.model_dump(by_alias=True, exclude={"epochs"}),
         "min": spec.gpus.min,
         "horovod": spec.horovod.model_dump(by_alias=True),
     }
