@@ -5,6 +5,7 @@ not use them (their fingerprint, their workers, their relaunches)."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from herd_operator.cli.spec_commands import validate_files
+from herd_operator.cli.spec_commands import checked_sources
 from herd_operator.environment import BATCH_POLICY_ENV
 from herd_operator.runtime.dispatch import training_env
 from herd_operator.runtime.engines.horovod import relaunch_reason
@@ -205,7 +206,7 @@ def test_a_cycle_across_files_makes_each_of_them_invalid(tmp_path: Path) -> None
             ),
         ),
     }
-    _, found = validate_files(sorted(tmp_path.iterdir()))
+    _, found = checked_sources([str(p) for p in sorted(tmp_path.iterdir())], io.StringIO())
     assert [problem.split(": ", 1)[1] for problem in found] == [
         "spec.dependsOn: a dependency cycle (a -> b -> a): none of these jobs could ever start",
         "spec.dependsOn: a dependency cycle (b -> a -> b): none of these jobs could ever start",
