@@ -15,6 +15,7 @@ import pytest
 from herd_operator.cli.views import format_events, format_table
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.launch_records import LaunchRecords
+from herd_operator.runtime.specdir import with_known_references
 from herd_operator.runtime.store import Event, Store
 from herd_operator.specs import load_spec_text
 from tests.unit.test_cli import EXIT_FAILURE, EXIT_USAGE, make_job, record, run_cli
@@ -210,6 +211,27 @@ def test_a_name_of_5000_characters_names_no_job_and_the_error_says_the_limit() -
     errors = [(error.field, "at most 63 characters" in error.message) for error in spec_file.errors]
     assert errors == [("metadata.name", True)]
     assert all("a" * 64 not in str(error) for error in spec_file.errors)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [("policy", "{name: %s}", 253), ("engine", "{kind: %s}", 63)],
+)
+def test_an_overlong_reference_is_refused_naming_the_field_and_the_limit(
+    field: str, value: str, limit: int
+) -> None:
+    """An unknown policy or engine is named in its error, which events, conditions and log
+    lines carry: one of 5,000 characters was, in full."""
+    text = (
+        "apiVersion: herd/v1alpha1\nkind: HerdJob\nmetadata:\n  name: a\n"
+        "spec:\n  command: [python, train.py]\n  gpus: {min: 1, max: 2}\n"
+        f"  {field}: {value % ('x' * 5000)}\n"
+    )
+    spec_file = with_known_references(load_spec_text(text, "jobs/a.yaml"))
+    assert [str(error) for error in spec_file.errors] == [
+        f"jobs/a.yaml: spec.{field}.{'name' if field == 'policy' else 'kind'}:"
+        f" String should have at most {limit} characters"
+    ]
 
 
 def test_tables_cut_an_overlong_cell_instead_of_padding_every_row() -> None:
