@@ -145,6 +145,24 @@ def test_run_with_a_good_token_starts_and_keeps_it(
     assert path.read_text() == GOOD_TOKEN + "\n"
 
 
+@pytest.mark.parametrize(
+    "content", [b"", b"\x00\xff" * 40, GOOD_TOKEN[:32].encode() + b"\n" + GOOD_TOKEN[32:].encode()]
+)
+def test_agent_key_refuses_a_bad_master_token_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes
+) -> None:
+    """The CLI's other reader of the operator's token. (The readers of the keys derived from
+    it: the shim says one line, test_worker_api; a worker's report logs one warning; the
+    node exporter logs one and serves without job labels.)"""
+    path = token_file(tmp_path, content)
+    code, out, err = run_cli(
+        capsys, "agent-key", "--state-dir", str(tmp_path / "state"), "--host", "nid001"
+    )
+    assert (code, out) == (EXIT_FAILURE, "")
+    assert_one_line(err, f"herd-operator agent-key: token file {path}")
+    assert GOOD_TOKEN[:16] not in err and GOOD_TOKEN[32:48] not in err
+
+
 # ---- paths built from a job's name ----
 
 
