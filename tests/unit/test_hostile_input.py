@@ -4,6 +4,7 @@ overlong name, and a state directory that is missing, damaged or a file."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -15,10 +16,11 @@ import pytest
 from herd_operator.cli.views import format_events, format_table
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.launch_records import LaunchRecords
-from herd_operator.runtime.specdir import with_known_references
+from herd_operator.runtime.specdir import SpecDirectory, with_known_references
 from herd_operator.runtime.store import Event, Store
 from herd_operator.specs import load_spec_text
 from tests.unit.test_cli import EXIT_FAILURE, EXIT_USAGE, make_job, record, run_cli
+from tests.unit.test_specdir import spec_text, write
 from tests.unit.test_store import corrupt_a_table_page
 
 GOOD_TOKEN = "ab" * 32
@@ -229,6 +231,31 @@ def test_a_name_of_5000_characters_names_no_job_and_the_error_says_the_limit() -
     errors = [(error.field, "at most 63 characters" in error.message) for error in spec_file.errors]
     assert errors == [("metadata.name", True)]
     assert all("a" * 64 not in str(error) for error in spec_file.errors)
+
+
+def test_a_5000_character_name_in_a_directory_names_no_job_and_keeps_a_running_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new file with such a name starts nothing and is said once under its path; the
+    file of a running job edited to such a name keeps its job (SpecValid=False), as any
+    invalid name does."""
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    specs = SpecDirectory(jobs)
+    write(jobs / "a.yaml", spec_text("alpha"))
+    assert specs.relist() == {"alpha"}
+    with caplog.at_level(logging.WARNING):
+        write(jobs / "long.yaml", spec_text("b" * 5000))
+        write(jobs / "a.yaml", spec_text("a" * 5000))
+        assert specs.relist() == {"alpha"}
+        specs.relist()
+    view = specs.view("alpha")
+    assert view is not None and view.job is None and view.errors
+    assert all(len(error) < 300 for error in view.errors), view.errors
+    said = [record.getMessage() for record in caplog.records]
+    assert [message for message in said if "long.yaml" in message] != []
+    assert all("b" * 64 not in message and len(message) < 1000 for message in said), said
+    assert len([message for message in said if "long.yaml" in message]) == 1  # said once
 
 
 @pytest.mark.parametrize(
