@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from herd_operator.auth import TokenFileError, read_token_file
 from herd_operator.cli.views import format_events, format_table
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.launch_records import LaunchRecords
 from herd_operator.runtime.specdir import SpecDirectory, with_known_references
 from herd_operator.runtime.store import Event, Store
 from herd_operator.specs import load_spec_text
+from herd_operator.specs.models import is_job_name
 from tests.unit.test_cli import EXIT_FAILURE, EXIT_USAGE, make_job, record, run_cli
 from tests.unit.test_specdir import spec_text, write
 from tests.unit.test_store import corrupt_a_table_page
@@ -197,6 +202,51 @@ def test_paths_of_job_names_stay_in_their_directories(tmp_path: Path) -> None:
         for name in ("a", "job-1", "a" * 63):
             path = build(name)
             assert path.name.startswith((name, f"job-{name}")), path
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.text(max_size=80) | st.from_regex(r"[a-z0-9./-]{1,70}", fullmatch=True))
+def test_any_name_gives_a_path_in_its_directory_or_is_refused(name: str) -> None:
+    """The fuzz that would have found `logs ../x`: every path builder, every name."""
+    root = Path("/state")
+    for build in _path_builders(root):
+        try:
+            path = build(name)
+        except ValueError as err:
+            assert not is_job_name(name)
+            assert "is not a job name" in str(err) and len(str(err)) < 300
+            continue
+        assert is_job_name(name)
+        assert path.parent in {root / "logs", root / "runtime" / "grants", root / "secrets",
+                               root / "launches"}  # fmt: skip
+        assert ".." not in path.parts
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    content=st.binary(max_size=200)
+    | st.from_regex(rb"\s*[0-9a-fA-F \n]{0,140}\s*")
+    | st.builds(  # a token with a blank or a line break inside
+        lambda token, at, blank: token[:at] + blank + token[at:],
+        st.binary(min_size=32, max_size=32).map(lambda raw: raw.hex().encode()),
+        st.integers(min_value=1, max_value=63),
+        st.sampled_from([b"\n", b" ", b"\t", b"\r\n", b"\n\n"]),
+    )
+)
+def test_any_token_file_is_a_token_of_one_line_or_refused_without_its_content(
+    tmp_path_factory: pytest.TempPathFactory, content: bytes
+) -> None:
+    path = tmp_path_factory.mktemp("token") / "allocator.token"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    try:
+        token = read_token_file(path)
+    except TokenFileError as err:
+        hex_runs = re.findall(rb"[0-9a-fA-F]{12,}", content)
+        assert all(run.decode() not in str(err).replace(str(path), "") for run in hex_runs)
+        return
+    assert re.fullmatch(rb"[0-9a-fA-F]{64}", content.strip()) is not None
+    assert token == bytes.fromhex(content.strip().decode())
 
 
 @pytest.fixture
