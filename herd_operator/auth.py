@@ -28,6 +28,7 @@ NONCE_BYTES = 16
 _TOKEN_HEX_CHARS = 2 * TOKEN_BYTES
 # A token file holds 64 hex characters and a newline; anything much bigger is not one.
 _MAX_TOKEN_FILE_BYTES = 4096
+_HEX_TEXT = re.compile(rb"(?:[0-9a-fA-F]{2})+")
 
 
 MAX_HOST_CHARS = 253
@@ -42,8 +43,34 @@ _JOB_NAME_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 IdentityKind = Literal["admin", "job", "agent"]
 
 
+TokenProblem = Literal["open", "kind", "owner", "mode", "content"]
+
+
 class TokenFileError(Exception):
-    """The token file is missing, unreadable, too permissive or malformed."""
+    """The token file is missing, unreadable, too permissive or malformed.
+
+    ``problem`` says which, so that a caller that knows whose file it is can say what to do:
+    ``open`` (cannot be opened), ``kind`` (not a regular file), ``owner`` (another user's),
+    ``mode`` (others may access it; the message says the chmod) or ``content`` (not one
+    line of 64 hex characters). The message never quotes the file's content.
+    """
+
+    def __init__(self, message: str, problem: TokenProblem = "content") -> None:
+        super().__init__(message)
+        self.problem: TokenProblem = problem
+
+
+def checked_job_name(name: str) -> str:
+    """``name`` if it is a job's name; ValueError naming it if not. Whatever builds a path
+    from a job's name checks it first: a name is a DNS-1123 label (no '/', no '..'), so
+    ``<name>.log`` cannot leave its directory."""
+    if _JOB_NAME_PATTERN.fullmatch(name) is None:
+        shown = repr(name) if len(name) <= 64 else f"{name[:64]!r}... ({len(name)} characters)"
+        raise ValueError(
+            f"{shown} is not a job name (lowercase letters, digits and '-', starting and"
+            " ending with a letter or digit, at most 63 characters)"
+        )
+    return name
 
 
 def is_host(text: str) -> bool:
@@ -147,21 +174,45 @@ def ensure_token_file(path: Path) -> bytes:
 def read_token_file(path: Path) -> bytes:
     """Read and validate the token at ``path``; refuse files that others may access."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # Non-blocking: a FIFO put in the file's place must not hang the reader.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
-        raise TokenFileError(f"cannot open token file {path}: {error.strerror}") from error
+        raise TokenFileError(f"cannot open token file {path}: {error.strerror}", "open") from error
     try:
         # fstat the opened file, not the path, so a swapped file cannot slip past the check.
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        if mode & 0o077:
-            raise TokenFileError(
-                f"token file {path} has mode {mode:#o}; it must not be readable or writable "
-                f"by group or others (run: chmod 600 {path})"
-            )
+        status = os.fstat(fd)
+        _check_token_status(path, status)
         raw = os.read(fd, _MAX_TOKEN_FILE_BYTES + 1)
     finally:
         os.close(fd)
     return _parse_token(path, raw)
+
+
+def _check_token_status(path: Path, status: os.stat_result) -> None:
+    if not stat.S_ISREG(status.st_mode):
+        raise TokenFileError(
+            f"token file {path} is not a regular file ({_file_kind(status.st_mode)})", "kind"
+        )
+    if status.st_uid != os.geteuid():
+        # Another user could have read it or written a token of their choosing (root reads
+        # any file, so the mode alone does not say this).
+        raise TokenFileError(
+            f"token file {path} is owned by uid {status.st_uid}, not by this user"
+            f" (uid {os.geteuid()})",
+            "owner",
+        )
+    mode = stat.S_IMODE(status.st_mode)
+    if mode & 0o077:
+        raise TokenFileError(
+            f"token file {path} has mode {mode:#o}; it must not be readable or writable "
+            f"by group or others (run: chmod 600 {path})",
+            "mode",
+        )
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
+    return next((kind for test, kind in kinds if test(mode)), "device or other special file")
 
 
 def prove(token: bytes, *parts: str) -> str:
@@ -219,16 +270,26 @@ def _make_private_dirs(directory: Path) -> None:
 
 
 def _parse_token(path: Path, raw: bytes) -> bytes:
+    """The token of a file that holds one line of 64 hex characters (surrounding blanks
+    allowed). Stricter than ``bytes.fromhex``, which skips blanks and newlines inside: a
+    token split over two lines, or two short ones, is a damaged file, not a token."""
     if len(raw) > _MAX_TOKEN_FILE_BYTES:
         raise TokenFileError(f"token file {path} is malformed: larger than a token")
     # The content is never quoted in messages: it may be a real token.
-    try:
-        text = raw.decode("ascii").strip()
-        token = bytes.fromhex(text)
-    except ValueError:
+    text = raw.strip()
+    if not text:
+        raise TokenFileError(f"token file {path} is empty")
+    lines = len(text.splitlines())
+    if lines > 1:
+        raise TokenFileError(
+            f"token file {path} is malformed: it holds {lines} lines, a token is one line of"
+            f" {_TOKEN_HEX_CHARS} hex characters"
+        )
+    if _HEX_TEXT.fullmatch(text) is None:
         raise TokenFileError(
             f"token file {path} is malformed: expected {_TOKEN_HEX_CHARS} hex characters"
-        ) from None
+        )
+    token = bytes.fromhex(text.decode("ascii"))
     if len(token) < TOKEN_BYTES:
         raise TokenFileError(
             f"token file {path} holds a token that is too short: "

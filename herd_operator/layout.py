@@ -12,6 +12,7 @@ burst of new grants.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from herd_operator.auth import is_host
+from herd_operator.auth import checked_job_name, is_host
 from herd_operator.environment import STATE_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,11 @@ class StateLayout:
 
     def job_token_file(self, job: str) -> Path:
         """The job's key: proves ``job:<job>`` and nothing more."""
-        return self.secrets_dir / f"job-{job}.token"
+        return self.secrets_dir / f"job-{checked_job_name(job)}.token"
 
     def job_env_file(self, job: str) -> Path:
         """The spec's `env` of the job's current launch, for the shim to load."""
-        return self.secrets_dir / f"job-{job}.env.json"
+        return self.secrets_dir / f"job-{checked_job_name(job)}.env.json"
 
     @property
     def endpoint_file(self) -> Path:
@@ -109,13 +110,13 @@ class StateLayout:
         return self.root / "launches"
 
     def grant_file(self, job: str) -> Path:
-        return self.grants_dir / f"{job}.hosts"
+        return self.grants_dir / f"{checked_job_name(job)}.hosts"
 
     def discovery_script(self, job: str) -> Path:
-        return self.grants_dir / f"{job}.discover.sh"
+        return self.grants_dir / f"{checked_job_name(job)}.discover.sh"
 
     def log_file(self, job: str) -> Path:
-        return self.logs_dir / f"{job}.log"
+        return self.logs_dir / f"{checked_job_name(job)}.log"
 
     def create(self) -> None:
         for directory in (
@@ -126,6 +127,9 @@ class StateLayout:
             self.scrape_targets_file.parent,
             self.secrets_dir,
         ):
+            if directory.exists() and not directory.is_dir():
+                # mkdir would say "File exists", as if all were well.
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(directory))
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             # Whatever existed before: the state dir holds every spec's env, the logs and
             # the allocator's address; other users of a shared node must not read them.

@@ -331,15 +331,22 @@ def _sorted(errors: Sequence[SpecError], *, by_file: bool = False) -> tuple[Spec
     return tuple(sorted(errors, key=lambda e: (e.field, e.message)))
 
 
+MAX_DECLARED_NAME_CHARS = 253
+"""The longest metadata.name an invalid file is known by (a DNS-1123 subdomain's bound; a
+job's name is a label, at most 63): its errors show on that name (an InvalidSpec event on
+`herdjob/NAME`). A longer one names nothing, so no event, log line or key carries a name of
+thousands of characters; the file's errors are said under the file's path."""
+
+
 def _name_of(raw: object) -> str | None:
-    """metadata.name as written, even in an otherwise invalid file."""
+    """metadata.name as written, even in an otherwise invalid file (if not absurdly long)."""
     if not isinstance(raw, dict):
         return None
     metadata = raw.get("metadata")
     if not isinstance(metadata, dict):
         return None
     name = metadata.get("name")
-    return name if isinstance(name, str) and name else None
+    return name if isinstance(name, str) and 0 < len(name) <= MAX_DECLARED_NAME_CHARS else None
 
 
 def _yaml_error_message(exc: yaml.MarkedYAMLError) -> str:

@@ -38,6 +38,9 @@ POLICY_NAME_PATTERN = (
     r"^([A-Za-z][A-Za-z0-9_-]*"
     r"|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)$"
 )
+MAX_REFERENCE_CHARS = 253
+"""The longest policy name or plug-in reference (`pkg.module:Class`): an unknown one is
+named in the error, which events, conditions and log lines carry, so it is bounded."""
 # An engine kind names an entry of the runtime's engine registry ("horovod").
 ENGINE_KIND_PATTERN = r"^[a-z][a-z0-9-]*$"
 HOROVOD_ENGINE = "horovod"
@@ -127,7 +130,10 @@ class PolicyRef(ApiModel):
     """Which policy decides the job's GPU count, and its parameters."""
 
     name: str = Field(
-        default="static", min_length=1, json_schema_extra={"pattern": POLICY_NAME_PATTERN}
+        default="static",
+        min_length=1,
+        max_length=MAX_REFERENCE_CHARS,
+        json_schema_extra={"pattern": POLICY_NAME_PATTERN},
     )
     """The policy: `static` (a fixed count), `memory` (by GPU memory use), `schedule` (a
     plan by epoch or time), or the name of an installed plug-in policy."""
@@ -229,7 +235,10 @@ class EngineRef(ApiModel):
     # plain JSON data that their engine reads.
 
     kind: str = Field(
-        default=HOROVOD_ENGINE, min_length=1, json_schema_extra={"pattern": ENGINE_KIND_PATTERN}
+        default=HOROVOD_ENGINE,
+        min_length=1,
+        max_length=DNS_LABEL_MAX_LENGTH,
+        json_schema_extra={"pattern": ENGINE_KIND_PATTERN},
     )
     """The engine: `horovod` (elastic Horovod through `horovodrun`)."""
     options: dict[str, Any] = Field(default_factory=dict)

@@ -135,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `herd-operator schema | head`: the reader left, that is fine
         sys.stderr.close()
         return EXIT_OK
+    except OSError as err:  # a file of the state dir that cannot be read: one line, no trace
+        where = f"{err.filename}: {err.strerror}" if err.filename else str(err)
+        print(f"herd-operator: {where}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from herd_operator.cli.arguments import (
@@ -27,6 +28,7 @@ from herd_operator.cli.selectors import Selector, SelectorError, parse_selector
 from herd_operator.cli.views import (
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_USAGE,
     dash,
     eta_cell,
     format_age,
@@ -182,7 +184,7 @@ def _print_objects(
     """`records` in the `-o` format; `single`: one object, not a List (get NAME)."""
     layout = StateLayout(args.state_dir)
     if args.output in ("json", "yaml"):
-        objects = [herdjob_resource(r, layout.log_file(r.name)) for r in records]
+        objects = [herdjob_resource(r, _log_file(layout, r.name)) for r in records]
         shown = objects[0] if single and len(objects) == 1 else resource_list(objects)
         if args.output == "json":
             print(json.dumps(shown, indent=2), flush=True)
@@ -268,6 +270,15 @@ def _ticks(timeout: float | None) -> Iterator[None]:
         yield
 
 
+def _log_file(layout: StateLayout, name: str) -> Path | None:
+    """The job's log file; None for a stored name that is not a job's (a damaged store):
+    no path is made of it."""
+    try:
+        return layout.log_file(name)
+    except ValueError:
+        return None
+
+
 def cmd_describe(args: argparse.Namespace) -> int:
     with open_store(args.state_dir) as store:
         record = store.get_job(args.name)
@@ -284,7 +295,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
     lines = [
         f"Name:         {obj['name']}",
         f"Spec file:    {obj['specPath']}",
-        f"Log:          {StateLayout(args.state_dir).log_file(args.name)}"
+        f"Log:          {dash(_log_file(StateLayout(args.state_dir), args.name))}"
         f" (herd-operator logs {args.name})",
         f"Generation:   {obj['generation']} (observed {obj['observedGeneration']})",
         f"Status:       {obj['status']}",
@@ -396,7 +407,12 @@ def _watch_events(
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    log_file = StateLayout(args.state_dir).log_file(args.name)
+    try:
+        # A name is a DNS-1123 label: `../x` would read <state>/x.log, outside the logs.
+        log_file = StateLayout(args.state_dir).log_file(args.name)
+    except ValueError as err:
+        print(f"herd-operator logs: error: NAME {err}", file=sys.stderr)
+        return EXIT_USAGE
     with open_store(args.state_dir) as store:
         if store.get_job(args.name) is None and not log_file.exists():
             print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)

@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from herd_operator.auth import TokenFileError, TokenProblem
 from herd_operator.cli.arguments import (
     Subcommands,
     add_command,
@@ -311,6 +312,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     except OperatorError as err:
         print(f"herd-operator: {err}", file=sys.stderr)
         return EXIT_FAILURE
+    except TokenFileError as err:  # the state dir's token: the user's to mend, as a bad flag
+        print(f"herd-operator: {err}{_TOKEN_REMEDIES[err.problem]}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as err:  # a port in use, most often
-        print(f"herd-operator: cannot start: {err}", file=sys.stderr)
+        where = f"{err.filename}: {err.strerror}" if err.filename else str(err)
+        print(f"herd-operator: cannot start: {where}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+_NEW_TOKEN = (
+    "remove it and the next start makes a new one (the keys derived from the old one, which"
+    " running jobs and node exporters hold, stop working)"
+)
+_TOKEN_REMEDIES: dict[TokenProblem, str] = {
+    "open": " (it must be a file of this user's, mode 0600; or remove it and the next start"
+    " makes a new one)",
+    "kind": f": {_NEW_TOKEN}",
+    "owner": f": another user may have read or replaced it; {_NEW_TOKEN}",
+    "mode": "",  # the message says the chmod
+    "content": f": {_NEW_TOKEN}",
+}
+"""What to do, after the reader's message, about each problem of the operator's token."""

@@ -22,6 +22,10 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 def open_store(state_dir: Path) -> Store:
     path = StateLayout(state_dir).database
+    if state_dir.exists() and not state_dir.is_dir():
+        raise StoreError(f"the state dir {state_dir} is not a directory")
+    if path.is_dir():  # SQLite would say only "disk I/O error"
+        raise StoreError(f"state store {path} is a directory, not a file")
     if not path.exists():
         raise StoreError(
             f"no operator state in {state_dir} (run `herd-operator run --state-dir {state_dir}`"
@@ -118,7 +122,20 @@ def format_age(seconds: float) -> str:
     return f"{seconds // 86400}d"
 
 
+MAX_CELL_CHARS = 80
+"""The widest a table's cell is, but in its last column (which pads nothing): a job's name
+is at most 63 characters, `herdjob/` and one 71; a longer value (a name some file
+declared, a reason) is cut with an ellipsis rather than widen every row."""
+
+
+def shorten(text: str, limit: int = MAX_CELL_CHARS) -> str:
+    """``text``, or its first ``limit - 1`` characters and an ellipsis when it is longer."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def format_table(rows: Sequence[Sequence[str]]) -> str:
+    last = len(rows[0]) - 1
+    rows = [[cell if i == last else shorten(cell) for i, cell in enumerate(row)] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()

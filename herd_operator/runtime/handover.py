@@ -61,6 +61,8 @@ class Handover:
     def lock(self) -> None:
         """Take the state dir's lock (released last): one operator a state dir."""
         root = self.layout.root
+        if root.exists() and not root.is_dir():  # mkdir would say only "File exists"
+            raise OperatorError(f"the state dir {root} is not a directory")
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         handle = open(root / "operator.lock", "w")  # noqa: SIM115
         self._manager.defer("the state dir's lock", handle.close)

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pydantic
 
+from herd_operator.auth import checked_job_name
 from herd_operator.controllers.ports import LaunchInfo
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.keeper import read_exit_file, read_exit_time, read_launch_error
 from herd_operator.specs import HerdJobSpec
+
+_LAUNCH_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A launch id: a uuid4's hex here, a test's or a benchmark's name there; never a path."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +62,12 @@ def read_record(path: Path) -> LaunchRecord:
         raise ValueError("not a JSON object")
     try:
         pid, started_at = data["pid"], data["started_at"]
+        launch_id = str(data["launch_id"])
+        if _LAUNCH_ID.fullmatch(launch_id) is None:  # it names the exit file
+            raise ValueError(f"launch_id {launch_id[:64]!r} is not a launch id")
         return LaunchRecord(
-            job=path.stem,
-            launch_id=str(data["launch_id"]),
+            job=checked_job_name(path.stem),
+            launch_id=launch_id,
             pid=None if pid is None else int(pid),
             started_at=None if started_at is None else float(started_at),
             generation=int(data["generation"]),
@@ -77,10 +85,10 @@ class LaunchRecords:
         self.directory = directory
 
     def record_file(self, job: str) -> Path:
-        return self.directory / f"{job}.json"
+        return self.directory / f"{checked_job_name(job)}.json"
 
     def exit_file(self, job: str, launch_id: str) -> Path:
-        return self.directory / f"{job}.{launch_id}.exit"
+        return self.directory / f"{checked_job_name(job)}.{launch_id}.exit"
 
     def keeper_argv(self, job: str, launch_id: str, argv: list[str]) -> list[str]:
         """`argv` run through a keeper that writes the launch's exit file."""

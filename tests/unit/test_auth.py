@@ -127,7 +127,13 @@ def test_ensure_refuses_existing_permissive_file(tmp_path: Path) -> None:
     ("content", "expected"),
     [
         ("zz" * 32, "is malformed: expected 64 hex characters"),
-        ("", "holds a token that is too short: 0 bytes, expected 32"),
+        ("", "is empty"),
+        ("\n\n", "is empty"),
+        (
+            "ef" * 16 + "\n" + "ef" * 16,
+            "is malformed: it holds 2 lines, a token is one line of 64 hex characters",
+        ),
+        ("ef " * 32, "is malformed: expected 64 hex characters"),
         ("ef" * 16, "holds a token that is too short: 16 bytes, expected 32"),
         ("ef" * 33, "is malformed: 33 bytes, expected 32"),
         ("é" * 32, "is malformed: expected 64 hex characters"),

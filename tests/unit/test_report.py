@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import shutil
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from herd_operator.cli import main
 from herd_operator.cli.report.command import ReportError, output_format
@@ -26,6 +30,7 @@ from herd_operator.cli.report.series import GrantStep, JobSeries, job_sources, l
 from herd_operator.cli.report.text import format_duration
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
+from herd_operator.runtime.store.history import GRANT_ROW_PROBLEMS, checked_grant_changes
 from herd_operator.specs import (
     ConditionStatus,
     ConditionType,
@@ -33,6 +38,7 @@ from herd_operator.specs import (
     set_condition,
     spec_fingerprint,
 )
+from herd_operator.specs.models import is_job_name
 from herd_operator.specs.status import HerdJobStatus
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -353,6 +359,81 @@ def test_report_text_summary_on_stdout(state_dir: Path, capsys: pytest.CaptureFi
     code, out, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--format", "text")
     assert (code, err) == (EXIT_OK, "report: reading 2 jobs...\n")
     assert out == TEXT_SUMMARY.format(state=state_dir)
+
+
+BAD_GRANT_ROWS = [
+    (None, T0 + 50, 1, "x"),  # no job
+    ("../x", T0 + 50, 1, "x"),  # not a job's name
+    ("alpha", None, 1, "x"),
+    ("alpha", "soon", 1, "x"),
+    ("alpha", -5.0, 1, "x"),  # before 1970: a negative span from the run's start
+    ("alpha", float("inf"), 1, "x"),
+    ("alpha", T0 + 50, None, "x"),
+    ("alpha", T0 + 50, "many", "x"),
+    ("alpha", T0 + 50, -2, "x"),
+    ("alpha", T0 + 50, 2.5, "x"),
+    ("alpha", T0 + 50, 1, None),
+    ("alpha", T0 + 200, 1, "late"),  # logged after the change at T0 + 300: time ran back
+]
+
+
+def test_report_skips_bad_grant_history_rows_and_says_how_many_once(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rows are written with sqlite3 into a table without the NOT NULL constraints (a
+    store from another program, or mended by hand); the rest of the report is as without
+    them."""
+    raw = sqlite3.connect(StateLayout(state_dir).database)
+    raw.executescript(
+        "ALTER TABLE grant_history RENAME TO kept;"
+        "CREATE TABLE grant_history (id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT,"
+        " time REAL, gpus INTEGER, reason TEXT);"
+        "INSERT INTO grant_history SELECT * FROM kept; DROP TABLE kept;"
+    )
+    raw.executemany(
+        "INSERT INTO grant_history (job, time, gpus, reason) VALUES (?, ?, ?, ?)", BAD_GRANT_ROWS
+    )
+    raw.commit()
+    raw.close()
+    code, out, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--format", "text")
+    assert code == EXIT_OK, err
+    assert out == TEXT_SUMMARY.format(state=state_dir)
+    database = StateLayout(state_dir).database
+    assert err.splitlines() == [
+        f"report: skipped 12 bad rows of grant_history in {database}: 2 not a job's name,"
+        " 4 time not a number >= 0, 4 gpus not an integer >= 0, 1 reason not text,"
+        " 1 time before the job's previous change",
+        "report: reading 2 jobs...",
+    ]
+    code, out, err = run_cli(capsys, "describe", "alpha", "--state-dir", str(state_dir))
+    assert (code, err) == (EXIT_OK, "")
+
+
+_ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(),
+    st.text(max_size=8),
+    st.sampled_from(["alpha", "beta", "../x", ""]),
+    st.binary(max_size=4),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_ANY_VALUE, _ANY_VALUE, _ANY_VALUE, _ANY_VALUE), max_size=30))
+def test_any_grant_rows_read_into_changes_a_report_can_add_up(
+    rows: list[tuple[object, object, object, object]],
+) -> None:
+    history = checked_grant_changes(rows)
+    assert len(history.changes) + sum(history.skipped.values()) == len(rows)
+    assert set(history.skipped) <= set(GRANT_ROW_PROBLEMS)
+    latest: dict[str, float] = {}
+    for change in history.changes:
+        assert is_job_name(change.job) and isinstance(change.reason, str)
+        assert math.isfinite(change.time) and change.time >= latest.get(change.job, 0.0)
+        assert type(change.gpus) is int and change.gpus >= 0
+        latest[change.job] = change.time
 
 
 def test_report_markdown_file_for_one_job(

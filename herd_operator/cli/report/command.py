@@ -146,7 +146,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         kind = output_format(args.format, args.output)
         since = None if args.since is None else time.time() - args.since
         with open_store(args.state_dir) as store, store.snapshot():
-            sources = select_jobs(job_sources(store), args.jobs, args.state_dir)
+            history = store.read_grant_history()
+            if history.skipped:  # said once, here: the series below use what was read
+                _progress(f"skipped {history.skipped_summary(store.path)}")
+            sources = select_jobs(job_sources(store, history.changes), args.jobs, args.state_dir)
             _progress(f"reading {len(sources)} job{'s' if len(sources) != 1 else ''}...")
             run = load_run(store, args.state_dir, sources, since)
         if kind not in FIGURE_FORMATS:

@@ -326,12 +326,15 @@ def memory_thresholds(policy: PolicyRef) -> tuple[float, float] | None:
     return params.low, params.high
 
 
-def job_sources(store: Store) -> list[JobSource]:
+def job_sources(
+    store: Store, history: Sequence[StoredGrantChange] | None = None
+) -> list[JobSource]:
     """Every job the store knows, by name: those with a record, and deleted ones (whose
-    grant history or events outlive them)."""
+    grant history or events outlive them). ``history``: the grant history read already
+    (``store.read_grant_history()``, which says what it skipped), else read here."""
     records = {record.name: record for record in store.list_jobs()}
     grants: dict[str, list[StoredGrantChange]] = {}
-    for change in store.grant_history():
+    for change in store.grant_history() if history is None else history:
         grants.setdefault(change.job, []).append(change)
     events: dict[str, list[StoredEvent]] = {}
     for event in store.events(limit=MAX_EVENTS):

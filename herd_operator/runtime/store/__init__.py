@@ -52,6 +52,7 @@ from herd_operator.runtime.store.history import (
     MAX_GRANTS_PER_JOB,
     PRUNE_BATCH_JOBS,
     GrantChange,
+    GrantHistory,
     HistoryMixin,
     TrimmedHistory,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "Event",
     "EventType",
     "GrantChange",
+    "GrantHistory",
     "Store",
     "StoreError",
     "TrimmedHistory",

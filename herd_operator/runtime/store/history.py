@@ -9,11 +9,14 @@ keep the lock the operator's threads share free. Apart because of that lifetime 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from herd_operator.runtime.store.connection import StoreError
 from herd_operator.runtime.store.events import EventsMixin
+from herd_operator.specs.models import is_job_name
 
 MAX_GRANTS_PER_JOB = 1_000
 """Grant changes kept per job (the newest): a job resized every minute for a week has
@@ -33,6 +36,70 @@ class GrantChange:
     time: float
     gpus: int
     reason: str
+
+
+GRANT_ROW_PROBLEMS = (
+    "not a job's name",
+    "time not a number >= 0",
+    "gpus not an integer >= 0",
+    "reason not text",
+    "time before the job's previous change",
+)
+"""Why a stored grant change is not read, in the order a summary names them. The operator
+writes none of these; a store another program wrote, or mended by hand, may hold them."""
+
+
+@dataclass(frozen=True)
+class GrantHistory:
+    """Grant changes as read, and how many rows were skipped for each problem (of
+    ``GRANT_ROW_PROBLEMS``; only those with any)."""
+
+    changes: list[GrantChange]
+    skipped: dict[str, int]
+
+    def skipped_summary(self, where: object) -> str:
+        """``12 bad rows of grant_history in WHERE: 2 not a job's name, ...`` (empty when
+        none were skipped)."""
+        if not self.skipped:
+            return ""
+        total = sum(self.skipped.values())
+        counts = ", ".join(f"{self.skipped[why]} {why}" for why in self.skipped)
+        return f"{total} bad row{'s' if total != 1 else ''} of grant_history in {where}: {counts}"
+
+
+def checked_grant_changes(rows: Iterable[Sequence[object]]) -> GrantHistory:
+    """The changes of ``rows`` ((job, time, gpus, reason), oldest first) that a report can
+    add up; the others are counted by problem. A change earlier than the job's change
+    before it would make a negative span of time (GPU-seconds below zero)."""
+    changes: list[GrantChange] = []
+    counts = dict.fromkeys(GRANT_ROW_PROBLEMS, 0)
+    latest: dict[str, float] = {}
+    for row in rows:
+        change = _grant_change(row)
+        if isinstance(change, GrantChange) and change.time < latest.get(change.job, 0.0):
+            change = GRANT_ROW_PROBLEMS[4]
+        if isinstance(change, str):
+            counts[change] += 1
+            continue
+        latest[change.job] = change.time
+        changes.append(change)
+    return GrantHistory(changes, {why: count for why, count in counts.items() if count})
+
+
+def _grant_change(row: Sequence[object]) -> GrantChange | str:
+    """The change a row says, or the problem (of ``GRANT_ROW_PROBLEMS``) that it is not one."""
+    job, time, gpus, reason = row
+    if not isinstance(job, str) or not is_job_name(job):
+        return GRANT_ROW_PROBLEMS[0]
+    if isinstance(time, bool) or not isinstance(time, int | float):
+        return GRANT_ROW_PROBLEMS[1]
+    if not math.isfinite(time) or time < 0:
+        return GRANT_ROW_PROBLEMS[1]
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        return GRANT_ROW_PROBLEMS[2]
+    if not isinstance(reason, str):
+        return GRANT_ROW_PROBLEMS[3]
+    return GrantChange(job, float(time), gpus, reason)
 
 
 @dataclass(frozen=True)
@@ -153,7 +220,14 @@ class HistoryMixin(EventsMixin):
         self, job: str | None = None, since: float | None = None, limit: int | None = None
     ) -> list[GrantChange]:
         """Grant changes (of one job, or all) with time >= ``since``, the newest ``limit``
-        (None: all), oldest first. ``trimmed_history`` says what the bound dropped."""
+        (None: all), oldest first. ``trimmed_history`` says what the bound dropped; rows
+        that are not a change (``GRANT_ROW_PROBLEMS``) are left out."""
+        return self.read_grant_history(job, since, limit).changes
+
+    def read_grant_history(
+        self, job: str | None = None, since: float | None = None, limit: int | None = None
+    ) -> GrantHistory:
+        """``grant_history``'s changes, and the count of the rows it left out and why."""
         with self._read() as conn:
             rows = conn.execute(
                 "SELECT job, time, gpus, reason FROM grant_history"
@@ -161,10 +235,7 @@ class HistoryMixin(EventsMixin):
                 " ORDER BY id DESC LIMIT ?",
                 (job, job, since, since, -1 if limit is None else limit),
             ).fetchall()
-        return [
-            GrantChange(row["job"], row["time"], row["gpus"], row["reason"])
-            for row in reversed(rows)
-        ]
+        return checked_grant_changes(tuple(row) for row in reversed(rows))
 
     # the pool's size over time (the report stacks the jobs' GPUs up to it)
 

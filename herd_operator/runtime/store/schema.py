@@ -149,7 +149,8 @@ class SchemaMixin(StoreBase):
                 row[0]
                 for row in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
             }
-        problems = [str(row[0]) for row in rows if row[0] != "ok"]
+        # One line: quick_check's first row holds several problems, a line each.
+        problems = ["; ".join(str(row[0]).splitlines()) for row in rows if row[0] != "ok"]
         if problems:
             raise self._damaged(f"SQLite's {pragma} found: {'; '.join(problems)}")
         elapsed = time.perf_counter() - started
