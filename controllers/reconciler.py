@@ -42,7 +42,7 @@ from herd_operator.controllers.ports import (
 from herd_operator.controllers.running import WORKER_LOST_GRACE_SECONDS, RunningSteps
 from herd_operator.controllers.stopping import StopSteps
 from herd_operator.policies.base import JobObservations, Policy, PolicyError, Signal
-from herd_operator.policies.registry import load_policy
+from herd_operator.policies.registry import load_policy, params_warnings
 from herd_operator.specs import ConditionType, HerdJob, set_condition, spec_fingerprint
 from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS
 from herd_operator.specs.records import JobRecord
@@ -222,6 +222,10 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
             record = self.store.get_job(view.name)
             if record is None or record.fingerprint != fingerprint or record.spec_path != view.path:
                 record = self.store.record_spec(view.name, view.path, view.job, fingerprint, now)
+                # Said once per spec recorded, as `validate` says it: allowed, but not what
+                # the file seems to ask for.
+                for warning in params_warnings(view.job.spec):
+                    self._event(view.name, "Warning", "PolicyParams", warning, now)
             return view.job, "", record, policy
         problem = "; ".join(errors)
         record = self.store.get_job(view.name)

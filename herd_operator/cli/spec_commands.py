@@ -43,10 +43,25 @@ def validate_files(paths: Sequence[Path]) -> tuple[list[SpecFile], list[str]]:
     return files, problems
 
 
+def spec_warnings(files: Sequence[SpecFile]) -> list[str]:
+    """What is allowed but odd in valid spec files (a policy's GPU count outside [min, max]),
+    one line each naming the file and the field; the operator says them as Warning events."""
+    from herd_operator.policies.registry import params_warnings
+
+    return [
+        f"warning: {spec_file.path}: {warning}"
+        for spec_file in files
+        if spec_file.job is not None
+        for warning in params_warnings(spec_file.job.spec)
+    ]
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     files, problems = validate_files(args.files)
     for problem in problems:
         print(problem, file=sys.stderr)
+    for warning in spec_warnings(files):
+        print(warning, file=sys.stderr)
     if problems:
         return EXIT_FAILURE
     for spec_file in files:
@@ -55,8 +70,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from herd_operator.policies.registry import builtin_params_models
+    from herd_operator.policies.registry import builtin_params_models, builtin_summaries
+    from herd_operator.runtime.engines import ENGINES
     from herd_operator.specs import json_schema
 
-    print(json.dumps(json_schema(builtin_params_models()), indent=2))
+    schema = json_schema(
+        builtin_params_models(), policy_summaries=builtin_summaries(), engine_kinds=list(ENGINES)
+    )
+    print(json.dumps(schema, indent=2))
     return EXIT_OK

@@ -573,7 +573,6 @@ def test_events_of_one_job_and_limit(state: Path, capsys: pytest.CaptureFixture[
         (["get", "-o", "csv"], "argument -o/--output: invalid choice: 'csv'"),
         (["get", "-l", "team=a b"], "argument -l/--selector: 'team=a b': 'a b' is not a label"),
         (["get", "-l", "team in (a"], "argument -l/--selector: 'team in (a': '(' without ')'"),
-        (["get", "-l", ""], "argument -l/--selector: empty selector; allowed: key=value"),
         (["logs", "x", "--tail", "-1"], "argument --tail: must not be negative, got -1"),
     ],
 )

@@ -42,6 +42,7 @@ from herd_operator.specs import (
     ConditionStatus,
     ConditionType,
     HerdJob,
+    PolicyRef,
     get_condition,
     is_true,
 )
@@ -513,6 +514,36 @@ def test_a_module_reference_in_a_later_spec_is_refused_and_imports_nothing(
 
 
 # ---- 6: admission ----
+
+
+def test_params_naming_more_gpus_than_max_are_a_warning_event_once_per_spec(
+    world: World,
+) -> None:
+    """Issue 28.5: allowed (the job runs, at max), but said, as `validate` says it."""
+    job = herd_job(gpus=(1, 4))
+    greedy = job.model_copy(
+        update={
+            "spec": job.spec.model_copy(
+                update={
+                    "policy": PolicyRef.model_validate({"name": "static", "params": {"gpus": 8}})
+                }
+            )
+        }
+    )
+    world.specs.put(greedy)
+    world.reconcile("a")
+    world.reconcile("a")
+
+    assert world.launcher.starts == [("a", 1, 4)]
+    warnings = [event for event in world.raw_events("a") if event.reason == "PolicyParams"]
+    assert [(e.type, e.message, e.count) for e in warnings] == [
+        (
+            "Warning",
+            "spec.policy.params.gpus: 8 GPUs is more than spec.gpus.max (4): the job runs on 4"
+            " at most",
+            1,
+        )
+    ]
 
 
 def test_job_whose_min_does_not_fit_is_pending(world: World) -> None:
