@@ -266,7 +266,7 @@ class Allocator:
                 self._held[job] = placement
                 self._grants[job] = Grant(placement, "adopted after an operator restart")
                 self._sink.publish(job, placement)
-                log.info("grant %s: %s (adopted)", job, _describe(placement))
+                log.info("grant %s: %s (adopted)", job, _describe(placement), extra={"job": job})
             self._bindings.restore(bindings, self._held)
             now = self._clock()
             for slot, drain in sorted((draining or {}).items()):
@@ -364,7 +364,7 @@ class Allocator:
         freed = ", ".join(f"{host}:{gpu}" for host, gpu in loss.given_up)
         granted = grant.placement.size
         message = f"world size {world_size} of {granted} granted; GPU(s) {freed} taken back"
-        log.warning("%s: %s", job, message)
+        log.warning("%s: %s", job, message, extra={"job": job})
         self._recorder.event(job, "Warning", "WorkerLost", message)
         # Before the decision: a node the workers vanished with must not get them back.
         self._on_workers_lost(job, frozenset(host for host, _ in grant.placement.hosts))
@@ -375,7 +375,7 @@ class Allocator:
         """Drop the drains that are over; True if any was. Says the overdue ones."""
         over, events = self._drains.finish()
         for job, kind, reason, message in events:
-            log.warning("%s: %s", job, message)
+            log.warning("%s: %s", job, message, extra={"job": job})
             self._recorder.event(job, kind, reason, message)
         return over
 
@@ -421,7 +421,11 @@ class Allocator:
             if placement.size:
                 self._sink.publish(job, placement)
             if log.isEnabledFor(logging.INFO):  # describing 10,000 grants is not free
-                log.info("grant %s: %s (%s)", job, _describe(placement), decided[job].reason)
+                # `job` and `gpus` as fields too, for `run --log-format json`.
+                log.info(
+                    "grant %s: %s (%s)", job, _describe(placement), decided[job].reason,
+                    extra={"job": job, "gpus": placement.size},
+                )  # fmt: skip
         self._bindings.keep_matching(decided)
         self._recorder.changed()  # handed to the store once the lock is released
         for job in changed:
