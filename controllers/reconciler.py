@@ -153,6 +153,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
         if process.launch is not None and process.launch.launch_id != status.launch_id:
             status = self._record_start(name, status, process.launch, now)
         if process.phase == ProcessPhase.EXITED:
+            status = self._with_last_epoch(name, status, process)
             after = self._after_exit(name, job, status, process, generation, now, failures)
             if after is None:  # its nodes are not heard from yet: whose end it is is not known
                 self._save(name, status, generation, now)
@@ -232,9 +233,25 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps):
         if record is None:
             # Never valid: like an object the API server refused, it does not exist.
             self._event(view.name, "Warning", "InvalidSpec", problem, now)
-            log.warning("%s: invalid spec, not started: %s", view.name, problem)
+            log.warning(
+                "%s: invalid spec, not started: %s", view.name, problem, extra={"job": view.name}
+            )
             return None, problem, None, None
         return record.spec, f"{problem} (keeping the last good spec)", record, None
+
+    def _with_last_epoch(
+        self, name: str, status: HerdJobStatus, process: ProcessState
+    ) -> HerdJobStatus:
+        """The epoch the exited launch's workers reported last: a job ends right after its
+        last epoch's report, often before a reconcile took it in (then the finished job
+        showed one epoch fewer than it ran)."""
+        if process.launch is None:
+            return status
+        reports = self.store.reports(name, since=process.launch.started_at, limit=1000)
+        epochs = [report.epoch for report in reports if report.epoch is not None]
+        if not epochs or epochs[-1] == status.epoch:
+            return status
+        return status.model_copy(update={"epoch": epochs[-1]})
 
     def _policy(self, job: HerdJob) -> Policy:
         try:

@@ -12,7 +12,9 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NoReturn, TypeAlias, TypeVar
+
+from herd_operator.cli.views import EXIT_USAGE
 
 _Number = TypeVar("_Number", int, float)
 
@@ -25,8 +27,24 @@ Handler: TypeAlias = Callable[[argparse.Namespace], int]
 STATE_DIR_HELP = "the operator's state directory (default: $HERD_STATE_DIR or ./.herd-state)"
 
 
+class UsageError(Exception):
+    """A command was given arguments it cannot use, found after parsing (the parser finds
+    the rest): `main` prints it as the parser does, and exits with EXIT_USAGE."""
+
+
+def usage_message(message: str, prog: str) -> str:
+    """A usage error as kubectl prints one: the problem on one line, then where help is.
+    No usage dump: the line names the argument, and `--help` is one command away."""
+    first_line = " ".join(message.split())
+    return f"error: {first_line}\nSee '{prog} --help'.\n"
+
+
 class HerdArgumentParser(argparse.ArgumentParser):
-    """An unknown flag is refused with the usage of the command it was given to."""
+    """Usage errors print as kubectl's (`usage_message`), exit 2; an unknown flag is refused
+    naming the command it was given to."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, usage_message(message, self.prog))
 
     def parse_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None

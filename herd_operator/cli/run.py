@@ -13,6 +13,7 @@ from pathlib import Path
 
 from herd_operator.cli.arguments import (
     Subcommands,
+    UsageError,
     add_command,
     gpu_metrics_options,
     non_negative_float,
@@ -22,8 +23,8 @@ from herd_operator.cli.arguments import (
     positive_int,
     state_dir_option,
 )
-from herd_operator.cli.foreground import configure_logging, stop_on_signals
-from herd_operator.cli.views import EXIT_FAILURE, EXIT_USAGE
+from herd_operator.cli.foreground import configure_logging, log_options, stop_on_signals
+from herd_operator.cli.views import EXIT_FAILURE
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB
@@ -73,7 +74,7 @@ def add_commands(commands: Subcommands) -> None:
         "--no-watch", action="store_true", help="no file events, relist only (as on NFS or Lustre)"
     )
     _state_options(run)
-    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    log_options(run)
 
 
 def _pool_options(run: argparse.ArgumentParser) -> None:
@@ -248,7 +249,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from herd_operator.runtime.pools import DEFAULT_VIRTUAL_GPUS, PoolOptions, discover_pool
     from herd_operator.runtime.reach import local_interfaces, own_address, plan_reach
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     virtual_gpus = args.virtual_gpus or DEFAULT_VIRTUAL_GPUS
     try:
         pool = discover_pool(
@@ -266,8 +267,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             own_address=own_address(),
         )
     except ValueError as err:
-        print(f"herd-operator: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(str(err)) from None
     for warning in reach.warnings:
         logging.getLogger("herd_operator").warning("%s", warning)
     config = OperatorConfig(

@@ -72,6 +72,13 @@ def job_object(record: JobRecord) -> dict[str, Any]:
     return shown
 
 
+def epochs_completed(last_epoch: int | None) -> int | None:
+    """How many epochs a job has completed, from the last epoch its workers reported (they
+    count from 0, as Horovod's `state.epoch`): what `get`'s EPOCH, `describe` and the demo's
+    summary show, so they agree. None: none reported (since the last launch)."""
+    return None if last_epoch is None else last_epoch + 1
+
+
 def format_age(seconds: float) -> str:
     seconds = max(0, int(seconds))
     if seconds < 120:

@@ -608,6 +608,22 @@ def test_exit_zero_succeeds_and_releases_the_gpus(world: World) -> None:
     assert world.events("a")[-1] == ("Normal", "Completed", "all workers finished")
 
 
+def test_a_job_that_exits_after_its_last_report_shows_its_last_epoch(world: World) -> None:
+    """Rank 0 reports its last epoch and the job exits before a reconcile ran it: the
+    finished job's status (get's EPOCH, the demo's summary) still counts that epoch."""
+    started(world, herd_job())
+    world.store.add_report("a", 0, 4, 0, {}, T0 + 10.0)
+    world.reconcile("a")
+    assert world.status("a").epoch == 0
+    world.store.add_report("a", 1, 4, 0, {}, T0 + 20.0)
+    world.launcher.exit("a", 0)
+
+    world.reconcile("a")
+
+    assert is_true(world.status("a").conditions, ConditionType.Succeeded)
+    assert world.status("a").epoch == 1
+
+
 def test_succeeded_job_is_not_started_again(world: World) -> None:
     started(world, herd_job())
     world.launcher.exit("a", 0)
