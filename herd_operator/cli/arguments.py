@@ -24,6 +24,10 @@ Subcommands: TypeAlias = "argparse._SubParsersAction[HerdArgumentParser]"
 Handler: TypeAlias = Callable[[argparse.Namespace], int]
 """A command: the parsed arguments in, the exit code out."""
 
+DIRECTORY_COMPLETION = {"bash": "_shtab_compgen_dirs", "zsh": "_files -/"}
+"""shtab's completion of a directory (its `shtab.DIRECTORY`), spelled out so that the CLI
+imports shtab only for `herd-operator completion`."""
+
 STATE_DIR_HELP = "the operator's state directory (default: $HERD_STATE_DIR or ./.herd-state)"
 
 
@@ -75,7 +79,10 @@ def add_command(
 def state_dir_option(parser: argparse.ArgumentParser) -> None:
     # No default here: given before the command (`herd-operator --state-dir X get`) or after
     # it, one value lands in the namespace, and `main` fills in the default when neither did.
-    parser.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS, help=STATE_DIR_HELP)
+    action = parser.add_argument(
+        "--state-dir", type=Path, default=argparse.SUPPRESS, help=STATE_DIR_HELP
+    )
+    action.complete = DIRECTORY_COMPLETION  # type: ignore[attr-defined]
 
 
 def gpu_metrics_options(parser: argparse.ArgumentParser) -> None:

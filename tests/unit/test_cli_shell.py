@@ -248,6 +248,12 @@ def test_bash_completes_commands_flags_and_job_names(
     assert bash_complete(script, ["herd-operator", "de"]) == ["demo", "describe"]
     assert bash_complete(script, ["herd-operator", "get", "--sh"]) == ["--show-labels"]
     assert bash_complete(script, ["herd-operator", "report", "--format", "c"]) == ["csv"]
+    # Directories for --state-dir (a file is not one).
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runfile").write_text("")
+    assert bash_complete(script, ["herd-operator", "get", "--state-dir", f"{tmp_path}/ru"]) == [
+        f"{tmp_path}/runs"
+    ]
     # Job names, from the state dir given on the line.
     words = ["herd-operator", "--state-dir", str(labelled), "describe", ""]
     assert bash_complete(script, words) == ["a", "b", "c"]
