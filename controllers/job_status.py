@@ -104,7 +104,10 @@ class ReconcilerBase:
 
     def _event(self, job: str, type: EventType, reason: str, message: str, now: float) -> None:
         self.store.add_event(job, type, reason, message, now)
-        (log.warning if type == "Warning" else log.info)("%s: %s: %s", job, reason, message)
+        # The event's parts as fields too, for `run --log-format json`.
+        (log.warning if type == "Warning" else log.info)(
+            "%s: %s: %s", job, reason, message, extra={"job": job, "reason": reason}
+        )
 
 
 def not_resizing(

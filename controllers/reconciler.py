@@ -45,7 +45,7 @@ from herd_operator.controllers.ports import (
 from herd_operator.controllers.running import WORKER_LOST_GRACE_SECONDS, RunningSteps
 from herd_operator.controllers.stopping import StopSteps
 from herd_operator.policies.base import JobObservations, Policy, PolicyError, Signal
-from herd_operator.policies.registry import load_policy
+from herd_operator.policies.registry import load_policy, params_warnings
 from herd_operator.specs import ConditionType, HerdJob, set_condition, spec_fingerprint
 from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS
 from herd_operator.specs.records import JobRecord
@@ -156,6 +156,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
         if process.launch is not None and process.launch.launch_id != status.launch_id:
             status = self._record_start(name, status, process.launch, now)
         if process.phase == ProcessPhase.EXITED:
+            status = self._with_last_epoch(name, status, process)
             after = self._after_exit(name, job, status, process, generation, now, failures)
             if after is None:  # its nodes are not heard from yet: whose end it is is not known
                 self._save(name, status, generation, now)
@@ -244,15 +245,35 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
             record = self.store.get_job(view.name)
             if record is None or record.fingerprint != fingerprint or record.spec_path != view.path:
                 record = self.store.record_spec(view.name, view.path, view.job, fingerprint, now)
+                # Said once per spec recorded, as `validate` says it: allowed, but not what
+                # the file seems to ask for.
+                for warning in params_warnings(view.job.spec):
+                    self._event(view.name, "Warning", "PolicyParams", warning, now)
             return view.job, "", record, policy
         problem = "; ".join(errors)
         record = self.store.get_job(view.name)
         if record is None:
             # Never valid: like an object the API server refused, it does not exist.
             self._event(view.name, "Warning", "InvalidSpec", problem, now)
-            log.warning("%s: invalid spec, not started: %s", view.name, problem)
+            log.warning(
+                "%s: invalid spec, not started: %s", view.name, problem, extra={"job": view.name}
+            )
             return None, problem, None, None
         return record.spec, f"{problem} (keeping the last good spec)", record, None
+
+    def _with_last_epoch(
+        self, name: str, status: HerdJobStatus, process: ProcessState
+    ) -> HerdJobStatus:
+        """The epoch the exited launch's workers reported last: a job ends right after its
+        last epoch's report, often before a reconcile took it in (then the finished job
+        showed one epoch fewer than it ran)."""
+        if process.launch is None:
+            return status
+        reports = self.store.reports(name, since=process.launch.started_at, limit=1000)
+        epochs = [report.epoch for report in reports if report.epoch is not None]
+        if not epochs or epochs[-1] == status.epoch:
+            return status
+        return status.model_copy(update={"epoch": epochs[-1]})
 
     def _policy(self, job: HerdJob) -> Policy:
         try:

@@ -46,6 +46,10 @@ class MemoryParams(BaseModel):
     initial: Literal["max", "min"] | int = "max"
     """GPUs to start with: `max`, `min` or a count."""
 
+    def gpu_counts(self) -> list[tuple[str, int]]:
+        """The GPU counts the params name, by field (`step` is a change, not a count)."""
+        return [("initial", self.initial)] if isinstance(self.initial, int) else []
+
     @field_validator("initial", mode="before")
     @classmethod
     def _initial_is_max_min_or_count(cls, value: Any) -> Any:

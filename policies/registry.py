@@ -29,7 +29,7 @@ from herd_operator.policies.goodput import GoodputPolicy
 from herd_operator.policies.memory import MemoryPolicy
 from herd_operator.policies.schedule import SchedulePolicy
 from herd_operator.policies.static import StaticPolicy
-from herd_operator.specs import HerdJob, PolicyRef
+from herd_operator.specs import HerdJob, HerdJobSpec, PolicyRef
 from herd_operator.specs.loading import error_message, format_location
 
 ENTRY_POINT_GROUP = "herd_operator.policies"
@@ -102,6 +102,15 @@ def _installed() -> _Plugins:
 def builtin_params_models() -> dict[str, type[BaseModel]]:
     """Each built-in policy's parameter model, by name (for the spec's JSON Schema)."""
     return {name: cls.Params for name, cls in BUILTIN_POLICIES.items()}
+
+
+def builtin_summaries() -> dict[str, str]:
+    """Each built-in policy's one line (its class docstring's first), by name: the schema's
+    description of `spec.policy.name` lists them, so it names every built-in there is."""
+    return {
+        name: (cls.__doc__ or name).strip().split("\n", 1)[0]
+        for name, cls in BUILTIN_POLICIES.items()
+    }
 
 
 def plugin_names() -> list[str]:
@@ -188,6 +197,33 @@ def load_policy(ref: PolicyRef) -> Policy:
     if ref.name in BUILTIN_POLICIES:  # the built-ins declare it (their tests check)
         return policy
     return _with_observes(policy, ref.name)
+
+
+def params_warnings(spec: HerdJobSpec) -> list[str]:
+    """What is odd but allowed in a valid spec's policy params: a GPU count they name outside
+    the job's [min, max] (`static` with `gpus: 8` and `max: 4` runs on 4, silently). Said by
+    `validate` and, as a Warning event, by the operator when it records the spec.
+
+    A policy's Params tell their counts by a `gpu_counts()` method ((field, count) pairs);
+    one without it (a plug-in's) gets no warnings. Params that do not validate get none
+    either: their errors are said elsewhere."""
+    try:
+        params = find_policy_class(spec.policy.name).Params.model_validate(spec.policy.params)
+        gpu_counts = getattr(params, "gpu_counts", None)
+        counts: list[tuple[str, int]] = list(gpu_counts()) if callable(gpu_counts) else []
+    except (Exception, SystemExit):  # an unknown policy, bad params, a plug-in's own error
+        return []
+    low, high = spec.gpus.min, spec.gpus.max
+    warnings = []
+    for field, count in counts:
+        if count > high:
+            bound = f"more than spec.gpus.max ({high}): the job runs on {high} at most"
+        elif count < low:
+            bound = f"fewer than spec.gpus.min ({low}): the job runs on {low} at least"
+        else:
+            continue
+        warnings.append(f"spec.policy.params.{field}: {count} GPUs is {bound}")
+    return warnings
 
 
 def _params_field(location: tuple[int | str, ...]) -> str:

@@ -58,6 +58,11 @@ class ScheduleParams(BaseModel):
     steps: list[ScheduleStep] = Field(min_length=1)
     """The plan: each step's count holds from its epoch or time on."""
 
+    def gpu_counts(self) -> list[tuple[str, int]]:
+        """The GPU counts the params name, by field."""
+        counts = [] if self.initial is None else [("initial", self.initial)]
+        return counts + [(f"steps[{i}].gpus", step.gpus) for i, step in enumerate(self.steps)]
+
     @field_validator("steps")
     @classmethod
     def _each_kind_increases(cls, steps: list[ScheduleStep]) -> list[ScheduleStep]:

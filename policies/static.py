@@ -17,6 +17,11 @@ class StaticParams(BaseModel):
     gpus: int | None = Field(default=None, ge=1)
     """GPU count to run at, kept within the job's min and max (default: its max)."""
 
+    def gpu_counts(self) -> list[tuple[str, int]]:
+        """The GPU counts the params name, by field (the registry warns of any outside the
+        job's [min, max], which the decisions are clamped to)."""
+        return [] if self.gpus is None else [("gpus", self.gpus)]
+
 
 class StaticPolicy:
     """Always asks for the same count, clamped into the job's [min, max]."""

@@ -18,6 +18,13 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from herd_operator.specs.labels import (
+    LABEL_KEY_MAX_LENGTH,
+    LABEL_KEY_PATTERN,
+    LABEL_NAME_MAX_LENGTH,
+    LABEL_VALUE_PATTERN,
+    label_problem,
+)
 from herd_operator.specs.values import MODULE_NAME_PATTERN
 
 API_VERSION = "herd/v1alpha1"
@@ -135,8 +142,8 @@ class PolicyRef(ApiModel):
         max_length=MAX_REFERENCE_CHARS,
         json_schema_extra={"pattern": POLICY_NAME_PATTERN},
     )
-    """The policy: `static` (a fixed count), `memory` (by GPU memory use), `schedule` (a
-    plan by epoch or time), or the name of an installed plug-in policy."""
+    """The policy: a built-in's name (`herd-operator schema` lists each) or an installed
+    plug-in policy's."""
     # Factories, not shared default objects: pydantic deep-copies an unhashable default on
     # every validation (a third of validating 10,000 specs).
     params: dict[str, Any] = Field(default_factory=dict)
@@ -240,7 +247,7 @@ class EngineRef(ApiModel):
         max_length=DNS_LABEL_MAX_LENGTH,
         json_schema_extra={"pattern": ENGINE_KIND_PATTERN},
     )
-    """The engine: `horovod` (elastic Horovod through `horovodrun`)."""
+    """The engine: one of the runtime's engines (`herd-operator schema` lists them)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """The engine's options; for `horovod`, the same fields as `spec.horovod`."""
 
@@ -484,8 +491,21 @@ class ObjectMeta(ApiModel):
     )
     """The job's name, unique among the spec files: lowercase letters, digits and '-'
     (a DNS-1123 label, at most 63 characters)."""
-    labels: dict[str, str] = Field(default_factory=dict)
-    """Free-form key/value pairs to select and group jobs by."""
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra={
+            "propertyNames": {"pattern": LABEL_KEY_PATTERN, "maxLength": LABEL_KEY_MAX_LENGTH},
+            "additionalProperties": {
+                "type": "string",
+                "pattern": LABEL_VALUE_PATTERN,
+                "maxLength": LABEL_NAME_MAX_LENGTH,
+            },
+        },
+    )
+    """Key/value pairs to select and group jobs by (`get -l team=vision`), in Kubernetes'
+    label syntax: a key is a name of at most 63 letters, digits, '-', '_' and '.' (starting
+    and ending with a letter or digit), optionally after a DNS prefix and '/'
+    (`example.com/team`); a value is empty or such a name."""
 
     @model_validator(mode="before")
     @classmethod
@@ -502,6 +522,16 @@ class ObjectMeta(ApiModel):
         if not is_job_name(name):
             raise ValueError(DNS_LABEL_MESSAGE)
         return name
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_are_selectable(cls, labels: dict[str, str]) -> dict[str, str]:
+        # A label no selector can name (`Team Name`) would be kept and never reachable.
+        for key, value in labels.items():
+            problem = label_problem(key, value)
+            if problem is not None:
+                raise ValueError(problem)
+        return labels
 
 
 class HerdJob(ApiModel):

@@ -7,7 +7,7 @@ given, what `get -o yaml` adds, and each built-in policy's params.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -23,15 +23,31 @@ editors find the schema by the path or URL in the spec's `# yaml-language-server
 $schema=` line, not by its `$id`."""
 
 
-def json_schema(policy_params: Mapping[str, type[BaseModel]] | None = None) -> dict[str, Any]:
+def json_schema(
+    policy_params: Mapping[str, type[BaseModel]] | None = None,
+    *,
+    policy_summaries: Mapping[str, str] | None = None,
+    engine_kinds: Sequence[str] = (),
+) -> dict[str, Any]:
     """JSON Schema of a HerdJob file, for editors (yaml-language-server) and docs.
 
     `policy_params` maps policy names to their parameter models (the policies' registry
     knows them; `specs` does not import policies): `spec.policy.params` is checked against
     the model of the policy `spec.policy.name` names; other names' params stay open.
+    `policy_summaries` (name -> one line) makes the description of `spec.policy.name`; the
+    `engine_kinds` (the runtime's engine registry) are the enum of `spec.engine.kind`. Both
+    come from the registries, so the schema lists what the operator has.
     """
     schema = HerdJob.model_json_schema(by_alias=True)
     defs: dict[str, Any] = schema["$defs"]
+    if engine_kinds:
+        kind = defs["EngineRef"]["properties"]["kind"]
+        kind["enum"] = sorted(engine_kinds)
+        kind["description"] = "The engine: " + ", ".join(f"`{k}`" for k in kind["enum"]) + "."
+    if policy_summaries:
+        defs["PolicyRef"]["properties"]["name"]["description"] = policy_name_description(
+            policy_summaries
+        )
     # The horovod engine's options are described where they are given; an absent `kind`
     # means horovod too (`properties` only constrains what is there).
     defs["EngineRef"].update(
@@ -98,6 +114,19 @@ def json_schema(policy_params: Mapping[str, type[BaseModel]] | None = None) -> d
         **schema,
         "title": f"{KIND} ({API_VERSION})",
     }
+
+
+def policy_name_description(summaries: Mapping[str, str]) -> str:
+    """The description of `spec.policy.name`: every built-in with its one line, then plug-ins."""
+    default = PolicyRef.model_fields["name"].default
+    builtins = [
+        f"`{name}` ({'the default: ' if name == default else ''}{summary.rstrip('.')})"
+        for name, summary in sorted(summaries.items())
+    ]
+    return (
+        f"The policy: a built-in, {', '.join(builtins)}; or the name of an installed plug-in"
+        " policy (docs/policies.md)."
+    )
 
 
 def _unwrap_descriptions(node: object) -> None:

@@ -49,6 +49,7 @@ from herd_operator.bench.training import (
     samples_per_second,
 )
 from herd_operator.cli import main
+from herd_operator.runtime.log_format import log_time
 from herd_operator.specs import load_spec_file
 from herd_operator.specs.values import Demand, Placement, Pool
 
@@ -234,11 +235,11 @@ def test_job_cpu_counts_only_the_processes_that_name_the_marker(tmp_path: Path) 
 def test_grant_seen_is_the_drivers_first_new_grant_after_the_trigger(tmp_path: Path) -> None:
     log = tmp_path / "job.log"
     log.write_text(
-        "1000.500 herd-driver: grant seen: {'localhost': 2}\n"
+        f"{log_time(1000.500)} herd-driver: grant seen: {{'localhost': 2}}\n"
         "[0]<stdout>:epoch 1: world size 2\n"
-        "1010.250 herd-driver: grant seen: {'localhost': 4}\n"
-        "1010.300 herd-driver: starting worker localhost[2] as rank 2 of 4\n"
-        "1020.000 herd-driver: grant seen: {'localhost': 2}\n"
+        f"{log_time(1010.250)} herd-driver: grant seen: {{'localhost': 4}}\n"
+        f"{log_time(1010.300)} herd-driver: starting worker localhost[2] as rank 2 of 4\n"
+        f"{log_time(1020.000)} herd-driver: grant seen: {{'localhost': 2}}\n"
     )
     assert grant_seen(log, 1010.0) == 1010.25
     assert grant_seen(log, 1030.0) is None
@@ -248,10 +249,10 @@ def test_grant_seen_is_the_drivers_first_new_grant_after_the_trigger(tmp_path: P
 def test_a_forked_worker_starts_when_the_driver_logs_its_fork(tmp_path: Path) -> None:
     log = tmp_path / "job.log"
     log.write_text(
-        "1000.100 herd-driver: worker rank 0 forked by the zygote: pid 41\n"
-        "1010.300 herd-driver: starting worker localhost[2] as rank 2 of 4\n"
-        "1010.350 herd-driver: worker rank 3 forked by the zygote: pid 44\n"
-        "1010.420 herd-driver: worker rank 2 forked by the zygote: pid 43\n"
+        f"{log_time(1000.100)} herd-driver: worker rank 0 forked by the zygote: pid 41\n"
+        f"{log_time(1010.300)} herd-driver: starting worker localhost[2] as rank 2 of 4\n"
+        f"{log_time(1010.350)} herd-driver: worker rank 3 forked by the zygote: pid 44\n"
+        f"{log_time(1010.420)} herd-driver: worker rank 2 forked by the zygote: pid 43\n"
     )
     assert first_worker_forked(log, 1010.0) == 1010.35
     assert first_worker_forked(log, 1011.0) is None

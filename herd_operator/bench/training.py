@@ -31,6 +31,7 @@ from herd_operator.bench.harness import (
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.config import OperatorConfig
 from herd_operator.runtime.engines.horovod import horovodrun_executable
+from herd_operator.runtime.log_format import LOG_TIME_PATTERN, parse_log_time
 from herd_operator.runtime.operator import Operator
 from herd_operator.runtime.pools import StaticPool
 from herd_operator.specs.values import Pool
@@ -292,8 +293,10 @@ def first_worker_started(marker: str, after: float) -> float | None:
     return min(found, default=None)
 
 
-GRANT_SEEN = re.compile(r"^(\d+\.\d+) herd-driver: grant seen:", re.MULTILINE)
-WORKER_FORKED = re.compile(r"^(\d+\.\d+) herd-driver: worker rank \d+ forked", re.MULTILINE)
+GRANT_SEEN = re.compile(rf"^({LOG_TIME_PATTERN}) herd-driver: grant seen:", re.MULTILINE)
+WORKER_FORKED = re.compile(
+    rf"^({LOG_TIME_PATTERN}) herd-driver: worker rank \d+ forked", re.MULTILINE
+)
 
 
 def first_worker_forked(driver_log: Path | None, after: float) -> float | None:
@@ -301,7 +304,8 @@ def first_worker_forked(driver_log: Path | None, after: float) -> float | None:
     zygote's command line: `first_worker_started` cannot tell it by its own)."""
     if driver_log is None or not driver_log.exists():
         return None
-    stamps = [float(m) for m in WORKER_FORKED.findall(driver_log.read_text(errors="replace"))]
+    text = driver_log.read_text(errors="replace")
+    stamps = [parse_log_time(m) for m in WORKER_FORKED.findall(text)]
     return min((t for t in stamps if t > after), default=None)
 
 
@@ -309,7 +313,8 @@ def grant_seen(driver_log: Path | None, after: float) -> float | None:
     """When our driver logged that it saw a new grant, after `after` (None: bare run)."""
     if driver_log is None or not driver_log.exists():
         return None
-    stamps = [float(m) for m in GRANT_SEEN.findall(driver_log.read_text(errors="replace"))]
+    text = driver_log.read_text(errors="replace")
+    stamps = [parse_log_time(m) for m in GRANT_SEEN.findall(text)]
     return min((t for t in stamps if t > after), default=None)
 
 

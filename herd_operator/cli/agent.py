@@ -19,7 +19,7 @@ from herd_operator.cli.arguments import (
     positive_int,
     state_dir_option,
 )
-from herd_operator.cli.foreground import configure_logging, stop_on_signals
+from herd_operator.cli.foreground import configure_logging, log_options, stop_on_signals
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from herd_operator.layout import StateLayout
 
@@ -69,9 +69,7 @@ def add_commands(commands: Subcommands) -> None:
         "`herd-operator agent-key`) instead of the state dir's secrets/agent-HOST.token",
     )
     gpu_metrics_options(exporter)
-    exporter.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    log_options(exporter)
 
 
 def cmd_agent_key(args: argparse.Namespace) -> int:
@@ -111,7 +109,7 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     from herd_operator.agent.exporter import run_exporter
     from herd_operator.auth import TokenFileError, parse_key
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     key = None
     if args.key_stdin:
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from herd_operator.cli.arguments import Subcommands, add_command, positive_float, state_dir_option
 from herd_operator.cli.selectors import Selector, SelectorError, parse_selector
-from herd_operator.cli.spec_commands import checked_sources
+from herd_operator.cli.spec_commands import checked_sources, spec_warnings
 from herd_operator.cli.spec_files import (
     Declared,
     SpecsDirError,
@@ -193,6 +193,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     except SpecsDirError as err:
         return _error(str(err))
     documents, problems = checked_sources(args.filename, sys.stdin)
+    for warning in spec_warnings([document.spec_file for document in documents]):
+        print(warning, file=sys.stderr)
     if not problems:
         jobs = [(doc.spec_file.job, doc.text) for doc in documents if doc.spec_file.job]
         try:

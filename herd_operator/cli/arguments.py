@@ -12,7 +12,9 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NoReturn, TypeAlias, TypeVar
+
+from herd_operator.cli.views import EXIT_USAGE
 
 _Number = TypeVar("_Number", int, float)
 
@@ -22,11 +24,31 @@ Subcommands: TypeAlias = "argparse._SubParsersAction[HerdArgumentParser]"
 Handler: TypeAlias = Callable[[argparse.Namespace], int]
 """A command: the parsed arguments in, the exit code out."""
 
+DIRECTORY_COMPLETION = {"bash": "_shtab_compgen_dirs", "zsh": "_files -/"}
+"""shtab's completion of a directory (its `shtab.DIRECTORY`), spelled out so that the CLI
+imports shtab only for `herd-operator completion`."""
+
 STATE_DIR_HELP = "the operator's state directory (default: $HERD_STATE_DIR or ./.herd-state)"
 
 
+class UsageError(Exception):
+    """A command was given arguments it cannot use, found after parsing (the parser finds
+    the rest): `main` prints it as the parser does, and exits with EXIT_USAGE."""
+
+
+def usage_message(message: str, prog: str) -> str:
+    """A usage error as kubectl prints one: the problem on one line, then where help is.
+    No usage dump: the line names the argument, and `--help` is one command away."""
+    first_line = " ".join(message.split())
+    return f"error: {first_line}\nSee '{prog} --help'.\n"
+
+
 class HerdArgumentParser(argparse.ArgumentParser):
-    """An unknown flag is refused with the usage of the command it was given to."""
+    """Usage errors print as kubectl's (`usage_message`), exit 2; an unknown flag is refused
+    naming the command it was given to."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, usage_message(message, self.prog))
 
     def parse_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -57,7 +79,10 @@ def add_command(
 def state_dir_option(parser: argparse.ArgumentParser) -> None:
     # No default here: given before the command (`herd-operator --state-dir X get`) or after
     # it, one value lands in the namespace, and `main` fills in the default when neither did.
-    parser.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS, help=STATE_DIR_HELP)
+    action = parser.add_argument(
+        "--state-dir", type=Path, default=argparse.SUPPRESS, help=STATE_DIR_HELP
+    )
+    action.complete = DIRECTORY_COMPLETION  # type: ignore[attr-defined]
 
 
 def gpu_metrics_options(parser: argparse.ArgumentParser) -> None:

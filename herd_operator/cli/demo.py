@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from herd_operator.cli.views import format_table, job_object
+from herd_operator.cli.views import dash, epochs_completed, format_table, job_object
 from herd_operator.layout import StateLayout, write_atomically
 from herd_operator.runtime.config import OperatorConfig
 from herd_operator.runtime.operator import Operator
@@ -131,7 +131,6 @@ def summary(database: Path, started: float) -> str:
             timeline = " -> ".join(str(gpus) for gpus in history if gpus) or "-"
             if record.name in trimmed:  # the bound dropped its oldest changes
                 timeline = "... -> " + timeline
-            epochs = [r.epoch for r in store.reports(record.name) if r.epoch is not None]
             ran = ""
             if history:
                 first = changes[0].time
@@ -142,7 +141,7 @@ def summary(database: Path, started: float) -> str:
                     obj["status"],
                     str(obj["gpus"]["min"]),
                     str(obj["gpus"]["max"]),
-                    str(max(epochs) + 1 if epochs else 0),
+                    dash(epochs_completed(obj["epoch"])),  # as `get -o wide` shows it
                     timeline,
                     str(obj["restarts"]),
                     ran,

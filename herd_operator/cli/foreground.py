@@ -6,20 +6,34 @@ Apart from the command groups, which each hold one kind of work and share this s
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
 import threading
 from types import FrameType
 
+from herd_operator.runtime.log_format import LOG_FORMATS, LogFormat, log_handler
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
+
+def log_options(parser: argparse.ArgumentParser) -> None:
+    """`--log-level` and `--log-format` of a command that logs until stopped."""
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text (default): '<time> <LEVEL> <logger>: <message>' lines; json: one object per "
+        "line with time (RFC 3339, UTC), level, logger, message and the call's fields, for "
+        "a log shipper. Times are UTC with milliseconds either way",
+    )
+
+
+def configure_logging(level: str, log_format: LogFormat = "text") -> None:
+    """Log lines on stderr, stamped in UTC (herd_operator/runtime/log_format.py)."""
+    logging.basicConfig(level=level, handlers=[log_handler(log_format, sys.stderr)])
 
 
 def stop_on_signals() -> threading.Event:

@@ -1,7 +1,9 @@
 """`herd-operator`: run the operator, and look at what it did.
 
     herd-operator run --specs-dir jobs --hosts localhost:4
-    herd-operator get [NAME] [-o wide|json|yaml|name] [-l SELECTOR] [--no-headers] [-w]
+    herd-operator get [NAME] [-o wide|json|yaml|name] [-l SELECTOR] [--sort-by KEY]
+                      [-L KEY,...] [--show-labels] [--no-headers] [-w]
+    herd-operator report [--format png|svg|pdf|text|json|csv] [--output FILE]
     herd-operator describe NAME
     herd-operator logs NAME [-f] [--tail N]
     herd-operator events [NAME] [-w]
@@ -13,6 +15,7 @@
     herd-operator validate FILE|DIR|-...
     herd-operator schema
     herd-operator demo
+    herd-operator completion bash|zsh
 
 Every command takes the same `--state-dir` (default `$HERD_STATE_DIR`, else
 `./.herd-state`), before the command or after it; the reading commands work while the
@@ -34,6 +37,7 @@ from herd_operator.cli import (
     agent,
     apply,
     bench_commands,
+    completion,
     demo_command,
     reading,
     run,
@@ -46,10 +50,12 @@ from herd_operator.cli.arguments import (
     Handler,
     HerdArgumentParser,
     Subcommands,
+    UsageError,
     state_dir_option,
+    usage_message,
 )
 from herd_operator.cli.report import command as report_command
-from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK
+from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from herd_operator.layout import default_state_dir
 from herd_operator.runtime.store import StoreError
 
@@ -72,6 +78,7 @@ COMMAND_GROUPS: tuple[_CommandGroup, ...] = (
     demo_command,
     bench_commands,
     simulate_commands,
+    completion,
 )
 """In the order `herd-operator --help` lists their commands."""
 
@@ -125,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
+    except UsageError as err:  # found by the command, printed as the parser's own
+        sys.stderr.write(usage_message(str(err), f"herd-operator {args.command}"))
+        return EXIT_USAGE
     except StoreError as err:
         print(f"herd-operator: {err}", file=sys.stderr)
         return EXIT_FAILURE

@@ -17,19 +17,23 @@ from typing import Any
 
 from herd_operator.cli.arguments import (
     Subcommands,
+    UsageError,
     add_command,
     non_negative_int,
     positive_float,
     positive_int,
     state_dir_option,
 )
+from herd_operator.cli.completion import complete_job_names
 from herd_operator.cli.logs import show_log
 from herd_operator.cli.selectors import Selector, SelectorError, parse_selector
+from herd_operator.cli.sorting import SORT_BY_HELP, SortKey, SortKeyError, parse_sort_key, sort_by
 from herd_operator.cli.views import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
     dash,
+    epochs_completed,
     eta_cell,
     format_age,
     format_events,
@@ -44,6 +48,7 @@ from herd_operator.cli.views import (
 )
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Event, Store, UnreadableSpecError
+from herd_operator.specs.labels import LABEL_KEY_RULE, is_label_key
 from herd_operator.specs.records import JobRecord
 
 WATCH_POLL_SECONDS = 0.5
@@ -55,7 +60,9 @@ WATCH_EVENTS_WINDOW = 1000
 def add_commands(commands: Subcommands) -> None:
     get = add_command(commands, "get", cmd_get, help="list jobs (kubectl-like table)")
     state_dir_option(get)
-    get.add_argument("name", nargs="?", help="only this job (-o json|yaml: the one object)")
+    complete_job_names(
+        get.add_argument("name", nargs="?", help="only this job (-o json|yaml: the one object)")
+    )
     get.add_argument(
         "-o",
         "--output",
@@ -69,20 +76,40 @@ def add_commands(commands: Subcommands) -> None:
         "--selector",
         type=_selector,
         help="only jobs whose labels match: key=value, key!=value, key, !key, "
-        "'key in (a,b)', 'key notin (a,b)', joined by commas (all must hold)",
+        "'key in (a,b)', 'key notin (a,b)', joined by commas (all must hold); '' matches every job",
     )
     get.add_argument("--no-headers", action="store_true", help="tables without their header")
+    get.add_argument(
+        "--sort-by",
+        type=_sort_key,
+        metavar="KEY",
+        help=f"list the jobs ordered by KEY (default: by name): {SORT_BY_HELP}",
+    )
+    get.add_argument(
+        "-L",
+        "--label-columns",
+        type=_label_keys,
+        action="extend",
+        metavar="KEY[,KEY]",
+        help="a table column for each of these labels, headed by the key in capitals "
+        "(as kubectl's -L)",
+    )
+    get.add_argument(
+        "--show-labels",
+        action="store_true",
+        help="a LABELS column with each job's labels (key=value, comma-separated)",
+    )
     _watch_options(get, "after the list, print each job that changes (Ctrl-C ends)")
 
     describe = add_command(
         commands, "describe", cmd_describe, help="conditions, placement and events of a job"
     )
     state_dir_option(describe)
-    describe.add_argument("name")
+    complete_job_names(describe.add_argument("name"))
 
     events = add_command(commands, "events", cmd_events, help="list events")
     state_dir_option(events)
-    events.add_argument("name", nargs="?", help="only this job's events")
+    complete_job_names(events.add_argument("name", nargs="?", help="only this job's events"))
     events.add_argument("--limit", type=positive_int, default=100)
     events.add_argument("--no-headers", action="store_true", help="no header line")
     _watch_options(events, "after the list, print each new or repeated event (Ctrl-C ends)")
@@ -91,7 +118,7 @@ def add_commands(commands: Subcommands) -> None:
         commands, "logs", cmd_logs, help="print a job's output (<state-dir>/logs/<job>.log)"
     )
     state_dir_option(logs)
-    logs.add_argument("name", metavar="NAME")
+    complete_job_names(logs.add_argument("name", metavar="NAME"))
     logs.add_argument(
         "-f",
         "--follow",
@@ -127,6 +154,52 @@ def _selector(text: str) -> Selector:
         return parse_selector(text)
     except SelectorError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _sort_key(text: str) -> SortKey:
+    try:
+        return parse_sort_key(text)
+    except SortKeyError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _label_keys(text: str) -> list[str]:
+    keys = [key.strip() for key in text.split(",") if key.strip()]
+    bad = [key for key in keys if not is_label_key(key)]
+    if bad or not keys:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {bad[0]!r} is not a label key ({LABEL_KEY_RULE})"
+            if bad
+            else f"{text!r}: no label keys"
+        )
+    return keys
+
+
+def _label_header(args: argparse.Namespace) -> list[str]:
+    keys = args.label_columns or []
+    return [key.upper() for key in keys] + (["LABELS"] if args.show_labels else [])
+
+
+def _label_cells(record: JobRecord, args: argparse.Namespace) -> list[str]:
+    """The -L columns (a label's value, empty when unset, as kubectl's) and --show-labels'."""
+    labels = _labels(record)
+    cells = [labels.get(key, "") for key in args.label_columns or []]
+    if args.show_labels:
+        shown = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+        cells.append(shown or "<none>")
+    return cells
+
+
+def _sorted(records: Sequence[JobRecord], args: argparse.Namespace) -> list[JobRecord]:
+    if args.sort_by is None:
+        return list(records)
+    layout = StateLayout(args.state_dir)
+    try:
+        return sort_by(
+            records, args.sort_by, lambda r: herdjob_resource(r, layout.log_file(r.name))
+        )
+    except SortKeyError as err:
+        raise UsageError(str(err)) from None
 
 
 def _selected(records: Sequence[JobRecord], selector: Selector | None) -> list[JobRecord]:
@@ -168,7 +241,7 @@ def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
             f"{host}:{'+'.join(map(str, gpu_list))}" for host, gpu_list in obj["placement"].items()
         )
         row += [
-            dash(obj["epoch"]),
+            dash(epochs_completed(obj["epoch"])),
             eta_cell(obj, now),
             str(obj["restarts"]),
             f"{obj['observedGeneration']}/{obj['generation']}",
@@ -199,16 +272,18 @@ def _print_objects(
         return
     wide = args.output == "wide"
     now = time.time()
-    rows = [_table_row(job_object(record), now, wide) for record in records]
+    rows = [
+        _table_row(job_object(record), now, wide) + _label_cells(record, args) for record in records
+    ]
     if header and not args.no_headers:
-        rows.insert(0, _table_header(wide))
+        rows.insert(0, _table_header(wide) + _label_header(args))
     if rows:
         print(format_table(rows), flush=True)
 
 
 def cmd_get(args: argparse.Namespace) -> int:
     with open_store(args.state_dir) as store:
-        records = _selected(store.list_jobs(), args.selector)
+        records = _sorted(_selected(store.list_jobs(), args.selector), args)
         if args.name:
             records = [record for record in records if record.name == args.name]
             if not records:
@@ -231,7 +306,7 @@ def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecor
 
     def fingerprint(record: JobRecord) -> object:
         if args.output in ("table", "wide"):
-            row = _table_row(job_object(record), 0.0, wide)
+            row = _table_row(job_object(record), 0.0, wide) + _label_cells(record, args)
             del row[_AGE]  # AGE grows on its own: not a change of the job
             return row
         return (record.generation, record.status, record.spec_path)
@@ -306,7 +381,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
         f"GPUs:         min {dash(gpus['min'])}, max {dash(gpus['max'])},"
         f" desired {dash(gpus['desired'])}, "
         f"allocated {gpus['allocated']}, active {dash(gpus['active'])}",
-        f"Epoch:        {dash(obj['epoch'])}",
+        f"Epochs done:  {dash(epochs_completed(obj['epoch']))}",
         *_describe_progress(obj, now),
         f"Restarts:     {obj['restarts']}",
         f"Age:          {format_age(now - obj['createdAt'])}",

@@ -14,6 +14,7 @@ from pathlib import Path
 from herd_operator.auth import TokenFileError, TokenProblem
 from herd_operator.cli.arguments import (
     Subcommands,
+    UsageError,
     add_command,
     gpu_metrics_options,
     non_negative_float,
@@ -23,7 +24,7 @@ from herd_operator.cli.arguments import (
     positive_int,
     state_dir_option,
 )
-from herd_operator.cli.foreground import configure_logging, stop_on_signals
+from herd_operator.cli.foreground import configure_logging, log_options, stop_on_signals
 from herd_operator.cli.spec_files import SPECS_DIR_ENV, default_specs_dir
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_USAGE
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
@@ -75,7 +76,7 @@ def add_commands(commands: Subcommands) -> None:
         "--no-watch", action="store_true", help="no file events, relist only (as on NFS or Lustre)"
     )
     _state_options(run)
-    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    log_options(run)
 
 
 def _pool_options(run: argparse.ArgumentParser) -> None:
@@ -250,7 +251,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from herd_operator.runtime.pools import DEFAULT_VIRTUAL_GPUS, PoolOptions, discover_pool
     from herd_operator.runtime.reach import local_interfaces, own_address, plan_reach
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     virtual_gpus = args.virtual_gpus or DEFAULT_VIRTUAL_GPUS
     try:
         pool = discover_pool(
@@ -268,8 +269,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             own_address=own_address(),
         )
     except ValueError as err:
-        print(f"herd-operator: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(str(err)) from None
     for warning in reach.warnings:
         logging.getLogger("herd_operator").warning("%s", warning)
     config = OperatorConfig(

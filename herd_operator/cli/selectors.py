@@ -9,8 +9,10 @@ A selector is requirements joined by commas; a job matches when it meets all of 
     key in (a,b)            the label is set to one of the values
     key notin (a,b)         the label is not set to any of them (or not set)
 
-Keys and values follow Kubernetes' label syntax, so a selector that works here works
-with kubectl too, and a typo is refused with what is allowed instead of matching nothing.
+Keys and values follow Kubernetes' label syntax (herd_operator/specs/labels.py, which the
+spec's labels are checked with too), so a selector that works here works with kubectl too,
+any label a spec has can be selected, and a typo is refused with what is allowed instead
+of matching nothing. An empty selector matches every job.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-_PREFIX = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-KEY_PATTERN = re.compile(rf"({_PREFIX}/)?{_NAME}")
-VALUE_PATTERN = re.compile(rf"({_NAME})?")
+from herd_operator.specs.labels import (
+    LABEL_KEY_RULE,
+    LABEL_VALUE_RULE,
+    is_label_key,
+    is_label_value,
+)
+
 _SET_REQUIREMENT = re.compile(r"(?P<key>[^\s()!=]+)\s+(?P<op>in|notin)\s+\((?P<values>[^()]*)\)")
 SYNTAX_HELP = (
     "allowed: key=value, key==value, key!=value, key, !key, 'key in (a,b)', "
@@ -73,11 +78,11 @@ class Selector:
 
 
 def parse_selector(text: str) -> Selector:
-    """Parse a `-l/--selector` argument; raises `SelectorError` naming the bad part."""
-    requirements = tuple(_parse_requirement(part) for part in _split(text))
-    if not requirements:
-        raise SelectorError(f"empty selector; {SYNTAX_HELP}")
-    return Selector(requirements)
+    """Parse a `-l/--selector` argument; raises `SelectorError` naming the bad part.
+
+    An empty selector (`-l ''`) has no requirement, so it matches every job, as kubectl's
+    does (a script that builds a selector may have nothing to add)."""
+    return Selector(tuple(_parse_requirement(part) for part in _split(text)))
 
 
 def _split(text: str) -> list[str]:
@@ -121,21 +126,17 @@ def _parse_requirement(part: str) -> Requirement:
 
 def _key(key: str, part: str) -> str:
     key = key.strip()
-    prefix = key.split("/", 1)[0] if "/" in key else ""
-    if not KEY_PATTERN.fullmatch(key) or len(prefix) > 253:
+    if not is_label_key(key):
         raise SelectorError(
-            f"{part!r}: {key!r} is not a label key (letters, digits, '-', '_', '.', at most 63, "
-            f"starting and ending with a letter or digit, optionally after a DNS prefix and "
-            f"'/'); {SYNTAX_HELP}"
+            f"{part!r}: {key!r} is not a label key ({LABEL_KEY_RULE}); {SYNTAX_HELP}"
         )
     return key
 
 
 def _value(value: str, part: str) -> str:
     value = value.strip()
-    if not VALUE_PATTERN.fullmatch(value):
+    if not is_label_value(value):
         raise SelectorError(
-            f"{part!r}: {value!r} is not a label value (letters, digits, '-', '_', '.', at most "
-            f"63, starting and ending with a letter or digit, or empty); {SYNTAX_HELP}"
+            f"{part!r}: {value!r} is not a label value ({LABEL_VALUE_RULE}); {SYNTAX_HELP}"
         )
     return value

@@ -19,6 +19,7 @@ from herd_operator.cli.arguments import Subcommands, add_command
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK
 
 if TYPE_CHECKING:
+    from herd_operator.specs.loading import SpecFile
     from herd_operator.specs.sources import SourceDocument
 
 
@@ -59,10 +60,25 @@ def checked_sources(
     return documents, problems
 
 
+def spec_warnings(files: Sequence[SpecFile]) -> list[str]:
+    """What is allowed but odd in valid spec files (a policy's GPU count outside [min, max]),
+    one line each naming the file and the field; the operator says them as Warning events."""
+    from herd_operator.policies.registry import params_warnings
+
+    return [
+        f"warning: {spec_file.path}: {warning}"
+        for spec_file in files
+        if spec_file.job is not None
+        for warning in params_warnings(spec_file.job.spec)
+    ]
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     documents, problems = checked_sources(args.files, sys.stdin)
     for problem in problems:
         print(problem, file=sys.stderr)
+    for warning in spec_warnings([document.spec_file for document in documents]):
+        print(warning, file=sys.stderr)
     if problems:
         return EXIT_FAILURE
     for document in documents:
@@ -71,8 +87,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from herd_operator.policies.registry import builtin_params_models
+    from herd_operator.policies.registry import builtin_params_models, builtin_summaries
+    from herd_operator.runtime.engines import ENGINES
     from herd_operator.specs import json_schema
 
-    print(json.dumps(json_schema(builtin_params_models()), indent=2))
+    schema = json_schema(
+        builtin_params_models(), policy_summaries=builtin_summaries(), engine_kinds=list(ENGINES)
+    )
+    print(json.dumps(schema, indent=2))
     return EXIT_OK

@@ -79,6 +79,13 @@ def job_object(record: JobRecord) -> dict[str, Any]:
     return shown
 
 
+def epochs_completed(last_epoch: int | None) -> int | None:
+    """How many epochs a job has completed, from the last epoch its workers reported (they
+    count from 0, as Horovod's `state.epoch`): what `get`'s EPOCH, `describe` and the demo's
+    summary show, so they agree. None: none reported (since the last launch)."""
+    return None if last_epoch is None else last_epoch + 1
+
+
 def _progress_view(spec: HerdJobSpec | None, status: HerdJobStatus) -> dict[str, Any] | None:
     """Epochs done against the spec's expected epochs, and the estimated end while the job
     runs (None: the spec expects no number of epochs)."""
@@ -89,7 +96,7 @@ def _progress_view(spec: HerdJobSpec | None, status: HerdJobStatus) -> dict[str,
     running = is_true(status.conditions, ConditionType.Running)
     return {
         "epochs": expected,
-        "completed": 0 if status.epoch is None else status.epoch + 1,
+        "completed": epochs_completed(status.epoch) or 0,
         "epochSeconds": progress.epoch_seconds if progress is not None else None,
         "estimatedCompletion": progress.estimated_completion
         if progress is not None and running

@@ -28,6 +28,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import Binding
 from herd_operator.runtime.dispatch import EngineDispatch
 from herd_operator.runtime.launcher import Adopted, Launcher
+from herd_operator.runtime.log_format import log_time
 from herd_operator.runtime.process_table import (
     JobProcess,
     find_orphans,
@@ -78,7 +79,7 @@ def adopt(
     allocator.restore(placements, bound, draining)
     now = time.time()
     for item in running.values():
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(item.info.started_at))
+        since = log_time(item.info.started_at)
         log.info(
             "%s: adopted launch %s (pid %d), running since %s on %d GPU(s)",
             item.job, item.info.launch_id[:8], item.info.pid, since,

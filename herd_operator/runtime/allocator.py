@@ -5,13 +5,13 @@ the resulting placements to a sink (which makes each reach its job: for Horovod,
 its discovery script reads), and tells the controller which jobs' grants changed. Workers
 ask it, over the authenticated RPC (`runtime/handlers.py`), which GPU is theirs.
 
-Its parts: the decision state here (demands, grants, held jobs, freezes, world sizes); the
-GPUs being given back (`drains.DrainTracker`: a GPU is free only when seen free); the
-workers' bindings (`bindings.BindingTracker`); what a decision may not hand out
-(`withheld.py`); and how decisions reach the store (`recording.Recorder`, after the lock).
+Its parts: the decision state here (demands, grants, held jobs, freezes); the GPUs given
+back (`drains.py`: free only when seen free); the workers' bindings (`bindings.py`); world
+sizes (`world_sizes.py`); first launches (`first_launch.py`); what a decision may not hand
+out (`withheld.py`); how decisions reach the store (`recording.py`, after the lock).
 Horovod also shrinks a job on its own when a worker fails: the grant follows
-(`observe_world_size`), with a WorkerLost event, and the policy grows the job back. It
-raises no RPC error: the handlers turn its answers into the protocol's.
+(`observe_world_size`), with a WorkerLost event, and the policy grows the job back. No RPC
+error is raised here: the handlers turn its answers into the protocol's.
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ class Allocator:
                 self._held[job] = placement
                 self._grants[job] = Grant(placement, "adopted after an operator restart")
                 self._sink.publish(job, placement)
-                log.info("grant %s: %s (adopted)", job, placement.describe())
+                log.info("grant %s: %s (adopted)", job, placement.describe(), extra={"job": job})
             self._bindings.restore(bindings, self._held)
             now = self._clock()
             for job in kept:
@@ -372,7 +372,7 @@ class Allocator:
         freed = ", ".join(f"{host}:{gpu}" for host, gpu in loss.given_up)
         granted = grant.placement.size
         message = f"world size {world_size} of {granted} granted; GPU(s) {freed} taken back"
-        log.warning("%s: %s", job, message)
+        log.warning("%s: %s", job, message, extra={"job": job})
         self._recorder.event(job, "Warning", "WorkerLost", message)
         # Before the decision: a node the workers vanished with must not get them back.
         self._on_workers_lost(job, frozenset(host for host, _ in grant.placement.hosts))
@@ -383,7 +383,7 @@ class Allocator:
         """Drop the drains that are over; True if any was. Says the overdue ones."""
         over, events = self._drains.finish()
         for job, kind, reason, message in events:
-            log.warning("%s: %s", job, message)
+            log.warning("%s: %s", job, message, extra={"job": job})
             self._recorder.event(job, kind, reason, message)
         return over
 
@@ -430,7 +430,9 @@ class Allocator:
             if placement.size:
                 self._sink.publish(job, placement)
             if log.isEnabledFor(logging.INFO):  # describing 10,000 grants is not free
-                log.info("grant %s: %s (%s)", job, placement.describe(), decided[job].reason)
+                extra = {"job": job, "gpus": placement.size}  # for --log-format json
+                why = decided[job].reason
+                log.info("grant %s: %s (%s)", job, placement.describe(), why, extra=extra)
         self._bindings.keep_matching(decided)
         self._recorder.changed()  # handed to the store once the lock is released
         for job in changed:
@@ -534,9 +536,8 @@ class Allocator:
     # ---- what the rest of the operator reads ----
 
     def thaw_at(self) -> float | None:
-        """When the next job that resized recently may be resized again (None: none waits).
-
-        The operator's periodic resync requests again after it; a simulation wakes then."""
+        """When the next frozen job may be resized again (None: none waits): the operator's
+        periodic resync requests again after it; a simulation wakes then."""
         with self._lock:
             return self._next_thaw
 

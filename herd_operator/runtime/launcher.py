@@ -45,6 +45,7 @@ from herd_operator.controllers.ports import LaunchInfo, ProcessPhase, ProcessSta
 from herd_operator.environment import LAUNCH_ID_ENV
 from herd_operator.runtime.keeper import read_exit_start
 from herd_operator.runtime.launch_records import LaunchRecord, LaunchRecords, read_record
+from herd_operator.runtime.log_format import log_time
 from herd_operator.runtime.process_table import descendants, marked_processes, same_process
 from herd_operator.specs import HerdJobSpec
 
@@ -178,7 +179,8 @@ class Launcher:
             request.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
         )
         with open(log_fd, "ab") as log_handle:
-            header = f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} launch {launch_id}: "
+            # Stamped as the driver's lines below it are: UTC, ISO 8601, milliseconds.
+            header = f"==== {log_time(time.time())} launch {launch_id}: "
             log_handle.write((header + json.dumps(argv) + "\n").encode())
             log_handle.flush()
             return self._spawn(argv, workdir, env, log_handle)

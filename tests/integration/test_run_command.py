@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -148,3 +149,46 @@ def no_job_left(tmp_path: Path) -> Iterator[None]:
     """Jobs outlive an operator killed here (or a test that failed midway): kill them."""
     yield
     kill_marked_processes(tmp_path / "state")
+
+
+def test_run_with_json_logs_writes_one_object_per_line_and_no_secret(tmp_path: Path) -> None:
+    """Issue 28.4: `run --log-format json`, as a log shipper reads it. A spec that is
+    invalid makes a line with a `job` field; the allocator's token and every key the
+    operator derived (secrets/) appear in no line."""
+    jobs, state = tmp_path / "jobs", tmp_path / "state"
+    jobs.mkdir()
+    (jobs / "broken.yaml").write_text(
+        "apiVersion: herd/v1alpha1\nkind: HerdJob\nmetadata: {name: broken}\nspec: {}\n"
+    )
+    argv = [HERD, "run", "--specs-dir", str(jobs), "--state-dir", str(state),
+            "--hosts", "localhost:2", "--metrics-port", "0", "--log-format", "json"]  # fmt: skip
+    operator = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        assert operator.stderr is not None
+        deadline = time.monotonic() + 120
+        # Bounded: a line a read, until the invalid spec's line or the deadline.
+        while time.monotonic() < deadline and not any("invalid spec" in x for x in lines):
+            line = operator.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+        operator.send_signal(signal.SIGTERM)
+        _, rest = operator.communicate(timeout=60)
+        lines += rest.splitlines(keepends=True)
+    finally:
+        if operator.poll() is None:
+            operator.kill()
+            operator.wait()
+    assert operator.returncode == 0, "".join(lines)
+    shown = [json.loads(line) for line in lines]
+    for line in shown:
+        assert {"time", "level", "logger", "message"} <= line.keys(), line
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["time"])
+    invalid = [line for line in shown if "invalid spec" in line["message"]]
+    assert invalid and invalid[0]["job"] == "broken" and invalid[0]["level"] == "WARNING"
+    secrets = [(state / "allocator.token").read_text().strip()]
+    secrets += [path.read_text().strip() for path in (state / "secrets").iterdir()]
+    assert secrets[0]
+    text = "".join(lines)
+    assert not [secret for secret in secrets if secret and secret in text]

@@ -245,7 +245,8 @@ def test_get_wide_and_one_name(state: Path, capsys: pytest.CaptureFixture[str]) 
     assert code == EXIT_OK
     header, train = out.splitlines()
     assert header.split()[-6:] == ["EPOCH", "ETA", "RESTARTS", "GEN", "POLICY", "PLACEMENT"]
-    assert train.split()[-6:] == ["5", "-", "0", "1/2", "static", "localhost:0+1"]
+    # Epoch 5 (counted from 0) was the last reported: 6 done.
+    assert train.split()[-6:] == ["6", "-", "0", "1/2", "static", "localhost:0+1"]
 
 
 def test_get_missing_name(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -492,7 +493,7 @@ def test_describe_running_job(state: Path, capsys: pytest.CaptureFixture[str]) -
         "Status:       Running",
         "Policy:       static (static: max 4)",
         "GPUs:         min 1, max 4, desired 3, allocated 2, active 2",
-        "Epoch:        5",
+        "Epochs done:  6",
         "Placement:",
         "  localhost -> GPUs 0, 1 (local ranks 0..1)",
         "Last decision: admitted 0 -> 2: min 1 fits",
@@ -574,7 +575,6 @@ def test_events_of_one_job_and_limit(state: Path, capsys: pytest.CaptureFixture[
         (["get", "-o", "csv"], "argument -o/--output: invalid choice: 'csv'"),
         (["get", "-l", "team=a b"], "argument -l/--selector: 'team=a b': 'a b' is not a label"),
         (["get", "-l", "team in (a"], "argument -l/--selector: 'team in (a': '(' without ')'"),
-        (["get", "-l", ""], "argument -l/--selector: empty selector; allowed: key=value"),
         (["logs", "x", "--tail", "-1"], "argument --tail: must not be negative, got -1"),
     ],
 )
@@ -585,14 +585,13 @@ def test_bad_flags_exit_2_with_a_clear_message(
     assert f"error: {message}" in err
 
 
-def test_an_unknown_flag_shows_the_usage_of_its_command(
+def test_an_unknown_flag_says_where_the_help_of_its_command_is(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     err = cli_usage_error(capsys, "get", "--bogus")
-    assert err.startswith("usage: herd-operator get ")
-    assert "error: unrecognized arguments: --bogus" in err
+    assert err == "error: unrecognized arguments: --bogus\nSee 'herd-operator get --help'.\n"
     err = cli_usage_error(capsys, "--bogus", "events")
-    assert err.startswith("usage: herd-operator events ")
+    assert err.endswith("See 'herd-operator events --help'.\n")
 
 
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -608,8 +607,9 @@ def test_run_with_bad_hosts_starts_nothing(
     )
     assert (code, out) == (EXIT_USAGE, "")
     assert err == (
-        "herd-operator: --hosts: 'bad' is not HOSTS:GPUS"
+        "error: --hosts: 'bad' is not HOSTS:GPUS"
         " (for example localhost:4, nid001:4,nid002:4, 'nid[001-004]:4' or nodeA:a100:4)\n"
+        "See 'herd-operator run --help'.\n"
     )
     assert not state.exists()
     assert not specs.exists()

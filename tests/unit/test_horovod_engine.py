@@ -27,6 +27,7 @@ from herd_operator.runtime.engines.horovod import (
     horovodrun_argv,
     host_aliases,
     local_names,
+    local_names_of,
     present,
     relaunch_reason,
 )
@@ -264,6 +265,29 @@ def test_local_names_are_those_horovod_runs_without_ssh() -> None:
     # Another loopback address is not an interface address: Horovod would ssh to it.
     assert "127.0.0.2" not in names
     assert len(set(names)) == len(names)
+
+
+def test_local_names_leave_out_documentation_addresses() -> None:
+    """Issue 28.4: this machine's eth0 is 192.0.2.2 (TEST-NET-1); it showed in the aliases,
+    so in every job's log (`grant seen: {..., '192.0.2.2': 1}`). Only real names and
+    addresses are Horovod's host names; a host name that resolves to such an address is
+    still one (a real name)."""
+    addresses = ["127.0.0.1", "192.0.2.2", "198.51.100.7", "203.0.113.9", "10.0.0.5"]
+    table = {"localhost": "127.0.0.1", "vm": "192.0.2.2"}
+    table.update((address, address) for address in addresses)
+
+    def resolve(name: str) -> str:
+        if name not in table:
+            raise OSError(f"unknown host {name}")
+        return table[name]
+
+    assert local_names_of(addresses, "vm", resolve) == ("localhost", "127.0.0.1", "10.0.0.5", "vm")
+    assert local_names_of(["127.0.0.1"], "ghost", resolve) == ("localhost", "127.0.0.1")
+
+
+def test_this_machines_names_hold_no_documentation_address() -> None:
+    for name in local_names():
+        assert not name.startswith(("192.0.2.", "198.51.100.", "203.0.113.")), local_names()
 
 
 def test_the_engine_shows_a_lone_local_host_under_its_names(

@@ -22,6 +22,7 @@ import pytest
 from herd_operator.controllers.ports import ProcessPhase, ProcessState
 from herd_operator.environment import LAUNCH_ID_ENV
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
+from herd_operator.runtime.log_format import LOG_TIME_PATTERN
 from herd_operator.specs import HerdJobSpec
 
 # Hang guard for waiting on processes; never a performance expectation.
@@ -188,7 +189,8 @@ def test_natural_exit(tmp_path: Path, launcher: Launcher, exits: Exits, code: in
     )
 
     header, marker, *args = request.log_file.read_text().splitlines()
-    match = re.fullmatch(r"==== \S+ launch ([0-9a-f]{32}): (.*)", header)
+    # Stamped as the driver's lines are (ISO 8601 UTC, ms): a job's log reads one way.
+    match = re.fullmatch(rf"==== {LOG_TIME_PATTERN} launch ([0-9a-f]{{32}}): (.*)", header)
     assert match is not None, header
     assert match[1] == info.launch_id
     assert json.loads(match[2]) == argv

@@ -42,6 +42,7 @@ from herd_operator.specs import (
     ConditionStatus,
     ConditionType,
     HerdJob,
+    PolicyRef,
     get_condition,
     is_true,
 )
@@ -515,6 +516,36 @@ def test_a_module_reference_in_a_later_spec_is_refused_and_imports_nothing(
 # ---- 6: admission ----
 
 
+def test_params_naming_more_gpus_than_max_are_a_warning_event_once_per_spec(
+    world: World,
+) -> None:
+    """Issue 28.5: allowed (the job runs, at max), but said, as `validate` says it."""
+    job = herd_job(gpus=(1, 4))
+    greedy = job.model_copy(
+        update={
+            "spec": job.spec.model_copy(
+                update={
+                    "policy": PolicyRef.model_validate({"name": "static", "params": {"gpus": 8}})
+                }
+            )
+        }
+    )
+    world.specs.put(greedy)
+    world.reconcile("a")
+    world.reconcile("a")
+
+    assert world.launcher.starts == [("a", 1, 4)]
+    warnings = [event for event in world.raw_events("a") if event.reason == "PolicyParams"]
+    assert [(e.type, e.message, e.count) for e in warnings] == [
+        (
+            "Warning",
+            "spec.policy.params.gpus: 8 GPUs is more than spec.gpus.max (4): the job runs on 4"
+            " at most",
+            1,
+        )
+    ]
+
+
 def test_job_whose_min_does_not_fit_is_pending(world: World) -> None:
     started(world, herd_job("a", gpus=(2, 2)))
     world.specs.put(herd_job("b", gpus=(3, 3)))
@@ -575,6 +606,22 @@ def test_exit_zero_succeeds_and_releases_the_gpus(world: World) -> None:
     assert world.allocator.grant("a") is None
     assert world.launcher.state("a").phase == ProcessPhase.ABSENT  # forgotten
     assert world.events("a")[-1] == ("Normal", "Completed", "all workers finished")
+
+
+def test_a_job_that_exits_after_its_last_report_shows_its_last_epoch(world: World) -> None:
+    """Rank 0 reports its last epoch and the job exits before a reconcile ran it: the
+    finished job's status (get's EPOCH, the demo's summary) still counts that epoch."""
+    started(world, herd_job())
+    world.store.add_report("a", 0, 4, 0, {}, T0 + 10.0)
+    world.reconcile("a")
+    assert world.status("a").epoch == 0
+    world.store.add_report("a", 1, 4, 0, {}, T0 + 20.0)
+    world.launcher.exit("a", 0)
+
+    world.reconcile("a")
+
+    assert is_true(world.status("a").conditions, ConditionType.Succeeded)
+    assert world.status("a").epoch == 1
 
 
 def test_succeeded_job_is_not_started_again(world: World) -> None:

@@ -66,8 +66,11 @@ def add_job(store: Store, name: str, spec: str, created: float, condition: str, 
 
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Path:
+    return two_jobs(tmp_path / "state")
+
+
+def two_jobs(directory: Path) -> Path:
     """Two jobs: `alpha` (memory policy) shrinks 4->2 and ends; `beta` waits, then runs on 2."""
-    directory = tmp_path / "state"
     memory = "  policy:\n    name: memory\n    params: {low: 0.3, high: 0.8}\n"
     with Store(StateLayout(directory).database) as store:
         add_job(
@@ -502,13 +505,17 @@ def test_unknown_job_exits_2_naming_it(state_dir: Path, capsys: pytest.CaptureFi
     )
     assert (code, out) == (EXIT_USAGE, "")
     assert err == (
-        f"herd-operator: --jobs: no such job in {state_dir}: 'gamma' (jobs there: alpha, beta)\n"
+        f"error: --jobs: no such job in {state_dir}: 'gamma' (jobs there: alpha, beta)\n"
+        "See 'herd-operator report --help'.\n"
     )
 
 
 def test_jobs_without_names_exits_2(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "report", "--state-dir", str(state_dir), "--jobs", " , ")
-    assert (code, err) == (EXIT_USAGE, "herd-operator: --jobs: no job names in ' , '\n")
+    assert (code, err) == (
+        EXIT_USAGE,
+        "error: --jobs: no job names in ' , '\nSee 'herd-operator report --help'.\n",
+    )
 
 
 def test_unwritable_output_exits_1(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from herd_operator.cli.arguments import (
     Subcommands,
+    UsageError,
     add_command,
     bounded,
     positive_float,
@@ -26,7 +27,8 @@ from herd_operator.cli.views import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, open_stor
 if TYPE_CHECKING:
     from herd_operator.cli.report.series import JobSource
 
-TEXT_SUFFIXES = {".txt": "text", ".md": "markdown"}
+TEXT_SUFFIXES = {".txt": "text", ".md": "markdown", ".json": "json", ".csv": "csv"}
+DATA_FORMATS = frozenset({"json", "csv"})
 FIGURE_SUFFIXES = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 FIGURE_FORMATS = frozenset(FIGURE_SUFFIXES.values())
 INSTALL_REPORT_EXTRA = "pip install 'herd-operator[report]'"
@@ -47,13 +49,15 @@ def add_commands(commands: Subcommands) -> None:
         "--output",
         type=Path,
         help="file to write (default: timeline.png, or timeline.svg/.pdf with --format;"
-        " stdout for --format text); its suffix picks the format: .png, .svg, .pdf, or"
-        " .txt/.md for the text summary",
+        " stdout for --format text|json|csv); its suffix picks the format: .png, .svg, .pdf,"
+        " .txt/.md for the text summary, .json or .csv",
     )
     report.add_argument(
         "--format",
-        choices=["png", "svg", "pdf", "text"],
-        help="default: from --output's suffix, else png",
+        choices=["png", "svg", "pdf", "text", "json", "csv"],
+        help="default: from --output's suffix, else png. json: the text summary's numbers as "
+        "one object, units in the field names (docs/observability.md); csv: its job table "
+        "with a header row",
     )
     report.add_argument(
         "--dpi",
@@ -89,9 +93,15 @@ def output_format(requested: str | None, output: Path | None) -> str:
     text_format = TEXT_SUFFIXES.get(suffix)
     figure_format = FIGURE_SUFFIXES.get(suffix)
     if requested == "text":
-        if figure_format is not None:
-            raise ReportError(f"--format text, but --output {output} names a figure", EXIT_USAGE)
+        if figure_format is not None or text_format in DATA_FORMATS:
+            raise ReportError(f"--format text, but --output {output} says otherwise", EXIT_USAGE)
         return text_format or "text"
+    if requested in DATA_FORMATS:
+        if figure_format is not None or text_format not in (None, requested):
+            raise ReportError(
+                f"--format {requested}, but --output {output} says otherwise", EXIT_USAGE
+            )
+        return requested
     if requested is not None:
         if suffix and figure_format != requested:
             raise ReportError(
@@ -104,8 +114,8 @@ def output_format(requested: str | None, output: Path | None) -> str:
         return figure_format
     if suffix:
         raise ReportError(
-            f"cannot tell the format of --output {output}: name it .png, .svg, .pdf, .txt"
-            " or .md, or pass --format",
+            f"cannot tell the format of --output {output}: name it .png, .svg, .pdf, .txt,"
+            " .md, .json or .csv, or pass --format",
             EXIT_USAGE,
         )
     return "png"
@@ -140,6 +150,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     """`herd-operator report`: see the module docstring; returns the exit code."""
     from herd_operator.cli.report.figure import FIGURE_INCHES, draw_timeline, png_size
     from herd_operator.cli.report.series import job_sources, load_run
+    from herd_operator.cli.report.tabular import format_csv, format_json
     from herd_operator.cli.report.text import format_summary
 
     try:
@@ -153,7 +164,10 @@ def cmd_report(args: argparse.Namespace) -> int:
             _progress(f"reading {len(sources)} job{'s' if len(sources) != 1 else ''}...")
             run = load_run(store, args.state_dir, sources, since)
         if kind not in FIGURE_FORMATS:
-            text = format_summary(run, markdown=kind == "markdown")
+            if kind in DATA_FORMATS:
+                text = format_json(run) if kind == "json" else format_csv(run)
+            else:
+                text = format_summary(run, markdown=kind == "markdown")
             if args.output is None:
                 sys.stdout.write(text)
                 return EXIT_OK
@@ -177,6 +191,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             _progress(f"wrote {output} ({kind.upper()}, {inches} in)")
         return EXIT_OK
     except ReportError as err:
+        if err.exit_code == EXIT_USAGE:
+            raise UsageError(str(err)) from None
         print(f"herd-operator: {err}", file=sys.stderr)
         return err.exit_code
     except OSError as err:

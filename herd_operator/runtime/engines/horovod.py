@@ -17,12 +17,13 @@ through the same function.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shlex
 import shutil
 import socket
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -166,16 +167,46 @@ def local_names() -> tuple[str, ...]:
         for address in entries
         if address.family == socket.AF_INET
     ]
-    names = ["localhost", *addresses, socket.gethostname()]
+    return local_names_of(addresses, socket.gethostname(), socket.gethostbyname)
+
+
+DOCUMENTATION_NETWORKS = tuple(
+    ipaddress.IPv4Network(network)
+    for network in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24")
+)
+"""TEST-NET-1, -2 and -3 (RFC 5737): addresses for examples, never on a real network, but
+given to the interfaces of some containers and sandboxes (this project's development VM's
+eth0 is 192.0.2.2)."""
+
+
+def local_names_of(
+    addresses: Sequence[str], hostname: str, resolve: Callable[[str], str]
+) -> tuple[str, ...]:
+    """`local_names` from this machine's IPv4 interface addresses, its host name and a
+    resolver (`socket.gethostbyname`): the names that resolve to one of the addresses.
+
+    An address of a documentation network is left out. The names are Horovod's host names
+    for the job's workers, so they are what a job's log shows (`grant seen: {...}`,
+    `starting worker NAME[0]`): an example address there looks like a host that does not
+    exist. Leaving it out costs one alias of a lone host, which keeps the others."""
+    shown = [a for a in addresses if not _is_documentation_address(a)]
     found: list[str] = []
-    for name in names:
+    for name in ["localhost", *shown, hostname]:
         try:
-            resolved = socket.gethostbyname(name)
+            resolved = resolve(name)
         except OSError:
             continue
         if resolved in addresses and name not in found:
             found.append(name)
     return tuple(found)
+
+
+def _is_documentation_address(address: str) -> bool:
+    try:
+        parsed = ipaddress.IPv4Address(address)
+    except ValueError:
+        return False
+    return any(parsed in network for network in DOCUMENTATION_NETWORKS)
 
 
 def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:

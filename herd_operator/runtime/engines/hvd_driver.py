@@ -74,6 +74,7 @@ from herd_operator.runtime.engines.hvd_grow import (
     observed_rendezvous_handler,
 )
 from herd_operator.runtime.engines.hvd_workers import make_worker_factory, worker_environment
+from herd_operator.runtime.log_format import TextFormatter
 from herd_operator.specs.values import MODULE_NAME_PATTERN
 
 DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
@@ -82,6 +83,9 @@ operator, were started by this name too: it stays the entry point)."""
 MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
 
 log = logging.getLogger("herd.hvd_driver")
+DRIVER_LOG_FORMAT = "%(asctime)s herd-driver: %(message)s"
+"""The driver's own lines in a job's log; the benchmarks read their times back
+(herd_operator/bench/training.py)."""
 
 
 def job_interfaces(settings: ElasticSettings, first_hosts: Sequence[str]) -> Sequence[str]:
@@ -267,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.getLevelName(args.log_level))
     # Ours always: when the driver saw a grant and started a worker (the resize timeline).
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(created).3f herd-driver: %(message)s"))
+    # Stamped as the operator's lines are (a job's log holds both): UTC, ISO 8601, ms.
+    handler.setFormatter(TextFormatter(DRIVER_LOG_FORMAT))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
