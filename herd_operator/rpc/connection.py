@@ -28,6 +28,10 @@ from herd_operator.rpc.protocol import (
     error_body,
 )
 
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+"""recv's flags for a look without a read or a wait (an int: the enum's ``|`` costs more
+than the look)."""
+
 # The package's one logger (operators' filters name it; a logger's filters do not see its
 # children's records).
 logger = logging.getLogger("herd_operator.rpc")
@@ -216,11 +220,14 @@ class Connection(asyncio.Protocol):
         transport = self._transport
         if transport is None or self._closing:
             return False
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.fileno() < 0:
+            return False
         # A socket object over the same descriptor, detached again, to peek without reading:
         # the loop's transport reads for itself and offers no peek.
-        peeker = socket.socket(fileno=transport.get_extra_info("socket").fileno())
+        peeker = socket.socket(fileno=sock.fileno())
         try:
-            return bool(peeker.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+            return bool(peeker.recv(1, _PEEK))
         except OSError:  # nothing yet (BlockingIOError), or the peer is gone
             return False
         finally:

@@ -15,15 +15,16 @@ waits in line, silent, and gets its challenge when a place frees or an idler bec
 enough, first come first served (a newcomer never passes the line), so a burst of workers
 larger than the pool all get in.
 
-Nobody waits longer than ``max_wait`` (2 s): a connection that has waited that long takes
-the oldest place at once, whatever its age (the oldest silent one's; the oldest speaking
-one's if none is silent), and so does the line's first whenever the line outgrows the places
-authenticated connections leave (``max_connections`` bounds the two together). Then the
-pool turns over by arrivals, not by time: each connection keeps its place until
-``max_unauthenticated - 1`` later ones have got theirs, or its handshake deadline, so a
-client that answers within that many arrivals is never dropped, and strangers can neither
-keep workers out nor take their places in ``max_connections``. ``busy`` is left for a
-waiter that finds every place's hello waiting unread (``RpcClient`` retries it).
+Nobody waits longer than ``max_wait`` (the handshake deadline, 5 s): a connection that has
+waited that long takes the oldest place at once, whatever its age (the oldest silent one's;
+the oldest speaking one's if none is silent), and so does the line's first whenever the
+line outgrows the places authenticated connections leave (``max_connections`` bounds the
+two together). The pool then turns over by arrivals, not by time: a silent connection
+keeps its place for ``eviction_age``, or until ``max_unauthenticated - 1`` later ones have
+got theirs (fewer only if older ones are speaking), so a client that answers within that
+many arrivals is never dropped, and strangers can neither keep workers out nor take their
+places in ``max_connections``. ``busy`` is left for a waiter that finds every place's hello
+waiting unread (``RpcClient`` retries it).
 
 Before (issue 27) a waiter was refused as ``busy`` at its handshake deadline (5 s) and went
 back to the end of a line that connections which never answered, reconnecting the moment
@@ -191,24 +192,26 @@ class UnauthenticatedPool:
         self._admit(waiter, now)
 
     def _victim(self, now: float, *, forced: bool) -> Pooled | None:
-        silent = self._oldest_silent()
-        return choose_victim(
-            None if silent is None else (silent, silent.admitted),
-            self._oldest_speaking() if forced else None,
-            now=now,
-            eviction_age=self._eviction_age,
-            forced=forced,
-        )
-
-    def _oldest_silent(self) -> Pooled | None:
-        """The oldest silent member; one found with its hello waiting unread in the kernel
-        is speaking from now on (it is read in this turn of the loop), never dropped."""
-        while self._silent:
-            oldest = next(iter(self._silent))
-            if not oldest.unread():
-                return oldest
-            self.spoke(oldest)
-        return None
+        """``choose_victim`` over the pool; a silent one it picks whose hello waits unread in
+        the kernel is speaking from now on (it is read in this turn of the loop), never
+        dropped, and the choice is made again. Only a pick is peeked at (a system call):
+        every waiting connection looks for an old idler once an eviction age."""
+        while True:
+            silent = next(iter(self._silent), None)
+            victim = choose_victim(
+                None if silent is None else (silent, silent.admitted),
+                self._oldest_speaking() if forced and silent is None else None,
+                now=now,
+                eviction_age=self._eviction_age,
+                forced=forced,
+            )
+            if victim is not silent or victim is None or not victim.unread():
+                return victim
+            self.spoke(victim)
 
     def _oldest_speaking(self) -> Pooled | None:
-        return next((member for member in self._speaking if not member.unread()), None)
+        """The oldest speaking member, unless the rest of its hello waits unread. Only the
+        oldest is looked at: in a burst every hello may wait unread behind the accepts, and
+        a look at each (a system call) for each waiter cost the server 25 s in one burst."""
+        oldest = next(iter(self._speaking), None)
+        return None if oldest is None or oldest.unread() else oldest

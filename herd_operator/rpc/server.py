@@ -69,7 +69,7 @@ class RpcServer:
         max_unauthenticated: int = 256,
         handshake_timeout: float = 5.0,
         eviction_age: float = 1.0,
-        max_wait: float = 2.0,
+        max_wait: float | None = None,
         grouped_ops: Collection[str] = (),
         commit_group: CommitGroup | None = None,
         new_event_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop_event_loop,
@@ -82,10 +82,11 @@ class RpcServer:
         ``max_connections``: authenticated connections, and those that wait in line for a
         place in the pool. ``max_unauthenticated``, ``eviction_age``, ``max_wait``,
         ``handshake_timeout``: the pool of connections in their handshake and its line (see
-        ``pool.py``). ``new_event_loop`` makes the
-        loop the server runs on. ``clock`` (seconds, monotonic) ages the connections in that
-        pool and spaces the log lines of refused handshakes; the loop's timers keep the
-        loop's own clock. ``observer`` hears of each connection's events (a diagnostic).
+        ``pool.py``); ``max_wait`` is the handshake deadline unless a shorter one is given.
+        ``new_event_loop`` makes the loop the server runs on. ``clock`` (seconds, monotonic)
+        ages the connections in that pool and spaces the log lines of refused handshakes;
+        the loop's timers keep the loop's own clock. ``observer`` hears of each
+        connection's events (a diagnostic).
         """
         self._dispatcher = Dispatcher(handlers, grouped_ops, commit_group)
         self._master_token = master_token
@@ -100,7 +101,11 @@ class RpcServer:
             idle_timeout=idle_timeout,
             handshake_timeout=min(handshake_timeout, read_timeout),
             eviction_age=eviction_age,
-            max_wait=min(max_wait, handshake_timeout, read_timeout),
+            max_wait=min(
+                handshake_timeout if max_wait is None else max_wait,
+                handshake_timeout,
+                read_timeout,
+            ),
             max_connections=max_connections,
         )
         self._new_event_loop = new_event_loop
