@@ -66,12 +66,12 @@ def choose_victim(
     """Whose place in a full pool a newcomer takes; None if nobody's.
 
     ``oldest_silent``: the silent member admitted first, with the clock's time it was
-    admitted; ``oldest_speaking``: the speaking member (a hello begun) admitted first; each
-    None if the pool has none. Not ``forced`` (a newcomer, or the line, looking for a place):
-    the oldest silent member once ``eviction_age`` has passed since it was admitted, so a
-    client gets that long to answer. ``forced`` (the line is full: a flood): the oldest
-    silent member whatever its age, else the oldest speaking one, so that whatever holds the
-    pool, the oldest place turns over.
+    admitted; ``oldest_speaking``: the speaking member (a hello begun) that began first;
+    each None if the pool has none. Not ``forced`` (a newcomer, or the line, looking for a
+    place): the oldest silent member once ``eviction_age`` has passed since it was admitted,
+    so a client gets that long to answer. ``forced`` (a waiter at its ``max_wait``, or a line
+    past its room: a flood): the oldest silent member whatever its age, else the oldest
+    speaking one, so that whatever holds the pool, the oldest place turns over.
     """
     if oldest_silent is not None:
         member, admitted = oldest_silent
