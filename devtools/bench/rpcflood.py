@@ -3,8 +3,9 @@
 An attacker on a node can open connections to the allocator's port without knowing the
 token and hold them open, reconnecting whenever the server drops them. The server keeps
 those in a pool of its own (256 by default; a newcomer takes the slot of a silent one
-older than a second, or waits in line for a slot, up to the handshake deadline, and is
-then refused as busy and retried by `RpcClient`), so workers should still get through.
+older than a second, or waits in line for a slot, and after the 5 s handshake deadline
+there takes the oldest slot whatever its age: `herd_operator/rpc/pool.py`), so workers
+should still get through.
 This benchmark measures it: N authenticated clients call the real `bind` and `report`
 handlers for D seconds, first alone (the baseline), then while M unauthenticated
 connections are held open and reopened as soon as the server drops them. Everything runs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -27,6 +28,10 @@ from herd_operator.rpc.protocol import (
     error_body,
 )
 
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+"""recv's flags for a look without a read or a wait (an int: the enum's ``|`` costs more
+than the look)."""
+
 # The package's one logger (operators' filters name it; a logger's filters do not see its
 # children's records).
 logger = logging.getLogger("herd_operator.rpc")
@@ -34,12 +39,14 @@ logger = logging.getLogger("herd_operator.rpc")
 
 @dataclass(frozen=True)
 class Limits:
-    """The server's deadlines (seconds) and its bound on connections."""
+    """The server's deadlines (seconds) and its bound on authenticated connections."""
 
     read_timeout: float
     idle_timeout: float
     handshake_timeout: float
     eviction_age: float
+    max_wait: float
+    """The longest a newcomer waits in line before it takes the oldest place, whatever its age."""
     max_connections: int
 
 
@@ -78,6 +85,9 @@ class Serving:
     clock: Callable[[], float]
     """Ages in the pool (the loop's timers keep the loop's own clock)."""
     connections: set[Connection] = field(default_factory=set)
+    authenticated: int = 0
+    """How many of ``connections`` have authenticated (``max_connections`` bounds these;
+    the others are bounded by the pool and its line)."""
     shutting_down: bool = False
     """Set by the server's stop: a connection accepted from then on is dropped at once."""
 
@@ -137,26 +147,26 @@ class Connection(asyncio.Protocol):
             return
         serving.connections.add(self)
         limits = self._limits
-        if len(serving.connections) > limits.max_connections:
+        if serving.authenticated >= limits.max_connections:
             self._reject(
                 Rejected(
                     "unavailable",
                     "server is busy",
-                    f"at the limit of {limits.max_connections} connections",
+                    f"at the limit of {limits.max_connections} authenticated connections",
                 )
             )
             return
-        if serving.pool.admit(self, self.admitted) is None:
-            self.greet()
-        else:
-            # The pool is full of young handshakes: wait in line (silent, no challenge
-            # yet) for a slot rather than be refused and come back, which in a burst of
-            # thousands of shims costs more than the handshakes themselves.
-            self.waiting = True
-            self._queued_at = self._loop.time()
-            serving.pool.wait_in_line(self)
+        # A place in the pool (greet() sends the challenge), or a wait in line, silent, for
+        # one rather than be refused and come back, which in a burst of thousands of shims
+        # costs more than the handshakes themselves.
+        self.waiting = True
+        self._queued_at = self._loop.time()
+        serving.pool.arrive(
+            self, serving.clock(), line_room=limits.max_connections - serving.authenticated
+        )
+        if self.waiting and not self._closing:
             self._deadline = self._loop.call_later(
-                min(limits.eviction_age, limits.handshake_timeout), self._waited
+                min(limits.eviction_age, limits.max_wait), self._waited
             )
 
     def greet(self) -> None:
@@ -175,31 +185,53 @@ class Connection(asyncio.Protocol):
             self._process()  # it spoke before its challenge: no hello can verify
 
     def _waited(self) -> None:
-        """Another eviction_age in line: take an idler's place if there is one now. After
-        the handshake deadline in line, be refused as busy (RpcClient then tries again)."""
+        """Another eviction_age in line: the line takes the places of idlers old enough now.
+        After max_wait in line, take the oldest place whatever its age."""
         self._deadline = None
         serving = self._serving
         serving.observer.rechecked()
+        serving.pool.recheck(serving.clock())
+        if not self.waiting or self._closing:
+            return  # it got a place
         limits = self._limits
-        remaining = self._queued_at + limits.handshake_timeout - self._loop.time()
-        refusal = serving.pool.admit(self, serving.clock())
-        if refusal is None:
-            serving.pool.leave_line(self)
-            self.greet()
-        elif remaining <= 0:
-            serving.pool.leave_line(self)
-            self._reject(
-                Rejected("busy", "too many connections are authenticating; retry shortly", refusal)
-            )
+        remaining = self._queued_at + limits.max_wait - self._loop.time()
+        if remaining <= 0:
+            serving.pool.expire(self, serving.clock())
         else:
             self._deadline = self._loop.call_later(
                 min(limits.eviction_age, remaining), self._waited
             )
 
     def evict(self) -> None:
-        """Cut off a silent connection whose place in the pool a newcomer took."""
+        """Cut off a connection whose place in the pool a newcomer took."""
         self._serving.observer.evicted()
         self.abort()
+
+    def refuse(self, reason: str) -> None:
+        """Refuse a connection that waited in line as busy (RpcClient tries again)."""
+        self.waiting = False
+        self._reject(
+            Rejected("busy", "too many connections are authenticating; retry shortly", reason)
+        )
+
+    def unread(self) -> bool:
+        """Whether bytes from the peer wait unread in the kernel: a hello that arrived while
+        the loop was busy accepting (it accepts a whole backlog in one turn, then reads)."""
+        transport = self._transport
+        if transport is None or self._closing:
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.fileno() < 0:
+            return False
+        # A socket object over the same descriptor, detached again, to peek without reading:
+        # the loop's transport reads for itself and offers no peek.
+        peeker = socket.socket(fileno=sock.fileno())
+        try:
+            return bool(peeker.recv(1, _PEEK))
+        except OSError:  # nothing yet (BlockingIOError), or the peer is gone
+            return False
+        finally:
+            peeker.detach()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -212,6 +244,7 @@ class Connection(asyncio.Protocol):
             self._process()
             return
         self.speaking = True
+        self._serving.pool.spoke(self)
         self._process()
         if self._identity is None and not self._closing:
             # The rest of the hello gets the handshake's short deadline from its first byte:
@@ -270,6 +303,7 @@ class Connection(asyncio.Protocol):
         client_nonce, label, identity, key = serving.authenticator.check(hello, self._server_nonce)
         serving.observer.authenticated(hello_at - self.admitted)
         self._identity = identity
+        serving.authenticated += 1
         serving.pool.release(self)
         if self._deadline is not None:
             self._deadline.cancel()
@@ -381,6 +415,8 @@ class Connection(asyncio.Protocol):
             self._abort_timer.cancel()
             self._abort_timer = None
         self._serving.connections.discard(self)
+        if self._identity is not None:
+            self._serving.authenticated -= 1
         self._serving.pool.release(self)
         if exc is not None:
             logger.debug("connection from %s ended: %r", self.peer, exc)

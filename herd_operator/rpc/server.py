@@ -32,8 +32,11 @@ _LISTEN_BACKLOG = 4096
 # Open files the server's process needs besides its connections (store, logs, listener).
 _DESCRIPTOR_MARGIN = 256
 DEFAULT_MAX_CONNECTIONS = 16384
-"""Enough for every shim of a 1,792-node x 4-GPU allocation binding at once (7,168), with
-room for the agents and for a flood of strangers; bounded by the open-file limit."""
+"""Authenticated connections and those waiting in line for a place in the pool: enough for
+every shim of a 1,792-node x 4-GPU allocation binding at once (7,168), with room for the
+agents; the pool of connections in their handshake comes on top. Strangers cannot take
+these places from workers: they are a line's at most while no worker needs them (see
+``pool.py``). Bounded by the open-file limit."""
 
 # The package's one logger (operators' filters name it; a logger's filters do not see its
 # children's records).
@@ -66,6 +69,7 @@ class RpcServer:
         max_unauthenticated: int = 256,
         handshake_timeout: float = 5.0,
         eviction_age: float = 1.0,
+        max_wait: float | None = None,
         grouped_ops: Collection[str] = (),
         commit_group: CommitGroup | None = None,
         new_event_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop_event_loop,
@@ -75,11 +79,14 @@ class RpcServer:
         """``grouped_ops``: ops whose requests of one loop turn share one ``commit_group()``
         and are answered after it (see ``dispatch.py``); both or neither.
 
-        ``max_unauthenticated``, ``eviction_age``, ``handshake_timeout``: the pool of
-        connections in their handshake (see ``pool.py``). ``new_event_loop`` makes the
-        loop the server runs on. ``clock`` (seconds, monotonic) ages the connections in that
-        pool and spaces the log lines of refused handshakes; the loop's timers keep the
-        loop's own clock. ``observer`` hears of each connection's events (a diagnostic).
+        ``max_connections``: authenticated connections, and those that wait in line for a
+        place in the pool. ``max_unauthenticated``, ``eviction_age``, ``max_wait``,
+        ``handshake_timeout``: the pool of connections in their handshake and its line (see
+        ``pool.py``); ``max_wait`` is the handshake deadline unless a shorter one is given.
+        ``new_event_loop`` makes the loop the server runs on. ``clock`` (seconds, monotonic)
+        ages the connections in that pool and spaces the log lines of refused handshakes;
+        the loop's timers keep the loop's own clock. ``observer`` hears of each
+        connection's events (a diagnostic).
         """
         self._dispatcher = Dispatcher(handlers, grouped_ops, commit_group)
         self._master_token = master_token
@@ -94,6 +101,11 @@ class RpcServer:
             idle_timeout=idle_timeout,
             handshake_timeout=min(handshake_timeout, read_timeout),
             eviction_age=eviction_age,
+            max_wait=min(
+                handshake_timeout if max_wait is None else max_wait,
+                handshake_timeout,
+                read_timeout,
+            ),
             max_connections=max_connections,
         )
         self._new_event_loop = new_event_loop
@@ -157,7 +169,7 @@ class RpcServer:
 
     def _fit_descriptors(self) -> None:
         max_connections = self._limits.max_connections
-        wanted = max_connections + _DESCRIPTOR_MARGIN
+        wanted = max_connections + self._max_unauthenticated + _DESCRIPTOR_MARGIN
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY or soft >= wanted:
             return
@@ -166,7 +178,7 @@ class RpcServer:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             logger.info("raised the open-file soft limit from %d to %d", soft, target)
         if target < wanted:
-            allowed = max(self._max_unauthenticated, target - _DESCRIPTOR_MARGIN)
+            allowed = max(1, target - _DESCRIPTOR_MARGIN - self._max_unauthenticated)
             logger.warning(
                 "the open-file hard limit %d allows %d connections, not %d",
                 hard,
