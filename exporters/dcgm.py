@@ -335,7 +335,10 @@ class JobMappingWriter:
         line = None if job is None else job.encode()
         path = self.directory / str(gpu)
         current = _read_lines(path)
-        lines = _without(current or [], ours) + ([] if line is None else [line])
+        others = _without(current or [], ours)
+        # A line already there with the job's name is taken as herd's: a second copy would
+        # make dcgm-exporter render every series of the GPU twice, labels and all.
+        lines = others if line is None or line in others else [*others, line]
         if (current is None and not lines) or current == lines:
             self._set_ours(gpu, [] if line is None else [line])
             return

@@ -466,6 +466,20 @@ def test_a_writer_started_again_takes_out_the_lines_of_jobs_that_ended_meanwhile
     assert labelled(tmp_path) == {"0": ["4567890"], "1": ["still"]}
 
 
+def test_a_line_with_the_jobs_name_already_there_is_not_written_twice(tmp_path: Path) -> None:
+    """Its ledger lost (or never written: a crash between the file and the ledger), herd
+    finds its job's line in the file: a second copy would give dcgm-exporter two series
+    with the same labels, whose second sample Prometheus drops as a duplicate."""
+    (tmp_path / "0").write_text("4567890\nresnet\n")
+    owners: dict[int, str] = {0: "resnet"}
+    writer = JobMappingWriter(tmp_path, lambda: owners)
+    writer.write()
+    assert labelled(tmp_path) == {"0": ["4567890", "resnet"]}
+    owners = {}
+    writer.write()
+    assert labelled(tmp_path) == {"0": ["4567890"]}
+
+
 def test_a_scrape_between_listing_and_reading_finds_every_file_it_listed(
     dcgm_exporter: FakeDcgmExporter, tmp_path: Path
 ) -> None:
