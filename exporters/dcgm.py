@@ -196,22 +196,28 @@ def physical_gpu_ids(environ: Mapping[str, str]) -> tuple[tuple[int, ...] | None
     - `SLURM_JOB_GPUS`: the batch script's (or `salloc` shell's) node, so only outside a
       step (no `SLURM_STEP_ID`): a step started without GPUs keeps the batch node's value,
       which names another node's GPUs;
-    - `CUDA_VISIBLE_DEVICES` when it lists ids (not UUIDs): the GPUs this process was
-      given outside Slurm.
+    - `CUDA_VISIBLE_DEVICES` when it lists ids (not UUIDs), outside Slurm only: the GPUs
+      this process was given. Inside a Slurm job it counts from 0 in a device cgroup, and
+      a step may have inherited the batch node's.
 
     ValueError, naming the variable, for a Slurm variable that is not a list of ids.
     """
+    in_slurm = bool(environ.get("SLURM_JOB_ID", "").strip())
     in_step = bool(environ.get("SLURM_STEP_ID", "").strip())
     for variable in GPU_ID_VARIABLES:
         text = environ.get(variable, "").strip()
-        if not text or (variable == "SLURM_JOB_GPUS" and in_step):
+        if (
+            not text
+            or (variable == "SLURM_JOB_GPUS" and in_step)
+            or (variable == "CUDA_VISIBLE_DEVICES" and in_slurm)
+        ):
             continue
         entries = [entry.strip() for entry in text.split(",")]
         if all(entry.isascii() and entry.isdigit() for entry in entries):
             return tuple(int(entry) for entry in entries), f"{variable}={text}"
         if variable.startswith("SLURM_"):
             raise ValueError(f"{variable}={text!r}: expected GPU ids separated by commas")
-    return None, "no Slurm GPU ids or numeric CUDA_VISIBLE_DEVICES: slot i is GPU i"
+    return None, "no GPU ids from Slurm, nor a numeric CUDA_VISIBLE_DEVICES: slot i is GPU i"
 
 
 def slot_gpu_ids(slots: Iterable[int], gpu_ids: Sequence[int]) -> dict[int, int]:

@@ -535,17 +535,22 @@ def test_scrapes_during_writes_see_whole_files_and_never_fail(tmp_path: Path) ->
     assert temporary_files(tmp_path) == []
 
 
+STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "4"}
+"""An `srun` step of job 7 (the agents' steps)."""
+
+
 @pytest.mark.parametrize(
     ("environ", "expected"),
     [
-        ({"SLURM_JOB_GPUS": "2,3"}, (2, 3)),
+        ({"SLURM_JOB_ID": "7", "SLURM_JOB_GPUS": "2,3"}, (2, 3)),
         ({"CUDA_VISIBLE_DEVICES": "2,3"}, (2, 3)),
         # The step's own node's GPUs come first; the batch node's are not this node's.
-        ({"SLURM_STEP_GPUS": "1", "SLURM_JOB_GPUS": "2,3", "SLURM_STEP_ID": "4"}, (1,)),
-        ({"SLURM_JOB_GPUS": "2,3", "SLURM_STEP_ID": "4"}, None),
-        ({"SLURM_JOB_GPUS": "2,3", "SLURM_STEP_ID": "4", "CUDA_VISIBLE_DEVICES": "0"}, (0,)),
-        # Slurm's ids are the node's; CUDA_VISIBLE_DEVICES counts from 0 in a device cgroup.
-        ({"SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}, (2, 3)),
+        ({**STEP, "SLURM_STEP_GPUS": "1", "SLURM_JOB_GPUS": "2,3"}, (1,)),
+        ({**STEP, "SLURM_JOB_GPUS": "2,3"}, None),
+        # Inside Slurm, CUDA_VISIBLE_DEVICES counts from 0 in a device cgroup, or is the
+        # batch node's, inherited: Slurm's ids are the node's.
+        ({**STEP, "SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}, None),
+        ({"SLURM_JOB_ID": "7", "SLURM_JOB_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}, (2, 3)),
         ({"CUDA_VISIBLE_DEVICES": "GPU-5f1c0000-aaaa-bbbb-cccc-0123456789ab"}, None),
         ({"CUDA_VISIBLE_DEVICES": ""}, None),
         ({}, None),
