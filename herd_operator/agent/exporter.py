@@ -444,6 +444,7 @@ def run_exporter(
     view = AllocatorView(StateLayout(state_dir), host, key)
     try:
         source, virtual, gpus = _gpu_source(host, view, virtual_gpus, virtual_gpu_memory, environ)
+        gpu_ids, said = physical_gpu_ids(environ) if dcgm_job_mapping_dir else (None, "")
     except ValueError as err:
         log.error("%s", err)
         return 2
@@ -462,11 +463,6 @@ def run_exporter(
     mapping: JobMappingLoop | None = None
     heard_slots = HeardSlots()
     if dcgm_job_mapping_dir is not None:
-        try:
-            gpu_ids, said = physical_gpu_ids(environ)
-        except ValueError as err:
-            log.error("%s", err)
-            return 2
         writer = JobMappingWriter(dcgm_job_mapping_dir, view.gpu_owners, gpu_ids, heard_slots)
         mapping = JobMappingLoop(writer)
         mapping.start()

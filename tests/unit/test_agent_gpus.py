@@ -302,3 +302,27 @@ def test_the_agent_with_a_bad_slurm_count_stops_naming_it(
     assert "SLURM_GPUS_ON_NODE='two'" in caplog.text
     # --virtual-gpus needs no Slurm count: the variable is not read.
     assert run_agent(monkeypatch, tmp_path, [{}], {"SLURM_GPUS_ON_NODE": "two"}, 3) == [3]
+
+
+def test_the_agent_names_dcgm_files_by_the_steps_gpus_and_stops_on_a_bad_list(
+    no_nvml: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_GPUS_ON_NODE": "2"}
+    stop = threading.Event()
+    stop.set()
+    code = exporter.run_exporter(
+        tmp_path, "h2", "127.0.0.1", 0, None, 1 << 30, stop,
+        dcgm_job_mapping_dir=tmp_path / "map", environ={**step, "SLURM_STEP_GPUS": "gpu:2"},
+    )  # fmt: skip
+    assert code == 2
+    assert "SLURM_STEP_GPUS='gpu:2': expected GPU ids" in caplog.text
+    with caplog.at_level(logging.INFO, logger="herd_operator.agent.exporter"):
+        code = exporter.run_exporter(
+            tmp_path, "h2", "127.0.0.1", 0, None, 1 << 30, stop,
+            dcgm_job_mapping_dir=tmp_path / "map", environ={**step, "SLURM_STEP_GPUS": "2,3"},
+        )  # fmt: skip
+    assert code == 0
+    assert f"job mapping files in {tmp_path / 'map'} (SLURM_STEP_GPUS=2,3)" in caplog.text
