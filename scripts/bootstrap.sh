@@ -3,13 +3,15 @@
 #
 #   - torch 2.13.0 CPU build (pinned first: an unpinned torch pulls a CUDA build of several GB)
 #   - Horovod 0.28.1, patched for C++17 and built once into a wheel cache
-#     (scripts/build-horovod.sh; about 5 minutes on 2 cores, then instant)
+#     (herd_operator/horovod_build/build-horovod.sh; about 5 minutes on 2 cores, then
+#     instant): with NCCL where nvcc is found and torch is a CUDA build, else CPU (Gloo)
 #   - this project, editable, with its train and dev extras
 #
 # Idempotent: a second run only checks a stamp. Environment:
 #   PYTHON            interpreter to build the venv from (default: python3; needs >= 3.11)
 #   HERD_VENV         venv location (default: ./.venv)
 #   HERD_WHEEL_CACHE  where the Horovod wheel is cached (default: ~/.cache/herd-operator/wheels)
+#   HERD_HOROVOD_GPU  auto (default), nccl or cpu: the Horovod build (build-horovod.sh says how)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -49,7 +51,9 @@ if ((${#missing[@]})); then
   fi
 fi
 
-stamp_inputs=("$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$root/scripts/build-horovod.sh")
+build_horovod=$root/herd_operator/horovod_build/build-horovod.sh
+stamp_inputs=("$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$build_horovod"
+  "$root/herd_operator/horovod_build/horovod-0.28.1.patch")
 stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
 if [[ -f $venv/.herd-bootstrap && $(cat "$venv/.herd-bootstrap") == "$stamp" ]]; then
   exit 0
@@ -77,7 +81,7 @@ if ! command -v g++ >/dev/null; then
   apt-get install -y -q build-essential >/dev/null
 fi
 
-wheel=$("$root/scripts/build-horovod.sh" "$venv/bin/python")
+wheel=$("$build_horovod" "$venv/bin/python")
 say "installing $(basename "$wheel")"
 "${pip[@]}" install -q --no-deps --force-reinstall "$wheel"
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 from pathlib import Path
 
@@ -112,6 +113,14 @@ def test_the_demo_finds_its_examples_in_a_non_editable_install(tmp_path: Path) -
     shipped = [line.partition(",")[0] for line in record.read_text().splitlines()]
     assert [path for path in shipped if "devtools" in path] == []
     assert "herd_operator/bench/suite.py" in shipped
+    # The Horovod build (README: Installing the package): its script, its patch and its
+    # console script, so that a pip install can build the wheel the train extra needs.
+    assert "herd_operator/horovod_build/build-horovod.sh" in shipped
+    assert "herd_operator/horovod_build/horovod-0.28.1.patch" in shipped
+    (entry_points,) = target.glob("*.dist-info/entry_points.txt")
+    assert "herd-operator-build-horovod = herd_operator.horovod_build:main" in (
+        entry_points.read_text()
+    )
     # Where users run `herd-operator run --specs-dir specs`: a folder of theirs named specs.
     (tmp_path / "specs").mkdir()
     (tmp_path / "specs" / "__init__.py").write_text("raise ImportError('the user folder')\n")
@@ -160,3 +169,58 @@ def test_the_demo_says_what_is_missing_when_the_examples_are_gone(
     assert "the example jobs are missing from this installation" in err
     assert str(tmp_path / "no-checkout") in err
     assert not (tmp_path / "demo").exists()  # nothing made before the check
+
+
+BUILD_CHOICE = """
+import sys
+from herd_operator import horovod_build
+print(horovod_build.BUILD_SCRIPT, flush=True)
+sys.exit(horovod_build.main([]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_sdist_and_the_installed_package_carry_the_horovod_build(tmp_path: Path) -> None:
+    """`pip install 'herd-operator[train]'` cannot build Horovod 0.28.1 as released: the
+    sdist carries the script and the patch that build it, and, installed from a wheel,
+    the console script's entry runs the installed script (a dry run: the choice only)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in DISTRIBUTED:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=CACHES)
+        else:
+            shutil.copy2(REPO / name, source / name)
+    make_sdist = "from setuptools import build_meta; print(build_meta.build_sdist('dist'))"
+    sdist = subprocess.run(
+        [sys.executable, "-c", make_sdist],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert sdist.returncode == 0, sdist.stderr[-3000:]
+    with tarfile.open(source / "dist" / sdist.stdout.split()[-1]) as archive:
+        names = {name.partition("/")[2] for name in archive.getnames()}
+    assert "herd_operator/horovod_build/build-horovod.sh" in names
+    assert "herd_operator/horovod_build/horovod-0.28.1.patch" in names
+
+    target = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+         "--no-build-isolation", "--target", str(target), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(target), "HERD_HOROVOD_DRY_RUN": "1"}
+    chosen = subprocess.run(
+        [sys.executable, "-c", BUILD_CHOICE], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    script, choice, *build_env = chosen.stdout.splitlines()
+    assert Path(script) == target / "herd_operator" / "horovod_build" / "build-horovod.sh"
+    assert choice.startswith("flavour=")
+    assert "HOROVOD_WITH_PYTORCH=1" in build_env

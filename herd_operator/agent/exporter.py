@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from herd_operator.auth import TokenFileError, agent_identity, read_token_file
 from herd_operator.exporters.collector import GpuCollector
-from herd_operator.exporters.dcgm import JobMappingLoop, JobMappingWriter
+from herd_operator.exporters.dcgm import JobMappingLoop, JobMappingWriter, physical_gpu_ids
 from herd_operator.exporters.gpu import GpuSource, VirtualGpuSource
 from herd_operator.exporters.http import serve_metrics
 from herd_operator.exporters.nvml import NvmlGpuSource, check_no_unseen_gpus, nvml_gpu_count
@@ -145,6 +145,30 @@ def pool_gpus(reply: Mapping[str, Any]) -> int | None:
     if isinstance(gpus, int) and not isinstance(gpus, bool) and 0 <= gpus <= MAX_POOL_GPUS:
         return gpus
     return None
+
+
+def pool_indices(reply: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The numbers of this host's GPUs in the operator's pool (its slots here), from its
+    answer to a registration; None from an operator that does not say (older ones) or
+    says something else."""
+    indices = reply.get("indices")
+    if not isinstance(indices, list) or len(indices) > MAX_POOL_GPUS:
+        return None
+    for index in indices:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < MAX_POOL_GPUS:
+            return None
+    return tuple(indices)
+
+
+class HeardSlots:
+    """The pool's slots on this host as the operator's last answer said them (None before
+    one): which GPU each job's slot is, for dcgm-exporter's files."""
+
+    def __init__(self) -> None:
+        self.slots: tuple[int, ...] | None = None
+
+    def __call__(self) -> tuple[int, ...] | None:
+        return self.slots
 
 
 class ServedGpus:
@@ -420,6 +444,7 @@ def run_exporter(
     view = AllocatorView(StateLayout(state_dir), host, key)
     try:
         source, virtual, gpus = _gpu_source(host, view, virtual_gpus, virtual_gpu_memory, environ)
+        gpu_ids, said = physical_gpu_ids(environ) if dcgm_job_mapping_dir else (None, "")
     except ValueError as err:
         log.error("%s", err)
         return 2
@@ -436,16 +461,19 @@ def run_exporter(
         host, _shown(gpus.current, virtual is not None), shown, bound, chosen.reason,
     )  # fmt: skip
     mapping: JobMappingLoop | None = None
+    heard_slots = HeardSlots()
     if dcgm_job_mapping_dir is not None:
-        mapping = JobMappingLoop(JobMappingWriter(dcgm_job_mapping_dir, view.gpu_owners))
+        writer = JobMappingWriter(dcgm_job_mapping_dir, view.gpu_owners, gpu_ids, heard_slots)
+        mapping = JobMappingLoop(writer)
         mapping.start()
-        log.info("writing dcgm-exporter's job mapping files in %s", dcgm_job_mapping_dir)
+        log.info("writing dcgm-exporter's job mapping files in %s (%s)", dcgm_job_mapping_dir, said)
     registered = False
     try:
         while not stop.is_set():
             reply = view.register(bound)
             if reply is not None:
                 _heard(host, reply, registered, gpus, virtual)
+                heard_slots.slots = pool_indices(reply)
             registered = reply is not None
             stop.wait(REGISTER_EVERY_SECONDS if registered else RETRY_REGISTER_SECONDS)
     finally:

@@ -319,7 +319,8 @@ def _exporter_address(args: dict[str, Any]) -> str:
 
 class ExporterRegistry:
     """`register_exporter`: node exporters say where they serve (answered, given the pool,
-    with `{"gpus": N}`, the GPUs the pool has on the exporter's host: 0 outside it).
+    with `{"gpus": N, "indices": [...]}`, the GPUs the pool has on the exporter's host and
+    their numbers there: 0 and [] outside it).
 
     Kept as Prometheus file_sd targets (with the operator's own endpoint) and as the
     URLs the usage observer scrapes when the pool spans several hosts. An exporter that
@@ -377,7 +378,7 @@ class ExporterRegistry:
         if self._pool is None:
             return {}
         gpus = dict(self._pool().hosts).get(host_arg(args, "host"), ())
-        return {"gpus": len(gpus)}
+        return {"gpus": len(gpus), "indices": list(gpus)}
 
     def unregister(self, args: dict[str, Any]) -> dict[str, Any]:
         """`unregister_exporter`: an exporter that stops says so, and leaves the targets now

@@ -240,7 +240,11 @@ def with_known_references(spec_file: SpecFile) -> SpecFile:
 
 
 class DirectoryWatcher:
-    """Wakes the relist loop on file events (watchdog) and every `relist_seconds` regardless."""
+    """Wakes the relist loop on file events (watchdog) and every `relist_seconds` regardless.
+
+    No file events for a directory on a network file system (runtime/mounts.py): inotify
+    sees only this node's writes there, and a spec written from a login node would wait
+    for the relist anyway."""
 
     def __init__(
         self,
@@ -250,11 +254,15 @@ class DirectoryWatcher:
         relist_seconds: float = 10.0,
         use_events: bool = True,
         health: LoopHealth | None = None,
+        mountinfo: Path | None = None,
     ) -> None:
         self.specs = specs
         self.on_changed = on_changed
         self.relist_seconds = relist_seconds
         self.use_events = use_events
+        self.mountinfo = mountinfo
+        """The mount table that says whether the directory is on a network file system
+        (None: this process's, /proc/self/mountinfo)."""
         self._loop = Periodic(
             "spec-relist",
             self._relist,
@@ -275,6 +283,18 @@ class DirectoryWatcher:
         self._loop.start()
 
     def _start_observer(self) -> None:
+        from herd_operator.runtime.mounts import MOUNTINFO, network_filesystem
+
+        shared = network_filesystem(self.specs.directory, self.mountinfo or MOUNTINFO)
+        if shared is not None:  # inotify would report this node's writes only
+            log.info(
+                "%s is on %s, where a file written on another node makes no event here: "
+                "relisting every %.0fs instead (--relist-seconds)",
+                self.specs.directory,
+                shared,
+                self.relist_seconds,
+            )
+            return
         from watchdog.events import FileSystemEvent, FileSystemEventHandler
         from watchdog.observers import Observer
 

@@ -13,7 +13,9 @@ and the sources are imported only when chosen: most runs use none of them.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -25,7 +27,7 @@ from herd_operator.exporters.nvml import NvmlGpuSource
 from herd_operator.lifecycle import LoopHealth
 from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.config import OperatorConfig
+from herd_operator.runtime.config import OperatorConfig, OperatorError
 from herd_operator.runtime.handlers import ExporterRegistry
 from herd_operator.runtime.metrics import StateCollector
 from herd_operator.runtime.store import Store
@@ -84,10 +86,14 @@ def observed_gpus(
 
 
 def job_mapping(
-    config: OperatorConfig, allocator: Allocator, health: LoopHealth | None = None
+    config: OperatorConfig,
+    allocator: Allocator,
+    health: LoopHealth | None = None,
+    environ: Mapping[str, str] = os.environ,
 ) -> JobMappingLoop | None:
-    """dcgm-exporter's job mapping files for this host's GPUs, when asked for. The loop
-    leaves its files on stop: the operator clears them unless its jobs run on."""
+    """dcgm-exporter's job mapping files for this host's GPUs, when asked for, named by
+    their physical ids (`physical_gpu_ids` of `environ`). The loop leaves its lines on
+    stop: the operator takes them out unless its jobs run on."""
     directory = config.dcgm_job_mapping_dir
     hosts = config.pool.pool.hosts
     if directory is None:
@@ -109,9 +115,19 @@ def job_mapping(
             if slot_host == host
         }
 
-    from herd_operator.exporters.dcgm import JobMappingLoop, JobMappingWriter
+    from herd_operator.exporters.dcgm import JobMappingLoop, JobMappingWriter, physical_gpu_ids
 
-    return JobMappingLoop(JobMappingWriter(directory, owners), clear_on_stop=False, health=health)
+    try:
+        gpu_ids, said = physical_gpu_ids(environ)
+    except ValueError as err:
+        raise OperatorError(f"--dcgm-job-mapping-dir: {err}") from None
+    log.info("dcgm-exporter's job mapping files in %s (%s)", directory, said)
+
+    def slots() -> tuple[int, ...]:
+        return dict(allocator.pool.hosts).get(host, ())
+
+    writer = JobMappingWriter(directory, owners, gpu_ids, slots)
+    return JobMappingLoop(writer, clear_on_stop=False, health=health)
 
 
 def register_collectors(

@@ -32,7 +32,7 @@ interpreter and imports, the rendezvous, the script's own set-up (data, model). 
 the two first launches of the demo's recorded run at load average 5-6 (25.5 and 41.1 s,
 `herd-operator replay`, docs/simulation.md); at load 10-12 they took 62-67 s. Measured on the
 shared 2-core machine, with CPU workers: a start on a quiet GPU node is likely shorter (a cold
-`import torch, torchvision` alone takes about 11 s there, /work/shared/HOROVOD-AND-GPU.md)."""
+`import torch, torchvision` alone takes about 11 s there, docs/perlmutter.md)."""
 GPU_MEMORY_BYTES = 40 << 30
 """One A100 40 GB, the smaller of Perlmutter's two GPU node kinds."""
 MAX_MEMORY_FRACTION = 0.95

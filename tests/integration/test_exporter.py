@@ -33,11 +33,12 @@ def scrape(address: str) -> dict[tuple[str, str, str], float]:
 
 
 def mapped_jobs(directory: Path) -> dict[str, str]:
-    """dcgm-exporter's view of its HPC job mapping dir: integer-named files, a job per line."""
+    """dcgm-exporter's view of its HPC job mapping dir: integer-named files, a job per line
+    (an empty file labels nothing: the writer empties a GPU's file rather than delete it)."""
     return {
-        path.name: path.read_text()
+        path.name: text
         for path in directory.iterdir()
-        if path.is_file() and path.name.isdigit()
+        if path.is_file() and path.name.isdigit() and (text := path.read_text())
     }
 
 
@@ -110,7 +111,8 @@ def test_exporter_registers_and_labels_gpus_with_their_job(tmp_path: Path) -> No
             output, _ = exporter.communicate(timeout=30)
         assert exporter.returncode == 0, output
         assert "registered with the operator" in output
-        # A stopped exporter leaves the scrape targets and its mapping files at once.
+        # A stopped exporter leaves the scrape targets and takes its lines out of the
+        # mapping files at once.
         assert "unregistered from the operator" in output
         assert exporter_address() is None
         assert mapped_jobs(mapping_dir) == {}

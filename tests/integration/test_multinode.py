@@ -39,6 +39,9 @@ from tests.integration.harness import (
 SPEC_MARKER = "-".join(["spec", "env", "marker", "5f1c"])
 OPERATOR_MARKER = "-".join(["operator", "env", "marker", "9d2e"])
 
+BATCH_SLURM = {"SLURM_JOB_ID": "4242", "SLURMD_NODENAME": "h1", "SLURM_PROCID": "0"}
+"""What a batch script on h1 has (the pool still comes from --hosts: no SLURM_JOB_NODELIST)."""
+
 UNAVAILABLE = cluster_unavailable(slurm=False)
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no test hosts: {UNAVAILABLE}")
 
@@ -70,7 +73,7 @@ def test_a_job_on_the_operators_own_node_starts_grows_onto_another_and_shrinks_b
             "--min-resize-interval", "1", "--metrics-port", "0",
         ],
         "operator.log",
-        {**job_environment(cluster), "HERD_TEST_OPERATOR_MARKER": OPERATOR_MARKER},
+        {**job_environment(cluster), "HERD_TEST_OPERATOR_MARKER": OPERATOR_MARKER, **BATCH_SLURM},
     )  # fmt: skip
     log = cluster.root / "log" / "operator.log"
     command = digits_command(10_000, "--step-delay", "0.05", "--batch-size", "64")
@@ -108,6 +111,11 @@ def test_a_job_on_the_operators_own_node_starts_grows_onto_another_and_shrinks_b
         for env in remote:
             assert env.get("HERD_TEST_SPEC_MARKER") == SPEC_MARKER
             assert env.get("HERD_TEST_OPERATOR_MARKER") == OPERATOR_MARKER
+            # The allocation's job id, not the batch node's name or task: h1's, not h2's.
+            assert env.get("SLURM_JOB_ID") == BATCH_SLURM["SLURM_JOB_ID"]
+            assert "SLURMD_NODENAME" not in env and "SLURM_PROCID" not in env
+        local = remote_worker_environments(herd.layout.root, "h1")
+        assert local and all(env.get("SLURMD_NODENAME") == "h1" for env in local), "true there"
 
         herd.write_spec(at(2))
         herd.wait_for(lambda: job_at(2, ["h1"]), "home back at 2 on h1", 120, job="home")

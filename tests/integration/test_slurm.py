@@ -102,9 +102,9 @@ def operator_batch_script(
 # Without it Slurm cancels the whole allocation when one node fails (SlurmdTimeout).
 #SBATCH --no-kill
 export PATH={cluster.bin_dir}:{python_bin}:$PATH
-# Workers on a node that went away give up in a minute, not Gloo's default 30 min; not
-# less: on 2 loaded cores a new worker can take 20 s to join the rendezvous.
-export HOROVOD_GLOO_TIMEOUT_SECONDS=60
+# No HOROVOD_GLOO_TIMEOUT_SECONDS here: the operator passes each job's glooTimeoutSeconds
+# (30 s by default, Horovod's own; seconds, not minutes) as --gloo-timeout-seconds, which
+# Horovod gives the workers over the environment's.
 # One agent per node, as on a real allocation: each serves its node's metrics and is its
 # heartbeat; a node silent for --node-timeout is cordoned. One step per node: a step over
 # all nodes is ended as a whole when one of its nodes stops answering. Each agent gets its

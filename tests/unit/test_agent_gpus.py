@@ -21,6 +21,7 @@ from herd_operator.agent.exporter import (
     choose_gpu_count,
     pool_disagreement,
     pool_gpus,
+    pool_indices,
     slurm_gpu_count,
 )
 from herd_operator.runtime.handlers import ExporterRegistry
@@ -80,6 +81,24 @@ def test_slurm_gives_this_nodes_count(
 def test_a_slurm_count_that_does_not_parse_is_an_error_naming_the_variable(value: str) -> None:
     with pytest.raises(ValueError, match=rf"^SLURM_GPUS_PER_NODE={value!r}: expected COUNT"):
         slurm_gpu_count({"SLURM_GPUS_PER_NODE": value})
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ({"gpus": 2, "indices": [2, 3]}, (2, 3)),
+        ({"gpus": 0, "indices": []}, ()),
+        ({"gpus": 2}, None),  # an operator from before the indices
+        ({"indices": [True]}, None),
+        ({"indices": [-1]}, None),
+        ({"indices": "2,3"}, None),
+        ({"indices": [2.0]}, None),
+    ],
+)
+def test_the_pools_slots_here_are_read_only_from_a_list_of_numbers(
+    reply: dict[str, Any], expected: tuple[int, ...] | None
+) -> None:
+    assert pool_indices(reply) == expected
 
 
 @pytest.mark.parametrize(
@@ -156,12 +175,15 @@ def test_nvml_gpus_are_served_as_nvml_sees_them_whatever_the_pool() -> None:
 def test_a_registration_is_answered_with_the_pools_gpus_on_that_host(tmp_path: Path) -> None:
     pool = [Pool.from_counts({"h1": 2, "h2": 1})]
     registry = ExporterRegistry(tmp_path / "targets.json", None, pool=lambda: pool[0])
-    assert registry({"host": "h1", "port": 9411}) == {"gpus": 2}
-    assert registry({"host": "h2", "port": 9411}) == {"gpus": 1}
-    assert registry({"host": "h3", "port": 9411}) == {"gpus": 0}
+    assert registry({"host": "h1", "port": 9411}) == {"gpus": 2, "indices": [0, 1]}
+    assert registry({"host": "h2", "port": 9411}) == {"gpus": 1, "indices": [0]}
+    assert registry({"host": "h3", "port": 9411}) == {"gpus": 0, "indices": []}
     pool[0] = Pool.from_counts({"h1": 4})  # the pool changed: the next answer says so
-    assert registry({"host": "h1", "port": 9411}) == {"gpus": 4}
-    assert registry({"host": "h2", "port": 9411}) == {"gpus": 0}
+    assert registry({"host": "h1", "port": 9411}) == {"gpus": 4, "indices": [0, 1, 2, 3]}
+    assert registry({"host": "h2", "port": 9411}) == {"gpus": 0, "indices": []}
+    # Slurm's own numbers where the pool asked Slurm (GPUs 2 and 3 of a shared node).
+    pool[0] = Pool((("h1", (2, 3)),))
+    assert registry({"host": "h1", "port": 9411}) == {"gpus": 2, "indices": [2, 3]}
     assert ExporterRegistry(tmp_path / "other.json", None)({"host": "h1", "port": 1}) == {}
 
 
@@ -280,3 +302,27 @@ def test_the_agent_with_a_bad_slurm_count_stops_naming_it(
     assert "SLURM_GPUS_ON_NODE='two'" in caplog.text
     # --virtual-gpus needs no Slurm count: the variable is not read.
     assert run_agent(monkeypatch, tmp_path, [{}], {"SLURM_GPUS_ON_NODE": "two"}, 3) == [3]
+
+
+def test_the_agent_names_dcgm_files_by_the_steps_gpus_and_stops_on_a_bad_list(
+    no_nvml: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_GPUS_ON_NODE": "2"}
+    stop = threading.Event()
+    stop.set()
+    code = exporter.run_exporter(
+        tmp_path, "h2", "127.0.0.1", 0, None, 1 << 30, stop,
+        dcgm_job_mapping_dir=tmp_path / "map", environ={**step, "SLURM_STEP_GPUS": "gpu:2"},
+    )  # fmt: skip
+    assert code == 2
+    assert "SLURM_STEP_GPUS='gpu:2': expected GPU ids" in caplog.text
+    with caplog.at_level(logging.INFO, logger="herd_operator.agent.exporter"):
+        code = exporter.run_exporter(
+            tmp_path, "h2", "127.0.0.1", 0, None, 1 << 30, stop,
+            dcgm_job_mapping_dir=tmp_path / "map", environ={**step, "SLURM_STEP_GPUS": "2,3"},
+        )  # fmt: skip
+    assert code == 0
+    assert f"job mapping files in {tmp_path / 'map'} (SLURM_STEP_GPUS=2,3)" in caplog.text

@@ -37,6 +37,13 @@ def stand_in(directory: Path, name: str, body: str) -> None:
 @pytest.fixture
 def batch(tmp_path: Path) -> Iterator[Path]:
     """The script running on node n1 with stand-ins; yields the state dir."""
+    with running_batch(tmp_path, {}) as root:
+        yield root
+
+
+@contextlib.contextmanager
+def running_batch(tmp_path: Path, extra: dict[str, str]) -> Iterator[Path]:
+    """The script running on node n1 with stand-ins and `extra` in its environment."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     state = tmp_path / "state"
@@ -47,7 +54,11 @@ def batch(tmp_path: Path) -> Iterator[Path]:
     stand_in(bin_dir, "srun", f'read key; echo "$key $*" >>{calls}/srun\nexit 137\n')
     stand_in(bin_dir, "sleep", f'echo "$1" >>{calls}/sleep\n')
     herd = bin_dir / "herd-operator"
-    stand_in(bin_dir, "herd-operator", f'[ "$1" = agent-key ] && echo {KEY}\nexit 0\n')
+    stand_in(
+        bin_dir,
+        "herd-operator",
+        f'[ "$1" = agent-key ] && echo {KEY}\n[ "$1" = run ] && echo "$*" >>{calls}/run\nexit 0\n',
+    )
     for tool in ("mkdir", "date"):  # and nothing else: no prometheus, whatever is installed
         found = shutil.which(tool)
         assert found is not None, tool
@@ -61,6 +72,7 @@ def batch(tmp_path: Path) -> Iterator[Path]:
         "HERD": str(herd),
         "HERD_STATE_DIR": str(state),
         "HERD_SPECS_DIR": str(tmp_path / "jobs"),
+        **extra,
     }
     process = subprocess.Popen(
         [BASH, str(SCRIPT)], env=environ, cwd=tmp_path, start_new_session=True,
@@ -104,3 +116,29 @@ def test_an_agent_that_fails_is_started_again_with_a_doubling_bounded_delay(batc
     assert re.search(
         r"agent on n1 ended \(status 137\) after [01] s; starting it again in 2 s$", log[0]
     )
+
+
+def test_the_ports_are_the_sites_to_choose(tmp_path: Path) -> None:
+    """A node shared with other users' jobs may have 9411 or 9410 taken: each port comes
+    from the environment (`sbatch --export=ALL,HERD_EXPORTER_PORT=...`), the defaults
+    otherwise (the test above)."""
+    ports = {
+        "HERD_EXPORTER_PORT": "19411",
+        "HERD_METRICS_PORT": "19410",
+        "HERD_ALLOCATOR_PORT": "19412",
+        "HERD_PROMETHEUS_PORT": "19090",
+    }
+    with running_batch(tmp_path, ports) as root:
+        (run,) = wait_for_lines(root / "calls" / "run", 1)
+        start = wait_for_lines(root / "calls" / "srun", 1)[0].split()
+    assert start[start.index("--port") + 1] == "19411"
+    argv = run.split()
+    assert argv[argv.index("--metrics-port") + 1] == "19410"
+    assert argv[argv.index("--port") + 1] == "19412"
+
+
+def test_without_an_allocator_port_the_operator_picks_its_own(batch: Path) -> None:
+    (run,) = wait_for_lines(batch / "calls" / "run", 1)
+    argv = run.split()
+    assert "--port" not in argv, "the previous operator's port, else a free one"
+    assert argv[argv.index("--metrics-port") + 1] == "9410"

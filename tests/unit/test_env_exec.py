@@ -179,3 +179,67 @@ def test_the_driver_starts_a_worker_of_another_host_through_ssh_with_output_per_
     )
     ssh_argv = seen.read_text().splitlines()
     assert "192.0.2.7" in ssh_argv and not any(SECRET in part for part in ssh_argv)
+
+
+BATCH_STEP_SLURM = {
+    "SLURM_JOB_ID": "4567890",
+    "SLURM_JOB_NODELIST": "nid[001-002]",
+    "SLURM_GPUS_PER_NODE": "4",
+    "SLURMD_NODENAME": "nid001",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NTASKS": "1",
+    "SLURM_JOB_GPUS": "0,1,2,3",
+    "SLURM_GPUS_ON_NODE": "4",
+    "SLURM_CPUS_ON_NODE": "128",
+    "SLURM_TOPOLOGY_ADDR": "nid001",
+}
+"""What the batch script (where the operator and each job's driver run) has on nid001."""
+
+
+@pytest.mark.parametrize(("host", "remote"), [("192.0.2.7", True), ("127.0.0.1", False)])
+def test_the_batch_nodes_slurm_variables_stay_off_workers_of_other_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: str, remote: bool
+) -> None:
+    """A worker on another node got the batch node's name, GPUs, CPUs and task ids as its
+    own (SLURMD_NODENAME=nid001 on nid002); it keeps the allocation's job-wide variables.
+    A worker on the driver's node keeps them all: they are true of its node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text('#!/bin/sh\nfor last; do :; done\nexec sh -c "$last"\n')
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name in list(os.environ):  # the test's own environment plays the other node's login
+        if name.startswith(("SLURM_", "SLURMD_")):
+            monkeypatch.delenv(name)
+    settings = driver_settings(output_filename=str(tmp_path / "out"), num_proc=2, max_num_proc=2)
+    show = (
+        "import json, os; print(json.dumps({k: v for k, v in os.environ.items()"
+        " if k.startswith(('SLURM_', 'SLURMD_'))}))"
+    )
+    create_worker = make_worker_factory(
+        settings,
+        {**os.environ, **BATCH_STEP_SLURM},
+        [PYTHON, "-c", show],
+        "127.0.0.1",
+        ["lo"],
+        1,
+        threading.Event(),
+    )
+    slot = SlotInfo(host, rank=1, local_rank=0, cross_rank=1, size=2, local_size=1, cross_size=2)
+
+    code, _ = create_worker(slot, [])
+
+    assert code == 0
+    line = (tmp_path / "out" / "rank.1" / "stdout").read_text().partition(":")[2]
+    seen = json.loads(line)
+    if remote:
+        assert seen == {
+            "SLURM_JOB_ID": "4567890",
+            "SLURM_JOB_NODELIST": "nid[001-002]",
+            "SLURM_GPUS_PER_NODE": "4",
+        }
+    else:
+        assert seen == BATCH_STEP_SLURM

@@ -61,6 +61,37 @@ def worker_environment(
     return merged
 
 
+SLURM_JOB_WIDE = frozenset(
+    {
+        "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_ID",
+        "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_STEP",
+        "SLURM_CLUSTER_NAME", "SLURM_CONF", "SLURM_GPUS_PER_NODE", "SLURM_JOBID",
+        "SLURM_JOB_ACCOUNT", "SLURM_JOB_CPUS_PER_NODE", "SLURM_JOB_END_TIME", "SLURM_JOB_GID",
+        "SLURM_JOB_ID", "SLURM_JOB_LICENSES", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST",
+        "SLURM_JOB_NUM_NODES", "SLURM_JOB_PARTITION", "SLURM_JOB_QOS", "SLURM_JOB_RESERVATION",
+        "SLURM_JOB_START_TIME", "SLURM_JOB_UID", "SLURM_JOB_USER", "SLURM_MEM_PER_CPU",
+        "SLURM_MEM_PER_NODE", "SLURM_NNODES", "SLURM_NODELIST", "SLURM_SUBMIT_DIR",
+        "SLURM_SUBMIT_HOST",
+    }
+)  # fmt: skip
+"""Slurm's variables that say the same on every node of the allocation. The operator (and
+each job's driver) runs in the batch script, whose other SLURM_* variables describe the
+batch step on the batch node: its name (SLURMD_NODENAME), its GPUs (SLURM_JOB_GPUS,
+SLURM_GPUS_ON_NODE), its CPUs, its task (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS: a
+library that finds them takes the worker for task 0 of 1) and its step (SLURM_STEP_*)."""
+
+
+def for_another_node(env: Mapping[str, str]) -> dict[str, str]:
+    """A worker's environment for a node other than the driver's: without the Slurm
+    variables of the batch step (all but `SLURM_JOB_WIDE`), which would be taken there as
+    that node's. A worker on the driver's node keeps them: they are true of its node."""
+    return {
+        key: value
+        for key, value in env.items()
+        if key in SLURM_JOB_WIDE or not key.startswith(("SLURM_", "SLURMD_"))
+    }
+
+
 def verbose_echo(
     host: str,
     argv: Sequence[str],
@@ -353,7 +384,9 @@ def make_worker_factory(
                     slot_info.hostname, command, settings.ssh_port, settings.ssh_identity_file
                 )
                 process_env: Mapping[str, str] = os.environ
-                payload: bytes | None = env_exec.encode_payload(worker_env, os.getcwd())
+                payload: bytes | None = env_exec.encode_payload(
+                    for_another_node(worker_env), os.getcwd()
+                )
             else:
                 argv, process_env, payload = list(command), worker_env, None
             try:
