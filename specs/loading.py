@@ -98,11 +98,23 @@ def load_spec_file(path: Path) -> SpecFile:
         # Non-blocking: a FIFO swapped in for the file must not hang the reader (opening one
         # for reading blocks until a writer comes). The opened descriptor is what is checked.
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(descriptor, "rb") as stream:
+    except OSError as exc:
+        return _failed(path, None, f"cannot read file: {exc.strerror or exc}")
+    try:
+        return load_spec_descriptor(descriptor, path)
+    finally:
+        os.close(descriptor)
+
+
+def load_spec_descriptor(descriptor: int, path: Path) -> SpecFile:
+    """Load and validate the spec file open at `descriptor` (left open), labelled `path`:
+    for a caller that checked what it opened (its owner, that it is the file it examined)."""
+    try:
+        with os.fdopen(descriptor, "rb", closefd=False) as stream:
             status = os.fstat(descriptor)
             if not stat.S_ISREG(status.st_mode):
                 return _failed(
-                    path, None, f"not a regular file ({_file_kind(status.st_mode)}); not read"
+                    path, None, f"not a regular file ({file_kind(status.st_mode)}); not read"
                 )
             size = status.st_size
             # Ask for the size the file has (+1 to see growth), not the limit: read(n)
@@ -266,7 +278,7 @@ def scan_spec_dir(directory: Path) -> list[SpecFile]:
         raise NotADirectoryError(f"spec directory is not a directory: {directory}")
     with os.scandir(directory) as entries:
         names = sorted(
-            entry.name for entry in entries if is_spec_filename(entry.name) and entry.is_file()
+            entry.name for entry in entries if is_spec_filename(entry.name) and _is_file(entry)
         )
     spec_files = []
     for name in names:
@@ -275,6 +287,14 @@ def scan_spec_dir(directory: Path) -> list[SpecFile]:
         if spec_file.valid or spec_file.path.exists():
             spec_files.append(spec_file)
     return spec_files
+
+
+def _is_file(entry: os.DirEntry[str]) -> bool:
+    """Whether the entry is a regular file (through links); a link that loops is not."""
+    try:
+        return entry.is_file()
+    except OSError:  # ELOOP: a link to itself, or a chain of more links than are followed
+        return False
 
 
 def index_specs(files: Sequence[SpecFile]) -> SpecIndex:
@@ -399,7 +419,8 @@ def _unreadable_value_message(text: str, exc: Exception) -> str:
     return f"YAML value that cannot be read: {_clip(str(exc) or type(exc).__name__)}"
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What an entry that is not a regular file is, in words ("a FIFO")."""
     for test, kind in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISDIR, "a directory"),
