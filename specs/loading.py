@@ -107,8 +107,7 @@ def load_spec_file(path: Path) -> SpecFile:
 
 
 def load_spec_descriptor(descriptor: int, path: Path) -> SpecFile:
-    """Load and validate the spec file open at `descriptor` (left open), labelled `path`:
-    for a caller that checked what it opened (its owner, that it is the file it examined)."""
+    """`load_spec_file` of a file its caller opened and checked (left open), named `path`."""
     try:
         with os.fdopen(descriptor, "rb", closefd=False) as stream:
             status = os.fstat(descriptor)
@@ -277,9 +276,9 @@ def scan_spec_dir(directory: Path) -> list[SpecFile]:
     if not directory.is_dir():
         raise NotADirectoryError(f"spec directory is not a directory: {directory}")
     with os.scandir(directory) as entries:
-        names = sorted(
-            entry.name for entry in entries if is_spec_filename(entry.name) and _is_file(entry)
-        )
+        named = [entry for entry in entries if is_spec_filename(entry.name)]
+    # os.path.isfile, not DirEntry.is_file: that raises on a link that loops (ELOOP).
+    names = sorted(entry.name for entry in named if os.path.isfile(entry.path))
     spec_files = []
     for name in names:
         spec_file = load_spec_file(directory / name)
@@ -287,14 +286,6 @@ def scan_spec_dir(directory: Path) -> list[SpecFile]:
         if spec_file.valid or spec_file.path.exists():
             spec_files.append(spec_file)
     return spec_files
-
-
-def _is_file(entry: os.DirEntry[str]) -> bool:
-    """Whether the entry is a regular file (through links); a link that loops is not."""
-    try:
-        return entry.is_file()
-    except OSError:  # ELOOP: a link to itself, or a chain of more links than are followed
-        return False
 
 
 def index_specs(files: Sequence[SpecFile]) -> SpecIndex:
@@ -420,7 +411,6 @@ def _unreadable_value_message(text: str, exc: Exception) -> str:
 
 
 def file_kind(mode: int) -> str:
-    """What an entry that is not a regular file is, in words ("a FIFO")."""
     for test, kind in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISDIR, "a directory"),
