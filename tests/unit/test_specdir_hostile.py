@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory
+from herd_operator.runtime.specdir import DirectoryWatcher, SpecDirectory, problems_as_events
+from herd_operator.runtime.store import Store, StoreError
 from tests.fuzzing import (
     HOSTILE_ENTRIES,
     INTRUDER,
@@ -189,6 +190,30 @@ def test_a_file_moved_over_the_entry_between_its_check_and_its_read_is_not_read(
     assert specs.names() == ["train"]
     # The next relist reads what is there now, checked: here a spec of the same user.
     assert specs.relist() == {"train", INTRUDER}
+
+
+def test_the_operator_records_each_problem_as_an_event_of_no_job_and_a_full_disk_stops_nothing(
+    jobs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = Store(tmp_path / "state.db")
+    specs = SpecDirectory(jobs, on_problem=problems_as_events(store))
+    write(jobs / "broken.yaml", "spec: [unclosed\n")
+    specs.relist()
+    ((job, type_, reason, message),) = [
+        (e.job, e.type, e.reason, e.message) for e in store.events()
+    ]
+    assert (job, type_, reason) == (None, "Warning", "InvalidSpecFile")
+    assert message.startswith(f"{jobs / 'broken.yaml'}: (file): YAML syntax error")
+
+    class FullDisk:
+        def add_event(self, *args: object) -> None:
+            raise StoreError("database or disk is full")
+
+    specs = SpecDirectory(jobs, on_problem=problems_as_events(FullDisk()))  # type: ignore[arg-type]
+    write(jobs / "good.yaml", spec_text("good"))
+    with caplog.at_level(logging.WARNING):
+        assert specs.relist() == {"good"}
+    assert any("could not record" in r.getMessage() for r in caplog.records)
 
 
 def test_the_relists_own_reads_of_files_do_not_wake_it_again(
