@@ -47,7 +47,7 @@ from herd_operator.controllers.stopping import StopSteps
 from herd_operator.policies.base import JobObservations, Policy, PolicyError, Signal
 from herd_operator.policies.registry import load_policy, params_warnings
 from herd_operator.specs import ConditionType, HerdJob, set_condition, spec_fingerprint
-from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS
+from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS, get_condition
 from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import HerdJobStatus
 from herd_operator.specs.values import Demand, Grant, Report
@@ -151,6 +151,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
             policy = self._policy(job)
         generation = record.generation
         status = _with_spec_validity(record.status, problem, generation, now)
+        self._say_spec_validity(name, record.status, problem, now)
 
         process = self.launcher.state(name)
         if process.launch is not None and process.launch.launch_id != status.launch_id:
@@ -274,6 +275,20 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
         if not epochs or epochs[-1] == status.epoch:
             return status
         return status.model_copy(update={"epoch": epochs[-1]})
+
+    def _say_spec_validity(
+        self, name: str, before: HerdJobStatus, problem: str, now: float
+    ) -> None:
+        """An event when a known job's spec becomes invalid (or invalid for another reason),
+        and when it is valid again: `events` shows what the condition shows, as it does for
+        a job that never ran."""
+        previous = get_condition(before.conditions, ConditionType.SpecValid)
+        if problem and (
+            previous is None or (previous.status, previous.message) != (FALSE, problem)
+        ):
+            self._event(name, "Warning", "InvalidSpec", problem, now)
+        elif not problem and previous is not None and previous.status == FALSE:
+            self._event(name, "Normal", "ValidSpec", "the spec is valid again", now)
 
     def _policy(self, job: HerdJob) -> Policy:
         try:

@@ -98,11 +98,22 @@ def load_spec_file(path: Path) -> SpecFile:
         # Non-blocking: a FIFO swapped in for the file must not hang the reader (opening one
         # for reading blocks until a writer comes). The opened descriptor is what is checked.
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(descriptor, "rb") as stream:
+    except OSError as exc:
+        return _failed(path, None, f"cannot read file: {exc.strerror or exc}")
+    try:
+        return load_spec_descriptor(descriptor, path)
+    finally:
+        os.close(descriptor)
+
+
+def load_spec_descriptor(descriptor: int, path: Path) -> SpecFile:
+    """`load_spec_file` of a file its caller opened and checked (left open), named `path`."""
+    try:
+        with os.fdopen(descriptor, "rb", closefd=False) as stream:
             status = os.fstat(descriptor)
             if not stat.S_ISREG(status.st_mode):
                 return _failed(
-                    path, None, f"not a regular file ({_file_kind(status.st_mode)}); not read"
+                    path, None, f"not a regular file ({file_kind(status.st_mode)}); not read"
                 )
             size = status.st_size
             # Ask for the size the file has (+1 to see growth), not the limit: read(n)
@@ -265,9 +276,9 @@ def scan_spec_dir(directory: Path) -> list[SpecFile]:
     if not directory.is_dir():
         raise NotADirectoryError(f"spec directory is not a directory: {directory}")
     with os.scandir(directory) as entries:
-        names = sorted(
-            entry.name for entry in entries if is_spec_filename(entry.name) and entry.is_file()
-        )
+        named = [entry for entry in entries if is_spec_filename(entry.name)]
+    # os.path.isfile, not DirEntry.is_file: that raises on a link that loops (ELOOP).
+    names = sorted(entry.name for entry in named if os.path.isfile(entry.path))
     spec_files = []
     for name in names:
         spec_file = load_spec_file(directory / name)
@@ -399,7 +410,7 @@ def _unreadable_value_message(text: str, exc: Exception) -> str:
     return f"YAML value that cannot be read: {_clip(str(exc) or type(exc).__name__)}"
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     for test, kind in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISDIR, "a directory"),

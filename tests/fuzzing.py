@@ -12,12 +12,22 @@ Three families, all built around one small valid spec:
 
 Every command a generated spec names is harmless (``true``), and callers that hand files
 to a live operator still check that a file is invalid before writing it.
+
+And entries that are not spec files at all (links that loop or lead out, FIFOs, sockets,
+directories, files of another user: `HOSTILE_ENTRIES`), for the spec directory's fuzzers.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import ctypes
+import glob
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -351,3 +361,162 @@ def spec_bytes() -> st.SearchStrategy[bytes]:
         tagged_specs().map(lambda text: text.encode("utf-8", "surrogatepass")),
         mutated_specs(),
     )
+
+
+# ---- Hostile entries in a spec directory (issue 27) ----
+#
+# What a writer of the directory (or another local user, where it is shared) can put there
+# besides a file: links that loop or lead out, FIFOs, sockets, directories named like specs,
+# files of another user. Each is made under a staged name and moved over its place as
+# `mv -T` would, so it can replace a running job's file in one step.
+
+OTHER_UID = 65534
+"""`nobody`: the owner of a file another local user dropped (chown needs root)."""
+INTRUDER = "intruder"
+"""The job each hostile entry's readable content declares: it must never appear."""
+INTRUDER_TEXT = (
+    "apiVersion: herd/v1alpha1\nkind: HerdJob\n"
+    f"metadata: {{name: {INTRUDER}}}\nspec: {{command: ['true'], gpus: {{min: 1, max: 1}}}}\n"
+)
+LINKS_TOO_MANY = 45
+"""A chain of more links than Linux follows in one path (40)."""
+
+
+def _partner(path: Path, what: str) -> Path:
+    """A helper entry beside `path`, hidden (a dotfile is never read as a spec)."""
+    return path.with_name(f".{path.name}.hostile-{what}")
+
+
+def _fifo(staged: Path, final: Path, outside: Path) -> None:
+    os.mkfifo(staged)
+
+
+def _socket(staged: Path, final: Path, outside: Path) -> None:
+    os.mknod(staged, stat.S_IFSOCK | 0o600)  # no bind: its path may be over 108 bytes
+
+
+def _directory(staged: Path, final: Path, outside: Path) -> None:
+    staged.mkdir()
+    (staged / "inside.yaml").write_text(INTRUDER_TEXT)
+
+
+def _link_out(staged: Path, final: Path, outside: Path) -> None:
+    staged.symlink_to(outside)
+
+
+def _link_to_directory(staged: Path, final: Path, outside: Path) -> None:
+    _partner(final, "dir").mkdir(exist_ok=True)
+    staged.symlink_to(_partner(final, "dir").name)
+
+
+def _dangling_link(staged: Path, final: Path, outside: Path) -> None:
+    staged.symlink_to(_partner(final, "nothing").name)
+
+
+def _self_loop(staged: Path, final: Path, outside: Path) -> None:
+    staged.symlink_to(final.name)  # itself, once moved into place
+
+
+def _loop_of_two(staged: Path, final: Path, outside: Path) -> None:
+    partner = _partner(final, "loop")
+    partner.unlink(missing_ok=True)
+    partner.symlink_to(final.name)
+    staged.symlink_to(partner.name)
+
+
+def _chain_too_long(staged: Path, final: Path, outside: Path) -> None:
+    target = _partner(final, "target")
+    target.write_text(INTRUDER_TEXT)
+    previous = target.name
+    for number in range(1, LINKS_TOO_MANY):
+        link = _partner(final, f"c{number}")
+        link.unlink(missing_ok=True)
+        link.symlink_to(previous)
+        previous = link.name
+    staged.symlink_to(previous)
+
+
+def _file_of_another_user(staged: Path, final: Path, outside: Path) -> None:
+    staged.write_text(INTRUDER_TEXT)
+    os.chown(staged, OTHER_UID, OTHER_UID)
+
+
+HOSTILE_ENTRIES: dict[str, tuple[Callable[[Path, Path, Path], None], str]] = {
+    "fifo": (_fifo, "not a regular file (a FIFO)"),
+    "socket": (_socket, "not a regular file (a socket)"),
+    "directory": (_directory, "not a regular file (a directory)"),
+    "link-to-directory": (_link_to_directory, "not a regular file (a directory)"),
+    "link-out": (_link_out, "outside the spec directory"),
+    "dangling-link": (_dangling_link, "a dangling link"),
+    "self-loop": (_self_loop, "a symlink loop"),
+    "loop-of-two": (_loop_of_two, "a symlink loop"),
+    "chain-too-long": (_chain_too_long, "a symlink loop, or a chain of links too long"),
+    "other-user": (_file_of_another_user, f"owned by uid {OTHER_UID}"),
+}
+"""Each kind: how to make it (staged path, final path, a file outside the directory) and
+what the operator's reason for skipping it says."""
+
+
+def chown_refused() -> str | None:
+    """Why a file of another user cannot be made here (None: it can)."""
+    with tempfile.NamedTemporaryFile() as probe:
+        try:
+            os.chown(probe.name, OTHER_UID, OTHER_UID)
+        except PermissionError:
+            return "making a file of another user (uid 65534) needs root or CAP_CHOWN"
+    return None
+
+
+def put_hostile(path: Path, kind: str, outside: Path) -> None:
+    """Make a hostile entry of `kind` at `path`, in one step over whatever is there."""
+    make, _ = HOSTILE_ENTRIES[kind]
+    staged = path.with_name(f".{path.name}.staged")
+    remove_entry(staged)
+    make(staged, path, outside)
+    move_over(staged, path)
+
+
+def put_file(path: Path, text: str) -> None:
+    """A regular file at `path` in one step, over whatever is there (a directory too)."""
+    staged = path.with_name(f".{path.name}.staged")
+    remove_entry(staged)
+    staged.write_text(text)
+    move_over(staged, path)
+
+
+def move_over(staged: Path, path: Path) -> None:
+    """`staged` to `path` in one step, as `mv -T` (a rename); a directory and a file trade
+    places (`mv --exchange`, renameat2's RENAME_EXCHANGE), since neither can be renamed
+    over the other, and a moment without the entry would be a real deletion."""
+    if not os.path.lexists(path) or not (_is_real_directory(path) or _is_real_directory(staged)):
+        os.replace(staged, path)
+        return
+    exchange(staged, path)
+    remove_entry(staged)
+
+
+def exchange(first: Path, second: Path) -> None:
+    """Swap two entries atomically (Linux renameat2 with RENAME_EXCHANGE)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_cwd, rename_exchange = -100, 2
+    if libc.renameat2(at_cwd, bytes(first), at_cwd, bytes(second), rename_exchange) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number), str(first), None, str(second))
+
+
+def _is_real_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def remove_entry(path: Path) -> None:
+    """Remove whatever `path` is (a file, a link, a FIFO, a directory), if anything."""
+    if _is_real_directory(path):
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_partners(path: Path) -> None:
+    """Remove the hidden helper entries `put_hostile` made beside `path`."""
+    for partner in path.parent.glob(f".{glob.escape(path.name)}.hostile-*"):
+        remove_entry(partner)

@@ -319,9 +319,9 @@ class Operator:
         )
         from herd_operator.controllers.loop import ControlLoop
         from herd_operator.controllers.reconciler import JobReconciler
-        from herd_operator.runtime.specdir import SpecDirectory
+        from herd_operator.runtime.specdir import SpecDirectory, problems_as_events
 
-        self.specs = SpecDirectory(config.specs_dir)
+        self.specs = SpecDirectory(config.specs_dir, on_problem=problems_as_events(store))
         reconciler = JobReconciler(
             self.specs,
             store,

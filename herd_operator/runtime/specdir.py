@@ -9,9 +9,12 @@ files, and it reports the job names whose view changed.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,18 +24,27 @@ from herd_operator.lifecycle import STOP_SECONDS, LoopHealth, Periodic
 from herd_operator.policies.base import PolicyError
 from herd_operator.policies.registry import load_policy
 from herd_operator.runtime.engines import UnknownEngineError, engine_problem
+from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs import (
     SpecError,
     SpecFile,
     SpecIndex,
     index_specs,
     is_spec_filename,
-    load_spec_file,
     spec_fingerprint,
 )
+from herd_operator.specs.loading import FILE_FIELD, file_kind, load_spec_descriptor
 from herd_operator.specs.models import is_job_name
 
 log = logging.getLogger(__name__)
+
+_LINK_LOOP = "a symlink loop, or a chain of links too long to follow"
+_READ_ONLY_EVENTS = frozenset({"opened", "closed_no_write"})
+"""watchdog's event types for a file opened, or closed unchanged (watchdog 5 and later)."""
+
+
+def _ignore_problem(reason: str, message: str) -> None:
+    """No one to tell (tests, tools): the log has said it."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +56,18 @@ class _Stamp:
 
 
 class SpecDirectory:
-    def __init__(self, directory: Path, *, owner_uid: int | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        owner_uid: int | None = None,
+        on_problem: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.directory = directory
+        self._on_problem = on_problem or _ignore_problem
+        """Told (an event's reason, its message) of each entry skipped and each file that
+        cannot be read far enough to name a job, once per problem: a job's own file shows
+        on the job (SpecValid=False), but these may have no job to show them on."""
         self.owner_uid = os.geteuid() if owner_uid is None else owner_uid
         """Only files of this user are read: their commands run as the operator's user."""
         self._lock = threading.Lock()
@@ -71,24 +93,38 @@ class SpecDirectory:
             return sorted(self._views)
 
     @staticmethod
-    def _to_read(entry: os.DirEntry[str], directory: Path) -> tuple[Path | None, str]:
-        """The path to read for an entry named like a spec, or None and why it is skipped.
+    def _examine(
+        entry: os.DirEntry[str], directory: Path
+    ) -> tuple[Path, os.stat_result] | str | None:
+        """The path to read for an entry named like a spec and its stat; or why it is
+        skipped; or None when it is gone (removed since it was listed).
 
         A link is read at the target it was checked to have, not through the link again,
         so it cannot be turned out of the directory between the check and the read.
         """
+        path = Path(entry.path)
         if entry.is_symlink():
-            target = Path(entry.path).resolve()
-            if directory not in target.parents:
+            try:
+                path = path.resolve()
+            except RuntimeError:  # Python 3.11's "Symlink loop from ..."
+                return _LINK_LOOP
+            if directory not in path.parents:
                 # The operator's user may read what the spec's author may not (the token
                 # file, say); and errors would quote the target's lines into the log.
-                return None, f"a link to {target}, outside the spec directory"
-            if not target.exists():
-                return None, "a dangling link"
-            return (target, "") if target.is_file() else (None, "not a regular file")
-        if not entry.is_file():
-            return None, "not a regular file"
-        return Path(entry.path), ""
+                return f"a link to {path}, outside the spec directory"
+        try:
+            # Through the link the way the kernel follows it: a loop, or a chain of more
+            # links than it follows (40), fails here whatever resolve() made of it.
+            status = os.stat(entry.path)
+        except FileNotFoundError:
+            return "a dangling link" if os.path.lexists(entry.path) else None
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return _LINK_LOOP
+            return f"cannot be examined: {err.strerror or err}"
+        if not stat.S_ISREG(status.st_mode):
+            return f"not a regular file ({file_kind(status.st_mode)})"
+        return path, status
 
     def _warn_if_writable_by_others(self, directory: Path) -> None:
         """Say once that others may drop files here; only the operator's user's are read."""
@@ -116,10 +152,14 @@ class SpecDirectory:
         directory = self.directory.resolve()
         self._warn_if_writable_by_others(directory)
         files, skipped = self._read(entries, directory)
-        for file_name in sorted(skipped.keys() - self._skipped.keys()):
-            log.warning("spec directory: skipping %s: %s", file_name, skipped[file_name])
+        # Said once per entry and reason, not at every relist.
+        new_skipped = sorted(
+            (file_name, reason)
+            for file_name, reason in skipped.items()
+            if self._skipped.get(file_name) != reason
+        )
+        spec_files, fingerprints, declared = self._declared_by(files, skipped)
         self._skipped = skipped
-        spec_files, fingerprints, declared = self._declared_by(files)
         index = index_specs(spec_files)
         views, keys = _views_of(index, fingerprints)
         unnamed = tuple(str(error) for error in index.unnamed)
@@ -132,8 +172,12 @@ class SpecDirectory:
             new_unnamed = set(unnamed) - set(self._unnamed)
             self._files, self._views, self._keys, self._unnamed = files, views, keys, unnamed
             self._declared = declared
+        for file_name, reason in new_skipped:
+            log.warning("spec directory: skipping %s: %s", file_name, reason)
+            self._on_problem("SpecFileSkipped", f"{self.directory / file_name}: not read: {reason}")
         for message in sorted(new_unnamed):
             log.warning("invalid spec file: %s", message)
+            self._on_problem("InvalidSpecFile", message)
         return changed
 
     def _read(
@@ -147,35 +191,49 @@ class SpecDirectory:
             if not is_spec_filename(entry.name):
                 continue
             try:
-                path, skip = self._to_read(entry, directory)
-                st = entry.stat() if path is not None else None
-            except OSError:
-                continue  # removed between listing and stat
-            if st is not None and st.st_uid != self.owner_uid:
-                # A spec's command runs as the operator's user: a file someone else wrote
-                # (in a shared or group-writable directory) must not make us run it.
-                path, skip = (
-                    None,
-                    (
-                        f"owned by uid {st.st_uid}, not by the operator's user (uid"
-                        f" {os.geteuid()}); its command would run as the operator's user"
-                    ),
-                )
-            if path is None or st is None:
-                skipped[entry.name] = skip
-                continue
-            stamp = _Stamp(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            cached = self._files.get(entry.name)
-            if cached is not None and cached[0] == stamp:
-                files[entry.name] = cached
-            else:
-                loaded = with_known_references(load_spec_file(path))
-                fingerprint = spec_fingerprint(loaded.job) if loaded.job is not None else ""
-                files[entry.name] = (stamp, loaded, fingerprint)
+                read = self._read_one(entry, directory)
+            except Exception as err:
+                # One entry, whatever it is, must not stop the relist of all the others (a
+                # link loop once did, in every relist): it is skipped, and said.
+                read = f"cannot be examined: {type(err).__name__}: {err}"
+            if isinstance(read, str):
+                skipped[entry.name] = read
+            elif read is not None:
+                files[entry.name] = read
         return files, skipped
 
+    def _read_one(
+        self, entry: os.DirEntry[str], directory: Path
+    ) -> tuple[_Stamp, SpecFile, str] | str | None:
+        """What one entry gives: its stamp, file and fingerprint; why it is skipped; or None
+        when it is gone."""
+        examined = self._examine(entry, directory)
+        if examined is None or isinstance(examined, str):
+            return examined
+        path, st = examined
+        if st.st_uid != self.owner_uid:
+            # A spec's command runs as the operator's user: a file someone else wrote
+            # (in a shared or group-writable directory) must not make us run it.
+            return (
+                f"owned by uid {st.st_uid}, not by the operator's user (uid"
+                f" {os.geteuid()}); its command would run as the operator's user"
+            )
+        stamp = _Stamp(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        cached = self._files.get(entry.name)
+        if cached is not None and cached[0] == stamp:
+            return cached
+        loaded = _load_if_unchanged(path, st)
+        if loaded is None:
+            # Something was moved over the entry while it was examined: it stays what it
+            # was until the next relist (which the move's file event brings on), neither
+            # read unchecked nor taken for deleted.
+            return cached or self._skipped.get(entry.name)
+        loaded = with_known_references(loaded)
+        fingerprint = spec_fingerprint(loaded.job) if loaded.job is not None else ""
+        return stamp, loaded, fingerprint
+
     def _declared_by(
-        self, files: dict[str, tuple[_Stamp, SpecFile, str]]
+        self, files: dict[str, tuple[_Stamp, SpecFile, str]], skipped: dict[str, str]
     ) -> tuple[list[SpecFile], dict[int, str], dict[str, str]]:
         """The files to index, their fingerprints (by the loaded SpecFile's identity) and
         the job name each file declares now."""
@@ -196,7 +254,36 @@ class SpecDirectory:
             if spec_file.name is not None:
                 declared[file_name] = spec_file.name
             spec_files.append(spec_file)
+        for file_name, reason in skipped.items():
+            name = self._declared.get(file_name)
+            if name is None:
+                continue
+            # An entry that is there but is not read (a FIFO, a link out of the directory,
+            # another user's file, moved over the job's file) is an invalid edit, not a
+            # deletion: the job keeps its last good spec. Only an entry that is gone
+            # deletes the job.
+            path = self.directory / file_name
+            error = SpecError(str(path), FILE_FIELD, f"not read: {reason}")
+            spec_files.append(SpecFile(path=path, name=name, job=None, errors=(error,)))
+            declared[file_name] = name
         return spec_files, fingerprints, declared
+
+
+def _load_if_unchanged(path: Path, examined: os.stat_result) -> SpecFile | None:
+    """The spec file at `path`, if it is still the file `examined` (None if not). Opened
+    without following a link and checked on the descriptor: what is read is the file whose
+    kind and owner were checked, whatever is renamed over it meanwhile."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:  # gone, or a link now (ELOOP)
+        return None
+    try:
+        opened = os.fstat(descriptor)
+        if (opened.st_dev, opened.st_ino) != (examined.st_dev, examined.st_ino):
+            return None
+        return load_spec_descriptor(descriptor, path)
+    finally:
+        os.close(descriptor)
 
 
 def _views_of(
@@ -237,6 +324,19 @@ def with_known_references(spec_file: SpecFile) -> SpecFile:
     if not errors:
         return spec_file
     return dataclasses.replace(spec_file, job=None, errors=tuple(errors))
+
+
+def problems_as_events(store: Store) -> Callable[[str, str], None]:
+    """`SpecDirectory`'s `on_problem` for the operator: each problem as a Warning event of
+    no job, which `herd-operator events` shows with the file's path in its message."""
+
+    def record(reason: str, message: str) -> None:
+        try:
+            store.add_event(None, "Warning", reason, message, time.time())
+        except StoreError as err:  # a full disk must not stop the relist: the log has it
+            log.warning("could not record a spec file's problem as an event: %s", err)
+
+    return record
 
 
 class DirectoryWatcher:
@@ -298,11 +398,11 @@ class DirectoryWatcher:
         from watchdog.events import FileSystemEvent, FileSystemEventHandler
         from watchdog.observers import Observer
 
-        wake = self._loop.wake
+        on_event = self._file_event
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
-                wake()
+                on_event(event.event_type)
 
         observer = Observer()
         try:
@@ -317,6 +417,13 @@ class DirectoryWatcher:
             )
             return
         self._observer = observer
+
+    def _file_event(self, event_type: str) -> None:
+        """Wake the relist, unless the event is of a file being read: the relist's own reads
+        (watchdog reports opens and closes) would wake it again, and a relist that reads a
+        file every time (one that failed did, before it cached anything) would never rest."""
+        if event_type not in _READ_ONLY_EVENTS:
+            self._loop.wake()
 
     def _relist(self) -> None:
         changed = self.specs.relist()

@@ -1,15 +1,18 @@
-"""Bad spec files dropped live into the directory of a running operator.
+"""Bad spec files and hostile entries dropped live into the directory of a running operator.
 
 One good job runs the whole time. Hypothesis writes odd and broken spec files (see
 tests/fuzzing.py) one at a time, atomically, as users are told to; each must show up as
 a spec problem that names its file (a warning in the log, an InvalidSpec event or a
 SpecValid=False condition), and nothing may go wrong inside the operator: its thread
 lives, its log holds no traceback and no ERROR, no reconcile ends in an unexpected error,
-and the good job is still running the launch it started with.
+and the good job is still running the launch it started with. Then entries that are no
+files (links that loop or lead out, FIFOs, sockets, directories, files of another user)
+are made beside the job's file and moved over it: the same must hold (issue 27).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -22,7 +25,18 @@ import yaml
 from hypothesis import HealthCheck, Phase, assume, given, settings
 
 from herd_operator.specs import load_spec_file
-from tests.fuzzing import ODD_DOCUMENTS, spec_bytes
+from tests.fuzzing import (
+    HOSTILE_ENTRIES,
+    INTRUDER,
+    INTRUDER_TEXT,
+    ODD_DOCUMENTS,
+    chown_refused,
+    put_file,
+    put_hostile,
+    remove_entry,
+    remove_partners,
+    spec_bytes,
+)
 from tests.integration.harness import OperatorHarness, spec_document
 
 GOOD = "keeper"
@@ -199,3 +213,110 @@ def test_bad_spec_files_dropped_live_never_hurt_the_operator_or_the_running_job(
     assert running is not None and running["status"] == "True", herd.diagnostics(GOOD)
     assert herd.launch_id(GOOD) == running_good_job, "the good job was relaunched"
     assert sorted(p.name for p in herd.specs_dir.iterdir()) == [f"{GOOD}.yaml"]
+
+
+ROUNDS_OF_HOSTILE_ENTRIES = 3
+
+
+def skip_event_for(herd: OperatorHarness, path: Path) -> bool:
+    return any(
+        e.reason == "SpecFileSkipped" and f"{path}: not read: " in e.message for e in herd.events()
+    )
+
+
+def spec_invalid_for(herd: OperatorHarness, path: Path, reason: str) -> bool:
+    condition = herd.condition(GOOD, "SpecValid")
+    return (
+        condition is not None
+        and condition["status"] == "False"
+        and f"{path}: (file): not read: " in condition["message"]
+        and reason in condition["message"]
+    )
+
+
+def spec_valid(herd: OperatorHarness) -> bool:
+    condition = herd.condition(GOOD, "SpecValid")
+    return condition is not None and condition["status"] == "True"
+
+
+def test_hostile_entries_and_swaps_over_the_running_jobs_file_never_disturb_it(
+    herd: OperatorHarness, log: Records, running_good_job: str
+) -> None:
+    """Each kind of hostile entry three times: new beside the job's file (skipped, and said in an
+    event naming it), then moved over the job's file in one step (the job runs on with its
+    last good spec, SpecValid=False saying which file and why, an InvalidSpec event), then
+    the good file back (SpecValid=True). A link loop once stopped every relist, and any of
+    these over the job's file once deleted the job."""
+    kinds = sorted(HOSTILE_ENTRIES)
+    if (refused := chown_refused()) is not None:
+        kinds.remove("other-user")
+        print(f"other-user left out: {refused}")
+    outside = herd.root / "elsewhere.yaml"
+    outside.write_text(INTRUDER_TEXT)
+    keeper = herd.specs_dir / f"{GOOD}.yaml"
+    good_text = keeper.read_text()
+    entries = swaps = 0
+    made: list[Path] = []  # kept until the end: later swaps happen among all of them
+    for round_number in range(ROUNDS_OF_HOSTILE_ENTRIES):
+        for kind in kinds:
+            reason = HOSTILE_ENTRIES[kind][1]
+            path = herd.specs_dir / f"hostile-{round_number}-{kind}.yaml"
+            put_hostile(path, kind, outside)
+            made.append(path)
+            entries += 1
+            herd.wait_for(
+                functools.partial(skip_event_for, herd, path),
+                f"an event saying {path.name} ({kind}) is skipped",
+                timeout=EVIDENCE_TIMEOUT_S,
+            )
+            put_hostile(keeper, kind, outside)
+            swaps += 1
+            herd.wait_for(
+                functools.partial(spec_invalid_for, herd, keeper, reason),
+                f"SpecValid=False naming {keeper.name} as {kind}",
+                timeout=EVIDENCE_TIMEOUT_S,
+                job=GOOD,
+            )
+            put_file(keeper, good_text)
+            herd.wait_for(
+                lambda: spec_valid(herd), "SpecValid=True again", EVIDENCE_TIMEOUT_S, GOOD
+            )
+            assert herd.launch_id(GOOD) == running_good_job, f"relaunched after {kind}"
+            assert log.problems() == [], f"after {kind}"
+            remove_partners(keeper)
+    for path in made:
+        remove_entry(path)
+        remove_partners(path)
+    print(f"{entries} hostile entries made, {swaps} moved over the running job's file")
+
+    assert herd._thread.is_alive(), "the operator's thread died"
+    unexpected = herd.operator.metrics.registry.get_sample_value(
+        "herd_reconcile_total", {"outcome": "unexpected_error"}
+    )
+    assert not unexpected, f"{unexpected} reconciles ended in an unexpected error"
+    running = herd.condition(GOOD, "Running")
+    assert running is not None and running["status"] == "True", herd.diagnostics(GOOD)
+    assert herd.launch_id(GOOD) == running_good_job, "the good job was relaunched"
+    assert herd.job(INTRUDER) is None, "a hostile entry's spec was read"
+    invalid = [e for e in herd.events(GOOD) if e.reason == "InvalidSpec"]
+    assert sum(e.count for e in invalid) >= swaps, herd.diagnostics(GOOD)
+    assert not any("spec deleted" in e.message for e in herd.events(GOOD))
+    herd.wait_for(
+        lambda: sorted(p.name for p in herd.specs_dir.iterdir()) == [keeper.name],
+        "the directory to hold the job's file only",
+        timeout=EVIDENCE_TIMEOUT_S,
+    )
+
+
+def test_a_file_whose_job_name_cannot_be_read_is_an_event(herd: OperatorHarness) -> None:
+    """A YAML error that stops the name being read was only in the operator's log; now
+    `herd-operator events` shows it, naming the file."""
+    path = herd.write_text("broken.yaml", "metadata: {name: [unclosed\n")
+    events = herd.wait_for(
+        lambda: [e for e in herd.events() if e.reason == "InvalidSpecFile"],
+        "an InvalidSpecFile event",
+        timeout=EVIDENCE_TIMEOUT_S,
+    )
+    (event,) = events
+    assert (event.job, event.type) == (None, "Warning")
+    assert event.message.startswith(f"{path}: (file): YAML syntax error"), event.message

@@ -449,6 +449,34 @@ def test_valid_view_again_sets_spec_valid_true(world: World) -> None:
     assert world.launcher.starts == [("a", 1, 4)]
 
 
+def test_a_known_jobs_spec_turning_invalid_and_valid_again_is_an_event_each_time(
+    world: World,
+) -> None:
+    """The condition alone once told it: `events` showed nothing of an invalid edit (nor of
+    a file moved over the job's that is not read) of a job that had run."""
+    started(world, herd_job())
+    problem = "jobs/a.yaml: (file): not read: not a regular file (a FIFO)"
+    world.specs.put_invalid("a", problem)
+    world.reconcile("a")
+    world.reconcile("a")  # the same problem: no second event
+    world.specs.put_invalid("a", "jobs/a.yaml: spec.gpus.min: field required")
+    world.reconcile("a")
+    world.specs.put(herd_job())
+    world.reconcile("a")
+    world.reconcile("a")
+
+    assert [event for event in world.events("a") if event[1] != "Started"] == [
+        ("Warning", "InvalidSpec", f"{problem} (keeping the last good spec)"),
+        (
+            "Warning",
+            "InvalidSpec",
+            "jobs/a.yaml: spec.gpus.min: field required (keeping the last good spec)",
+        ),
+        ("Normal", "ValidSpec", "the spec is valid again"),
+    ]
+    assert world.launcher.starts == [("a", 1, 4)] and world.launcher.stops == []
+
+
 def test_invalid_view_for_a_name_never_seen_records_nothing(world: World) -> None:
     world.specs.put_invalid("ghost", "jobs/ghost.yaml: spec: field required")
 

@@ -537,6 +537,15 @@ def test_scan_skips_a_file_deleted_while_scanning(
     assert [f.name for f in scan_spec_dir(tmp_path)] == ["bravo"]
 
 
+def test_scan_passes_over_a_link_that_loops(tmp_path: Path) -> None:
+    """`DirEntry.is_file()` raises on a loop (ELOOP) where it says False of a dangling link."""
+    write(tmp_path, "a.yaml", job_yaml("alpha"))
+    (tmp_path / "self.yaml").symlink_to("self.yaml")
+    (tmp_path / "ping.yaml").symlink_to("pong.yaml")
+    (tmp_path / "pong.yaml").symlink_to("ping.yaml")
+    assert [f.name for f in scan_spec_dir(tmp_path)] == ["alpha"]
+
+
 def test_scan_of_missing_directory_raises(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=f"^spec directory does not exist: {missing}$"):

@@ -14,6 +14,7 @@ import pytest
 from herd_operator.runtime import specdir as specdir_module
 from herd_operator.runtime.specdir import SpecDirectory
 from herd_operator.specs import HerdJob, SpecFile, load_spec_file
+from herd_operator.specs.loading import load_spec_descriptor
 
 # Every write gets a distinct mtime, so the stat cache sees each edit even when the
 # file system's clock is coarser than the test (same size, same tick).
@@ -57,11 +58,11 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """File names that relist loaded, in order."""
     loaded: list[str] = []
 
-    def counting(path: Path) -> SpecFile:
+    def counting(descriptor: int, path: Path) -> SpecFile:
         loaded.append(path.name)
-        return load_spec_file(path)
+        return load_spec_descriptor(descriptor, path)
 
-    monkeypatch.setattr(specdir_module, "load_spec_file", counting)
+    monkeypatch.setattr(specdir_module, "load_spec_descriptor", counting)
     yield loaded
 
 
@@ -284,8 +285,8 @@ def test_entries_that_are_not_regular_files_in_the_dir_are_skipped_and_said_once
     said = sorted(r.getMessage() for r in caplog.records if "skipping" in r.getMessage())
     assert said == [
         "spec directory: skipping dangling.yaml: a dangling link",
-        "spec directory: skipping dir.yaml: not a regular file",
-        "spec directory: skipping fifo.yaml: not a regular file",
+        "spec directory: skipping dir.yaml: not a regular file (a directory)",
+        "spec directory: skipping fifo.yaml: not a regular file (a FIFO)",
         f"spec directory: skipping out.yaml: a link to {secret}, outside the spec directory",
     ]
     assert not any("0123456789abcdef" in r.getMessage() for r in caplog.records)
