@@ -154,8 +154,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
         self._say_spec_validity(name, record.status, problem, now)
 
         process = self.launcher.state(name)
-        if process.launch is not None and process.launch.launch_id != status.launch_id:
-            status = self._record_start(name, status, process.launch, now)
+        status = self._with_launch_recorded(name, status, process, now)
         if process.phase == ProcessPhase.EXITED:
             status = self._with_last_epoch(name, status, process)
             after = self._after_exit(name, job, status, process, generation, now, failures)
@@ -224,6 +223,14 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
             name, job, status, grant, decision.gpus, reports, observed, policy, launch,
             generation, now,
         )  # fmt: skip
+
+    def _with_launch_recorded(
+        self, name: str, status: HerdJobStatus, process: ProcessState, now: float
+    ) -> HerdJobStatus:
+        """`status` with the launch the launcher reports recorded, if it is a new one."""
+        if process.launch is not None and process.launch.launch_id != status.launch_id:
+            return self._record_start(name, status, process.launch, now)
+        return status
 
     def _accept_spec(
         self, view: SpecView, now: float

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         is_true,
         set_condition,
     )
+    from herd_operator.specs.fingerprint import spec_fingerprint
     from herd_operator.specs.loading import (
         MAX_SPEC_BYTES,
         SpecError,
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
         PolicyRef,
         RestartPolicy,
         TrainingOptions,
-        spec_fingerprint,
     )
     from herd_operator.specs.schema import json_schema
 
@@ -75,7 +75,7 @@ else:
         "RestartPolicy": "herd_operator.specs.models",
         "TrainingOptions": "herd_operator.specs.models",
         "json_schema": "herd_operator.specs.schema",
-        "spec_fingerprint": "herd_operator.specs.models",
+        "spec_fingerprint": "herd_operator.specs.fingerprint",
     }
 
     def __getattr__(name: str) -> object:

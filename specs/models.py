@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -558,50 +556,6 @@ class HerdJob(ApiModel):
     @property
     def name(self) -> str:
         return self.metadata.name
-
-
-def spec_fingerprint(job: HerdJob) -> str:
-    """sha256 of the spec's canonical JSON; labels and formatting do not change it."""
-    # A horovod job's engine options are said again by `horovod`: leaving `engine` out keeps
-    # the fingerprint (and generation) of specs written before it, and makes both spellings
-    # the same spec.
-    horovod = job.spec.engine.kind == HOROVOD_ENGINE
-    # Likewise an unset `training` leaves the fingerprint of specs from before it as it was.
-    excluded: dict[str, Any] = {}
-    if horovod:
-        excluded["engine"] = True
-    if job.spec.training is None:
-        excluded["training"] = True
-    elif job.spec.training.epochs is None:  # and no expected epochs, which it had not
-        excluded["training"] = {"epochs"}
-    # Nor a time limit or dependencies, which specs before them had not.
-    if job.spec.active_deadline_seconds is None:
-        excluded["active_deadline_seconds"] = True
-    if not job.spec.depends_on:
-        excluded["depends_on"] = True
-    # And `suspend: false`, the default. Suspending or resuming is a new generation, as a
-    # Kubernetes Job's `spec.suspend` is; it needs no relaunch of its own (the engine's
-    # `relaunch_reason` does not read it).
-    if not job.spec.suspend:
-        excluded["suspend"] = True
-    # And the default launcher, which specs from before the field run under now.
-    defaults = {"launcher"} if job.spec.horovod.launcher == DEFAULT_HOROVOD_LAUNCHER else set()
-    if not job.spec.horovod.preload:  # and no preload, which specs before it had
-        defaults.add("preload")
-    if job.spec.horovod.gloo_timeout_seconds == DEFAULT_GLOO_TIMEOUT_SECONDS:  # nor these
-        defaults.add("gloo_timeout_seconds")
-    if job.spec.horovod.grow_timeout_seconds == DEFAULT_GROW_TIMEOUT_SECONDS:
-        defaults.add("grow_timeout_seconds")
-    if defaults:
-        excluded["horovod"] = defaults
-    spec = job.spec.model_dump(mode="json", by_alias=True, exclude=excluded or None)
-    canonical = json.dumps(
-        spec,
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def _dump_horovod(options: HorovodOptions) -> dict[str, Any]:

@@ -139,20 +139,9 @@ def run_baseline(
             jobs.append(BaselineJob(waiting[next_arrival], entered=now))
             next_arrival += 1
         if jobs:
-            sizes = (
-                tiresias_sizes(jobs, pool_gpus)
-                if name == "tiresias"
-                else optimus_sizes(jobs, pool_gpus, limits)
-            )
-            _apply(jobs, sizes, now)
+            _apply(jobs, _sizes(name, jobs, pool_gpus, limits), now)
             rounds += 1
-            timeline.append(
-                (
-                    now,
-                    sum(j.size for j in jobs),
-                    sum(j.size * j.model.memory_fraction(j.size) for j in jobs),
-                )
-            )
+            timeline.append(_usage(jobs, now))
         elif next_arrival < len(waiting):  # idle until the next arrival's round
             skip = (waiting[next_arrival].arrival - now) // ROUND_SECONDS
             now += max(0.0, skip) * ROUND_SECONDS
@@ -161,28 +150,44 @@ def run_baseline(
         for job in jobs:
             _advance(job, now, ROUND_SECONDS)
         now += ROUND_SECONDS
-        for job in [j for j in jobs if j.finished is not None]:
-            jobs.remove(job)
-            ended.append(job)
+        ended += [j for j in jobs if j.finished is not None]
+        jobs = [j for j in jobs if j.finished is None]
         if name == "tiresias":
             _demote(jobs, now)
-    outcomes = [
-        JobOutcome(
-            j.model.name,
-            j.model.arrival,
-            j.started if j.started is not None else j.model.arrival,
-            j.finished if j.finished is not None else now,
-            j.model.requested,
-            j.gpu_seconds,
-            j.memory_seconds,
-            max(0, j.changes - 1),
-        )
-        for j in sorted(ended, key=lambda j: (j.model.arrival, j.model.name))
-    ]
     wall = time.perf_counter() - began
+    ended.sort(key=lambda j: (j.model.arrival, j.model.name))
+    outcomes = [_outcome(j, now) for j in ended]
     return SimResult(
         name, pool_gpus, outcomes, timeline, rounds, rounds, rounds, rounds, wall, wall, 0.0, []
     )
+
+
+def _sizes(
+    name: str, jobs: Sequence[BaselineJob], pool_gpus: int, limits: dict[str, int]
+) -> dict[str, int]:
+    if name == "tiresias":
+        return tiresias_sizes(jobs, pool_gpus)
+    return optimus_sizes(jobs, pool_gpus, limits)
+
+
+def _outcome(job: BaselineJob, now: float) -> JobOutcome:
+    model = job.model
+    return JobOutcome(
+        model.name,
+        model.arrival,
+        job.started if job.started is not None else model.arrival,
+        job.finished if job.finished is not None else now,
+        model.requested,
+        job.gpu_seconds,
+        job.memory_seconds,
+        max(0, job.changes - 1),
+    )
+
+
+def _usage(jobs: Sequence[BaselineJob], now: float) -> tuple[float, int, float]:
+    """A timeline point: GPUs allocated, and GPUs' worth of memory used."""
+    memory = sum(j.size * j.model.memory_fraction(j.size) for j in jobs)
+    return now, sum(j.size for j in jobs), memory
 
 
 def _apply(jobs: Sequence[BaselineJob], sizes: dict[str, int], now: float) -> None:

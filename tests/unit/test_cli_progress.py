@@ -17,7 +17,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.runtime.metrics import StateCollector, metric_label
 from herd_operator.runtime.store import Store
 from herd_operator.specs import ConditionStatus, ConditionType, HerdJob, set_condition
-from herd_operator.specs.models import spec_fingerprint
+from herd_operator.specs.fingerprint import spec_fingerprint
 from herd_operator.specs.status import MAX_JOB_METRICS, GpuCounts, HerdJobStatus, Progress
 from herd_operator.specs.values import Pool
 
@@ -92,7 +92,8 @@ def test_get_shows_progress_and_wide_an_eta(
     assert after.split()[7] == "-"  # expects no number of epochs
     header, _, train = run_cli(capsys, "get", "-o", "wide", "--state-dir", str(state)).splitlines()
     titles, cells = header.split(), train.split()
-    assert cells[titles.index("EPOCH")] == "3"
+    # EPOCH counts epochs completed, as PROGRESS does (the last reported epoch was 3).
+    assert cells[titles.index("EPOCH")] == cells[titles.index("PROGRESS")].split("/")[0] == "4"
     # 50 minutes after the fixture wrote it, less the time this test took to come here.
     eta = re.fullmatch(r"(\d+)m", cells[titles.index("ETA")])
     assert eta is not None and 40 <= int(eta.group(1)) <= 50

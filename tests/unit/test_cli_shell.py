@@ -245,7 +245,7 @@ def test_bash_completes_commands_flags_and_job_names(
 ) -> None:
     script = tmp_path / "herd-operator.bash"
     script.write_text(completion("bash", capsys))
-    assert bash_complete(script, ["herd-operator", "de"]) == ["demo", "describe"]
+    assert bash_complete(script, ["herd-operator", "de"]) == ["delete", "demo", "describe"]
     assert bash_complete(script, ["herd-operator", "get", "--sh"]) == ["--show-labels"]
     assert bash_complete(script, ["herd-operator", "report", "--format", "c"]) == ["csv"]
     # Directories for --state-dir (a file is not one).

@@ -39,7 +39,7 @@ from herd_operator.runtime.engines.hvd_workers import (
     run_local_worker,
     worker_environment,
 )
-from herd_operator.specs.models import spec_fingerprint
+from herd_operator.specs.fingerprint import spec_fingerprint
 from tests.unit.test_horovod_engine import make_job
 
 PYTHON = sys.executable
