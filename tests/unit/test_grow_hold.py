@@ -31,11 +31,8 @@ from herd_operator.runtime.engines.hvd_grow import (
     rendezvous_rank,
     withhold,
 )
-from herd_operator.specs.models import (
-    DEFAULT_GLOO_TIMEOUT_SECONDS,
-    DEFAULT_GROW_TIMEOUT_SECONDS,
-    spec_fingerprint,
-)
+from herd_operator.specs.fingerprint import spec_fingerprint
+from herd_operator.specs.models import DEFAULT_GLOO_TIMEOUT_SECONDS, DEFAULT_GROW_TIMEOUT_SECONDS
 from tests.unit.test_horovod_engine import make_job
 
 GUARD_S = 30.0
