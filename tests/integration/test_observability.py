@@ -48,7 +48,15 @@ def test_prometheus_scrapes_the_operator_and_promql_drives_the_memory_policy(
     ):
         memory = {"name": "memory", "params": {"cooldownSeconds": 0}}
         herd.write_spec(
-            spec_document("idle", 1, 2, digits_command(400, "--step-delay", "0.02"), policy=memory)
+            # `training.epochs`: the dashboard's progress and ETA panels need an expected end.
+            spec_document(
+                "idle",
+                1,
+                2,
+                digits_command(400, "--step-delay", "0.02"),
+                policy=memory,
+                training={"epochs": 400},
+            )
         )
         herd.wait_for(
             lambda: any(t["health"] == "up" for t in prom.targets()),
