@@ -1,0 +1,90 @@
+"""The torchrun engine end to end: real `torchrun` agents over Gloo on CPU under a real
+operator (4 virtual GPUs on localhost), running a plain torchrun script
+(`examples/train_torchrun.py`: no herd import needed, its own snapshot every epoch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.integration.harness import OperatorHarness, spec_document
+
+EPOCHS = 60
+"""Long enough that a grow (new agents import torch while the job trains: 20-40 s on a
+loaded 2-core machine) and a shrink both land before the end; about a second an epoch."""
+
+
+def torchrun_spec(name: str, gpus: int, snapshot: Path, epochs: int = EPOCHS) -> dict[str, Any]:
+    """A torchrun job of 1 to 3 GPUs that runs at `gpus` (the static policy's count: a
+    policy change resizes it without a relaunch)."""
+    command = [
+        "python", "examples/train_torchrun.py", "--epochs", str(epochs),
+        "--snapshot", str(snapshot), "--step-delay", "0.03",
+    ]  # fmt: skip
+    return spec_document(
+        name,
+        1,
+        3,
+        command,
+        engine={"kind": "torchrun", "options": {"lastCallSeconds": 3}},
+        policy={"name": "static", "params": {"gpus": gpus}},
+    )
+
+
+def history(snapshot: Path) -> list[tuple[int, int]]:
+    """(epoch, world size) of every epoch the job's snapshot says it trained."""
+    saved = torch.load(snapshot, map_location="cpu", weights_only=False)
+    return [(int(epoch), int(world)) for epoch, world in saved["history"]]
+
+
+def test_a_torchrun_job_grows_shrinks_and_succeeds_with_every_epoch_once(
+    herd: OperatorHarness, tmp_path: Path
+) -> None:
+    snapshot = tmp_path / "digits.pt"
+    # A spec with bad torchrun options next to it: refused naming the field, the rest runs.
+    bad = torchrun_spec("bad", 1, tmp_path / "bad.pt")
+    bad["spec"]["engine"]["options"] = {"maxRestarts": -1, "nprocPerNode": 2}
+    herd.write_spec(bad)
+    herd.write_spec(torchrun_spec("digits", 1, snapshot))
+    refused = herd.wait_for(
+        lambda: [e.message for e in herd.events("bad") if e.reason == "InvalidSpec"],
+        "the bad spec refused",
+    )
+    assert "spec.engine.options.maxRestarts: must be at least 0, got integer -1" in refused[0]
+    assert "spec.engine.options.nprocPerNode: unknown field (allowed: maxRestarts" in refused[0]
+
+    def epochs_at(world: int) -> bool:
+        return any(r.epoch is not None and r.world_size == world for r in herd.reports("digits"))
+
+    herd.wait_for(lambda: epochs_at(1), "an epoch at 1 worker", timeout=180, job="digits")
+    launch = herd.launch_id("digits")
+    herd.write_spec(torchrun_spec("digits", 3, snapshot))  # grow 1 -> 3
+    herd.wait_for(lambda: epochs_at(3), "an epoch at 3 workers", timeout=240, job="digits")
+    herd.write_spec(torchrun_spec("digits", 2, snapshot))  # shrink 3 -> 2
+    herd.wait_for(lambda: epochs_at(2), "an epoch at 2 workers", timeout=180, job="digits")
+    ended = herd.wait_for(
+        lambda: [
+            kind
+            for kind in ("Succeeded", "Failed")
+            if (c := herd.condition("digits", kind)) and c["status"] == "True"
+        ],
+        "the job to end",
+        timeout=240,
+        job="digits",
+    )
+    assert ended == ["Succeeded"], herd.diagnostics("digits")
+    assert herd.launch_id("digits") == launch, "a resize must not relaunch the job"
+
+    trained = history(snapshot)
+    assert [epoch for epoch, _ in trained] == list(range(EPOCHS)), "an epoch lost or repeated"
+    worlds = [world for _, world in trained]
+    changes = [world for i, world in enumerate(worlds) if i == 0 or world != worlds[i - 1]]
+    assert changes == [1, 3, 2], f"world sizes by epoch: {worlds}"
+    resized = [e.message for e in herd.events("digits") if e.reason == "Resized"]
+    assert any("1 -> 3" in m for m in resized) and any("3 -> 2" in m for m in resized), resized
+    with herd.store() as store:
+        assert store.allocations() == {}
+    # The operator ran on; the bad spec, never valid, never became a job.
+    assert herd.job("bad") is None
