@@ -135,6 +135,16 @@ def test_options_are_checked_for_torchrun_jobs_only() -> None:
     assert engine_problems(horovod.spec) == []
 
 
+def test_the_readme_torchrun_example_validates() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    example = readme.split("# jobs/digits-torchrun.yaml\n", 1)[1].split("```", 1)[0]
+    loaded = load_spec_text(example, "README.md")
+    assert loaded.job is not None, loaded.errors
+    assert loaded.job.spec.engine.kind == "torchrun"
+    assert engine_problems(loaded.job.spec) == []
+    assert TorchrunOptions.model_validate(loaded.job.spec.engine.options) == TorchrunOptions()
+
+
 # ---- the grant file and the names ----
 
 
