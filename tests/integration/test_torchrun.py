@@ -4,12 +4,33 @@ operator (4 virtual GPUs on localhost), running a plain torchrun script
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from tests.integration.harness import OperatorHarness, spec_document
+from herd_operator.runtime.process_table import job_processes
+from herd_operator.runtime.store import Store
+from tests.integration.harness import (
+    HERD,
+    OperatorHarness,
+    digits_command,
+    kill_marked_processes,
+    spec_document,
+)
+from tests.integration.test_crash_only import (
+    GUARD_S,
+    conditions,
+    finished,
+    start_operator,
+    stop_operator,
+    stored_jobs,
+    trained,
+    wait_for,
+    wait_until_serving,
+)
 
 EPOCHS = 60
 """Long enough that a grow (new agents import torch while the job trains: 20-40 s on a
@@ -88,3 +109,83 @@ def test_a_torchrun_job_grows_shrinks_and_succeeds_with_every_epoch_once(
         assert store.allocations() == {}
     # The operator ran on; the bad spec, never valid, never became a job.
     assert herd.job("bad") is None
+
+
+def gpu_holders(state: Path) -> dict[int, set[str]]:
+    """Each GPU of the (one-host) pool -> the jobs whose live workers are bound to it."""
+    holders: dict[int, set[str]] = {}
+    for proc in job_processes(state):
+        gpu = proc.env.get("HERD_GPU")
+        if gpu is not None:
+            holders.setdefault(int(gpu), set()).add(proc.job)
+    return holders
+
+
+def workers_of(state: Path, job: str) -> dict[int, int]:
+    """`job`'s live workers: GPU -> pid."""
+    return {
+        int(proc.env["HERD_GPU"]): proc.pid
+        for proc in job_processes(state)
+        if proc.job == job and "HERD_GPU" in proc.env
+    }
+
+
+def test_an_operator_killed_and_restarted_adopts_a_torchrun_job_beside_a_horovod_one(
+    tmp_path: Path,
+) -> None:
+    """Two engines in one pool, and crash-only: SIGKILL the operator while a torchrun job
+    and a Horovod job train; the next operator adopts both, the torchrun job's workers
+    (the same processes) train on to the end, and at no sample do two jobs share a GPU."""
+    jobs, state = tmp_path / "jobs", tmp_path / "state"
+    jobs.mkdir()
+    snapshot = tmp_path / "digits.pt"
+    epochs = 30
+    torchrun_job = torchrun_spec("tr", 2, snapshot, epochs)
+    horovod_job = spec_document("hvd", 2, 2, digits_command(12, "--step-delay", "0.03"))
+    (jobs / "tr.yaml").write_text(yaml.safe_dump(torchrun_job))
+    (jobs / "hvd.yaml").write_text(yaml.safe_dump(horovod_job))
+    log = tmp_path / "operator.log"
+    argv = [HERD, "run", "--specs-dir", str(jobs), "--state-dir", str(state),
+            "--hosts", "localhost:4", "--resync-seconds", "0.5", "--grace-seconds", "5",
+            "--metrics-port", "0"]  # fmt: skip
+    deadline = time.monotonic() + GUARD_S
+    shared: list[dict[int, set[str]]] = []
+    operator = start_operator(argv, log)
+    try:
+        wait_until_serving(state, operator, deadline)
+        before = wait_for(
+            "both jobs' workers on 2 GPUs each",
+            lambda: (
+                (w := workers_of(state, "tr"))
+                and len(w) == 2
+                and trained(state, "tr")
+                and len(workers_of(state, "hvd")) == 2
+                and w
+            ),
+            deadline,
+            operator,
+        )
+        operator.kill()
+        operator.wait(30)
+        operator = start_operator(argv, log)
+        wait_until_serving(state, operator, deadline)
+        while not finished(state, ["tr", "hvd"]):
+            assert time.monotonic() < deadline and operator.poll() is None, log.read_text()
+            holders = gpu_holders(state)
+            if any(len(held) > 1 for held in holders.values()):
+                shared.append(holders)
+            if workers_of(state, "tr"):
+                # The same generation trains on: no worker was started again.
+                assert set(workers_of(state, "tr").values()) <= set(before.values()), log
+            time.sleep(0.2)
+    finally:
+        stop_operator(operator)
+        kill_marked_processes(state)
+    assert not shared, f"GPUs held by two jobs: {shared[:3]}"
+    records = stored_jobs(state)
+    assert conditions(records["tr"]).get("Succeeded") == "True", records["tr"]
+    assert conditions(records["hvd"]).get("Succeeded") == "True", records["hvd"]
+    with Store.open_readonly(state / "state.db") as store:
+        reasons = [event.reason for event in store.events("tr")]
+    assert reasons.count("Started") == 1 and "Adopted" in reasons, reasons
+    assert [epoch for epoch, _ in history(snapshot)] == list(range(epochs))
