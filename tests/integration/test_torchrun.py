@@ -4,10 +4,13 @@ operator (4 virtual GPUs on localhost), running a plain torchrun script
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import yaml
 
@@ -60,7 +63,8 @@ def history(snapshot: Path) -> list[tuple[int, int]]:
     return [(int(epoch), int(world)) for epoch, world in saved["history"]]
 
 
-def test_a_torchrun_job_grows_shrinks_and_succeeds_with_every_epoch_once(
+@pytest.mark.timeout(600)  # every restart imports torch again: minutes on 2 loaded cores
+def test_a_torchrun_job_grows_shrinks_survives_a_killed_worker_and_succeeds(
     herd: OperatorHarness, tmp_path: Path
 ) -> None:
     snapshot = tmp_path / "digits.pt"
@@ -85,6 +89,16 @@ def test_a_torchrun_job_grows_shrinks_and_succeeds_with_every_epoch_once(
     herd.wait_for(lambda: epochs_at(3), "an epoch at 3 workers", timeout=240, job="digits")
     herd.write_spec(torchrun_spec("digits", 2, snapshot))  # shrink 3 -> 2
     herd.wait_for(lambda: epochs_at(2), "an epoch at 2 workers", timeout=180, job="digits")
+    # A worker SIGKILLed: its agent starts it again (one of maxRestarts), the other's
+    # worker too, and the job goes on at its size from its last snapshot.
+    victim = max(workers_of(herd.layout.root, "digits").values())
+    os.kill(victim, signal.SIGKILL)
+    herd.wait_for(
+        lambda: len(w := workers_of(herd.layout.root, "digits")) == 2 and victim not in w.values(),
+        "the killed worker started again",
+        timeout=180,
+        job="digits",
+    )
     ended = herd.wait_for(
         lambda: [
             kind
@@ -130,6 +144,7 @@ def workers_of(state: Path, job: str) -> dict[int, int]:
     }
 
 
+@pytest.mark.timeout(600)
 def test_an_operator_killed_and_restarted_adopts_a_torchrun_job_beside_a_horovod_one(
     tmp_path: Path,
 ) -> None:
