@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from herd_operator.cli.demo import DEMO_SPECS, place_spec, stage_examples
 from herd_operator.cli.spec_commands import validate_files
 from herd_operator.environment import (
     worker_host,
@@ -143,6 +144,28 @@ def test_the_readme_torchrun_example_validates() -> None:
     assert loaded.job.spec.engine.kind == "torchrun"
     assert engine_problems(loaded.job.spec) == []
     assert TorchrunOptions.model_validate(loaded.job.spec.engine.options) == TorchrunOptions()
+
+
+def test_the_demos_jobs_on_torchrun_are_the_same_jobs_of_the_torchrun_script(
+    tmp_path: Path,
+) -> None:
+    examples = REPO / "examples"
+    working = stage_examples(examples, tmp_path / "demo", "torchrun")
+    assert (working / "examples" / "train_torchrun.py").is_file()
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    for name in DEMO_SPECS:
+        place_spec(name, examples, working, jobs, "torchrun")
+        horovod = yaml.safe_load((examples / "specs" / name).read_text())
+        loaded = load_spec_text((jobs / name).read_text(), name)
+        assert loaded.job is not None, loaded.errors
+        spec = loaded.job.spec
+        assert spec.engine.kind == "torchrun" and engine_problems(spec) == []
+        python, _, *args = horovod["spec"]["command"]
+        assert spec.command == [
+            python, "examples/train_torchrun.py", *args, "--snapshot", f"{loaded.job.name}.pt",
+        ]  # fmt: skip
+        assert spec.gpus.model_dump() == horovod["spec"]["gpus"]
 
 
 # ---- the grant file and the names ----
