@@ -76,6 +76,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--step-delay", type=float, default=0.0, help="seconds to sleep after each step"
     )
+    parser.add_argument(
+        "--step-log", help="rank 0 appends `WALL_TIME WORLD_SIZE` here after every step"
+    )
     return parser.parse_args()
 
 
@@ -124,6 +127,7 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     if rank == 0:
         print(f"start: world size {world}, from epoch {progress['epochs_run']}", flush=True)
+    step_log = open(args.step_log, "a", buffering=1) if args.step_log and rank == 0 else None  # noqa: SIM115
 
     for epoch in range(progress["epochs_run"], args.epochs):
         started = time.monotonic()
@@ -135,6 +139,8 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             total += torch.tensor([loss.item(), 1.0])
+            if step_log is not None:
+                step_log.write(f"{time.time():.6f} {world}\n")
             if args.step_delay:
                 time.sleep(args.step_delay)
         dist.all_reduce(total)
