@@ -23,12 +23,17 @@ editors find the schema by the path or URL in the spec's `# yaml-language-server
 $schema=` line, not by its `$id`."""
 
 
-def json_schema(policy_params: Mapping[str, type[BaseModel]] | None = None) -> dict[str, Any]:
+def json_schema(
+    policy_params: Mapping[str, type[BaseModel]] | None = None,
+    engine_options: Mapping[str, type[BaseModel]] | None = None,
+) -> dict[str, Any]:
     """JSON Schema of a HerdJob file, for editors (yaml-language-server) and docs.
 
     `policy_params` maps policy names to their parameter models (the policies' registry
     knows them; `specs` does not import policies): `spec.policy.params` is checked against
     the model of the policy `spec.policy.name` names; other names' params stay open.
+    `engine_options` likewise maps engine kinds other than horovod to their options' models
+    (the runtime's engines know them).
     """
     schema = HerdJob.model_json_schema(by_alias=True)
     defs: dict[str, Any] = schema["$defs"]
@@ -40,6 +45,17 @@ def json_schema(policy_params: Mapping[str, type[BaseModel]] | None = None) -> d
             "then": {"properties": {"options": {"$ref": "#/$defs/HorovodOptions"}}},
         }
     )
+    engine_branches = []
+    for kind, model in sorted((engine_options or {}).items()):
+        options = model.model_json_schema(by_alias=True)
+        if defs.setdefault(model.__name__, options) != options:
+            raise ValueError(f"two different schemas named {model.__name__!r}")
+        then = {"properties": {"options": {"$ref": f"#/$defs/{model.__name__}"}}}
+        engine_branches.append(
+            {"if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]}, "then": then}
+        )
+    if engine_branches:
+        defs["EngineRef"]["allOf"] = engine_branches
     # What `get NAME -o yaml` adds to a spec, allowed (and ignored) in a file.
     schema["$defs"]["ObjectMeta"]["properties"].update(
         {

@@ -56,7 +56,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     from herd_operator.policies.registry import builtin_params_models
+    from herd_operator.runtime.engines import OPTION_MODELS
     from herd_operator.specs import json_schema
 
-    print(json.dumps(json_schema(builtin_params_models()), indent=2))
+    print(json.dumps(json_schema(builtin_params_models(), OPTION_MODELS), indent=2))
     return EXIT_OK

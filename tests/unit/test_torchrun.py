@@ -8,6 +8,9 @@ tests/integration/test_torchrun.py.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import subprocess
 import sys
@@ -15,10 +18,12 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
 from herd_operator.cli.demo import DEMO_SPECS, place_spec, stage_examples
+from herd_operator.cli.main import main
 from herd_operator.cli.spec_commands import validate_files
 from herd_operator.environment import (
     worker_host,
@@ -374,3 +379,26 @@ def test_the_torchrun_engine_and_the_operator_import_without_horovod(tmp_path: P
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# ---- the schema editors use ----
+
+
+def test_the_schema_checks_torchrun_options_where_they_are_given() -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["schema"]) == 0
+    schema = json.loads(out.getvalue())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+
+    def errors(options: dict[str, Any]) -> list[str]:
+        return [e.message for e in validator.iter_errors(document(options))]
+
+    assert errors({"maxRestarts": 5, "lastCallSeconds": 2}) == []
+    assert errors({"maxRestarts": -1}) == ["-1 is less than the minimum of 0"]
+    assert any("nprocPerNode" in message for message in errors({"nprocPerNode": 2}))
+    # A horovod job's options are still Horovod's.
+    horovod = document()
+    horovod["spec"]["engine"] = {"kind": "horovod", "options": {"maxRestarts": 1}}
+    assert any("maxRestarts" in e.message for e in validator.iter_errors(horovod))

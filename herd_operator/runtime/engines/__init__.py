@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pydantic import BaseModel
+
 from herd_operator.runtime.engines.base import (
     Engine,
     EngineContext,
@@ -22,7 +24,7 @@ from herd_operator.runtime.engines.base import (
 )
 from herd_operator.runtime.engines.horovod import HorovodEngine
 from herd_operator.runtime.engines.torchrun import TorchrunEngine
-from herd_operator.runtime.engines.torchrun_options import option_problems
+from herd_operator.runtime.engines.torchrun_options import TorchrunOptions, option_problems
 from herd_operator.specs import HerdJobSpec
 
 ENGINES: dict[str, EngineFactory] = {
@@ -33,6 +35,10 @@ OPTION_CHECKS: dict[str, Callable[[Mapping[str, Any]], list[tuple[str, str]]]] =
     "torchrun": option_problems,
 }
 """Each kind's check of `spec.engine.options`: (field, what is wrong) per problem."""
+OPTION_MODELS: dict[str, type[BaseModel]] = {
+    "torchrun": TorchrunOptions,
+}
+"""Each kind's options as a model, for the JSON Schema (`herd-operator schema`)."""
 
 
 def engine_factory(kind: str) -> EngineFactory:
@@ -57,6 +63,7 @@ def engine_problems(spec: HerdJobSpec) -> list[tuple[str, str]]:
 __all__ = [
     "ENGINES",
     "OPTION_CHECKS",
+    "OPTION_MODELS",
     "Engine",
     "EngineContext",
     "EngineFactory",
