@@ -9,6 +9,7 @@ tests/integration/test_torchrun.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -48,6 +49,12 @@ from herd_operator.runtime.engines.torchrun import (
 )
 from herd_operator.runtime.engines.torchrun_driver import GrantFile, outcome, parse_args, plan
 from herd_operator.runtime.engines.torchrun_options import TorchrunOptions, option_problems
+from herd_operator.simulate.model import (
+    SHRINK_STALL_SECONDS,
+    TORCHRUN_GROW_STALL_SECONDS,
+    TORCHRUN_SHRINK_STALL_SECONDS,
+    JobModel,
+)
 from herd_operator.specs import HerdJob, load_spec_text
 from herd_operator.specs.values import Placement
 
@@ -402,3 +409,24 @@ def test_the_schema_checks_torchrun_options_where_they_are_given() -> None:
     horovod = document()
     horovod["spec"]["engine"] = {"kind": "horovod", "options": {"maxRestarts": 1}}
     assert any("maxRestarts" in e.message for e in validator.iter_errors(horovod))
+
+
+# ---- the simulator ----
+
+
+def test_the_simulators_torchrun_jobs_stall_as_measured_on_every_resize() -> None:
+    horovod = JobModel("a", 0.0, 4, 1, 4, 100.0, 2, 0.0, 0.1, 0.1)
+    torchrun = dataclasses.replace(horovod, engine="torchrun")
+    assert torchrun.stall(2, 4) == TORCHRUN_GROW_STALL_SECONDS
+    assert torchrun.stall(4, 2) == TORCHRUN_SHRINK_STALL_SECONDS
+    assert horovod.stall(4, 2) == SHRINK_STALL_SECONDS < torchrun.stall(4, 2)
+    assert torchrun.stall(0, 2) == horovod.stall(0, 2) and torchrun.stall(2, 2) == 0.0
+    with pytest.raises(ValueError, match="engine must be one of horovod, torchrun"):
+        dataclasses.replace(horovod, engine="mpi")
+
+
+def test_simulate_runs_every_job_on_the_engine_asked_for(tmp_path: Path) -> None:
+    argv = ["simulate", "perlmutter", "--jobs", "20", "--pool", "8x4", "--policy", "memory"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "--engine", "torchrun", "--output", str(tmp_path)]) == 0
+    assert "torchrun jobs" in (tmp_path / "summary.md").read_text()
