@@ -6,6 +6,8 @@ them. One list, so both sides agree on the names.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 JOB_ENV = "HERD_JOB"
 """The job's name."""
 ALLOCATOR_ENV = "HERD_ALLOCATOR"
@@ -26,6 +28,10 @@ OPERATOR_SET = frozenset(
     {JOB_ENV, ALLOCATOR_ENV, TOKEN_FILE_ENV, ENV_FILE_ENV, STATE_DIR_ENV, LAUNCH_ID_ENV}
 )
 """What the operator sets for a job: a spec's `env` cannot replace these."""
+WORKER_HOST_ENV = "HERD_WORKER_HOST"
+"""Set by the torchrun engine's driver for each agent: the name its worker binds its GPU
+with (one GPU per agent, each under a name of its own). Unset: Horovod's HOROVOD_HOSTNAME,
+else the machine's name."""
 GPU_ENV = "HERD_GPU"
 """Set by the shim: the allocator's GPU index of this worker on its host."""
 GPUS_ENV = "HERD_GPUS"
@@ -41,3 +47,25 @@ MAX_WORKER_BATCH_ENV = "HERD_MAX_WORKER_BATCH"
 """From `spec.training.maxWorkerBatch`: preserve-batch's largest micro-batch per worker."""
 TRAINING_ENV = frozenset({BATCH_POLICY_ENV, WARMUP_STEPS_ENV, MAX_WORKER_BATCH_ENV})
 """What `spec.training` sets for the workers; a spec's `env` cannot replace these."""
+
+
+# Where a worker stands, as each engine tells it: Horovod's variables first (a Horovod
+# worker has both kinds only if the operator's own environment had torchrun's), then
+# torchrun's (RANK, LOCAL_RANK, WORLD_SIZE: what `torch.distributed.run` sets).
+
+
+def worker_host(env: Mapping[str, str]) -> str | None:
+    """The name a worker binds its GPU with (None: the machine's name)."""
+    return env.get(WORKER_HOST_ENV) or env.get("HOROVOD_HOSTNAME") or None
+
+
+def worker_local_rank(env: Mapping[str, str]) -> int:
+    return int(env.get("HOROVOD_LOCAL_RANK") or env.get("LOCAL_RANK") or "0")
+
+
+def worker_rank(env: Mapping[str, str]) -> int:
+    return int(env.get("HOROVOD_RANK") or env.get("RANK") or "0")
+
+
+def worker_world_size(env: Mapping[str, str]) -> int:
+    return int(env.get("HOROVOD_SIZE") or env.get("WORLD_SIZE") or "1")

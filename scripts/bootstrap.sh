@@ -12,6 +12,8 @@
 #   HERD_VENV         venv location (default: ./.venv)
 #   HERD_WHEEL_CACHE  where the Horovod wheel is cached (default: ~/.cache/herd-operator/wheels)
 #   HERD_HOROVOD_GPU  auto (default), nccl or cpu: the Horovod build (build-horovod.sh says how)
+#   HERD_ENGINES      `torchrun` for no Horovod at all (no build: the torchrun engine only;
+#                     the Horovod tests then fail to import); default: both engines
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -54,7 +56,8 @@ fi
 build_horovod=$root/herd_operator/horovod_build/build-horovod.sh
 stamp_inputs=("$root/pyproject.toml" "$root/scripts/bootstrap.sh" "$build_horovod"
   "$root/herd_operator/horovod_build/horovod-0.28.1.patch")
-stamp=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
+engines=${HERD_ENGINES:-horovod,torchrun}
+stamp=$( (cat "${stamp_inputs[@]}"; echo "$engines") | sha256sum | cut -c1-16)
 if [[ -f $venv/.herd-bootstrap && $(cat "$venv/.herd-bootstrap") == "$stamp" ]]; then
   exit 0
 fi
@@ -69,6 +72,15 @@ if [[ ! -x $venv/bin/python ]]; then
   "$python" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+
+if [[ $engines == torchrun ]]; then
+  say "installing torch $torch_version (CPU), then herd-operator (editable) without Horovod"
+  "${pip[@]}" install -q "torch==$torch_version" numpy
+  "${pip[@]}" install -q -e "$root[torchrun,report,dev]"
+  echo "$stamp" > "$venv/.herd-bootstrap"
+  say "ready: $venv (torchrun engine only)"
+  exit 0
+fi
 
 say "installing torch $torch_version (CPU) and Horovod's build requirements"
 "${pip[@]}" install -q "torch==$torch_version" numpy cloudpickle psutil pyyaml packaging cffi wheel setuptools

@@ -26,6 +26,7 @@ $schema=` line, not by its `$id`."""
 def json_schema(
     policy_params: Mapping[str, type[BaseModel]] | None = None,
     *,
+    engine_options: Mapping[str, type[BaseModel]] | None = None,
     policy_summaries: Mapping[str, str] | None = None,
     engine_kinds: Sequence[str] = (),
 ) -> dict[str, Any]:
@@ -34,6 +35,8 @@ def json_schema(
     `policy_params` maps policy names to their parameter models (the policies' registry
     knows them; `specs` does not import policies): `spec.policy.params` is checked against
     the model of the policy `spec.policy.name` names; other names' params stay open.
+    `engine_options` likewise maps engine kinds other than horovod to their options' models
+    (the runtime's engines know them).
     `policy_summaries` (name -> one line) makes the description of `spec.policy.name`; the
     `engine_kinds` (the runtime's engine registry) are the enum of `spec.engine.kind`. Both
     come from the registries, so the schema lists what the operator has.
@@ -56,6 +59,17 @@ def json_schema(
             "then": {"properties": {"options": {"$ref": "#/$defs/HorovodOptions"}}},
         }
     )
+    engine_branches = []
+    for kind, model in sorted((engine_options or {}).items()):
+        options = model.model_json_schema(by_alias=True)
+        if defs.setdefault(model.__name__, options) != options:
+            raise ValueError(f"two different schemas named {model.__name__!r}")
+        then = {"properties": {"options": {"$ref": f"#/$defs/{model.__name__}"}}}
+        engine_branches.append(
+            {"if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]}, "then": then}
+        )
+    if engine_branches:
+        defs["EngineRef"]["allOf"] = engine_branches
     # What `get NAME -o yaml` adds to a spec, allowed (and ignored) in a file.
     schema["$defs"]["ObjectMeta"]["properties"].update(
         {

@@ -32,6 +32,20 @@ def test_every_package_of_the_tree_is_in_the_distribution() -> None:
         assert f"herd_operator.{name}" in setuptools_config["packages"]
 
 
+def test_the_torchrun_extra_installs_torch_and_no_horovod() -> None:
+    """`pip install 'herd-operator[torchrun]'`: the torchrun engine and its examples, no
+    Horovod anywhere (tests/unit/test_torchrun.py imports the engine without it)."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    names = {requirement.split(">")[0].split("=")[0] for requirement in extras["torchrun"]}
+    assert "torch" in names
+    assert not any("horovod" in requirement.lower() for requirement in extras["torchrun"])
+    assert not any(
+        "horovod" in requirement.lower() for requirement in PYPROJECT["project"]["dependencies"]
+    )
+    # What the train extra has for the examples, the torchrun extra has too.
+    assert {r for r in extras["train"] if "horovod" not in r} == set(extras["torchrun"])
+
+
 DISTRIBUTED = (
     "pyproject.toml",
     "README.md",

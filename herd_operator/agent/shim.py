@@ -37,7 +37,14 @@ from tenacity import (
 
 from herd_operator.agent import worker
 from herd_operator.auth import TokenFileError
-from herd_operator.environment import ENV_FILE_ENV, GPU_ENV, GPUS_ENV, JOB_ENV, VIRTUAL_ENV
+from herd_operator.environment import (
+    ENV_FILE_ENV,
+    GPU_ENV,
+    GPUS_ENV,
+    JOB_ENV,
+    VIRTUAL_ENV,
+    worker_local_rank,
+)
 from herd_operator.rpc.protocol import AuthError, RpcError
 
 BIND_WAIT_SECONDS = float(os.environ.get("HERD_BIND_TIMEOUT", "600"))
@@ -100,7 +107,7 @@ def bound_environment(environ: dict[str, str]) -> dict[str, str]:
             raise ShimExit(1) from None
     if not worker.under_operator():
         return env
-    local_rank = int(env.get("HOROVOD_LOCAL_RANK", "0"))
+    local_rank = worker_local_rank(env)
     try:
         client = worker.client_from_env(f"shim:{env[JOB_ENV]}:{worker.host_name()}:{local_rank}")
     except (ValueError, TokenFileError) as err:  # no retry makes these right

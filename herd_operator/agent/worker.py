@@ -35,6 +35,10 @@ from herd_operator.environment import (
     JOB_ENV,
     TOKEN_FILE_ENV,
     VIRTUAL_ENV,
+    worker_host,
+    worker_local_rank,
+    worker_rank,
+    worker_world_size,
 )
 from herd_operator.rpc.client import RpcClient
 from herd_operator.rpc.protocol import parse_address
@@ -86,8 +90,9 @@ def _shared_client() -> RpcClient:
 
 
 def host_name() -> str:
-    """The host name as Horovod's discovery script spelled it."""
-    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    """The host name the worker binds with: as Horovod's discovery script spelled it, or
+    the torchrun engine's name of the worker's GPU."""
+    return worker_host(os.environ) or socket.gethostname()
 
 
 def _horovod() -> Any:
@@ -106,7 +111,7 @@ def _local_rank() -> int:
     hvd = _horovod()
     if hvd is not None:
         return int(hvd.local_rank())
-    return int(os.environ.get("HOROVOD_LOCAL_RANK", "0"))
+    return worker_local_rank(os.environ)
 
 
 def bind_device() -> DeviceBinding:
@@ -136,13 +141,11 @@ def _report(epoch: int | None, metrics: Mapping[str, float], world_size: int | N
     if not under_operator():
         return
     hvd = _horovod()
-    rank = int(hvd.rank()) if hvd is not None else int(os.environ.get("HOROVOD_RANK", "0"))
+    rank = int(hvd.rank()) if hvd is not None else worker_rank(os.environ)
     if rank != 0:
         return  # one report per epoch and reset is enough: rank 0 speaks for the job
     if world_size is None:
-        world_size = (
-            int(hvd.size()) if hvd is not None else int(os.environ.get("HOROVOD_SIZE", "1"))
-        )
+        world_size = int(hvd.size()) if hvd is not None else worker_world_size(os.environ)
     try:
         _shared_client().call(
             "report",

@@ -34,6 +34,8 @@ CHECKOUT_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEMO_SPECS = ("digits-a.yaml", "digits-b.yaml")
 DEMO_SCRIPT = "train_digits.py"
 """What the demo's jobs run, as `python examples/train_digits.py` from their workingDir."""
+TORCHRUN_SCRIPT = "train_torchrun.py"
+"""What they run under `--engine torchrun`: the same training as a plain torchrun script."""
 DEMO_MARKER = ".herd-demo"
 
 
@@ -75,7 +77,21 @@ def _has_demo_files(directory: Path) -> bool:
     return all(path.is_file() for path in wanted)
 
 
-def stage_examples(examples: Path, state_dir: Path) -> Path:
+def on_torchrun(document: dict[str, Any]) -> dict[str, Any]:
+    """An example spec of the Horovod script as the same job on the torchrun engine: the
+    torchrun script with the same arguments, its snapshot named after the job."""
+    spec = dict(document["spec"])
+    python, script, *args = spec["command"]
+    if Path(script).name != DEMO_SCRIPT:
+        raise DemoFailed(f"{document['metadata']['name']}: not a job of {DEMO_SCRIPT}")
+    snapshot = f"{document['metadata']['name']}.pt"
+    spec["command"] = [python, str(Path(script).with_name(TORCHRUN_SCRIPT)), *args,
+                       "--snapshot", snapshot]  # fmt: skip
+    spec["engine"] = {"kind": "torchrun"}
+    return {**document, "spec": spec}
+
+
+def stage_examples(examples: Path, state_dir: Path, engine: str = "horovod") -> Path:
     """Copy what the demo's jobs run into ``state_dir``; returns their working directory.
 
     The jobs run from the demo's own directory, never from site-packages (which may be
@@ -84,14 +100,21 @@ def stage_examples(examples: Path, state_dir: Path) -> Path:
     target = state_dir / "examples"
     (target / "specs").mkdir(parents=True, exist_ok=True)
     shutil.copy2(examples / DEMO_SCRIPT, target / DEMO_SCRIPT)
+    if engine == "torchrun":
+        shutil.copy2(examples / TORCHRUN_SCRIPT, target / TORCHRUN_SCRIPT)
     for name in DEMO_SPECS:
         shutil.copy2(examples / "specs" / name, target / "specs" / name)
     return state_dir
 
 
-def place_spec(example: str, examples: Path, working_dir: Path, jobs_dir: Path) -> None:
-    """Copy an example spec into the watched directory, atomically, to run from working_dir."""
+def place_spec(
+    example: str, examples: Path, working_dir: Path, jobs_dir: Path, engine: str = "horovod"
+) -> None:
+    """Copy an example spec into the watched directory, atomically, to run from working_dir
+    on `engine`."""
     document = yaml.safe_load((examples / "specs" / example).read_text())
+    if engine == "torchrun":
+        document = on_torchrun(document)
     document["spec"]["workingDir"] = str(working_dir)
     write_atomically(jobs_dir / example, yaml.safe_dump(document, sort_keys=False))
 
@@ -160,7 +183,7 @@ def summary(database: Path, started: float) -> str:
     return "\n".join(lines)
 
 
-def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
+def run_demo(state_dir: Path, virtual_gpus: int, timeout: float, engine: str = "horovod") -> int:
     examples = find_examples()
     if examples is None:
         print(
@@ -175,7 +198,7 @@ def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
     except DemoFailed as err:
         print(f"herd-operator demo: {err}", file=sys.stderr)
         return 1
-    working_dir = stage_examples(examples, state_dir).resolve()
+    working_dir = stage_examples(examples, state_dir, engine).resolve()
     jobs_dir = state_dir / "jobs"
     jobs_dir.mkdir(exist_ok=True)
     layout = StateLayout(state_dir / "state")
@@ -206,9 +229,9 @@ def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
     try:
         if not operator.ready.wait(60):
             raise DemoFailed("the operator did not start")
-        say(f"operator up on {virtual_gpus} virtual GPUs; state in {layout.root}")
+        say(f"operator up on {virtual_gpus} virtual GPUs; state in {layout.root}; {engine} jobs")
         say("1. digits-a (elastic, 1..3 GPUs) arrives: admitted, 3 workers start")
-        place_spec("digits-a.yaml", examples, working_dir, jobs_dir)
+        place_spec("digits-a.yaml", examples, working_dir, jobs_dir, engine)
         watch.until(
             "digits-a to report 3 workers",
             lambda: watch.job("digits-a").get("gpus", {}).get("active") == 3,
@@ -217,7 +240,7 @@ def run_demo(state_dir: Path, virtual_gpus: int, timeout: float) -> int:
             "digits-a's second epoch", lambda: (watch.job("digits-a").get("epoch") or 0) >= 1
         )
         say("2. digits-b (gang, needs 2 GPUs) arrives: digits-a shrinks to make room")
-        place_spec("digits-b.yaml", examples, working_dir, jobs_dir)
+        place_spec("digits-b.yaml", examples, working_dir, jobs_dir, engine)
         watch.until(
             "digits-b to run",
             lambda: (

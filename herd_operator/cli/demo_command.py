@@ -29,6 +29,12 @@ def add_commands(commands: Subcommands) -> None:
     )
     demo.add_argument("--virtual-gpus", type=positive_int, default=4)
     demo.add_argument(
+        "--engine",
+        choices=("horovod", "torchrun"),
+        default="horovod",
+        help="run the example jobs on Horovod (default) or on torchrun, which needs no Horovod",
+    )
+    demo.add_argument(
         "--timeout",
         type=positive_float,
         default=600.0,
@@ -40,5 +46,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from herd_operator.cli.demo import run_demo
 
     configure_logging("INFO")
-    code: int = run_demo(args.state_dir, args.virtual_gpus, args.timeout)
+    code: int = run_demo(args.state_dir, args.virtual_gpus, args.timeout, args.engine)
     return code

@@ -7,6 +7,7 @@ Apart so the simulator, imported only when it runs, has one small door in the CL
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -45,6 +46,13 @@ def add_commands(commands: Subcommands) -> None:
         " allocator; docs/simulation.md)",
     )
     simulate.add_argument("--jobs", type=positive_int, default=1000, help="generated jobs")
+    simulate.add_argument(
+        "--engine",
+        choices=("horovod", "torchrun"),
+        default="horovod",
+        help="what runs every job: its resizes stall as that engine's measured ones"
+        " (default: horovod)",
+    )
     simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")
     simulate.add_argument(
         "--load", type=positive_float, default=0.9, help="offered load of the mix (default 0.9)"
@@ -113,6 +121,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         pool = parse_pool(args.pool)
         workload = load_workload(args.workload, pool, args.jobs, args.seed, args.load)
+        jobs = [dataclasses.replace(job, engine=args.engine) for job in workload.jobs]
+        workload = dataclasses.replace(workload, jobs=jobs)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
         results = simulate(
             workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait
@@ -121,8 +131,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"herd-operator simulate: {err}", file=sys.stderr)
         return EXIT_USAGE
     header = (
-        f"{workload.description} on {args.pool} ({pool.size} GPUs), tick {args.tick:g} s\n\n"
-        + describe_timing(results, arbitration_ms)
+        f"{workload.description} on {args.pool} ({pool.size} GPUs), {args.engine} jobs,"
+        f" tick {args.tick:g} s\n\n" + describe_timing(results, arbitration_ms)
     )
     paths = write(results, args.output, header)
     print((args.output / "summary.md").read_text())

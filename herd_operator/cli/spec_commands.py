@@ -88,11 +88,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     from herd_operator.policies.registry import builtin_params_models, builtin_summaries
-    from herd_operator.runtime.engines import ENGINES
+    from herd_operator.runtime.engines import ENGINES, OPTION_MODELS
     from herd_operator.specs import json_schema
 
     schema = json_schema(
-        builtin_params_models(), policy_summaries=builtin_summaries(), engine_kinds=list(ENGINES)
+        builtin_params_models(),
+        engine_options=OPTION_MODELS,
+        policy_summaries=builtin_summaries(),
+        engine_kinds=list(ENGINES),
     )
     print(json.dumps(schema, indent=2))
     return EXIT_OK

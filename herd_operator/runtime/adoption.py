@@ -22,7 +22,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import Literal
 
-from herd_operator.environment import GPU_ENV
+from herd_operator.environment import GPU_ENV, worker_host, worker_local_rank
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import Binding
@@ -148,18 +148,19 @@ def _event_if_known(
 def _bindings(processes: list[JobProcess], running: Mapping[str, Adopted]) -> list[Binding]:
     """The GPU each live worker of an adopted launch is bound to, as the shim exported it.
 
-    The host is the name the worker bound with (Horovod's `HOROVOD_HOSTNAME`), which may be
-    another name of a pool host; the allocator resolves it (`Allocator.restore`).
+    The host is the name the worker bound with (Horovod's `HOROVOD_HOSTNAME`, the torchrun
+    engine's `HERD_WORKER_HOST`), which may be another name of a pool host; the allocator
+    resolves it (`Allocator.restore`).
     """
     found = []
     for proc in processes:
         if proc.launch_id not in running or GPU_ENV not in proc.env:
             continue
         try:
-            gpu, local_rank = int(proc.env[GPU_ENV]), int(proc.env.get("HOROVOD_LOCAL_RANK", "0"))
+            gpu, local_rank = int(proc.env[GPU_ENV]), worker_local_rank(proc.env)
         except ValueError:
             continue
-        name = proc.env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        name = worker_host(proc.env) or socket.gethostname()
         found.append(Binding(proc.job, name, local_rank, gpu, proc.pid, name))
     return found
 

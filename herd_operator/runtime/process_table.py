@@ -21,7 +21,13 @@ from pathlib import Path
 
 import psutil
 
-from herd_operator.environment import GPU_ENV, JOB_ENV, LAUNCH_ID_ENV, STATE_DIR_ENV
+from herd_operator.environment import (
+    GPU_ENV,
+    JOB_ENV,
+    LAUNCH_ID_ENV,
+    STATE_DIR_ENV,
+    WORKER_HOST_ENV,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,7 @@ class JobProcess:
     """The few variables that say where it stands (see `_KEPT_ENV`)."""
 
 
-_KEPT_ENV = (GPU_ENV, "HOROVOD_HOSTNAME", "HOROVOD_LOCAL_RANK")
+_KEPT_ENV = (GPU_ENV, WORKER_HOST_ENV, "HOROVOD_HOSTNAME", "HOROVOD_LOCAL_RANK", "LOCAL_RANK")
 
 
 def job_processes(state_dir: Path) -> list[JobProcess]:

@@ -23,7 +23,7 @@ from herd_operator.controllers.ports import SpecView
 from herd_operator.lifecycle import STOP_SECONDS, LoopHealth, Periodic
 from herd_operator.policies.base import PolicyError
 from herd_operator.policies.registry import load_policy
-from herd_operator.runtime.engines import UnknownEngineError, engine_problem
+from herd_operator.runtime.engines import engine_problems
 from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs import (
     SpecError,
@@ -307,9 +307,10 @@ def _views_of(
 
 def with_known_references(spec_file: SpecFile) -> SpecFile:
     """The file as an invalid one if it names a policy or an engine this operator does not
-    have, or the policy's params are wrong: spec errors (SpecValid=False), and a job that
-    never ran never starts. The one place these references are checked, where specs are
-    loaded: the operator's spec directory (once per change of a file) and `validate`."""
+    have, or the policy's params or the engine's options are wrong: spec errors
+    (SpecValid=False), and a job that never ran never starts. The one place these references
+    are checked, where specs are loaded: the operator's spec directory (once per change of a
+    file) and `validate`."""
     if spec_file.job is None:
         return spec_file
     path = str(spec_file.path)
@@ -318,9 +319,7 @@ def with_known_references(spec_file: SpecFile) -> SpecFile:
         load_policy(spec_file.job.spec.policy)
     except PolicyError as err:
         errors += [SpecError(path, field, what) for field, what in err.problems]
-    problem = engine_problem(spec_file.job.spec)
-    if problem is not None:
-        errors.append(SpecError(path, UnknownEngineError.field, problem))
+    errors += [SpecError(path, field, what) for field, what in engine_problems(spec_file.job.spec)]
     if not errors:
         return spec_file
     return dataclasses.replace(spec_file, job=None, errors=tuple(errors))

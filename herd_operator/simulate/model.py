@@ -26,6 +26,15 @@ SHRINK_STALL_SECONDS = 0.3
 """A shrink's stall: `resize-stall 4->2` under the driver (docs/benchmarks.md, runs 7 and 8:
 medians 0.30 and 0.27 s, n = 3 each); the demo's recorded shrinks 3 -> 2 took 0.0 and 0.3 s
 (`herd-operator replay`, docs/simulation.md). Under horovodrun's launch it was 2.0 s (run 3)."""
+TORCHRUN_GROW_STALL_SECONDS = 13.6
+"""A grow's stall under the torchrun engine: every worker starts again at the new size from
+the job's snapshot. The time without a step of `devtools/torchrun_resize.py`'s 2 -> 4 (our
+driver: 15.6 and 11.5 s, n = 2, load 3-5; docs/benchmarks.md, run 16)."""
+TORCHRUN_SHRINK_STALL_SECONDS = 15.5
+"""A shrink's stall under the torchrun engine: the stopped agents' heartbeats lapse, the
+round's last call, every worker's restart (the same script's 4 -> 2: 16.9, 15.0 and 15.5 s,
+median, n = 3; docs/benchmarks.md, run 16)."""
+ENGINES = ("horovod", "torchrun")
 START_SECONDS = 33.3
 """A first launch, from the grant to the first progress: a new driver, every worker's
 interpreter and imports, the rendezvous, the script's own set-up (data, model). The median of
@@ -65,6 +74,8 @@ class JobModel:
     scale_limit: int = 0
     """The most GPUs its scaling was measured at (a trace's calibration); 0: not known. Read
     by the Optimus baseline, which grows a job up to it (`baselines.py`)."""
+    engine: str = "horovod"
+    """What runs it: its resizes stall as that engine's measured ones (`resize_stall`)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gpus <= self.max_gpus:
@@ -75,12 +86,14 @@ class JobModel:
             raise ValueError(f"{self.name}: serial fraction must be within [0, 1]")
         if self.start_seconds is not None and self.start_seconds < 0:
             raise ValueError(f"{self.name}: start_seconds must be >= 0")
+        if self.engine not in ENGINES:
+            raise ValueError(f"{self.name}: engine must be one of {', '.join(ENGINES)}")
 
     def stall(self, old: int, new: int) -> float:
         """`resize_stall`, with this job's own launch time if it has one."""
         if old <= 0 < new and self.start_seconds is not None:
             return self.start_seconds
-        return resize_stall(old, new)
+        return resize_stall(old, new, self.engine)
 
     def speedup(self, gpus: int) -> float:
         """Work per second on `gpus` GPUs, in single-GPU seconds per second."""
@@ -102,12 +115,15 @@ class JobModel:
         return self.work / self.speedup(gpus)
 
 
-def resize_stall(old: int, new: int) -> float:
-    """Seconds without progress after the job's size changed from `old` to `new` GPUs."""
+def resize_stall(old: int, new: int, engine: str = "horovod") -> float:
+    """Seconds without progress after the job's size changed from `old` to `new` GPUs on
+    `engine`."""
     if new <= 0 or old == new:
         return 0.0
     if old <= 0:
         return START_SECONDS
+    if engine == "torchrun":
+        return TORCHRUN_GROW_STALL_SECONDS if new > old else TORCHRUN_SHRINK_STALL_SECONDS
     return GROW_STALL_SECONDS if new > old else SHRINK_STALL_SECONDS
 
 

@@ -247,7 +247,7 @@ def test_an_unknown_kind_is_a_spec_error_and_never_starts(runtime: Runtime) -> N
     runtime.write("a", job_yaml("a", "{kind: nope}"))
     view = runtime.specs.view("a")
     assert view is not None and view.job is None
-    message = "spec.engine.kind: unknown engine kind 'nope' (known: horovod)"
+    message = "spec.engine.kind: unknown engine kind 'nope' (known: horovod, torchrun)"
     assert view.errors == (f"{runtime.jobs_dir / 'a.yaml'}: {message}",)
 
     runtime.reconciler.reconcile("a")
@@ -268,7 +268,10 @@ def test_a_spec_turning_to_an_unknown_kind_keeps_the_last_good_one(
 
     status, message = runtime.condition("a", ConditionType.SpecValid)
     assert status == "False"
-    assert "spec.engine.kind: unknown engine kind 'nope' (known: horovod, recording)" in message
+    assert (
+        "spec.engine.kind: unknown engine kind 'nope' (known: horovod, recording, torchrun)"
+        in message
+    )
     assert message.endswith("(keeping the last good spec)")
     assert runtime.launcher.state("a").phase is ProcessPhase.RUNNING
 
@@ -284,7 +287,7 @@ def test_a_last_good_spec_whose_engine_is_gone_is_a_permanent_error(
         job_launcher.start(job, 1, 1)
     assert caught.value.reason == "EngineUnavailable"
     assert str(caught.value) == (
-        "spec.engine.kind: unknown engine kind 'recording' (known: horovod)"
+        "spec.engine.kind: unknown engine kind 'recording' (known: horovod, torchrun)"
     )
 
 
@@ -292,7 +295,7 @@ def test_registry_lookup_names_the_known_kinds(recording: None) -> None:
     assert engine_factory("horovod") is HorovodEngine
     assert engine_factory("recording") is RecordingEngine
     with pytest.raises(
-        LookupError, match=r"^unknown engine kind 'x' \(known: horovod, recording\)$"
+        LookupError, match=r"^unknown engine kind 'x' \(known: horovod, recording, torchrun\)$"
     ):
         engine_factory("x")
 
@@ -301,7 +304,9 @@ def test_validate_reports_an_unknown_kind(tmp_path: Path) -> None:
     path = tmp_path / "a.yaml"
     path.write_text(job_yaml("a", "{kind: nope}"), encoding="utf-8")
     _, problems = checked_sources([str(path)], io.StringIO())
-    assert problems == [f"{path}: spec.engine.kind: unknown engine kind 'nope' (known: horovod)"]
+    assert problems == [
+        f"{path}: spec.engine.kind: unknown engine kind 'nope' (known: horovod, torchrun)"
+    ]
 
 
 # ---- the spec side ----
