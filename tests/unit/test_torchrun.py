@@ -25,7 +25,7 @@ import yaml
 
 from herd_operator.cli.demo import DEMO_SPECS, place_spec, stage_examples
 from herd_operator.cli.main import main
-from herd_operator.cli.spec_commands import validate_files
+from herd_operator.cli.spec_commands import checked_sources
 from herd_operator.environment import (
     worker_host,
     worker_local_rank,
@@ -126,7 +126,7 @@ def test_validate_and_the_spec_directory_refuse_bad_options_naming_each_field(
     path = tmp_path / "a.yaml"
     bad = document({"maxRestarts": -1, "lastCallSeconds": "soon", "bogus": 1})
     path.write_text(yaml.safe_dump(bad), encoding="utf-8")
-    _, problems = validate_files([path])
+    _, problems = checked_sources([str(path)], io.StringIO())
     fields = sorted(problem.split(": ")[1] for problem in problems)
     assert fields == [
         "spec.engine.options.bogus",
@@ -135,7 +135,7 @@ def test_validate_and_the_spec_directory_refuse_bad_options_naming_each_field(
     ], problems
     good = tmp_path / "b.yaml"
     good.write_text(yaml.safe_dump(document({"maxRestarts": 5})), encoding="utf-8")
-    assert validate_files([good])[1] == []
+    assert checked_sources([str(good)], io.StringIO())[1] == []
 
 
 def test_options_are_checked_for_torchrun_jobs_only() -> None:
