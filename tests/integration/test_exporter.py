@@ -92,7 +92,11 @@ def test_exporter_registers_and_labels_gpus_with_their_job(tmp_path: Path) -> No
             series = herd.wait_for(
                 lambda: (
                     (s := scrape(address))
-                    and s.get(("herd_gpu_memory_used_bytes", "1", "pair"), 0) > 50 * 2**20
+                    # Both workers: one may load its model seconds after the other.
+                    and all(
+                        s.get(("herd_gpu_memory_used_bytes", gpu, "pair"), 0) > 50 * 2**20
+                        for gpu in ("0", "1")
+                    )
                     and s
                 ),
                 "the exporter to measure the job's workers",

@@ -30,7 +30,6 @@ from tests.integration.test_crash_only import (
     start_operator,
     stop_operator,
     stored_jobs,
-    trained,
     wait_for,
     wait_until_serving,
 )
@@ -55,6 +54,16 @@ def torchrun_spec(name: str, gpus: int, snapshot: Path, epochs: int = EPOCHS) ->
         engine={"kind": "torchrun", "options": {"lastCallSeconds": 3}},
         policy={"name": "static", "params": {"gpus": gpus}},
     )
+
+
+def trained(state: Path, job: str) -> bool:
+    """Whether `job`'s workers reported an epoch (the store may be mid-creation right after
+    an operator's kill: then not yet)."""
+    try:
+        with Store.open_readonly(state / "state.db") as store:
+            return any(report.epoch is not None for report in store.reports(job))
+    except Exception:
+        return False
 
 
 def history(snapshot: Path) -> list[tuple[int, int]]:
@@ -112,9 +121,9 @@ def test_a_torchrun_job_grows_shrinks_survives_a_killed_worker_and_succeeds(
     assert ended == ["Succeeded"], herd.diagnostics("digits")
     assert herd.launch_id("digits") == launch, "a resize must not relaunch the job"
 
-    trained = history(snapshot)
-    assert [epoch for epoch, _ in trained] == list(range(EPOCHS)), "an epoch lost or repeated"
-    worlds = [world for _, world in trained]
+    epochs_run = history(snapshot)
+    assert [epoch for epoch, _ in epochs_run] == list(range(EPOCHS)), "an epoch lost or repeated"
+    worlds = [world for _, world in epochs_run]
     changes = [world for i, world in enumerate(worlds) if i == 0 or world != worlds[i - 1]]
     assert changes == [1, 3, 2], f"world sizes by epoch: {worlds}"
     resized = [e.message for e in herd.events("digits") if e.reason == "Resized"]
