@@ -111,15 +111,7 @@ class LaunchSteps(ReconcilerBase):
             update={
                 "conditions": conditions,
                 "gpus": gpu_counts(job, status, desired, size, None),
-                "launch_id": launch.launch_id,
-                "started_at": launch.started_at,
-                "retry_at": None,
-                "epoch": None,
-                "workers": None,
-                # The run's clock (activeDeadlineSeconds) starts at its first launch.
-                "run_started_at": launch.started_at
-                if status.run_started_at is None
-                else status.run_started_at,
+                **_launch_fields(status, launch),
             }
         )
         self._save(name, status, generation, now)
@@ -185,15 +177,7 @@ class LaunchSteps(ReconcilerBase):
         return status.model_copy(
             update={
                 "conditions": conditions,
-                "launch_id": launch.launch_id,
-                "started_at": launch.started_at,
-                "retry_at": None,
-                "epoch": None,
-                "workers": None,
-                # The run's clock (activeDeadlineSeconds) starts at its first launch.
-                "run_started_at": launch.started_at
-                if status.run_started_at is None
-                else status.run_started_at,
+                **_launch_fields(status, launch),
             }
         )
 
@@ -388,6 +372,21 @@ class LaunchSteps(ReconcilerBase):
                 "finished_at": None,
             }
         )
+
+
+def _launch_fields(status: HerdJobStatus, launch: LaunchInfo) -> dict[str, object]:
+    """What a status says of a launch it now names: its id and start, nothing reported yet,
+    and the run's clock (activeDeadlineSeconds), which starts at the run's first launch."""
+    return {
+        "launch_id": launch.launch_id,
+        "started_at": launch.started_at,
+        "retry_at": None,
+        "epoch": None,
+        "workers": None,
+        "run_started_at": status.run_started_at
+        if status.run_started_at is not None
+        else launch.started_at,
+    }
 
 
 def _exit_recorded(status: HerdJobStatus, process: ProcessState) -> bool:
