@@ -287,6 +287,11 @@ def test_what_the_agents_fix_at_launch_needs_a_relaunch_and_the_rest_does_not() 
     assert relaunch_reason(launched, job({"maxRestarts": 5}, command=["python", "b.py"]).spec)
     # The same options said with or without their defaults are the same launch.
     assert relaunch_reason(job({}).spec, job({"maxRestarts": 100}).spec) == ""
+    # Expected epochs are the operator's to read, not the workers': as under Horovod, a
+    # change of them relaunches nothing; a batch field, which the workers read, does.
+    assert relaunch_reason(launched, job({"maxRestarts": 5}, training={"epochs": 9}).spec) == ""
+    batch = job({"maxRestarts": 5}, training={"batchPolicy": "preserve-batch"}).spec
+    assert relaunch_reason(launched, batch)
 
 
 # ---- the driver's decisions ----

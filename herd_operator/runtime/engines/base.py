@@ -18,6 +18,15 @@ from herd_operator.specs import HerdJob, HerdJobSpec
 from herd_operator.specs.values import Placement, Slot
 
 
+def training_at_launch(spec: HerdJobSpec) -> dict[str, object] | None:
+    """The training options the workers read from their environment when they start, so
+    an engine's launch fixes them: not `epochs`, which only the operator reads (changing it
+    relaunches nothing)."""
+    if spec.training is None or not spec.training.tells_workers():
+        return None
+    return spec.training.model_dump(by_alias=True, exclude={"epochs"})
+
+
 @dataclass(frozen=True)
 class EngineContext:
     """What the operator gives each engine it makes (one engine per kind and operator)."""

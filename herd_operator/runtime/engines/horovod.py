@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.runtime.engines.base import EngineContext
+from herd_operator.runtime.engines.base import EngineContext, training_at_launch
 from herd_operator.specs import HerdJob, HerdJobSpec
 from herd_operator.specs.values import Placement, Slot
 
@@ -219,11 +219,7 @@ def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:
         "command": spec.command,
         "workingDir": spec.working_dir,
         "env": spec.env,
-        # The workers read it from their environment when they start; not `epochs`, which
-        # only the operator reads (changing it relaunches nothing).
-        "training": None
-        if spec.training is None or not spec.training.tells_workers()
-        else spec.training.model_dump(by_alias=True, exclude={"epochs"}),
+        "training": training_at_launch(spec),
         "min": spec.gpus.min,
         "horovod": spec.horovod.model_dump(by_alias=True),
     }

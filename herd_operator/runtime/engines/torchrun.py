@@ -42,7 +42,7 @@ from pathlib import Path
 import psutil
 
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.runtime.engines.base import EngineContext
+from herd_operator.runtime.engines.base import EngineContext, training_at_launch
 from herd_operator.runtime.engines.horovod import LOCAL_HOSTS
 from herd_operator.runtime.engines.torchrun_options import TorchrunOptions, torchrun_options
 from herd_operator.specs import HerdJob, HerdJobSpec
@@ -154,7 +154,7 @@ def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:
         "command": spec.command,
         "workingDir": spec.working_dir,
         "env": spec.env,
-        "training": None if spec.training is None else spec.training.model_dump(by_alias=True),
+        "training": training_at_launch(spec),
         "min": spec.gpus.min,
         "torchrun": torchrun_options(spec.engine.options),
     }
