@@ -27,6 +27,25 @@ def training_at_launch(spec: HerdJobSpec) -> dict[str, object] | None:
     return spec.training.model_dump(by_alias=True, exclude={"epochs"})
 
 
+def launch_mismatch(
+    launched: HerdJobSpec,
+    wanted: HerdJobSpec,
+    fixed_at_launch: Callable[[HerdJobSpec], object],
+    fixed_changed: str,
+    max_flag: str,
+) -> str:
+    """Why a launch of `launched` cannot follow `wanted` ('' if it can), by the engine's
+    `fixed_at_launch`: what it fixed changed (`fixed_changed`), or `gpus.max` raised above
+    the launched one (its `max_flag`); lowering max is applied live through the grant."""
+    if launched is wanted:  # the usual resync: the spec has not changed since the launch
+        return ""
+    if fixed_at_launch(launched) != fixed_at_launch(wanted):
+        return fixed_changed
+    if wanted.gpus.max > launched.gpus.max:
+        return f"gpus.max raised above the launched {max_flag} {launched.gpus.max}"
+    return ""
+
+
 @dataclass(frozen=True)
 class EngineContext:
     """What the operator gives each engine it makes (one engine per kind and operator)."""

@@ -42,7 +42,11 @@ from pathlib import Path
 import psutil
 
 from herd_operator.layout import StateLayout, write_atomically
-from herd_operator.runtime.engines.base import EngineContext, training_at_launch
+from herd_operator.runtime.engines.base import (
+    EngineContext,
+    launch_mismatch,
+    training_at_launch,
+)
 from herd_operator.runtime.engines.horovod import LOCAL_HOSTS
 from herd_operator.runtime.engines.torchrun_options import TorchrunOptions, torchrun_options
 from herd_operator.specs import HerdJob, HerdJobSpec
@@ -162,13 +166,9 @@ def fixed_at_launch(spec: HerdJobSpec) -> dict[str, object]:
 
 def relaunch_reason(launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
     """Why a driver started for `launched` cannot follow `wanted` ('' if it can)."""
-    if launched is wanted:
-        return ""
-    if fixed_at_launch(launched) != fixed_at_launch(wanted):
-        return FIXED_AT_LAUNCH_CHANGED
-    if wanted.gpus.max > launched.gpus.max:
-        return f"gpus.max raised above the launched --nnodes max {launched.gpus.max}"
-    return ""
+    return launch_mismatch(
+        launched, wanted, fixed_at_launch, FIXED_AT_LAUNCH_CHANGED, "--nnodes max"
+    )
 
 
 class TorchrunEngine:
