@@ -451,7 +451,7 @@ class Allocator:
         }
         # Held jobs count as holding theirs: they are not weighed yet, but still forming.
         sizes = {job: grant.placement.size for job, grant in self._grants.items()}
-        forming = self._first.frozen(now, sizes, lambda job: len(self._bindings.of_job(job)))
+        forming = self._first.frozen(now, sizes, self._bindings.bound)
         frozen |= forming & current.keys()
         if shrink is not None:
             current[shrink[0]] = shrink[1].placement
@@ -577,7 +577,7 @@ class Allocator:
             if pid is not None and host in self._local_hosts and not self._belongs(job, pid):
                 raise NotJobsProcess(f"pid {pid} is not a process of job {job!r} on {host}")
             self._bindings.bind(job, name, local_rank, pid, slots)
-            if job in self._first and len(self._bindings.of_job(job)) >= placement.size:
+            if job in self._first and self._bindings.bound(job) >= placement.size:
                 # Formed: the next request decides again (what waited for its GPUs may go).
                 self._first.formed(job)
                 self._next_thaw = self._clock()

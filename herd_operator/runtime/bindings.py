@@ -15,6 +15,7 @@ demands. Not thread-safe by itself: the allocator calls it under its lock.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -89,6 +90,9 @@ class BindingTracker:
         self._present = present
         self._local_hosts = local_hosts
         self._bindings: dict[tuple[str, str, int], Binding] = {}
+        # Each job's bound GPUs, counted: how many a job has bound is asked at each bind of
+        # a forming job, which a scan of every binding would make quadratic in a burst.
+        self._bound: dict[str, Counter[Slot]] = {}
         # plain_presentation depends on the placement alone, so its answer is kept for the
         # job's current placement (every worker's bind asks for it, and computing it is
         # linear in the placement). Other presenters keep their own (Dispatch.present).
@@ -133,9 +137,8 @@ class BindingTracker:
         """Record that `job`'s worker `pid` of `local_rank` under host name `name` is on its
         GPU (`slots`: the job's GPUs under that name, as `where` gave them)."""
         host, gpu = slots[local_rank]
-        self._bindings[(job, name, local_rank)] = Binding(
-            job, host, local_rank, gpu, pid, "" if name == host else name
-        )
+        binding = Binding(job, host, local_rank, gpu, pid, "" if name == host else name)
+        self._put((job, name, local_rank), binding)
 
     def restore(self, bindings: Iterable[Binding], held: Mapping[str, Placement]) -> None:
         """Take the bindings of live workers found after a restart, each matched to its pool
@@ -149,10 +152,10 @@ class BindingTracker:
             named = self.presentation(binding.job, placement).get(name, ())
             host = next((h for h, gpu in named if gpu == binding.gpu), None)
             if host is not None:
-                self._bindings[(binding.job, name, binding.local_rank)] = Binding(
+                self._put((binding.job, name, binding.local_rank), Binding(
                     binding.job, host, binding.local_rank, binding.gpu, binding.pid,
                     "" if name == host else name,
-                )  # fmt: skip
+                ))  # fmt: skip
 
     def keep_matching(self, grants: Mapping[str, Grant]) -> None:
         """After a decision: keep the bindings still true of the jobs' new placements (a
@@ -171,9 +174,28 @@ class BindingTracker:
             ):
                 kept[key] = binding
         self._bindings = kept
+        self._bound = {}
+        for binding in kept.values():
+            self._bound.setdefault(binding.job, Counter())[(binding.host, binding.gpu)] += 1
+
+    def _put(self, key: tuple[str, str, int], binding: Binding) -> None:
+        old = self._bindings.get(key)
+        if old is not None:
+            counts = self._bound[old.job]
+            counts[(old.host, old.gpu)] -= 1
+            if not counts[(old.host, old.gpu)]:
+                del counts[(old.host, old.gpu)]
+        self._bindings[key] = binding
+        self._bound.setdefault(binding.job, Counter())[(binding.host, binding.gpu)] += 1
 
     def clear(self) -> None:
         self._bindings.clear()
+        self._bound.clear()
+
+    def bound(self, job: str) -> int:
+        """How many of the job's GPUs have a bound worker (`len(of_job(job))`, without a
+        scan of every binding)."""
+        return len(self._bound.get(job, ()))
 
     def all(self) -> list[Binding]:
         return list(self._bindings.values())

@@ -9,11 +9,13 @@ its workers report a world size, or the limit passed.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.bindings import Binding
+from herd_operator.runtime.bindings import Binding, BindingTracker, plain_presentation
 from herd_operator.runtime.first_launch import FirstLaunches
-from herd_operator.specs.values import Demand, Placement, Pool
+from herd_operator.specs.values import Demand, Grant, Placement, Pool
 
 LIMIT_S = 60.0
 
@@ -207,3 +209,36 @@ def test_next_end_is_the_earliest_start_plus_the_limit() -> None:
     assert launches.next_end() == 5.0 + LIMIT_S
     launches.formed("b")
     assert launches.next_end() == 10.0 + LIMIT_S
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["bind", "regrant", "clear"]),
+            st.sampled_from(["a", "b"]),
+            st.integers(0, 3),
+            st.integers(1, 4),
+        ),
+        max_size=30,
+    )
+)
+def test_the_bound_count_is_the_number_of_bound_gpus(
+    steps: list[tuple[str, str, int, int]],
+) -> None:
+    """`BindingTracker.bound`, kept as bindings change, says what a scan says."""
+    tracker = BindingTracker(plain_presentation, {"localhost"})
+    grants = {job: Grant(Placement((("localhost", (0, 1, 2, 3)),)), "") for job in "ab"}
+    for action, job, rank, size in steps:
+        if action == "bind":
+            placement = grants[job].placement
+            slots = tuple(tracker.presentation(job, placement).get("localhost", ()))
+            if rank < len(slots):
+                tracker.bind(job, "localhost", rank, None, slots)
+        elif action == "regrant":
+            grants[job] = Grant(Placement((("localhost", tuple(range(size))),)), "")
+            tracker.keep_matching(grants)
+        else:
+            tracker.clear()
+        for name in "ab":
+            assert tracker.bound(name) == len(tracker.of_job(name))
