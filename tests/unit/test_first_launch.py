@@ -36,9 +36,9 @@ class Sink:
         pass
 
 
-def allocator(clock: Clock, limit: float = LIMIT_S) -> Allocator:
+def allocator(clock: Clock, limit: float = LIMIT_S, gpus: int = 4) -> Allocator:
     return Allocator(
-        Pool.from_counts({"localhost": 4}),
+        Pool.from_counts({"localhost": gpus}),
         Sink(),
         virtual=True,
         drain_seconds=0,
@@ -114,15 +114,7 @@ def test_an_adopted_job_found_forming_is_not_shrunk_until_its_workers_bound() ->
     """After an operator restart: the launch was forming when the operator died (one of two
     workers bound), so a newcomer waits for it, as it would have without the restart."""
     clock = Clock()
-    alloc = Allocator(
-        Pool.from_counts({"localhost": 2}),
-        Sink(),
-        virtual=True,
-        drain_seconds=0,
-        clock=clock,
-        belongs=lambda job, pid: True,
-        first_launch_seconds=LIMIT_S,
-    )
+    alloc = allocator(clock, gpus=2)
     two = Placement((("localhost", (0, 1)),))
     alloc.restore({"a": two}, [Binding("a", "localhost", 0, 0, None)])
     alloc.request(Demand("a", 1, 2, 2, arrival=1))
@@ -138,15 +130,7 @@ def test_an_adopted_job_stays_frozen_through_decisions_made_before_its_first_req
     """Decisions for other jobs can come before the adopted job's reconcile asks again
     (it is held, untouched, until then): they must not end its freeze."""
     clock = Clock()
-    alloc = Allocator(
-        Pool.from_counts({"localhost": 3}),
-        Sink(),
-        virtual=True,
-        drain_seconds=0,
-        clock=clock,
-        belongs=lambda job, pid: True,
-        first_launch_seconds=LIMIT_S,
-    )
+    alloc = allocator(clock, gpus=3)
     two = Placement((("localhost", (0, 1)),))
     alloc.restore({"a": two}, [Binding("a", "localhost", 0, 0, None)])
     assert alloc.request(Demand("b", 1, 1, 1, arrival=2)).admitted  # type: ignore[union-attr]
@@ -157,15 +141,7 @@ def test_an_adopted_job_stays_frozen_through_decisions_made_before_its_first_req
 
 def test_an_adopted_job_whose_workers_all_bound_is_decided_at_once() -> None:
     clock = Clock()
-    alloc = Allocator(
-        Pool.from_counts({"localhost": 2}),
-        Sink(),
-        virtual=True,
-        drain_seconds=0,
-        clock=clock,
-        belongs=lambda job, pid: True,
-        first_launch_seconds=LIMIT_S,
-    )
+    alloc = allocator(clock, gpus=2)
     two = Placement((("localhost", (0, 1)),))
     bound = [Binding("a", "localhost", rank, rank, None) for rank in range(2)]
     alloc.restore({"a": two}, bound)
