@@ -59,6 +59,9 @@ class Decision:
     allocator that divides GPUs by gain (`Allocator(spare_by_gain=True)` for the GPUs nobody
     wants, `share_by_gain=True` for all above the mins) gives each next GPU to the job it
     adds most to."""
+    batch_size: int | None = None
+    """The global batch (samples) the policy picked for the job at the GPUs it is granted
+    (None: the job keeps the batch its spec and batch policy give it)."""
 
 
 class Policy(Protocol):

@@ -231,6 +231,14 @@ class Allocation:
     draining: Mapping[Slot, Drain] = field(default_factory=dict)
 
 
+ADAPTIVE_METRICS = ("gradient_noise_scale", "batch_size", "step_seconds")
+"""Names a worker reports in `Report.metrics` for goodput with adaptive batch size (issue 31):
+the gradient noise scale in samples (McCandlish et al.'s simple estimate, which Pollux uses),
+the global batch in samples during the epoch, and the mean seconds of one optimizer step at
+that batch and world size. One list, read by the worker API, the policies and the simulator."""
+GRADIENT_NOISE_SCALE_METRIC, BATCH_SIZE_METRIC, STEP_SECONDS_METRIC = ADAPTIVE_METRICS
+
+
 @dataclass(frozen=True)
 class Report:
     """What a job's workers said once: an epoch end, or a new world size when epoch is None."""
