@@ -8,6 +8,13 @@ Per-process memory (`herd_gpu_process_memory_used_bytes`, labelled `pid`) is off
 asked for (`per_process=True`): every restart of a job's workers brings new pids, so each
 would start new series that Prometheus keeps for its whole retention. By default a GPU's
 processes are counted instead (`herd_gpu_processes`), whose labels stay the same.
+
+Given the workers' pids (`pid_owners`), each GPU's memory is also attributed to the jobs whose
+workers use it (exporters/attribution.py): `herd_job_gpu_memory_used_bytes` (one series per
+job and GPU, gone with the job's workers; none while a worker's memory cannot be read),
+`herd_gpu_jobs` (how many jobs have a worker on the GPU: above 1 on a shared GPU) and
+`herd_gpu_unattributed_memory_bytes` (processes of no job). Their labels are `host, gpu,
+uuid, kind` and, for the first, `herd_job`: the job the memory is charged to.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from herd_operator.exporters.attribution import PidOwners, attribute
 from herd_operator.exporters.gpu import GpuReading, GpuSource
 
 log = logging.getLogger(__name__)
 
 GPU_LABELS = ["host", "gpu", "uuid", "kind", "herd_job"]
+SHARED_GPU_LABELS = ["host", "gpu", "uuid", "kind"]
 READ_FAILED = "read_failed"
 """The reason under which the collector counts a source's `read()` raising."""
 
@@ -55,9 +64,11 @@ class GpuCollector:
         *,
         stale_after: float = 0,
         per_process: bool = False,
+        pid_owners: Callable[[], PidOwners] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.source = source
+        self.pid_owners = pid_owners
         self.per_process = per_process
         self.owners = owners
         self.stale_after = stale_after
@@ -71,6 +82,8 @@ class GpuCollector:
     def describe(self) -> Iterator[Metric]:
         """The families without samples, so registering does not read the GPUs."""
         yield from _families().all(self.per_process)
+        if self.pid_owners is not None:
+            yield from _JobFamilies().all()
 
     def collect(self) -> Iterator[Metric]:
         read = self._read()
@@ -112,6 +125,31 @@ class GpuCollector:
             families.errors.add_metric([reason], count)
         families.duration.add_metric([], read.duration_seconds)
         yield from families.all(self.per_process)
+        if self.pid_owners is not None:
+            yield from self._job_memory(read.readings, self.pid_owners)
+
+    def _job_memory(
+        self, readings: list[GpuReading], pid_owners: Callable[[], PidOwners]
+    ) -> list[Metric]:
+        families = _JobFamilies()
+        try:
+            owners = pid_owners()
+        except Exception:
+            # Like the GPUs' owners: the memory is then charged to no job, not to a wrong one.
+            log.exception("asking whose workers the processes are failed")
+            owners = {}
+        attribution = attribute(readings, owners)
+        for reading in readings:
+            labels = [reading.host, str(reading.index), reading.uuid, reading.kind]
+            jobs = attribution.jobs_on(reading.host, reading.index)
+            families.jobs.add_metric(labels, len(jobs))
+            families.unattributed.add_metric(
+                labels, attribution.unattributed.get((reading.host, reading.index), 0)
+            )
+            for job, used in sorted(jobs.items()):
+                if used is not None:
+                    families.used.add_metric([*labels, job], used)
+        return families.all()
 
     def _read(self) -> _Read:
         with self._lock:
@@ -182,6 +220,30 @@ class _Families:
             for name in fields(self)
             if per_process or name.name != "process_used"
         ]
+
+
+class _JobFamilies:
+    """The families of the GPUs' memory charged to jobs."""
+
+    def __init__(self) -> None:
+        self.used = GaugeMetricFamily(
+            "herd_job_gpu_memory_used_bytes",
+            "GPU memory used by one job's worker processes on one GPU.",
+            labels=[*SHARED_GPU_LABELS, "herd_job"],
+        )
+        self.jobs = GaugeMetricFamily(
+            "herd_gpu_jobs",
+            "Jobs with a worker process on the GPU (above 1: a shared GPU).",
+            labels=SHARED_GPU_LABELS,
+        )
+        self.unattributed = GaugeMetricFamily(
+            "herd_gpu_unattributed_memory_bytes",
+            "GPU memory of processes that are no job's worker.",
+            labels=SHARED_GPU_LABELS,
+        )
+
+    def all(self) -> list[Metric]:
+        return [self.used, self.jobs, self.unattributed]
 
 
 def _families() -> _Families:

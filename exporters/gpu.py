@@ -36,6 +36,10 @@ class GpuReading:
     utilization_ratio: float | None = None
     power_watts: float | None = None
     processes: tuple[ProcessMemory, ...] = field(default=())
+    unknown_pids: tuple[int, ...] = field(default=())
+    """Processes on the GPU whose memory the source cannot say (NVML without the permission,
+    or NVML_VALUE_NOT_AVAILABLE under some drivers, MIG and MPS): not in `processes`, so
+    that nobody reads them as using nothing (exporters/attribution.py)."""
 
 
 class GpuSource(Protocol):

@@ -166,6 +166,7 @@ class NvmlGpuSource:
         utilization = self._field(nvml, lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
         power = self._field(nvml, lambda: nvml.nvmlDeviceGetPowerUsage(handle))
         processes = self._field(nvml, lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        known, unknown = _process_memory(processes or ())
         return GpuReading(
             host=self.host,
             index=index,
@@ -175,7 +176,8 @@ class NvmlGpuSource:
             memory_total_bytes=None if memory is None else int(memory.total),
             utilization_ratio=None if utilization is None else utilization.gpu / 100,
             power_watts=None if power is None else power / 1000,
-            processes=_process_memory(processes or ()),
+            processes=known,
+            unknown_pids=unknown,
         )
 
     def _memory_info(self, nvml: Any, handle: Any) -> Any:
@@ -190,19 +192,33 @@ class NvmlGpuSource:
         return nvml.nvmlDeviceGetMemoryInfo(handle)
 
 
-def _process_memory(processes: Any) -> tuple[ProcessMemory, ...]:
-    """Compute processes with known memory, one entry per pid (MIG lists a pid per instance).
+NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
+"""What NVML puts in `usedGpuMemory` when it cannot say (nvidia-ml-py turns it into None;
+older pynvml releases pass it through)."""
 
-    NVML reports no memory for a process without the permission to see it; such a
-    process is left out rather than reported as using nothing.
+
+def _process_memory(processes: Any) -> tuple[tuple[ProcessMemory, ...], tuple[int, ...]]:
+    """Compute processes with known memory, one entry per pid (MIG lists a pid per instance),
+    and the pids listed without a memory figure.
+
+    NVML reports no memory for a process without the permission to see it, and none under
+    some drivers with MIG or MPS; such a process is kept apart rather than reported as using
+    nothing (a job's memory on its GPU is then unknown, not small).
     """
     used_by_pid: dict[int, int] = {}
+    unknown: set[int] = set()
     for process in processes:
-        if process.usedGpuMemory is None:
-            continue
         pid = int(process.pid)
-        used_by_pid[pid] = used_by_pid.get(pid, 0) + int(process.usedGpuMemory)
-    return tuple(ProcessMemory(pid, used) for pid, used in used_by_pid.items())
+        used = process.usedGpuMemory
+        if used is None or int(used) >= NVML_VALUE_NOT_AVAILABLE:
+            unknown.add(pid)
+            continue
+        used_by_pid[pid] = used_by_pid.get(pid, 0) + int(used)
+    # A pid with one readable entry and one unreadable (two MIG instances) is unknown in all.
+    known = tuple(
+        ProcessMemory(pid, used) for pid, used in used_by_pid.items() if pid not in unknown
+    )
+    return known, tuple(sorted(unknown))
 
 
 def nvml_gpu_count() -> int:

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 RecordUsage = Callable[[str, int, int, int, float], None]
 """(job, gpus, used_bytes, total_bytes, now)"""
+ObserveReadings = Callable[[list[GpuReading], float], None]
+"""(readings, now): also given each round's readings (runtime/gpu_memory.GpuMemoryWatch)."""
 
 
 def job_usage(
@@ -52,8 +54,10 @@ class UsageObserver:
         *,
         interval: float = 1.0,
         health: LoopHealth | None = None,
+        also: ObserveReadings | None = None,
     ) -> None:
         self.source = source
+        self.also = also
         self.placements = placements
         self.record = record
         self.interval = interval
@@ -73,7 +77,13 @@ class UsageObserver:
 
     def sample_once(self) -> None:
         now = time.time()
-        for job, (gpus, used, total) in job_usage(self.source.read(), self.placements()).items():
+        readings = self.source.read()
+        if self.also is not None:
+            try:
+                self.also(readings, now)
+            except TemporaryError as err:  # the store refuses writes: it says so itself
+                log.debug("GPU memory events not recorded this round: %s", err)
+        for job, (gpus, used, total) in job_usage(readings, self.placements()).items():
             try:
                 self.record(job, gpus, used, total, now)
             except KeyError:

@@ -39,6 +39,7 @@ from herd_operator.runtime.config import OperatorConfig, OperatorError
 from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.engines.horovod import LOCAL_HOSTS, local_names
+from herd_operator.runtime.gpu_memory import GpuMemoryWatch
 from herd_operator.runtime.handlers import (
     GROUPED_OPS,
     AllocatorOps,
@@ -63,6 +64,7 @@ from herd_operator.runtime.telemetry import (
     MetricsServer,
     job_mapping,
     local_gpus,
+    memory_watch,
     observed_gpus,
     register_collectors,
 )
@@ -171,6 +173,8 @@ class Operator:
         self.launcher: Launcher | None = None
         self.allocator: Allocator | None = None
         self.observer: UsageObserver | None = None
+        self.gpu_memory: GpuMemoryWatch | None = None
+        """Each job's measured GPU memory (its `peaks`: the allocator's input for sharing)."""
         self.job_mapping: JobMappingLoop | None = None
         self.metrics = OperatorMetrics(CollectorRegistry())
         self._metrics_address: str | None = None
@@ -291,12 +295,14 @@ class Operator:
         exporters.write_targets()
         manager.add(exporters)
         self.job_mapping = job_mapping(config, allocator, health)
+        self.gpu_memory = memory_watch(store, allocator)
         self.observer = UsageObserver(
             observed_gpus(config, local, exporters),
             allocator.placements,
             store.add_usage,
             interval=config.sample_seconds,
             health=health,
+            also=self.gpu_memory.observe,
         )
         advertised = config.advertise_host or host
         address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"

@@ -28,6 +28,7 @@ from herd_operator.lifecycle import LoopHealth
 from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.config import OperatorConfig, OperatorError
+from herd_operator.runtime.gpu_memory import GpuMemoryWatch, PeakGpuMemory
 from herd_operator.runtime.handlers import ExporterRegistry
 from herd_operator.runtime.metrics import StateCollector
 from herd_operator.runtime.store import Store
@@ -130,6 +131,29 @@ def job_mapping(
     return JobMappingLoop(writer, clear_on_stop=False, health=health)
 
 
+def worker_pids(allocator: Allocator) -> dict[tuple[str, int], str]:
+    """(host, pid) of every bound worker -> its job: whose GPU memory a process is."""
+    return {
+        (binding.host, binding.pid): binding.job
+        for binding in allocator.bindings()
+        if binding.pid is not None
+    }
+
+
+def memory_watch(store: Store, allocator: Allocator) -> GpuMemoryWatch:
+    """Each job's peak GPU memory per worker while it holds GPUs (its run, to the
+    allocator: a job that gave back all its GPUs starts over), and the MemoryOverShare
+    warnings. No job has a memory share yet: the sharing allocator's `Demand.memory_bytes`
+    is what `shares` will return."""
+    return GpuMemoryWatch(
+        PeakGpuMemory(),
+        lambda: worker_pids(allocator),
+        lambda: dict.fromkeys(allocator.placements(), "placed"),
+        dict,
+        store.add_event,
+    )
+
+
 def register_collectors(
     registry: CollectorRegistry,
     config: OperatorConfig,
@@ -157,7 +181,14 @@ def register_collectors(
                 for slot in placement.slots()
             }
 
-        registry.register(GpuCollector(local, owners, per_process=config.process_metrics))
+        registry.register(
+            GpuCollector(
+                local,
+                owners,
+                per_process=config.process_metrics,
+                pid_owners=lambda: worker_pids(allocator),
+            )
+        )
 
 
 class MetricsServer:

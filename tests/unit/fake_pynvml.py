@@ -22,6 +22,8 @@ NVML_ERROR_UNKNOWN = 999
 
 # The real value: sizeof(nvmlMemory_v2_t) | 2 << 24.
 nvmlMemory_v2 = 0x02000028
+NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
+"""What NVML puts in a process's usedGpuMemory when it cannot say (some drivers, MIG, MPS)."""
 
 
 class NVMLError(Exception):
@@ -92,6 +94,9 @@ class FakeGpu:
     utilization_percent: int = 0
     power_milliwatts: int = 0
     processes: list[tuple[int, int | None]] = field(default_factory=list)
+    """(pid, usedGpuMemory) of each compute process, as NVML lists them (a pid once per MIG
+    instance; NVML_VALUE_NOT_AVAILABLE where the driver cannot say, None without the
+    permission)."""
     failures: dict[Call, type[NVMLError]] = field(default_factory=dict)
 
     def lose(self) -> None:
@@ -105,6 +110,8 @@ class FakeNvmlConfig:
     v2: Literal["supported", "driver_lacks", "module_lacks"] = "supported"
     """driver_lacks: the v2 call raises FunctionNotFound (old driver); module_lacks: an old
     nvidia-ml-py without `nvmlMemory_v2` nor the `version=` keyword."""
+    not_available_as_none: bool = True
+    """nvidia-ml-py turns NVML_VALUE_NOT_AVAILABLE into None; older pynvml releases pass it on."""
     init_error: type[NVMLError] | None = None
     count_error: type[NVMLError] | None = None
     shutdown_error: type[NVMLError] | None = None
@@ -205,7 +212,12 @@ def make_module(config: FakeNvmlConfig) -> types.ModuleType:
         return gpu_for(handle, "power").power_milliwatts
 
     def get_compute_running_processes(handle: _Handle) -> list[_Process]:
-        return [_Process(pid, used) for pid, used in gpu_for(handle, "processes").processes]
+        def shown(used: int | None) -> int | None:
+            if used == NVML_VALUE_NOT_AVAILABLE and config.not_available_as_none:
+                return None
+            return used
+
+        return [_Process(pid, shown(used)) for pid, used in gpu_for(handle, "processes").processes]
 
     functions: dict[str, object] = {
         "nvmlInit": nvml_init,

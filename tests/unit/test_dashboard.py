@@ -88,7 +88,12 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
             lambda: {("bind", "ok"): 1},
         )
     )  # fmt: skip
-    registry.register(GpuCollector(Gpus(), lambda: {("n1", 0): "resnet"}, per_process=True))
+    registry.register(
+        GpuCollector(
+            Gpus(), lambda: {("n1", 0): "resnet"}, per_process=True,
+            pid_owners=lambda: {("n1", 11): "resnet"},
+        )
+    )  # fmt: skip
     return generate_latest(registry).decode()
 
 
@@ -259,3 +264,13 @@ def test_the_exposition_follows_prometheus_naming_conventions(exposition: str) -
         timeout=60,
     )  # fmt: skip
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+def test_the_shared_gpus_panel_shows_each_job_on_each_gpu() -> None:
+    [panel] = [
+        p for p in dashboard()["panels"]
+        if any("herd_job_gpu_memory_used_bytes" in t["expr"] for t in p["targets"])
+    ]  # fmt: skip
+    [memory] = [t for t in panel["targets"] if "herd_job_gpu_memory_used_bytes" in t["expr"]]
+    assert not re.search(r"\b(sum|avg|max|min|count)\b", memory["expr"]), memory["expr"]
+    assert "{{herd_job}}" in memory["legendFormat"] and "{{gpu}}" in memory["legendFormat"]

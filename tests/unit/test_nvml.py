@@ -139,6 +139,7 @@ def test_processes_without_memory_are_left_out_and_pids_are_merged(
     reading = NvmlGpuSource("node1").read()[0]
 
     assert reading.processes == (ProcessMemory(10, 3 * GIB),)
+    assert reading.unknown_pids == (11,)  # listed apart: its memory is unknown, not 0
 
 
 def test_a_gpu_lost_mid_run_disappears_and_is_counted(
