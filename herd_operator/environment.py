@@ -24,8 +24,22 @@ STATE_DIR_ENV = "HERD_STATE_DIR"
 """The operator's state directory (also the CLI's default when set)."""
 LAUNCH_ID_ENV = "HERD_LAUNCH_ID"
 """Marks every process of one launch, so a restarted operator finds what a crashed one left."""
+GPU_MEMORY_LIMIT_ENV = "HERD_GPU_MEMORY_LIMIT_BYTES"
+"""Set by the operator for a job whose workers share GPUs: the most GPU memory, in bytes, each
+worker may use on its GPU. `herd_operator.worker.bind_device` (and `apply_memory_limit`) caps
+PyTorch's caching allocator at that share of the device
+(`torch.cuda.set_per_process_memory_fraction`), so that a worker outgrowing its share fails
+with an out-of-memory error of its own instead of its neighbour's. Unset: no limit."""
 OPERATOR_SET = frozenset(
-    {JOB_ENV, ALLOCATOR_ENV, TOKEN_FILE_ENV, ENV_FILE_ENV, STATE_DIR_ENV, LAUNCH_ID_ENV}
+    {
+        JOB_ENV,
+        ALLOCATOR_ENV,
+        TOKEN_FILE_ENV,
+        ENV_FILE_ENV,
+        STATE_DIR_ENV,
+        LAUNCH_ID_ENV,
+        GPU_MEMORY_LIMIT_ENV,
+    }
 )
 """What the operator sets for a job: a spec's `env` cannot replace these."""
 WORKER_HOST_ENV = "HERD_WORKER_HOST"

@@ -11,7 +11,10 @@ from herd_operator.agent.batching import BATCH_POLICIES, BatchPlan, BatchSetting
 from herd_operator.agent.training import batch_settings, elastic_batches, sum_gradients
 from herd_operator.agent.worker import (
     DeviceBinding,
+    apply_memory_limit,
     bind_device,
+    memory_fraction,
+    memory_limit_bytes,
     report_epoch,
     report_reset,
     under_operator,
@@ -23,9 +26,12 @@ __all__ = [
     "BatchSettings",
     "DeviceBinding",
     "Step",
+    "apply_memory_limit",
     "batch_settings",
     "bind_device",
     "elastic_batches",
+    "memory_fraction",
+    "memory_limit_bytes",
     "report_epoch",
     "report_reset",
     "sum_gradients",

@@ -40,6 +40,7 @@ from herd_operator.auth import TokenFileError
 from herd_operator.environment import (
     ENV_FILE_ENV,
     GPU_ENV,
+    GPU_MEMORY_LIMIT_ENV,
     GPUS_ENV,
     JOB_ENV,
     VIRTUAL_ENV,
@@ -78,12 +79,21 @@ def read_env_file(path: Path) -> dict[str, str]:
     return decoded
 
 
+MPS_MEMORY_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+
+
 def bind_environment(env: dict[str, str], reply: dict[str, object], local_rank: int) -> None:
     gpus = [str(gpu) for gpu in reply["gpus"]]  # type: ignore[attr-defined]
     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     env[GPUS_ENV] = ",".join(gpus)
     env[GPU_ENV] = str(reply["gpu"])
     env[VIRTUAL_ENV] = "1" if reply["virtual"] else "0"
+    limit = env.get(GPU_MEMORY_LIMIT_ENV, "").strip()
+    if limit.isdigit() and int(limit) > 0 and not reply["virtual"] and env[GPU_ENV] in gpus:
+        # Where an MPS server runs, it enforces the limit on any CUDA program, torch or not;
+        # elsewhere CUDA ignores the variable. Its device numbers are the visible ones.
+        ordinal = gpus.index(env[GPU_ENV])
+        env.setdefault(MPS_MEMORY_LIMIT_ENV, f"{ordinal}={max(1, int(limit) >> 20)}M")
 
 
 class ShimExit(Exception):

@@ -31,6 +31,7 @@ from herd_operator.auth import job_identity, read_token_file
 from herd_operator.environment import (
     ALLOCATOR_ENV,
     GPU_ENV,
+    GPU_MEMORY_LIMIT_ENV,
     GPUS_ENV,
     JOB_ENV,
     TOKEN_FILE_ENV,
@@ -119,7 +120,8 @@ def bind_device() -> DeviceBinding:
 
     Under the operator, the shim asked the allocator before this process started
     and exported the answer; elsewhere it is the usual `local_rank` convention.
-    When CUDA is usable, torch is pinned to that device. Never raises for a
+    When CUDA is usable, torch is pinned to that device, and capped at the worker's GPU
+    memory limit when the operator gave one (`apply_memory_limit`). Never raises for a
     passing reason: a worker that fails makes Horovod blacklist its host.
     """
     local_rank = _local_rank()
@@ -134,7 +136,56 @@ def bind_device() -> DeviceBinding:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             torch.cuda.set_device(binding.ordinal)
+            apply_memory_limit(binding.ordinal)
     return binding
+
+
+def memory_limit_bytes(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The GPU memory limit the operator gave this worker (HERD_GPU_MEMORY_LIMIT_BYTES), in
+    bytes; None when it gave none. A value that is not a positive integer is the operator's
+    mistake, not a passing one: ValueError naming the variable."""
+    text = environ.get(GPU_MEMORY_LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        limit = int(text)
+    except ValueError:
+        raise ValueError(
+            f"{GPU_MEMORY_LIMIT_ENV} must be a number of bytes, got {text!r}"
+        ) from None
+    if limit < 1:
+        raise ValueError(f"{GPU_MEMORY_LIMIT_ENV} must be positive, got {limit}")
+    return limit
+
+
+def memory_fraction(limit_bytes: int, total_bytes: int) -> float:
+    """The fraction of a device of `total_bytes` that `limit_bytes` is, as
+    `torch.cuda.set_per_process_memory_fraction` takes it: in (0, 1], a limit above the
+    device's size being the whole device."""
+    if total_bytes < 1:
+        raise ValueError(f"a device's memory must be positive, got {total_bytes} bytes")
+    if limit_bytes < 1:
+        raise ValueError(f"a memory limit must be positive, got {limit_bytes} bytes")
+    return min(1.0, limit_bytes / total_bytes)
+
+
+def apply_memory_limit(ordinal: int, environ: Mapping[str, str] = os.environ) -> float | None:
+    """Cap PyTorch's allocations on CUDA device `ordinal` at this worker's GPU memory limit:
+    beyond it, an allocation raises torch's OutOfMemoryError in this worker instead of taking
+    the memory of a job sharing the GPU. Called by `bind_device`; a script that binds its
+    device itself calls it before its first CUDA allocation. Returns the fraction set (None:
+    no limit, or no CUDA torch in this process)."""
+    limit = memory_limit_bytes(environ)
+    torch = sys.modules.get("torch")
+    if limit is None or torch is None or not torch.cuda.is_available():
+        return None
+    total = int(torch.cuda.get_device_properties(ordinal).total_memory)
+    fraction = memory_fraction(limit, total)
+    torch.cuda.set_per_process_memory_fraction(fraction, ordinal)
+    log.info(
+        "herd: GPU memory of device %d capped at %d bytes (%.3f of it)", ordinal, limit, fraction
+    )
+    return fraction
 
 
 def _report(epoch: int | None, metrics: Mapping[str, float], world_size: int | None) -> None:
