@@ -314,6 +314,11 @@ class LaunchSteps(ReconcilerBase):
             )
         restart = job.spec.restart_policy
         message = _exit_message(process)
+        if process.out_of_memory:
+            # Said apart from the exit: on a shared GPU it means the job outgrew its share.
+            out_of_memory = _out_of_memory(name, process.out_of_memory)
+            message = f"{message}: {out_of_memory}"
+            self._event(name, "Warning", "OutOfMemory", out_of_memory, now)
         if restart.on_failure and status.restarts < restart.backoff_limit:
             restarts = status.restarts + 1
             delay = restart_delay(restarts)
@@ -409,6 +414,13 @@ def _exit_message(process: ProcessState) -> str:
         # operator ran, and its keeper was killed with it.
         return f"{_command(process)} ended while no operator ran; its exit status is unknown"
     return f"{_command(process)} exited with status {process.exit_code}"
+
+
+def _out_of_memory(name: str, workers: tuple[str, ...]) -> str:
+    """`rank 1 of job a ran out of GPU memory`, for the workers whose output said so."""
+    who = ", ".join(workers)
+    verb = "ran" if len(workers) == 1 else "each ran"
+    return f"{who} of job {name} {verb} out of GPU memory (CUDA out of memory)"
 
 
 def _command(process: ProcessState) -> str:

@@ -157,6 +157,9 @@ class ProcessState:
     ended_at: float | None = None
     """When the launch ended (exited only; unix time, from its keeper's exit record): a
     launch that ended while no operator ran is seen long after. None when unknown."""
+    out_of_memory: tuple[str, ...] = ()
+    """Exited with a failure only: the workers whose output says they ran out of GPU memory
+    ("rank 1"), from the launch's log; () when none did or the log is not known."""
 
 
 class LauncherPort(Protocol):

@@ -46,6 +46,7 @@ from herd_operator.environment import LAUNCH_ID_ENV
 from herd_operator.runtime.keeper import read_exit_start
 from herd_operator.runtime.launch_records import LaunchRecord, LaunchRecords, read_record
 from herd_operator.runtime.log_format import log_time
+from herd_operator.runtime.out_of_memory import launch_output, out_of_memory_workers
 from herd_operator.runtime.process_table import descendants, marked_processes, same_process
 from herd_operator.specs import HerdJobSpec
 
@@ -87,6 +88,10 @@ class _Process:
     """When it ended: its keeper's record, else when this launcher saw it end."""
     exited: bool = False
     escalation: threading.Timer | None = None
+    log_file: Path | None = None
+    """The job's log (None for an adopted launch: its records do not name it)."""
+    out_of_memory: tuple[str, ...] | None = None
+    """Read from the log once the launch failed (`out_of_memory.py`)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,7 @@ class Launcher:
             command=request.command,
             spec=request.spec,
         )
-        process = _Process(info, popen, {popen.pid})
+        process = _Process(info, popen, {popen.pid}, log_file=request.log_file)
         if records is not None:
             self._record_started(request.job, info)
         with self._lock:
@@ -354,7 +359,18 @@ class Launcher:
             stopped_by_us,
             launch_error=process.launch_error,
             ended_at=process.ended_at,
+            out_of_memory=self._out_of_memory(process),
         )
+
+    @staticmethod
+    def _out_of_memory(process: _Process) -> tuple[str, ...]:
+        """The workers that ran out of GPU memory, read once from the log of a failed launch."""
+        if process.stop_requested or process.exit_code == 0 or process.log_file is None:
+            return ()
+        if process.out_of_memory is None:
+            lines = launch_output(process.log_file, process.info.launch_id)
+            process.out_of_memory = out_of_memory_workers(lines)
+        return process.out_of_memory
 
     def stop(self, job: str) -> None:
         """Start stopping a job: SIGTERM now, SIGKILL to what is left after the grace period."""

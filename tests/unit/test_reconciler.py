@@ -821,6 +821,25 @@ def test_failure_past_the_backoff_limit_fails_and_releases_the_gpus(world: World
     assert len(world.launcher.starts) == 3
 
 
+def test_a_worker_out_of_gpu_memory_is_said_as_such_not_as_a_bare_exit(world: World) -> None:
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 1}))
+    world.launcher.exit("a", 1)
+    world.launcher.states["a"] = replace(world.launcher.states["a"], out_of_memory=("rank 1",))
+
+    world.reconcile("a")
+
+    said = "rank 1 of job a ran out of GPU memory (CUDA out of memory)"
+    assert world.events("a")[-2:] == [
+        ("Warning", "OutOfMemory", said),
+        ("Warning", "BackOff", f"horovodrun exited with status 1: {said}; restart 1/1 in 1s"),
+    ]
+    assert facts(world.condition("a", ConditionType.Running)) == (
+        "False",
+        "BackOff",
+        f"horovodrun exited with status 1: {said}",
+    )
+
+
 def test_failure_without_restart_policy_fails_directly(world: World) -> None:
     started(world, herd_job(restart={"onFailure": False}))
     world.launcher.exit("a", 2)
