@@ -79,6 +79,24 @@ def test_prometheus_scrapes_the_operator_and_promql_drives_the_memory_policy(
             job="idle",
         )
         assert {s["metric"]["kind"] for s in used} == {"virtual"}
+        # The same memory charged to the job by its workers' pids, one series per GPU, and
+        # each of its GPUs holding one job (issue 30's accounting for shared GPUs).
+        charged = herd.wait_for(
+            lambda: (
+                len(r := prom.query('herd_job_gpu_memory_used_bytes{herd_job="idle"}')) == 2
+                and all(float(s["value"][1]) > 50 * 2**20 for s in r)
+                and r
+            ),
+            "the job's memory per GPU charged to it",
+            job="idle",
+        )
+        gpus = {(s["metric"]["host"], s["metric"]["gpu"]) for s in charged}
+        assert gpus == {(s["metric"]["host"], s["metric"]["gpu"]) for s in used}
+        jobs = {
+            (s["metric"]["host"], s["metric"]["gpu"]): float(s["value"][1])
+            for s in prom.query("herd_gpu_jobs")
+        }
+        assert {gpu: jobs[gpu] for gpu in gpus} == dict.fromkeys(gpus, 1.0)
         assert value(prom.query('herd_pool_gpus{state="free"}')) == 2
         assert value(prom.query('herd_allocator_requests_total{op="bind",result="ok"}')) >= 2
 
