@@ -316,7 +316,7 @@ class LaunchSteps(ReconcilerBase):
         message = _exit_message(process)
         if process.out_of_memory:
             # Said apart from the exit: on a shared GPU it means the job outgrew its share.
-            out_of_memory = _out_of_memory(name, process.out_of_memory)
+            out_of_memory = out_of_memory_message(name, process.out_of_memory)
             message = f"{message}: {out_of_memory}"
             self._event(name, "Warning", "OutOfMemory", out_of_memory, now)
         if restart.on_failure and status.restarts < restart.backoff_limit:
@@ -416,7 +416,7 @@ def _exit_message(process: ProcessState) -> str:
     return f"{_command(process)} exited with status {process.exit_code}"
 
 
-def _out_of_memory(name: str, workers: tuple[str, ...]) -> str:
+def out_of_memory_message(name: str, workers: tuple[str, ...]) -> str:
     """`rank 1 of job a ran out of GPU memory`, for the workers whose output said so."""
     who = ", ".join(workers)
     verb = "ran" if len(workers) == 1 else "each ran"

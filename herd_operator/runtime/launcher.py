@@ -46,7 +46,11 @@ from herd_operator.environment import LAUNCH_ID_ENV
 from herd_operator.runtime.keeper import read_exit_start
 from herd_operator.runtime.launch_records import LaunchRecord, LaunchRecords, read_record
 from herd_operator.runtime.log_format import log_time
-from herd_operator.runtime.out_of_memory import launch_output, out_of_memory_workers
+from herd_operator.runtime.out_of_memory import (
+    LogFollower,
+    launch_output,
+    out_of_memory_workers,
+)
 from herd_operator.runtime.process_table import descendants, marked_processes, same_process
 from herd_operator.specs import HerdJobSpec
 
@@ -92,6 +96,9 @@ class _Process:
     """The job's log (None for an adopted launch: its records do not name it)."""
     out_of_memory: tuple[str, ...] | None = None
     """Read from the log once the launch failed (`out_of_memory.py`)."""
+    follower: LogFollower | None = None
+    """The running launch's new log lines, for `out_of_memory_news`."""
+    said_out_of_memory: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -159,7 +166,13 @@ class Launcher:
             command=request.command,
             spec=request.spec,
         )
-        process = _Process(info, popen, {popen.pid}, log_file=request.log_file)
+        process = _Process(
+            info,
+            popen,
+            {popen.pid},
+            log_file=request.log_file,
+            follower=LogFollower(request.log_file),
+        )
         if records is not None:
             self._record_started(request.job, info)
         with self._lock:
@@ -361,6 +374,22 @@ class Launcher:
             ended_at=process.ended_at,
             out_of_memory=self._out_of_memory(process),
         )
+
+    def out_of_memory_news(self) -> dict[str, tuple[str, ...]]:
+        """Per running launch of this operator, the workers whose output says they ran out of
+        GPU memory since the last call (each worker once per launch). Called by one loop."""
+        with self._lock:
+            running = [(job, p) for job, p in self._processes.items() if not p.exited]
+        news = {}
+        for job, process in running:
+            if process.follower is None:
+                continue
+            found = out_of_memory_workers(process.follower.new_lines())
+            new = tuple(worker for worker in found if worker not in process.said_out_of_memory)
+            if new:
+                process.said_out_of_memory.update(new)
+                news[job] = new
+        return news
 
     @staticmethod
     def _out_of_memory(process: _Process) -> tuple[str, ...]:

@@ -56,6 +56,7 @@ from herd_operator.runtime.handover import Ending, Handover
 from herd_operator.runtime.launcher import Launcher
 from herd_operator.runtime.metrics import OperatorMetrics
 from herd_operator.runtime.observer import UsageObserver
+from herd_operator.runtime.out_of_memory import OutOfMemoryWatch
 from herd_operator.runtime.pools.base import ListsHosts
 from herd_operator.runtime.pools.heartbeat import NodeWatch
 from herd_operator.runtime.pruner import Pruner
@@ -485,6 +486,8 @@ class Operator:
         manager.add(self.watcher)
         if self.observer is not None:
             manager.add(self.observer)
+        news = self.launcher.out_of_memory_news
+        manager.add(OutOfMemoryWatch(news, self.store.add_event, health=self.metrics.loops))
         if (mapping := self.job_mapping) is not None:
             manager.defer("dcgm-exporter's job mapping files", lambda: self._clear_mapping(mapping))
             manager.add(mapping)

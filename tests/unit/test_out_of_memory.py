@@ -17,6 +17,8 @@ from herd_operator.controllers.ports import ProcessPhase
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
 from herd_operator.runtime.out_of_memory import (
     UNNAMED_WORKER,
+    LogFollower,
+    OutOfMemoryWatch,
     launch_output,
     out_of_memory_workers,
 )
@@ -102,3 +104,62 @@ def test_a_real_worker_out_of_memory_is_named_by_its_rank_from_the_launch_s_log(
     assert state.exit_code == 1
     assert "]<stderr>:torch.OutOfMemoryError: CUDA out of memory" in request.log_file.read_text()
     assert state.out_of_memory == ("rank 2",)
+
+
+def test_a_follower_reads_whole_new_lines_only(tmp_path: Path) -> None:
+    log = tmp_path / "a.log"
+    log.write_text("before the follower\n")
+    follower = LogFollower(log)
+    with log.open("a") as handle:
+        handle.write("one\ntw")
+        handle.flush()
+        assert follower.new_lines() == ["one"]
+        handle.write("o\n")
+    assert follower.new_lines() == ["two"]
+    assert follower.new_lines() == []
+    with log.open("a") as handle:
+        handle.write("x" * 100 + "\nlast\n")
+    assert follower.new_lines(tail_bytes=20) == ["x" * 14, "last"]  # a flood: its end
+    log.write_text("new\n")  # replaced: read from its start
+    assert follower.new_lines() == ["new"]
+
+
+def test_a_running_launch_s_worker_out_of_memory_is_said_once(tmp_path: Path) -> None:
+    # Elastic Horovod goes on without the worker: the launch still runs.
+    script = (
+        "import sys, time\n"
+        "print('[1]<stderr>:torch.OutOfMemoryError: CUDA out of memory.', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = Launcher(grace_seconds=1)
+    events: list[tuple[str, str, str, str, float]] = []
+    watch = OutOfMemoryWatch(
+        launcher.out_of_memory_news,
+        lambda *event: events.append(event),
+        clock=lambda: 5.0,
+    )
+    try:
+        launcher.launch(
+            LaunchRequest(
+                job="train",
+                generation=1,
+                argv=[PYTHON, "-c", script],
+                log_file=tmp_path / "train.log",
+                command="horovodrun",
+                spec=HerdJobSpec.model_validate(
+                    {"command": ["python"], "gpus": {"min": 1, "max": 2}}
+                ),
+            )
+        )
+        deadline = time.monotonic() + 60
+        while not events:
+            assert time.monotonic() < deadline, "no OutOfMemory event"
+            watch.step()
+            time.sleep(0.05)
+        watch.step()
+        assert launcher.state("train").phase == ProcessPhase.RUNNING
+    finally:
+        launcher.stop_all(timeout=10)
+
+    said = "rank 1 of job train ran out of GPU memory (CUDA out of memory)"
+    assert events == [("train", "Warning", "OutOfMemory", said, 5.0)]
