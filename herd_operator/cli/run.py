@@ -7,9 +7,11 @@ imported only when it runs, so the other commands start without it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from herd_operator.auth import TokenFileError, TokenProblem
 from herd_operator.cli.arguments import (
@@ -31,6 +33,9 @@ from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB
 from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS
+
+if TYPE_CHECKING:
+    from herd_operator.agent.mps import MpsDaemon
 
 
 def add_commands(commands: Subcommands) -> None:
@@ -224,6 +229,13 @@ def _state_options(run: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_RETENTION_SECONDS:.0f}, a day)",
     )
     run.add_argument(
+        "--mps",
+        action="store_true",
+        help="start an NVIDIA MPS control daemon for this node's GPUs (pipes and log in "
+        "<state-dir>/mps), so that jobs sharing a GPU run at once and each worker's memory "
+        "limit is enforced by MPS; stopped with the operator",
+    )
+    run.add_argument(
         "--leave-jobs-running",
         action="store_true",
         help="on SIGTERM/SIGINT stop only the operator: the jobs train on, and the next "
@@ -305,6 +317,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         deleted_job_retention_seconds=args.deleted_job_retention,
         agent_key_files=args.agent_key_files,
     )
+    mps = _start_mps(args)
+    if isinstance(mps, int):
+        return mps
+    if mps is not None:
+        config = dataclasses.replace(config, extra_env={**config.extra_env, **mps.environment()})
     stop = stop_on_signals()
     tune_gc()
     try:
@@ -319,6 +336,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         where = f"{err.filename}: {err.strerror}" if err.filename else str(err)
         print(f"herd-operator: cannot start: {where}", file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        # With --leave-jobs-running the jobs' workers are still the daemon's clients.
+        if mps is not None and not args.leave_jobs_running:
+            mps.stop(timeout=10.0)
+
+
+def _start_mps(args: argparse.Namespace) -> MpsDaemon | int | None:
+    """This node's MPS control daemon, started, when `--mps` asks for it (None when not);
+    an exit status when it cannot start (the message printed)."""
+    if not args.mps:
+        return None
+    from herd_operator.agent.mps import MpsDaemon, MpsError
+
+    daemon = MpsDaemon(Path(args.state_dir) / "mps")
+    try:
+        daemon.start()
+    except MpsError as err:
+        print(f"herd-operator: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    return daemon
 
 
 _NEW_TOKEN = (
