@@ -65,6 +65,7 @@ from herd_operator.runtime.telemetry import (
     MetricsServer,
     job_mapping,
     local_gpus,
+    memory_feed,
     memory_watch,
     observed_gpus,
     register_collectors,
@@ -297,13 +298,14 @@ class Operator:
         manager.add(exporters)
         self.job_mapping = job_mapping(config, allocator, health)
         self.gpu_memory = memory_watch(store, allocator)
+        observed = observed_gpus(config, local, exporters)
         self.observer = UsageObserver(
-            observed_gpus(config, local, exporters),
+            observed,
             allocator.placements,
             store.add_usage,
             interval=config.sample_seconds,
             health=health,
-            also=self.gpu_memory.observe,
+            also=memory_feed(self.gpu_memory, local, observed),
         )
         advertised = config.advertise_host or host
         address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"

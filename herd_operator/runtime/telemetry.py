@@ -31,6 +31,7 @@ from herd_operator.runtime.config import OperatorConfig, OperatorError
 from herd_operator.runtime.gpu_memory import GpuMemoryWatch, PeakGpuMemory
 from herd_operator.runtime.handlers import ExporterRegistry
 from herd_operator.runtime.metrics import StateCollector
+from herd_operator.runtime.observer import ObserveReadings
 from herd_operator.runtime.store import Store
 
 if TYPE_CHECKING:
@@ -152,6 +153,18 @@ def memory_watch(store: Store, allocator: Allocator) -> GpuMemoryWatch:
         dict,
         store.add_event,
     )
+
+
+def memory_feed(
+    watch: GpuMemoryWatch, local: GpuSource | None, observed: GpuSource
+) -> ObserveReadings:
+    """What feeds the jobs' measured memory each sampling round: the round's readings, unless
+    they come back from Prometheus or dcgm-exporter, which carry no processes; then this
+    host's own GPUs, read again. (Across nodes, the node exporters' readings carry processes
+    with their `--process-metrics`.)"""
+    if local is None or local is observed:
+        return watch.observe
+    return lambda readings, now: watch.observe(local.read(), now)
 
 
 def register_collectors(

@@ -97,6 +97,11 @@ def test_prometheus_scrapes_the_operator_and_promql_drives_the_memory_policy(
             for s in prom.query("herd_gpu_jobs")
         }
         assert {gpu: jobs[gpu] for gpu in gpus} == dict.fromkeys(gpus, 1.0)
+        # The allocator's input for sharing: the job's peak per worker, from the same readings.
+        watch = herd.operator.gpu_memory
+        assert watch is not None
+        peak = watch.peaks.peak("idle")
+        assert peak is not None and peak > 50 * 2**20, peak
         assert value(prom.query('herd_pool_gpus{state="free"}')) == 2
         assert value(prom.query('herd_allocator_requests_total{op="bind",result="ok"}')) >= 2
 

@@ -28,6 +28,7 @@ from herd_operator.runtime.gpu_memory import (
     accumulate,
     over_share,
 )
+from herd_operator.runtime.telemetry import memory_feed
 from tests.unit import fake_pynvml
 from tests.unit.fake_pynvml import NVML_VALUE_NOT_AVAILABLE, FakeGpu, FakeNvmlConfig
 
@@ -252,3 +253,25 @@ def test_job_memory_per_gpu_and_jobs_per_gpu_are_exported_at_scrape_time(
 def test_without_worker_pids_the_collector_exports_no_job_memory(install_nvml: Install) -> None:
     install_nvml(FakeNvmlConfig(gpus=shared_gpus()))
     assert "herd_gpu_jobs" not in families(exposition(GpuCollector(NvmlGpuSource("n1"))))
+
+
+def test_readings_back_from_prometheus_carry_no_processes_so_this_host_s_are_read(
+    install_nvml: Install,
+) -> None:
+    install_nvml(FakeNvmlConfig(gpus=shared_gpus()))
+    local = NvmlGpuSource("n1")
+    watch = GpuMemoryWatch(PeakGpuMemory(), lambda: OWNERS, lambda: {"a": 1}, dict, Events())
+    from_prometheus = [GpuReading("n1", 0, "GPU-0", "nvml", 15 * GIB, 80 * GIB)]
+
+    memory_feed(watch, local, observed=local)(from_prometheus, 1.0)
+    assert watch.peaks.peak("a") is None  # the round's own readings: no processes in them
+    memory_feed(watch, local, observed=Gpus(from_prometheus))(from_prometheus, 2.0)
+    assert watch.peaks.peak("a") == 6 * GIB
+
+
+class Gpus:
+    def __init__(self, readings: list[GpuReading]) -> None:
+        self.readings = readings
+
+    def read(self) -> list[GpuReading]:
+        return self.readings
