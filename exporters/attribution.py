@@ -45,6 +45,13 @@ class Attribution:
             if (job_host, job_gpu) == (host, gpu)
         }
 
+    def by_gpu(self) -> dict[GpuKey, dict[str, int | None]]:
+        """Each GPU's jobs and their bytes there (GPUs with none left out)."""
+        result: dict[GpuKey, dict[str, int | None]] = {}
+        for (job, host, gpu), used in self.jobs.items():
+            result.setdefault((host, gpu), {})[job] = used
+        return result
+
     def by_job(self) -> dict[str, dict[GpuKey, int | None]]:
         """Each job's bytes on each GPU it has a process on."""
         result: dict[str, dict[GpuKey, int | None]] = {}

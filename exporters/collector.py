@@ -139,9 +139,10 @@ class GpuCollector:
             log.exception("asking whose workers the processes are failed")
             owners = {}
         attribution = attribute(readings, owners)
+        by_gpu = attribution.by_gpu()
         for reading in readings:
             labels = [reading.host, str(reading.index), reading.uuid, reading.kind]
-            jobs = attribution.jobs_on(reading.host, reading.index)
+            jobs = by_gpu.get((reading.host, reading.index), {})
             families.jobs.add_metric(labels, len(jobs))
             families.unattributed.add_metric(
                 labels, attribution.unattributed.get((reading.host, reading.index), 0)

@@ -71,6 +71,10 @@ def test_each_process_is_charged_to_its_job_and_a_stranger_to_none(
     }
     assert attribution.unattributed == {("n1", 0): GIB, ("n1", 1): 0}
     assert attribution.jobs_on("n1", 0) == {"a": 6 * GIB, "b": 4 * GIB}
+    assert attribution.by_gpu() == {
+        ("n1", 0): {"a": 6 * GIB, "b": 4 * GIB},
+        ("n1", 1): {"b": None},
+    }
     assert attribution.by_job() == {
         "a": {("n1", 0): 6 * GIB},
         "b": {("n1", 0): 4 * GIB, ("n1", 1): None},
