@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -141,16 +141,23 @@ def worker_pids(allocator: Allocator) -> dict[tuple[str, int], str]:
     }
 
 
-def memory_watch(store: Store, allocator: Allocator) -> GpuMemoryWatch:
+def memory_watch(
+    store: Store,
+    allocator: Allocator,
+    *,
+    peaks: PeakGpuMemory | None = None,
+    shares: Callable[[], Mapping[str, int]] = dict,
+) -> GpuMemoryWatch:
     """Each job's peak GPU memory per worker while it holds GPUs (its run, to the
-    allocator: a job that gave back all its GPUs starts over), and the MemoryOverShare
-    warnings. No job has a memory share yet: the sharing allocator's `Demand.memory_bytes`
-    is what `shares` will return."""
+    allocator: a job that gave back all its GPUs starts over) into `peaks` (the allocator's
+    input for sharing: made here unless given), and the MemoryOverShare warnings against
+    `shares` (job -> bytes per worker). No job has a memory share yet: the sharing
+    allocator's `Demand.memory_bytes` is what `shares` will return."""
     return GpuMemoryWatch(
-        PeakGpuMemory(),
+        PeakGpuMemory() if peaks is None else peaks,
         lambda: worker_pids(allocator),
         lambda: dict.fromkeys(allocator.placements(), "placed"),
-        dict,
+        shares,
         store.add_event,
     )
 
