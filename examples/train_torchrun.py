@@ -22,13 +22,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+SCRIPT_STARTED = time.time()
+"""Before torch's import: `--phase-log` tells the interpreter's start from the imports."""
+
+import numpy as np  # noqa: E402 - after SCRIPT_STARTED, which the imports' time is from
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 try:  # optional: epoch reports under the operator; a no-op elsewhere
     from herd_operator import worker as herd
@@ -79,7 +82,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--step-log", help="rank 0 appends `WALL_TIME WORLD_SIZE` here after every step"
     )
+    parser.add_argument(
+        "--phase-log",
+        help="rank 0 appends `WALL_TIME PHASE WORLD_SIZE` here for each phase of its start:"
+        " process (its start), script (this file's first line), imports, rendezvous"
+        " (init_process_group returned), snapshot (loaded)",
+    )
     return parser.parse_args()
+
+
+def process_started() -> float:
+    """This process's start, wall clock, to the clock tick (under torchrun: when its agent
+    started it; the shim's exec keeps the process)."""
+    stat = Path("/proc/self/stat").read_text()
+    ticks = int(stat.rpartition(")")[2].split()[19])  # field 22: starttime, since boot
+    since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def load_snapshot(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -104,6 +122,7 @@ def save_snapshot(
 
 
 def main() -> None:
+    imported = time.time()
     args = parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -111,6 +130,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(local_rank)  # under the operator: the allocator's GPU
     dist.init_process_group("nccl" if cuda else "gloo")
+    phases = [("imports", imported), ("rendezvous", time.time())]
     torch.manual_seed(0)
     torch.set_num_threads(1)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -120,6 +140,11 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9)
     snapshot = Path(args.snapshot)
     progress = load_snapshot(snapshot, model, optimizer)
+    if args.phase_log and rank == 0:
+        phases.append(("snapshot", time.time()))
+        started = [("process", process_started()), ("script", SCRIPT_STARTED)]
+        with open(args.phase_log, "a") as phase_log:
+            phase_log.writelines(f"{at:.6f} {name} {world}\n" for name, at in started + phases)
     for group in optimizer.param_groups:  # the world may differ from the snapshot's
         group["lr"] = args.lr * world
     ddp = DistributedDataParallel(model)

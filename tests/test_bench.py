@@ -55,7 +55,17 @@ from herd_operator.specs.values import Demand, Placement, Pool
 
 # Without the real-training benchmarks (test_slurm covers the multi-node path) and `soak`
 # (30 s even with --quick; its own tests below).
-EXPENSIVE = ("resize-stall", "training-overhead", "multinode-resize", "soak")
+# The torchrun rows start torch in every agent and worker: seconds of CPU each, too much
+# for the smoke (their pure parts are tested below).
+EXPENSIVE = (
+    "resize-stall",
+    "training-overhead",
+    "torchrun-resize-stall",
+    "torchrun-training-overhead",
+    "torchrun-idle-cost",
+    "multinode-resize",
+    "soak",
+)
 CHEAP = [b.name for b in BENCHMARKS if b.name not in EXPENSIVE]
 CHEAP_DEVELOPER = [b.name for b in DEVELOPER_BENCHMARKS if b.name not in EXPENSIVE]
 

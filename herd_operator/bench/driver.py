@@ -74,12 +74,14 @@ def wait_for_workers(roots: list[int], count: int) -> None:
 
 
 @contextlib.contextmanager
-def idle_job(root: Path, mode: str) -> Iterator[int]:
-    """One idle elastic job on one slot, under our driver or bare horovodrun; yields its pid."""
+def idle_job(root: Path, mode: str, slots: int = 1) -> Iterator[int]:
+    """One idle elastic job on `slots` slots, under our driver or bare horovodrun; yields its
+    pid once every worker runs."""
     root.mkdir(parents=True)
     grant = root / "grant"
-    write_atomically(grant, "localhost:1\n")
-    horovod_args = ["-np", "1", "--min-np", "1", "--max-np", "2", "--network-interface", "lo"]
+    write_atomically(grant, f"localhost:{slots}\n")
+    horovod_args = ["-np", str(slots), "--min-np", "1", "--max-np", str(slots + 1)]
+    horovod_args += ["--network-interface", "lo"]
     if mode == "ours":
         argv = [sys.executable, "-m", DRIVER_MODULE, "--grant-file", str(grant), "--"]
         argv += [*horovod_args, *IDLE_WORKER]
@@ -93,7 +95,7 @@ def idle_job(root: Path, mode: str) -> Iterator[int]:
             argv, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        wait_for_workers([process.pid], 1)
+        wait_for_workers([process.pid], slots)
         yield process.pid
     finally:
         stop_session(process)

@@ -24,10 +24,17 @@ from herd_operator.bench.harness import (
 )
 from herd_operator.bench.scale import run_scale
 from herd_operator.bench.scrape import run_scrape
+from herd_operator.bench.torchrun import (
+    run_torchrun_idle_cost,
+    run_torchrun_resize_stall,
+    run_torchrun_training_overhead,
+)
 from herd_operator.bench.training import run_resize_stall, run_training_overhead
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINING = ("torch", "horovod.torch", "sklearn")
+TORCHRUN = ("torch", "sklearn")
+"""What the torchrun rows need (no Horovod: a `[torchrun]` install runs them)."""
 
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
@@ -60,6 +67,32 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         full_repeat=3,
         quick_repeat=1,
         requires=TRAINING,
+    ),
+    Benchmark(
+        "torchrun-resize-stall",
+        "torchrun engine: grant change -> first step at the new world size, against bare"
+        " torchrun resized by hand (and the Horovod engine's driver, when Horovod is here)",
+        run_torchrun_resize_stall,
+        full_repeat=3,
+        quick_repeat=1,
+        requires=TORCHRUN,
+    ),
+    Benchmark(
+        "torchrun-training-overhead",
+        "samples/s of digits training on 2 workers, torchrun engine vs bare torchrun",
+        run_torchrun_training_overhead,
+        full_repeat=3,
+        quick_repeat=1,
+        requires=TORCHRUN,
+    ),
+    Benchmark(
+        "torchrun-idle-cost",
+        "CPU and memory of an idle 2-GPU torchrun job's driver and agents, next to the Horovod"
+        " engine's driver",
+        run_torchrun_idle_cost,
+        full_repeat=3,
+        quick_repeat=1,
+        requires=(*TORCHRUN, "horovod.runner"),
     ),
     Benchmark(
         "discovery-cost",
