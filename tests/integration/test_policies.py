@@ -113,6 +113,7 @@ def test_schedule_policy_resizes_by_epoch(herd: OperatorHarness) -> None:
     assert [sizes[e] for e in (7, 8)] == [2, 2], sizes
 
 
+@pytest.mark.timeout(900)  # each wait below has its own bound; on a saturated machine they add up
 def test_high_priority_job_is_admitted_by_shrinking_an_elastic_job(herd: OperatorHarness) -> None:
     herd.write_spec(spec_document("elastic", 1, 4, digits_command(300, "--step-delay", "0.05")))
     # Training at 4, not only bound to 4 GPUs: workers still importing torch when the urgent
