@@ -14,8 +14,9 @@ from tests.integration.harness import (
 
 
 def test_a_dependent_starts_only_after_its_dependency_succeeded(herd: OperatorHarness) -> None:
-    herd.write_spec(spec_document("first", 1, 2, digits_command(2), training={"epochs": 2}))
-    herd.write_spec(spec_document("second", 1, 2, digits_command(1), dependsOn=["first"]))
+    # One GPU each: the order, not the size, is under test (a worker fewer to start).
+    herd.write_spec(spec_document("first", 1, 1, digits_command(2), training={"epochs": 2}))
+    herd.write_spec(spec_document("second", 1, 1, digits_command(1), dependsOn=["first"]))
     waiting = herd.wait_for(
         lambda: (c := herd.condition("second", "DependenciesMet")) and c,
         "the dependent to say what it waits for",

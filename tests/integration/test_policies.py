@@ -113,16 +113,33 @@ def test_schedule_policy_resizes_by_epoch(herd: OperatorHarness) -> None:
     assert [sizes[e] for e in (7, 8)] == [2, 2], sizes
 
 
+@pytest.mark.timeout(900)  # each wait below has its own bound; on a saturated machine they add up
 def test_high_priority_job_is_admitted_by_shrinking_an_elastic_job(herd: OperatorHarness) -> None:
     herd.write_spec(spec_document("elastic", 1, 4, digits_command(300, "--step-delay", "0.05")))
+    # Training at 4, not only bound to 4 GPUs: workers still importing torch when the urgent
+    # job came made its wait for their GPUs a wait for their start as well (over 90 s at
+    # load 27 on 2 cores), and the shrink needs them past their first commit.
     herd.wait_for(
-        lambda: (herd.job("elastic") or {}).get("gpus", {}).get("active") == 4,
-        "the elastic job on 4 workers",
+        lambda: (
+            (herd.job("elastic") or {}).get("gpus", {}).get("active") == 4
+            and any(r.world_size == 4 for r in herd.reports("elastic"))
+        ),
+        "the elastic job training on 4 workers",
         job="elastic",
+        timeout=300,
     )
     herd.write_spec(spec_document("urgent", 3, 3, digits_command(2), priority=10))
+    # Two bounds, each generous: the urgent job waited 82-117 s at load 15-27 for the
+    # elastic job's 3 workers to leave their GPUs (a reset), then its driver and 3 workers
+    # start, train and end; one 180 s bound for both failed with nothing stuck.
     herd.wait_for(
-        lambda: succeeded(herd, "urgent"), "the urgent job to finish", timeout=180, job="urgent"
+        lambda: (c := herd.condition("urgent", "Admitted")) and c["status"] == "True",
+        "the urgent job admitted",
+        timeout=300,
+        job="urgent",
+    )
+    herd.wait_for(
+        lambda: succeeded(herd, "urgent"), "the urgent job to finish", timeout=300, job="urgent"
     )
     shrink = [e.message for e in herd.events("elastic") if e.reason == "Resized"]
     assert any("4 -> 1" in m and "urgent" in m for m in shrink), shrink

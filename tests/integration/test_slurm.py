@@ -151,7 +151,9 @@ def test_an_operator_in_an_allocation_runs_and_resizes_jobs_across_its_nodes(
         ), operator_output()
         assert served["address"].startswith(cluster.address("h1") + ":"), served
 
-        command = digits_command(10_000, "--step-delay", "0.05", "--batch-size", "64")
+        # Training that only has to go on: 5 steps a second, not 20, cost its 6 workers less
+        # CPU; a resize is still seen at the next commit (every 4 steps).
+        command = digits_command(10_000, "--step-delay", "0.2", "--batch-size", "64")
         herd.write_spec(spec_document("wide", 2, 6, command))
 
         def wide_on(hosts: int | None, gpus: int) -> bool:
@@ -371,7 +373,7 @@ def test_a_lost_nodes_gpus_go_to_nobody_and_no_job_is_failed_for_it(
 
     def command(name: str) -> list[str]:
         return digits_command(
-            10_000, "--step-delay", "0.05", "--batch-size", "64",
+            10_000, "--step-delay", "0.2", "--batch-size", "64",
             "--step-log", str(tmp_path / f"{name}.steps"),
         )  # fmt: skip
 

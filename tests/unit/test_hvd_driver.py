@@ -466,3 +466,48 @@ def test_a_notice_dropped_at_start_is_delivered_only_if_the_hosts_still_call_for
     assert driver.notices == delivered
     redelivery.poll(seen_client=True)  # delivered or found stale: never again
     assert driver.notices == delivered
+
+
+def test_a_notice_the_coordinator_lost_while_resetting_is_told_again_until_acted_on() -> None:
+    # Horovod's State.on_reset empties the worker's queue of host messages: a notice that
+    # lands between the driver's answer to the worker's rendezvous and the end of its reset
+    # is never acted on (a grow given up and offered again as its worker ended, under load).
+    now = [100.0]
+    driver = FakeElasticDriver(slots=1, running_on={"localhost": [0]})
+    driver.coordinator = object()
+    redelivery = MissedUpdateRedelivery(
+        driver, period=0.05, redeliver_seconds=5.0, clock=lambda: now[0]
+    )
+    driver.slots = 2
+    driver._notify_workers_host_changes(driver._host_manager.current_hosts, HostUpdateResult.added)
+    assert driver.notices == [HostUpdateResult.added]  # sent, then lost in the worker
+    now[0] += 4.9
+    redelivery.poll(seen_client=True)
+    assert driver.notices == [HostUpdateResult.added]  # not yet: the worker may still act
+    now[0] += 0.1
+    redelivery.poll(seen_client=True)
+    assert driver.notices == [HostUpdateResult.added] * 2
+    now[0] += 5.0
+    redelivery.poll(seen_client=True)  # still not acted on: told again
+    assert driver.notices == [HostUpdateResult.added] * 3
+    driver.host_assignments = {"localhost": [0, 1]}  # the workers reset onto both slots
+    for _ in range(3):
+        now[0] += 5.0
+        redelivery.poll(seen_client=True)
+    assert driver.notices == [HostUpdateResult.added] * 3
+
+
+def test_a_notice_acted_on_is_never_told_again() -> None:
+    now = [0.0]
+    driver = FakeElasticDriver(slots=1, running_on={"localhost": [0]})
+    driver.coordinator = object()
+    redelivery = MissedUpdateRedelivery(
+        driver, period=0.05, redeliver_seconds=5.0, clock=lambda: now[0]
+    )
+    driver.slots = 2
+    driver._notify_workers_host_changes(driver._host_manager.current_hosts, HostUpdateResult.added)
+    driver.host_assignments = {"localhost": [0, 1]}  # acted on within the delay
+    for _ in range(3):
+        now[0] += 5.0
+        redelivery.poll(seen_client=True)
+    assert driver.notices == [HostUpdateResult.added]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from horovod.runner.elastic.worker import HostUpdateResult
 DEFAULT_POLL_SECONDS = 0.05
 """How often the grant file is `stat`ed. 20 stats a second cost well under 0.1% of a
 core (see docs/benchmarks.md, driver-idle-cpu) and bound how late a grant is seen."""
+REDELIVER_SECONDS = 5.0
+"""How long a host change told to the coordinator may go unanswered (no reset: the workers
+still run with the old assignments) before it is told again (`MissedUpdateRedelivery`)."""
 
 # The driver's one logger (its entry point gives it a handler), whichever module logs.
 log = logging.getLogger("herd.hvd_driver")
@@ -100,7 +104,8 @@ class GrantFileDiscovery(HostDiscovery):  # type: ignore[misc]
 
 
 class MissedUpdateRedelivery:
-    """Tells the coordinator worker of a host change that Horovod could not tell it.
+    """Tells the coordinator worker of a host change that Horovod could not tell it, or that
+    the coordinator lost.
 
     Horovod's driver notifies only when discovery sees a change, and drops the notice when
     no coordinator worker has registered yet (the workers are still starting: importing
@@ -108,13 +113,32 @@ class MissedUpdateRedelivery:
     never come. This wraps the driver's notifier to remember a dropped notice, and once a
     coordinator has been registered for a whole poll (its listener is then in place),
     delivers it if the hosts still call for other assignments.
+
+    A notice that reaches the coordinator is lost too when it lands while the worker resets:
+    Horovod's `State.on_reset` empties the queue of host messages after the worker's new
+    rendezvous, so a change seen between the driver's answer to that rendezvous and the
+    end of the worker's reset is never acted on (a grow given up, then offered again as its
+    worker ended, hit this under load: the job stayed at its old size). So a notice still
+    not acted on after `redeliver_seconds` (the workers run with the assignments of before
+    it) is told again, until they act on it; a worker that had queued it acts once.
     """
 
-    def __init__(self, driver: Any, period: float) -> None:
+    def __init__(
+        self,
+        driver: Any,
+        period: float,
+        redeliver_seconds: float = REDELIVER_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.driver = driver
         self.period = period
+        self.redeliver_seconds = redeliver_seconds
+        self.clock = clock
         self._notify = driver._notify_workers_host_changes
         self._dropped = HostUpdateResult.no_update
+        self._told = HostUpdateResult.no_update
+        """What the notices sent to a coordinator and not yet acted on said."""
+        self._told_at = 0.0
         self._lock = threading.Lock()
         driver._notify_workers_host_changes = self._notify_and_remember
 
@@ -126,7 +150,12 @@ class MissedUpdateRedelivery:
         heard = self._coordinator_client() is not None
         self._notify(current_hosts, update_res)
         with self._lock:
-            self._dropped = HostUpdateResult.no_update if heard else self._dropped | update_res
+            if heard:
+                self._dropped = HostUpdateResult.no_update
+                self._told |= update_res
+                self._told_at = self.clock()
+            else:
+                self._dropped |= update_res
 
     def _assignments_would_change(self) -> bool:
         """Whether the current hosts give other assignments than the workers run with.
@@ -141,11 +170,13 @@ class MissedUpdateRedelivery:
         return bool(next_assignments != self.driver.host_assignments)
 
     def poll(self, seen_client: bool) -> bool:
-        """One look: deliver a dropped notice if it is still due; whether a coordinator is
-        registered now (a notice is delivered only after it was seen for a whole period)."""
+        """One look: deliver a dropped notice if it is still due, and again one told
+        `redeliver_seconds` ago that the workers have not acted on; whether a coordinator
+        is registered now (a notice is delivered only after it was seen for a whole period)."""
         client = self._coordinator_client() is not None
         with self._lock:
-            dropped = self._dropped
+            dropped, told = self._dropped, self._told
+            told_long_ago = self.clock() - self._told_at >= self.redeliver_seconds
         if dropped != HostUpdateResult.no_update and client and seen_client:
             with self.driver._wait_hosts_cond:
                 if self._assignments_would_change():
@@ -154,6 +185,17 @@ class MissedUpdateRedelivery:
                 else:
                     with self._lock:
                         self._dropped = HostUpdateResult.no_update
+        elif told != HostUpdateResult.no_update and client and told_long_ago:
+            with self.driver._wait_hosts_cond:
+                if self._assignments_would_change():
+                    log.info(
+                        "telling the workers again of a host change not acted on in %.0f s",
+                        self.redeliver_seconds,
+                    )
+                    self._notify_and_remember(self.driver._host_manager.current_hosts, told)
+                else:
+                    with self._lock:
+                        self._told = HostUpdateResult.no_update
         return client
 
     def run(self) -> None:
