@@ -463,14 +463,11 @@ class Allocator:
         if shrink is not None:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])
-        unavailable = withheld_slots(
-            self.pool, self._drains.overdue(), self._held,
-            self._cordoned | self._unavailable_hosts(), current, self._demands,
-        )  # fmt: skip
+        unavailable = withheld_slots(self.pool, self._drains.overdue(), self._held,
+            self._cordoned | self._unavailable_hosts(), current, self._demands)  # fmt: skip
+        usable = self.pool.size - len(unavailable & self.pool.slot_set)
         demands, queued, order, preempted = self._service.queue(
-            list(self._demands.values()), current, now,
-            self.pool.size - len(unavailable & self.pool.slot_set), frozen,
-        )  # fmt: skip
+            list(self._demands.values()), current, now, usable, frozen)  # fmt: skip
         decided = arbitrate(
             self.pool, demands, queued, frozen=frozen, unavailable=unavailable,
             spare_by_gain=self.spare_by_gain, previous=self._grants,
@@ -482,6 +479,9 @@ class Allocator:
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
         self._start_drains(current, decided, now)
+        for job in preempted if self.drain_seconds > 0 else ():  # drained as any GPU given back
+            for slot in current[job].slots():
+                self._drains.start(slot, job, self._bindings.pids_on(job, slot), now)
         if self._drains:
             wait_for_drains(decided, current, self._drains.by_slot(), self._demands, self._grants)
         if shrink is not None:

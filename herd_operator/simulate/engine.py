@@ -443,6 +443,9 @@ class Simulation:
         run.stall_until = self.now + run.model.stall(old, new)
         self._settle(run)
         self._schedule_epoch(run)
+        if new == 0 and old > 0:
+            # Its workers stop at once and say so: the GPUs they drained are free.
+            self._push(self.now, Kind.SETTLED, run.model.name, run.version)
 
     def _schedule_epoch(self, run: _Run) -> None:
         run.version += 1

@@ -144,17 +144,23 @@ def test_preemption_only_of_eligible_lower_ranked_jobs_and_only_to_make_room(
     assert kept + sum(by_name[w].min for w in result.admitted_by) <= pool
 
 
-def test_the_allocator_preempts_then_readmits_with_the_queue_and_says_why() -> None:
+def test_the_allocator_preempts_drains_then_readmits_with_the_queue_and_says_why() -> None:
     clock = [0.0]
     pool = Pool.from_counts({"n0": 4})
     allocator = Allocator(pool, _Sink(), virtual=True, clock=lambda: clock[0], queue=LAS)
     assert allocator.request(demand("old", 4)).placement.size == 4
     clock[0] = 5 * HOUR  # 20 GPU-hours attained: past both LAS thresholds
     grant = allocator.request(demand("new", 2, arrival=clock[0]))
-    assert grant is not None and grant.placement.size == 2
     old = allocator.grant("old")
     assert old is not None and old.placement == Placement.EMPTY
     assert old.reason.startswith("preempted for new")
+    # Its GPUs drain as any given back: nobody gets them while its workers may be on them.
+    assert grant is not None and grant.placement.size == 0
+    assert "old gave back to drain" in grant.reason
+    assert set(allocator.draining()) == {("n0", gpu) for gpu in range(4)}
+    allocator.observe_world_size("old", 0)  # its workers stopped
+    admitted = allocator.grant("new")
+    assert admitted is not None and admitted.placement.size == 2
     allocator.release("new")
     readmitted = allocator.grant("old")
     assert readmitted is not None and readmitted.placement.size == 4
