@@ -103,3 +103,11 @@ def latest_metrics(
             if name in shown or len(shown) < limit:
                 shown[name] = value
     return shown
+
+
+def done_fraction(progress: Progress | None) -> float | None:
+    """The share of its expected epochs a job has done (`Demand.done_fraction`: a queue that
+    orders by work left reads it); None without `training.epochs`."""
+    if progress is None or progress.epochs <= 0:
+        return None
+    return min(1.0, progress.completed / progress.epochs)

@@ -42,6 +42,7 @@ from herd_operator.controllers.ports import (
     SpecView,
     StorePort,
 )
+from herd_operator.controllers.progress import done_fraction
 from herd_operator.controllers.running import WORKER_LOST_GRACE_SECONDS, RunningSteps
 from herd_operator.controllers.stopping import StopSteps
 from herd_operator.policies.base import JobObservations, Policy, PolicyError, Signal
@@ -202,6 +203,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
                 priority=job.spec.priority,
                 arrival=record.created_at,
                 gains=decision.gains,
+                done_fraction=done_fraction(status.progress),
             )
         )
         status = status.model_copy(update={"policy_reason": decision.reason})

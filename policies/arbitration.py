@@ -440,6 +440,7 @@ def arbitrate(
     overdue: AbstractSet[str] = frozenset(),
     share_by_gain: bool = False,
     draining: AbstractSet[Slot] = frozenset(),
+    order: Mapping[str, tuple[float, ...]] | None = None,
 ) -> dict[str, Grant]:
     """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
 
@@ -460,14 +461,17 @@ def arbitrate(
     being given back by a job whose workers may still be on them: they count as the pool's
     for admission and shares (they will be free), but are placed only where no other GPU is
     free, so that the caller, which holds them back until they drained, holds back as few
-    as it must.
+    as it must. `order` (a queue's, `policies/queueing.py`): the order within a tier, instead
+    of arrival's or `smallest_first`'s (arrival breaks its ties).
     Raises ValueError if two demands share a name or two current placements share a GPU.
     """
     by_name = sorted(demands, key=lambda d: d.name)
     for first, second in itertools.pairwise(by_name):
         if first.name == second.name:
             raise ValueError(f"two demands are named {first.name}")
-    if smallest_first:
+    if order is not None:
+        ranked = sorted(demands, key=lambda d: (-d.priority, order[d.name], d.arrival, d.name))
+    elif smallest_first:
         ranked = sorted(demands, key=lambda d: _rank_smallest_first(d, overdue))
     else:
         ranked = sorted(demands, key=_rank)

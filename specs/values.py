@@ -168,10 +168,18 @@ class Demand:
     first is the gain of GPU `min + 1`). Read only by an allocator that divides GPUs by gain
     (`spare_by_gain`: those above `wanted`; `share_by_gain`: all above `min`); without them
     the job gets no GPU above what it wants."""
+    done_fraction: float | None = field(default=None, compare=False)
+    """The share of its work the job has done (epochs reported / `training.epochs`); None:
+    not known. Read only by an allocator that orders by work left (`policies/queueing.py`);
+    not compared, so a new epoch alone does not make a decision."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("demand: name must not be empty")
+        if self.done_fraction is not None and not 0 <= self.done_fraction <= 1:
+            raise ValueError(
+                f"demand {self.name}: done_fraction must be within [0, 1], got {self.done_fraction}"
+            )
         if not 1 <= self.min <= self.max:
             raise ValueError(
                 f"demand {self.name}: need 1 <= min <= max, got min {self.min} max {self.max}"

@@ -78,6 +78,15 @@ def add_commands(commands: Subcommands) -> None:
         f" (default {DEFAULT_MAX_WAIT_SECONDS:g}, as run --max-wait)",
     )
     simulate.add_argument(
+        "--queue",
+        choices=("fifo", "las", "srpt"),
+        default="fifo",
+        help="the allocator's queue for every policy that names none (NAME+las, NAME+srpt,"
+        " NAME+fifo): las orders by service attained and srpt by work left, both preempting"
+        " (docs/simulation.md); fifo, the default, is arrival order without preemption, as"
+        " the operator runs",
+    )
+    simulate.add_argument(
         "--output", type=Path, default=Path("sim-results"), help="default: ./sim-results"
     )
     replay = add_command(
@@ -125,8 +134,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         workload = dataclasses.replace(workload, jobs=jobs)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
         results = simulate(
-            workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait
-        )
+            workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait,
+            queue=args.queue,
+        )  # fmt: skip
     except ValueError as err:
         print(f"herd-operator simulate: {err}", file=sys.stderr)
         return EXIT_USAGE

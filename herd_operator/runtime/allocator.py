@@ -28,6 +28,7 @@ from typing import Protocol
 
 from herd_operator.controllers.ports import Workers
 from herd_operator.policies.arbitration import arbitrate
+from herd_operator.policies.queueing import QueueConfig
 from herd_operator.runtime.bindings import (
     Binding,
     BindingTracker,
@@ -39,6 +40,7 @@ from herd_operator.runtime.drains import DEFAULT_DRAIN_SECONDS, DrainTracker
 from herd_operator.runtime.first_launch import FirstLaunches
 from herd_operator.runtime.process_table import is_process_of_job
 from herd_operator.runtime.recording import EventSink, Recorder
+from herd_operator.runtime.service import ServiceLedger
 from herd_operator.runtime.withheld import only, restorable, wait_for_drains, withheld_slots
 from herd_operator.runtime.world_sizes import LOST_GRACE_SECONDS, WorldSizes
 from herd_operator.specs.values import Allocation, Demand, Drain, Grant, Placement, Pool, Slot
@@ -94,6 +96,7 @@ class Allocator:
         on_workers_lost: Callable[[str, frozenset[str]], None] = lambda job, hosts: None,
         belongs: Callable[[str, int], bool] = is_process_of_job,
         first_launch_seconds: float = 0.0,
+        queue: QueueConfig | None = None,
     ) -> None:
         """`unavailable_hosts()`: hosts none of whose free GPUs a decision may grant, asked
         in every decision (suspect or lost nodes: `pools/heartbeat.NodeWatch`), on top of
@@ -107,7 +110,8 @@ class Allocator:
         (from the first decision that left it pending) goes first (`arbitrate`'s `overdue`):
         no timer is needed, since being overdue changes a decision only when GPUs come free
         or a job arrives, and each of those decides. `first_launch_seconds`: how long at
-        most a job whose first launch is forming is left alone (`first_launch.py`; 0: not)."""
+        most a job whose first launch is forming is left alone (`first_launch.py`; 0: not).
+        `queue`: the order by service or work left, and preemption (`queueing.py`)."""
         if not max_wait_seconds > 0 or not math.isfinite(max_wait_seconds):
             raise ValueError(f"max_wait_seconds must be finite and > 0, got {max_wait_seconds}")
         self.pool = pool
@@ -117,6 +121,7 @@ class Allocator:
         self.smallest_first = smallest_first
         self.max_wait_seconds = max_wait_seconds
         self.min_resize_interval = min_resize_interval
+        self._service = ServiceLedger(queue)
         self._sink = sink
         self._clock = clock
         self._wall_clock = wall_clock
@@ -293,6 +298,7 @@ class Allocator:
                 return
             for per_job in (self._held, self._pending_since, self._resized_at):
                 per_job.pop(job, None)
+            self._service.forget(job)
             self._world.forget(job)
             self._first.formed(job)
             # Released once its processes are gone: what it was giving back is free now.
@@ -395,6 +401,7 @@ class Allocator:
                 state.clear()
             self._world.clear()
             self._first.clear()
+            self._service.clear()
             self._bindings.clear()
             self._drains.clear()
             self._next_thaw = None
@@ -440,8 +447,8 @@ class Allocator:
                 self._changed(job, decided[job])
 
     def _arbitrate(self, now: float, shrink: tuple[str, Grant] | None) -> dict[str, Grant]:
-        """Every job's grant in this decision: the arbitration's, with the GPUs that drain
-        out of it, the held jobs' placements kept, and the shrunk job at its shrink."""
+        """Every job's grant in this decision: the arbitration's (in the queue's order, less
+        whom it preempts), the GPUs draining out of it, held jobs kept, a shrink at its size."""
         held = {job: self._grants[job] for job in self._held}
         current = {job: grant.placement for job, grant in self._grants.items() if job not in held}
         frozen = {
@@ -456,38 +463,31 @@ class Allocator:
         if shrink is not None:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])
+        unavailable = withheld_slots(self.pool, self._drains.overdue(), self._held,
+            self._cordoned | self._unavailable_hosts(), current, self._demands)  # fmt: skip
+        usable = self.pool.size - len(unavailable & self.pool.slot_set)
+        demands, queued, order, preempted = self._service.queue(
+            list(self._demands.values()), current, now, usable, frozen)  # fmt: skip
         decided = arbitrate(
-            self.pool,
-            list(self._demands.values()),
-            current,
-            frozen=frozen,
-            unavailable=withheld_slots(
-                self.pool,
-                self._drains.overdue(),
-                self._held,
-                self._cordoned | self._unavailable_hosts(),
-                current,
-                self._demands,
-            ),
-            spare_by_gain=self.spare_by_gain,
-            previous=self._grants,
+            self.pool, demands, queued, frozen=frozen, unavailable=unavailable,
+            spare_by_gain=self.spare_by_gain, previous=self._grants,
             smallest_first=self.smallest_first,
-            overdue={
-                job
-                for job, since in self._pending_since.items()
-                if now - since >= self.max_wait_seconds
-            },
-            share_by_gain=self.share_by_gain,
-            draining=self._drains.counted(),
-        )
+            overdue={j for j, t in self._pending_since.items() if now - t >= self.max_wait_seconds},
+            share_by_gain=self.share_by_gain, draining=self._drains.counted(), order=order,
+        )  # fmt: skip
+        decided.update((job, Grant(Placement.EMPTY, why)) for job, why in preempted.items())
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
         self._start_drains(current, decided, now)
+        for job in preempted if self.drain_seconds > 0 else ():  # drained as any GPU given back
+            for slot in current[job].slots():
+                self._drains.start(slot, job, self._bindings.pids_on(job, slot), now)
         if self._drains:
             wait_for_drains(decided, current, self._drains.by_slot(), self._demands, self._grants)
         if shrink is not None:
             decided[shrink[0]] = shrink[1]
         decided.update(held)
+        self._service.decided(self._demands, decided, preempted, now)
         return decided
 
     def _note_changes(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from herd_operator.policies.base import JobObservations, Policy, Signal
+from herd_operator.policies.queueing import QueueConfig
 from herd_operator.policies.registry import load_policy
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
@@ -67,6 +68,9 @@ class SimConfig:
     """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: the wait after which a pending job goes first."""
+    queue: QueueConfig | None = None
+    """The allocator's queue: order by service attained or work left, and preemption
+    (`policies/queueing.py`); None: arrival order, no preemption."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""
@@ -98,6 +102,7 @@ class _Run:
     finished: float | None = None
     last_resize: float | None = None
     resizes: int = 0
+    preemptions: int = 0
     gpu_seconds: float = 0.0
     memory_seconds: float = 0.0
     """GPU-seconds weighted by the share of memory used."""
@@ -115,6 +120,7 @@ class JobOutcome:
     gpu_seconds: float
     memory_seconds: float
     resizes: int
+    preemptions: int = 0
 
     @property
     def completion(self) -> float:
@@ -201,6 +207,7 @@ class Simulation:
             smallest_first=config.smallest_first,
             share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
+            queue=config.queue,
         )
         self.allocator.watch(self._on_change)
 
@@ -367,6 +374,7 @@ class Simulation:
                 run.gpu_seconds,
                 run.memory_seconds,
                 run.resizes,
+                run.preemptions,
             )
             for run in self._runs.values()
             if run.finished is not None
@@ -393,7 +401,7 @@ class Simulation:
         self._settle(run)
         demand = Demand(
             model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
-            model.arrival, decision.gains,
+            model.arrival, decision.gains, run.epoch / model.epochs,
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)
@@ -424,6 +432,10 @@ class Simulation:
             return
         if old == 0 and run.admitted is None:
             run.admitted = self.now
+        elif old > 0 and new == 0:
+            # Preempted: it starts again from its last checkpoint, the end of its last epoch.
+            run.done = run.epoch * run.model.epoch_work()
+            run.preemptions += 1
         elif old > 0 and new > 0:
             run.resizes += 1
             run.last_resize = self.now
@@ -431,6 +443,9 @@ class Simulation:
         run.stall_until = self.now + run.model.stall(old, new)
         self._settle(run)
         self._schedule_epoch(run)
+        if new == 0 and old > 0:
+            # Its workers stop at once and say so: the GPUs they drained are free.
+            self._push(self.now, Kind.SETTLED, run.model.name, run.version)
 
     def _schedule_epoch(self, run: _Run) -> None:
         run.version += 1

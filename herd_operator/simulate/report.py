@@ -33,6 +33,8 @@ class Summary:
     wall_seconds: float
     decide_seconds: float
     policy_seconds: float
+    preemptions_per_job: float = 0.0
+    """Under a queue that preempts (`policies/queueing.py`)."""
 
 
 def percentile(values: Sequence[float], share: float) -> float:
@@ -69,6 +71,7 @@ def summarize(result: SimResult) -> Summary:
         wall_seconds=result.wall_seconds,
         decide_seconds=result.decide_seconds,
         policy_seconds=result.policy_seconds,
+        preemptions_per_job=sum(job.preemptions for job in jobs) / count,
     )
 
 
@@ -111,10 +114,10 @@ def write(results: Sequence[SimResult], output: Path, header: str) -> list[Path]
     written.append(report)
     for result in results:
         path = output / f"jobs-{re.sub(r'[^A-Za-z0-9_.=-]', '_', result.policy)}.csv"
-        rows = ["name,arrival,admitted,finished,requested,gpu_seconds,resizes"]
+        rows = ["name,arrival,admitted,finished,requested,gpu_seconds,resizes,preemptions"]
         rows += [
             f"{j.name},{j.arrival:.3f},{j.admitted:.3f},{j.finished:.3f},{j.requested},"
-            f"{j.gpu_seconds:.1f},{j.resizes}"
+            f"{j.gpu_seconds:.1f},{j.resizes},{j.preemptions}"
             for j in result.jobs
         ]
         path.write_text("\n".join(rows) + "\n")

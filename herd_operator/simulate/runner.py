@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from herd_operator.policies.queueing import QUEUE_MODES, QueueConfig
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.simulate.baselines import BASELINES, run_baseline
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
@@ -28,7 +29,8 @@ ALLOCATOR_OPTIONS = {
 }
 """`POLICY+OPTION[+OPTION]`: the policy under an allocator with these opt-in behaviours:
 `+spare` lends spare GPUs by gain, `+share` divides every GPU above the mins by gain (which
-includes lending: the two are not combined), `+small` admits the smallest pending job first."""
+includes lending: the two are not combined), `+small` admits the smallest pending job first.
+`+las`, `+srpt`, `+fifo`: the allocator's queue (`policies/queueing.py`); `+fifo` is none."""
 
 
 def parse_pool(text: str) -> Pool:
@@ -76,18 +78,27 @@ def parse_policy(text: str) -> tuple[str, PolicyRef]:
     return text, PolicyRef(name=name, params=params)
 
 
-def parse_allocator_options(text: str) -> tuple[str, dict[str, bool]]:
-    """`policy+spare+small` -> (`policy`, the `SimConfig` flags those options turn on)."""
+def parse_allocator_options(
+    text: str, queue: str = "fifo"
+) -> tuple[str, dict[str, bool], QueueConfig | None]:
+    """`policy+spare+small+las` -> (`policy`, the `SimConfig` flags those options turn on,
+    the queue: `+las`, `+srpt` or `+fifo`, else `queue`'s)."""
     policy, *options = text.split("+")
     flags: dict[str, bool] = {}
-    for option in options:
+    modes = [option for option in options if option in QUEUE_MODES]
+    if len(modes) > 1:
+        raise ValueError(f"policy {text!r}: more than one queue ({', '.join(modes)})")
+    mode = modes[0] if modes else queue
+    if mode not in QUEUE_MODES:
+        raise ValueError(f"queue {mode!r}: expected one of {', '.join(QUEUE_MODES)}")
+    for option in (option for option in options if option not in QUEUE_MODES):
         if option not in ALLOCATOR_OPTIONS:
             allowed = ", ".join(f"+{name}" for name in ALLOCATOR_OPTIONS)
             raise ValueError(f"policy {text!r}: unknown allocator option +{option} ({allowed})")
         flags[ALLOCATOR_OPTIONS[option]] = True
     if flags.get("spare_by_gain") and flags.get("share_by_gain"):
         raise ValueError(f"policy {text!r}: +share already lends spare GPUs; drop +spare")
-    return policy, flags
+    return policy, flags, None if mode == "fifo" else QueueConfig(mode)
 
 
 def simulate(
@@ -97,18 +108,20 @@ def simulate(
     tick: float,
     resync: float = 0.0,
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
+    queue: str = "fifo",
 ) -> list[SimResult]:
     results = []
     for text in policies:
         if text in BASELINES:
             results.append(run_baseline(text, workload.jobs, pool.size))
             continue
-        policy, flags = parse_allocator_options(text)
+        policy, flags, queued = parse_allocator_options(text, queue)
         label, ref = parse_policy(policy)
         jobs = rigid(workload.jobs) if label == FIRST_COME else workload.jobs
         config = SimConfig(
-            pool, ref, tick=tick, resync=resync, max_wait_seconds=max_wait_seconds, **flags
-        )
+            pool, ref, tick=tick, resync=resync, max_wait_seconds=max_wait_seconds,
+            queue=queued, **flags,
+        )  # fmt: skip
         result = Simulation(jobs, config).run()
         result.policy = text
         results.append(result)

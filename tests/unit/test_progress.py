@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from herd_operator.controllers.progress import (
     ETA_EPOCHS,
+    done_fraction,
     epoch_seconds,
     estimate_progress,
     eta_seconds,
@@ -166,3 +167,9 @@ def test_metrics_are_bounded_per_job_first_names_kept() -> None:
 def test_a_script_reporting_a_new_name_each_epoch_holds_the_bound(limit: int) -> None:
     reports = [end(epoch, float(epoch), **{f"name{epoch}": 1.0}) for epoch in range(50)]
     assert list(latest_metrics({}, reports, limit)) == [f"name{i}" for i in range(limit)]
+
+
+def test_done_fraction_is_the_share_of_expected_epochs_completed_and_none_without_them() -> None:
+    assert done_fraction(None) is None
+    assert done_fraction(Progress(epochs=8, completed=2)) == 0.25
+    assert done_fraction(Progress(epochs=8, completed=9)) == 1.0  # more reported than expected
