@@ -12,6 +12,7 @@ from herd_operator.agent.training import batch_settings, elastic_batches, sum_gr
 from herd_operator.agent.worker import (
     DeviceBinding,
     bind_device,
+    decided_batch,
     report_epoch,
     report_reset,
     under_operator,
@@ -25,6 +26,7 @@ __all__ = [
     "Step",
     "batch_settings",
     "bind_device",
+    "decided_batch",
     "elastic_batches",
     "report_epoch",
     "report_reset",

@@ -281,7 +281,7 @@ class RestartPolicy(ApiModel):
     """How many times it is started again before it is marked Failed."""
 
 
-BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch"]
+BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch", "adaptive"]
 MAX_BATCH = 1 << 24
 
 
@@ -289,7 +289,7 @@ class TrainingOptions(ApiModel):
     """How the job's workers keep training quality when the world resizes.
 
     The operator passes these to the workers (HERD_BATCH_POLICY, HERD_WARMUP_STEPS,
-    HERD_MAX_WORKER_BATCH); a script that uses `herd_operator.worker.batch_settings`
+    HERD_MAX_WORKER_BATCH, HERD_MAX_BATCH); a script that uses `herd_operator.worker.batch_settings`
     follows them, any other script ignores them.
     """
 
@@ -301,7 +301,9 @@ class TrainingOptions(ApiModel):
             "linear-lr: as naive, with the learning rate scaled with the global batch and "
             "ramped over warmupSteps after each resize. preserve-batch: the global batch and "
             "the learning rate stay fixed; each resize recomputes the per-worker batch and "
-            "the gradient-accumulation steps."
+            "the gradient-accumulation steps. adaptive: the global batch is the one the "
+            "operator's policy picked for the job's GPUs (goodput), the learning rate scaled "
+            "by AdaScale's gain ratio from the gradient noise scale the workers measure."
         ),
     )
     warmup_steps: int | None = Field(
@@ -320,9 +322,21 @@ class TrainingOptions(ApiModel):
         ge=1,
         le=MAX_BATCH,
         description=(
-            "preserve-batch: the most samples one worker computes at once; a larger share of "
-            "the global batch is split into gradient-accumulation micro-batches (for workers "
-            "whose memory holds less than the whole share). Unset: the script's own choice."
+            "preserve-batch, adaptive: the most samples one worker computes at once; a larger "
+            "share of the global batch is split into gradient-accumulation micro-batches (for "
+            "workers whose memory holds less than the whole share); the adaptive policy picks "
+            "no batch above this many per GPU but the base one. Unset: the script's own choice."
+        ),
+    )
+    max_batch: int | None = Field(
+        default=None,
+        strict=True,
+        ge=1,
+        le=MAX_BATCH,
+        description=(
+            "adaptive: the largest global batch the job may train at (a batch its learning "
+            "rate rule still holds for). Unset: maxWorkerBatch per GPU bounds it, or, without "
+            "either, the base batch per GPU."
         ),
     )
     epochs: int | None = Field(
