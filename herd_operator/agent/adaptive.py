@@ -34,6 +34,9 @@ SMOOTHING = 0.999
 """The moving average's factor per `base`-sample step (a step of k base batches decays it
 k times as much): about a thousand base steps of memory, as adaptdl."""
 _TINY = 1e-30
+MAX_NOISE_SCALE = 1e9
+"""The largest noise scale reported, in samples: far above any batch, so a policy reads it
+as "a larger batch loses nothing", and finite, so it can be sent and stored."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,14 @@ class NoiseEstimate:
         return max(self.var_biased / self.weight, 0.0) if self.measured else 0.0
 
     def noise_scale(self) -> float | None:
-        """S / |G|^2 in samples; None before a measurement or while |G|^2 reads as 0."""
-        sqr = self.gradient_sqr
-        if not self.measured or sqr <= _TINY:
+        """S / |G|^2 in samples, at most `MAX_NOISE_SCALE` (late in training the estimate of
+        a small |G|^2 can read 0 or less: all noise); None before a measurement."""
+        sqr, var = self.gradient_sqr, self.variance
+        if not self.measured or (sqr <= 0.0 and var <= 0.0):
             return None
-        return self.variance / sqr
+        if sqr * MAX_NOISE_SCALE <= var:
+            return MAX_NOISE_SCALE
+        return var / sqr
 
 
 def step_moments(

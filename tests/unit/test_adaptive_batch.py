@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from herd_operator.agent.adaptive import (
+    MAX_NOISE_SCALE,
     NoiseEstimate,
     batch_for_world,
     gain_ratio,
@@ -64,6 +65,14 @@ def test_the_first_measurement_is_taken_whole_by_the_bias_correction() -> None:
     assert estimate.gradient_sqr == pytest.approx(1.0)
     assert estimate.variance == pytest.approx(8.0)
     assert estimate.noise_scale() == pytest.approx(8.0)
+
+
+def test_a_gradient_norm_estimated_at_zero_or_less_reads_as_all_noise() -> None:
+    # Local 10 at 2 samples, global 6 at 8: |G|^2 = (48 - 20) / 6 > 0; local 10, global 2:
+    # |G|^2 = (16 - 20) / 6 < 0, floored at 0, with S = 8 / (3 / 8) > 0.
+    assert update_noise(NoiseEstimate(), 10.0, 2.0, 2, 8, 8).noise_scale() == MAX_NOISE_SCALE
+    assert NoiseEstimate().noise_scale() is None
+    assert NoiseEstimate(0.0, 0.0, 1.0).noise_scale() is None
 
 
 def test_a_step_that_is_not_finite_leaves_the_estimate() -> None:
