@@ -45,12 +45,12 @@ from herd_operator.controllers.ports import (
 from herd_operator.controllers.progress import done_fraction
 from herd_operator.controllers.running import WORKER_LOST_GRACE_SECONDS, RunningSteps
 from herd_operator.controllers.stopping import StopSteps
-from herd_operator.policies.base import JobObservations, Policy, PolicyError, Signal
+from herd_operator.policies.base import Decision, JobObservations, Policy, PolicyError, Signal
 from herd_operator.policies.registry import load_policy, params_warnings
 from herd_operator.specs import ConditionType, HerdJob, set_condition, spec_fingerprint
 from herd_operator.specs.conditions import REPORT_DEADLINE_SECONDS, get_condition
 from herd_operator.specs.records import JobRecord
-from herd_operator.specs.status import HerdJobStatus
+from herd_operator.specs.status import BatchChoice, HerdJobStatus
 from herd_operator.specs.values import Demand, Grant, Report
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,9 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
                 done_fraction=done_fraction(status.progress),
             )
         )
-        status = status.model_copy(update={"policy_reason": decision.reason})
+        status = status.model_copy(
+            update={"policy_reason": decision.reason, "batch": _batch_choice(decision, observed)}
+        )
         if grant is None:  # the allocator decides for a batch of jobs and wakes this one after
             self._save(name, status, generation, now)
             return Result()
@@ -371,6 +373,15 @@ def _with_spec_validity(
             status.conditions, ConditionType.SpecValid, TRUE, "Valid", "", generation, now
         )
     return status.model_copy(update={"conditions": conditions})
+
+
+def _batch_choice(decision: Decision, observed: JobObservations) -> BatchChoice | None:
+    """The decision's batch and the GPUs it is for: those granted when it was made (the
+    policy chooses for them), or, before any grant, the GPUs it asks for."""
+    if decision.batch_size is None:
+        return None
+    gpus = observed.allocated if observed.allocated > 0 else decision.gpus
+    return BatchChoice(gpus=gpus, size=decision.batch_size)
 
 
 def _stalled_by(err: BaseException) -> str:

@@ -54,12 +54,14 @@ VIRTUAL_ENV = "HERD_VIRTUAL_GPU"
 """Set by the shim to 1 when the GPUs are virtual (CPU workers)."""
 BATCH_POLICY_ENV = "HERD_BATCH_POLICY"
 """From `spec.training.batchPolicy`: how workers keep training quality across resizes
-(naive, linear-lr, preserve-batch); read by `herd_operator.worker.batch_settings`."""
+(naive, linear-lr, preserve-batch, adaptive); read by `herd_operator.worker.batch_settings`."""
 WARMUP_STEPS_ENV = "HERD_WARMUP_STEPS"
 """From `spec.training.warmupSteps`: linear-lr's warm-up after a resize, in optimizer steps."""
 MAX_WORKER_BATCH_ENV = "HERD_MAX_WORKER_BATCH"
 """From `spec.training.maxWorkerBatch`: preserve-batch's largest micro-batch per worker."""
-TRAINING_ENV = frozenset({BATCH_POLICY_ENV, WARMUP_STEPS_ENV, MAX_WORKER_BATCH_ENV})
+MAX_BATCH_ENV = "HERD_MAX_BATCH"
+"""From `spec.training.maxBatch`: the adaptive policy's largest global batch."""
+TRAINING_ENV = frozenset({BATCH_POLICY_ENV, WARMUP_STEPS_ENV, MAX_WORKER_BATCH_ENV, MAX_BATCH_ENV})
 """What `spec.training` sets for the workers; a spec's `env` cannot replace these."""
 
 

@@ -11,6 +11,18 @@ too, so that an allocator dividing GPUs by gain can lend it GPUs nobody waits fo
 knee (`spare_by_gain`), or weigh each of its GPUs above the min against other jobs'
 (`share_by_gain`). With the batch-preserving modes the global batch does not change with the
 size, so statistical efficiency is 1 and throughput is goodput.
+
+When the workers report the adaptive metrics (`specs.values.ADAPTIVE_METRICS`: the
+gradient noise scale, the global batch and the seconds per step, as the worker API's
+`adaptive` batch policy does), the policy models goodput as Pollux does: throughput times
+statistical efficiency (`policies/efficiency.py`), with the batch chosen per size
+(`choose_batch`). The time of a step is fitted as `fixed + per_sample x batch / gpus` on
+the reported steps (before two per-GPU batches are measured, `priorSerial` of the one
+measured step is taken as fixed). Each size's goodput is at its best batch within the
+job's max batch and per-GPU memory (`spec.training.maxBatch`, `maxWorkerBatch`); the
+gains are in share of the job's goodput on one GPU (its speedup: the weight every job's
+GPUs are compared by, whatever its absolute rate), and the decision carries the batch for
+the GPUs granted now (`Decision.batch_size`).
 """
 
 from __future__ import annotations
@@ -18,14 +30,22 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
+from herd_operator.policies.efficiency import statistical_efficiency
 from herd_operator.specs import HerdJob
 from herd_operator.specs.models import SCHEMA_CONFIG
-from herd_operator.specs.values import Report
+from herd_operator.specs.values import (
+    BASE_BATCH_METRIC,
+    BATCH_SIZE_METRIC,
+    GRADIENT_NOISE_SCALE_METRIC,
+    STEP_SECONDS_METRIC,
+    Report,
+)
 
 _RECENT = 3
 """Epochs per size that make its rate (the median): a slow epoch does not move the fit."""
@@ -115,6 +135,154 @@ def fit_serial(rates: dict[int, list[float]]) -> float | None:
     return min(1.0, max(0.0, intercept / (slope + intercept)))
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step: `fixed + per_sample x batch / gpus`."""
+
+    fixed: float
+    per_sample: float
+
+    def seconds(self, gpus: int, batch: int) -> float:
+        return self.fixed + self.per_sample * batch / gpus
+
+
+@dataclass(frozen=True)
+class BatchProfile:
+    """What the batch choice knows of a job: its base batch, noise scale, step time and
+    limits (None: no limit of that kind)."""
+
+    base_batch: int
+    noise_scale: float
+    step_time: StepTime
+    max_batch: int | None = None
+    max_worker_batch: int | None = None
+
+
+_CANDIDATES = 64
+"""Batches tried between the bounds (geometrically spaced, with both bounds)."""
+
+
+def batch_bounds(gpus: int, profile: BatchProfile) -> tuple[int, int]:
+    """[lower, upper] of the batches `choose_batch` picks from at `gpus` GPUs.
+
+    The rules: never below the base batch (the one the rate was tuned for; at most
+    `max_worker_batch` per GPU is not asked of it, it runs with gradient accumulation as
+    preserve-batch does) nor below one sample per GPU; above it, at most `max_batch` and
+    `max_worker_batch` per GPU, or, with neither, the base batch per GPU (what Elastic
+    Horovod would train at)."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    lower = max(profile.base_batch, gpus)
+    limits = [limit for limit in (profile.max_batch,) if limit is not None]
+    if profile.max_worker_batch is not None:
+        limits.append(profile.max_worker_batch * gpus)
+    upper = min(limits) if limits else profile.base_batch * gpus
+    return lower, max(lower, upper)
+
+
+def goodput(gpus: int, batch: int, profile: BatchProfile) -> float:
+    """Base-batch samples of progress per second: throughput x statistical efficiency."""
+    seconds = profile.step_time.seconds(gpus, batch)
+    if seconds <= 0:
+        return 0.0
+    efficiency = statistical_efficiency(profile.noise_scale, batch, profile.base_batch)
+    return batch / seconds * efficiency
+
+
+def choose_batch(gpus: int, profile: BatchProfile) -> int:
+    """The global batch of most goodput at `gpus` GPUs within `batch_bounds` (the smaller
+    one of equal goodput)."""
+    lower, upper = batch_bounds(gpus, profile)
+    candidates = {lower, upper}
+    if upper > lower:
+        ratio = (upper / lower) ** (1.0 / (_CANDIDATES - 1))
+        candidates.update(min(upper, round(lower * ratio**i)) for i in range(_CANDIDATES))
+    return max(sorted(candidates), key=lambda batch: goodput(gpus, batch, profile))
+
+
+def fit_step_time(epochs: Sequence[Report], prior_serial: float) -> StepTime | None:
+    """The step-time model from the reported (world size, batch, step seconds), the latest
+    few per point; None without any. Least squares over two per-GPU batches or more, else
+    `prior_serial` of the one measured step is fixed."""
+    points: dict[tuple[int, float], list[float]] = {}
+    for report in epochs:
+        seconds = report.metrics.get(STEP_SECONDS_METRIC)
+        batch = report.metrics.get(BATCH_SIZE_METRIC)
+        if seconds is None or batch is None or seconds <= 0 or batch <= 0:
+            continue
+        if report.world_size > 0:
+            points.setdefault((report.world_size, batch), []).append(seconds)
+    samples = [
+        (batch / size, statistics.median(times[-_RECENT:]))
+        for (size, batch), times in points.items()
+    ]
+    if not samples:
+        return None
+    xs = {x for x, _ in samples}
+    if len(xs) >= 2:
+        mean_x = sum(x for x, _ in samples) / len(samples)
+        mean_y = sum(y for _, y in samples) / len(samples)
+        spread = sum((x - mean_x) ** 2 for x, _ in samples)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in samples) / spread
+        intercept = mean_y - slope * mean_x
+        if slope > 0 and intercept >= 0:
+            return StepTime(intercept, slope)
+    # One per-GPU batch, or a fit that says nothing sensible: split the mean step.
+    x, y = max(samples)
+    return StepTime(prior_serial * y, (1.0 - prior_serial) * y / x)
+
+
+def batch_profile(
+    job: HerdJob, epochs: Sequence[Report], prior_serial: float
+) -> BatchProfile | None:
+    """The job's profile from its reports: None until one reports the noise scale, the
+    batch and the step time (then the policy works as without them)."""
+    noise = next(
+        (
+            r.metrics[GRADIENT_NOISE_SCALE_METRIC]
+            for r in reversed(epochs)
+            if GRADIENT_NOISE_SCALE_METRIC in r.metrics
+        ),
+        None,
+    )
+    step_time = fit_step_time(epochs, prior_serial)
+    batches = [
+        r.metrics[BATCH_SIZE_METRIC] for r in epochs if r.metrics.get(BATCH_SIZE_METRIC, 0) >= 1
+    ]
+    if noise is None or step_time is None or not batches or not math.isfinite(noise) or noise < 0:
+        return None
+    bases = [
+        r.metrics[BASE_BATCH_METRIC] for r in epochs if r.metrics.get(BASE_BATCH_METRIC, 0) >= 1
+    ]
+    base = int(bases[-1]) if bases else int(min(batches))
+    training = job.spec.training
+    return BatchProfile(
+        base_batch=base,
+        noise_scale=float(noise),
+        step_time=step_time,
+        max_batch=None if training is None else training.max_batch,
+        max_worker_batch=None if training is None else training.max_worker_batch,
+    )
+
+
+def goodput_knee(
+    profile: BatchProfile, min_gain: float, low: int, high: int
+) -> tuple[int, tuple[float, ...]]:
+    """The size to ask for and the gains of GPUs `low + 1` to `high`: each in share of the
+    job's goodput on one GPU, each size at its own best batch. The size is the largest one
+    reached from `low` by GPUs that each add at least `min_gain`."""
+    best = {
+        n: goodput(n, choose_batch(n, profile), profile) for n in range(max(1, low - 1), high + 1)
+    }
+    one = goodput(1, choose_batch(1, profile), profile)
+    scale = one if one > 0 else 1.0
+    gains = tuple((best[n] - best[n - 1]) / scale for n in range(low + 1, high + 1))
+    size = low
+    while size < high and gains[size - low] >= min_gain:
+        size += 1
+    return size, gains
+
+
 class GoodputPolicy:
     """Asks for the size past which one more GPU adds less than `minGain` of a GPU."""
 
@@ -129,6 +297,9 @@ class GoodputPolicy:
     def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
         params = self.params
         low, high = job.spec.gpus.min, job.spec.gpus.max
+        profile = batch_profile(job, observed.epochs, params.prior_serial)
+        if profile is not None:
+            return _adaptive_decision(job, observed, profile, params.min_gain)
         rates = rates_by_size(observed.epochs, params.throughput_metric)
         fitted = fit_serial(rates)
         here = observed.allocated
@@ -156,3 +327,21 @@ class GoodputPolicy:
             f"goodput: {source}: knee at {size} for a gain of {params.min_gain:g}",
             gains=amdahl_gains(serial, low, high),
         )
+
+
+def _adaptive_decision(
+    job: HerdJob, observed: JobObservations, profile: BatchProfile, min_gain: float
+) -> Decision:
+    low, high = job.spec.gpus.min, job.spec.gpus.max
+    knee_size, gains = goodput_knee(profile, min_gain, low, high)
+    size = clamp(job, knee_size)
+    granted = observed.allocated if observed.allocated > 0 else size
+    batch = choose_batch(granted, profile)
+    return Decision(
+        size,
+        f"goodput: noise scale {profile.noise_scale:.0f} samples, base batch "
+        f"{profile.base_batch}: knee at {size} for a gain of {min_gain:g}; "
+        f"batch {batch} at {granted} GPUs",
+        gains=gains,
+        batch_size=batch,
+    )

@@ -281,16 +281,21 @@ class RestartPolicy(ApiModel):
     """How many times it is started again before it is marked Failed."""
 
 
-BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch"]
+BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch", "adaptive"]
 MAX_BATCH = 1 << 24
+
+
+def _batch_limit(description: str) -> Any:
+    """An optional limit of `training` in samples per step (1 to MAX_BATCH)."""
+    return Field(default=None, strict=True, ge=1, le=MAX_BATCH, description=description)
 
 
 class TrainingOptions(ApiModel):
     """How the job's workers keep training quality when the world resizes.
 
     The operator passes these to the workers (HERD_BATCH_POLICY, HERD_WARMUP_STEPS,
-    HERD_MAX_WORKER_BATCH); a script that uses `herd_operator.worker.batch_settings`
-    follows them, any other script ignores them.
+    HERD_MAX_WORKER_BATCH, HERD_MAX_BATCH); a script that uses
+    `herd_operator.worker.batch_settings` follows them, any other script ignores them.
     """
 
     batch_policy: BatchPolicyName = Field(
@@ -301,7 +306,7 @@ class TrainingOptions(ApiModel):
             "linear-lr: as naive, with the learning rate scaled with the global batch and "
             "ramped over warmupSteps after each resize. preserve-batch: the global batch and "
             "the learning rate stay fixed; each resize recomputes the per-worker batch and "
-            "the gradient-accumulation steps."
+            "the gradient-accumulation steps. adaptive: goodput's batch, AdaScale's rate."
         ),
     )
     warmup_steps: int | None = Field(
@@ -314,16 +319,14 @@ class TrainingOptions(ApiModel):
             "after a resize (0: at once). Unset: the script's own choice."
         ),
     )
-    max_worker_batch: int | None = Field(
-        default=None,
-        strict=True,
-        ge=1,
-        le=MAX_BATCH,
-        description=(
-            "preserve-batch: the most samples one worker computes at once; a larger share of "
-            "the global batch is split into gradient-accumulation micro-batches (for workers "
-            "whose memory holds less than the whole share). Unset: the script's own choice."
-        ),
+    max_worker_batch: int | None = _batch_limit(
+        "preserve-batch, adaptive: the most samples one worker computes at once; a larger "
+        "share is split into gradient-accumulation micro-batches (for workers whose memory "
+        "holds less than the whole share). Unset: the script's own choice."
+    )
+    max_batch: int | None = _batch_limit(
+        "adaptive: the largest global batch the job may train at. Unset: maxWorkerBatch per "
+        "GPU bounds it, or, without either, the base batch per GPU."
     )
     epochs: int | None = Field(
         default=None,

@@ -66,6 +66,14 @@ class Progress(StatusModel):
     """When the expected epochs should be done (Unix time; None: unknown)."""
 
 
+class BatchChoice(StatusModel):
+    """The global batch a policy picked for a job (`Decision.batch_size`), and for how
+    many GPUs: the workers of an adaptive-batch job take it (the `batch` RPC)."""
+
+    gpus: int
+    size: int
+
+
 class HerdJobStatus(StatusModel):
     observed_generation: int = 0
     conditions: tuple[Condition, ...] = ()
@@ -99,6 +107,8 @@ class HerdJobStatus(StatusModel):
     """The latest value of each metric the workers reported with an epoch end
     (`report_epoch(epoch, {"loss": ...})`), at most `MAX_JOB_METRICS` names: the first
     ones reported keep their place."""
+    batch: BatchChoice | None = None
+    """The global batch the job's policy picked last (None: it picks none)."""
 
     def summary(self) -> str:
         """One word for a table's STATUS column, derived from the conditions."""

@@ -245,6 +245,10 @@ the gradient noise scale in samples (McCandlish et al.'s simple estimate, which 
 the global batch in samples during the epoch, and the mean seconds of one optimizer step at
 that batch and world size. One list, read by the worker API, the policies and the simulator."""
 GRADIENT_NOISE_SCALE_METRIC, BATCH_SIZE_METRIC, STEP_SECONDS_METRIC = ADAPTIVE_METRICS
+BASE_BATCH_METRIC = "base_batch_size"
+"""Optional beside `ADAPTIVE_METRICS`: the global batch the job's learning rate was tuned
+for (the worker API's adaptive policy reports it); without it, the policies take the
+smallest batch reported."""
 
 
 @dataclass(frozen=True)

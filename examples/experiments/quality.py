@@ -8,6 +8,14 @@ which is what `herd.sum_gradients` (an allreduce with Sum) gives k real workers.
 update is the same function of the same samples; what differs is the order of float
 additions (a few ulps) and that real resizes happen when Horovod notices them, not at
 an exact sample count.
+
+The `adaptive` batch policy needs two things the other policies do not. The noise scale:
+each simulated worker's gradient is kept apart from the others' (the difference of `.grad`
+around its part), which is what the worker API's `sum_gradients` measures before and after
+the allreduce. And the operator's choice of batch: at the start of every epoch (where the
+real operator's decision, made on the last epoch's report, reaches the workers), the batch
+is the one the `goodput` policy's `choose_batch` picks for the world size, from the
+measured noise scale and `STUDY_STEP_TIME`, within `max_batch`.
 """
 
 from __future__ import annotations
@@ -28,12 +36,22 @@ from herd_operator.agent.batching import (
     BatchSettings,
     BatchState,
     Step,
+    after_gradients,
     after_step,
     epoch_order,
     next_epoch,
     next_step,
+    on_decision,
     on_world,
+    plan_batches,
+    step_gain,
 )
+from herd_operator.policies.goodput import BatchProfile, StepTime, choose_batch
+
+STUDY_STEP_TIME = StepTime(fixed=0.02, per_sample=0.00025)
+"""The step time the adaptive runs' batch choice assumes (the study measures no time): 20 ms
+per step whatever its size (synchronization, the optimizer) and 0.25 ms per sample per GPU,
+so that a larger batch has something to gain and the noise scale decides how much."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,8 @@ class RunConfig:
     reference_workers: int = 1
     warmup_steps: int = 20
     max_worker_batch: int | None = None
+    max_batch: int | None = None
+    """adaptive: the largest global batch the policy may pick."""
     momentum: float = 0.9
     decay: bool = True
     """Cosine decay of the rate over the sample budget, on top of the batch policy's rate:
@@ -100,6 +120,7 @@ class RunConfig:
             reference_workers=self.reference_workers,
             warmup_steps=self.warmup_steps,
             max_worker_batch=self.max_worker_batch,
+            max_batch=self.max_batch,
         )
 
 
@@ -127,6 +148,8 @@ class RunResult:
     worlds: list[tuple[int, int]] = field(default_factory=list)
     """(samples seen, world size) at each change of world size."""
     seconds: float = 0.0
+    batches: list[tuple[int, int]] = field(default_factory=list)
+    """adaptive: (samples seen, global batch) at each change of global batch."""
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "config": asdict(self.config)}
@@ -137,6 +160,7 @@ class RunResult:
         values["config"] = RunConfig(**values["config"])  # type: ignore[arg-type]
         values["curve"] = [tuple(point) for point in values["curve"]]  # type: ignore[attr-defined]
         values["worlds"] = [tuple(point) for point in values["worlds"]]  # type: ignore[attr-defined]
+        values["batches"] = [tuple(p) for p in values.get("batches", [])]  # type: ignore[attr-defined]
         return cls(**values)  # type: ignore[arg-type]
 
 
@@ -149,6 +173,57 @@ def make_model(features: int, classes: int, hidden: int, seed: int) -> nn.Module
         nn.ReLU(),
         nn.Linear(hidden, classes),
     )
+
+
+def accumulate_measured(
+    model: nn.Module, data: Split, settings: BatchSettings, state: BatchState, parts: list[Step]
+) -> BatchState:
+    """`accumulate` every simulated worker's part; under the adaptive policy, with the
+    noise scale measured as the worker API does (full steps with equal shares only)."""
+    plan = plan_batches(settings, state.world_size, state.global_batch)
+    shares = {len(part.indices) for part in parts}
+    measure = (
+        settings.policy == "adaptive"
+        and len(parts) > 1
+        and parts[0].count == plan.global_batch
+        and len(shares) == 1
+    )
+    params = [param for param in model.parameters() if param.requires_grad]
+    local_sqr = 0.0
+    for part in parts:
+        before = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+        accumulate(model, data, part)
+        if measure:
+            own = sum(
+                float((p.grad - b).double().pow(2).sum())
+                for p, b in zip(params, before, strict=True)
+            )
+            local_sqr += own * (part.count / len(part.indices)) ** 2
+    if not measure:
+        return state
+    (share,) = shares
+    global_sqr = sum(float(p.grad.double().pow(2).sum()) for p in params)
+    return after_gradients(
+        settings, state, local_sqr / len(parts), global_sqr, share, parts[0].count
+    )
+
+
+def study_decision(config: RunConfig, state: BatchState) -> BatchState:
+    """adaptive: the batch the goodput policy picks for the world size, from the noise
+    scale measured so far (none before a measurement)."""
+    settings = config.settings()
+    noise = state.noise.noise_scale()
+    if settings.policy != "adaptive" or noise is None:
+        return state
+    profile = BatchProfile(
+        base_batch=settings.reference_batch,
+        noise_scale=noise,
+        step_time=STUDY_STEP_TIME,
+        max_batch=settings.max_batch,
+        max_worker_batch=settings.max_worker_batch,
+    )
+    decided = (state.world_size, choose_batch(state.world_size, profile))
+    return on_decision(settings, state, decided)
 
 
 def accumulate(model: nn.Module, data: Split, step: Step) -> float:
@@ -211,18 +286,24 @@ def simulate(
             if world != state.world_size:
                 result.worlds.append((seen, world))
             state = on_world(settings, state, world)
+            if state.cursor == 0:
+                state = study_decision(config, state)  # the operator's, at an epoch's start
+            batch = plan_batches(settings, world, state.global_batch).global_batch
+            if settings.policy == "adaptive" and (
+                not result.batches or result.batches[-1][1] != batch
+            ):
+                result.batches.append((seen, batch))
             parts = [next_step(settings, state, order, rank) for rank in range(world)]
             if parts[0] is None:
                 break
             optimizer.zero_grad()
-            for part in parts:
-                assert part is not None
-                accumulate(model, data, part)
-            step = parts[0]
+            steps = [part for part in parts if part is not None]
+            state = accumulate_measured(model, data, settings, state, steps)
+            step = steps[0]
             for group in optimizer.param_groups:
                 group["lr"] = step.lr * decay_factor(config, seen, budget)
             optimizer.step()
-            state = after_step(state, step.count, step.lr)
+            state = after_step(state, step.count, step.lr, step_gain(settings, state))
             seen += step.count
             result.steps += 1
             while marks and seen >= marks[0]:

@@ -46,6 +46,10 @@ ELASTIC = ("up-1-2-4", "down-4-2-1", "bounce-2-1-2", MEMORY_SCHEDULE)
 """The schedules that resize; the memory policy's runs do (1 -> 2 -> 3 at least)."""
 
 
+ADAPTIVE_MAX_BATCH = 256
+"""The adaptive runs' largest global batch: 8 times the base batch of 32."""
+
+
 def run_key(config: RunConfig) -> str:
     return json.dumps(asdict(config), sort_keys=True)
 
@@ -84,6 +88,8 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
     ]
     if config.max_worker_batch is not None:
         command += ["--max-worker-batch", str(config.max_worker_batch)]
+    if config.max_batch is not None:
+        command += ["--max-batch", str(config.max_batch)]
     if not config.decay:
         command.append("--no-decay")
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -106,6 +112,8 @@ def run_horovodrun(config: RunConfig, workdir: Path, timeout: float = 1800) -> R
 def global_batches(config: RunConfig) -> str:
     """The global batch sizes a configuration trains at, as text."""
     settings = config.settings()
+    if settings.policy == "adaptive":  # chosen during the run: the bounds
+        return f"{settings.reference_batch}..{settings.max_batch or settings.reference_batch}"
     worlds = sorted({workers for _, workers in schedule_for(config).phases})
     sizes = []
     for world in worlds:
@@ -310,6 +318,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-decay", action="store_true", help="a constant rate (no cosine decay over the budget)"
     )
     parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=ADAPTIVE_MAX_BATCH,
+        help="adaptive: the largest global batch the goodput policy may pick",
+    )
+    parser.add_argument(
         "--tiny", action="store_true", help="CI: one seed, digits, one epoch, two schedules"
     )
     return parser.parse_args(argv)
@@ -337,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.datasets, args.policies, args.schedules, args.seeds
     ):
         config = replace(base, dataset=dataset, policy=policy, schedule=schedule, seed=seed)
+        if policy == "adaptive":
+            config = replace(config, max_batch=args.max_batch)
         if (args.engine, run_key(config)) in done:
             continue
         if args.engine == "simulated":

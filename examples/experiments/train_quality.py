@@ -6,7 +6,9 @@
 The policy comes from the job's spec (`spec.training.batchPolicy`, passed to the workers
 as HERD_BATCH_POLICY) when there is one, else from `--policy`. The model, the loss and the
 cut of every step are those of `quality.simulate`; each step's gradient is summed over the
-workers (`herd.sum_gradients`) and is the mean over the step's global batch.
+workers (`sampler.sum_gradients`, which also measures the gradient noise scale under the
+adaptive policy) and is the mean over the step's global batch. Each epoch's report carries
+the adaptive metrics (`sampler.adaptive_metrics()`: noise scale, batch, step time).
 
 Each worker appends one JSON line per optimizer step to `--step-log DIR/worker-<pid>.jsonl`
 (its rank, world size, the step's place in the epoch, global batch, lr and sample
@@ -67,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reference-workers", type=int, default=defaults.reference_workers)
     parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
     parser.add_argument("--max-worker-batch", type=int, default=defaults.max_worker_batch)
+    parser.add_argument("--max-batch", type=int, default=defaults.max_batch)
     parser.add_argument("--no-decay", action="store_true", help="no cosine decay of the rate")
     parser.add_argument("--evaluations", type=int, default=defaults.evaluations)
     parser.add_argument("--step-log", type=Path, help="directory for per-worker step logs")
@@ -94,6 +97,7 @@ def main() -> None:
         reference_workers=args.reference_workers,
         warmup_steps=args.warmup_steps,
         max_worker_batch=args.max_worker_batch,
+        max_batch=args.max_batch,
     )
     config = RunConfig(
         dataset=args.dataset,
@@ -106,6 +110,7 @@ def main() -> None:
         reference_workers=settings.reference_workers,
         warmup_steps=settings.warmup_steps,
         max_worker_batch=settings.max_worker_batch,
+        max_batch=settings.max_batch,
         decay=not args.no_decay,
         evaluations=args.evaluations,
     )
@@ -157,7 +162,7 @@ def main() -> None:
                     state.worlds.append((seen, hvd.size()))
                 optimizer.zero_grad()
                 loss = accumulate(model, data, step)
-                herd.sum_gradients(model.parameters())
+                sampler.sum_gradients(model.parameters(), step)  # measures noise (adaptive)
                 lr = step.lr * decay_factor(config, seen, budget)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -193,7 +198,8 @@ def main() -> None:
                 state.commit()
                 if args.progress is not None and hvd.rank() == 0:
                     write_atomically(args.progress, f"{now_seen} {hvd.size()}\n")
-            herd.report_epoch(epoch, {"accuracy": accuracy(model, data)})
+            metrics = {"accuracy": accuracy(model, data), **sampler.adaptive_metrics()}
+            herd.report_epoch(epoch, metrics)
             sampler.set_epoch(epoch + 1)
             state.commit()
 

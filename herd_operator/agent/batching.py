@@ -1,7 +1,7 @@
 """Batch arithmetic of elastic training: pure functions, no torch, no Horovod.
 
 Elastic Horovod keeps each worker's batch when the world resizes, so the global batch,
-and with it the effective learning rate, changes with every resize. Three policies:
+and with it the effective learning rate, changes with every resize. Four policies:
 
 - ``naive``: the per-worker batch and the learning rate stay as given; the global batch
   is ``worker_batch * world_size`` (what Elastic Horovod does by itself).
@@ -11,6 +11,9 @@ and with it the effective learning rate, changes with every resize. Three polici
 - ``preserve-batch``: the global batch and the learning rate never change; each resize
   recomputes every worker's share of the global batch (uneven when it does not divide)
   and, past ``max_worker_batch``, the number of gradient-accumulation micro-batches.
+- ``adaptive``: the global batch is the one the operator picked for the job's GPUs (Pollux's
+  goodput), cut as preserve-batch cuts it; the rate is ``lr`` times AdaScale's gain ratio
+  at that batch, from the gradient noise scale the workers measure (``adaptive.py``).
 
 Every worker computes the same answers from the same inputs, so they agree without
 talking. The position in an epoch is a global cursor into that epoch's permutation:
@@ -24,11 +27,23 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
-BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch"]
-BATCH_POLICIES: Final[tuple[BatchPolicyName, ...]] = ("naive", "linear-lr", "preserve-batch")
+from herd_operator.agent.adaptive import (
+    NoiseEstimate,
+    batch_for_world,
+    gain_ratio,
+    update_noise,
+)
+
+BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch", "adaptive"]
+BATCH_POLICIES: Final[tuple[BatchPolicyName, ...]] = (
+    "naive",
+    "linear-lr",
+    "preserve-batch",
+    "adaptive",
+)
 MAX_WORLD_SIZE: Final = 1 << 20
 
 
@@ -54,8 +69,11 @@ class BatchSettings:
     warmup_steps: int = 0
     """linear-lr: optimizer steps over which the rate moves to its new value after a resize."""
     max_worker_batch: int | None = None
-    """preserve-batch: the largest micro-batch one worker computes at once; a bigger share
-    is cut into gradient-accumulation micro-batches. None: no limit (no accumulation)."""
+    """preserve-batch, adaptive: the largest micro-batch one worker computes at once; a bigger
+    share is cut into gradient-accumulation micro-batches. None: no limit (no accumulation)."""
+    max_batch: int | None = None
+    """adaptive: the largest global batch the job may train at (None: the operator's choice,
+    or the base batch per worker when it made none)."""
 
     def __post_init__(self) -> None:
         policy_name(self.policy)
@@ -69,6 +87,8 @@ class BatchSettings:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.max_worker_batch is not None and self.max_worker_batch < 1:
             raise ValueError(f"max_worker_batch must be >= 1, got {self.max_worker_batch}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
 
     @property
     def reference_batch(self) -> int:
@@ -100,15 +120,19 @@ def split_evenly(total: int, parts: int) -> tuple[int, ...]:
     return tuple(base + 1 if index < extra else base for index in range(parts))
 
 
-def plan_batches(settings: BatchSettings, world_size: int) -> BatchPlan:
-    """The plan of a full optimizer step at `world_size` workers."""
+def plan_batches(settings: BatchSettings, world_size: int, adaptive_batch: int = 0) -> BatchPlan:
+    """The plan of a full optimizer step at `world_size` workers (`adaptive_batch`: the
+    adaptive policy's global batch, 0 for its base batch; the others ignore it). The
+    adaptive policy's rate here is `lr`: `step_lr` applies the gain ratio."""
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}")
-    if settings.policy == "preserve-batch":
+    if settings.policy in ("preserve-batch", "adaptive"):
         global_batch = settings.reference_batch
+        if settings.policy == "adaptive" and adaptive_batch:
+            global_batch = adaptive_batch
         if global_batch < world_size:
             raise ValueError(
-                f"preserve-batch: a global batch of {global_batch} cannot give each of "
+                f"{settings.policy}: a global batch of {global_batch} cannot give each of "
                 f"{world_size} workers a sample"
             )
         shares = split_evenly(global_batch, world_size)
@@ -186,8 +210,18 @@ class BatchState:
     ramp_from: float = 0.0
     """linear-lr: the rate in effect when the world last changed size."""
     steps_since_resize: int = 0
+    global_batch: int = 0
+    """adaptive: the global batch at this world size (0: the base batch)."""
+    decided: tuple[int, int] | None = None
+    """adaptive: the operator's last choice, (gpus, global batch) (None: none heard)."""
+    noise: NoiseEstimate = field(default_factory=NoiseEstimate)
+    """adaptive: the smoothed gradient moments the workers measured."""
+    progress: float = 0.0
+    """Optimizer steps counted in base-batch steps: each step adds its gain ratio (1 but
+    under the adaptive policy), AdaScale's scale-invariant iterations."""
 
     def to_dict(self) -> dict[str, float | int]:
+        gpus, batch = self.decided or (0, 0)
         return {
             "epoch": self.epoch,
             "cursor": self.cursor,
@@ -195,10 +229,18 @@ class BatchState:
             "lr": self.lr,
             "ramp_from": self.ramp_from,
             "steps_since_resize": self.steps_since_resize,
+            "global_batch": self.global_batch,
+            "decided_gpus": gpus,
+            "decided_batch": batch,
+            "noise_sqr": self.noise.sqr_biased,
+            "noise_var": self.noise.var_biased,
+            "noise_weight": self.noise.weight,
+            "progress": self.progress,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, float | int]) -> BatchState:
+        gpus, batch = int(data.get("decided_gpus", 0)), int(data.get("decided_batch", 0))
         return cls(
             epoch=int(data["epoch"]),
             cursor=int(data["cursor"]),
@@ -206,34 +248,92 @@ class BatchState:
             lr=float(data["lr"]),
             ramp_from=float(data["ramp_from"]),
             steps_since_resize=int(data["steps_since_resize"]),
+            global_batch=int(data.get("global_batch", 0)),
+            decided=(gpus, batch) if gpus > 0 and batch > 0 else None,
+            noise=NoiseEstimate(
+                float(data.get("noise_sqr", 0.0)),
+                float(data.get("noise_var", 0.0)),
+                float(data.get("noise_weight", 0.0)),
+            ),
+            progress=float(data.get("progress", 0.0)),
         )
 
 
 def on_world(settings: BatchSettings, state: BatchState, world_size: int) -> BatchState:
     """The state after a (re)start at `world_size`: a change of size starts a warm-up from
-    the rate in effect; the first start and a restart at the same size do not."""
-    plan_batches(settings, world_size)  # refuses a world size the policy cannot serve
+    the rate in effect; the first start and a restart at the same size do not. The adaptive
+    policy's global batch is set for the world size from the operator's last choice."""
+    if settings.policy == "adaptive":
+        batch = batch_for_world(
+            world_size,
+            settings.reference_batch,
+            state.decided,
+            settings.max_batch,
+            settings.max_worker_batch,
+        )
+        state = replace(state, global_batch=batch)
+    plan_batches(settings, world_size, state.global_batch)  # refuses what it cannot serve
     if state.world_size == world_size:
         return state
     if state.world_size == 0:
-        lr = plan_batches(settings, world_size).lr
+        lr = plan_batches(settings, world_size, state.global_batch).lr
         return replace(state, world_size=world_size, lr=lr, ramp_from=lr, steps_since_resize=0)
     return replace(state, world_size=world_size, ramp_from=state.lr, steps_since_resize=0)
 
 
+def on_decision(
+    settings: BatchSettings, state: BatchState, decided: tuple[int, int] | None
+) -> BatchState:
+    """The state once the operator's choice of (gpus, batch) is heard (the adaptive policy
+    takes its batch from it at the current world size; the others keep theirs)."""
+    if settings.policy != "adaptive" or decided is None or decided == state.decided:
+        return state
+    state = replace(state, decided=decided)
+    return on_world(settings, state, state.world_size) if state.world_size else state
+
+
+def step_gain(settings: BatchSettings, state: BatchState) -> float:
+    """The gain ratio of the next step: AdaScale's under the adaptive policy, else 1."""
+    if settings.policy != "adaptive":
+        return 1.0
+    plan = plan_batches(settings, state.world_size, state.global_batch)
+    return gain_ratio(state.noise, plan.global_batch, settings.reference_batch)
+
+
 def step_lr(settings: BatchSettings, state: BatchState) -> float:
     """The rate of the next optimizer step."""
-    target = plan_batches(settings, state.world_size).lr
+    target = plan_batches(settings, state.world_size, state.global_batch).lr
+    if settings.policy == "adaptive":
+        return target * step_gain(settings, state)
     if settings.policy != "linear-lr":
         return target
     return warmup_lr(state.ramp_from, target, state.steps_since_resize, settings.warmup_steps)
 
 
-def after_step(state: BatchState, count: int, lr: float) -> BatchState:
-    """The state once a step of `count` samples at rate `lr` is done."""
+def after_step(state: BatchState, count: int, lr: float, gain: float = 1.0) -> BatchState:
+    """The state once a step of `count` samples at rate `lr` and gain ratio `gain` is done."""
     return replace(
-        state, cursor=state.cursor + count, lr=lr, steps_since_resize=state.steps_since_resize + 1
+        state,
+        cursor=state.cursor + count,
+        lr=lr,
+        steps_since_resize=state.steps_since_resize + 1,
+        progress=state.progress + gain,
     )
+
+
+def after_gradients(
+    settings: BatchSettings,
+    state: BatchState,
+    local_sqr: float,
+    global_sqr: float,
+    local: int,
+    global_: int,
+) -> BatchState:
+    """The state once a step's gradient norms are measured (see `adaptive.update_noise`)."""
+    noise = update_noise(
+        state.noise, local_sqr, global_sqr, local, global_, settings.reference_batch
+    )
+    return replace(state, noise=noise)
 
 
 def next_epoch(state: BatchState) -> BatchState:
@@ -262,7 +362,7 @@ def next_step(
     settings: BatchSettings, state: BatchState, order: Sequence[int], rank: int
 ) -> Step | None:
     """`rank`'s part of the next step of the epoch in `order`, or None when it is over."""
-    plan = plan_batches(settings, state.world_size)
+    plan = plan_batches(settings, state.world_size, state.global_batch)
     count = step_count(state.cursor, len(order), plan.global_batch)
     if count == 0:
         return None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -44,15 +45,30 @@ from herd_operator.agent.batching import (
     BatchSettings,
     BatchState,
     Step,
+    after_gradients,
     after_step,
     epoch_order,
     next_epoch,
     next_step,
+    on_decision,
     on_world,
     plan_batches,
     policy_name,
+    step_gain,
 )
-from herd_operator.environment import BATCH_POLICY_ENV, MAX_WORKER_BATCH_ENV, WARMUP_STEPS_ENV
+from herd_operator.agent.worker import decided_batch
+from herd_operator.environment import (
+    BATCH_POLICY_ENV,
+    MAX_BATCH_ENV,
+    MAX_WORKER_BATCH_ENV,
+    WARMUP_STEPS_ENV,
+)
+from herd_operator.specs.values import (
+    BASE_BATCH_METRIC,
+    BATCH_SIZE_METRIC,
+    GRADIENT_NOISE_SCALE_METRIC,
+    STEP_SECONDS_METRIC,
+)
 
 
 def _env_int(name: str) -> int | None:
@@ -73,16 +89,18 @@ def batch_settings(
     reference_workers: int = 1,
     warmup_steps: int = 0,
     max_worker_batch: int | None = None,
+    max_batch: int | None = None,
 ) -> BatchSettings:
     """The script's batch settings, with what the job's spec chose on top.
 
-    `spec.training` reaches the workers as HERD_BATCH_POLICY, HERD_WARMUP_STEPS and
-    HERD_MAX_WORKER_BATCH; each one set there wins over the argument here, so one
-    script runs in any mode. Without either, the policy is `naive`.
+    `spec.training` reaches the workers as HERD_BATCH_POLICY, HERD_WARMUP_STEPS,
+    HERD_MAX_WORKER_BATCH and HERD_MAX_BATCH; each one set there wins over the argument
+    here, so one script runs in any mode. Without either, the policy is `naive`.
     """
     chosen = os.environ.get(BATCH_POLICY_ENV)
     warmup = _env_int(WARMUP_STEPS_ENV)
     limit = _env_int(MAX_WORKER_BATCH_ENV)
+    largest = _env_int(MAX_BATCH_ENV)
     return BatchSettings(
         policy=policy_name(chosen) if chosen else (policy or "naive"),
         worker_batch=worker_batch,
@@ -90,7 +108,16 @@ def batch_settings(
         reference_workers=reference_workers,
         warmup_steps=warmup_steps if warmup is None else warmup,
         max_worker_batch=max_worker_batch if limit is None else limit,
+        max_batch=max_batch if largest is None else largest,
     )
+
+
+def squared_norm(tensors: Iterable[Any]) -> float:
+    """The sum of the squares of every element of `tensors` (float64), as a float."""
+    total = 0.0
+    for tensor in tensors:
+        total += float(tensor.detach().double().pow(2).sum())
+    return total
 
 
 def _hvd() -> Any:
@@ -147,7 +174,10 @@ def _elastic_batch_sampler_class() -> type:
             self.batch_state = BatchState()
             self._epoch_size = epoch_size
             self._order: list[int] = []
+            self._step_seconds: list[float] = []
+            self._step_started: float | None = None
             super().__init__(range(epoch_size), shuffle=shuffle, seed=seed)
+            self.refresh_batch()
 
         # ElasticSampler's interface, on BatchState.
         def reset(self) -> None:
@@ -172,6 +202,7 @@ def _elastic_batch_sampler_class() -> type:
                 state = next_epoch(state)
             self.batch_state = state
             self.reset()
+            self.refresh_batch()
 
         def record_batch(self, batch_idx: int, batch_size: int) -> None:
             raise TypeError("ElasticBatchSampler counts whole steps: call record_step(step)")
@@ -188,10 +219,75 @@ def _elastic_batch_sampler_class() -> type:
         def on_reset(self) -> None:
             """Reset callback (`state.register_reset_callbacks`): the new world's plan."""
             self.reset()
+            self.refresh_batch()
+
+        def refresh_batch(self) -> None:
+            """adaptive: take the batch the operator picked last (rank 0 asks, all ranks
+            get its answer, so they cut steps alike); at a step boundary on every rank
+            (the start, a reset, an epoch's end). The step times restart with it."""
+            self._step_seconds, self._step_started = [], None
+            if self.settings.policy != "adaptive":
+                return
+            decided = decided_batch() if self.rank == 0 else None
+            if int(hvd.size()) > 1:
+                decided = hvd.broadcast_object(decided, root_rank=0, name="herd.batch")
+            self.batch_state = on_decision(self.settings, self.batch_state, decided)
 
         @property
         def plan(self) -> BatchPlan:
-            return plan_batches(self.settings, self.batch_state.world_size)
+            return plan_batches(
+                self.settings, self.batch_state.world_size, self.batch_state.global_batch
+            )
+
+        def sum_gradients(self, parameters: Iterable[Any], step: Step) -> None:
+            """`sum_gradients`, measuring the gradient noise scale on the way (adaptive):
+            each rank's squared norm of its own mean gradient, averaged over the ranks,
+            against the squared norm of the step's mean gradient. Only full steps with
+            equal shares count (the estimate assumes one local batch size)."""
+            params = [param for param in parameters if param.requires_grad]
+            plan = self.plan
+            shares = set(plan.worker_batches)
+            measure = (
+                self.settings.policy == "adaptive"
+                and plan.world_size > 1
+                and step.count == plan.global_batch
+                and len(shares) == 1
+            )
+            local_sqr = 0.0
+            if measure:
+                (share,) = shares
+                # The local gradient is (share / count) x the mean over the rank's samples.
+                grads = [p.grad for p in params if p.grad is not None]
+                local_sqr = squared_norm(grads) * (step.count / share) ** 2
+            sum_gradients(params)
+            if not measure:
+                return
+            import torch
+
+            mean_local = hvd.allreduce(
+                torch.tensor(local_sqr, dtype=torch.float64), op=hvd.Average, name="herd.gns"
+            )
+            global_sqr = squared_norm(p.grad for p in params)
+            self.batch_state = after_gradients(
+                self.settings, self.batch_state, float(mean_local), global_sqr, share, step.count
+            )
+
+        def adaptive_metrics(self) -> dict[str, float]:
+            """What the operator's goodput policy reads, for `report_epoch`: the noise scale
+            (once measured), the global batch and the mean seconds of a step since the last
+            reset or epoch end (the first step after either, which waits for the others or
+            warms up, is left out)."""
+            metrics: dict[str, float] = {
+                BATCH_SIZE_METRIC: float(self.plan.global_batch),
+                BASE_BATCH_METRIC: float(self.settings.reference_batch),
+            }
+            noise = self.batch_state.noise.noise_scale()
+            if noise is not None:
+                metrics[GRADIENT_NOISE_SCALE_METRIC] = noise
+            if self._step_seconds:
+                mean = sum(self._step_seconds) / len(self._step_seconds)
+                metrics[STEP_SECONDS_METRIC] = mean
+            return metrics
 
         def steps(self) -> Iterator[Step]:
             """This rank's steps for the rest of the epoch; `record_step` each one."""
@@ -206,8 +302,13 @@ def _elastic_batch_sampler_class() -> type:
                 group["lr"] = step.lr
 
         def record_step(self, step: Step) -> None:
-            self.batch_state = after_step(self.batch_state, step.count, step.lr)
+            gain = step_gain(self.settings, self.batch_state)
+            self.batch_state = after_step(self.batch_state, step.count, step.lr, gain)
             self.processed_num = self.batch_state.cursor
+            now = time.monotonic()
+            if self._step_started is not None and step.count == self.plan.global_batch:
+                self._step_seconds.append(now - self._step_started)
+            self._step_started = now
 
     _sampler_class = ElasticBatchSampler
     return ElasticBatchSampler

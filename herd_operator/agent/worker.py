@@ -217,6 +217,23 @@ def report_epoch(
     _report(epoch, metrics or {}, world_size)
 
 
+def decided_batch() -> tuple[int, int] | None:
+    """The global batch the operator's policy last picked for this job, as (gpus, batch):
+    the batch is for that many GPUs. None when it picked none, when the script is not run
+    by the operator, or when the operator cannot be asked (training goes on as it was)."""
+    if not under_operator():
+        return None
+    try:
+        answer = _shared_client().call("batch", job=os.environ[JOB_ENV])
+    except Exception as err:  # asking must never break training
+        log.warning("herd: asking for the batch failed: %s", err)
+        return None
+    gpus, batch = answer.get("gpus"), answer.get("batch_size")
+    if isinstance(gpus, int) and isinstance(batch, int) and gpus > 0 and batch > 0:
+        return gpus, batch
+    return None
+
+
 def report_reset() -> None:
     """Reset callback for `state.register_reset_callbacks`: reports the new world size."""
     _report(None, {}, None)

@@ -21,6 +21,7 @@ from herd_operator.environment import (
     BATCH_POLICY_ENV,
     ENV_FILE_ENV,
     JOB_ENV,
+    MAX_BATCH_ENV,
     MAX_WORKER_BATCH_ENV,
     OPERATOR_SET,
     TOKEN_FILE_ENV,
@@ -133,6 +134,8 @@ def training_env(job: HerdJob) -> dict[str, str]:
         env[WARMUP_STEPS_ENV] = str(training.warmup_steps)
     if training.max_worker_batch is not None:
         env[MAX_WORKER_BATCH_ENV] = str(training.max_worker_batch)
+    if training.max_batch is not None:
+        env[MAX_BATCH_ENV] = str(training.max_batch)
     return env
 
 

@@ -196,6 +196,25 @@ class ReportHandler:
         return {}
 
 
+class BatchHandler:
+    """`batch`: the global batch the job's policy last picked, and for how many GPUs (an
+    adaptive-batch job's rank 0 asks at each reset and epoch end); empty when none."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __call__(self, args: dict[str, Any]) -> dict[str, Any]:
+        job = args.get("job")
+        if not isinstance(job, str) or not job:
+            raise BadRequest("'job' must be a non-empty string")
+        with said_by_the_store(self.store):
+            record = self.store.get_job(job)
+        if record is None:
+            raise NotFound(f"no job {job!r}")
+        choice = record.status.batch
+        return {} if choice is None else {"gpus": choice.gpus, "batch_size": choice.size}
+
+
 MAX_PID = 2**22
 """Linux's largest pid_max: a pid a worker says is at most this (and above 0)."""
 MAX_LOCAL_RANK = MAX_GPUS - 1

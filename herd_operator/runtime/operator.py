@@ -43,6 +43,7 @@ from herd_operator.runtime.gpu_memory import GpuMemoryWatch
 from herd_operator.runtime.handlers import (
     GROUPED_OPS,
     AllocatorOps,
+    BatchHandler,
     ExporterRegistry,
     ReportHandler,
     for_agents,
@@ -277,6 +278,7 @@ class Operator:
                 "grant": for_own_job(ops.grant),
                 "placements": for_agents(ops.placements),
                 "report": for_own_job(ReportHandler(store, allocator, self.queue.add)),
+                "batch": for_own_job(BatchHandler(store)),
                 "register_exporter": for_own_host(heard_from(nodes, exporters)),
                 "unregister_exporter": for_own_host(exporters.unregister),
                 "ping": for_anyone(lambda args: {"pid": os.getpid()}),

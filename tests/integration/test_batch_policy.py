@@ -29,7 +29,9 @@ def read_steps(directory: Path) -> list[dict[str, Any]]:
     return records
 
 
-def committed_chain(records: list[dict[str, Any]], epoch_size: int) -> list[list[dict[str, Any]]]:
+def committed_chain(
+    records: list[dict[str, Any]], epoch_size: int, epochs: int = EPOCHS
+) -> list[list[dict[str, Any]]]:
     """Per step that counts, the records of all its ranks, in training order.
 
     A step rolled back by a failed allreduce (a removed worker) is done again from the
@@ -44,7 +46,7 @@ def committed_chain(records: list[dict[str, Any]], epoch_size: int) -> list[list
         if kept is None or max(r["time"] for r in group) > max(r["time"] for r in kept):
             latest[(epoch, cursor)] = group
     chain = []
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         cursor = 0
         while cursor < epoch_size:
             assert (epoch, cursor) in latest, f"epoch {epoch}: no step starts at {cursor}"
@@ -144,3 +146,91 @@ def test_simulated_workers_train_like_real_horovodrun(tmp_path: Path) -> None:
     test_samples = len(load("digits").y_test)
     for (_, ours), (_, theirs) in zip(real.curve, simulated.curve, strict=True):
         assert abs(ours - theirs) <= 2 / test_samples
+
+
+ADAPTIVE_EPOCHS = 8
+"""Base batch at 2 workers until the noise scale is measured (epoch 0) and the operator's
+choice reaches them (epoch 1 or 2), then its batch at 2; the shrink lands an epoch or two
+later; the rest at 1 worker is margin for a slow shrink."""
+
+
+def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
+    herd: OperatorHarness, tmp_path: Path
+) -> None:
+    """goodput picks a batch for the job's 2 GPUs from the noise scale the workers measure;
+    the workers train at it; a shrink to 1 GPU (the spec's max lowered) gives a smaller one,
+    within maxWorkerBatch per GPU; every epoch's report carries the adaptive metrics."""
+    steps_dir = tmp_path / "steps"
+    command = [
+        "python",
+        "-m",
+        "examples.experiments.train_quality",
+        *("--dataset", "digits", "--epochs", str(ADAPTIVE_EPOCHS), "--seed", str(SEED)),
+        *("--policy", "naive", "--worker-batch", "16", "--reference-workers", "2"),
+        *("--lr", str(LR), "--no-decay", "--evaluations", "1"),
+        *("--step-log", str(steps_dir), "--step-delay", "0.15"),
+    ]
+    training = {"batchPolicy": "adaptive", "maxWorkerBatch": 64, "maxBatch": 256}
+
+    # min stays 1 (Horovod's --min-np is fixed at launch); lowering max shrinks the job live.
+    # A small minGain keeps goodput asking for the max: the resize is the test's. The
+    # script sleeps 0.15 s a step, a fixed cost of most of its step: priorSerial says so
+    # until two batches per GPU are measured.
+    policy = {"name": "goodput", "params": {"minGain": 0.01, "priorSerial": 0.9}}
+
+    def document(gpus: int) -> dict[str, Any]:
+        return spec_document(
+            "adaptive", 1, gpus, command, policy=policy, training=training,
+            env={"PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+
+    def choice() -> Any:
+        with herd.store() as store:
+            record = store.get_job("adaptive")
+        return None if record is None else record.status.batch
+
+    def trained_at(gpus: int) -> int | None:
+        """The batch the operator chose for `gpus` GPUs once an epoch was trained at it."""
+        chosen = choice()
+        if chosen is None or chosen.gpus != gpus or chosen.size == GLOBAL_BATCH // 2:
+            return None  # no choice yet, or the base batch (32) still
+        for report in herd.reports("adaptive"):
+            if report.world_size == gpus and report.metrics.get("batch_size") == chosen.size:
+                return int(chosen.size)
+        return None
+
+    herd.write_spec(document(2))
+    at_two = herd.wait_for(
+        lambda: trained_at(2), "an epoch at the batch chosen for 2", 240, "adaptive"
+    )
+    herd.write_spec(document(1))
+
+    def succeeded() -> bool:
+        condition = herd.condition("adaptive", "Succeeded")
+        return condition is not None and condition["status"] == "True"
+
+    herd.wait_for(succeeded, "the job to finish", timeout=240, job="adaptive")
+
+    epochs = [r for r in herd.reports("adaptive") if r.epoch is not None]
+    assert len({r.epoch for r in epochs}) == ADAPTIVE_EPOCHS
+    for report in epochs:
+        keys = {"gradient_noise_scale", "batch_size", "step_seconds"}
+        assert keys <= set(report.metrics), (report, epochs)
+        assert report.metrics["gradient_noise_scale"] > 0
+    records = read_steps(steps_dir)
+    chain = committed_chain(records, DIGITS_TRAIN, ADAPTIVE_EPOCHS)
+    worlds = [group[0]["world"] for group in chain]
+    assert [worlds[0]] + [b for a, b in itertools.pairwise(worlds) if a != b] == [2, 1]
+    batches_at = {
+        world: [g[0]["global_batch"] for g in chain if g[0]["world"] == world] for world in (1, 2)
+    }
+    assert batches_at[2][0] == GLOBAL_BATCH // 2  # the base batch before any choice
+    assert 32 < at_two <= 2 * 64 and at_two in batches_at[2]  # memory: 64 per GPU
+    assert all(batch <= 64 for batch in batches_at[1])
+    last = choice()
+    assert last is not None and last.gpus == 1 and last.size <= 64
+    for group in chain:
+        for record in group:
+            # AdaScale: the rate is the base rate times a gain between 1 and batch / base.
+            scale = record["global_batch"] / 32
+            assert LR * (1 - 1e-9) <= record["policy_lr"] <= LR * scale * (1 + 1e-9)

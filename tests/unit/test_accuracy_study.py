@@ -30,7 +30,7 @@ def test_tiny_study_writes_the_table_and_the_figure(tmp_path: Path) -> None:
         assert (policy, "static-1") in configurations
         assert (policy, "up-1-2-4") in configurations
     accuracies = [float(m) for m in re.findall(r"\| (\d+\.\d\d) ± \d+\.\d\d \|", table)]
-    assert len(accuracies) == 6
+    assert len(accuracies) == len(BATCH_POLICIES) * 2
     assert all(10.0 < value <= 100.0 for value in accuracies), accuracies
     assert "gap, all schedules" in table
     figure = (tmp_path / "accuracy.png").read_bytes()

@@ -106,13 +106,14 @@ def test_linear_lr_scales_the_lr_with_the_global_batch(world: int, reference_wor
 @pytest.mark.parametrize(
     "bad",
     [
-        {"policy": "adaptive"},
+        {"policy": "elastic"},
         {"worker_batch": 0},
         {"lr": 0.0},
         {"lr": float("nan")},
         {"reference_workers": 0},
         {"warmup_steps": -1},
         {"max_worker_batch": 0},
+        {"max_batch": 0},
     ],
 )
 def test_settings_refuse_nonsense(bad: dict[str, object]) -> None:

@@ -32,9 +32,10 @@ from herd_operator.controllers.ports import (
 from herd_operator.controllers.reconciler import JobReconciler
 from herd_operator.controllers.running import watch_workers
 from herd_operator.layout import StateLayout
+from herd_operator.rpc.protocol import NotFound
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
-from herd_operator.runtime.handlers import AllocatorOps
+from herd_operator.runtime.handlers import AllocatorOps, BatchHandler
 from herd_operator.runtime.process_table import is_process_of_job
 from herd_operator.runtime.store import Event, GrantChange, Store, UnreadableSpecError
 from herd_operator.specs import (
@@ -1667,3 +1668,29 @@ def test_the_gains_a_policy_reports_reach_the_allocator(
         ),
     )
     assert world.granted("a") == granted
+
+
+def test_the_batch_a_policy_picks_is_recorded_for_the_workers(world: World) -> None:
+    # goodput, once the workers report the adaptive metrics, picks a batch for the GPUs
+    # granted; the status keeps it with that count, and the `batch` RPC answers it.
+    spec = {
+        "command": COMMAND,
+        "gpus": {"min": 2, "max": 2},
+        "policy": {"name": "goodput"},
+        "training": {"batchPolicy": "adaptive", "maxBatch": 4096},
+    }
+    job = HerdJob.model_validate(
+        {"apiVersion": "herd/v1alpha1", "kind": "HerdJob", "metadata": {"name": "a"}, "spec": spec}
+    )
+    started(world, job)
+    assert world.status("a").batch is None  # nothing measured: no choice
+    metrics = {"gradient_noise_scale": 5000.0, "batch_size": 32.0, "step_seconds": 0.5}
+    world.store.add_report("a", 0, 2, 0, metrics, world.clock())
+    world.clock.advance(1.0)
+    world.reconcile("a")
+    choice = world.status("a").batch
+    assert choice is not None and choice.gpus == 2 and choice.size > 32
+    answer = BatchHandler(world.store)({"job": "a"})
+    assert answer == {"gpus": 2, "batch_size": choice.size}
+    with pytest.raises(NotFound):
+        BatchHandler(world.store)({"job": "nobody"})

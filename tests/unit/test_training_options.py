@@ -10,6 +10,7 @@ import pytest
 from herd_operator.agent.training import batch_settings
 from herd_operator.environment import (
     BATCH_POLICY_ENV,
+    MAX_BATCH_ENV,
     MAX_WORKER_BATCH_ENV,
     OPERATOR_SET,
     TRAINING_ENV,
@@ -42,12 +43,18 @@ def test_training_reaches_the_workers_as_herd_variables() -> None:
         MAX_WORKER_BATCH_ENV: "64",
     }
     assert not TRAINING_ENV & OPERATOR_SET
+    adaptive = job(training={"batchPolicy": "adaptive", "maxBatch": 512, "maxWorkerBatch": 64})
+    assert training_env(adaptive) == {
+        BATCH_POLICY_ENV: "adaptive",
+        MAX_WORKER_BATCH_ENV: "64",
+        MAX_BATCH_ENV: "512",
+    }
 
 
 @pytest.mark.parametrize(
     "training",
     [
-        {"batchPolicy": "adaptive"},
+        {"batchPolicy": "elastic"},
         {"batchPolicy": "preserve-batch", "warmupSteps": -1},
         {"maxWorkerBatch": 0},
         {"maxWorkerBatch": "64"},
@@ -75,8 +82,8 @@ def test_unset_training_keeps_the_fingerprint_of_older_specs() -> None:
 
 def test_schema_describes_the_training_fields() -> None:
     fields = json_schema()["$defs"]["TrainingOptions"]["properties"]
-    assert set(fields) == {"batchPolicy", "warmupSteps", "maxWorkerBatch", "epochs"}
-    assert fields["batchPolicy"]["enum"] == ["naive", "linear-lr", "preserve-batch"]
+    assert set(fields) == {"batchPolicy", "warmupSteps", "maxWorkerBatch", "maxBatch", "epochs"}
+    assert fields["batchPolicy"]["enum"] == ["naive", "linear-lr", "preserve-batch", "adaptive"]
     assert all(field.get("description") for field in fields.values())
 
 
@@ -95,6 +102,8 @@ def test_the_spec_wins_over_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
         0,
         8,
     )
+    monkeypatch.setenv(MAX_BATCH_ENV, "512")
+    assert batch_settings(32, 0.1, max_batch=64).max_batch == 512
     monkeypatch.setenv(BATCH_POLICY_ENV, "bigger")
     with pytest.raises(ValueError, match="unknown batch policy"):
         batch_settings(32, 0.1)

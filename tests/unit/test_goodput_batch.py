@@ -1,0 +1,178 @@
+"""Goodput with adaptive batch size in the `goodput` policy (policies/goodput.py): the batch
+choice, the step-time fit and the decisions on reports that carry the adaptive metrics."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from herd_operator.policies.base import JobObservations
+from herd_operator.policies.goodput import (
+    BatchProfile,
+    GoodputParams,
+    GoodputPolicy,
+    StepTime,
+    batch_bounds,
+    choose_batch,
+    fit_step_time,
+    goodput,
+    goodput_knee,
+)
+from herd_operator.specs import HerdJob
+from herd_operator.specs.values import (
+    BASE_BATCH_METRIC,
+    BATCH_SIZE_METRIC,
+    GRADIENT_NOISE_SCALE_METRIC,
+    STEP_SECONDS_METRIC,
+    Report,
+)
+
+
+def make_job(low: int = 1, high: int = 8, training: dict[str, Any] | None = None) -> HerdJob:
+    spec: dict[str, Any] = {"command": ["python", "t.py"], "gpus": {"min": low, "max": high}}
+    if training is not None:
+        spec["training"] = training
+    return HerdJob.model_validate(
+        {"apiVersion": "herd/v1alpha1", "kind": "HerdJob", "metadata": {"name": "t"}, "spec": spec}
+    )
+
+
+def profile(noise: float, **overrides: Any) -> BatchProfile:
+    fields: dict[str, Any] = {
+        "base_batch": 32,
+        "noise_scale": noise,
+        "step_time": StepTime(1.0, 0.01),
+        "max_batch": 10_000,
+        "max_worker_batch": None,
+    }
+    fields.update(overrides)
+    return BatchProfile(**fields)
+
+
+def test_the_best_batch_is_the_analytic_optimum() -> None:
+    # goodput ~ B / (a + c B / n) x (N + B0) / (N + B) peaks at B* = sqrt(a N n / c):
+    # a = 1 s, c = 0.01 s per sample per GPU, n = 4, N = 10,000: B* = 2,000.
+    assert choose_batch(4, profile(10_000.0)) == pytest.approx(2000, rel=0.06)
+
+
+def test_no_noise_keeps_the_base_batch_and_pure_noise_takes_the_largest() -> None:
+    assert choose_batch(4, profile(0.0)) == 32
+    assert choose_batch(4, profile(1e12)) == 10_000
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    gpus=st.integers(1, 64),
+    base=st.integers(1, 4096),
+    noise=st.floats(0, 1e7),
+    fixed=st.floats(0, 10),
+    per_sample=st.floats(1e-6, 1),
+    max_batch=st.one_of(st.none(), st.integers(1, 100_000)),
+    max_worker_batch=st.one_of(st.none(), st.integers(1, 4096)),
+)
+def test_the_batch_choice_keeps_to_the_limits(
+    gpus: int,
+    base: int,
+    noise: float,
+    fixed: float,
+    per_sample: float,
+    max_batch: int | None,
+    max_worker_batch: int | None,
+) -> None:
+    job = BatchProfile(base, noise, StepTime(fixed, per_sample), max_batch, max_worker_batch)
+    batch = choose_batch(gpus, job)
+    lower, upper = batch_bounds(gpus, job)
+    assert lower <= batch <= upper
+    # Never below the base batch, nor below a sample per GPU.
+    assert batch >= base and batch >= gpus
+    # Above the floor, never above the max batch nor the memory of the GPUs.
+    if batch > lower:
+        assert max_batch is None or batch <= max_batch
+        assert max_worker_batch is None or batch <= max_worker_batch * gpus
+        if max_batch is None and max_worker_batch is None:
+            assert batch <= base * gpus
+    # And it is the best of the bounds at least.
+    assert goodput(gpus, batch, job) >= max(goodput(gpus, b, job) for b in (lower, upper)) - 1e-9
+
+
+def test_the_step_time_fit_recovers_a_known_model() -> None:
+    # fixed 0.5 s, 0.01 s per sample per GPU: at (2, 64) 0.82 s, at (4, 256) 1.14 s.
+    reports = [
+        Report(0, 10.0, 2, {STEP_SECONDS_METRIC: 0.82, BATCH_SIZE_METRIC: 64}),
+        Report(1, 20.0, 4, {STEP_SECONDS_METRIC: 1.14, BATCH_SIZE_METRIC: 256}),
+    ]
+    fitted = fit_step_time(reports, prior_serial=0.05)
+    assert fitted is not None
+    assert fitted.fixed == pytest.approx(0.5)
+    assert fitted.per_sample == pytest.approx(0.01)
+    # One point: the prior serial share of it is fixed.
+    (one,) = [fit_step_time(reports[:1], prior_serial=0.25)]
+    assert one == StepTime(0.25 * 0.82, 0.75 * 0.82 / 32)
+    assert fit_step_time([Report(0, 1.0, 2, {"loss": 1.0})], 0.05) is None
+
+
+def test_gains_are_in_share_of_one_gpus_goodput_and_the_knee_follows_them() -> None:
+    job = profile(1000.0)
+    size, gains = goodput_knee(job, 0.5, 1, 8)
+    best = [goodput(n, choose_batch(n, job), job) for n in range(1, 9)]
+    assert gains == pytest.approx([(best[i] - best[i - 1]) / best[0] for i in range(1, 8)])
+    assert all(g >= 0.5 for g in gains[: size - 1])
+    assert size == 8 or gains[size - 1] < 0.5
+
+
+def adaptive_reports(noise: float, world: int = 2, batch: int = 64) -> list[Report]:
+    metrics = {
+        GRADIENT_NOISE_SCALE_METRIC: noise,
+        BATCH_SIZE_METRIC: float(batch),
+        STEP_SECONDS_METRIC: 0.5,
+        BASE_BATCH_METRIC: 32.0,
+    }
+    return [Report(0, 10.0, world, metrics), Report(1, 20.0, world, metrics)]
+
+
+def test_the_policy_picks_the_batch_for_the_granted_gpus_and_reports_goodput_gains() -> None:
+    policy = GoodputPolicy(GoodputParams())
+    job = make_job(training={"batchPolicy": "adaptive", "maxBatch": 4096})
+    epochs = adaptive_reports(2000.0)
+    decision = policy.desired(job, JobObservations(0.0, allocated=2, epochs=epochs), 30.0)
+    fitted = fit_step_time(epochs, GoodputParams().prior_serial)
+    assert fitted is not None
+    expected = BatchProfile(32, 2000.0, fitted, 4096, None)
+    assert decision.batch_size == choose_batch(2, expected)
+    size, gains = goodput_knee(expected, GoodputParams().min_gain, 1, 8)
+    assert (decision.gpus, decision.gains) == (size, gains)
+    assert decision.batch_size > 32  # a noise scale of 2,000 pays for a larger batch
+    assert "batch" in decision.reason
+
+
+def test_more_noise_means_a_larger_batch_and_more_gpus() -> None:
+    policy = GoodputPolicy(GoodputParams())
+    job = make_job(training={"batchPolicy": "adaptive", "maxBatch": 100_000})
+    low = policy.desired(job, JobObservations(0.0, 2, epochs=adaptive_reports(50.0)), 30.0)
+    high = policy.desired(job, JobObservations(0.0, 2, epochs=adaptive_reports(50_000.0)), 30.0)
+    assert low.batch_size is not None and high.batch_size is not None
+    assert high.batch_size > low.batch_size
+    assert high.gpus >= low.gpus
+
+
+def test_without_the_noise_scale_the_policy_is_as_before() -> None:
+    policy = GoodputPolicy(GoodputParams())
+    job = make_job()
+    plain = [Report(0, 10.0, 2, {}), Report(1, 20.0, 2, {})]
+    partial = [Report(0, 10.0, 2, {BATCH_SIZE_METRIC: 64.0}), Report(1, 20.0, 2, {})]
+    for epochs in (plain, partial):
+        decision = policy.desired(job, JobObservations(0.0, 2, epochs=epochs), 30.0)
+        assert decision.batch_size is None
+        assert decision == policy.desired(job, JobObservations(0.0, 2, epochs=plain), 30.0)
+
+
+def test_a_bad_noise_report_is_not_used() -> None:
+    policy = GoodputPolicy(GoodputParams())
+    decision = policy.desired(
+        make_job(), JobObservations(0.0, 2, epochs=adaptive_reports(math.nan)), 30.0
+    )
+    assert decision.batch_size is None
