@@ -577,6 +577,7 @@ class Allocator:
             if pid is not None and host in self._local_hosts and not self._belongs(job, pid):
                 raise NotJobsProcess(f"pid {pid} is not a process of job {job!r} on {host}")
             self._bindings.bind(job, name, local_rank, pid, slots)
+            self._world.bound(job, self._clock())
             if job in self._first and self._bindings.bound(job) >= placement.size:
                 # Formed: the next request decides again (what waited for its GPUs may go).
                 self._first.formed(job)
