@@ -33,6 +33,7 @@ from herd_operator.specs import (
     is_true,
     set_condition,
 )
+from herd_operator.specs.quantity import parse_quantity
 from herd_operator.specs.status import GpuCounts, HerdJobStatus
 from herd_operator.specs.values import Demand
 
@@ -92,10 +93,11 @@ class ReconcilerBase:
         its measured peak), if it shares GPUs."""
         if job is None or not job.spec.gpus.share:
             return demand
+        memory = job.spec.gpus.memory
         return dataclasses.replace(
             demand,
             share=True,
-            memory_bytes=job.spec.gpus.memory_bytes,
+            memory_bytes=parse_quantity(memory) if memory is not None else None,
             measured_bytes=self.peak_memory(name),
         )
 

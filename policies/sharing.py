@@ -301,14 +301,7 @@ def arbitrate_sharing(
             unavailable = set(unavailable) | held_shared
         return decide(pool, demands, current, unavailable=unavailable, draining=draining)
     names = {d.name for d in sharing}
-    in_pool = pool.slot_set
-    shared_now = {
-        slot
-        for job, placement in current.items()
-        if job in names
-        for slot in placement.slots()
-        if slot in in_pool
-    }
+    shared_now = _slots_of(current, names, pool.slot_set)
     exclusive = [d for d in demands if not d.share]
     others = {job: placement for job, placement in current.items() if job not in names}
     decided = decide(
@@ -318,16 +311,12 @@ def arbitrate_sharing(
         unavailable=set(unavailable) | shared_now | held_shared,
         draining=draining,
     )
-    closed = set(unavailable) | {
-        slot for grant in decided.values() for slot in grant.placement.slots()
-    }
-    top_waiting = max(
-        (d.priority for d in exclusive if not decided[d.name].placement.size), default=None
+    closed = set(unavailable) | _slots_of(
+        {job: grant.placement for job, grant in decided.items()}, decided.keys(), pool.slot_set
     )
-    may_open = {d.name: top_waiting is None or d.priority > top_waiting for d in sharing}
     packed = pack(
         pool, sharing, current, closed=closed, no_new=set(draining) | held_shared, frozen=frozen,
-        may_open=may_open, limits=limits,
+        may_open=_may_open(exclusive, sharing, decided), limits=limits,
     )  # fmt: skip
     before = previous or {}
     for d in sorted(sharing, key=_rank):
@@ -338,3 +327,27 @@ def arbitrate_sharing(
         else:
             decided[d.name] = Grant(placement, reason)
     return decided
+
+
+def _slots_of(
+    placements: Mapping[str, Placement], jobs: AbstractSet[str], in_pool: AbstractSet[Slot]
+) -> set[Slot]:
+    """The slots of the pool that `jobs` hold in `placements`."""
+    return {
+        slot
+        for job, placement in placements.items()
+        if job in jobs
+        for slot in placement.slots()
+        if slot in in_pool
+    }
+
+
+def _may_open(
+    exclusive: Sequence[Demand], sharing: Sequence[Demand], decided: Mapping[str, Grant]
+) -> dict[str, bool]:
+    """Whether each sharing job may take a free GPU: only above every waiting whole-GPU job's
+    priority (free GPUs are theirs first)."""
+    top_waiting = max(
+        (d.priority for d in exclusive if not decided[d.name].placement.size), default=None
+    )
+    return {d.name: top_waiting is None or d.priority > top_waiting for d in sharing}

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from herd_operator.controllers.job_status import ReconcilerBase
 from herd_operator.policies.arbitration import arbitrate
 from herd_operator.policies.sharing import (
     SharingLimits,
@@ -20,6 +21,7 @@ from herd_operator.policies.sharing import (
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.specs import spec_fingerprint
 from herd_operator.specs.loading import load_spec_text
+from herd_operator.specs.quantity import parse_quantity
 from herd_operator.specs.values import (
     Allocation,
     Demand,
@@ -27,7 +29,6 @@ from herd_operator.specs.values import (
     Placement,
     Pool,
     Slot,
-    parse_quantity,
 )
 from tests.unit.test_spec_loading import job_yaml
 
@@ -332,12 +333,15 @@ def test_a_sharing_spec_loads_with_its_memory_in_bytes() -> None:
     loaded = load_spec_text(text, "jobs/a.yaml")
     assert loaded.job is not None
     gpus = loaded.job.spec.gpus
-    assert (gpus.share, gpus.memory, gpus.memory_bytes) == (True, "8Gi", 8 * GI)
+    assert (gpus.share, gpus.memory) == (True, "8Gi")
     plain = load_spec_text(job_yaml("b"), "jobs/b.yaml").job
-    assert plain is not None and (plain.spec.gpus.share, plain.spec.gpus.memory_bytes) == (
-        False,
-        None,
-    )
+    assert plain is not None and (plain.spec.gpus.share, plain.spec.gpus.memory) == (False, None)
+    # The reconciler's demand carries the request in bytes and the measured peak it is given.
+    reconciler = ReconcilerBase()
+    reconciler.peak_memory = {"a": 5 * GI}.get
+    demand = reconciler._shared("a", loaded.job, Demand("a", 1, 2, 2))
+    assert (demand.share, demand.memory_bytes, demand.measured_bytes) == (True, 8 * GI, 5 * GI)
+    assert reconciler._shared("b", plain, Demand("b", 1, 2, 2)) == Demand("b", 1, 2, 2)
 
 
 @pytest.mark.parametrize(
