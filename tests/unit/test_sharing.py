@@ -11,6 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from herd_operator.cli.arguments import UsageError
+from herd_operator.cli.main import build_parser
+from herd_operator.cli.run import sharing_limits
 from herd_operator.controllers.job_status import ReconcilerBase
 from herd_operator.policies.arbitration import arbitrate
 from herd_operator.policies.sharing import (
@@ -380,3 +383,17 @@ def test_sharing_changes_the_fingerprint_and_its_absence_does_not() -> None:
     assert fingerprint("{min: 1, max: 2, share: true}") != fingerprint(
         "{min: 1, max: 2, share: true, memory: 1Gi}"
     )
+
+
+def test_run_share_gpus_needs_the_gpus_memory_and_is_off_by_default() -> None:
+    parser = build_parser()
+    off = parser.parse_args(["run", "--hosts", "h1:4"])
+    assert off.share_gpus is False and sharing_limits(off, virtual=False) is None
+    on = parser.parse_args(
+        ["run", "--share-gpus", "--gpu-memory", "80GiB", "--max-jobs-per-gpu", "2"]
+    )
+    assert sharing_limits(on, virtual=False) == SharingLimits(2, 0.1, 80 << 30)
+    virtual = parser.parse_args(["run", "--share-gpus", "--virtual-gpu-memory", "1GiB"])
+    assert sharing_limits(virtual, virtual=True) == SharingLimits(4, 0.1, 1 << 30)
+    with pytest.raises(UsageError, match="--share-gpus: give --gpu-memory"):
+        sharing_limits(virtual, virtual=False)
