@@ -27,6 +27,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import Binding
 from herd_operator.runtime.dispatch import EngineDispatch
+from herd_operator.runtime.engines.torchrun import slot_host
 from herd_operator.runtime.launcher import Adopted, Launcher
 from herd_operator.runtime.log_format import log_time
 from herd_operator.runtime.process_table import (
@@ -219,10 +220,14 @@ def adopted_holdings(
 
 
 def _pool_host(name: str, pool: Pool) -> str | None:
-    """The pool host a worker's host name stands for: itself, or the pool's only host (the
-    names a lone host is shown under); None for a name of no pool host."""
+    """The pool host a worker's host name stands for: itself, the host of a torchrun GPU's
+    name (`h2:gpu1`), or the pool's only host (the names a lone host is shown under); None
+    for a name of no pool host."""
     if name in pool.host_positions:
         return name
+    host = slot_host(name)
+    if host in pool.host_positions:
+        return host
     return pool.hosts[0][0] if len(pool.hosts) == 1 else None
 
 
