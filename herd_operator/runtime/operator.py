@@ -300,7 +300,7 @@ class Operator:
         exporters.write_targets()
         manager.add(exporters)
         self.job_mapping = job_mapping(config, allocator, health)
-        self.gpu_memory = memory_watch(store, allocator)
+        self.gpu_memory = memory_watch(store, allocator, lambda: self.specs)
         observed = observed_gpus(config, local, exporters)
         self.observer = UsageObserver(
             observed,
@@ -320,7 +320,7 @@ class Operator:
             STATE_DIR_ENV: str(self.layout.root.resolve()),
             **config.extra_env,
         }
-        job_launcher = JobLauncher(launcher, engines, self.layout, env, token)
+        job_launcher = JobLauncher(launcher, engines, self.layout, env, token, config.sharing)
         self._enqueue_known_jobs()
         log.info(
             "pool: %s; allocator on %s; specs from %s; state in %s",
@@ -344,6 +344,7 @@ class Operator:
             report_deadline_seconds=config.report_deadline_seconds,
             observer=self.metrics,
             nodes=nodes,
+            peak_memory=self.gpu_memory.peaks.peak,
         )
         self.loop = ControlLoop(
             self.queue,
