@@ -45,7 +45,7 @@ PeakMemory = Callable[[str], int | None]
 """job -> the largest GPU memory (bytes) one of its workers was seen to use, None until
 measured. The entry point of the measurement side (NVML per-process memory attributed to
 jobs): the operator passes it to `JobReconciler(peak_memory=...)`, and each demand of a
-sharing job carries it (`Demand.measured_bytes`); until it is wired, requests alone count."""
+sharing job carries it (`Demand.measured_bytes`): `PeakGpuMemory.peak` in the operator."""
 
 
 class SharingFields(TypedDict, total=False):
