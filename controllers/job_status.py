@@ -10,6 +10,7 @@ each step module builds on it, and none of it decides anything.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -39,6 +40,17 @@ log = logging.getLogger("herd_operator.controllers.reconciler")
 
 TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
 
+PeakMemory = Callable[[str], int | None]
+"""job -> the largest GPU memory (bytes) one of its workers was seen to use, None until
+measured. The entry point of the measurement side (NVML per-process memory attributed to
+jobs): the operator passes it to `JobReconciler(peak_memory=...)`, and each demand of a
+sharing job carries it (`Demand.measured_bytes`); until it is wired, requests alone count."""
+
+
+def no_peak_memory(job: str) -> int | None:
+    """No measurement: a sharing job is packed by its request."""
+    return None
+
 
 class ReconcilerBase:
     """The parts and settings of a `JobReconciler` (set by its constructor), and the
@@ -56,6 +68,7 @@ class ReconcilerBase:
     metrics_stale_seconds: float
     report_deadline_seconds: float
     worker_lost_grace_seconds: float
+    peak_memory: PeakMemory
 
     def _record_release(self, name: str, status: HerdJobStatus, reason: str, now: float) -> None:
         """Log the drop to 0 GPUs of a job that ends (succeeded, failed, stopped, deleted).
@@ -74,16 +87,31 @@ class ReconcilerBase:
             return ""
         return self.launcher.relaunch_reason(process.launch, job)
 
-    def _hold_gpus(self, name: str, priority: int, arrival: float) -> None:
+    def _shared(self, name: str, job: HerdJob | None, demand: Demand) -> Demand:
+        """`demand` with the job's sharing fields (`spec.gpus.share`, its memory request and
+        its measured peak), if it shares GPUs."""
+        if job is None or not job.spec.gpus.share:
+            return demand
+        return dataclasses.replace(
+            demand,
+            share=True,
+            memory_bytes=job.spec.gpus.memory_bytes,
+            measured_bytes=self.peak_memory(name),
+        )
+
+    def _hold_gpus(
+        self, name: str, priority: int, arrival: float, job: HerdJob | None = None
+    ) -> None:
         """A stopping job keeps every GPU it holds until its processes are gone.
 
         Its demand is pinned to its current size, so no other job is placed on a GPU
-        that a dying worker still uses.
+        that a dying worker still uses (a sharing job keeps its share and memory: `job`).
         """
         grant = self.allocator.grant(name)
         size = grant.placement.size if grant is not None else 0
         if size:
-            self.allocator.request(Demand(name, size, size, size, priority, arrival))
+            demand = Demand(name, size, size, size, priority, arrival)
+            self.allocator.request(self._shared(name, job, demand))
 
     def _save(self, name: str, status: HerdJobStatus, generation: int, now: float) -> None:
         """Write the status of a reconcile that went through: a `Stalled` job has recovered."""

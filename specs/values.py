@@ -9,6 +9,7 @@ live elsewhere (`herd_operator.policies.arbitration`, the policies).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,17 +38,23 @@ class Pool:
     """The GPUs the allocator owns; host order is the order of `--hosts`."""
 
     hosts: HostGpus
+    gpu_memory_bytes: int | None = None
+    """Memory of each GPU (the pool's GPUs are taken to be alike), when known: what jobs
+    that share GPUs (`Demand.share`) are packed into. None: no GPU is shared."""
 
     def __post_init__(self) -> None:
         _check_hosts(self.hosts, "pool")
+        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes < 1:
+            raise ValueError(f"pool: gpu_memory_bytes must be >= 1, got {self.gpu_memory_bytes}")
 
     @classmethod
-    def from_counts(cls, counts: Mapping[str, int]) -> Pool:
+    def from_counts(cls, counts: Mapping[str, int], gpu_memory_bytes: int | None = None) -> Pool:
         """A pool with GPUs 0..n-1 on each host, hosts in the mapping's order."""
         for host, count in counts.items():
             if count < 0:
                 raise ValueError(f"pool: host {host!r} has a negative GPU count: {count}")
-        return cls(tuple((host, tuple(range(count))) for host, count in counts.items()))
+        hosts = tuple((host, tuple(range(count))) for host, count in counts.items())
+        return cls(hosts, gpu_memory_bytes)
 
     # Cached: a pool is immutable and every decision reads these (7,168 slots on 1,792 nodes).
     @cached_property
@@ -168,6 +175,15 @@ class Demand:
     first is the gain of GPU `min + 1`). Read only by an allocator that divides GPUs by gain
     (`spare_by_gain`: those above `wanted`; `share_by_gain`: all above `min`); without them
     the job gets no GPU above what it wants."""
+    share: bool = False
+    """The job's workers may share GPUs with other sharing jobs' (`spec.gpus.share`), each
+    on a GPU of its own within the job, by memory (`policies/sharing.py`)."""
+    memory_bytes: int | None = None
+    """GPU memory one worker asked for (`spec.gpus.memory`)."""
+    measured_bytes: int | None = None
+    """The largest GPU memory one worker of the job was seen to use (NVML, per process);
+    None until measured. A sharing job counts the larger of this (with the operator's
+    margin) and `memory_bytes` per worker (`sharing.worker_memory`)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -186,6 +202,9 @@ class Demand:
                 f"demand {self.name}: gains has {len(self.gains)} values, at most max - min"
                 f" = {self.max - self.min} allowed (one per GPU above min)"
             )
+        for what, value in (("memory_bytes", self.memory_bytes), ("measured", self.measured_bytes)):
+            if value is not None and value < 0:
+                raise ValueError(f"demand {self.name}: {what} must be >= 0, got {value}")
 
     @cached_property  # read several times per job in every decision
     def wanted(self) -> int:
@@ -229,6 +248,8 @@ class Allocation:
 
     placements: Mapping[str, Placement]
     draining: Mapping[Slot, Drain] = field(default_factory=dict)
+    shared: frozenset[str] = frozenset()
+    """The jobs that share GPUs by memory: a GPU may be in several of their placements."""
 
 
 ADAPTIVE_METRICS = ("gradient_noise_scale", "batch_size", "step_seconds")
@@ -262,6 +283,24 @@ class UsageSample:
     @property
     def utilization(self) -> float:
         return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
+
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
+"""A Kubernetes-style quantity of bytes (`8Gi`, `512Mi`, `1.5G`, `1000000`): what
+`spec.gpus.memory` takes. Binary suffixes are powers of 1024, decimal ones of 1000."""
+_QUANTITY_UNITS = {
+    "": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+}  # fmt: skip
+
+
+def parse_quantity(text: str) -> int:
+    """The bytes of a `QUANTITY_PATTERN` quantity, rounded up; ValueError on another shape."""
+    match = re.fullmatch(QUANTITY_PATTERN.strip("^$"), text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a quantity of bytes (examples: 8Gi, 512Mi, 1.5G)")
+    number = text[: len(text) - len(match.group(2) or "")]
+    return math.ceil(float(number) * _QUANTITY_UNITS[match.group(2) or ""])
 
 
 MODULE_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"

@@ -76,7 +76,9 @@ def adopt(
     _remove_stale_grants(layout, {item.job for item in running.values()})
     for item in adopted:
         engines.adopt(item.job, item.info.spec.engine.kind)
-    allocator.restore(placements, bound, draining)
+    # Jobs that shared GPUs by memory get each shared GPU back (with sharing still on).
+    shared = store.shared_jobs() if allocator.sharing is not None else frozenset()
+    allocator.restore(placements, bound, draining, shared)
     now = time.time()
     for item in running.values():
         since = log_time(item.info.started_at)

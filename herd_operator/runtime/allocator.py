@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from herd_operator.controllers.ports import Workers
-from herd_operator.policies.arbitration import arbitrate
+from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing, held_slots, sharers
 from herd_operator.runtime.bindings import (
     Binding,
     BindingTracker,
@@ -94,6 +94,7 @@ class Allocator:
         on_workers_lost: Callable[[str, frozenset[str]], None] = lambda job, hosts: None,
         belongs: Callable[[str, int], bool] = is_process_of_job,
         first_launch_seconds: float = 0.0,
+        sharing: SharingLimits | None = None,
     ) -> None:
         """`unavailable_hosts()`: hosts none of whose free GPUs a decision may grant, asked
         in every decision (suspect or lost nodes: `pools/heartbeat.NodeWatch`), on top of
@@ -101,10 +102,11 @@ class Allocator:
         takes their GPUs back, that `job` lost workers and ran on `hosts` (where they may
         have vanished with their node). `belongs(job, pid)`: whether a pid a worker of `job`
         binds with is a process of the job (asked for workers on this host, see `bind`).
-        `spare_by_gain`, `share_by_gain`, `smallest_first`: `arbitrate`'s options (GPUs
-        nobody wants lent by gain; every GPU above the mins divided by gain; pending jobs
-        smallest min first). Under `smallest_first` a job pending for `max_wait_seconds`
-        (from the first decision that left it pending) goes first (`arbitrate`'s `overdue`):
+        `spare_by_gain`, `share_by_gain`, `smallest_first`, `sharing`: `arbitrate_sharing`'s
+        options (GPUs nobody wants lent by gain; every GPU above the mins divided by gain;
+        pending jobs smallest min first; GPUs shared by memory among jobs that opt in).
+        Under `smallest_first` a job pending for `max_wait_seconds` (from the first decision
+        that left it pending) goes first (`arbitrate`'s `overdue`):
         no timer is needed, since being overdue changes a decision only when GPUs come free
         or a job arrives, and each of those decides. `first_launch_seconds`: how long at
         most a job whose first launch is forming is left alone (`first_launch.py`; 0: not)."""
@@ -112,10 +114,9 @@ class Allocator:
             raise ValueError(f"max_wait_seconds must be finite and > 0, got {max_wait_seconds}")
         self.pool = pool
         self.virtual = virtual
-        self.spare_by_gain = spare_by_gain
-        self.share_by_gain = share_by_gain
+        self.spare_by_gain, self.share_by_gain = spare_by_gain, share_by_gain
         self.smallest_first = smallest_first
-        self.max_wait_seconds = max_wait_seconds
+        self.max_wait_seconds, self.sharing = max_wait_seconds, sharing
         self.min_resize_interval = min_resize_interval
         self._sink = sink
         self._clock = clock
@@ -136,6 +137,7 @@ class Allocator:
         # Placements of jobs adopted after an operator restart whose demand has not come
         # yet: their workers are on these GPUs, so no decision may give them to anyone else.
         self._held: dict[str, Placement] = {}
+        self._shared_held: frozenset[str] = frozenset()  # held jobs that share GPUs by memory
         self._cordoned: frozenset[str] = frozenset()
         """Hosts whose free GPUs are granted to nobody (see `cordon`)."""
         # When each job not admitted was first left pending (only with smallest_first).
@@ -179,9 +181,9 @@ class Allocator:
             self._recorder.flush()
 
     def _snapshot(self) -> Allocation:
-        return Allocation(
-            {job: grant.placement for job, grant in self._grants.items()}, self._drains.records()
-        )
+        placements = {job: grant.placement for job, grant in self._grants.items()}
+        shared = sharers(self.sharing, self._demands, self._held, self._shared_held)
+        return Allocation(placements, self._drains.records(), shared)
 
     def mark_unrecorded(self) -> None:
         """What was recorded was lost (the store rolled back the group it was written in):
@@ -253,6 +255,7 @@ class Allocator:
         placements: Mapping[str, Placement],
         bindings: Iterable[Binding],
         draining: Mapping[Slot, Drain] | None = None,
+        shared: AbstractSet[str] = frozenset(),
     ) -> None:
         """Take back what running jobs held under a previous operator (call before any request).
 
@@ -262,10 +265,13 @@ class Allocator:
         name the host as the worker bound with it (its `name`; `host` may be that name too):
         they are matched to the pool host through the job's presentation. `draining`: the
         GPUs the jobs were giving back (see `adoption.adopted_holdings`): they drain on as
-        they did, their deadline counted from when they were given back.
+        they did, their deadline counted from when they were given back. `shared`: jobs that
+        shared GPUs by memory: a GPU is restored to each of them (no other job lands there
+        until they asked again).
         """
         with self._changing():
-            kept, taken = restorable(self.pool, placements)
+            kept, taken = restorable(self.pool, placements, shared)
+            self._shared_held = frozenset(shared) & kept.keys()
             for job, placement in kept.items():
                 self._held[job] = placement
                 self._grants[job] = Grant(placement, "adopted after an operator restart")
@@ -456,15 +462,16 @@ class Allocator:
         if shrink is not None:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])
-        decided = arbitrate(
+        decided = arbitrate_sharing(
             self.pool,
             list(self._demands.values()),
             current,
+            limits=self.sharing,
             frozen=frozen,
             unavailable=withheld_slots(
                 self.pool,
                 self._drains.overdue(),
-                self._held,
+                {job: held for job, held in self._held.items() if job not in self._shared_held},
                 self._cordoned | self._unavailable_hosts(),
                 current,
                 self._demands,
@@ -479,6 +486,7 @@ class Allocator:
             },
             share_by_gain=self.share_by_gain,
             draining=self._drains.counted(),
+            held_shared=held_slots(self._held, self._shared_held),
         )
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
@@ -522,16 +530,8 @@ class Allocator:
         self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float
     ) -> None:
         """Slots that running jobs give back in this decision start draining."""
-        if self.drain_seconds <= 0:
-            return
-        for job, grant in decided.items():
-            before = current.get(job, Placement.EMPTY)
-            if not grant.placement.size or before is grant.placement or before == grant.placement:
-                continue  # most jobs keep their placement: nothing to compare slot by slot
-            kept = set(grant.placement.slots())
-            for slot in before.slots():
-                if slot not in kept:
-                    self._drains.start(slot, job, self._bindings.pids_on(job, slot), now)
+        if self.drain_seconds > 0:
+            self._drains.start_given_back(current, decided, self._bindings.pids_on, now)
 
     # ---- what the rest of the operator reads ----
 

@@ -232,7 +232,7 @@ class Operator:
             engines,
             virtual=config.pool.virtual,
             on_decision=lambda decision: store.replace_allocations(
-                decision.placements, time.time(), decision.draining
+                decision.placements, time.time(), decision.draining, decision.shared
             ),
             min_resize_interval=config.min_resize_interval,
             drain_seconds=config.drain_seconds,
@@ -240,6 +240,7 @@ class Operator:
             smallest_first=config.smallest_first,
             share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
+            sharing=config.sharing,
             present=engines.present,
             on_event=lambda job, type, reason, message: store.add_event(
                 job, type, reason, message, time.time()
