@@ -56,6 +56,19 @@ def add_commands(commands: Subcommands) -> None:
     )
     simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")
     simulate.add_argument(
+        "--share-utilization",
+        type=positive_float,
+        default=1.0,
+        help="under NAME+pack: the jobs whose GPU utilization is at most this share GPUs"
+        " (default 1.0: every job)",
+    )
+    simulate.add_argument(
+        "--max-jobs-per-gpu",
+        type=positive_int,
+        default=4,
+        help="under NAME+pack: jobs sharing one GPU at most (default 4, as run's)",
+    )
+    simulate.add_argument(
         "--memory",
         choices=("guess", "published"),
         default="guess",
@@ -136,7 +149,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         workload = dataclasses.replace(workload, jobs=jobs)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
         results = simulate(
-            workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait
+            workload,
+            pool,
+            policies,
+            args.tick,
+            args.resync,
+            max_wait_seconds=args.max_wait,
+            share_utilization=args.share_utilization,
+            max_jobs_per_gpu=args.max_jobs_per_gpu,
         )
     except ValueError as err:
         print(f"herd-operator simulate: {err}", file=sys.stderr)

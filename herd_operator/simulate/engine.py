@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from herd_operator.policies.base import JobObservations, Policy, Signal
 from herd_operator.policies.registry import load_policy
+from herd_operator.policies.sharing import DEFAULT_MAX_JOBS_PER_GPU, SharingLimits
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
 from herd_operator.simulate.colocation import GpuOccupancy
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
@@ -69,9 +70,14 @@ class SimConfig:
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: the wait after which a pending job goes first."""
     pack: bool = False
-    """Jobs may share GPUs by their memory (`simulate --policy NAME+pack`): each co-located
-    worker runs slower by `colocation.interference_slowdown`, and the allocated GPUs counted
-    are the GPUs holding at least one job."""
+    """Jobs may share GPUs by their memory (`simulate --policy NAME+pack`): the allocator
+    packs the jobs that opt in (`share_utilization`) by their memory per worker, each
+    co-located worker runs slower by `colocation.interference_slowdown`, and the allocated
+    GPUs counted are the GPUs holding at least one job."""
+    share_utilization: float = 1.0
+    """Under `pack`, the jobs whose GPU utilization is at most this opt in (1.0: all)."""
+    max_jobs_per_gpu: int = DEFAULT_MAX_JOBS_PER_GPU
+    """Under `pack`, the allocator's cap on the jobs sharing one GPU (`run --max-jobs-per-gpu`)."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""
@@ -217,6 +223,9 @@ class Simulation:
             smallest_first=config.smallest_first,
             share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
+            sharing=SharingLimits(config.max_jobs_per_gpu, gpu_memory_bytes=GPU_MEMORY_BYTES)
+            if config.pack
+            else None,
         )
         self.allocator.watch(self._on_change)
 
@@ -434,10 +443,18 @@ class Simulation:
         self._settle(run)
         demand = Demand(
             model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
-            model.arrival, decision.gains,
+            model.arrival, decision.gains, *self._sharing(model),
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)
+
+    def _sharing(self, model: JobModel) -> tuple[bool, int | None]:
+        """(`Demand.share`, `Demand.memory_bytes`): under `pack` a job that opts in asks for
+        what one worker holds at its min, the most it holds at any size it may be given
+        (batch preserving: fewer workers, more each), so a GPU is never over-committed."""
+        if not self.config.pack or model.gpu_utilization > self.config.share_utilization:
+            return False, None
+        return True, math.ceil(model.memory_fraction(model.min_gpus) * GPU_MEMORY_BYTES)
 
     def _settle(self, run: _Run) -> None:
         if run.finished is None and run.size != run.wanted:

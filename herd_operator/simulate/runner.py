@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from herd_operator.policies.sharing import DEFAULT_MAX_JOBS_PER_GPU
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.simulate.baselines import BASELINES, run_baseline
 from herd_operator.simulate.colocation import with_published_memory, with_utilization
@@ -107,6 +108,8 @@ def simulate(
     tick: float,
     resync: float = 0.0,
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
+    share_utilization: float = 1.0,
+    max_jobs_per_gpu: int = DEFAULT_MAX_JOBS_PER_GPU,
 ) -> list[SimResult]:
     results = []
     for text in policies:
@@ -117,7 +120,14 @@ def simulate(
         label, ref = parse_policy(policy)
         jobs = rigid(workload.jobs) if label == FIRST_COME else workload.jobs
         config = SimConfig(
-            pool, ref, tick=tick, resync=resync, max_wait_seconds=max_wait_seconds, **flags
+            pool,
+            ref,
+            tick=tick,
+            resync=resync,
+            max_wait_seconds=max_wait_seconds,
+            share_utilization=share_utilization,
+            max_jobs_per_gpu=max_jobs_per_gpu,
+            **flags,
         )
         result = Simulation(jobs, config).run()
         result.policy = text
