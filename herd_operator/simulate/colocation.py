@@ -39,7 +39,7 @@ linearly; past the last point the slowdown grows one for one with the summed uti
   1.30 / 2.06 (ResNet-50 / Transformer), 1.88 / 1.46 (ResNet-50 / LM), 1.54 and 1.53
   (Transformer twice), 1.01 / 1.01 (Transformer / LM), 1.86 and 1.83 (LM twice).
 - 1.0 -> 1.10: ours. Jobs whose busy time together fits one GPU still contend for memory
-  bandwidth, caches and the kernel queue; Gandiva (OSDI'18, section 3) reports both ways for
+  bandwidth, caches and the kernel queue; Gandiva (OSDI'18, as summarised) reports both ways for
   jobs that fit: two LM jobs each 19% slower, ResNet-50 next to LM not slowed. 10% sits
   between; our GPU script (`scripts/gpu_share_bench.py`) is how to replace it.
 - 0 -> 1.00: a job alone.
