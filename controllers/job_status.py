@@ -10,9 +10,9 @@ each step module builds on it, and none of it decides anything.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
+from typing import TypedDict
 
 from herd_operator.controllers.ports import (
     AllocatorPort,
@@ -33,6 +33,7 @@ from herd_operator.specs import (
     is_true,
     set_condition,
 )
+from herd_operator.specs.quantity import parse_quantity
 from herd_operator.specs.status import GpuCounts, HerdJobStatus
 from herd_operator.specs.values import Demand
 
@@ -45,6 +46,14 @@ PeakMemory = Callable[[str], int | None]
 measured. The entry point of the measurement side (NVML per-process memory attributed to
 jobs): the operator passes it to `JobReconciler(peak_memory=...)`, and each demand of a
 sharing job carries it (`Demand.measured_bytes`); until it is wired, requests alone count."""
+
+
+class SharingFields(TypedDict, total=False):
+    """`Demand`'s fields of a job that shares GPUs by memory."""
+
+    share: bool
+    memory_bytes: int | None
+    measured_bytes: int | None
 
 
 def no_peak_memory(job: str) -> int | None:
@@ -87,17 +96,17 @@ class ReconcilerBase:
             return ""
         return self.launcher.relaunch_reason(process.launch, job)
 
-    def _shared(self, name: str, job: HerdJob | None, demand: Demand) -> Demand:
-        """`demand` with the job's sharing fields (`spec.gpus.share`, its memory request and
-        its measured peak), if it shares GPUs."""
+    def _sharing(self, name: str, job: HerdJob | None) -> SharingFields:
+        """The sharing fields of the job's demand (`spec.gpus.share`, its memory request and
+        its measured peak); none if it does not share GPUs."""
         if job is None or not job.spec.gpus.share:
-            return demand
-        return dataclasses.replace(
-            demand,
-            share=True,
-            memory_bytes=job.spec.gpus.memory_bytes,
-            measured_bytes=self.peak_memory(name),
-        )
+            return {}
+        memory = job.spec.gpus.memory
+        return {
+            "share": True,
+            "memory_bytes": parse_quantity(memory) if memory is not None else None,
+            "measured_bytes": self.peak_memory(name),
+        }
 
     def _hold_gpus(
         self, name: str, priority: int, arrival: float, job: HerdJob | None = None
@@ -110,8 +119,8 @@ class ReconcilerBase:
         grant = self.allocator.grant(name)
         size = grant.placement.size if grant is not None else 0
         if size:
-            demand = Demand(name, size, size, size, priority, arrival)
-            self.allocator.request(self._shared(name, job, demand))
+            sharing = self._sharing(name, job)
+            self.allocator.request(Demand(name, size, size, size, priority, arrival, **sharing))
 
     def _save(self, name: str, status: HerdJobStatus, generation: int, now: float) -> None:
         """Write the status of a reconcile that went through: a `Stalled` job has recovered."""

@@ -201,18 +201,15 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
         observed = self._observe(name, policy, status, reports, since, now)
         decision = policy.desired(job, observed, now)
         grant = self.allocator.request(
-            self._shared(
-                name,
-                job,
-                Demand(
-                    name=name,
-                    min=job.spec.gpus.min,
-                    max=job.spec.gpus.max,
-                    desired=decision.gpus,
-                    priority=job.spec.priority,
-                    arrival=record.created_at,
-                    gains=decision.gains,
-                ),
+            Demand(
+                name=name,
+                min=job.spec.gpus.min,
+                max=job.spec.gpus.max,
+                desired=decision.gpus,
+                priority=job.spec.priority,
+                arrival=record.created_at,
+                gains=decision.gains,
+                **self._sharing(name, job),
             )
         )
         status = status.model_copy(update={"policy_reason": decision.reason})

@@ -23,7 +23,8 @@ from herd_operator.specs.labels import (
     LABEL_VALUE_PATTERN,
     label_problem,
 )
-from herd_operator.specs.values import MODULE_NAME_PATTERN, QUANTITY_PATTERN, parse_quantity
+from herd_operator.specs.quantity import Quantity
+from herd_operator.specs.values import MODULE_NAME_PATTERN
 
 API_VERSION = "herd/v1alpha1"
 KIND = "HerdJob"
@@ -124,31 +125,16 @@ class GpuRange(ApiModel):
     max: int = Field(strict=True, ge=1, le=MAX_GPUS)
     """Most GPUs the job may be given."""
     share: bool = Field(default=False, strict=True)
-    """Let the job's workers share GPUs with other sharing jobs' workers, by memory (the
-    operator must run with `--share-gpus`; otherwise the job gets whole GPUs). Each worker
-    still has a GPU of its own within the job; never beside a job that does not share."""
-    memory: str | None = Field(default=None, json_schema_extra={"pattern": QUANTITY_PATTERN})
-    """GPU memory one worker needs, a quantity like `8Gi` or `512Mi`: what a sharing job is
-    packed by until its measured peak (plus the operator's margin) is larger. Without it a
-    sharing worker holds a whole GPU until its peak is measured."""
-
-    @field_validator("memory")
-    @classmethod
-    def _memory_is_quantity(cls, memory: str | None) -> str | None:
-        if memory is not None and parse_quantity(memory) < 1:
-            raise ValueError(f"{memory!r}: GPU memory must be at least 1 byte")
-        return memory
+    """Share GPUs by memory with other sharing jobs' workers (under `run --share-gpus`)."""
+    memory: Quantity | None = None
+    """GPU memory one worker needs (`8Gi`, `512Mi`): what a sharing job is packed by until its
+    measured peak (+ the operator's margin) is larger; unset: a whole GPU until measured."""
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> GpuRange:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
         return self
-
-    @property
-    def memory_bytes(self) -> int | None:
-        """`memory` in bytes."""
-        return parse_quantity(self.memory) if self.memory is not None else None
 
 
 class PolicyRef(ApiModel):

@@ -9,7 +9,6 @@ live elsewhere (`herd_operator.policies.arbitration`, the policies).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -283,24 +282,6 @@ class UsageSample:
     @property
     def utilization(self) -> float:
         return self.used_bytes / self.total_bytes if self.total_bytes else 0.0
-
-
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
-"""A Kubernetes-style quantity of bytes (`8Gi`, `512Mi`, `1.5G`, `1000000`): what
-`spec.gpus.memory` takes. Binary suffixes are powers of 1024, decimal ones of 1000."""
-_QUANTITY_UNITS = {
-    "": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-}  # fmt: skip
-
-
-def parse_quantity(text: str) -> int:
-    """The bytes of a `QUANTITY_PATTERN` quantity, rounded up; ValueError on another shape."""
-    match = re.fullmatch(QUANTITY_PATTERN.strip("^$"), text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a quantity of bytes (examples: 8Gi, 512Mi, 1.5G)")
-    number = text[: len(text) - len(match.group(2) or "")]
-    return math.ceil(float(number) * _QUANTITY_UNITS[match.group(2) or ""])
 
 
 MODULE_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"

@@ -320,7 +320,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         share_by_gain=args.share_by_gain,
         smallest_first=args.smallest_first,
         max_wait_seconds=args.max_wait,
-        sharing=_sharing(args, pool.virtual),
+        sharing=sharing_limits(args, pool.virtual),
         virtual_gpu_memory_bytes=args.virtual_gpu_memory,
         metrics_host=args.metrics_listen or reach.listen,
         metrics_port=args.metrics_port,
@@ -352,7 +352,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
 
 
-def _sharing(args: argparse.Namespace, virtual: bool) -> SharingLimits | None:
+def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | None:
     """`--share-gpus` and its settings; the GPUs' memory must be known to share them."""
     if not args.share_gpus:
         return None

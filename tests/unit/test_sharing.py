@@ -11,6 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from herd_operator.cli.arguments import UsageError
+from herd_operator.cli.main import build_parser
+from herd_operator.cli.run import sharing_limits
+from herd_operator.controllers.job_status import ReconcilerBase
 from herd_operator.policies.arbitration import arbitrate
 from herd_operator.policies.sharing import (
     SharingLimits,
@@ -18,7 +22,18 @@ from herd_operator.policies.sharing import (
     worker_memory,
 )
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.specs.values import Allocation, Demand, Grant, Placement, Pool, Slot
+from herd_operator.specs import spec_fingerprint
+from herd_operator.specs.loading import load_spec_text
+from herd_operator.specs.quantity import parse_quantity
+from herd_operator.specs.values import (
+    Allocation,
+    Demand,
+    Grant,
+    Placement,
+    Pool,
+    Slot,
+)
+from tests.unit.test_spec_loading import job_yaml
 
 GI = 1 << 30
 LIMITS = SharingLimits(max_jobs_per_gpu=4, margin=0.1)
@@ -311,3 +326,74 @@ def test_two_sharing_jobs_bind_to_one_gpu_and_a_restart_gives_it_back_to_both() 
     restarted.request(b)
     third = restarted.grant("c")
     assert third is not None and third.placement == placements["a"]  # all three fit in 8 Gi
+
+
+# ---- the spec ----
+
+
+def test_a_sharing_spec_loads_with_its_memory_in_bytes() -> None:
+    text = job_yaml("a", "{command: [x], gpus: {min: 1, max: 2, share: true, memory: 8Gi}}")
+    loaded = load_spec_text(text, "jobs/a.yaml")
+    assert loaded.job is not None
+    gpus = loaded.job.spec.gpus
+    assert (gpus.share, gpus.memory) == (True, "8Gi")
+    plain = load_spec_text(job_yaml("b"), "jobs/b.yaml").job
+    assert plain is not None and (plain.spec.gpus.share, plain.spec.gpus.memory) == (False, None)
+    # The reconciler's demand carries the request in bytes and the measured peak it is given.
+    reconciler = ReconcilerBase()
+    reconciler.peak_memory = {"a": 5 * GI}.get
+    demand = Demand("a", 1, 2, 2, **reconciler._sharing("a", loaded.job))
+    assert (demand.share, demand.memory_bytes, demand.measured_bytes) == (True, 8 * GI, 5 * GI)
+    assert reconciler._sharing("b", plain) == {}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "field", "message"),
+    [
+        ("{min: 1, max: 1, memory: 8GB}", "spec.gpus.memory", "is not a quantity of bytes"),
+        ("{min: 1, max: 1, memory: 0Mi}", "spec.gpus.memory", "at least 1 byte"),
+        ("{min: 1, max: 1, memory: 8}", "spec.gpus.memory", "expected a string"),
+        ("{min: 1, max: 1, share: 'yes'}", "spec.gpus.share", "expected a boolean"),
+    ],
+)
+def test_a_bad_sharing_request_names_its_field(gpus: str, field: str, message: str) -> None:
+    loaded = load_spec_text(job_yaml("a", f"{{command: [x], gpus: {gpus}}}"), "jobs/a.yaml")
+    assert loaded.job is None
+    assert [error.field for error in loaded.errors] == [field]
+    assert message in loaded.errors[0].message.lower()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("8Gi", 8 << 30), ("512Mi", 512 << 20), ("1.5G", 1_500_000_000), ("1000", 1000)],
+)
+def test_quantities_parse_as_kubernetes_writes_them(text: str, expected: int) -> None:
+    assert parse_quantity(text) == expected
+
+
+def test_sharing_changes_the_fingerprint_and_its_absence_does_not() -> None:
+    def fingerprint(gpus: str) -> str:
+        job = load_spec_text(job_yaml("a", f"{{command: [x], gpus: {gpus}}}"), "a.yaml").job
+        assert job is not None
+        return spec_fingerprint(job)
+
+    plain = fingerprint("{min: 1, max: 2}")
+    assert plain == fingerprint("{min: 1, max: 2, share: false}")
+    assert plain != fingerprint("{min: 1, max: 2, share: true}")
+    assert fingerprint("{min: 1, max: 2, share: true}") != fingerprint(
+        "{min: 1, max: 2, share: true, memory: 1Gi}"
+    )
+
+
+def test_run_share_gpus_needs_the_gpus_memory_and_is_off_by_default() -> None:
+    parser = build_parser()
+    off = parser.parse_args(["run", "--hosts", "h1:4"])
+    assert off.share_gpus is False and sharing_limits(off, virtual=False) is None
+    on = parser.parse_args(
+        ["run", "--share-gpus", "--gpu-memory", "80GiB", "--max-jobs-per-gpu", "2"]
+    )
+    assert sharing_limits(on, virtual=False) == SharingLimits(2, 0.1, 80 << 30)
+    virtual = parser.parse_args(["run", "--share-gpus", "--virtual-gpu-memory", "1GiB"])
+    assert sharing_limits(virtual, virtual=True) == SharingLimits(4, 0.1, 1 << 30)
+    with pytest.raises(UsageError, match="--share-gpus: give --gpu-memory"):
+        sharing_limits(virtual, virtual=False)
