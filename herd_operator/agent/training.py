@@ -24,6 +24,13 @@ broadcasts it with the model; its state is `BatchState` (the epoch, the cursor i
 epoch's order, the warm-up). The arithmetic lives in `batching.py`, pure, so the same
 plan serves any engine and the in-process simulation of the accuracy study.
 
+Under the torchrun engine (torch.distributed, no Horovod) `herd.distributed_batches(len(
+dataset), settings, state=snapshot.get("batches"))` gives the same steps, noise scale and
+`batch` channel over torch.distributed's all_reduce and broadcast; torchrun restarts the
+workers on every resize, so the script keeps `sampler.state_dict()` in its snapshot and
+calls `sampler.set_epoch` at each epoch's end as above. `herd.sum_gradients` sums over
+whichever of the two engines this process joined.
+
 Gradients are summed, not averaged, over the ranks and divided by the step's global
 sample count: ranks with unequal shares (a batch that does not divide, the short last
 step of an epoch) then give exactly the mean gradient of the global batch.
@@ -36,7 +43,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from herd_operator.agent.batching import (
@@ -404,7 +411,8 @@ class DistributedBatches(_BatchSteps):
     sampler's steps, noise scale and batch channel, with torch.distributed's all_reduce
     and broadcast. torchrun restarts every worker on a resize, so the state lives in the
     script's snapshot: save `state_dict()` with it, pass it back as `state` on a restart.
-    Create it after `dist.init_process_group` (or without a group: one worker)."""
+    Create it after `dist.init_process_group` (or without a group: one worker). `ask`: how
+    rank 0 learns the operator's batch (the `batch` RPC; a test gives its own)."""
 
     def __init__(
         self,
@@ -414,11 +422,12 @@ class DistributedBatches(_BatchSteps):
         seed: int = 0,
         shuffle: bool = True,
         state: dict[str, float | int] | None = None,
+        ask: Callable[[], tuple[int, int] | None] = decided_batch,
     ) -> None:
         if epoch_size < 1:
             raise ValueError(f"epoch_size must be >= 1, got {epoch_size}")
         dist = _torch_distributed()
-        self.settings, self.seed, self.shuffle = settings, seed, shuffle
+        self.settings, self.seed, self.shuffle, self._asker = settings, seed, shuffle, ask
         self.rank = 0 if dist is None else int(dist.get_rank())
         self._epoch_size = epoch_size
         self._step_seconds, self._step_started = [], None
@@ -444,6 +453,9 @@ class DistributedBatches(_BatchSteps):
         self.processed_num = state.cursor
         self._set_order()
         self.refresh_batch()
+
+    def _ask(self) -> tuple[int, int] | None:
+        return self._asker()
 
     def _world(self) -> int:
         dist = _torch_distributed()
@@ -478,9 +490,12 @@ def distributed_batches(
     seed: int = 0,
     shuffle: bool = True,
     state: dict[str, float | int] | None = None,
+    ask: Callable[[], tuple[int, int] | None] = decided_batch,
 ) -> DistributedBatches:
     """The batch sampler of the torchrun engine (see `DistributedBatches`)."""
-    return DistributedBatches(epoch_size, settings, seed=seed, shuffle=shuffle, state=state)
+    return DistributedBatches(
+        epoch_size, settings, seed=seed, shuffle=shuffle, state=state, ask=ask
+    )
 
 
 def elastic_batches(
