@@ -142,8 +142,9 @@ def main() -> None:
     def follow_schedule(at: float) -> None:
         """With --drive-hosts: resize at the step the simulation does, and wait for it.
 
-        Every worker computes the same wanted size from the same committed `seen`, so all
-        of them wait (and commit, which is where Horovod raises the resize) in lockstep."""
+        Every worker computes the same wanted size from the same committed position
+        (samples, or under adaptive the progress: `quality.position`), so all of them wait
+        (and commit, which is where Horovod raises the resize) in lockstep."""
         if schedule is None:
             return
         wanted = schedule.world_at(at / budget)
