@@ -36,6 +36,7 @@ from herd_operator.runtime.process_table import (
     stop_orphans,
 )
 from herd_operator.runtime.store import Store, StoreError
+from herd_operator.runtime.withheld import only
 from herd_operator.specs.values import Drain, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def adopt(
     _remove_stale_grants(layout, {item.job for item in running.values()})
     for item in adopted:
         engines.adopt(item.job, item.info.spec.engine.kind)
-    allocator.restore(placements, bound, draining)
+    allocator.restore(placements, bound, draining, store.service())
     now = time.time()
     for item in running.values():
         since = log_time(item.info.started_at)
@@ -185,7 +186,12 @@ def adopted_holdings(
     """
     placements: dict[str, Placement] = {}
     for job in sorted(running):
-        placement = stored.get(job) or _placement_of(bound, job, pool)
+        placement = stored.get(job)
+        if placement is None:
+            # Not the GPUs it was giving back (a job the queue preempted holds none).
+            gave_back = {slot for slot, drain in stored_draining.items() if drain.job == job}
+            shown = _placement_of(bound, job, pool)
+            placement = only(shown, set(shown.slots()) - gave_back)
         if placement.size:
             placements[job] = placement
     owner = {slot: job for job, placement in placements.items() for slot in placement.slots()}

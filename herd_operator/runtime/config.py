@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from herd_operator.policies.queueing import QueueConfig
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.drains import DEFAULT_DRAIN_SECONDS
 from herd_operator.runtime.pools import PoolSource
@@ -59,6 +60,9 @@ class OperatorConfig:
     """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: a job pending this long is admitted first."""
+    queue: QueueConfig | None = None
+    """The allocator's queue: order by service attained or work left, with preemption
+    (`policies/queueing.py`); None: arrival order, no preemption (`run --queue fifo`)."""
     virtual_gpu_memory_bytes: int = 2 << 30
     """Capacity of one virtual GPU (CPU machines), against which worker memory is measured."""
     sample_seconds: float = 1.0

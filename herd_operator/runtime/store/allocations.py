@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import asdict
 
 from herd_operator.runtime.store.connection import StoreBase, StoreError
 from herd_operator.runtime.store.jobs import require_job
-from herd_operator.specs.values import Drain, Placement, Slot
+from herd_operator.specs.values import Drain, Placement, ServiceRecord, Slot
 
 _log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class AllocationsMixin(StoreBase):
         placements: Mapping[str, Placement],
         now: float,
         draining: Mapping[Slot, Drain] | None = None,
+        service: Mapping[str, ServiceRecord] | None = None,
     ) -> None:
         """Replace all allocations with ``placements`` (job -> placement), and the draining
         GPUs with ``draining``, in one transaction: a restarted operator must find a GPU that
@@ -34,7 +36,8 @@ class AllocationsMixin(StoreBase):
         A job with an empty placement holds nothing and is not stored (the allocator's
         decisions name pending jobs too). ValueError if a GPU is placed twice or a host of
         a placement has no GPUs; KeyError if a job that holds GPUs does not exist. On
-        error nothing changes.
+        error nothing changes. `service`: what the allocator's queue counted of each job
+        (`service()` reads it back), in the same transaction; None: left as it is.
         """
         held = {job: placement for job, placement in placements.items() if placement.size}
         rows: list[tuple[str, int, str, int, int]] = []
@@ -76,6 +79,28 @@ class AllocationsMixin(StoreBase):
                 " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                 (repr(float(now)),),
             )
+            if service is not None:
+                conn.execute(
+                    "INSERT INTO meta (key, value) VALUES ('service', ?)"
+                    " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (json.dumps({job: asdict(record) for job, record in service.items()}),),
+                )
+
+    def service(self) -> dict[str, ServiceRecord]:
+        """What the allocator's queue counted of each job, as last recorded (empty if
+        nothing was, or if it cannot be read: the queue then counts from zero, as a new
+        operator's would, and says so in the log)."""
+        with self._read() as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'service'").fetchone()
+        if row is None:
+            return {}
+        try:
+            return {
+                job: ServiceRecord(**fields) for job, fields in json.loads(row["value"]).items()
+            }
+        except (ValueError, TypeError, AttributeError) as err:
+            _log.warning("state store: the queue's service records are unreadable (%s)", err)
+            return {}
 
     def allocations(self) -> dict[str, Placement]:
         """Job -> placement, jobs by name, hosts and GPUs in the order they were given."""
