@@ -95,7 +95,13 @@ class StopSteps(ReconcilerBase):
         return Result(requeue_after=self.stop_poll_seconds)
 
     def _stop_if_preempted(
-        self, name: str, status: HerdJobStatus, process: ProcessState, generation: int, now: float
+        self,
+        name: str,
+        job: HerdJob,
+        status: HerdJobStatus,
+        process: ProcessState,
+        generation: int,
+        now: float,
     ) -> Result | None:
         """The allocator's queue took the job's GPUs for another (its grant is empty, with a
         reason `preempted for X (attained ...)`): stop its workers. Their GPUs drain as any
@@ -119,11 +125,15 @@ class StopSteps(ReconcilerBase):
             self.launcher.stop(name)
             if not stopping:
                 self._event(name, "Normal", "Preempted", why, now)
+                self.store.add_grant_change(name, 0, why, now)
                 status = status.model_copy(update={"preemptions": status.preemptions + 1})
         conditions = not_resizing(status.conditions, generation, now)
-        conditions = set_condition(
-            conditions, ConditionType.Preempted, TRUE, "Preempted", why, generation, now
-        )
+        for condition_type in (ConditionType.Preempted, ConditionType.Admitted):
+            preempted = condition_type == ConditionType.Preempted
+            conditions = set_condition(
+                conditions, condition_type, TRUE if preempted else FALSE, "Preempted", why,
+                generation, now,
+            )  # fmt: skip
         conditions = set_condition(
             conditions,
             ConditionType.Running,
@@ -134,7 +144,12 @@ class StopSteps(ReconcilerBase):
             now,
         )
         status = status.model_copy(
-            update={"conditions": conditions, "placement": [], "grant_reason": why}
+            update={
+                "conditions": conditions,
+                "gpus": gpu_counts(job, status, None, 0, None),
+                "placement": [],
+                "grant_reason": why,
+            }
         )
         self._save(name, status, generation, now)
         return Result(requeue_after=self.stop_poll_seconds)

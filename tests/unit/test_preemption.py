@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from herd_operator.cli.main import main
 from herd_operator.controllers.ports import ProcessPhase, Result
 from herd_operator.controllers.reconciler import JobReconciler
 from herd_operator.layout import StateLayout
@@ -200,3 +201,23 @@ def test_an_adopted_job_does_not_hold_the_gpus_it_was_giving_back() -> None:
     assert placements == {}
     assert draining == {("localhost", 0): Drain("a", 10.0, (("localhost", 41),))}
     assert Placement.EMPTY.size == 0
+
+
+def test_get_and_describe_show_a_preempted_job(
+    world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    why = preempted_for_b(world)
+    world.reconcile("a")
+    capsys.readouterr()
+
+    assert main(["get", "--state-dir", str(tmp_path)]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    assert "Preempted" in rows["a"] and "Running" in rows["b"]
+    assert main(["describe", "a", "--state-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Status:       Preempted" in out and "Preemptions:  1" in out
+    assert "allocated 0" in out and f"Last decision: {why}" in out
+    lines = [line.split(None, 3) for line in out.splitlines()]
+    conditions = {line[0]: line[1:3] for line in lines if len(line) > 2}
+    assert conditions["Preempted"] == ["True", "Preempted"]
+    assert conditions["Admitted"] == ["False", "Preempted"]
