@@ -32,6 +32,7 @@ from herd_operator.specs import (
     ConditionType,
     HerdJob,
     get_condition,
+    is_true,
     set_condition,
 )
 from herd_operator.specs.status import HerdJobStatus
@@ -77,6 +78,10 @@ class LaunchSteps(ReconcilerBase):
                 update={"conditions": conditions, "gpus": gpu_counts(job, status, desired, 0, None)}
             )
             self._save(name, status, generation, now)
+            if is_true(conditions, ConditionType.Preempted):
+                # Its GPUs drain until its workers are seen gone, which a request looks at:
+                # the job it yielded to waits on that, and no other job may be asking.
+                return Result(requeue_after=self.resync_seconds)
             return Result()  # the allocator wakes the job when its grant changes
         retry_at = status.retry_at  # a failed run restarts after its BackOff
         if retry_at is not None and retry_at > now:

@@ -91,7 +91,8 @@ def test_a_preempted_job_is_stopped_shown_then_relaunched_without_a_restart(
     assert world.status("a").preemptions == 1
 
     world.launcher.exit("a", -15)  # stopped by us: SIGTERM
-    world.reconcile("a")
+    # Pending, it asks again at each resync: its GPUs' drain ends at a request only.
+    assert world.reconcile("a") == Result(requeue_after=RESYNC_S)
     status = world.status("a")
     assert facts(world.condition("a", ConditionType.Running))[:2] == ("False", "Preempted")
     assert status.restarts == 0 and status.retry_at is None and status.finished_at is None
