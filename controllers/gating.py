@@ -162,7 +162,7 @@ class GateSteps(ReconcilerBase):
                     conditions, ConditionType.Running, FALSE, DEADLINE_EXCEEDED,
                     f"{message}: stopping it", generation, now,
                 )  # fmt: skip
-            self._hold_gpus(name, job.spec.priority, record.created_at)
+            self._hold_gpus(name, job.spec.priority, record.created_at, job)
             self._save(name, status.model_copy(update={"conditions": conditions}), generation, now)
             return Result(requeue_after=self.stop_poll_seconds)
         self._event(name, "Warning", DEADLINE_EXCEEDED, f"{message}: failed", now)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypedDict
 
 from herd_operator.controllers.ports import (
     AllocatorPort,
@@ -32,12 +33,32 @@ from herd_operator.specs import (
     is_true,
     set_condition,
 )
+from herd_operator.specs.quantity import parse_quantity
 from herd_operator.specs.status import GpuCounts, HerdJobStatus
 from herd_operator.specs.values import Demand
 
 log = logging.getLogger("herd_operator.controllers.reconciler")
 
 TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
+
+PeakMemory = Callable[[str], int | None]
+"""job -> the largest GPU memory (bytes) one of its workers was seen to use, None until
+measured. The entry point of the measurement side (NVML per-process memory attributed to
+jobs): the operator passes it to `JobReconciler(peak_memory=...)`, and each demand of a
+sharing job carries it (`Demand.measured_bytes`): `PeakGpuMemory.peak` in the operator."""
+
+
+class SharingFields(TypedDict, total=False):
+    """`Demand`'s fields of a job that shares GPUs by memory."""
+
+    share: bool
+    memory_bytes: int | None
+    measured_bytes: int | None
+
+
+def no_peak_memory(job: str) -> int | None:
+    """No measurement: a sharing job is packed by its request."""
+    return None
 
 
 class ReconcilerBase:
@@ -56,6 +77,7 @@ class ReconcilerBase:
     metrics_stale_seconds: float
     report_deadline_seconds: float
     worker_lost_grace_seconds: float
+    peak_memory: PeakMemory
 
     def _record_release(self, name: str, status: HerdJobStatus, reason: str, now: float) -> None:
         """Log the drop to 0 GPUs of a job that ends (succeeded, failed, stopped, deleted).
@@ -74,16 +96,31 @@ class ReconcilerBase:
             return ""
         return self.launcher.relaunch_reason(process.launch, job)
 
-    def _hold_gpus(self, name: str, priority: int, arrival: float) -> None:
+    def _sharing(self, name: str, job: HerdJob | None) -> SharingFields:
+        """The sharing fields of the job's demand (`spec.gpus.share`, its memory request and
+        its measured peak); none if it does not share GPUs."""
+        if job is None or not job.spec.gpus.share:
+            return {}
+        memory = job.spec.gpus.memory
+        return {
+            "share": True,
+            "memory_bytes": parse_quantity(memory) if memory is not None else None,
+            "measured_bytes": self.peak_memory(name),
+        }
+
+    def _hold_gpus(
+        self, name: str, priority: int, arrival: float, job: HerdJob | None = None
+    ) -> None:
         """A stopping job keeps every GPU it holds until its processes are gone.
 
         Its demand is pinned to its current size, so no other job is placed on a GPU
-        that a dying worker still uses.
+        that a dying worker still uses (a sharing job keeps its share and memory: `job`).
         """
         grant = self.allocator.grant(name)
         size = grant.placement.size if grant is not None else 0
         if size:
-            self.allocator.request(Demand(name, size, size, size, priority, arrival))
+            sharing = self._sharing(name, job)
+            self.allocator.request(Demand(name, size, size, size, priority, arrival, **sharing))
 
     def _save(self, name: str, status: HerdJobStatus, generation: int, now: float) -> None:
         """Write the status of a reconcile that went through: a `Stalled` job has recovered."""

@@ -23,8 +23,10 @@ from herd_operator.controllers.gating import GateSteps
 from herd_operator.controllers.job_status import (
     FALSE,
     TRUE,
+    PeakMemory,
     allocated_gpus,
     is_finished,
+    no_peak_memory,
 )
 from herd_operator.controllers.launching import LaunchSteps
 from herd_operator.controllers.limits import deadline_at, sooner
@@ -82,7 +84,12 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
         worker_lost_grace_seconds: float = WORKER_LOST_GRACE_SECONDS,
         observer: ReconcileObserver | None = None,
         nodes: NodesPort | None = None,
+        peak_memory: PeakMemory = no_peak_memory,
     ) -> None:
+        """`peak_memory(job)`: the most GPU memory one worker of the job was seen to use
+        (bytes, NVML per process), None until measured: what a sharing job is packed by
+        when it is above its request (`job_status.PeakMemory`)."""
+        self.peak_memory = peak_memory
         self.nodes: NodesPort = nodes or NoNodes()
         self.metrics_stale_seconds = metrics_stale_seconds
         self.report_deadline_seconds = report_deadline_seconds
@@ -206,6 +213,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
                 arrival=record.created_at,
                 gains=decision.gains,
                 done_fraction=done_fraction(status.progress),
+                **self._sharing(name, job),
             )
         )
         status = status.model_copy(

@@ -49,6 +49,24 @@ def watch_workers(
     return WorkerWatch(seen=alive), seen - alive, now - since
 
 
+WHOLE_RESTART_ENGINES = frozenset({"torchrun"})
+"""Engines whose resize restarts every worker (from the job's own snapshot), which a
+resize's event says: what the stall is made of. Horovod's keeps its workers' processes."""
+
+
+def resize_completed_message(reports: Sequence[Report], seconds: float, engine: str) -> str:
+    """What the ResizeCompleted event says: the world size before (the last one the
+    workers reported that differs from the latest, when the reports still hold one), the
+    new one, and how long the resize took."""
+    after = reports[-1].world_size
+    before = next(
+        (report.world_size for report in reversed(reports) if report.world_size != after), None
+    )
+    sizes = f"{before} -> {after}" if before is not None else f"to {after}"
+    how = " (every worker restarted)" if engine in WHOLE_RESTART_ENGINES else ""
+    return f"{sizes} workers in {seconds:.1f} s{how}"
+
+
 class RunningSteps(ReconcilerBase):
     """The running job's step."""
 
@@ -96,7 +114,12 @@ class RunningSteps(ReconcilerBase):
         resizing = reported is not None and reported != grant.placement.size
         was_resizing = get_condition(status.conditions, ConditionType.Resizing)
         if not resizing and was_resizing is not None and was_resizing.status == TRUE and reported:
-            self.observer.resize_completed(name, now - was_resizing.last_transition_time)
+            # One measure for the metric and the event: from the grant change (the Resizing
+            # condition's start) to the workers reporting the new world size.
+            seconds = now - was_resizing.last_transition_time
+            self.observer.resize_completed(name, seconds)
+            message = resize_completed_message(reports, seconds, job.spec.engine.kind)
+            self._event(name, "Normal", "ResizeCompleted", message, now)
         conditions = self._reporting_condition(
             name, conditions, bool(reports), observed.started_at, generation, now
         )

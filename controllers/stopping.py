@@ -79,7 +79,7 @@ class StopSteps(ReconcilerBase):
             process = ProcessState(ProcessPhase.STOPPING, launch=process.launch)
         if process.phase != ProcessPhase.STOPPING:
             return None
-        self._hold_gpus(name, job.spec.priority, record.created_at)
+        self._hold_gpus(name, job.spec.priority, record.created_at, job)
         conditions = set_condition(
             status.conditions,
             ConditionType.Running,
@@ -185,11 +185,13 @@ class StopSteps(ReconcilerBase):
                 self._event(name, "Normal", "Stopping", "spec deleted: stopping the job", now)
             record = self.store.get_job(name)
             if record is not None:
+                stored: HerdJob | None = None
                 try:
-                    priority = record.spec.spec.priority
+                    stored = record.spec
+                    priority = stored.spec.priority
                 except TemporaryError:  # its stored spec is unreadable and the file is gone
                     priority = 0  # the spec's default: the job only needs to finish stopping
-                self._hold_gpus(name, priority, record.created_at)
+                self._hold_gpus(name, priority, record.created_at, stored)
             return Result(requeue_after=self.stop_poll_seconds)
         self.launcher.forget(name)
         self.allocator.release(name)
@@ -220,7 +222,7 @@ class StopSteps(ReconcilerBase):
             self._event(name, "Normal", "Suspending", _SUSPENDING, now)
             process = ProcessState(ProcessPhase.STOPPING, launch=process.launch)
         if process.phase == ProcessPhase.STOPPING:
-            self._hold_gpus(name, job.spec.priority, record.created_at)
+            self._hold_gpus(name, job.spec.priority, record.created_at, job)
             conditions = set_condition(
                 status.conditions,
                 ConditionType.Running,

@@ -8,7 +8,13 @@ is when the internals move.
 from __future__ import annotations
 
 from herd_operator.agent.batching import BATCH_POLICIES, BatchPlan, BatchSettings, Step
-from herd_operator.agent.training import batch_settings, elastic_batches, sum_gradients
+from herd_operator.agent.training import (
+    DistributedBatches,
+    batch_settings,
+    distributed_batches,
+    elastic_batches,
+    sum_gradients,
+)
 from herd_operator.agent.worker import (
     DeviceBinding,
     apply_memory_limit,
@@ -26,11 +32,13 @@ __all__ = [
     "BatchPlan",
     "BatchSettings",
     "DeviceBinding",
+    "DistributedBatches",
     "Step",
     "apply_memory_limit",
     "batch_settings",
     "bind_device",
     "decided_batch",
+    "distributed_batches",
     "elastic_batches",
     "memory_fraction",
     "memory_limit_bytes",

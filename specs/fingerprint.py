@@ -43,6 +43,13 @@ def spec_fingerprint(job: HerdJob) -> str:
     # `relaunch_reason` does not read it).
     if not job.spec.suspend:
         excluded["suspend"] = True
+    # Nor GPU sharing off, which specs before it had not (sharing needs no relaunch either:
+    # the allocator applies it to the job's next grant).
+    gpus = {"share"} if not job.spec.gpus.share else set()
+    if job.spec.gpus.memory is None:
+        gpus.add("memory")
+    if gpus:
+        excluded["gpus"] = gpus
     # And the default launcher, which specs from before the field run under now.
     defaults = {"launcher"} if job.spec.horovod.launcher == DEFAULT_HOROVOD_LAUNCHER else set()
     if not job.spec.horovod.preload:  # and no preload, which specs before it had

@@ -23,6 +23,7 @@ from herd_operator.specs.labels import (
     LABEL_VALUE_PATTERN,
     label_problem,
 )
+from herd_operator.specs.quantity import Quantity
 from herd_operator.specs.values import MODULE_NAME_PATTERN
 
 API_VERSION = "herd/v1alpha1"
@@ -123,6 +124,11 @@ class GpuRange(ApiModel):
     together, and is never shrunk below it."""
     max: int = Field(strict=True, ge=1, le=MAX_GPUS)
     """Most GPUs the job may be given."""
+    share: bool = Field(default=False, strict=True)
+    """Share GPUs by memory with other sharing jobs' workers (under `run --share-gpus`)."""
+    memory: Quantity | None = None
+    """GPU memory one worker needs (`8Gi`, `512Mi`): what a sharing job is packed by until its
+    measured peak (+ the operator's margin) is larger; unset: a whole GPU until measured."""
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> GpuRange:

@@ -37,17 +37,23 @@ class Pool:
     """The GPUs the allocator owns; host order is the order of `--hosts`."""
 
     hosts: HostGpus
+    gpu_memory_bytes: int | None = None
+    """Memory of each GPU (the pool's GPUs are taken to be alike), when known: what jobs
+    that share GPUs (`Demand.share`) are packed into. None: no GPU is shared."""
 
     def __post_init__(self) -> None:
         _check_hosts(self.hosts, "pool")
+        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes < 1:
+            raise ValueError(f"pool: gpu_memory_bytes must be >= 1, got {self.gpu_memory_bytes}")
 
     @classmethod
-    def from_counts(cls, counts: Mapping[str, int]) -> Pool:
+    def from_counts(cls, counts: Mapping[str, int], gpu_memory_bytes: int | None = None) -> Pool:
         """A pool with GPUs 0..n-1 on each host, hosts in the mapping's order."""
         for host, count in counts.items():
             if count < 0:
                 raise ValueError(f"pool: host {host!r} has a negative GPU count: {count}")
-        return cls(tuple((host, tuple(range(count))) for host, count in counts.items()))
+        hosts = tuple((host, tuple(range(count))) for host, count in counts.items())
+        return cls(hosts, gpu_memory_bytes)
 
     # Cached: a pool is immutable and every decision reads these (7,168 slots on 1,792 nodes).
     @cached_property
@@ -172,6 +178,15 @@ class Demand:
     """The share of its work the job has done (epochs reported / `training.epochs`); None:
     not known. Read only by an allocator that orders by work left (`policies/queueing.py`);
     not compared, so a new epoch alone does not make a decision."""
+    share: bool = False
+    """The job's workers may share GPUs with other sharing jobs' (`spec.gpus.share`), each
+    on a GPU of its own within the job, by memory (`policies/sharing.py`)."""
+    memory_bytes: int | None = None
+    """GPU memory one worker asked for (`spec.gpus.memory`)."""
+    measured_bytes: int | None = None
+    """The largest GPU memory one worker of the job was seen to use (NVML, per process);
+    None until measured. A sharing job counts the larger of this (with the operator's
+    margin) and `memory_bytes` per worker (`sharing.worker_memory`)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -194,6 +209,9 @@ class Demand:
                 f"demand {self.name}: gains has {len(self.gains)} values, at most max - min"
                 f" = {self.max - self.min} allowed (one per GPU above min)"
             )
+        for what, value in (("memory_bytes", self.memory_bytes), ("measured", self.measured_bytes)):
+            if value is not None and value < 0:
+                raise ValueError(f"demand {self.name}: {what} must be >= 0, got {value}")
 
     @cached_property  # read several times per job in every decision
     def wanted(self) -> int:
@@ -237,6 +255,8 @@ class Allocation:
 
     placements: Mapping[str, Placement]
     draining: Mapping[Slot, Drain] = field(default_factory=dict)
+    shared: frozenset[str] = frozenset()
+    """The jobs that share GPUs by memory: a GPU may be in several of their placements."""
     service: Mapping[str, ServiceRecord] = field(default_factory=dict)
     """What each job had of the pool under the allocator's queue (empty without one)."""
 

@@ -38,8 +38,11 @@ from herd_operator.agent.batching import (
     Step,
     after_gradients,
     after_step,
+    base_epoch_steps,
     epoch_order,
+    epoch_over,
     next_epoch,
+    next_pass,
     next_step,
     on_decision,
     on_world,
@@ -96,7 +99,9 @@ class RunConfig:
     schedule: str = "static-1"
     seed: int = 0
     epochs: int = 6
-    """The sample budget, in epochs of the training split: the same for every run."""
+    """The training budget, in epochs of the training split: the same for every run. Passes
+    over the data, but under the adaptive policy, whose epochs are AdaScale progress (the
+    fixed-batch run's optimizer steps; `batching.trained_epochs`)."""
     worker_batch: int = 32
     lr: float = 0.05
     reference_workers: int = 1
@@ -150,6 +155,8 @@ class RunResult:
     seconds: float = 0.0
     batches: list[tuple[int, int]] = field(default_factory=list)
     """adaptive: (samples seen, global batch) at each change of global batch."""
+    samples: int = 0
+    """Samples trained on (0 in a record made before it was kept)."""
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "config": asdict(self.config)}
@@ -245,11 +252,28 @@ def accuracy(model: nn.Module, data: Split) -> float:
     return float((predicted == data.y_test).float().mean())
 
 
-def decay_factor(config: RunConfig, seen: int, budget: int) -> float:
-    """The cosine decay's factor after `seen` of `budget` samples (1 without decay)."""
+def decay_factor(config: RunConfig, done: float) -> float:
+    """The cosine decay's factor once the share `done` of the training budget is trained
+    (1 without decay). The share is `position / budget` of the run's position and budget."""
     if not config.decay:
         return 1.0
-    return 0.5 * (1.0 + math.cos(math.pi * min(seen, budget) / budget))
+    return 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
+
+
+def budget_units(config: RunConfig, epoch_size: int) -> int:
+    """The training budget in the unit `position` counts: samples, but under the adaptive
+    policy AdaScale progress (base-batch steps), which is what its schedule and its rate's
+    decay follow (a step at gain r makes r base steps of progress)."""
+    if config.policy == "adaptive":
+        return config.epochs * base_epoch_steps(config.settings(), epoch_size)
+    return config.epochs * epoch_size
+
+
+def position(config: RunConfig, state: BatchState, epoch_size: int) -> float:
+    """How far a run is, in `budget_units`' unit."""
+    if config.policy == "adaptive":
+        return state.progress
+    return state.data_pass * epoch_size + state.cursor  # whole: the decay as before
 
 
 def checkpoints(budget: int, evaluations: int) -> list[int]:
@@ -260,19 +284,20 @@ def simulate(
     config: RunConfig,
     data: Split,
     *,
-    world_at: Callable[[int], int] | None = None,
+    world_at: Callable[[float], int] | None = None,
 ) -> RunResult:
-    """Train `config` with its schedule's world sizes simulated in this process."""
+    """Train `config` with its schedule's world sizes simulated in this process (`world_at`:
+    the world size at a position, in `budget_units`, instead of the schedule's)."""
     started = time.monotonic()
     torch.set_num_threads(1)
     settings = config.settings()
     epoch_size = len(data.y_train)
-    budget = config.epochs * epoch_size
+    budget = budget_units(config, epoch_size)
     schedule = schedule_for(config)
     if world_at is None:
 
-        def world_at(seen: int) -> int:
-            return schedule.world_at(seen / budget)
+        def world_at(at: float) -> int:
+            return schedule.world_at(at / budget)
 
     model = make_model(data.features, data.classes, config.hidden, config.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
@@ -280,36 +305,43 @@ def simulate(
     marks = checkpoints(budget, config.evaluations)
     state, seen = BatchState(), 0
     while state.epoch < config.epochs:
-        order = epoch_order(epoch_size, config.seed, state.epoch)
-        while True:
-            world = world_at(seen)
+        order = epoch_order(epoch_size, config.seed, state.data_pass)
+        start = True  # the operator's decision reaches the workers at an epoch's start
+        while not epoch_over(settings, state, epoch_size):
+            if state.cursor >= epoch_size:  # adaptive: the epoch goes on in the next pass
+                state = next_pass(state)
+                order = epoch_order(epoch_size, config.seed, state.data_pass)
+            at = position(config, state, epoch_size)
+            world = world_at(at)
             if world != state.world_size:
                 result.worlds.append((seen, world))
             state = on_world(settings, state, world)
-            if state.cursor == 0:
-                state = study_decision(config, state)  # the operator's, at an epoch's start
+            if start:
+                state, start = study_decision(config, state), False
             batch = plan_batches(settings, world, state.global_batch).global_batch
             if settings.policy == "adaptive" and (
                 not result.batches or result.batches[-1][1] != batch
             ):
                 result.batches.append((seen, batch))
             parts = [next_step(settings, state, order, rank) for rank in range(world)]
-            if parts[0] is None:
-                break
-            optimizer.zero_grad()
             steps = [part for part in parts if part is not None]
+            optimizer.zero_grad()
             state = accumulate_measured(model, data, settings, state, steps)
             step = steps[0]
             for group in optimizer.param_groups:
-                group["lr"] = step.lr * decay_factor(config, seen, budget)
+                group["lr"] = step.lr * decay_factor(config, at / budget)
             optimizer.step()
-            state = after_step(state, step.count, step.lr, step_gain(settings, state))
+            state = after_step(state, step.count, step.lr, step_gain(settings, state, step.count))
             seen += step.count
             result.steps += 1
-            while marks and seen >= marks[0]:
-                result.curve.append((marks.pop(0), accuracy(model, data)))
-        state = next_epoch(state)
+            at = position(config, state, epoch_size)
+            while marks and at >= marks[0] - 1e-9:
+                mark = marks.pop(0)  # labelled by its samples (adaptive: those seen)
+                label = seen if config.policy == "adaptive" else mark
+                result.curve.append((label, accuracy(model, data)))
+        state = next_epoch(state, settings)
     result.final_accuracy = result.curve[-1][1]
+    result.samples = seen
     result.seconds = time.monotonic() - started
     return result
 

@@ -11,10 +11,11 @@ adaptive policy) and is the mean over the step's global batch. Each epoch's repo
 the adaptive metrics (`sampler.adaptive_metrics()`: noise scale, batch, step time).
 
 Each worker appends one JSON line per optimizer step to `--step-log DIR/worker-<pid>.jsonl`
-(its rank, world size, the step's place in the epoch, global batch, lr and sample
-indices): the evidence the integration test and the study read. A line is written after
-the step's allreduce and before `state.commit()`, which saves the step before it looks
-for a resize, so a logged step is a committed one unless its allreduce failed elsewhere.
+(its rank, world size, the step's epoch, pass over the data and place in it, global
+batch, lr and sample indices): the evidence the integration test and the study read. A
+line is written after the step's allreduce and before `state.commit()`, which saves the
+step before it looks for a resize, so a logged step is a committed one unless its
+allreduce failed elsewhere.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from examples.experiments.quality import (
     RunResult,
     accumulate,
     accuracy,
+    budget_units,
     checkpoints,
     decay_factor,
     make_model,
+    position,
     schedule_for,
 )
 from herd_operator import worker as herd
@@ -116,7 +119,7 @@ def main() -> None:
     )
     data = load(config.dataset)
     epoch_size = len(data.y_train)
-    budget = config.epochs * epoch_size
+    budget = budget_units(config, epoch_size)
     model = make_model(data.features, data.classes, config.hidden, config.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     sampler = herd.elastic_batches(epoch_size, settings, seed=config.seed)
@@ -136,14 +139,15 @@ def main() -> None:
     driven = args.drive_hosts is not None and config.schedule in SCHEDULE_NAMES
     schedule = schedule_for(config) if driven else None
 
-    def follow_schedule(seen: int) -> None:
+    def follow_schedule(at: float) -> None:
         """With --drive-hosts: resize at the step the simulation does, and wait for it.
 
-        Every worker computes the same wanted size from the same committed `seen`, so all
-        of them wait (and commit, which is where Horovod raises the resize) in lockstep."""
+        Every worker computes the same wanted size from the same committed position
+        (samples, or under adaptive the progress: `quality.position`), so all of them wait
+        (and commit, which is where Horovod raises the resize) in lockstep."""
         if schedule is None:
             return
-        wanted = schedule.world_at(seen / budget)
+        wanted = schedule.world_at(at / budget)
         if hvd.rank() == 0 and written["world"] != wanted:
             write_atomically(args.drive_hosts, f"localhost:{wanted}\n")
             written["world"] = wanted
@@ -156,14 +160,16 @@ def main() -> None:
         while sampler.epoch < config.epochs:
             epoch = sampler.epoch
             for step in sampler.steps():
-                seen = epoch * epoch_size + step.cursor
-                follow_schedule(seen)  # a resize restarts train() before this step
+                batches = sampler.batch_state
+                seen = batches.data_pass * epoch_size + step.cursor
+                at = position(config, batches, epoch_size)
+                follow_schedule(at)  # a resize restarts train() before this step
                 if not state.worlds or state.worlds[-1][1] != hvd.size():
                     state.worlds.append((seen, hvd.size()))
                 optimizer.zero_grad()
                 loss = accumulate(model, data, step)
                 sampler.sum_gradients(model.parameters(), step)  # measures noise (adaptive)
-                lr = step.lr * decay_factor(config, seen, budget)
+                lr = step.lr * decay_factor(config, at / budget)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 optimizer.step()
@@ -174,6 +180,7 @@ def main() -> None:
                         "rank": hvd.rank(),
                         "world": hvd.size(),
                         "epoch": step.epoch,
+                        "pass": batches.data_pass,
                         "cursor": step.cursor,
                         "count": step.count,
                         "global_batch": plan.global_batch,
@@ -189,10 +196,12 @@ def main() -> None:
                 sampler.record_step(step)
                 state.steps += 1
                 now_seen = seen + step.count
+                now_at = position(config, sampler.batch_state, epoch_size)
                 marks = checkpoints(budget, config.evaluations)
-                crossed = [mark for mark in marks if seen < mark <= now_seen]
-                if crossed and hvd.rank() == 0:  # labelled by the mark, as simulate() does
-                    state.curve.append((crossed[-1], accuracy(model, data)))
+                crossed = [mark for mark in marks if at + 1e-9 < mark <= now_at + 1e-9]
+                if crossed and hvd.rank() == 0:  # labelled as simulate() labels it
+                    label = now_seen if config.policy == "adaptive" else crossed[-1]
+                    state.curve.append((label, accuracy(model, data)))
                 if args.step_delay:
                     time.sleep(args.step_delay)
                 state.commit()
@@ -206,8 +215,10 @@ def main() -> None:
     train(state)
     if hvd.rank() == 0:
         final = accuracy(model, data)
-        if not state.curve or state.curve[-1][0] != budget:
-            state.curve.append((budget, final))
+        samples = sampler.batch_state.data_pass * epoch_size + sampler.batch_state.cursor
+        end = samples if config.policy == "adaptive" else budget
+        if not state.curve or state.curve[-1][0] != end:
+            state.curve.append((end, final))
         result = RunResult(
             config,
             "horovodrun",
@@ -216,6 +227,7 @@ def main() -> None:
             steps=state.steps,
             worlds=[tuple(point) for point in state.worlds],
             seconds=time.monotonic() - started,
+            samples=samples,
         )
         print(f"done: test accuracy {final:.4f} after {state.steps} steps", flush=True)
         if args.result is not None:

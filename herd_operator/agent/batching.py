@@ -20,6 +20,14 @@ talking. The position in an epoch is a global cursor into that epoch's permutati
 each optimizer step takes the next ``global_batch`` samples (fewer at the end of an
 epoch), and worker ``r`` of ``k`` takes a contiguous share of them. A resize only changes
 how the next step is cut, so no sample of an epoch is skipped or taken twice.
+
+Under ``adaptive`` an epoch is not a pass over the data: it is one base epoch of AdaScale
+progress, ``ceil(epoch_size / base batch)`` optimizer steps at the base batch's gain of 1
+(`base_epoch_steps`). A step at a larger batch counts its gain ratio r (in [1, batch /
+base]), so a run of ``epochs`` epochs trains until its progress equals the step count of
+the fixed-batch run (Johnson et al. 2020, Pollux), whatever samples that takes. The data
+is still drawn pass after pass (`BatchState.data_pass`, `next_pass`); an epoch's end falls
+within a pass and the next epoch goes on from there.
 """
 
 from __future__ import annotations
@@ -219,6 +227,9 @@ class BatchState:
     progress: float = 0.0
     """Optimizer steps counted in base-batch steps: each step adds its gain ratio (1 but
     under the adaptive policy), AdaScale's scale-invariant iterations."""
+    data_pass: int = 0
+    """The pass over the data the cursor is in: its order is `epoch_order(..., data_pass)`.
+    The epoch, but under the adaptive policy, whose epochs are progress (see the module)."""
 
     def to_dict(self) -> dict[str, float | int]:
         gpus, batch = self.decided or (0, 0)
@@ -236,6 +247,7 @@ class BatchState:
             "noise_var": self.noise.var_biased,
             "noise_weight": self.noise.weight,
             "progress": self.progress,
+            "data_pass": self.data_pass,
         }
 
     @classmethod
@@ -256,6 +268,7 @@ class BatchState:
                 float(data.get("noise_weight", 0.0)),
             ),
             progress=float(data.get("progress", 0.0)),
+            data_pass=int(data.get("data_pass", data["epoch"])),
         )
 
 
@@ -292,19 +305,21 @@ def on_decision(
     return on_world(settings, state, state.world_size) if state.world_size else state
 
 
-def step_gain(settings: BatchSettings, state: BatchState) -> float:
-    """The gain ratio of the next step: AdaScale's under the adaptive policy, else 1."""
+def step_gain(settings: BatchSettings, state: BatchState, count: int | None = None) -> float:
+    """The gain ratio of the next step, of `count` samples (None: a full step; the short
+    last step of a pass gains less): AdaScale's under the adaptive policy, else 1."""
     if settings.policy != "adaptive":
         return 1.0
-    plan = plan_batches(settings, state.world_size, state.global_batch)
-    return gain_ratio(state.noise, plan.global_batch, settings.reference_batch)
+    if count is None or count < 1:
+        count = plan_batches(settings, state.world_size, state.global_batch).global_batch
+    return gain_ratio(state.noise, count, settings.reference_batch)
 
 
-def step_lr(settings: BatchSettings, state: BatchState) -> float:
-    """The rate of the next optimizer step."""
+def step_lr(settings: BatchSettings, state: BatchState, count: int | None = None) -> float:
+    """The rate of the next optimizer step (of `count` samples, None: a full one)."""
     target = plan_batches(settings, state.world_size, state.global_batch).lr
     if settings.policy == "adaptive":
-        return target * step_gain(settings, state)
+        return target * step_gain(settings, state, count)
     if settings.policy != "linear-lr":
         return target
     return warmup_lr(state.ramp_from, target, state.steps_since_resize, settings.warmup_steps)
@@ -336,8 +351,43 @@ def after_gradients(
     return replace(state, noise=noise)
 
 
-def next_epoch(state: BatchState) -> BatchState:
-    return replace(state, epoch=state.epoch + 1, cursor=0)
+def base_epoch_steps(settings: BatchSettings, epoch_size: int) -> int:
+    """Optimizer steps of one epoch at the base batch: an adaptive epoch's progress."""
+    if epoch_size < 1:
+        raise ValueError(f"epoch_size must be >= 1, got {epoch_size}")
+    return -(-epoch_size // settings.reference_batch)
+
+
+def trained_epochs(settings: BatchSettings, state: BatchState, epoch_size: int) -> float:
+    """Epochs trained so far, fractional: under the adaptive policy the progress over
+    `base_epoch_steps`, else the passes and the share of this one."""
+    if settings.policy == "adaptive":
+        return state.progress / base_epoch_steps(settings, epoch_size)
+    return state.data_pass + state.cursor / epoch_size
+
+
+def epoch_over(settings: BatchSettings, state: BatchState, epoch_size: int) -> bool:
+    """Whether the epoch `state.epoch` has ended: its pass is done, or (adaptive) its
+    progress reached the end of the base epoch (a step that crosses it ends it)."""
+    if settings.policy == "adaptive":
+        # Progress adds floats; a sum that should be whole may fall short by rounding.
+        end = (state.epoch + 1) * base_epoch_steps(settings, epoch_size)
+        return state.progress >= end - 1e-9
+    return state.cursor >= epoch_size
+
+
+def next_pass(state: BatchState) -> BatchState:
+    """The state at the start of the next pass over the data, in the same epoch."""
+    return replace(state, data_pass=state.data_pass + 1, cursor=0)
+
+
+def next_epoch(state: BatchState, settings: BatchSettings | None = None) -> BatchState:
+    """The state at the start of the next epoch: the next pass over the data, but under
+    the adaptive policy, whose next epoch goes on in the same pass (the epoch of a
+    state restored from one without passes counts as its pass)."""
+    if settings is not None and settings.policy == "adaptive":
+        return replace(state, epoch=state.epoch + 1)
+    return replace(state, epoch=state.epoch + 1, data_pass=state.epoch + 1, cursor=0)
 
 
 @dataclass(frozen=True)
@@ -373,4 +423,5 @@ def next_step(
     for size in micro_batches(len(mine), plan.accumulation_steps):
         micros.append(tuple(mine[offset : offset + size]))
         offset += size
-    return Step(state.epoch, state.cursor, count, step_lr(settings, state), tuple(micros))
+    lr = step_lr(settings, state, count)
+    return Step(state.epoch, state.cursor, count, lr, tuple(micros))

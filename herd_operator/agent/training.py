@@ -24,6 +24,13 @@ broadcasts it with the model; its state is `BatchState` (the epoch, the cursor i
 epoch's order, the warm-up). The arithmetic lives in `batching.py`, pure, so the same
 plan serves any engine and the in-process simulation of the accuracy study.
 
+Under the torchrun engine (torch.distributed, no Horovod) `herd.distributed_batches(len(
+dataset), settings, state=snapshot.get("batches"))` gives the same steps, noise scale and
+`batch` channel over torch.distributed's all_reduce and broadcast; torchrun restarts the
+workers on every resize, so the script keeps `sampler.state_dict()` in its snapshot and
+calls `sampler.set_epoch` at each epoch's end as above. `herd.sum_gradients` sums over
+whichever of the two engines this process joined.
+
 Gradients are summed, not averaged, over the ranks and divided by the step's global
 sample count: ranks with unequal shares (a batch that does not divide, the short last
 step of an epoch) then give exactly the mean gradient of the global batch.
@@ -36,7 +43,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from herd_operator.agent.batching import (
@@ -48,13 +55,16 @@ from herd_operator.agent.batching import (
     after_gradients,
     after_step,
     epoch_order,
+    epoch_over,
     next_epoch,
+    next_pass,
     next_step,
     on_decision,
     on_world,
     plan_batches,
     policy_name,
     step_gain,
+    trained_epochs,
 )
 from herd_operator.agent.worker import decided_batch
 from herd_operator.environment import (
@@ -126,8 +136,19 @@ def _hvd() -> Any:
     return hvd
 
 
+def _torch_distributed() -> Any:
+    """torch.distributed if this process joined a group of more than one (the torchrun
+    engine), else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist if int(dist.get_world_size()) > 1 else None
+
+
 def sum_gradients(parameters: Iterable[Any]) -> None:
-    """Sum every parameter's gradient over the workers, in place (one grouped allreduce).
+    """Sum every parameter's gradient over the workers, in place (one grouped allreduce
+    under Horovod; under torch.distributed, the torchrun engine, one all_reduce of the
+    gradients laid end to end).
 
     A parameter without a gradient counts as zeros, so every rank sends the same tensors.
     """
@@ -143,10 +164,155 @@ def sum_gradients(parameters: Iterable[Any]) -> None:
     except ValueError:  # Horovod imported but not initialized: a single process
         workers = 1
     if hvd is None or workers == 1:
+        dist = _torch_distributed()
+        if dist is not None and params:
+            flat = torch.cat([param.grad.reshape(-1) for param in params])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for param in params:
+                size = param.grad.numel()
+                param.grad.copy_(flat[offset : offset + size].view_as(param.grad))
+                offset += size
         return
     summed = hvd.grouped_allreduce([param.grad for param in params], op=hvd.Sum, name="herd.grads")
     for param, total in zip(params, summed, strict=True):
         param.grad.copy_(total)
+
+
+class _BatchSteps:
+    """What both engines' batch samplers do alike: cut the steps, measure the noise scale,
+    count the progress, take the operator's batch. The engine's part is four hooks: the
+    world size, the sum of the gradients, the mean of a float and the broadcast of rank
+    0's object over the workers."""
+
+    settings: BatchSettings
+    batch_state: BatchState
+    rank: int
+    seed: int
+    shuffle: bool
+    processed_num: int
+    _epoch_size: int
+    _order: list[int]
+    _step_seconds: list[float]
+    _step_started: float | None
+
+    def _world(self) -> int:
+        raise NotImplementedError
+
+    def _sum_all(self, params: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _mean_all(self, value: float) -> float:
+        raise NotImplementedError
+
+    def _from_rank0(self, value: Any) -> Any:
+        raise NotImplementedError
+
+    def _ask(self) -> tuple[int, int] | None:
+        return decided_batch()
+
+    def refresh_batch(self) -> None:
+        """adaptive: take the batch the operator picked last (rank 0 asks, all ranks
+        get its answer, so they cut steps alike); at a step boundary on every rank
+        (the start, a reset, an epoch's end). The step times restart with it."""
+        self._step_seconds, self._step_started = [], None
+        if self.settings.policy != "adaptive":
+            return
+        decided = self._ask() if self.rank == 0 else None
+        if self._world() > 1:
+            decided = self._from_rank0(decided)
+        self.batch_state = on_decision(self.settings, self.batch_state, decided)
+
+    @property
+    def plan(self) -> BatchPlan:
+        return plan_batches(
+            self.settings, self.batch_state.world_size, self.batch_state.global_batch
+        )
+
+    @property
+    def trained_epochs(self) -> float:
+        """Epochs trained so far, fractional; under the adaptive policy, AdaScale's
+        progress in base epochs (`batching.trained_epochs`)."""
+        return trained_epochs(self.settings, self.batch_state, self._epoch_size)
+
+    def sum_gradients(self, parameters: Iterable[Any], step: Step) -> None:
+        """`sum_gradients`, measuring the gradient noise scale on the way (adaptive):
+        each rank's squared norm of its own mean gradient, averaged over the ranks,
+        against the squared norm of the step's mean gradient. Only full steps with
+        equal shares count (the estimate assumes one local batch size)."""
+        params = [param for param in parameters if param.requires_grad]
+        plan = self.plan
+        shares = set(plan.worker_batches)
+        measure = (
+            self.settings.policy == "adaptive"
+            and plan.world_size > 1
+            and step.count == plan.global_batch
+            and len(shares) == 1
+        )
+        local_sqr = 0.0
+        if measure:
+            (share,) = shares
+            # The local gradient is (share / count) x the mean over the rank's samples.
+            grads = [p.grad for p in params if p.grad is not None]
+            local_sqr = squared_norm(grads) * (step.count / share) ** 2
+        self._sum_all(params)
+        if not measure:
+            return
+        mean_local = self._mean_all(local_sqr)
+        global_sqr = squared_norm(p.grad for p in params)
+        self.batch_state = after_gradients(
+            self.settings, self.batch_state, mean_local, global_sqr, share, step.count
+        )
+
+    def adaptive_metrics(self) -> dict[str, float]:
+        """What the operator's goodput policy reads, for `report_epoch`: the noise scale
+        (once measured), the global batch and the mean seconds of a step since the last
+        reset or epoch end (the first step after either, which waits for the others or
+        warms up, is left out)."""
+        metrics: dict[str, float] = {
+            BATCH_SIZE_METRIC: float(self.plan.global_batch),
+            BASE_BATCH_METRIC: float(self.settings.reference_batch),
+        }
+        noise = self.batch_state.noise.noise_scale()
+        if noise is not None:
+            metrics[GRADIENT_NOISE_SCALE_METRIC] = noise
+        if self._step_seconds:
+            mean = sum(self._step_seconds) / len(self._step_seconds)
+            metrics[STEP_SECONDS_METRIC] = mean
+        return metrics
+
+    def _set_order(self) -> None:
+        self._order = epoch_order(
+            self._epoch_size, self.seed, self.batch_state.data_pass, shuffle=self.shuffle
+        )
+
+    def steps(self) -> Iterator[Step]:
+        """This rank's steps for the rest of the epoch; `record_step` each one. Under
+        the adaptive policy the epoch ends where its progress does, which may be
+        within a pass over the data or after several."""
+        while not epoch_over(self.settings, self.batch_state, self._epoch_size):
+            if self.batch_state.cursor >= self._epoch_size:  # adaptive: the next pass
+                self.batch_state = next_pass(self.batch_state)
+                self.processed_num = 0
+                self._set_order()
+                continue
+            step = next_step(self.settings, self.batch_state, self._order, self.rank)
+            if step is None:
+                return
+            yield step
+
+    def apply_lr(self, optimizer: Any, step: Step) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = step.lr
+
+    def record_step(self, step: Step) -> None:
+        gain = step_gain(self.settings, self.batch_state, step.count)
+        self.batch_state = after_step(self.batch_state, step.count, step.lr, gain)
+        self.processed_num = self.batch_state.cursor
+        now = time.monotonic()
+        if self._step_started is not None and step.count == self.plan.global_batch:
+            self._step_seconds.append(now - self._step_started)
+        self._step_started = now
 
 
 _sampler_class: type | None = None
@@ -161,7 +327,7 @@ def _elastic_batch_sampler_class() -> type:
 
     hvd = _hvd()
 
-    class ElasticBatchSampler(ElasticSampler):  # type: ignore[misc]
+    class ElasticBatchSampler(_BatchSteps, ElasticSampler):  # type: ignore[misc]
         """Horovod's ElasticSampler, cut in global batches by a batch policy.
 
         Horovod's own sampler pads the end of an epoch with repeated samples when the
@@ -179,6 +345,22 @@ def _elastic_batch_sampler_class() -> type:
             super().__init__(range(epoch_size), shuffle=shuffle, seed=seed)
             self.refresh_batch()
 
+        # The engine's hooks.
+        def _world(self) -> int:
+            return int(hvd.size())
+
+        def _sum_all(self, params: list[Any]) -> None:
+            sum_gradients(params)
+
+        def _mean_all(self, value: float) -> float:
+            import torch
+
+            tensor = torch.tensor(value, dtype=torch.float64)
+            return float(hvd.allreduce(tensor, op=hvd.Average, name="herd.gns"))
+
+        def _from_rank0(self, value: Any) -> Any:
+            return hvd.broadcast_object(value, root_rank=0, name="herd.batch")
+
         # ElasticSampler's interface, on BatchState.
         def reset(self) -> None:
             self.num_replicas = int(hvd.size())
@@ -186,7 +368,7 @@ def _elastic_batch_sampler_class() -> type:
             self.batch_state = on_world(self.settings, self.batch_state, self.num_replicas)
             self.epoch = self.batch_state.epoch
             self.processed_num = self.batch_state.cursor
-            self._order = epoch_order(self._epoch_size, self.seed, self.epoch, shuffle=self.shuffle)
+            self._set_order()
 
         def state_dict(self) -> dict[str, float | int]:
             return self.batch_state.to_dict()
@@ -199,7 +381,7 @@ def _elastic_batch_sampler_class() -> type:
             """Start epoch `epoch` (call it at the end of the previous one)."""
             state = self.batch_state
             while state.epoch < epoch:
-                state = next_epoch(state)
+                state = next_epoch(state, self.settings)
             self.batch_state = state
             self.reset()
             self.refresh_batch()
@@ -215,103 +397,105 @@ def _elastic_batch_sampler_class() -> type:
         def __len__(self) -> int:
             return self._epoch_size - self.batch_state.cursor
 
-        # The batch policy.
         def on_reset(self) -> None:
             """Reset callback (`state.register_reset_callbacks`): the new world's plan."""
             self.reset()
             self.refresh_batch()
 
-        def refresh_batch(self) -> None:
-            """adaptive: take the batch the operator picked last (rank 0 asks, all ranks
-            get its answer, so they cut steps alike); at a step boundary on every rank
-            (the start, a reset, an epoch's end). The step times restart with it."""
-            self._step_seconds, self._step_started = [], None
-            if self.settings.policy != "adaptive":
-                return
-            decided = decided_batch() if self.rank == 0 else None
-            if int(hvd.size()) > 1:
-                decided = hvd.broadcast_object(decided, root_rank=0, name="herd.batch")
-            self.batch_state = on_decision(self.settings, self.batch_state, decided)
-
-        @property
-        def plan(self) -> BatchPlan:
-            return plan_batches(
-                self.settings, self.batch_state.world_size, self.batch_state.global_batch
-            )
-
-        def sum_gradients(self, parameters: Iterable[Any], step: Step) -> None:
-            """`sum_gradients`, measuring the gradient noise scale on the way (adaptive):
-            each rank's squared norm of its own mean gradient, averaged over the ranks,
-            against the squared norm of the step's mean gradient. Only full steps with
-            equal shares count (the estimate assumes one local batch size)."""
-            params = [param for param in parameters if param.requires_grad]
-            plan = self.plan
-            shares = set(plan.worker_batches)
-            measure = (
-                self.settings.policy == "adaptive"
-                and plan.world_size > 1
-                and step.count == plan.global_batch
-                and len(shares) == 1
-            )
-            local_sqr = 0.0
-            if measure:
-                (share,) = shares
-                # The local gradient is (share / count) x the mean over the rank's samples.
-                grads = [p.grad for p in params if p.grad is not None]
-                local_sqr = squared_norm(grads) * (step.count / share) ** 2
-            sum_gradients(params)
-            if not measure:
-                return
-            import torch
-
-            mean_local = hvd.allreduce(
-                torch.tensor(local_sqr, dtype=torch.float64), op=hvd.Average, name="herd.gns"
-            )
-            global_sqr = squared_norm(p.grad for p in params)
-            self.batch_state = after_gradients(
-                self.settings, self.batch_state, float(mean_local), global_sqr, share, step.count
-            )
-
-        def adaptive_metrics(self) -> dict[str, float]:
-            """What the operator's goodput policy reads, for `report_epoch`: the noise scale
-            (once measured), the global batch and the mean seconds of a step since the last
-            reset or epoch end (the first step after either, which waits for the others or
-            warms up, is left out)."""
-            metrics: dict[str, float] = {
-                BATCH_SIZE_METRIC: float(self.plan.global_batch),
-                BASE_BATCH_METRIC: float(self.settings.reference_batch),
-            }
-            noise = self.batch_state.noise.noise_scale()
-            if noise is not None:
-                metrics[GRADIENT_NOISE_SCALE_METRIC] = noise
-            if self._step_seconds:
-                mean = sum(self._step_seconds) / len(self._step_seconds)
-                metrics[STEP_SECONDS_METRIC] = mean
-            return metrics
-
-        def steps(self) -> Iterator[Step]:
-            """This rank's steps for the rest of the epoch; `record_step` each one."""
-            while True:
-                step = next_step(self.settings, self.batch_state, self._order, self.rank)
-                if step is None:
-                    return
-                yield step
-
-        def apply_lr(self, optimizer: Any, step: Step) -> None:
-            for group in optimizer.param_groups:
-                group["lr"] = step.lr
-
-        def record_step(self, step: Step) -> None:
-            gain = step_gain(self.settings, self.batch_state)
-            self.batch_state = after_step(self.batch_state, step.count, step.lr, gain)
-            self.processed_num = self.batch_state.cursor
-            now = time.monotonic()
-            if self._step_started is not None and step.count == self.plan.global_batch:
-                self._step_seconds.append(now - self._step_started)
-            self._step_started = now
-
     _sampler_class = ElasticBatchSampler
     return ElasticBatchSampler
+
+
+class DistributedBatches(_BatchSteps):
+    """The batch policy under torch.distributed (the torchrun engine): the Horovod
+    sampler's steps, noise scale and batch channel, with torch.distributed's all_reduce
+    and broadcast. torchrun restarts every worker on a resize, so the state lives in the
+    script's snapshot: save `state_dict()` with it, pass it back as `state` on a restart.
+    Create it after `dist.init_process_group` (or without a group: one worker). `ask`: how
+    rank 0 learns the operator's batch (the `batch` RPC; a test gives its own)."""
+
+    def __init__(
+        self,
+        epoch_size: int,
+        settings: BatchSettings,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        state: dict[str, float | int] | None = None,
+        ask: Callable[[], tuple[int, int] | None] = decided_batch,
+    ) -> None:
+        if epoch_size < 1:
+            raise ValueError(f"epoch_size must be >= 1, got {epoch_size}")
+        dist = _torch_distributed()
+        self.settings, self.seed, self.shuffle, self._asker = settings, seed, shuffle, ask
+        self.rank = 0 if dist is None else int(dist.get_rank())
+        self._epoch_size = epoch_size
+        self._step_seconds, self._step_started = [], None
+        restored = BatchState() if state is None else BatchState.from_dict(state)
+        self.batch_state = on_world(settings, restored, self._world())
+        self.processed_num = self.batch_state.cursor
+        self._set_order()
+        self.refresh_batch()
+
+    @property
+    def epoch(self) -> int:
+        return self.batch_state.epoch
+
+    def state_dict(self) -> dict[str, float | int]:
+        return self.batch_state.to_dict()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` (call it at the end of the previous one)."""
+        state = self.batch_state
+        while state.epoch < epoch:
+            state = next_epoch(state, self.settings)
+        self.batch_state = state
+        self.processed_num = state.cursor
+        self._set_order()
+        self.refresh_batch()
+
+    def _ask(self) -> tuple[int, int] | None:
+        return self._asker()
+
+    def _world(self) -> int:
+        dist = _torch_distributed()
+        return 1 if dist is None else int(dist.get_world_size())
+
+    def _sum_all(self, params: list[Any]) -> None:
+        sum_gradients(params)
+
+    def _mean_all(self, value: float) -> float:
+        dist = _torch_distributed()
+        if dist is None:
+            return value
+        import torch
+
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return float(tensor[0]) / int(dist.get_world_size())
+
+    def _from_rank0(self, value: Any) -> Any:
+        dist = _torch_distributed()
+        if dist is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def distributed_batches(
+    epoch_size: int,
+    settings: BatchSettings,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    state: dict[str, float | int] | None = None,
+    ask: Callable[[], tuple[int, int] | None] = decided_batch,
+) -> DistributedBatches:
+    """The batch sampler of the torchrun engine (see `DistributedBatches`)."""
+    return DistributedBatches(
+        epoch_size, settings, seed=seed, shuffle=shuffle, state=state, ask=ask
+    )
 
 
 def elastic_batches(

@@ -90,7 +90,15 @@ def idle_job(root: Path, mode: str, slots: int = 1) -> Iterator[int]:
         write_atomically(script, f"#!/bin/sh\nexec cat {grant}\n", mode=0o755)
         argv = [horovodrun_executable(), "--host-discovery-script", str(script)]
         argv += [*horovod_args, *IDLE_WORKER]
-    with open(root / "driver.log", "wb") as output:
+    with driven(argv, root / "driver.log", slots) as pid:
+        yield pid
+
+
+@contextlib.contextmanager
+def driven(argv: list[str], log: Path, slots: int) -> Iterator[int]:
+    """A launcher (`argv`) in its own session, its output in `log`, until `slots` workers
+    run: yields its pid, and stops its whole session afterwards."""
+    with open(log, "wb") as output:
         process = subprocess.Popen(
             argv, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
         )

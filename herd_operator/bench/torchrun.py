@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import yaml
 
-from herd_operator.bench.driver import IDLE_WORKER, idle_job, tree_cpu_seconds, wait_for_workers
+from herd_operator.bench.driver import IDLE_WORKER, driven, idle_job, tree_cpu_seconds
 from herd_operator.bench.harness import (
     Context,
     Row,
@@ -47,6 +47,7 @@ from herd_operator.bench.training import (
     resize_stalls,
     running_operator,
     samples_per_second,
+    withdraw,
 )
 from herd_operator.layout import write_atomically
 from herd_operator.runtime.engines.torchrun import (
@@ -228,12 +229,7 @@ def operator_torchrun(
     try:
         yield job
     finally:
-        job.spec_path.unlink(missing_ok=True)
-        allocator = operator.allocator
-        assert allocator is not None
-        deadline = time.monotonic() + HANG_GUARD_S
-        while allocator.grant(JOB) is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        withdraw(operator, job.spec_path)
 
 
 # ---- torchrun-resize-stall ----
@@ -503,15 +499,8 @@ def idle_torchrun(root: Path, slots: int) -> Iterator[int]:
     job = load_spec_document(document, "idle").job
     assert job is not None
     argv = driver_argv("idle", job.spec, grant, sys.executable, LOOPBACK)
-    with open(root / "driver.log", "wb") as output:
-        process = subprocess.Popen(
-            argv, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        wait_for_workers([process.pid], slots)
-        yield process.pid
-    finally:
-        stop_session(process)
+    with driven(argv, root / "driver.log", slots) as pid:
+        yield pid
 
 
 def idle_cost(job: contextlib.AbstractContextManager[int], window: float) -> tuple[float, float]:

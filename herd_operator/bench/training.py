@@ -256,12 +256,17 @@ def operator_job(
     try:
         yield job
     finally:
-        job.spec_path.unlink(missing_ok=True)
-        allocator = operator.allocator
-        assert allocator is not None
-        deadline = time.monotonic() + HANG_GUARD_S
-        while allocator.grant(JOB) is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        withdraw(operator, job.spec_path)
+
+
+def withdraw(operator: Operator, spec_path: Path) -> None:
+    """Delete the bench job's spec and wait (bounded) until the operator gave back its GPUs."""
+    spec_path.unlink(missing_ok=True)
+    allocator = operator.allocator
+    assert allocator is not None
+    deadline = time.monotonic() + HANG_GUARD_S
+    while allocator.grant(JOB) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 # ---- resize-stall ----

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Event, Store, UnreadableSpecError
 from herd_operator.specs.labels import LABEL_KEY_RULE, is_label_key
 from herd_operator.specs.records import JobRecord
+from herd_operator.specs.values import Placement
 
 WATCH_POLL_SECONDS = 0.5
 """How often `get -w` and `events -w` read the store (one small read each)."""
@@ -240,6 +241,8 @@ def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
         placement = ",".join(
             f"{host}:{'+'.join(map(str, gpu_list))}" for host, gpu_list in obj["placement"].items()
         )
+        if placement and gpus["share"]:  # GPUs shared by memory: what one worker asked for
+            placement += f"(shared:{gpus['memory'] or '?'})"
         row += [
             dash(epochs_completed(obj["epoch"])),
             eta_cell(obj, now),
@@ -354,12 +357,32 @@ def _log_file(layout: StateLayout, name: str) -> Path | None:
         return None
 
 
+def _sharing_neighbours(store: Store, name: str) -> dict[str, list[str]]:
+    """Each GPU `name` holds with other jobs (`host:gpu` -> their names): GPUs shared by
+    memory (`spec.gpus.share`)."""
+    placements = store.allocations()
+    mine = set(placements.get(name, Placement.EMPTY).slots())
+    shared: dict[str, list[str]] = {}
+    for job, placement in sorted(placements.items()):
+        for host, gpu in placement.slots():
+            if job != name and (host, gpu) in mine:
+                shared.setdefault(f"{host}:{gpu}", []).append(job)
+    return shared
+
+
+def _sharing_line(memory: str | None, neighbours: Mapping[str, list[str]]) -> str:
+    asked = f"{memory} per worker asked" if memory else "no memory asked (measured peak)"
+    beside = "; ".join(f"{gpu} with {', '.join(jobs)}" for gpu, jobs in sorted(neighbours.items()))
+    return f"Sharing:      GPUs shared by memory, {asked}; {beside or 'no GPU shared now'}"
+
+
 def cmd_describe(args: argparse.Namespace) -> int:
     with open_store(args.state_dir) as store:
         record = store.get_job(args.name)
         events = store.events(args.name, limit=20)
         decisions = store.grant_history(args.name, limit=10)
         trimmed = store.trimmed_history(args.name).get(args.name)
+        neighbours = _sharing_neighbours(store, args.name)
     if record is None:
         print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
         return EXIT_FAILURE
@@ -392,6 +415,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
         lines.append(
             f"  {host} -> GPUs {', '.join(map(str, gpu_list))} (local ranks 0..{len(gpu_list) - 1})"
         )
+    if gpus["share"]:
+        lines.append(_sharing_line(gpus["memory"], neighbours))
     if status.grant_reason:
         lines.append(f"Last decision: {status.grant_reason}")
     lines.append("Conditions:")

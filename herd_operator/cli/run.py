@@ -30,6 +30,11 @@ from herd_operator.cli.foreground import configure_logging, log_options, stop_on
 from herd_operator.cli.spec_files import SPECS_DIR_ENV, default_specs_dir
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_USAGE
 from herd_operator.policies.queueing import DEFAULT_MIN_RUN_SECONDS, QUEUE_MODES, QueueConfig
+from herd_operator.policies.sharing import (
+    DEFAULT_MAX_JOBS_PER_GPU,
+    DEFAULT_MEMORY_MARGIN,
+    SharingLimits,
+)
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.pruner import DEFAULT_RETENTION_SECONDS
 from herd_operator.runtime.store import MAX_GRANTS_PER_JOB
@@ -178,6 +183,31 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         f" (default: {DEFAULT_MIN_RUN_SECONDS:g})",
     )
     run.add_argument(
+        "--share-gpus",
+        action="store_true",
+        help="let jobs that opt in (spec.gpus.share) share GPUs by memory: their request"
+        " (spec.gpus.memory) or their measured peak, whichever is larger (docs/policies.md)",
+    )
+    run.add_argument(
+        "--max-jobs-per-gpu",
+        type=positive_int,
+        default=DEFAULT_MAX_JOBS_PER_GPU,
+        help=f"with --share-gpus: most jobs on one GPU (default: {DEFAULT_MAX_JOBS_PER_GPU})",
+    )
+    run.add_argument(
+        "--memory-margin",
+        type=non_negative_float,
+        default=DEFAULT_MEMORY_MARGIN,
+        help="with --share-gpus: a measured peak counts this much more (default:"
+        f" {DEFAULT_MEMORY_MARGIN:g}, 10%%)",
+    )
+    run.add_argument(
+        "--gpu-memory",
+        type=parse_bytes,
+        help="with --share-gpus: each GPU's memory, e.g. 80GiB (default: --virtual-gpu-memory"
+        " on virtual GPUs; needed otherwise)",
+    )
+    run.add_argument(
         "--virtual-gpu-memory",
         type=parse_bytes,
         default=2 << 30,
@@ -322,6 +352,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         queue=None
         if args.queue == "fifo"
         else QueueConfig(args.queue, min_run_seconds=args.queue_min_run),
+        sharing=sharing_limits(args, pool.virtual),
         virtual_gpu_memory_bytes=args.virtual_gpu_memory,
         metrics_host=args.metrics_listen or reach.listen,
         metrics_port=args.metrics_port,
@@ -376,6 +407,16 @@ def _start_mps(args: argparse.Namespace) -> MpsDaemon | int | None:
         print(f"herd-operator: {err}", file=sys.stderr)
         return EXIT_FAILURE
     return daemon
+
+
+def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | None:
+    """`--share-gpus` and its settings; the GPUs' memory must be known to share them."""
+    if not args.share_gpus:
+        return None
+    memory = args.gpu_memory or (args.virtual_gpu_memory if virtual else None)
+    if memory is None:
+        raise UsageError("--share-gpus: give --gpu-memory (each GPU's memory, e.g. 80GiB)")
+    return SharingLimits(args.max_jobs_per_gpu, args.memory_margin, memory)
 
 
 _NEW_TOKEN = (

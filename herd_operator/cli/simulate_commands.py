@@ -42,6 +42,7 @@ def add_commands(commands: Subcommands) -> None:
         " allocator that lends spare GPUs by the gain the policy reports; NAME+share: one"
         " that divides every GPU above the mins by that gain; NAME+small: one that admits"
         " the pending job with the smallest min first (combined: NAME+small+share);"
+        " NAME+pack: jobs share GPUs by their memory, slowed by their neighbours;"
         " tiresias, optimus: the baselines of Pollux's artifact, rebuilt (not the operator's"
         " allocator; docs/simulation.md)",
     )
@@ -54,6 +55,27 @@ def add_commands(commands: Subcommands) -> None:
         " (default: horovod)",
     )
     simulate.add_argument("--seed", type=int, default=1, help="seed of the generated mix")
+    simulate.add_argument(
+        "--share-utilization",
+        type=positive_float,
+        default=1.0,
+        help="under NAME+pack: the jobs whose GPU utilization is at most this share GPUs"
+        " (default 1.0: every job)",
+    )
+    simulate.add_argument(
+        "--max-jobs-per-gpu",
+        type=positive_int,
+        default=4,
+        help="under NAME+pack: jobs sharing one GPU at most (default 4, as run's)",
+    )
+    simulate.add_argument(
+        "--memory",
+        choices=("guess", "published"),
+        default="guess",
+        help="a trace's GPU memory per worker: our earlier guess per application, or the"
+        " estimate from published model and activation sizes (docs/simulation.md,"
+        " 'Co-location'; default: guess)",
+    )
     simulate.add_argument(
         "--load", type=positive_float, default=0.9, help="offered load of the mix (default 0.9)"
     )
@@ -129,13 +151,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     arbitration_ms = 25.8  # docs/benchmarks.md: arbitrate() on 1,792 x 4 GPUs, 2,000 jobs
     try:
         pool = parse_pool(args.pool)
-        workload = load_workload(args.workload, pool, args.jobs, args.seed, args.load)
+        workload = load_workload(
+            args.workload, pool, args.jobs, args.seed, args.load, args.memory == "published"
+        )
         jobs = [dataclasses.replace(job, engine=args.engine) for job in workload.jobs]
         workload = dataclasses.replace(workload, jobs=jobs)
         policies = [name.strip() for name in args.policy.split(",") if name.strip()]
         results = simulate(
             workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait,
-            queue=args.queue,
+            queue=args.queue, share_utilization=args.share_utilization,
+            max_jobs_per_gpu=args.max_jobs_per_gpu,
         )  # fmt: skip
     except ValueError as err:
         print(f"herd-operator simulate: {err}", file=sys.stderr)
@@ -144,6 +169,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"{workload.description} on {args.pool} ({pool.size} GPUs), {args.engine} jobs,"
         f" tick {args.tick:g} s\n\n" + describe_timing(results, arbitration_ms)
     )
+    if any("+pack" in policy for policy in policies):
+        from herd_operator.simulate.share_report import sharing_table
+
+        header += "\n\nCo-location (GPUs counted once however many jobs hold them):\n\n"
+        header += sharing_table(results)
     paths = write(results, args.output, header)
     print((args.output / "summary.md").read_text())
     print(f"wrote {', '.join(str(path) for path in paths)}")

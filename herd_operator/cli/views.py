@@ -62,6 +62,8 @@ def job_object(record: JobRecord) -> dict[str, Any]:
             "desired": gpus.desired if gpus else None,
             "allocated": gpus.allocated if gpus else 0,
             "active": gpus.active if gpus else None,
+            "share": spec.gpus.share if spec else False,
+            "memory": spec.gpus.memory if spec else None,
         },
         "placement": {host: gpu_list for host, gpu_list in status.placement},
         "epoch": status.epoch,
@@ -269,6 +271,8 @@ def _spec_document(spec: HerdJobSpec) -> dict[str, Any]:
     document["policy"]["params"] = spec.model_dump(mode="json", by_alias=True)["policy"]["params"]
     if spec.engine.kind == HOROVOD_ENGINE:
         document.pop("engine", None)
+    if not spec.gpus.share:  # the default, as a file leaves it out
+        document["gpus"].pop("share", None)
     return document
 
 

@@ -27,6 +27,7 @@ from herd_operator.layout import StateLayout
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import Binding
 from herd_operator.runtime.dispatch import EngineDispatch
+from herd_operator.runtime.engines.torchrun import slot_host
 from herd_operator.runtime.launcher import Adopted, Launcher
 from herd_operator.runtime.log_format import log_time
 from herd_operator.runtime.process_table import (
@@ -77,7 +78,9 @@ def adopt(
     _remove_stale_grants(layout, {item.job for item in running.values()})
     for item in adopted:
         engines.adopt(item.job, item.info.spec.engine.kind)
-    allocator.restore(placements, bound, draining, store.service())
+    # Jobs that shared GPUs by memory get each shared GPU back (with sharing still on).
+    shared = store.shared_jobs() if allocator.sharing is not None else frozenset()
+    allocator.restore(placements, bound, draining, shared, store.service())
     now = time.time()
     for item in running.values():
         since = log_time(item.info.started_at)
@@ -223,10 +226,14 @@ def adopted_holdings(
 
 
 def _pool_host(name: str, pool: Pool) -> str | None:
-    """The pool host a worker's host name stands for: itself, or the pool's only host (the
-    names a lone host is shown under); None for a name of no pool host."""
+    """The pool host a worker's host name stands for: itself, the host of a torchrun GPU's
+    name (`h2:gpu1`), or the pool's only host (the names a lone host is shown under); None
+    for a name of no pool host."""
     if name in pool.host_positions:
         return name
+    host = slot_host(name)
+    if host in pool.host_positions:
+        return host
     return pool.hosts[0][0] if len(pool.hosts) == 1 else None
 
 

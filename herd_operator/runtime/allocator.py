@@ -8,7 +8,8 @@ ask it, over the authenticated RPC (`runtime/handlers.py`), which GPU is theirs.
 Its parts: the decision state here (demands, grants, held jobs, freezes); the GPUs given
 back (`drains.py`: free only when seen free); the workers' bindings (`bindings.py`); world
 sizes (`world_sizes.py`); first launches (`first_launch.py`); what a decision may not hand
-out (`withheld.py`); how decisions reach the store (`recording.py`, after the lock).
+out (`withheld.py`); how decisions reach the store (`recording.py`, after the lock); each
+job's attained service for the queues (`service.py`). Decisions: `policies/sharing.py`.
 Horovod also shrinks a job on its own when a worker fails: the grant follows
 (`observe_world_size`), with a WorkerLost event, and the policy grows the job back. No RPC
 error is raised here: the handlers turn its answers into the protocol's.
@@ -27,8 +28,8 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from herd_operator.controllers.ports import Workers
-from herd_operator.policies.arbitration import arbitrate
 from herd_operator.policies.queueing import QueueConfig
+from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing, held_slots, sharers
 from herd_operator.runtime.bindings import (
     Binding,
     BindingTracker,
@@ -97,6 +98,7 @@ class Allocator:
         belongs: Callable[[str, int], bool] = is_process_of_job,
         first_launch_seconds: float = 0.0,
         queue: QueueConfig | None = None,
+        sharing: SharingLimits | None = None,
     ) -> None:
         """`unavailable_hosts()`: hosts none of whose free GPUs a decision may grant, asked
         in every decision (suspect or lost nodes: `pools/heartbeat.NodeWatch`), on top of
@@ -104,10 +106,11 @@ class Allocator:
         takes their GPUs back, that `job` lost workers and ran on `hosts` (where they may
         have vanished with their node). `belongs(job, pid)`: whether a pid a worker of `job`
         binds with is a process of the job (asked for workers on this host, see `bind`).
-        `spare_by_gain`, `share_by_gain`, `smallest_first`: `arbitrate`'s options (GPUs
-        nobody wants lent by gain; every GPU above the mins divided by gain; pending jobs
-        smallest min first). Under `smallest_first` a job pending for `max_wait_seconds`
-        (from the first decision that left it pending) goes first (`arbitrate`'s `overdue`):
+        `spare_by_gain`, `share_by_gain`, `smallest_first`, `sharing`: `arbitrate_sharing`'s
+        options (GPUs nobody wants lent by gain; every GPU above the mins divided by gain;
+        pending jobs smallest min first; GPUs shared by memory among jobs that opt in).
+        Under `smallest_first` a job pending for `max_wait_seconds` (from the first decision
+        that left it pending) goes first (`arbitrate`'s `overdue`):
         no timer is needed, since being overdue changes a decision only when GPUs come free
         or a job arrives, and each of those decides. `first_launch_seconds`: how long at
         most a job whose first launch is forming is left alone (`first_launch.py`; 0: not).
@@ -116,10 +119,9 @@ class Allocator:
             raise ValueError(f"max_wait_seconds must be finite and > 0, got {max_wait_seconds}")
         self.pool = pool
         self.virtual = virtual
-        self.spare_by_gain = spare_by_gain
-        self.share_by_gain = share_by_gain
+        self.spare_by_gain, self.share_by_gain = spare_by_gain, share_by_gain
         self.smallest_first = smallest_first
-        self.max_wait_seconds = max_wait_seconds
+        self.max_wait_seconds, self.sharing = max_wait_seconds, sharing
         self.min_resize_interval = min_resize_interval
         self._service = ServiceLedger(queue)
         self._sink = sink
@@ -141,6 +143,7 @@ class Allocator:
         # Placements of jobs adopted after an operator restart whose demand has not come
         # yet: their workers are on these GPUs, so no decision may give them to anyone else.
         self._held: dict[str, Placement] = {}
+        self._shared_held: frozenset[str] = frozenset()  # held jobs that share GPUs by memory
         self._cordoned: frozenset[str] = frozenset()
         """Hosts whose free GPUs are granted to nobody (see `cordon`)."""
         # When each job not admitted was first left pending (only with smallest_first).
@@ -185,8 +188,9 @@ class Allocator:
 
     def _snapshot(self) -> Allocation:
         placements = {job: grant.placement for job, grant in self._grants.items()}
+        shared = sharers(self.sharing, self._demands, self._held, self._shared_held)
         service = self._service.records(self._clock(), self._wall_clock())
-        return Allocation(placements, self._drains.records(), service)
+        return Allocation(placements, self._drains.records(), shared, service)
 
     def mark_unrecorded(self) -> None:
         """What was recorded was lost (the store rolled back the group it was written in):
@@ -258,6 +262,7 @@ class Allocator:
         placements: Mapping[str, Placement],
         bindings: Iterable[Binding],
         draining: Mapping[Slot, Drain] | None = None,
+        shared: AbstractSet[str] = frozenset(),
         service: ServiceRecords | None = None,
     ) -> None:
         """Take back what running jobs held under a previous operator (call before any request).
@@ -268,9 +273,11 @@ class Allocator:
         name the host as the worker bound with it (its `name`; `host` may be that name too):
         they are matched to the pool host through the job's presentation. `draining`: the
         GPUs the jobs were giving back (`adoption.adopted_holdings`): they drain on as they
-        did, from when given back. `service`: what the queue counted (`ServiceLedger`)."""
+        did, from when given back. `shared`: jobs that shared GPUs by memory: a GPU is
+        restored to each (nobody else's until they ask again). `service`: `ServiceLedger`'s."""
         with self._changing():
-            kept, taken = restorable(self.pool, placements)
+            kept, taken = restorable(self.pool, placements, shared)
+            self._shared_held = frozenset(shared) & kept.keys()
             for job, placement in kept.items():
                 self._held[job] = placement
                 self._grants[job] = Grant(placement, "adopted after an operator restart")
@@ -463,25 +470,25 @@ class Allocator:
         if shrink is not None:
             current[shrink[0]] = shrink[1].placement
             frozen.add(shrink[0])
-        unavailable = withheld_slots(self.pool, self._drains.overdue(), self._held,
+        unavailable = withheld_slots(
+            self.pool, self._drains.overdue(),
+            {job: held for job, held in self._held.items() if job not in self._shared_held},
             self._cordoned | self._unavailable_hosts(), current, self._demands)  # fmt: skip
         usable = self.pool.size - len(unavailable & self.pool.slot_set)
         demands, queued, order, preempted = self._service.queue(
             list(self._demands.values()), current, now, usable, frozen)  # fmt: skip
-        decided = arbitrate(
-            self.pool, demands, queued, frozen=frozen, unavailable=unavailable,
-            spare_by_gain=self.spare_by_gain, previous=self._grants,
+        decided = arbitrate_sharing(
+            self.pool, demands, queued, limits=self.sharing, frozen=frozen,
+            unavailable=unavailable, spare_by_gain=self.spare_by_gain, previous=self._grants,
             smallest_first=self.smallest_first,
             overdue={j for j, t in self._pending_since.items() if now - t >= self.max_wait_seconds},
-            share_by_gain=self.share_by_gain, draining=self._drains.counted(), order=order,
+            share_by_gain=self.share_by_gain, draining=self._drains.counted(),
+            held_shared=held_slots(self._held, self._shared_held), order=order,
         )  # fmt: skip
         decided.update((job, Grant(Placement.EMPTY, why)) for job, why in preempted.items())
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
-        self._start_drains(current, decided, now)
-        for job in preempted if self.drain_seconds > 0 else ():  # drained as any GPU given back
-            for slot in current[job].slots():
-                self._drains.start(slot, job, self._bindings.pids_on(job, slot), now)
+        self._start_drains(current, decided, now, frozenset(preempted))
         if self._drains:
             wait_for_drains(decided, current, self._drains.by_slot(), self._demands, self._grants)
         if shrink is not None:
@@ -519,19 +526,11 @@ class Allocator:
         self._next_thaw = min((at for at in ends if at > now), default=None)
 
     def _start_drains(
-        self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float
-    ) -> None:
-        """Slots that running jobs give back in this decision start draining."""
-        if self.drain_seconds <= 0:
-            return
-        for job, grant in decided.items():
-            before = current.get(job, Placement.EMPTY)
-            if not grant.placement.size or before is grant.placement or before == grant.placement:
-                continue  # most jobs keep their placement: nothing to compare slot by slot
-            kept = set(grant.placement.slots())
-            for slot in before.slots():
-                if slot not in kept:
-                    self._drains.start(slot, job, self._bindings.pids_on(job, slot), now)
+        self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float,
+        preempted: AbstractSet[str] = frozenset()) -> None:  # fmt: skip
+        """Slots that running jobs give back in this decision (all a preempted job's) drain."""
+        if self.drain_seconds > 0:
+            self._drains.start_given_back(current, decided, self._bindings.pids_on, now, preempted)
 
     # ---- what the rest of the operator reads ----
 
@@ -577,6 +576,7 @@ class Allocator:
             if pid is not None and host in self._local_hosts and not self._belongs(job, pid):
                 raise NotJobsProcess(f"pid {pid} is not a process of job {job!r} on {host}")
             self._bindings.bind(job, name, local_rank, pid, slots)
+            self._world.bound(job, self._clock())
             if job in self._first and self._bindings.bound(job) >= placement.size:
                 # Formed: the next request decides again (what waited for its GPUs may go).
                 self._first.formed(job)

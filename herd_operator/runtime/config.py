@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from herd_operator.policies.queueing import QueueConfig
+from herd_operator.policies.sharing import SharingLimits
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.drains import DEFAULT_DRAIN_SECONDS
 from herd_operator.runtime.pools import PoolSource
@@ -63,6 +64,9 @@ class OperatorConfig:
     queue: QueueConfig | None = None
     """The allocator's queue: order by service attained or work left, with preemption
     (`policies/queueing.py`); None: arrival order, no preemption (`run --queue fifo`)."""
+    sharing: SharingLimits | None = None
+    """GPUs shared by memory among jobs that opt in (`run --share-gpus`); None: off, every
+    job gets whole GPUs."""
     virtual_gpu_memory_bytes: int = 2 << 30
     """Capacity of one virtual GPU (CPU machines), against which worker memory is measured."""
     sample_seconds: float = 1.0

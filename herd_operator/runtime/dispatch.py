@@ -20,6 +20,7 @@ from herd_operator.controllers.ports import LaunchInfo, ProcessState
 from herd_operator.environment import (
     BATCH_POLICY_ENV,
     ENV_FILE_ENV,
+    GPU_MEMORY_LIMIT_ENV,
     JOB_ENV,
     MAX_BATCH_ENV,
     MAX_WORKER_BATCH_ENV,
@@ -29,6 +30,7 @@ from herd_operator.environment import (
     WARMUP_STEPS_ENV,
 )
 from herd_operator.layout import StateLayout, write_atomically
+from herd_operator.policies.sharing import SharingLimits
 from herd_operator.runtime.bindings import plain_presentation
 from herd_operator.runtime.engines import (
     Engine,
@@ -38,6 +40,7 @@ from herd_operator.runtime.engines import (
 )
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
 from herd_operator.specs import HerdJob
+from herd_operator.specs.quantity import parse_quantity
 from herd_operator.specs.values import Placement, Slot
 
 log = logging.getLogger(__name__)
@@ -150,7 +153,11 @@ class JobLauncher:
         layout: StateLayout,
         env: Mapping[str, str],
         master_token: bytes,
+        sharing: SharingLimits | None = None,
     ) -> None:
+        """`sharing`: the operator shares GPUs (`run --share-gpus`): a sharing job's
+        workers are then limited to their memory request (`GPU_MEMORY_LIMIT_ENV`)."""
+        self._sharing = sharing
         self._launcher = launcher
         self._engines = engines
         self._layout = layout
@@ -199,6 +206,10 @@ class JobLauncher:
         derives one from the spec's (PATH); such a derived value goes with the spec's.
         """
         env = {**self._env, JOB_ENV: job.name}
+        gpus = job.spec.gpus
+        if self._sharing is not None and gpus.share and gpus.memory is not None:
+            # Torch OOMs in this job's worker past its request, not in a neighbour's.
+            env[GPU_MEMORY_LIMIT_ENV] = str(parse_quantity(gpus.memory))
         training = training_env(job)
         worker_env = {
             name: value

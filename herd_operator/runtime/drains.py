@@ -15,13 +15,13 @@ allocator calls it under its lock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from herd_operator.runtime.process_table import alive
-from herd_operator.specs.values import Drain, Slot
+from herd_operator.specs.values import Drain, Grant, Placement, Slot
 
 DEFAULT_DRAIN_SECONDS = 30.0
 PID_CHECK_SECONDS = 1.0
@@ -113,6 +113,29 @@ class DrainTracker:
         )
         self._draining[slot] = drain
         self._next_check = min(self._next_check, self._next_look(drain, now))
+
+    def start_given_back(
+        self,
+        current: Mapping[str, Placement],
+        decided: Mapping[str, Grant],
+        pids_on: Callable[[str, Slot], tuple[tuple[str, int], ...]],
+        now: float,
+        preempted: AbstractSet[str] = frozenset(),
+    ) -> None:
+        """The slots each job held (`current`) and gives back in this decision (`decided`)
+        start draining, watching the pids its workers bound there with (`pids_on`): all of a
+        `preempted` job's, none of a released job's (no worker of it is left to wait for)."""
+        for job, grant in decided.items():
+            before = current.get(job, Placement.EMPTY)
+            if job in preempted:
+                kept: set[Slot] = set()
+            elif not grant.placement.size or before is grant.placement or before == grant.placement:
+                continue  # most jobs keep their placement: nothing to compare slot by slot
+            else:
+                kept = set(grant.placement.slots())
+            for slot in before.slots():
+                if slot not in kept:
+                    self.start(slot, job, pids_on(job, slot), now)
 
     def restore(self, slot: Slot, drain: Drain, now: float) -> None:
         """A drain a previous operator recorded: its deadline counts from when the GPU was

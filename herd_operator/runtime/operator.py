@@ -239,8 +239,8 @@ class Operator:
             config.pool.pool,
             engines,
             virtual=config.pool.virtual,
-            on_decision=lambda decision: store.replace_allocations(
-                decision.placements, time.time(), decision.draining, decision.service
+            on_decision=lambda decided: store.replace_allocations(
+                decided.placements, time.time(), decided.draining, decided.shared, decided.service
             ),
             min_resize_interval=config.min_resize_interval,
             drain_seconds=config.drain_seconds,
@@ -249,6 +249,7 @@ class Operator:
             share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
             queue=config.queue,
+            sharing=config.sharing,
             present=engines.present,
             on_event=lambda job, type, reason, message: store.add_event(
                 job, type, reason, message, time.time()
@@ -301,7 +302,7 @@ class Operator:
         exporters.write_targets()
         manager.add(exporters)
         self.job_mapping = job_mapping(config, allocator, health)
-        self.gpu_memory = memory_watch(store, allocator)
+        self.gpu_memory = memory_watch(store, allocator, lambda: self.specs)
         observed = observed_gpus(config, local, exporters)
         self.observer = UsageObserver(
             observed,
@@ -321,7 +322,7 @@ class Operator:
             STATE_DIR_ENV: str(self.layout.root.resolve()),
             **config.extra_env,
         }
-        job_launcher = JobLauncher(launcher, engines, self.layout, env, token)
+        job_launcher = JobLauncher(launcher, engines, self.layout, env, token, config.sharing)
         self._enqueue_known_jobs()
         log.info(
             "pool: %s; allocator on %s; queue %s; specs from %s; state in %s",
@@ -343,6 +344,7 @@ class Operator:
             report_deadline_seconds=config.report_deadline_seconds,
             observer=self.metrics,
             nodes=nodes,
+            peak_memory=self.gpu_memory.peaks.peak,
         )
         self.loop = ControlLoop(
             self.queue,

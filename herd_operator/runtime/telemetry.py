@@ -32,7 +32,9 @@ from herd_operator.runtime.gpu_memory import GpuMemoryWatch, PeakGpuMemory
 from herd_operator.runtime.handlers import ExporterRegistry
 from herd_operator.runtime.metrics import StateCollector
 from herd_operator.runtime.observer import ObserveReadings
+from herd_operator.runtime.specdir import SpecDirectory
 from herd_operator.runtime.store import Store
+from herd_operator.specs.quantity import parse_quantity
 
 if TYPE_CHECKING:
     from herd_operator.exporters.dcgm import JobMappingLoop
@@ -144,22 +146,36 @@ def worker_pids(allocator: Allocator) -> dict[tuple[str, int], str]:
 def memory_watch(
     store: Store,
     allocator: Allocator,
+    specs: Callable[[], SpecDirectory | None],
     *,
     peaks: PeakGpuMemory | None = None,
-    shares: Callable[[], Mapping[str, int]] = dict,
 ) -> GpuMemoryWatch:
     """Each job's peak GPU memory per worker while it holds GPUs (its run, to the
     allocator: a job that gave back all its GPUs starts over) into `peaks` (the allocator's
     input for sharing: made here unless given), and the MemoryOverShare warnings against
-    `shares` (job -> bytes per worker). No job has a memory share yet: the sharing
-    allocator's `Demand.memory_bytes` is what `shares` will return."""
+    the sharing jobs' requests in the `specs` (`requested_shares`)."""
     return GpuMemoryWatch(
         PeakGpuMemory() if peaks is None else peaks,
         lambda: worker_pids(allocator),
         lambda: dict.fromkeys(allocator.placements(), "placed"),
-        shares,
+        lambda: requested_shares(specs()),
         store.add_event,
     )
+
+
+def requested_shares(specs: SpecDirectory | None) -> dict[str, int]:
+    """Each sharing job's GPU memory request per worker (`spec.gpus.memory`): the share its
+    workers are warned against (`MemoryOverShare`) and limited to (HERD_GPU_MEMORY_LIMIT_BYTES).
+    A sharing job without a request has no share to be over: it is placed by its peak."""
+    shares: dict[str, int] = {}
+    if specs is None:  # not read yet
+        return shares
+    for name in specs.names():
+        view = specs.view(name)
+        job = view.job if view is not None else None
+        if job is not None and job.spec.gpus.share and job.spec.gpus.memory is not None:
+            shares[name] = parse_quantity(job.spec.gpus.memory)
+    return shares
 
 
 def memory_feed(

@@ -85,7 +85,10 @@ def wait_for_drains(
         before = current.get(job, Placement.EMPTY)
         if grant.placement is before or grant.placement == before:
             continue  # most jobs keep their placement: they took no GPU
-        taken = {slot for slot in grant.placement.slots() if slot in draining}
+        # Only GPUs new to the job: one it holds already is its own (on a GPU shared by
+        # memory another job may be giving back the same GPU: that is no wait for this one).
+        held = set(before.slots())
+        taken = {slot for slot in grant.placement.slots() if slot in draining and slot not in held}
         if not taken:
             continue
         givers = ", ".join(sorted({draining[slot] for slot in taken}))
@@ -103,16 +106,21 @@ def wait_for_drains(
 
 
 def restorable(
-    pool: Pool, placements: Mapping[str, Placement]
+    pool: Pool, placements: Mapping[str, Placement], shared: AbstractSet[str] = frozenset()
 ) -> tuple[dict[str, Placement], set[Slot]]:
     """What a restarted allocator takes back of the placements adopted jobs held: each job's
     GPUs that are still in the pool and not already taken by a job restored before it (in
-    name order); jobs left with none hold nothing. Returns them, and every slot taken."""
+    name order; a GPU may be restored for several `shared` jobs, which share GPUs by memory);
+    jobs left with none hold nothing. Returns them, and every slot taken."""
     in_pool = pool.slot_set
-    taken: set[Slot] = set()
+    owners: dict[Slot, str] = {}
     kept: dict[str, Placement] = {}
     for job, placement in sorted(placements.items()):
-        slots = [s for s in placement.slots() if s in in_pool and s not in taken]
+        slots = [
+            s
+            for s in placement.slots()
+            if s in in_pool and (s not in owners or (job in shared and owners[s] in shared))
+        ]
         if len(slots) != placement.size:
             log.warning(
                 "%s: %d of its %d GPUs are not restored (gone from the pool, or held by"
@@ -120,6 +128,7 @@ def restorable(
                 job, placement.size - len(slots), placement.size,
             )  # fmt: skip
         if slots:
-            taken.update(slots)
+            for slot in slots:
+                owners.setdefault(slot, job)
             kept[job] = only(placement, set(slots))
-    return kept, taken
+    return kept, set(owners)

@@ -12,8 +12,9 @@ decision over every job. Not thread-safe by itself: the allocator calls it under
 from __future__ import annotations
 
 LOST_GRACE_SECONDS = 60.0
-"""How long a job may report fewer workers than granted, without a drop, before the
-missing ones count as lost: a grow normally completes within seconds."""
+"""How long a job may report fewer workers than granted, without a drop and without a
+worker binding to one of its GPUs, before the missing ones count as lost: a grow normally
+completes within seconds."""
 
 
 class WorldSizes:
@@ -47,6 +48,14 @@ class WorldSizes:
         since = self._short_since.setdefault(job, now)
         dropped = previous is not None and world_size < previous
         return dropped or now - since >= self.grace_seconds
+
+    def bound(self, job: str, now: float) -> None:
+        """A worker of `job` bound to one of its GPUs: a grow still forming is not lost. A
+        torchrun grow restarts every worker, and each start binds; the old workers report
+        the old size until they are stopped, which on a loaded node or with a large
+        snapshot takes longer than the grace. A worker that never comes never binds."""
+        if job in self._short_since:
+            self._short_since[job] = now
 
     def regranted(self, job: str, size: int) -> None:
         """`job`'s grant changed to `size`: a size seen before a shrink asked for is no

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from herd_operator.policies.base import JobObservations, Policy, Signal
 from herd_operator.policies.queueing import QueueConfig
 from herd_operator.policies.registry import load_policy
+from herd_operator.policies.sharing import DEFAULT_MAX_JOBS_PER_GPU, SharingLimits
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
+from herd_operator.simulate.colocation import GpuOccupancy
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
 from herd_operator.specs import HerdJob, PolicyRef
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Report, UsageSample
@@ -71,6 +73,15 @@ class SimConfig:
     queue: QueueConfig | None = None
     """The allocator's queue: order by service attained or work left, and preemption
     (`policies/queueing.py`); None: arrival order, no preemption."""
+    pack: bool = False
+    """Jobs may share GPUs by their memory (`simulate --policy NAME+pack`): the allocator
+    packs the jobs that opt in (`share_utilization`) by their memory per worker, each
+    co-located worker runs slower by `colocation.interference_slowdown`, and the allocated
+    GPUs counted are the GPUs holding at least one job."""
+    share_utilization: float = 1.0
+    """Under `pack`, the jobs whose GPU utilization is at most this opt in (1.0: all)."""
+    max_jobs_per_gpu: int = DEFAULT_MAX_JOBS_PER_GPU
+    """Under `pack`, the allocator's cap on the jobs sharing one GPU (`run --max-jobs-per-gpu`)."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""
@@ -106,6 +117,12 @@ class _Run:
     gpu_seconds: float = 0.0
     memory_seconds: float = 0.0
     """GPU-seconds weighted by the share of memory used."""
+    slowdown: float = 1.0
+    """Its neighbours' interference now (`pack`): progress is divided by it."""
+    max_slowdown: float = 1.0
+    working_seconds: float = 0.0
+    lost_seconds: float = 0.0
+    """Of its working time, the part its neighbours took (`pack`)."""
     reports: list[Report] = field(default_factory=list)
     usage: list[UsageSample] = field(default_factory=list)
 
@@ -121,6 +138,10 @@ class JobOutcome:
     memory_seconds: float
     resizes: int
     preemptions: int = 0
+    max_slowdown: float = 1.0
+    """The largest interference slowdown it ran at (1.0: never slowed by a neighbour)."""
+    interference: float = 1.0
+    """Its working time over what it would have been alone (1.0: never slowed)."""
 
     @property
     def completion(self) -> float:
@@ -195,6 +216,7 @@ class Simulation:
         self._steps: list[Step] = []
         self._wake_at: float | None = None
         self._specs: dict[tuple[int, int, int], HerdJob] = {}
+        self._occupancy = GpuOccupancy() if config.pack else None
         self.allocator = Allocator(
             config.pool,
             _NullSink(),
@@ -208,6 +230,9 @@ class Simulation:
             share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
             queue=config.queue,
+            sharing=SharingLimits(config.max_jobs_per_gpu, gpu_memory_bytes=GPU_MEMORY_BYTES)
+            if config.pack
+            else None,
         )
         self.allocator.watch(self._on_change)
 
@@ -262,7 +287,8 @@ class Simulation:
             tally.batches += 1
             next_resync = self._decide(tally)
             self._apply_changes(tally)
-            timeline.append((self.now, tally.allocated, tally.memory))
+            allocated = tally.allocated if self._occupancy is None else self._occupancy.occupied
+            timeline.append((self.now, allocated, tally.memory))
             if self.config.record:
                 recorded.append((self.now, self._steps, self.allocator.placements()))
                 self._steps = []
@@ -351,17 +377,37 @@ class Simulation:
     def _apply_changes(self, tally: _Tally) -> None:
         """The grants the last decision changed, applied to their jobs."""
         changes, self._changed = self._changed, {}
+        neighbours: set[str] = set()
         for name, grant in changes.items():
             run = self._runs[name]
             if run.finished is not None or grant.placement == run.placement:
                 continue
             old = run.size
             self._apply(run, grant.placement)
+            if self._occupancy is not None:
+                slots = grant.placement.slots()
+                neighbours |= self._occupancy.place(name, slots, run.model.gpu_utilization)
             tally.allocated += run.size - old
             tally.memory += run.size * run.model.memory_fraction(run.size) - old * (
                 run.model.memory_fraction(old)
             )
             self._push(self.now, Kind.RECONCILE, name, run.version)
+        self._interfere(neighbours)
+
+    def _interfere(self, names: set[str]) -> None:
+        """The jobs whose GPUs' neighbours changed run from now at their new slowdown."""
+        if self._occupancy is None:
+            return
+        for name in names:
+            run = self._runs[name]
+            if run.finished is not None or run.size == 0:
+                continue
+            slowdown = self._occupancy.slowdown(name)
+            if slowdown != run.slowdown:
+                self._advance(run, self.now)
+                run.slowdown = slowdown
+                run.max_slowdown = max(run.max_slowdown, slowdown)
+                self._schedule_epoch(run)
 
     def _outcomes(self) -> list[JobOutcome]:
         return [
@@ -375,6 +421,10 @@ class Simulation:
                 run.memory_seconds,
                 run.resizes,
                 run.preemptions,
+                run.max_slowdown,
+                run.working_seconds / (run.working_seconds - run.lost_seconds)
+                if run.lost_seconds
+                else 1.0,
             )
             for run in self._runs.values()
             if run.finished is not None
@@ -401,10 +451,18 @@ class Simulation:
         self._settle(run)
         demand = Demand(
             model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
-            model.arrival, decision.gains, run.epoch / model.epochs,
+            model.arrival, decision.gains, run.epoch / model.epochs, *self._sharing(model),
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)
+
+    def _sharing(self, model: JobModel) -> tuple[bool, int | None]:
+        """(`Demand.share`, `Demand.memory_bytes`): under `pack` a job that opts in asks for
+        what one worker holds at its min, the most it holds at any size it may be given
+        (batch preserving: fewer workers, more each), so a GPU is never over-committed."""
+        if not self.config.pack or model.gpu_utilization > self.config.share_utilization:
+            return False, None
+        return True, math.ceil(model.memory_fraction(model.min_gpus) * GPU_MEMORY_BYTES)
 
     def _settle(self, run: _Run) -> None:
         if run.finished is None and run.size != run.wanted:
@@ -417,7 +475,13 @@ class Simulation:
         if run.size > 0:
             working_from = max(run.last_update, run.stall_until)
             if until > working_from:
-                run.done += run.model.speedup(run.size) * (until - working_from)
+                working = until - working_from
+                run.done += run.model.speedup(run.size) * working / run.slowdown
+                if run.slowdown > 1.0:
+                    run.working_seconds += working
+                    run.lost_seconds += working * (1.0 - 1.0 / run.slowdown)
+                elif self.config.pack:
+                    run.working_seconds += working
             spent = until - run.last_update
             run.gpu_seconds += run.size * spent
             run.memory_seconds += run.size * run.model.memory_fraction(run.size) * spent
@@ -453,7 +517,8 @@ class Simulation:
             return
         working_from = max(self.now, run.stall_until)
         left = max((run.epoch + 1) * run.model.epoch_work() - run.done, 0.0)
-        self._push(working_from + left / run.model.speedup(run.size), Kind.EPOCH,
+        rate = run.model.speedup(run.size) / run.slowdown
+        self._push(working_from + left / rate, Kind.EPOCH,
                    run.model.name, run.version)  # fmt: skip
         if run.stall_until > self.now:
             self._push(run.stall_until, Kind.SETTLED, run.model.name, run.version)
@@ -486,6 +551,8 @@ class Simulation:
         self._unsettled.discard(run.model.name)
         self._record(("release", run.model.name, 0))
         self.allocator.release(run.model.name)
+        if self._occupancy is not None:
+            self._interfere(self._occupancy.place(run.model.name, (), 0.0))
 
     def _schedule_wake(self) -> None:
         """Wake when the allocator thaws a job, if a thaw can change anything."""

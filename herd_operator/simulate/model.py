@@ -76,6 +76,14 @@ class JobModel:
     by the Optimus baseline, which grows a job up to it (`baselines.py`)."""
     engine: str = "horovod"
     """What runs it: its resizes stall as that engine's measured ones (`resize_stall`)."""
+    gpu_utilization: float = 1.0
+    """Share of the time a kernel of the job runs on each of its GPUs: what its neighbours
+    on a shared GPU slow it by (`colocation.interference_slowdown`). 1.0: it keeps its GPU
+    busy, the worst neighbour."""
+    application: str = ""
+    """A trace's application (Pollux's names), for its memory estimate; "" for the mix."""
+    batch_size: int = 0
+    """A trace's global batch; 0: not known."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gpus <= self.max_gpus:
@@ -86,6 +94,8 @@ class JobModel:
             raise ValueError(f"{self.name}: serial fraction must be within [0, 1]")
         if self.start_seconds is not None and self.start_seconds < 0:
             raise ValueError(f"{self.name}: start_seconds must be >= 0")
+        if not 0.0 <= self.gpu_utilization <= 1.0:
+            raise ValueError(f"{self.name}: gpu_utilization must be within [0, 1]")
         if self.engine not in ENGINES:
             raise ValueError(f"{self.name}: engine must be one of {', '.join(ENGINES)}")
 

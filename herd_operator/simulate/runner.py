@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from herd_operator.policies.queueing import QUEUE_MODES, QueueConfig
+from herd_operator.policies.sharing import DEFAULT_MAX_JOBS_PER_GPU
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.simulate.baselines import BASELINES, run_baseline
+from herd_operator.simulate.colocation import with_published_memory, with_utilization
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
@@ -26,10 +28,12 @@ ALLOCATOR_OPTIONS = {
     "spare": "spare_by_gain",
     "share": "share_by_gain",
     "small": "smallest_first",
+    "pack": "pack",
 }
 """`POLICY+OPTION[+OPTION]`: the policy under an allocator with these opt-in behaviours:
 `+spare` lends spare GPUs by gain, `+share` divides every GPU above the mins by gain (which
-includes lending: the two are not combined), `+small` admits the smallest pending job first.
+includes lending: the two are not combined), `+small` admits the smallest pending job first,
+`+pack` lets jobs share GPUs by their memory (slowed by their neighbours: `colocation.py`).
 `+las`, `+srpt`, `+fifo`: the allocator's queue (`policies/queueing.py`); `+fifo` is none."""
 
 
@@ -48,15 +52,22 @@ class Workload:
     jobs: list[JobModel]
 
 
-def load_workload(spec: str, pool: Pool, jobs: int, seed: int, load: float) -> Workload:
-    """`perlmutter` (the generated mix) or the path of a CSV trace."""
+def load_workload(
+    spec: str, pool: Pool, jobs: int, seed: int, load: float, published_memory: bool = False
+) -> Workload:
+    """`perlmutter` (the generated mix, each job with a GPU utilization of its own stream) or
+    the path of a CSV trace (with `published_memory`, each application's estimated memory and
+    utilization instead of the guessed memory: `colocation.with_published_memory`)."""
     if spec == PERLMUTTER:
-        mix = perlmutter_mix(jobs, pool.size, seed, MixParams(load=load))
+        mix = with_utilization(perlmutter_mix(jobs, pool.size, seed, MixParams(load=load)), seed)
         return Workload(f"Perlmutter-like mix, {jobs} jobs, seed {seed}, load {load:g}", mix)
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"workload {spec!r}: not '{PERLMUTTER}' and not a file")
-    return Workload(f"trace {path.name}", load_trace(path, pool.size))
+    trace = load_trace(path, pool.size)
+    if published_memory:
+        return Workload(f"trace {path.name}, published memory", with_published_memory(trace))
+    return Workload(f"trace {path.name}", trace)
 
 
 def parse_policy(text: str) -> tuple[str, PolicyRef]:
@@ -109,6 +120,8 @@ def simulate(
     resync: float = 0.0,
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
     queue: str = "fifo",
+    share_utilization: float = 1.0,
+    max_jobs_per_gpu: int = DEFAULT_MAX_JOBS_PER_GPU,
 ) -> list[SimResult]:
     results = []
     for text in policies:
@@ -120,7 +133,8 @@ def simulate(
         jobs = rigid(workload.jobs) if label == FIRST_COME else workload.jobs
         config = SimConfig(
             pool, ref, tick=tick, resync=resync, max_wait_seconds=max_wait_seconds,
-            queue=queued, **flags,
+            queue=queued, share_utilization=share_utilization,
+            max_jobs_per_gpu=max_jobs_per_gpu, **flags,
         )  # fmt: skip
         result = Simulation(jobs, config).run()
         result.policy = text

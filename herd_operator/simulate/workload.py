@@ -7,6 +7,7 @@ Where no published figure exists the choice is ours and the docs say so.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -196,6 +197,8 @@ def load_trace(
                     max(gpus for gpus, _ in fit.measured),
                 )
             )
+            # What the co-location model's memory estimate reads (`colocation.py`).
+            jobs[-1] = dataclasses.replace(jobs[-1], application=application, batch_size=batch)
     jobs.sort(key=lambda job: (job.arrival, job.name))
     return jobs
 
@@ -203,18 +206,5 @@ def load_trace(
 def rigid(jobs: Sequence[JobModel]) -> list[JobModel]:
     """The same jobs as a batch scheduler runs them: min = max = the asked size."""
     return [
-        JobModel(
-            job.name,
-            job.arrival,
-            job.requested,
-            job.requested,
-            job.requested,
-            job.work,
-            job.epochs,
-            job.serial_fraction,
-            job.mem_fixed,
-            job.mem_batch,
-            job.priority,
-        )
-        for job in jobs
+        dataclasses.replace(job, min_gpus=job.requested, max_gpus=job.requested) for job in jobs
     ]

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +55,25 @@ GUARD_S = 600.0
 
 class GpuSharingSampler:
     """Samples, every `interval` s, the GPU each live worker of the state dir is bound to
-    (HERD_GPU, exported by the shim) and keeps every moment two jobs shared one."""
+    (HERD_GPU, exported by the shim) and keeps every moment two jobs shared one in a way the
+    allocator never allows (`shared`): a job that does not share GPUs (not in `sharing`)
+    beside another, or sharing jobs whose memory (`sharing`: job -> bytes per worker) is
+    over `gpu_memory`. Moments that sharing jobs shared one within its memory are counted
+    (`co_located`)."""
 
-    def __init__(self, state: Path, interval: float = 0.2) -> None:
+    def __init__(
+        self,
+        state: Path,
+        interval: float = 0.2,
+        sharing: Mapping[str, int] | None = None,
+        gpu_memory: int = 0,
+    ) -> None:
         self.state = state
         self.interval = interval
+        self.sharing = dict(sharing or {})
+        self.gpu_memory = gpu_memory
         self.samples = 0
+        self.co_located = 0
         self.shared: list[tuple[float, str, list[str]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -83,8 +96,13 @@ class GpuSharingSampler:
                     holders.setdefault(f"{host}:{gpu}", set()).add(proc.job)
             self.samples += 1
             for slot, jobs in holders.items():
-                if len(jobs) > 1:
-                    self.shared.append((time.time(), slot, sorted(jobs)))
+                if len(jobs) < 2:
+                    continue
+                within = sum(self.sharing.get(job, 0) for job in jobs) <= self.gpu_memory
+                if jobs <= self.sharing.keys() and within:
+                    self.co_located += 1
+                    continue
+                self.shared.append((time.time(), slot, sorted(jobs)))
 
 
 def stop_operator(operator: subprocess.Popen[bytes]) -> None:

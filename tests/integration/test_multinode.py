@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from devtools.bench.multinode import job_environment
 from devtools.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
@@ -29,8 +30,10 @@ from herd_operator.bench.harness import stop_session
 from herd_operator.environment import STATE_DIR_ENV
 from tests.integration.harness import (
     HERD,
+    REPO,
     OperatorHarness,
     digits_command,
+    marked_processes,
     spec_document,
     workers_by_host,
 )
@@ -164,3 +167,112 @@ def remote_worker_environments(state: Path, host: str) -> list[dict[str, str]]:
             ):
                 found.append(env)
     return found
+
+
+# ---- the torchrun engine across hosts ----
+
+
+def torchrun_agents(state: Path) -> dict[str, psutil.Process]:
+    """The job's live torchrun agents, on any host: their GPU's name -> the process."""
+    wanted = str(state.resolve())
+    found = {}
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            cmdline = proc.cmdline()
+            env = proc.environ()
+            if (
+                env.get(STATE_DIR_ENV) == wanted
+                and "torch.distributed.run" in cmdline
+                and "HERD_WORKER_HOST" in env
+                and proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found[env["HERD_WORKER_HOST"]] = proc
+    return found
+
+
+@pytest.mark.timeout(480)
+def test_a_torchrun_job_grows_onto_another_host_and_goes_on_smaller_when_a_gpu_there_dies(
+    tmp_path: Path, cluster: NamespaceCluster
+) -> None:
+    """The operator on h1 (one GPU), h2 (two) reached over ssh: a torchrun job grows 1 -> 3
+    onto h2, whose agents the driver starts there through ssh (their rendezvous is the
+    store on h1's eth0 address, their Gloo on eth0); one h2 GPU's agent and worker are
+    SIGKILLed, and the job trains on at 2 from its snapshot, no epoch lost or repeated.
+    Deleted then: every agent on every host ends."""
+    herd = OperatorHarness(tmp_path / "herd")
+    herd.specs_dir.mkdir(parents=True)
+    snapshot = tmp_path / "tr.pt"
+    epochs = 1000  # never reached: the test deletes the job once it has seen enough
+    operator = cluster.spawn(
+        "h1",
+        [
+            HERD, "run", "--specs-dir", str(herd.specs_dir), "--state-dir", str(herd.layout.root),
+            "--hosts", "h1:1,h2:2", "--network-interface", "eth0",
+            "--resync-seconds", "0.5", "--relist-seconds", "1", "--grace-seconds", "5",
+            "--min-resize-interval", "1", "--metrics-port", "0",
+        ],
+        "operator.log",
+        job_environment(cluster),
+    )  # fmt: skip
+    log = cluster.root / "log" / "operator.log"
+
+    def at(gpus: int) -> dict[str, object]:
+        command = [
+            "python", str(REPO / "examples" / "train_torchrun.py"), "--epochs", str(epochs),
+            "--snapshot", str(snapshot), "--step-delay", "0.03",
+        ]  # fmt: skip
+        return spec_document(
+            "tr", 1, 3, command, policy={"name": "static", "params": {"gpus": gpus}},
+            engine={"kind": "torchrun", "options": {"lastCallSeconds": 3}},
+        )  # fmt: skip
+
+    def epoch_at(world: int, after: int = -1) -> bool:
+        return any(
+            r.epoch is not None and r.epoch > after and r.world_size == world
+            for r in herd.reports("tr")
+        )
+
+    try:
+        herd.wait_for(herd.layout.endpoint_file.exists, "the operator's endpoint file", 60)
+        herd.write_spec(at(1))
+        herd.wait_for(lambda: epoch_at(1), "an epoch at 1 on h1", 180, job="tr")
+        herd.write_spec(at(3))
+        herd.wait_for(lambda: epoch_at(3), "an epoch at 3 on h1 and h2", 240, job="tr")
+        job = herd.job("tr")
+        assert job is not None and sorted(job["placement"]) == ["h1", "h2"], job
+        agents = torchrun_agents(herd.layout.root)
+        assert sorted(agents) == ["h1:gpu0", "h2:gpu0", "h2:gpu1"]
+        h1_address = cluster.address("h1")
+        for name, agent in agents.items():
+            endpoint = [arg for arg in agent.cmdline() if arg.startswith("--rdzv-endpoint=")]
+            assert endpoint and endpoint[0].startswith(f"--rdzv-endpoint={h1_address}:"), name
+        assert "--local-addr=h2" in agents["h2:gpu1"].cmdline()
+        worker = agents["h2:gpu1"].children()[0]
+        assert worker.environ().get("GLOO_SOCKET_IFNAME") == "eth0"
+
+        # One GPU of h2 dies: its agent and its worker SIGKILLed.
+        before = max(r.epoch for r in herd.reports("tr") if r.epoch is not None)
+        victims = [agents["h2:gpu1"], *agents["h2:gpu1"].children(recursive=True)]
+        for victim in victims:
+            victim.kill()
+        herd.wait_for(lambda: epoch_at(2, after=before), "an epoch at 2 after the kill", 180, "tr")
+        # Enough seen: the job is deleted (its end is the one-host test's business), and
+        # every process of it on every host ends with it (the remote agents stopped through
+        # their ssh sessions, their workers by them).
+        (herd.specs_dir / "tr.yaml").unlink()
+        herd.wait_for(
+            lambda: not marked_processes(herd.layout.root),
+            "every process on every host to exit",
+            60,
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            stop_session(operator)
+    saved = torch.load(snapshot, map_location="cpu", weights_only=False)
+    epochs_run = [(int(epoch), int(world)) for epoch, world in saved["history"]]
+    assert [epoch for epoch, _ in epochs_run] == list(range(len(epochs_run))), "lost or repeated"
+    worlds = [world for _, world in epochs_run]
+    changes = [world for i, world in enumerate(worlds) if i == 0 or world != worlds[i - 1]]
+    assert changes == [1, 3, 2], f"world sizes by epoch: {worlds}"
+    text = log.read_text()
+    assert "Traceback" not in text, text[-4000:]

@@ -122,3 +122,20 @@ def test_comparison_puts_each_real_run_beside_its_simulation() -> None:
         "| 0: 1; 2694: 2; 5500: 4 (simulated: 0: 1; 2694: 2; 5388: 4) | 2.00 |"
     ]
     assert study.comparison([simulated]) == ""
+
+
+def test_an_adaptive_run_trains_until_the_fixed_runs_progress() -> None:
+    """adaptive epochs are AdaScale progress: at 2 workers, larger batches at a gain below
+    batch / base take more samples than the fixed run's pass, in fewer optimizer steps,
+    and every evaluation mark (of progress) is reached."""
+    data = load("digits")
+    config = RunConfig(
+        dataset="digits", policy="adaptive", schedule="static-2", epochs=2, evaluations=2,
+        max_batch=256,
+    )  # fmt: skip
+    run = simulate(config, data)
+    fixed_steps = 2 * -(-len(data.y_train) // 32)
+    assert max(batch for _, batch in run.batches) > 32  # the operator's batch was taken
+    assert run.samples > 2 * len(data.y_train)
+    assert run.steps < fixed_steps
+    assert len(run.curve) == 2 and run.curve[-1][0] == run.samples

@@ -23,14 +23,18 @@ from herd_operator.agent.batching import (
     BatchState,
     after_gradients,
     after_step,
+    base_epoch_steps,
     epoch_order,
+    epoch_over,
     next_epoch,
+    next_pass,
     next_step,
     on_decision,
     on_world,
     plan_batches,
     step_gain,
     step_lr,
+    trained_epochs,
 )
 from herd_operator.policies.efficiency import statistical_efficiency
 
@@ -206,10 +210,13 @@ def test_state_round_trips_and_reads_states_saved_before_adaptive() -> None:
     state = BatchState(
         epoch=3, cursor=64, world_size=2, lr=0.2, ramp_from=0.1, steps_since_resize=5,
         global_batch=96, decided=(2, 96), noise=NoiseEstimate(1.5, 30.0, 0.4), progress=7.5,
+        data_pass=5,
     )  # fmt: skip
     assert BatchState.from_dict(state.to_dict()) == state
     old = {k: v for k, v in state.to_dict().items() if k in BatchState.__dataclass_fields__}
     old.pop("global_batch")
+    old.pop("data_pass")
+    assert BatchState.from_dict(old).data_pass == 3  # saved before passes: the epoch's
     assert BatchState.from_dict(old).global_batch == 0
     assert BatchState.from_dict(old).decided is None
 
@@ -253,3 +260,44 @@ def test_every_sample_once_per_epoch_as_the_batch_and_the_world_change(
             state = after_step(state, steps[0].count, steps[0].lr)
         assert sorted(seen) == list(range(epoch_size))
         state = next_epoch(state)
+
+
+def test_an_adaptive_epoch_is_one_epoch_of_the_fixed_runs_progress() -> None:
+    # Base batch 32, 96 samples: an epoch is 3 base steps of progress. |G|^2 = 1, S = 64
+    # (local 32 each: 1 + 64 / 32 = 3; global 64: 1 + 64 / 64 = 2), so a step of 64 gains
+    # (64 / 32 + 1) / (64 / 64 + 1) = 1.5, and the short last step of a pass (32) gains 1.
+    settings = adaptive(max_worker_batch=None)
+    assert base_epoch_steps(settings, 96) == 3
+    state = on_decision(settings, on_world(settings, BatchState(), 2), (2, 64))
+    state = after_gradients(settings, state, 3.0, 2.0, 32, 64)
+    passes: dict[int, list[int]] = {}
+    counts: list[list[int]] = []
+    for _ in range(2):
+        counts.append([])
+        while not epoch_over(settings, state, 96):
+            if state.cursor >= 96:  # the epoch goes on in the next pass over the data
+                state = next_pass(state)
+            order = epoch_order(96, 0, state.data_pass)
+            steps = [next_step(settings, state, order, rank) for rank in range(2)]
+            assert steps[0] is not None and steps[1] is not None
+            passes.setdefault(state.data_pass, []).extend(steps[0].indices + steps[1].indices)
+            count = steps[0].count
+            assert steps[0].lr == pytest.approx(0.1 * (1.5 if count == 64 else 1.0))
+            counts[-1].append(count)
+            state = after_step(state, count, steps[0].lr, step_gain(settings, state, count))
+        state = next_epoch(state, settings)
+    # Epoch 0: 64 (1.5), 32 (2.5: the pass ends short of the epoch), 64 of pass 1 (4.0).
+    # Epoch 1 goes on in pass 1: 32 (5.0), then 64 of pass 2 (6.5 >= 6).
+    assert counts == [[64, 32, 64], [32, 64]]
+    assert state.progress == pytest.approx(6.5)
+    assert trained_epochs(settings, state, 96) == pytest.approx(6.5 / 3)
+    assert (state.epoch, state.data_pass, state.cursor) == (2, 2, 64)
+    assert sorted(passes[0]) == sorted(passes[1]) == list(range(96))  # every sample once
+    assert len(set(passes[2])) == 64
+    # The other policies' epochs are passes.
+    fixed = BatchSettings("preserve-batch", 16, 0.1, reference_workers=2)
+    moved = next_epoch(BatchState(epoch=1, data_pass=1, cursor=96), fixed)
+    assert (moved.epoch, moved.data_pass, moved.cursor) == (2, 2, 0)
+    assert trained_epochs(fixed, BatchState(data_pass=1, cursor=48), 96) == 1.5
+    assert epoch_over(fixed, BatchState(cursor=96), 96)
+    assert not epoch_over(fixed, BatchState(cursor=95, progress=100.0), 96)

@@ -415,6 +415,29 @@ def test_bindings_and_placement_from_the_workers_environment() -> None:
     assert _placement_of(aliased, "a", pool) == place(1, 2, 3), "another name of the lone host"
 
 
+def test_torchrun_workers_on_a_pool_of_several_hosts_give_their_placement_and_drains() -> None:
+    """A torchrun worker binds under its GPU's own name (`h2:gpu1`): on a pool of several
+    hosts it stands for its host, for the placement a lost decision leaves and for a GPU a
+    live worker holds outside the job's placement; a name of no pool host stays unknown."""
+    pool = Pool.from_counts({"h1": 2, "h2": 2})
+    bound = [
+        Binding("tr", "h1:gpu0", 0, 0, 31, "h1:gpu0"),
+        Binding("tr", "h2:gpu1", 0, 1, 32, "h2:gpu1"),
+        Binding("tr", "h9:gpu0", 0, 0, 33, "h9:gpu0"),  # no such host
+    ]
+    assert _placement_of(bound, "tr", pool) == Placement((("h1", (0,)), ("h2", (1,))))
+    placements, draining = adopted_holdings(
+        running={"tr"},
+        stored={"tr": Placement((("h1", (0,)),))},
+        stored_draining={},
+        bound=bound,
+        pool=pool,
+        now=100.0,
+    )
+    assert placements == {"tr": Placement((("h1", (0,)),))}
+    assert draining == {("h2", 1): Drain("tr", 100.0, (("h2", 32),))}
+
+
 def test_restored_bindings_under_another_name_of_the_host_find_their_pool_host() -> None:
     """A lone local host is shown to Horovod under several names; a worker bound under one of
     them is matched to the pool host through the job's presentation."""

@@ -18,12 +18,8 @@ import pytest
 from horovod.runner.common.util.hosts import SlotInfo
 
 from herd_operator.runtime.engines import env_exec
-from herd_operator.runtime.engines.hvd_workers import (
-    ENV_EXEC_SCRIPT,
-    make_worker_factory,
-    remote_worker_argv,
-    run_local_worker,
-)
+from herd_operator.runtime.engines.hvd_workers import make_worker_factory, run_local_worker
+from herd_operator.runtime.engines.remote_start import ENV_EXEC_SCRIPT, remote_argv
 from tests.unit.test_hvd_driver import driver_settings
 
 PYTHON = sys.executable
@@ -43,7 +39,7 @@ SHOWS_ITSELF = (
 
 def test_the_ssh_line_holds_no_value_and_the_worker_gets_them_all(tmp_path: Path) -> None:
     env = {"HERD_TEST_SECRET": SECRET, "HOROVOD_RANK": "7", "PATH": os.environ["PATH"]}
-    argv = remote_worker_argv("h2", [PYTHON, "-c", SHOWS_ITSELF], 2222, "/keys/id")
+    argv = remote_argv("h2", [PYTHON, "-c", SHOWS_ITSELF], 2222, "/keys/id")
     assert argv[:9] == [
         "ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no",
         "-p", "2222", "-i", "/keys/id",

@@ -171,14 +171,16 @@ def test_the_service_attained_and_preemptions_survive_an_operator_restart(
             store.record_spec(job, f"{job}.yaml", herd_job(job, gpus=(2, 2)), job, clock())
         first.request(Demand("b", 2, 2, 2, 0, 2.0, done_fraction=0.5))  # a decision, recorded
         snapshot = first._snapshot()  # what on_decision hands the store
-        store.replace_allocations(snapshot.placements, clock(), snapshot.draining, snapshot.service)
+        store.replace_allocations(
+            snapshot.placements, clock(), snapshot.draining, service=snapshot.service
+        )
         service = store.service()
     assert service["a"].preemptions == 1 and service["a"].attained == 2000.0
     assert service["b"].attained == 1000.0 and is_preemption(service["a"].preempted)
 
     clock.advance(300.0)  # the operator was down; b's workers ran on
     second = allocator()
-    second.restore({"b": snapshot.placements["b"]}, (), {}, service)
+    second.restore({"b": snapshot.placements["b"]}, (), {}, service=service)
     records = second._service.records(clock(), clock())
     assert records["b"].attained == 1600.0 and records["a"].attained == 2000.0
     assert records["a"].preemptions == 1 and records["a"].waiting_since == 1000.0 + 1000.0

@@ -30,7 +30,7 @@ from herd_operator.controllers.ports import (
     SpecView,
 )
 from herd_operator.controllers.reconciler import JobReconciler
-from herd_operator.controllers.running import watch_workers
+from herd_operator.controllers.running import resize_completed_message, watch_workers
 from herd_operator.layout import StateLayout
 from herd_operator.rpc.protocol import NotFound
 from herd_operator.runtime.allocator import Allocator
@@ -1421,6 +1421,49 @@ def test_resizing_while_the_reported_world_size_differs_from_the_grant(world: Wo
     status = world.status("a")
     assert status.gpus is not None and (status.gpus.allocated, status.gpus.active) == (1, 1)
     assert status.epoch == 0  # a world-size report carries no epoch
+
+
+@pytest.mark.parametrize(
+    ("engine", "told"),
+    [
+        ("horovod", "2 -> 1 workers in 2.5 s"),
+        ("torchrun", "2 -> 1 workers in 2.5 s (every worker restarted)"),
+    ],
+)
+def test_a_finished_resize_says_what_it_cost_in_an_event(
+    world: World, engine: str, told: str
+) -> None:
+    """A resize's cost (from the grant change to the new world size reported) was only in
+    the histogram; `describe` and the events now say it, the same measure."""
+
+    def on_engine(job: HerdJob) -> HerdJob:
+        engine_spec = job.spec.engine.model_copy(update={"kind": engine})
+        return job.model_copy(update={"spec": job.spec.model_copy(update={"engine": engine_spec})})
+
+    started(world, on_engine(herd_job(gpus=(1, 2))))
+    world.clock.advance(1.0)
+    world.store.add_report("a", 0, 2, 0, {}, world.clock())
+    world.specs.put(on_engine(herd_job(gpus=(1, 1))))
+    world.reconcile("a")  # the grant change: Resizing from here
+    world.clock.advance(2.5)
+    world.reconcile("a")  # the workers have not said their new size yet
+    assert [r for _, r, _ in world.events("a")].count("ResizeCompleted") == 0
+
+    world.store.add_report("a", None, 1, 0, {}, world.clock())
+    world.reconcile("a")
+
+    completed = [(kind, msg) for kind, r, msg in world.events("a") if r == "ResizeCompleted"]
+    assert completed == [("Normal", told)]
+    world.clock.advance(1.0)
+    world.reconcile("a")
+    assert [r for _, r, _ in world.events("a")].count("ResizeCompleted") == 1, "said once"
+
+
+def test_a_resize_event_without_the_old_size_in_the_reports_says_the_new_one() -> None:
+    reports = [Report(epoch=None, time=1.0, world_size=3)]
+    assert resize_completed_message(reports, 7.06, "torchrun") == (
+        "to 3 workers in 7.1 s (every worker restarted)"
+    )
 
 
 def test_reports_from_before_the_launch_are_ignored(world: World) -> None:

@@ -547,7 +547,7 @@ def test_policy_plus_small_runs_under_an_allocator_that_admits_the_smallest_firs
     assert admitted["static"]["small"] >= r_end
     assert admitted["static+small"]["small"] == 20.0
     with pytest.raises(
-        ValueError, match=r"unknown allocator option \+fast \(\+spare, \+share, \+small\)"
+        ValueError, match=r"unknown allocator option \+fast \(\+spare, \+share, \+small, \+pack\)"
     ):
         simulate(workload, parse_pool("1x4"), ["static+fast"], tick=0.0)
     with pytest.raises(ValueError, match=r"\+share already lends spare GPUs; drop \+spare"):

@@ -335,8 +335,8 @@ def test_a_new_store_is_created_at_the_current_version_without_the_runtime_table
     db_path: Path,
 ) -> None:
     Store(db_path).close()
-    assert SCHEMA_VERSION == 4
-    assert user_version(db_path) == 4
+    assert SCHEMA_VERSION == 5
+    assert user_version(db_path) == 5
     assert tables(db_path) == {
         "jobs",
         "allocations",
@@ -662,7 +662,7 @@ def test_gpu_placed_for_two_jobs_is_refused_and_nothing_changes(store: Store) ->
     assert store.allocations_updated_at() == 1.0
 
 
-def test_schema_primary_key_refuses_a_gpu_in_two_jobs(db_path: Path) -> None:
+def test_schema_primary_key_refuses_a_gpu_twice_in_one_job(db_path: Path) -> None:
     with Store(db_path) as store:
         for name in ["resnet", "bert"]:
             store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
@@ -672,10 +672,38 @@ def test_schema_primary_key_refuses_a_gpu_in_two_jobs(db_path: Path) -> None:
         with pytest.raises(sqlite3.IntegrityError, match="UNIQUE constraint failed"):
             raw.execute(
                 "INSERT INTO allocations (host, gpu, job, host_ordinal, local_rank)"
-                " VALUES ('h', 0, 'bert', 0, 0)"
+                " VALUES ('h', 0, 'resnet', 0, 1)"
             )
     finally:
         raw.close()
+
+
+def test_a_gpu_shared_by_memory_is_recorded_for_each_sharing_job(store: Store) -> None:
+    for name in ["resnet", "bert", "gpt"]:
+        store.record_spec(name, f"/jobs/{name}.yaml", SPEC, "fp", now=1.0)
+    shared = {"resnet": placed(("h", [0, 1])), "bert": placed(("h", [1]))}
+    store.replace_allocations({**shared, "gpt": placed(("h", [2]))}, 1.0, None, {"resnet", "bert"})
+    assert store.allocations() == {**shared, "gpt": placed(("h", [2]))}
+    assert store.shared_jobs() == {"resnet", "bert"}
+    # A job that does not share is never recorded on a shared GPU.
+    with pytest.raises(ValueError, match=r"^GPU h:1 is placed twice \(jobs 'bert' and 'gpt'\)$"):
+        store.replace_allocations(
+            {**shared, "gpt": placed(("h", [1]))}, 2.0, None, {"resnet", "bert"}
+        )
+    assert store.shared_jobs() == {"resnet", "bert"}
+
+
+def test_the_migration_to_version_5_keeps_the_allocations_unshared(db_path: Path) -> None:
+    make_v1_store(db_path)
+    raw = sqlite3.connect(db_path)
+    try:
+        raw.execute("INSERT INTO allocations VALUES ('h', 3, 'resnet', 0, 0)")
+        raw.commit()
+    finally:
+        raw.close()
+    with Store(db_path) as store:
+        assert store.allocations() == {"resnet": placed(("h", [3]))}
+        assert store.shared_jobs() == frozenset()
 
 
 def test_bad_placements_are_refused(store: Store) -> None:

@@ -35,19 +35,30 @@ from herd_operator.environment import (
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.bindings import BindingTracker
 from herd_operator.runtime.engines import EngineContext, engine_problems
+from herd_operator.runtime.engines.remote_start import ENV_EXEC_SCRIPT
 from herd_operator.runtime.engines.torchrun import (
     DRIVER_MODULE,
     GrantFileError,
     TorchrunEngine,
     agent_args,
+    gloo_interface,
     grant_text,
     parse_grant,
     present,
     relaunch_reason,
+    slot_host,
     slot_name,
     store_host,
 )
-from herd_operator.runtime.engines.torchrun_driver import GrantFile, outcome, parse_args, plan
+from herd_operator.runtime.engines.torchrun_driver import (
+    Agents,
+    GrantFile,
+    outcome,
+    parse_args,
+    plan,
+    remote_agent_argv,
+    remote_environment,
+)
 from herd_operator.runtime.engines.torchrun_options import TorchrunOptions, option_problems
 from herd_operator.simulate.model import (
     SHRINK_STALL_SECONDS,
@@ -225,6 +236,109 @@ def test_the_store_listens_on_loopback_for_a_pool_of_this_host() -> None:
     assert store_host(("localhost",), None) == "127.0.0.1"
     assert store_host(("localhost",), "eth0") == "127.0.0.1"
     assert store_host(("node-a", "node-b"), "lo") == "127.0.0.1"  # lo's address
+
+
+def test_the_store_and_gloo_use_the_operators_interface_on_a_pool_of_several_hosts() -> None:
+    lo_address = store_host(("node-a", "node-b"), "lo")
+    assert lo_address == "127.0.0.1"
+    assert gloo_interface(("node-a", "node-b"), "hsn0") == {"GLOO_SOCKET_IFNAME": "hsn0"}
+    assert gloo_interface(("localhost",), "hsn0") == {}, "a pool of this host: Gloo's default"
+    assert gloo_interface(("node-a", "node-b"), None) == {}
+
+
+def test_a_gpus_name_gives_back_its_host() -> None:
+    assert slot_host(slot_name("nid001234", 3)) == "nid001234"
+    assert slot_host(slot_name("h2", 10)) == "h2"
+    assert slot_host("h2") is None
+    assert slot_host(":gpu1") is None
+    assert slot_host("h2:gpux") is None
+
+
+# ---- agents on other hosts ----
+
+
+def test_an_agent_on_another_host_is_started_over_ssh_with_names_and_paths_only() -> None:
+    agent = ["/venv/bin/python", "-m", "torch.distributed.run", "--local-addr=h2", "--x=1"]
+    argv = remote_agent_argv("h2", agent)
+    assert argv[:5] == ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no"]
+    assert argv[5] == "h2"
+    remote = argv[6].split()
+    assert remote[:4] == ["exec", "/venv/bin/python", "-I", ENV_EXEC_SCRIPT]
+    # Stopped as a local agent is (SIGTERM) when its ssh session ends.
+    assert remote[4:9] == ["--", "setpriv", "--pdeathsig", "TERM", "--"]
+    assert remote[9:] == agent
+
+
+def test_an_agent_on_another_host_gets_the_drivers_environment_less_this_hosts_own() -> None:
+    env = {
+        "PATH": "/venv/bin:/usr/bin", "HERD_JOB": "a", "GLOO_SOCKET_IFNAME": "eth0",
+        "SLURM_JOB_ID": "42", "SLURMD_NODENAME": "h1", "SLURM_PROCID": "0",
+        "CUDA_VISIBLE_DEVICES": "0,1", "BASH_FUNC_which%%": "() { :; }", "OLDPWD": "/tmp",
+    }  # fmt: skip
+    assert remote_environment(env) == {
+        "PATH": "/venv/bin:/usr/bin", "HERD_JOB": "a", "GLOO_SOCKET_IFNAME": "eth0",
+        "SLURM_JOB_ID": "42",
+    }  # fmt: skip
+
+
+FAKE_SSH = """#!/bin/sh
+# ssh HOST OPTIONS... REMOTE: run REMOTE as sshd does (the login shell's -c), here.
+for last; do :; done
+echo "$@" > "$HERD_TEST_SSH_ARGS"
+exec sh -c "$last"
+"""
+
+STAND_IN_AGENT = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(),
+                  "host": os.environ.get("HERD_WORKER_HOST"),
+                  "share": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
+                  "secret": os.environ.get("HERD_TEST_SECRET")}))
+"""
+
+
+def test_the_driver_runs_an_agent_of_another_hosts_slot_through_ssh_with_its_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real processes: `ssh` is a stand-in that runs the remote command string with `sh -c`
+    here (what sshd does there); the agent is a stand-in for torchrun that prints what it
+    got. Its environment arrives (the slot's name, the driver's variables), in the job's
+    directory, and no value is on the ssh line."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    (tmp_path / "torch_stand_in.py").write_text(STAND_IN_AGENT)
+    secret = "-".join(["not", "on", "a", "command", "line"])
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HERD_TEST_SSH_ARGS", str(tmp_path / "ssh-args"))
+    monkeypatch.setenv("HERD_TEST_SECRET", secret)
+    monkeypatch.chdir(tmp_path)
+    agents = Agents("10.0.0.1:29400", "10.0.0.1", ["--nnodes=1:2"], frozenset({"h1"}))
+    agents.argv = lambda local_addr=None: [  # type: ignore[method-assign]
+        sys.executable,
+        str(tmp_path / "torch_stand_in.py"),
+        f"--local-addr={local_addr}",
+    ]
+    out = tmp_path / "out"
+    with out.open("wb") as sink:
+        saved = os.dup(1)
+        os.dup2(sink.fileno(), 1)
+        try:
+            agents.start(("h2", 1))
+            agents.running[("h2", 1)].popen.wait(60)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+    assert agents.reap(0.0) == [(("h2", 1), 0, False)]
+    got = json.loads(out.read_text())
+    assert got == {
+        "argv": ["--local-addr=h2"], "cwd": str(tmp_path), "host": "h2:gpu1", "share": "1",
+        "secret": secret,
+    }  # fmt: skip
+    ssh_line = (tmp_path / "ssh-args").read_text()
+    assert ssh_line.startswith("-o PasswordAuthentication=no") and " h2 exec " in ssh_line
+    assert secret not in ssh_line
 
 
 # ---- the launch ----

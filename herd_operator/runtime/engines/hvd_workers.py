@@ -5,7 +5,7 @@ Apart from the driver's entry point (`hvd_driver`) and from its discovery and gr
 this is where processes are started, signalled and reaped, where their output is
 forwarded with horovodrun's prefixes, and where the line `--verbose` echoes is made, so
 what reaches a worker's environment and what stays off command lines and logs is
-decided in one place (`worker_environment`, `remote_worker_argv`, `verbose_echo`).
+decided in one place (`worker_environment`, `remote_start.remote_argv`, `verbose_echo`).
 """
 
 from __future__ import annotations
@@ -35,15 +35,12 @@ from horovod.runner.util import network
 from herd_operator.runtime.engines import env_exec
 from herd_operator.runtime.engines.forkserver import Zygote, forkable
 from herd_operator.runtime.engines.parent_death import dies_with_parent
+from herd_operator.runtime.engines.remote_start import feed, for_another_node, remote_argv
 
 GRACEFUL_STOP_SECONDS = 5.0
 """How long a worker told to stop has before it is killed (horovodrun's middleman: 5 s)."""
 EVENT_CHECK_SECONDS = 1.0
 """How often a worker's supervisor looks at its stop events (horovodrun's: every 1 s)."""
-ENV_EXEC_SCRIPT = str(Path(env_exec.__file__).resolve())
-"""Run by its path on the other host (the same path on a shared file system, like the
-driver's interpreter): it needs no import path there."""
-
 # The driver's one logger (its entry point gives it a handler), whichever module logs.
 log = logging.getLogger("herd.hvd_driver")
 
@@ -59,37 +56,6 @@ def worker_environment(
     merged.update({key: str(value) for key, value in run_env.items()})
     merged.update(slot_env)
     return merged
-
-
-SLURM_JOB_WIDE = frozenset(
-    {
-        "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_ID",
-        "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_STEP",
-        "SLURM_CLUSTER_NAME", "SLURM_CONF", "SLURM_GPUS_PER_NODE", "SLURM_JOBID",
-        "SLURM_JOB_ACCOUNT", "SLURM_JOB_CPUS_PER_NODE", "SLURM_JOB_END_TIME", "SLURM_JOB_GID",
-        "SLURM_JOB_ID", "SLURM_JOB_LICENSES", "SLURM_JOB_NAME", "SLURM_JOB_NODELIST",
-        "SLURM_JOB_NUM_NODES", "SLURM_JOB_PARTITION", "SLURM_JOB_QOS", "SLURM_JOB_RESERVATION",
-        "SLURM_JOB_START_TIME", "SLURM_JOB_UID", "SLURM_JOB_USER", "SLURM_MEM_PER_CPU",
-        "SLURM_MEM_PER_NODE", "SLURM_NNODES", "SLURM_NODELIST", "SLURM_SUBMIT_DIR",
-        "SLURM_SUBMIT_HOST",
-    }
-)  # fmt: skip
-"""Slurm's variables that say the same on every node of the allocation. The operator (and
-each job's driver) runs in the batch script, whose other SLURM_* variables describe the
-batch step on the batch node: its name (SLURMD_NODENAME), its GPUs (SLURM_JOB_GPUS,
-SLURM_GPUS_ON_NODE), its CPUs, its task (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS: a
-library that finds them takes the worker for task 0 of 1) and its step (SLURM_STEP_*)."""
-
-
-def for_another_node(env: Mapping[str, str]) -> dict[str, str]:
-    """A worker's environment for a node other than the driver's: without the Slurm
-    variables of the batch step (all but `SLURM_JOB_WIDE`), which would be taken there as
-    that node's. A worker on the driver's node keeps them: they are true of its node."""
-    return {
-        key: value
-        for key, value in env.items()
-        if key in SLURM_JOB_WIDE or not key.startswith(("SLURM_", "SLURMD_"))
-    }
 
 
 def verbose_echo(
@@ -207,7 +173,7 @@ def run_local_worker(
             # In a thread: a payload larger than the pipe's buffer would block here until
             # ssh reads it, and ssh may still be connecting.
             threading.Thread(
-                target=_feed, args=(process.stdin, stdin_data), name="feed-stdin", daemon=True
+                target=feed, args=(process.stdin, stdin_data), name="feed-stdin", daemon=True
             ).start()
         started = _Started(process.pid, process.stdout, process.stderr, process.wait)
     forwarders = [
@@ -244,33 +210,6 @@ def run_local_worker(
         thread.join()
     code = codes[0]
     return 128 - code if code < 0 else code
-
-
-def _feed(sink: IO[bytes], data: bytes) -> None:
-    """Write `data` and close `sink` (its reader sees the end); a reader that is gone (ssh
-    could not connect) is not an error here: its exit status says what happened."""
-    with contextlib.suppress(OSError), sink:
-        sink.write(data)
-
-
-def remote_worker_argv(
-    host: str,
-    command: Sequence[str],
-    ssh_port: int | None = None,
-    ssh_identity_file: str | None = None,
-    python: str = sys.executable,
-) -> list[str]:
-    """The ssh command that starts `command` on `host` through `env_exec` (the environment
-    goes on its stdin): Horovod's ssh options and host, then one remote command string of
-    quoted names and paths, no value."""
-    argv = ["ssh", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no"]
-    if ssh_port is not None:
-        argv += ["-p", str(ssh_port)]
-    if ssh_identity_file is not None:
-        argv += ["-i", ssh_identity_file]
-    # ssh joins its arguments into one string for the remote shell: quote each part.
-    remote = [python, "-I", ENV_EXEC_SCRIPT, "--", *command]
-    return [*argv, host, "exec " + " ".join(shlex.quote(part) for part in remote)]
 
 
 @dataclass
@@ -330,7 +269,7 @@ def make_worker_factory(
     stop_events: Callable[[str, int], Sequence[threading.Event]] | None = None,
 ) -> Callable[[Any, list[threading.Event] | None], tuple[int, float]]:
     """The `create_worker_fn` for Horovod's ElasticDriver: local slots run directly,
-    others over ssh with their environment on its stdin (`remote_worker_argv`), or, under
+    others over ssh with their environment on its stdin (`remote_start.remote_argv`), or, under
     Kubeflow's MPI operator (which replaces ssh), through Horovod's own remote launch.
     `stop_events(host, local_rank)` gives more events that stop a slot's worker (a grow
     given up stops its new workers: `GrowHold`)."""
@@ -380,7 +319,7 @@ def make_worker_factory(
             timestamp = bool(settings.prefix_output_with_timestamp)
             if remote:  # ssh with the ssh client's own environment (agent socket, HOME,
                 # config); the worker's goes over its stdin
-                argv = remote_worker_argv(
+                argv = remote_argv(
                     slot_info.hostname, command, settings.ssh_port, settings.ssh_identity_file
                 )
                 process_env: Mapping[str, str] = os.environ

@@ -29,6 +29,11 @@ local rank 0, which the driver gives its agent (`HERD_WORKER_HOST`). So the scri
 plain torchrun script: it reads RANK, LOCAL_RANK (0), WORLD_SIZE, and its one visible GPU
 is device 0.
 
+Across hosts: the driver runs where the operator does and starts the agents of other
+hosts' slots over ssh, as the Horovod driver starts its workers there (`torchrun_driver`);
+the store listens on the operator's host, at its address on `--network-interface`, and
+the workers' Gloo uses that interface (`GLOO_SOCKET_IFNAME`).
+
 Neither this module nor the engine's process imports Horovod; the driver imports torch.
 """
 
@@ -68,6 +73,12 @@ FIXED_AT_LAUNCH_CHANGED = "command, env, training, workingDir, gpus.min or torch
 def slot_name(host: str, gpu: int) -> str:
     """The name GPU `gpu` of `host` is shown under to its worker (one worker per name)."""
     return f"{host}:gpu{gpu}"
+
+
+def slot_host(name: str) -> str | None:
+    """The host of a name `slot_name` made (`h2:gpu1` -> `h2`); None for another name."""
+    host, sep, gpu = name.rpartition(":gpu")
+    return host if sep and host and gpu.isdigit() else None
 
 
 def present(placement: Placement) -> dict[str, tuple[Slot, ...]]:
@@ -171,6 +182,15 @@ def relaunch_reason(launched: HerdJobSpec, wanted: HerdJobSpec) -> str:
     )
 
 
+def gloo_interface(hosts: Sequence[str], network_interface: str | None) -> dict[str, str]:
+    """Gloo's interface for the workers (`GLOO_SOCKET_IFNAME`), as the Horovod engine gives
+    Horovod's Gloo `--network-interface`: the operator's interface for a pool of several
+    hosts; none on a pool of this host alone (Gloo then takes the host name's address)."""
+    if network_interface and not all(host in LOCAL_HOSTS for host in hosts):
+        return {"GLOO_SOCKET_IFNAME": network_interface}
+    return {}
+
+
 class TorchrunEngine:
     """Runs a job as one torchrun agent per granted GPU under our driver."""
 
@@ -178,6 +198,7 @@ class TorchrunEngine:
         self.layout: StateLayout = context.layout
         self.python = context.python
         self.store_host = store_host(context.hosts, context.network_interface)
+        self.gloo_interface = gloo_interface(context.hosts, context.network_interface)
 
     def process_name(self, job: HerdJob) -> str:
         return DRIVER_NAME
@@ -192,6 +213,7 @@ class TorchrunEngine:
             "PYTHONUNBUFFERED": "1",
             # The job's `python` is this environment's, where torch and the shim are.
             "PATH": os.pathsep.join([str(Path(self.python).parent), env.get("PATH", "")]),
+            **self.gloo_interface,
         }
 
     def relaunch_reason(self, launched: HerdJobSpec, wanted: HerdJobSpec) -> str:

@@ -12,6 +12,14 @@ grant file on a `stat` every `--poll-seconds`: a slot that appears gets an agent
 agent whose slot is gone is stopped (SIGTERM; torchrun then leaves the rendezvous open
 for the others). torchrun does the rest (see `torchrun.py`).
 
+A slot on another host of the pool gets its agent there as the Horovod driver starts a
+worker there: `ssh HOST` runs `env_exec`, which reads the agent's environment from ssh's
+stdin (no value on any command line) and execs the agent under `setpriv --pdeathsig TERM`,
+so the agent is stopped, like a local one, by SIGTERM to its ssh client here (its sshd
+session ends, the parent-death signal fires). It advertises HOST (`--local-addr`): where
+its workers' store is reached when it is rank 0. The store (`--store-host`) is this host's
+address on the operator's `--network-interface`.
+
 An agent that ends by itself is not started again for the same grant: 0 means the job's
 workers finished (the driver then starts nothing more and exits 0 once every agent has
 ended), anything else that its restarts ran out (the others go on without it while
@@ -41,8 +49,10 @@ from pathlib import Path
 import psutil
 
 from herd_operator.environment import WORKER_HOST_ENV
+from herd_operator.runtime.engines import env_exec
 from herd_operator.runtime.engines.horovod import LOCAL_HOSTS, local_names
 from herd_operator.runtime.engines.parent_death import dies_with_parent
+from herd_operator.runtime.engines.remote_start import feed, for_another_node, remote_argv
 from herd_operator.runtime.engines.torchrun import (
     AGENT_MODULE,
     LOOPBACK,
@@ -61,6 +71,9 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 deadlock on every grow: the agent that stays rank 0 publishes the workers' store address
 only at its first rendezvous, while an agent that joins later waits for it under the new
 round's keys (60 s, then both fail). Without sharing, rank 0 publishes it every round."""
+
+REMOTE_SETPRIV = "setpriv"
+"""util-linux's `setpriv`, found on the other host's PATH (the driver's, carried there)."""
 
 log = logging.getLogger("herd.torchrun_driver")
 
@@ -128,6 +141,46 @@ def outcome(exits: Mapping[Slot, int], running: bool, startable: bool) -> int | 
     return next((code for code in exits.values() if code != 0), 1)
 
 
+NOT_CARRIED = ("BASH_FUNC_", "OLDPWD", "CUDA_VISIBLE_DEVICES")
+"""Variables of the driver's environment an agent on another host does not get (what
+Horovod leaves out of a remote worker's): shell functions, the driver's previous directory,
+and its GPUs (the shim sets the worker's own there)."""
+
+
+def remote_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What an agent on another host gets: the driver's environment as a local agent gets
+    it, less what is true of this host only (`NOT_CARRIED`, the batch step's Slurm
+    variables)."""
+    carried = {key: value for key, value in env.items() if not key.startswith(NOT_CARRIED)}
+    return for_another_node(carried)
+
+
+def remote_agent_argv(host: str, agent: Sequence[str]) -> list[str]:
+    """The ssh line that starts an agent on `host`: through `env_exec` (its environment on
+    ssh's stdin, nothing on a command line), under `setpriv --pdeathsig TERM` there, so the
+    agent gets SIGTERM when its sshd session ends: when the driver stops the agent (SIGTERM
+    to the ssh client) or dies (the client dies with it). SIGTERM is how a local agent is
+    stopped: torchrun stops its worker and leaves the rendezvous open for the others."""
+    remote = [REMOTE_SETPRIV, "--pdeathsig", "TERM", "--", *agent]
+    # Plain `ssh HOST`: the port, key and user come from the user's ssh configuration, as
+    # for the Horovod engine's workers.
+    return remote_argv(host, remote, python=agent[0])
+
+
+def start_remote(
+    host: str, agent: Sequence[str], env: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """The agent started on `host` over ssh (the client dies with this process); its output
+    comes back through ssh to this process's own."""
+    popen = subprocess.Popen(
+        dies_with_parent(remote_agent_argv(host, agent)), stdin=subprocess.PIPE
+    )
+    assert popen.stdin is not None
+    payload = env_exec.encode_payload(remote_environment(env), os.getcwd())
+    threading.Thread(target=feed, args=(popen.stdin, payload), daemon=True).start()
+    return popen
+
+
 @dataclass
 class _Agent:
     slot: Slot
@@ -149,29 +202,36 @@ class Agents:
     exits: dict[Slot, int] = field(default_factory=dict)
     """How agents that ended by themselves ended, in order."""
 
-    def argv(self) -> list[str]:
+    def argv(self, local_addr: str | None = None) -> list[str]:
+        """An agent's command: torchrun at the job's store, advertising `local_addr` (the
+        address its workers' store is reached at when it is rank 0; this host's by default)."""
         return [
             self.python,
             "-m",
             AGENT_MODULE,
             f"--rdzv-endpoint={self.store_endpoint}",
-            f"--local-addr={self.local_addr}",
+            f"--local-addr={local_addr or self.local_addr}",
             *self.torchrun_args,
         ]
 
     def start(self, slot: Slot) -> None:
         host, _ = slot
-        if host not in self.local_hosts:
-            # Agents on other hosts are not started yet (docs/architecture.md): the slot
-            # stays without a worker, which the operator sees and takes back.
-            log.error("slot %s is on another host; this driver starts local agents only", slot)
+        env = {**os.environ, **AGENT_ENV, WORKER_HOST_ENV: slot_name(*slot)}
+        try:
+            if host in self.local_hosts:
+                # Dies with this process, however it ends (its worker is signalled by torchrun).
+                popen = subprocess.Popen(
+                    dies_with_parent(self.argv()), env=env, stdin=subprocess.DEVNULL
+                )
+            else:
+                popen = start_remote(host, self.argv(local_addr=host), env)
+        except OSError as err:
+            log.error("cannot start the agent for %s: %s", slot_name(*slot), err)
             self.exits[slot] = 1
             return
-        env = {**os.environ, **AGENT_ENV, WORKER_HOST_ENV: slot_name(*slot)}
-        # Dies with this process, however it ends (its worker is signalled by torchrun).
-        popen = subprocess.Popen(dies_with_parent(self.argv()), env=env, stdin=subprocess.DEVNULL)
         self.running[slot] = _Agent(slot, popen)
-        log.info("agent for %s started: pid %d", slot_name(*slot), popen.pid)
+        where = "" if host in self.local_hosts else " over ssh"
+        log.info("agent for %s started%s: pid %d", slot_name(*slot), where, popen.pid)
 
     def stop(self, slot: Slot, now: float) -> None:
         agent = self.running.get(slot)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict
 
 from herd_operator.runtime.store.connection import StoreBase, StoreError
@@ -27,6 +28,7 @@ class AllocationsMixin(StoreBase):
         placements: Mapping[str, Placement],
         now: float,
         draining: Mapping[Slot, Drain] | None = None,
+        shared: AbstractSet[str] = frozenset(),
         service: Mapping[str, ServiceRecord] | None = None,
     ) -> None:
         """Replace all allocations with ``placements`` (job -> placement), and the draining
@@ -34,13 +36,14 @@ class AllocationsMixin(StoreBase):
         a job was shrunk off still held (its workers may be on it), never in between.
 
         A job with an empty placement holds nothing and is not stored (the allocator's
-        decisions name pending jobs too). ValueError if a GPU is placed twice or a host of
-        a placement has no GPUs; KeyError if a job that holds GPUs does not exist. On
-        error nothing changes. `service`: what the allocator's queue counted of each job
-        (`service()` reads it back), in the same transaction; None: left as it is.
+        decisions name pending jobs too). ``shared``: the jobs that share GPUs by memory; a
+        GPU may be placed for several of them. ValueError if a GPU is placed twice otherwise,
+        or a host of a placement has no GPUs; KeyError if a job that holds GPUs does not
+        exist. On error nothing changes. ``service``: what the allocator's queue counted of
+        each job (``service()`` reads it back), in the same transaction; None: left as is.
         """
         held = {job: placement for job, placement in placements.items() if placement.size}
-        rows: list[tuple[str, int, str, int, int]] = []
+        rows: list[tuple[str, int, str, int, int, int]] = []
         owner: dict[tuple[str, int], str] = {}
         for job, placement in held.items():
             # A Placement has no host twice and no GPU twice on a host already.
@@ -49,19 +52,19 @@ class AllocationsMixin(StoreBase):
                     raise ValueError(f"job {job!r}: host {host!r} has an empty GPU list")
                 for local_rank, gpu in enumerate(gpus):
                     other = owner.get((host, gpu))
-                    if other is not None:
+                    if other is not None and not (job in shared and other in shared):
                         raise ValueError(
                             f"GPU {host}:{gpu} is placed twice (jobs {other!r} and {job!r})"
                         )
                     owner[(host, gpu)] = job
-                    rows.append((host, gpu, job, host_ordinal, local_rank))
+                    rows.append((host, gpu, job, host_ordinal, local_rank, int(job in shared)))
         with self._write() as conn:
             for job in held:
                 require_job(conn, job)
             conn.execute("DELETE FROM allocations")
             conn.executemany(
-                "INSERT INTO allocations (host, gpu, job, host_ordinal, local_rank)"
-                " VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO allocations (host, gpu, job, host_ordinal, local_rank, shared)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
                 rows,
             )
             conn.execute("DELETE FROM drains")
@@ -118,6 +121,13 @@ class AllocationsMixin(StoreBase):
             job: Placement(tuple((host, tuple(gpus)) for host, gpus in placement))
             for job, placement in hosts.items()
         }
+
+    def shared_jobs(self) -> frozenset[str]:
+        """The jobs whose allocations share GPUs by memory (``replace_allocations``'s
+        ``shared``)."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT DISTINCT job FROM allocations WHERE shared = 1").fetchall()
+        return frozenset(row["job"] for row in rows)
 
     def draining(self) -> dict[Slot, Drain]:
         """The GPUs jobs gave back and their workers may still be on, as last recorded

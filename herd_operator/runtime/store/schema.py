@@ -22,10 +22,12 @@ _log = logging.getLogger(__name__)
 DB_FILENAME = "state.db"
 """The store's file name inside the operator's state directory."""
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """1: the first release. 2: the unused ``runtime`` table is dropped. 3: the grant history
 is bounded per job; ``grant_history_trimmed`` says what was dropped. 4: ``drains``, the GPUs
-jobs gave back that their workers may still be on, recorded with the allocations."""
+jobs gave back that their workers may still be on, recorded with the allocations. 5: a GPU
+may be allocated to several jobs that share GPUs by memory (``allocations.shared``; the key
+is the GPU and the job)."""
 
 _SCHEMA = """
 CREATE TABLE jobs (
@@ -45,7 +47,8 @@ CREATE TABLE allocations (
     job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
     host_ordinal INTEGER NOT NULL,
     local_rank INTEGER NOT NULL,
-    PRIMARY KEY (host, gpu)
+    shared INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (host, gpu, job)
 );
 CREATE INDEX allocations_by_job ON allocations (job, host_ordinal, local_rank);
 CREATE TABLE drains (
@@ -120,6 +123,17 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE drains (host TEXT NOT NULL, gpu INTEGER NOT NULL, job TEXT NOT NULL,"
         " given_back_at REAL NOT NULL, pids_json TEXT NOT NULL, after_loss INTEGER NOT NULL,"
         " PRIMARY KEY (host, gpu))",
+    ),
+    5: (
+        "CREATE TABLE allocations_v5 (host TEXT NOT NULL, gpu INTEGER NOT NULL, job TEXT NOT"
+        " NULL REFERENCES jobs(name) ON DELETE CASCADE, host_ordinal INTEGER NOT NULL,"
+        " local_rank INTEGER NOT NULL, shared INTEGER NOT NULL DEFAULT 0,"
+        " PRIMARY KEY (host, gpu, job))",
+        "INSERT INTO allocations_v5 (host, gpu, job, host_ordinal, local_rank)"
+        " SELECT host, gpu, job, host_ordinal, local_rank FROM allocations",
+        "DROP TABLE allocations",
+        "ALTER TABLE allocations_v5 RENAME TO allocations",
+        "CREATE INDEX allocations_by_job ON allocations (job, host_ordinal, local_rank)",
     ),
 }
 """What takes a store from the version before to the key's version."""

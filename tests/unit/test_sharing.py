@@ -1,0 +1,399 @@
+"""GPU sharing by memory (`policies/sharing.py`): named cases, and properties of the packing
+checked on generated pools, jobs and histories against a plain reference of what must hold."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from herd_operator.cli.arguments import UsageError
+from herd_operator.cli.main import build_parser
+from herd_operator.cli.run import sharing_limits
+from herd_operator.controllers.job_status import ReconcilerBase
+from herd_operator.policies.arbitration import arbitrate
+from herd_operator.policies.sharing import (
+    SharingLimits,
+    arbitrate_sharing,
+    worker_memory,
+)
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.specs import spec_fingerprint
+from herd_operator.specs.loading import load_spec_text
+from herd_operator.specs.quantity import parse_quantity
+from herd_operator.specs.values import (
+    Allocation,
+    Demand,
+    Grant,
+    Placement,
+    Pool,
+    Slot,
+)
+from tests.unit.test_spec_loading import job_yaml
+
+GI = 1 << 30
+LIMITS = SharingLimits(max_jobs_per_gpu=4, margin=0.1)
+
+
+def share(name: str, gpus: int, memory: int, **fields: object) -> Demand:
+    return replace(Demand(name, gpus, gpus, gpus), share=True, memory_bytes=memory, **fields)  # type: ignore[arg-type]
+
+
+def slots_of(grants: Mapping[str, Grant], job: str) -> list[Slot]:
+    return list(grants[job].placement.slots())
+
+
+def test_two_small_jobs_share_one_gpu_and_a_third_that_does_not_fit_waits() -> None:
+    pool = Pool.from_counts({"h0": 1}, gpu_memory_bytes=80 * GI)
+    demands = [share("a", 1, 30 * GI), share("b", 1, 30 * GI, arrival=1.0)]
+    grants = arbitrate_sharing(pool, demands, {}, limits=LIMITS)
+    assert slots_of(grants, "a") == slots_of(grants, "b") == [("h0", 0)]
+    assert "sharing, 30.0Gi per worker" in grants["b"].reason
+    third = share("c", 1, 30 * GI, arrival=2.0)
+    current = {job: grant.placement for job, grant in grants.items()}
+    grants = arbitrate_sharing(pool, [*demands, third], current, limits=LIMITS)
+    assert grants["c"].placement.size == 0
+    assert grants["c"].reason == "pending: needs 1 GPU(s) with 30.0Gi free for sharing, 0 found"
+
+
+def test_a_job_never_has_two_workers_on_one_gpu() -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
+    grants = arbitrate_sharing(pool, [share("a", 2, GI), share("b", 3, GI)], {}, limits=LIMITS)
+    assert slots_of(grants, "a") == [("h0", 0), ("h0", 1)]
+    assert grants["b"].placement.size == 0  # 3 workers, 2 GPUs
+
+
+def test_a_measured_peak_with_its_margin_counts_over_a_smaller_request() -> None:
+    demand = replace(share("a", 1, 10 * GI), measured_bytes=20 * GI)
+    assert worker_memory(demand, 0.1) == 22 * GI
+    assert worker_memory(replace(demand, measured_bytes=None), 0.1) == 10 * GI
+    pool = Pool.from_counts({"h0": 1}, gpu_memory_bytes=40 * GI)
+    grants = arbitrate_sharing(pool, [demand, share("b", 1, 20 * GI, arrival=1)], {}, limits=LIMITS)
+    assert grants["b"].placement.size == 0  # 22 + 20 > 40, though the requests fit
+
+
+def test_a_worker_whose_peak_grew_past_the_gpu_moves_to_where_it_fits() -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=40 * GI)
+    a, b = share("a", 1, 15 * GI), share("b", 1, 15 * GI, arrival=1)
+    grants = arbitrate_sharing(pool, [a, b], {}, limits=LIMITS)
+    assert slots_of(grants, "a") == slots_of(grants, "b") == [("h0", 0)]
+    current = {job: grant.placement for job, grant in grants.items()}
+    grown = replace(b, measured_bytes=30 * GI)  # 33 Gi with the margin: no longer beside a
+    grants = arbitrate_sharing(pool, [a, grown], current, limits=LIMITS)
+    assert slots_of(grants, "a") == [("h0", 0)] and slots_of(grants, "b") == [("h0", 1)]
+
+
+def test_no_sharing_worker_beside_an_exclusive_job_and_exclusive_jobs_go_first() -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
+    exclusive = Demand("x", 1, 1, 1)
+    grants = arbitrate_sharing(pool, [exclusive, share("a", 2, GI, arrival=1)], {}, limits=LIMITS)
+    assert slots_of(grants, "x") == [("h0", 0)]
+    assert grants["a"].placement.size == 0  # needs 2 GPUs; the only one left is h0:1
+    waiting = Demand("y", 2, 2, 2, arrival=2)
+    small = share("s", 1, GI, arrival=3)
+    grants = arbitrate_sharing(pool, [exclusive, waiting, small], {}, limits=LIMITS)
+    # y (exclusive, priority 0) waits for 2 GPUs: a sharing job of its priority opens none.
+    assert grants["y"].placement.size == 0 and grants["s"].placement.size == 0
+    grants = arbitrate_sharing(
+        pool, [exclusive, waiting, replace(small, priority=1)], {}, limits=LIMITS
+    )
+    assert slots_of(grants, "s") == [("h0", 1)]
+
+
+def test_the_cap_on_jobs_per_gpu_holds() -> None:
+    pool = Pool.from_counts({"h0": 1}, gpu_memory_bytes=80 * GI)
+    demands = [share(f"j{i}", 1, GI, arrival=i) for i in range(4)]
+    grants = arbitrate_sharing(pool, demands, {}, limits=SharingLimits(max_jobs_per_gpu=3))
+    assert [grants[d.name].placement.size for d in demands] == [1, 1, 1, 0]
+
+
+def test_with_sharing_off_or_no_sharing_job_the_decision_is_arbitrates() -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
+    demands = [share("a", 1, GI), share("b", 1, GI, arrival=1), Demand("c", 1, 1, 1, arrival=2)]
+    assert arbitrate_sharing(pool, demands, {}, limits=None) == arbitrate(pool, demands, {})
+    plain = [Demand("a", 1, 2, 2), Demand("b", 1, 2, 1, arrival=1)]
+    assert arbitrate_sharing(pool, plain, {}, limits=LIMITS) == arbitrate(pool, plain, {})
+
+
+def test_a_pool_without_known_memory_gives_each_sharing_worker_a_whole_gpu() -> None:
+    pool = Pool.from_counts({"h0": 2})
+    demands = [share("a", 1, GI), share("b", 1, GI, arrival=1), share("c", 1, GI, arrival=2)]
+    grants = arbitrate_sharing(pool, demands, {}, limits=LIMITS)
+    assert [grants[j].placement.size for j in "abc"] == [1, 1, 0]
+    assert slots_of(grants, "a") != slots_of(grants, "b")
+
+
+# ---- properties ----
+
+CAPACITY = 10
+
+
+@st.composite
+def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
+    counts = draw(st.lists(st.integers(0, 3), min_size=1, max_size=3).filter(any))
+    pool = Pool.from_counts({f"h{i}": n for i, n in enumerate(counts)}, gpu_memory_bytes=CAPACITY)
+    demands = []
+    for index in range(draw(st.integers(1, 7))):
+        low = draw(st.integers(1, 3))
+        high = draw(st.integers(low, 4))
+        demand = Demand(
+            f"j{index}", low, high, draw(st.integers(0, 5)),
+            priority=draw(st.integers(0, 1)), arrival=float(index),
+        )  # fmt: skip
+        if draw(st.integers(0, 3)):  # most jobs share: co-location is what is tested
+            memory = draw(st.none() | st.integers(1, 12) | st.integers(1, 5))
+            measured = draw(st.none() | st.integers(1, 12) | st.integers(1, 5))
+            demand = replace(demand, share=True, memory_bytes=memory, measured_bytes=measured)
+        demands.append(demand)
+    limits = SharingLimits(max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1)
+    return pool, demands, limits
+
+
+def _check_invariants(
+    pool: Pool, demands: Sequence[Demand], grants: Mapping[str, Grant], limits: SharingLimits
+) -> None:
+    """The reference: what any decision must hold, computed plainly slot by slot."""
+    by_name = {d.name: d for d in demands}
+    assert set(grants) == set(by_name)
+    on: dict[Slot, list[str]] = {}
+    for name, grant in grants.items():
+        demand, size = by_name[name], grant.placement.size
+        assert size == 0 or demand.min <= size <= demand.max, (name, size)
+        slots = grant.placement.slots()
+        assert len(set(slots)) == len(slots)  # never two workers of a job on one GPU
+        for slot in slots:
+            assert slot in pool.slot_set
+            on.setdefault(slot, []).append(name)
+    for slot, names in on.items():
+        if len(names) > 1:
+            assert all(by_name[n].share for n in names), (slot, names)  # never beside exclusive
+            assert len(names) <= limits.max_jobs_per_gpu
+            used = sum(worker_memory(by_name[n], limits.margin) or CAPACITY for n in names)
+            assert used <= CAPACITY, (slot, names, used)
+    for name in grants:
+        if by_name[name].share and grants[name].placement.size:
+            assert worker_memory(by_name[name], limits.margin) <= CAPACITY
+
+
+def _head_of_line_not_left_out(
+    pool: Pool, demands: Sequence[Demand], grants: Mapping[str, Grant], limits: SharingLimits
+) -> None:
+    """Packing is maximal for the first sharing job left pending with nothing in the way:
+    no exclusive job waits and no sharing job before it was left pending, so it could take
+    any GPU no exclusive job holds; its min does not fit on those (each GPU with its room)."""
+    exclusive_waiting = [d for d in demands if not d.share and not grants[d.name].placement.size]
+    if exclusive_waiting:
+        return
+    held_exclusive = {
+        slot for d in demands if not d.share for slot in grants[d.name].placement.slots()
+    }
+    ranked = sorted((d for d in demands if d.share), key=lambda d: (-d.priority, d.arrival))
+    pending = next((d for d in ranked if not grants[d.name].placement.size), None)
+    if pending is None:
+        return
+    need = worker_memory(pending, limits.margin) or CAPACITY
+    room = 0
+    for slot in pool.slots():
+        if slot in held_exclusive:
+            continue
+        sharers = [d for d in ranked if slot in grants[d.name].placement.slots()]
+        used = sum(worker_memory(d, limits.margin) or CAPACITY for d in sharers)
+        if len(sharers) < limits.max_jobs_per_gpu and used + need <= CAPACITY:
+            room += 1
+    assert room < pending.min, (pending, room)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=decisions(), steps=st.lists(st.integers(0, 2**16), min_size=1, max_size=4))
+def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
+    case: tuple[Pool, list[Demand], SharingLimits], steps: list[int]
+) -> None:
+    """Over a short history (each step: one job's measured peak or wish changes, or a job
+    leaves), every decision holds the reference's invariants, the exclusive jobs' grants are
+    `arbitrate`'s on the GPUs sharing jobs do not hold, and deciding again on the result
+    changes nothing."""
+    pool, demands, limits = case
+    current: dict[str, Placement] = {}
+    for step in steps:
+        grants = arbitrate_sharing(pool, demands, current, limits=limits)
+        _check_invariants(pool, demands, grants, limits)
+        _head_of_line_not_left_out(pool, demands, grants, limits)
+        shared = {
+            slot
+            for d in demands
+            if d.share
+            for slot in current.get(d.name, Placement.EMPTY).slots()
+        }
+        exclusive = [d for d in demands if not d.share]
+        alone = arbitrate(
+            pool,
+            exclusive,
+            {d.name: current[d.name] for d in exclusive if d.name in current},
+            unavailable=shared,
+        )
+        assert {n: g.placement for n, g in alone.items()} == {
+            d.name: grants[d.name].placement for d in exclusive
+        }
+        current = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
+        again = arbitrate_sharing(pool, demands, current, limits=limits)
+        assert {n: g.placement for n, g in again.items()} == {
+            n: g.placement for n, g in grants.items()
+        }
+        demands = _changed(demands, step)
+
+
+def _changed(demands: list[Demand], step: int) -> list[Demand]:
+    index = step % len(demands)
+    demand = demands[index]
+    kind = (step // len(demands)) % 3
+    if kind == 0 and len(demands) > 1:
+        return demands[:index] + demands[index + 1 :]
+    if kind == 1:
+        return [*demands[:index], replace(demand, desired=step % 5), *demands[index + 1 :]]
+    measured = (step // 7) % 12 + 1
+    return [*demands[:index], replace(demand, measured_bytes=measured), *demands[index + 1 :]]
+
+
+@pytest.mark.parametrize(
+    ("measured", "field"), [(None, "spec.gpus.memory: 12"), (12, "measured peak: 14")]
+)
+def test_a_worker_that_cannot_fit_any_gpu_says_so(measured: int | None, field: str) -> None:
+    pool = Pool.from_counts({"h0": 1}, gpu_memory_bytes=10)
+    demand = replace(share("a", 1, 12), measured_bytes=measured)
+    grant = arbitrate_sharing(pool, [demand], {}, limits=LIMITS)["a"]
+    assert grant.placement.size == 0
+    assert grant.reason == f"pending: {field} per worker is above the pool's GPU memory (10)"
+
+
+# ---- the allocator: binding, recording and adopting shared GPUs ----
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.published: dict[str, Placement] = {}
+
+    def publish(self, job: str, placement: Placement) -> None:
+        self.published[job] = placement
+
+    def withdraw(self, job: str) -> None:
+        self.published.pop(job, None)
+
+
+def _allocator(recorded: list[Allocation], pool: Pool, **kwargs: Any) -> Allocator:
+    return Allocator(
+        pool,
+        _Sink(),
+        virtual=True,
+        on_decision=recorded.append,
+        drain_seconds=0,
+        belongs=lambda job, pid: True,
+        sharing=SharingLimits(max_jobs_per_gpu=4, margin=0.1, gpu_memory_bytes=8 * GI),
+        **kwargs,
+    )
+
+
+def test_two_sharing_jobs_bind_to_one_gpu_and_a_restart_gives_it_back_to_both() -> None:
+    recorded: list[Allocation] = []
+    pool = Pool.from_counts({"localhost": 1})
+    allocator = _allocator(recorded, pool)
+    a, b = share("a", 1, 3 * GI), share("b", 1, 3 * GI, arrival=1.0)
+    assert allocator.request(a) is not None and allocator.request(b) is not None
+    assert allocator.bind("a", "localhost", 0, 11) == (("localhost", 0),)
+    assert allocator.bind("b", "localhost", 0, 12) == (("localhost", 0),)
+    assert recorded[-1].shared == {"a", "b"}
+    # An exclusive job waits: the only GPU is shared.
+    waiting = allocator.request(Demand("x", 1, 1, 1, arrival=2.0))
+    assert waiting is not None and not waiting.admitted
+    # A restarted operator restores the GPU to both and lets no newcomer onto it until both
+    # asked again (their memory is known only then).
+    again: list[Allocation] = []
+    restarted = _allocator(again, pool)
+    placements = {
+        job: placement for job, placement in recorded[-1].placements.items() if placement.size
+    }
+    restarted.restore(placements, allocator.bindings(), shared=recorded[-1].shared)
+    assert restarted.placements() == placements
+    assert again[-1].shared == {"a", "b"}
+    newcomer = restarted.request(share("c", 1, GI, arrival=3.0))
+    assert newcomer is not None and not newcomer.admitted
+    granted = restarted.request(a)
+    assert granted is not None and granted.placement == placements["a"]
+    assert restarted.placements()["b"] == placements["b"]  # still held
+    restarted.request(b)
+    third = restarted.grant("c")
+    assert third is not None and third.placement == placements["a"]  # all three fit in 8 Gi
+
+
+# ---- the spec ----
+
+
+def test_a_sharing_spec_loads_with_its_memory_in_bytes() -> None:
+    text = job_yaml("a", "{command: [x], gpus: {min: 1, max: 2, share: true, memory: 8Gi}}")
+    loaded = load_spec_text(text, "jobs/a.yaml")
+    assert loaded.job is not None
+    gpus = loaded.job.spec.gpus
+    assert (gpus.share, gpus.memory) == (True, "8Gi")
+    plain = load_spec_text(job_yaml("b"), "jobs/b.yaml").job
+    assert plain is not None and (plain.spec.gpus.share, plain.spec.gpus.memory) == (False, None)
+    # The reconciler's demand carries the request in bytes and the measured peak it is given.
+    reconciler = ReconcilerBase()
+    reconciler.peak_memory = {"a": 5 * GI}.get
+    demand = Demand("a", 1, 2, 2, **reconciler._sharing("a", loaded.job))
+    assert (demand.share, demand.memory_bytes, demand.measured_bytes) == (True, 8 * GI, 5 * GI)
+    assert reconciler._sharing("b", plain) == {}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "field", "message"),
+    [
+        ("{min: 1, max: 1, memory: 8GB}", "spec.gpus.memory", "is not a quantity of bytes"),
+        ("{min: 1, max: 1, memory: 0Mi}", "spec.gpus.memory", "at least 1 byte"),
+        ("{min: 1, max: 1, memory: 8}", "spec.gpus.memory", "expected a string"),
+        ("{min: 1, max: 1, share: 'yes'}", "spec.gpus.share", "expected a boolean"),
+    ],
+)
+def test_a_bad_sharing_request_names_its_field(gpus: str, field: str, message: str) -> None:
+    loaded = load_spec_text(job_yaml("a", f"{{command: [x], gpus: {gpus}}}"), "jobs/a.yaml")
+    assert loaded.job is None
+    assert [error.field for error in loaded.errors] == [field]
+    assert message in loaded.errors[0].message.lower()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("8Gi", 8 << 30), ("512Mi", 512 << 20), ("1.5G", 1_500_000_000), ("1000", 1000)],
+)
+def test_quantities_parse_as_kubernetes_writes_them(text: str, expected: int) -> None:
+    assert parse_quantity(text) == expected
+
+
+def test_sharing_changes_the_fingerprint_and_its_absence_does_not() -> None:
+    def fingerprint(gpus: str) -> str:
+        job = load_spec_text(job_yaml("a", f"{{command: [x], gpus: {gpus}}}"), "a.yaml").job
+        assert job is not None
+        return spec_fingerprint(job)
+
+    plain = fingerprint("{min: 1, max: 2}")
+    assert plain == fingerprint("{min: 1, max: 2, share: false}")
+    assert plain != fingerprint("{min: 1, max: 2, share: true}")
+    assert fingerprint("{min: 1, max: 2, share: true}") != fingerprint(
+        "{min: 1, max: 2, share: true, memory: 1Gi}"
+    )
+
+
+def test_run_share_gpus_needs_the_gpus_memory_and_is_off_by_default() -> None:
+    parser = build_parser()
+    off = parser.parse_args(["run", "--hosts", "h1:4"])
+    assert off.share_gpus is False and sharing_limits(off, virtual=False) is None
+    on = parser.parse_args(
+        ["run", "--share-gpus", "--gpu-memory", "80GiB", "--max-jobs-per-gpu", "2"]
+    )
+    assert sharing_limits(on, virtual=False) == SharingLimits(2, 0.1, 80 << 30)
+    virtual = parser.parse_args(["run", "--share-gpus", "--virtual-gpu-memory", "1GiB"])
+    assert sharing_limits(virtual, virtual=True) == SharingLimits(4, 0.1, 1 << 30)
+    with pytest.raises(UsageError, match="--share-gpus: give --gpu-memory"):
+        sharing_limits(virtual, virtual=False)

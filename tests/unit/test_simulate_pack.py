@@ -1,0 +1,111 @@
+"""The simulator under `+pack`: the real sharing allocator (`policies/sharing.py`) places the
+jobs, the co-location model slows the jobs that share a GPU, a shared GPU is counted once."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from herd_operator.simulate.colocation import interference_slowdown, with_utilization
+from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
+from herd_operator.simulate.model import START_SECONDS, JobModel
+from herd_operator.simulate.runner import parse_pool
+from herd_operator.simulate.share_report import sharing_table, summarize_sharing
+from herd_operator.simulate.workload import perlmutter_mix
+from herd_operator.specs import PolicyRef
+
+
+def small(name: str, arrival: float = 0.0, **changes: object) -> JobModel:
+    """A one-GPU job using 20% of its GPU, busy half the time, 1,000 s of work."""
+    fields: dict[str, object] = {
+        "name": name, "arrival": arrival, "requested": 1, "min_gpus": 1, "max_gpus": 1,
+        "work": 1000.0, "epochs": 2, "serial_fraction": 0.0, "mem_fixed": 0.1,
+        "mem_batch": 0.1, "gpu_utilization": 0.5,
+    }  # fmt: skip
+    fields.update(changes)
+    return JobModel(**fields)  # type: ignore[arg-type]
+
+
+def run(jobs: list[JobModel], pool: str = "1x1", **config: object) -> SimResult:
+    setting = SimConfig(parse_pool(pool), PolicyRef(name="static"), **config)  # type: ignore[arg-type]
+    return Simulation(jobs, setting).run()
+
+
+def finished(result: SimResult) -> dict[str, float]:
+    return {job.name: job.finished for job in result.jobs}
+
+
+def test_two_small_jobs_share_one_gpu_each_slowed_by_the_model() -> None:
+    jobs = [small("a"), small("b")]
+    exclusive = finished(run(jobs))
+    packed_result = run(jobs, pack=True)
+    packed = finished(packed_result)
+    # Exclusive: one after the other.
+    assert exclusive["a"] == pytest.approx(START_SECONDS + 1000)
+    assert exclusive["b"] == pytest.approx(2 * (START_SECONDS + 1000))
+    # Packed: together, each slowed by the pair's slowdown (0.5 + 0.5: 1.10).
+    slowdown = interference_slowdown((0.5, 0.5))
+    assert slowdown == pytest.approx(1.10)
+    for name in "ab":
+        assert packed[name] == pytest.approx(START_SECONDS + 1000 * slowdown)
+    outcome = {job.name: job for job in packed_result.jobs}
+    assert outcome["a"].max_slowdown == pytest.approx(slowdown)
+    assert outcome["a"].interference == pytest.approx(slowdown)
+    # One GPU held the two: counted once.
+    summary = summarize_sharing(packed_result)
+    assert summary.gpu_hours == pytest.approx((START_SECONDS + 1000 * slowdown) / 3600)
+    assert summary.memory_of_allocated == pytest.approx(0.4)
+    assert summary.slowed_jobs == 0 and summary.worst_slowdown == pytest.approx(slowdown)
+
+
+def test_a_neighbour_leaving_speeds_the_job_up_from_then() -> None:
+    # b has half a's work: both slowed while together, a alone at full speed after.
+    jobs = [small("a"), small("b", work=500.0)]
+    packed = finished(run(jobs, pack=True))
+    slowdown = interference_slowdown((0.5, 0.5))
+    b_end = START_SECONDS + 500 * slowdown
+    assert packed["b"] == pytest.approx(b_end)
+    assert packed["a"] == pytest.approx(b_end + 500)
+    outcome = {job.name: job for job in run(jobs, pack=True).jobs}
+    assert outcome["a"].interference == pytest.approx((500 * slowdown + 500) / 1000)
+
+
+def test_what_does_not_fit_or_does_not_opt_in_waits() -> None:
+    # 60% each: two do not fit one GPU's memory.
+    big = [small("a", mem_fixed=0.3, mem_batch=0.3), small("b", mem_fixed=0.3, mem_batch=0.3)]
+    assert finished(run(big, pack=True))["b"] == pytest.approx(2 * (START_SECONDS + 1000))
+    # Busier than the opt-in threshold: whole GPUs.
+    busy = [small("a", gpu_utilization=0.9), small("b", gpu_utilization=0.9)]
+    result = finished(run(busy, pack=True, share_utilization=0.6))
+    assert result["b"] == pytest.approx(2 * (START_SECONDS + 1000))
+
+
+def _memory_per_gpu(result: SimResult, models: dict[str, JobModel]) -> list[float]:
+    """The memory the jobs' model says each GPU holds, at every recorded step."""
+    peaks = []
+    for _, _, placements in result.steps:
+        used: dict[tuple[str, int], float] = defaultdict(float)
+        for name, placement in placements.items():
+            for slot in placement.slots():
+                used[slot] += models[name].memory_fraction(placement.size)
+        peaks.append(max(used.values(), default=0.0))
+    return peaks
+
+
+def test_a_mix_under_pack_never_over_commits_and_adds_up() -> None:
+    jobs = with_utilization(perlmutter_mix(60, 16, seed=5), 5)
+    models = {job.name: job for job in jobs}
+    result = run(jobs, pool="4x4", pack=True, record=True)
+    assert not result.unfinished and len(result.jobs) == 60
+    assert max(_memory_per_gpu(result, models)) <= 1.0 + 1e-9
+    # Some GPU held two jobs at once (else this test checks nothing of the sharing).
+    assert any(
+        len({slot for p in step[2].values() for slot in p.slots()})
+        < sum(p.size for p in step[2].values())
+        for step in result.steps
+    )
+    # The timeline never counts more GPUs than the pool.
+    assert max(allocated for _, allocated, _ in result.timeline) <= 16
+    table = sharing_table([run(jobs, pool="4x4"), result])
+    assert table.count("\n") == 4 and "| static |" in table
