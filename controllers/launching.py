@@ -27,7 +27,14 @@ from herd_operator.controllers.ports import (
     ProcessState,
     Result,
 )
-from herd_operator.specs import ConditionType, HerdJob, get_condition, set_condition
+from herd_operator.specs import (
+    Condition,
+    ConditionType,
+    HerdJob,
+    get_condition,
+    is_true,
+    set_condition,
+)
 from herd_operator.specs.status import HerdJobStatus
 from herd_operator.specs.values import Grant
 
@@ -71,6 +78,10 @@ class LaunchSteps(ReconcilerBase):
                 update={"conditions": conditions, "gpus": gpu_counts(job, status, desired, 0, None)}
             )
             self._save(name, status, generation, now)
+            if is_true(conditions, ConditionType.Preempted):
+                # Its GPUs drain until its workers are seen gone, which a request looks at:
+                # the job it yielded to waits on that, and no other job may be asking.
+                return Result(requeue_after=self.resync_seconds)
             return Result()  # the allocator wakes the job when its grant changes
         retry_at = status.retry_at  # a failed run restarts after its BackOff
         if retry_at is not None and retry_at > now:
@@ -95,6 +106,7 @@ class LaunchSteps(ReconcilerBase):
         )
         # Whether the workers report is a fact about a launch: this one has not said yet.
         conditions = tuple(c for c in conditions if c.type != ConditionType.Reporting)
+        conditions = self._readmitted(name, conditions, size, generation, now)
         conditions = set_condition(
             conditions,
             ConditionType.Running,
@@ -118,6 +130,25 @@ class LaunchSteps(ReconcilerBase):
         # Whether the command runs shows only when the keeper executes it: a launch failure
         # then must back off from where the last one left (`Result.keep_backoff`).
         return Result(requeue_after=self.resync_seconds, keep_backoff=True)
+
+    def _readmitted(
+        self,
+        name: str,
+        conditions: tuple[Condition, ...],
+        size: int,
+        generation: int,
+        now: float,
+    ) -> tuple[Condition, ...]:
+        """A preempted job launched again: `Preempted=False Readmitted` and an event (a
+        script that keeps a checkpoint goes on from it)."""
+        preempted = get_condition(conditions, ConditionType.Preempted)
+        if preempted is None or preempted.status != TRUE:
+            return conditions
+        message = f"granted {size} GPU(s) again: launched again after its preemption"
+        self._event(name, "Normal", "Readmitted", message, now)
+        return set_condition(
+            conditions, ConditionType.Preempted, FALSE, "Readmitted", message, generation, now
+        )
 
     def _launch_failed(
         self,
@@ -280,15 +311,19 @@ class LaunchSteps(ReconcilerBase):
         # No process of the launch is left to resize (a failed job showed Resizing=True).
         conditions = not_resizing(status.conditions, generation, now)
         code = process.exit_code
-        if process.stopped_by_us:
+        preempted = get_condition(conditions, ConditionType.Preempted)
+        stopped_for = (
+            preempted.message if preempted is not None and preempted.status == TRUE else ""
+        )
+        # A launch adopted while it stopped for a preemption no longer says it was stopped.
+        if process.stopped_by_us or (stopped_for and code != 0):
+            if stopped_for:
+                # Not a failure: no restart counted; launched again when granted again.
+                reason, message = "Preempted", f"workers stopped: {stopped_for}"
+            else:
+                reason, message = "Stopped", "stopped to relaunch"
             conditions = set_condition(
-                conditions,
-                ConditionType.Running,
-                FALSE,
-                "Stopped",
-                "stopped to relaunch",
-                generation,
-                now,
+                conditions, ConditionType.Running, FALSE, reason, message, generation, now
             )
             return status.model_copy(update={"conditions": conditions})
         if code == 0:

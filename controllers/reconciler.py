@@ -192,7 +192,9 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
         status = self._resumed(name, status, generation, now)
 
         if process.phase in (ProcessPhase.RUNNING, ProcessPhase.STOPPING):
-            stopping = self._stop_if_superseded(name, job, record, status, process, now)
+            stopping = self._stop_if_preempted(name, job, status, process, generation, now)
+            if stopping is None:
+                stopping = self._stop_if_superseded(name, job, record, status, process, now)
             if stopping is not None:
                 return stopping
 

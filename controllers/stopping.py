@@ -20,6 +20,7 @@ from herd_operator.controllers.job_status import (
     not_resizing,
 )
 from herd_operator.controllers.ports import ProcessPhase, ProcessState, Result
+from herd_operator.policies.queueing import is_preemption
 from herd_operator.specs import ConditionType, HerdJob, get_condition, is_true, set_condition
 from herd_operator.specs.records import JobRecord
 from herd_operator.specs.status import HerdJobStatus
@@ -91,6 +92,66 @@ class StopSteps(ReconcilerBase):
         self._save(
             name, status.model_copy(update={"conditions": conditions}), record.generation, now
         )
+        return Result(requeue_after=self.stop_poll_seconds)
+
+    def _stop_if_preempted(
+        self,
+        name: str,
+        job: HerdJob,
+        status: HerdJobStatus,
+        process: ProcessState,
+        generation: int,
+        now: float,
+    ) -> Result | None:
+        """The allocator's queue took the job's GPUs for another (its grant is empty, with a
+        reason `preempted for X (attained ...)`): stop its workers. Their GPUs drain as any
+        given back, so no other job is placed on a GPU a dying worker still uses. The job
+        keeps its demand (and the service it attained, which ranks it): it is launched again
+        when granted GPUs again. Not a failure: its restarts and backoff stay as they are.
+
+        None when the job is not preempted."""
+        grant = self.allocator.grant(name)
+        shown = get_condition(status.conditions, ConditionType.Preempted)
+        stopping = shown is not None and shown.status == TRUE
+        if grant is not None and grant.placement.size:
+            return None
+        if grant is not None and is_preemption(grant.reason):
+            why = grant.reason
+        elif stopping and shown is not None:
+            why = shown.message  # its stop was under way when the operator restarted
+        else:
+            return None
+        if process.phase == ProcessPhase.RUNNING:
+            self.launcher.stop(name)
+            if not stopping:
+                self._event(name, "Normal", "Preempted", why, now)
+                self.store.add_grant_change(name, 0, why, now)
+                status = status.model_copy(update={"preemptions": status.preemptions + 1})
+        conditions = not_resizing(status.conditions, generation, now)
+        for condition_type in (ConditionType.Preempted, ConditionType.Admitted):
+            preempted = condition_type == ConditionType.Preempted
+            conditions = set_condition(
+                conditions, condition_type, TRUE if preempted else FALSE, "Preempted", why,
+                generation, now,
+            )  # fmt: skip
+        conditions = set_condition(
+            conditions,
+            ConditionType.Running,
+            FALSE,
+            "Preempted",
+            f"stopping the job's workers: {why}",
+            generation,
+            now,
+        )
+        status = status.model_copy(
+            update={
+                "conditions": conditions,
+                "gpus": gpu_counts(job, status, None, 0, None),
+                "placement": [],
+                "grant_reason": why,
+            }
+        )
+        self._save(name, status, generation, now)
         return Result(requeue_after=self.stop_poll_seconds)
 
     def _stay_finished(

@@ -45,6 +45,14 @@ Pollux's artifact for Tiresias), the rest."""
 DEFAULT_MIN_RUN_SECONDS = 600.0
 DEFAULT_MAX_PREEMPTIONS = 8
 DEFAULT_STARVATION_SECONDS = 8 * 3600.0
+PREEMPTED_FOR = "preempted for "
+"""How the reason of a preempted job's (empty) grant begins: the controller stops its workers
+on it (`is_preemption`)."""
+
+
+def is_preemption(reason: str) -> bool:
+    """Whether a grant's reason says the queue preempted the job."""
+    return reason.startswith(PREEMPTED_FOR)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,19 @@ class QueueConfig:
             raise ValueError(
                 f"starvation_seconds must be finite and > 0: {self.starvation_seconds}"
             )
+
+
+def describe_queue(config: QueueConfig | None) -> str:
+    """`fifo`, or the mode and its preemption knobs, for the operator's log."""
+    if config is None:
+        return "fifo (arrival order, no preemption)"
+    if not config.preempt:
+        return f"{config.mode} (no preemption)"
+    return (
+        f"{config.mode} (preempting after {config.min_run_seconds:g} s of a run, at most"
+        f" {config.max_preemptions} times a job; {config.starvation_seconds:g} s of waiting"
+        " goes first)"
+    )
 
 
 @dataclass(frozen=True)
@@ -185,7 +206,7 @@ def _preempt(
             break  # it would not fit: nobody is preempted for it, and it blocks the rest
         for victim in taken:
             victims.remove(victim)
-            result.preempted[victim.name] = f"preempted for {d.name} ({_why(d, victim, services)})"
+            result.preempted[victim.name] = f"{PREEMPTED_FOR}{d.name} ({_why(d, victim, services)})"
         result.admitted_by[d.name] = [v.name for v in taken]
         free += sum(v.min for v in taken) - d.min
 

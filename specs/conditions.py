@@ -29,6 +29,9 @@ class ConditionType(StrEnum):
     Failed = "Failed"
     Suspended = "Suspended"
     """`spec.suspend` is true and the job's workers are stopped, its GPUs released."""
+    Preempted = "Preempted"
+    """The allocator's queue (`run --queue las|srpt`) took the job's GPUs for a job ranked
+    before it: its workers are stopped, and it is launched again when granted GPUs again."""
     Stalled = "Stalled"
     """The operator cannot make progress with this spec (a permanent error); not retried
     until the spec changes."""

@@ -83,6 +83,9 @@ class HerdJobStatus(StatusModel):
     epoch: int | None = None
     """Last epoch the workers reported."""
     restarts: int = 0
+    preemptions: int = 0
+    """How often the allocator's queue stopped the job for another (not failures: they
+    count against no `backoffLimit`)."""
     launch_id: str | None = None
     started_at: float | None = None
     finished_at: float | None = None
@@ -117,6 +120,7 @@ class HerdJobStatus(StatusModel):
             (ConditionType.Failed, "Failed"),
             (ConditionType.Stalled, "Stalled"),
             (ConditionType.Suspended, "Suspended"),
+            (ConditionType.Preempted, "Preempted"),
         ):
             if is_true(self.conditions, condition_type):
                 return word

@@ -257,6 +257,26 @@ class Allocation:
     draining: Mapping[Slot, Drain] = field(default_factory=dict)
     shared: frozenset[str] = frozenset()
     """The jobs that share GPUs by memory: a GPU may be in several of their placements."""
+    service: Mapping[str, ServiceRecord] = field(default_factory=dict)
+    """What each job had of the pool under the allocator's queue (empty without one)."""
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    """One job's service under the allocator's queue as a restarted operator reads it back,
+    so that a restart neither resets the order by service nor the preemption bound. Times
+    are wall-clock (the allocator's own clock does not outlive its process)."""
+
+    attained: float
+    """GPU-seconds held up to `at`, every run of it together."""
+    at: float
+    size: int
+    """GPUs it held at `at` (they count on while it runs, an operator restart included)."""
+    running_since: float | None
+    waiting_since: float | None
+    preemptions: int
+    preempted: str = ""
+    """Why its latest preemption took its GPUs, until granted again ('' if not preempted)."""
 
 
 ADAPTIVE_METRICS = ("gradient_noise_scale", "batch_size", "step_seconds")

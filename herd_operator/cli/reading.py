@@ -407,6 +407,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
         f"Epochs done:  {dash(epochs_completed(obj['epoch']))}",
         *_describe_progress(obj, now),
         f"Restarts:     {obj['restarts']}",
+        *([f"Preemptions:  {obj['preemptions']}"] if obj.get("preemptions") else []),
         f"Age:          {format_age(now - obj['createdAt'])}",
         "Placement:" + ("" if obj["placement"] else "    none"),
     ]

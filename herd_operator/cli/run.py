@@ -29,6 +29,7 @@ from herd_operator.cli.arguments import (
 from herd_operator.cli.foreground import configure_logging, log_options, stop_on_signals
 from herd_operator.cli.spec_files import SPECS_DIR_ENV, default_specs_dir
 from herd_operator.cli.views import EXIT_FAILURE, EXIT_USAGE
+from herd_operator.policies.queueing import DEFAULT_MIN_RUN_SECONDS, QUEUE_MODES, QueueConfig
 from herd_operator.policies.sharing import (
     DEFAULT_MAX_JOBS_PER_GPU,
     DEFAULT_MEMORY_MARGIN,
@@ -164,6 +165,22 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_WAIT_SECONDS,
         help="with --smallest-first: seconds after which a pending job is admitted before"
         f" any other of its priority (default: {DEFAULT_MAX_WAIT_SECONDS:g})",
+    )
+    run.add_argument(
+        "--queue",
+        choices=QUEUE_MODES,
+        default="fifo",
+        help="the order in which jobs claim GPUs within a priority tier: fifo (arrival, no"
+        " preemption; the default), las (least GPU-time attained first) or srpt (least work"
+        " left first, from the jobs' progress); las and srpt preempt a job ranked after a"
+        " pending one that would not fit otherwise (docs/policies.md)",
+    )
+    run.add_argument(
+        "--queue-min-run",
+        type=non_negative_float,
+        default=DEFAULT_MIN_RUN_SECONDS,
+        help="with --queue las|srpt: seconds a job runs before it may be preempted"
+        f" (default: {DEFAULT_MIN_RUN_SECONDS:g})",
     )
     run.add_argument(
         "--share-gpus",
@@ -332,6 +349,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         share_by_gain=args.share_by_gain,
         smallest_first=args.smallest_first,
         max_wait_seconds=args.max_wait,
+        queue=None
+        if args.queue == "fifo"
+        else QueueConfig(args.queue, min_run_seconds=args.queue_min_run),
         sharing=sharing_limits(args, pool.virtual),
         virtual_gpu_memory_bytes=args.virtual_gpu_memory,
         metrics_host=args.metrics_listen or reach.listen,

@@ -37,6 +37,7 @@ from herd_operator.runtime.process_table import (
     stop_orphans,
 )
 from herd_operator.runtime.store import Store, StoreError
+from herd_operator.runtime.withheld import only
 from herd_operator.specs.values import Drain, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def adopt(
         engines.adopt(item.job, item.info.spec.engine.kind)
     # Jobs that shared GPUs by memory get each shared GPU back (with sharing still on).
     shared = store.shared_jobs() if allocator.sharing is not None else frozenset()
-    allocator.restore(placements, bound, draining, shared)
+    allocator.restore(placements, bound, draining, shared, store.service())
     now = time.time()
     for item in running.values():
         since = log_time(item.info.started_at)
@@ -188,7 +189,12 @@ def adopted_holdings(
     """
     placements: dict[str, Placement] = {}
     for job in sorted(running):
-        placement = stored.get(job) or _placement_of(bound, job, pool)
+        placement = stored.get(job)
+        if placement is None:
+            # Not the GPUs it was giving back (a job the queue preempted holds none).
+            gave_back = {slot for slot, drain in stored_draining.items() if drain.job == job}
+            shown = _placement_of(bound, job, pool)
+            placement = only(shown, set(shown.slots()) - gave_back)
         if placement.size:
             placements[job] = placement
     owner = {slot: job for job, placement in placements.items() for slot in placement.slots()}

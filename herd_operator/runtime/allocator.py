@@ -41,7 +41,7 @@ from herd_operator.runtime.drains import DEFAULT_DRAIN_SECONDS, DrainTracker
 from herd_operator.runtime.first_launch import FirstLaunches
 from herd_operator.runtime.process_table import is_process_of_job
 from herd_operator.runtime.recording import EventSink, Recorder
-from herd_operator.runtime.service import ServiceLedger
+from herd_operator.runtime.service import ServiceLedger, ServiceRecords
 from herd_operator.runtime.withheld import only, restorable, wait_for_drains, withheld_slots
 from herd_operator.runtime.world_sizes import LOST_GRACE_SECONDS, WorldSizes
 from herd_operator.specs.values import Allocation, Demand, Drain, Grant, Placement, Pool, Slot
@@ -189,7 +189,8 @@ class Allocator:
     def _snapshot(self) -> Allocation:
         placements = {job: grant.placement for job, grant in self._grants.items()}
         shared = sharers(self.sharing, self._demands, self._held, self._shared_held)
-        return Allocation(placements, self._drains.records(), shared)
+        service = self._service.records(self._clock(), self._wall_clock())
+        return Allocation(placements, self._drains.records(), shared, service)
 
     def mark_unrecorded(self) -> None:
         """What was recorded was lost (the store rolled back the group it was written in):
@@ -262,6 +263,7 @@ class Allocator:
         bindings: Iterable[Binding],
         draining: Mapping[Slot, Drain] | None = None,
         shared: AbstractSet[str] = frozenset(),
+        service: ServiceRecords | None = None,
     ) -> None:
         """Take back what running jobs held under a previous operator (call before any request).
 
@@ -270,11 +272,9 @@ class Allocator:
         pool, or already taken by a job restored before it, are not restored. `bindings`
         name the host as the worker bound with it (its `name`; `host` may be that name too):
         they are matched to the pool host through the job's presentation. `draining`: the
-        GPUs the jobs were giving back (see `adoption.adopted_holdings`): they drain on as
-        they did, their deadline counted from when they were given back. `shared`: jobs that
-        shared GPUs by memory: a GPU is restored to each of them (no other job lands there
-        until they asked again).
-        """
+        GPUs the jobs were giving back (`adoption.adopted_holdings`): they drain on as they
+        did, from when given back. `shared`: jobs that shared GPUs by memory: a GPU is
+        restored to each (nobody else's until they ask again). `service`: `ServiceLedger`'s."""
         with self._changing():
             kept, taken = restorable(self.pool, placements, shared)
             self._shared_held = frozenset(shared) & kept.keys()
@@ -284,7 +284,7 @@ class Allocator:
                 self._sink.publish(job, placement)
                 log.info("grant %s: %s (adopted)", job, placement.describe(), extra={"job": job})
             self._bindings.restore(bindings, self._held)
-            now = self._clock()
+            self._service.restore(service or {}, now := self._clock(), self._wall_clock())
             for job in kept:
                 self._first.started(job, now)  # a launch may have been forming at the crash
             for slot, drain in sorted((draining or {}).items()):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from herd_operator.policies.queueing import QueueConfig
 from herd_operator.policies.sharing import SharingLimits
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.runtime.drains import DEFAULT_DRAIN_SECONDS
@@ -60,6 +61,9 @@ class OperatorConfig:
     """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: a job pending this long is admitted first."""
+    queue: QueueConfig | None = None
+    """The allocator's queue: order by service attained or work left, with preemption
+    (`policies/queueing.py`); None: arrival order, no preemption (`run --queue fifo`)."""
     sharing: SharingLimits | None = None
     """GPUs shared by memory among jobs that opt in (`run --share-gpus`); None: off, every
     job gets whole GPUs."""

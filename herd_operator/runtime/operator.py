@@ -31,6 +31,7 @@ from herd_operator.layout import (
     remove_runtime_dir,
 )
 from herd_operator.lifecycle import Hooks, Manager
+from herd_operator.policies.queueing import describe_queue
 from herd_operator.rpc.protocol import Handler
 from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.adoption import adopt
@@ -238,8 +239,8 @@ class Operator:
             config.pool.pool,
             engines,
             virtual=config.pool.virtual,
-            on_decision=lambda decision: store.replace_allocations(
-                decision.placements, time.time(), decision.draining, decision.shared
+            on_decision=lambda decided: store.replace_allocations(
+                decided.placements, time.time(), decided.draining, decided.shared, decided.service
             ),
             min_resize_interval=config.min_resize_interval,
             drain_seconds=config.drain_seconds,
@@ -247,6 +248,7 @@ class Operator:
             smallest_first=config.smallest_first,
             share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
+            queue=config.queue,
             sharing=config.sharing,
             present=engines.present,
             on_event=lambda job, type, reason, message: store.add_event(
@@ -323,12 +325,10 @@ class Operator:
         job_launcher = JobLauncher(launcher, engines, self.layout, env, token, config.sharing)
         self._enqueue_known_jobs()
         log.info(
-            "pool: %s; allocator on %s; specs from %s; state in %s",
-            config.pool.description,
-            address,
-            config.specs_dir,
-            self.layout.root,
-        )
+            "pool: %s; allocator on %s; queue %s; specs from %s; state in %s",
+            config.pool.description, address, describe_queue(config.queue),
+            config.specs_dir, self.layout.root,
+        )  # fmt: skip
         from herd_operator.controllers.loop import ControlLoop
         from herd_operator.controllers.reconciler import JobReconciler
         from herd_operator.runtime.specdir import SpecDirectory, problems_as_events

@@ -13,7 +13,10 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from herd_operator.policies.queueing import QueueConfig, Service, plan
-from herd_operator.specs.values import Demand, Grant, Placement
+from herd_operator.specs.values import Demand, Grant, Placement, ServiceRecord
+
+ServiceRecords = Mapping[str, ServiceRecord]
+"""Job -> its service as recorded (`ServiceLedger.records`, `restore`)."""
 
 
 @dataclass
@@ -21,6 +24,8 @@ class _Account:
     service: Service
     size: int
     at: float
+    preempted: str = ""
+    """Why its latest preemption took its GPUs, until it is granted some again."""
 
 
 class ServiceLedger:
@@ -67,11 +72,15 @@ class ServiceLedger:
     def decided(
         self,
         demands: Mapping[str, Demand],
-        grants: Mapping[str, Grant],
+        grants: dict[str, Grant],
         preempted: Mapping[str, str],
         now: float,
     ) -> None:
-        """A decision gave `grants` (every job of `demands` has one) and preempted those."""
+        """A decision gave `grants` (every job of `demands` has one) and preempted those.
+
+        A job preempted earlier and granted nothing again keeps its preemption's reason
+        (changed in `grants`): the controller stops its workers on it (`is_preemption`), and
+        a decision made before its reconcile must not hide it."""
         if self.config is None:
             return
         for job in demands:
@@ -89,7 +98,50 @@ class ServiceLedger:
                 service = replace(service, attained=attained)
             if job in preempted:
                 service = replace(service, preemptions=service.preemptions + 1)
+                account.preempted = preempted[job]
+            elif size:
+                account.preempted = ""
+            elif account.preempted:
+                grants[job] = Grant(Placement.EMPTY, account.preempted)
             account.service, account.size, account.at = service, size, now
+
+    def records(self, now: float, wall: float) -> dict[str, ServiceRecord]:
+        """Every job's service as of `now` (this ledger's clock), in wall-clock times
+        (`wall` is `now` on the wall clock), for the store."""
+
+        def on_wall(at: float | None) -> float | None:
+            return None if at is None else wall - (now - at)
+
+        return {
+            job: ServiceRecord(
+                attained=account.service.attained + account.size * max(0.0, now - account.at),
+                at=wall,
+                size=account.size,
+                running_since=on_wall(account.service.running_since),
+                waiting_since=on_wall(account.service.waiting_since),
+                preemptions=account.service.preemptions,
+                preempted=account.preempted,
+            )
+            for job, account in self._accounts.items()
+        }
+
+    def restore(self, records: ServiceRecords, now: float, wall: float) -> None:
+        """Take back what a previous operator recorded (`records`). A job that held GPUs
+        then attained them on while no operator ran (its workers ran on): the time since
+        the record counts at the size recorded."""
+        if self.config is None:
+            return
+
+        def on_clock(at: float | None) -> float | None:
+            return None if at is None else now - max(0.0, wall - at)
+
+        for job, record in records.items():
+            attained = record.attained + record.size * max(0.0, wall - record.at)
+            service = Service(
+                attained, on_clock(record.running_since), on_clock(record.waiting_since),
+                record.preemptions,
+            )  # fmt: skip
+            self._accounts[job] = _Account(service, record.size, now, record.preempted)
 
     def forget(self, job: str) -> None:
         self._accounts.pop(job, None)

@@ -31,6 +31,7 @@ def test_status_values_are_the_kubernetes_strings() -> None:
         "Succeeded",
         "Failed",
         "Suspended",
+        "Preempted",
         "Stalled",
         "MetricsStale",
     ]

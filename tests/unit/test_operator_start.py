@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 import resource
 import socket
 import stat
@@ -18,6 +19,7 @@ import pytest
 
 from herd_operator.auth import agent_key, read_token_file
 from herd_operator.layout import StateLayout, make_runtime_dir
+from herd_operator.policies.queueing import QueueConfig
 from herd_operator.runtime.config import OperatorConfig, OperatorError
 from herd_operator.runtime.operator import Operator, raise_descriptor_limit
 from herd_operator.runtime.pools import StaticPool
@@ -203,7 +205,10 @@ def test_each_pool_host_gets_its_own_private_agent_key_and_the_shared_one_goes(
 
 
 def test_the_allocator_options_of_run_reach_the_operators_allocator(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """`herd-operator run --spare-by-gain --smallest-first --max-wait 90`, then
     `--share-by-gain`: the real command line starts the real operator, stopped as soon as it
@@ -242,6 +247,17 @@ def test_the_allocator_options_of_run_reach_the_operators_allocator(
     # The two ways of dividing by gain are one or the other: argparse refuses both.
     with pytest.raises(SystemExit):
         cli.main(["run", *common, "--spare-by-gain", "--share-by-gain"])
+    assert started[0].config.queue is None  # fifo: no queue, no preemption
+    queued = ["--queue", "srpt", "--queue-min-run", "5"]
+    caplog.set_level(logging.INFO, logger="herd_operator")
+    assert cli.main(["run", *common, "--state-dir", str(tmp_path / "srpt"), *queued]) == 0
+    assert started[-1].config.queue == QueueConfig("srpt", min_run_seconds=5.0)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pool: ")]
+    assert "; queue srpt (preempting after 5 s of a run, at most 8 times" in logged[-1]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["run", *common, "--queue", "sjf"])
+    assert "argument --queue: invalid choice: 'sjf'" in capsys.readouterr().err
 
 
 def test_a_start_refused_after_the_store_opened_leaves_no_endpoint_nor_runtime_dir(

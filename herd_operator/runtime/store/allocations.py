@@ -11,10 +11,11 @@ import json
 import logging
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import asdict
 
 from herd_operator.runtime.store.connection import StoreBase, StoreError
 from herd_operator.runtime.store.jobs import require_job
-from herd_operator.specs.values import Drain, Placement, Slot
+from herd_operator.specs.values import Drain, Placement, ServiceRecord, Slot
 
 _log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class AllocationsMixin(StoreBase):
         now: float,
         draining: Mapping[Slot, Drain] | None = None,
         shared: AbstractSet[str] = frozenset(),
+        service: Mapping[str, ServiceRecord] | None = None,
     ) -> None:
         """Replace all allocations with ``placements`` (job -> placement), and the draining
         GPUs with ``draining``, in one transaction: a restarted operator must find a GPU that
@@ -37,7 +39,8 @@ class AllocationsMixin(StoreBase):
         decisions name pending jobs too). ``shared``: the jobs that share GPUs by memory; a
         GPU may be placed for several of them. ValueError if a GPU is placed twice otherwise,
         or a host of a placement has no GPUs; KeyError if a job that holds GPUs does not
-        exist. On error nothing changes.
+        exist. On error nothing changes. ``service``: what the allocator's queue counted of
+        each job (``service()`` reads it back), in the same transaction; None: left as is.
         """
         held = {job: placement for job, placement in placements.items() if placement.size}
         rows: list[tuple[str, int, str, int, int, int]] = []
@@ -79,6 +82,28 @@ class AllocationsMixin(StoreBase):
                 " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                 (repr(float(now)),),
             )
+            if service is not None:
+                conn.execute(
+                    "INSERT INTO meta (key, value) VALUES ('service', ?)"
+                    " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (json.dumps({job: asdict(record) for job, record in service.items()}),),
+                )
+
+    def service(self) -> dict[str, ServiceRecord]:
+        """What the allocator's queue counted of each job, as last recorded (empty if
+        nothing was, or if it cannot be read: the queue then counts from zero, as a new
+        operator's would, and says so in the log)."""
+        with self._read() as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'service'").fetchone()
+        if row is None:
+            return {}
+        try:
+            return {
+                job: ServiceRecord(**fields) for job, fields in json.loads(row["value"]).items()
+            }
+        except (ValueError, TypeError, AttributeError) as err:
+            _log.warning("state store: the queue's service records are unreadable (%s)", err)
+            return {}
 
     def allocations(self) -> dict[str, Placement]:
         """Job -> placement, jobs by name, hosts and GPUs in the order they were given."""
