@@ -31,8 +31,11 @@ def spec_fingerprint(job: HerdJob) -> str:
         excluded["engine"] = True
     if job.spec.training is None:
         excluded["training"] = True
-    elif job.spec.training.epochs is None:  # and no expected epochs, which it had not
-        excluded["training"] = {"epochs"}
+    else:  # and no expected epochs nor max batch, which it had not
+        training = job.spec.training
+        unset = {name for name in ("epochs", "max_batch") if getattr(training, name) is None}
+        if unset:
+            excluded["training"] = unset
     # Nor a time limit or dependencies, which specs before them had not.
     if job.spec.active_deadline_seconds is None:
         excluded["active_deadline_seconds"] = True

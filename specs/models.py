@@ -16,6 +16,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from herd_operator.specs.json_data import json_problem
 from herd_operator.specs.labels import (
     LABEL_KEY_MAX_LENGTH,
     LABEL_KEY_PATTERN,
@@ -59,8 +60,6 @@ MAX_PRIORITY = 1_000_000
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
 MAX_COUNT = 1_000_000
 """Restarts and resets."""
-MAX_JSON_INT = 2**63
-"""Integers in policy params: what JSON readers everywhere take exactly."""
 MAX_EPOCHS = 2**31 - 1
 """The most epochs a spec may expect: the largest epoch a worker may report."""
 MAX_DEADLINE_SECONDS = 366 * 24 * 3600
@@ -168,7 +167,7 @@ class PolicyRef(ApiModel):
     def _params_are_json(cls, params: dict[str, Any]) -> dict[str, Any]:
         # The fingerprint hashes params as JSON; YAML dates, sets or non-string keys would
         # make it fail or depend on the process's hash seed.
-        problem = _json_problem(params)
+        problem = json_problem(params)
         if problem is not None:
             raise ValueError(problem)
         return params
@@ -268,7 +267,7 @@ class EngineRef(ApiModel):
     @field_validator("options")
     @classmethod
     def _options_fit_the_kind(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        problem = _json_problem(options)
+        problem = json_problem(options)
         if problem is not None:
             raise ValueError(problem)
         if options and info.data.get("kind") == HOROVOD_ENGINE:
@@ -569,35 +568,3 @@ class HerdJob(ApiModel):
 
 def _dump_horovod(options: HorovodOptions) -> dict[str, Any]:
     return options.model_dump(mode="json", by_alias=True)
-
-
-def _json_problem(params: dict[str, Any]) -> str | None:
-    """Say why `params` is not plain JSON data (str keys, no dates, sets or cycles), or None."""
-    # Iterative, so deeply nested YAML cannot exhaust the interpreter's stack.
-    on_path: set[int] = set()
-    pending: list[tuple[str, object, bool]] = [(key, child, False) for key, child in params.items()]
-    while pending:
-        path, item, leaving = pending.pop()
-        if leaving:
-            on_path.discard(id(item))
-            continue
-        if isinstance(item, dict | list):
-            if id(item) in on_path:
-                return f"{path}: refers to itself (a YAML alias cycle)"
-            on_path.add(id(item))
-            pending.append((path, item, True))
-        if isinstance(item, dict):
-            for key, child in item.items():
-                if not isinstance(key, str):
-                    return f"{path}: mapping keys must be strings, got {key!r}"
-                pending.append((f"{path}.{key}", child, False))
-        elif isinstance(item, list):
-            pending.extend((f"{path}[{index}]", child, False) for index, child in enumerate(item))
-        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_JSON_INT:
-            return f"{path}: integers must be within +-2^63, got one of {item.bit_length()} bits"
-        elif item is not None and not isinstance(item, str | int | float | bool):
-            return (
-                f"{path}: must be a string, number, boolean, null, list or mapping, "
-                f"got {type(item).__name__} {item}"
-            )
-    return None

@@ -124,6 +124,7 @@ def test_specs_without_the_fields_keep_their_fingerprint() -> None:
     assert spec_fingerprint(job()) != spec_fingerprint(job(activeDeadlineSeconds=60))
     assert spec_fingerprint(job()) != spec_fingerprint(job(dependsOn=["a"]))
     assert spec_fingerprint(job()) != spec_fingerprint(job(training={"epochs": 3}))
+    assert spec_fingerprint(job(training={})) != spec_fingerprint(job(training={"maxBatch": 512}))
 
 
 def test_epochs_alone_tell_the_workers_nothing() -> None:
