@@ -42,6 +42,7 @@ def add_commands(commands: Subcommands) -> None:
         " allocator that lends spare GPUs by the gain the policy reports; NAME+share: one"
         " that divides every GPU above the mins by that gain; NAME+small: one that admits"
         " the pending job with the smallest min first (combined: NAME+small+share);"
+        " NAME+adaptive: the jobs of Pollux's traces train at the batch the policy picks;"
         " tiresias, optimus: the baselines of Pollux's artifact, rebuilt (not the operator's"
         " allocator; docs/simulation.md)",
     )
