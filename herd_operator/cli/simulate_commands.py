@@ -43,6 +43,7 @@ def add_commands(commands: Subcommands) -> None:
         " that divides every GPU above the mins by that gain; NAME+small: one that admits"
         " the pending job with the smallest min first (combined: NAME+small+share);"
         " NAME+pack: jobs share GPUs by their memory, slowed by their neighbours;"
+        " NAME+adaptive: the jobs of Pollux's traces train at the batch the policy picks;"
         " tiresias, optimus: the baselines of Pollux's artifact, rebuilt (not the operator's"
         " allocator; docs/simulation.md)",
     )

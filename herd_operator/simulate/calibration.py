@@ -24,7 +24,8 @@ How, for each application and each global batch size its jobs use in Pollux's wo
 - the work: the iterations Pollux's simulator runs the application for at that batch (its
   `max_epochs` epochs, from `validation-<batch>.csv`) times `t1`, in single-GPU seconds.
 
-Statistical efficiency is not modelled: the global batch does not change with the size.
+Statistical efficiency is not modelled here: at the trace's batch the global batch does not
+change with the size; `batching.py` models other batches (`simulate POLICY+adaptive`).
 Memory is not in the traces; `POLLUX_MEMORY` keeps our earlier guesses.
 """
 

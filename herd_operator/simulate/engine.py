@@ -20,8 +20,9 @@ import enum
 import heapq
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from herd_operator.policies.base import JobObservations, Policy, Signal
 from herd_operator.policies.queueing import QueueConfig
@@ -31,8 +32,20 @@ from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
 from herd_operator.simulate.colocation import GpuOccupancy
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
 from herd_operator.specs import HerdJob, PolicyRef
-from herd_operator.specs.values import Demand, Grant, Placement, Pool, Report, UsageSample
+from herd_operator.specs.values import (
+    BASE_BATCH_METRIC,
+    BATCH_SIZE_METRIC,
+    GRADIENT_NOISE_SCALE_METRIC,
+    STEP_SECONDS_METRIC,
+    Demand,
+    Grant,
+    Placement,
+    Pool,
+    Report,
+    UsageSample,
+)
 
+_NO_METRICS: Mapping[str, float] = MappingProxyType({})
 KEPT_OBSERVATIONS = 16
 """Epoch reports and memory samples kept per job: every built-in policy reads the latest few."""
 
@@ -82,6 +95,10 @@ class SimConfig:
     """Under `pack`, the jobs whose GPU utilization is at most this opt in (1.0: all)."""
     max_jobs_per_gpu: int = DEFAULT_MAX_JOBS_PER_GPU
     """Under `pack`, the allocator's cap on the jobs sharing one GPU (`run --max-jobs-per-gpu`)."""
+    adaptive_batch: bool = False
+    """Jobs with a noise profile (`JobModel.batching`) report the adaptive metrics at each
+    epoch end and train at the batch the policy's decision carries (`simulate/batching.py`);
+    False: every job keeps its trace's batch."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""
@@ -123,6 +140,8 @@ class _Run:
     working_seconds: float = 0.0
     lost_seconds: float = 0.0
     """Of its working time, the part its neighbours took (`pack`)."""
+    batch: int | None = None
+    """The global batch it trains at; None: its trace's."""
     reports: list[Report] = field(default_factory=list)
     usage: list[UsageSample] = field(default_factory=list)
 
@@ -215,7 +234,7 @@ class Simulation:
         self._decisions = 0
         self._steps: list[Step] = []
         self._wake_at: float | None = None
-        self._specs: dict[tuple[int, int, int], HerdJob] = {}
+        self._specs: dict[tuple[int, int, int, int], HerdJob] = {}
         self._occupancy = GpuOccupancy() if config.pack else None
         self.allocator = Allocator(
             config.pool,
@@ -243,21 +262,27 @@ class Simulation:
         self._changed[job] = grant
 
     def _spec(self, model: JobModel) -> HerdJob:
-        """The spec a policy sees; policies read only its GPU range, priority and policy."""
-        key = (model.min_gpus, model.max_gpus, model.priority)
+        """The spec a policy sees; policies read only its GPU range, priority, policy and,
+        with adaptive batch, its max batch."""
+        adaptive = self.config.adaptive_batch and model.batching is not None
+        max_batch = model.batching.max_batch if adaptive and model.batching else 0
+        key = (model.min_gpus, model.max_gpus, model.priority, max_batch)
         spec = self._specs.get(key)
         if spec is None:
+            body: dict[str, object] = {
+                "command": ["train"],
+                "gpus": {"min": model.min_gpus, "max": model.max_gpus},
+                "priority": model.priority,
+                "policy": self.config.policy.model_dump(),
+            }
+            if max_batch:
+                body["training"] = {"batchPolicy": "adaptive", "maxBatch": max_batch}
             spec = self._specs[key] = HerdJob.model_validate(
                 {
                     "apiVersion": "herd/v1alpha1",
                     "kind": "HerdJob",
                     "metadata": {"name": "simulated"},
-                    "spec": {
-                        "command": ["train"],
-                        "gpus": {"min": model.min_gpus, "max": model.max_gpus},
-                        "priority": model.priority,
-                        "policy": self.config.policy.model_dump(),
-                    },
+                    "spec": body,
                 }
             )
         return spec
@@ -447,6 +472,8 @@ class Simulation:
             usage=run.usage if Signal.USAGE in self._observes else (),
         )
         decision = self.policy.desired(run.spec, observed, self.now)
+        if self.config.adaptive_batch and model.batching is not None:
+            self._rebatch(run, model.batching.clamp(decision.batch_size))
         run.wanted = max(model.min_gpus, min(model.max_gpus, decision.gpus))
         self._settle(run)
         demand = Demand(
@@ -464,6 +491,23 @@ class Simulation:
             return False, None
         return True, math.ceil(model.memory_fraction(model.min_gpus) * GPU_MEMORY_BYTES)
 
+    def _rebatch(self, run: _Run, batch: int) -> None:
+        """The job trains at `batch` from now (its trace's: as without adaptive batch)."""
+        wanted = None if run.model.batching and batch == run.model.batching.trace_batch else batch
+        if wanted == run.batch:
+            return
+        if run.size > 0:
+            self._advance(run, self.now)  # the progress so far at the old batch
+        run.batch = wanted
+        if run.size > 0:
+            self._schedule_epoch(run)
+
+    def _rate(self, run: _Run) -> float:
+        """Work per second at its size and batch."""
+        if run.batch is None:
+            return run.model.speedup(run.size)
+        return run.model.rate(run.size, run.batch, run.epoch / run.model.epochs)
+
     def _settle(self, run: _Run) -> None:
         if run.finished is None and run.size != run.wanted:
             self._unsettled.add(run.model.name)
@@ -476,7 +520,7 @@ class Simulation:
             working_from = max(run.last_update, run.stall_until)
             if until > working_from:
                 working = until - working_from
-                run.done += run.model.speedup(run.size) * working / run.slowdown
+                run.done += self._rate(run) * working / run.slowdown
                 if run.slowdown > 1.0:
                     run.working_seconds += working
                     run.lost_seconds += working * (1.0 - 1.0 / run.slowdown)
@@ -517,7 +561,7 @@ class Simulation:
             return
         working_from = max(self.now, run.stall_until)
         left = max((run.epoch + 1) * run.model.epoch_work() - run.done, 0.0)
-        rate = run.model.speedup(run.size) / run.slowdown
+        rate = self._rate(run) / run.slowdown
         self._push(working_from + left / rate, Kind.EPOCH,
                    run.model.name, run.version)  # fmt: skip
         if run.stall_until > self.now:
@@ -530,7 +574,7 @@ class Simulation:
         run.done = max(run.done, run.epoch * run.model.epoch_work())
         # Only what the policy reads is kept (a million epoch ends in a 100,000-job run).
         if Signal.EPOCHS in self._observes:
-            run.reports.append(Report(run.epoch - 1, when, run.size))
+            run.reports.append(Report(run.epoch - 1, when, run.size, self._metrics(run)))
             del run.reports[:-KEPT_OBSERVATIONS]
         if Signal.USAGE in self._observes:
             total = run.size * GPU_MEMORY_BYTES
@@ -541,6 +585,20 @@ class Simulation:
             return True
         self._schedule_epoch(run)
         return False
+
+    def _metrics(self, run: _Run) -> Mapping[str, float]:
+        """What its workers attach to an epoch end: with adaptive batch, the adaptive metrics
+        (the noise scale of the epoch it starts)."""
+        batching = run.model.batching
+        if not self.config.adaptive_batch or batching is None or run.size <= 0:
+            return _NO_METRICS
+        batch = batching.clamp(run.batch)
+        return {
+            GRADIENT_NOISE_SCALE_METRIC: batching.noise_at(run.epoch / run.model.epochs),
+            BATCH_SIZE_METRIC: float(batch),
+            STEP_SECONDS_METRIC: batching.step_seconds(run.size, batch),
+            BASE_BATCH_METRIC: float(batching.trace_batch),
+        }
 
     def _finish(self, run: _Run, when: float) -> None:
         run.finished = when

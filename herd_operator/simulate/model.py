@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from herd_operator.simulate.batching import BatchModel
+
 GROW_STALL_SECONDS = 8.6
 """A grow's stall: median of `resize-stall 2->4` under the operator with its default launch,
 the in-process driver (docs/benchmarks.md, run 8: 8.57 s, n = 3, load average 7-8; new workers
@@ -84,6 +86,9 @@ class JobModel:
     """A trace's application (Pollux's names), for its memory estimate; "" for the mix."""
     batch_size: int = 0
     """A trace's global batch; 0: not known."""
+    batching: BatchModel | None = None
+    """Its noise profile and step time at other batches (`batching.py`); None: it trains at
+    its trace's batch only."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gpus <= self.max_gpus:
@@ -110,6 +115,13 @@ class JobModel:
         if gpus <= 0:
             return 0.0
         return gpus / (1.0 + self.serial_fraction * (gpus - 1))
+
+    def rate(self, gpus: int, batch: int | None, fraction: float) -> float:
+        """Work per second on `gpus` GPUs at global batch `batch` (None or the trace's: its
+        `speedup`), `fraction` of its epochs done (the noise scale changes as it trains)."""
+        if self.batching is None or batch is None or batch == self.batching.trace_batch:
+            return self.speedup(gpus)
+        return self.batching.rate(gpus, batch, fraction)
 
     def epoch_work(self) -> float:
         return self.work / self.epochs

@@ -34,7 +34,11 @@ ALLOCATOR_OPTIONS = {
 `+spare` lends spare GPUs by gain, `+share` divides every GPU above the mins by gain (which
 includes lending: the two are not combined), `+small` admits the smallest pending job first,
 `+pack` lets jobs share GPUs by their memory (slowed by their neighbours: `colocation.py`).
-`+las`, `+srpt`, `+fifo`: the allocator's queue (`policies/queueing.py`); `+fifo` is none."""
+`+las`, `+srpt`, `+fifo`: the allocator's queue (`policies/queueing.py`); `+fifo` is none.
+`+adaptive` is the jobs' option (`JOB_OPTIONS`)."""
+JOB_OPTIONS = {"adaptive": "adaptive_batch"}
+"""`POLICY+adaptive`: the jobs with a noise profile report the adaptive metrics and train at
+the batch the policy picks (`simulate/batching.py`)."""
 
 
 def parse_pool(text: str) -> Pool:
@@ -103,6 +107,9 @@ def parse_allocator_options(
     if mode not in QUEUE_MODES:
         raise ValueError(f"queue {mode!r}: expected one of {', '.join(QUEUE_MODES)}")
     for option in (option for option in options if option not in QUEUE_MODES):
+        if option in JOB_OPTIONS:
+            flags[JOB_OPTIONS[option]] = True
+            continue
         if option not in ALLOCATOR_OPTIONS:
             allowed = ", ".join(f"+{name}" for name in ALLOCATOR_OPTIONS)
             raise ValueError(f"policy {text!r}: unknown allocator option +{option} ({allowed})")

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from herd_operator.simulate.batching import POLLUX_BATCHING, BatchModel, batch_model
 from herd_operator.simulate.calibration import (
     DEFAULT_BATCH,
     POLLUX_CALIBRATIONS,
@@ -114,6 +115,7 @@ def _job(
     epochs: int,
     min_share: float,
     scale_limit: int = 0,
+    batching: BatchModel | None = None,
 ) -> JobModel:
     mem_fixed = fixed_share * used
     mem_batch = (1 - fixed_share) * used * requested
@@ -131,6 +133,7 @@ def _job(
         mem_fixed=mem_fixed,
         mem_batch=mem_batch,
         scale_limit=scale_limit,
+        batching=batching,
     )
 
 
@@ -146,7 +149,8 @@ def load_trace(
 ) -> list[JobModel]:
     """Jobs of a CSV trace in Pollux's format (`name,time,application,num_replicas,...`):
     each application's work and scaling at the row's batch size from `calibrations`
-    (Pollux's measured traces, fitted: `herd_operator/simulate/calibration.py`).
+    (Pollux's measured traces, fitted: `herd_operator/simulate/calibration.py`), and its
+    noise profile for adaptive batch where `POLLUX_BATCHING` has one (`batching.py`).
 
     Raises ValueError naming the line of a bad row.
     """
@@ -183,6 +187,7 @@ def load_trace(
             requested = min(replicas, pool_gpus)
             used = min(POLLUX_MEMORY[application], MAX_MEMORY_FRACTION - 0.05)
             speedup = requested / (1.0 + fit.serial_fraction * (requested - 1))
+            noise = POLLUX_BATCHING.get((application, batch))
             jobs.append(
                 _job(
                     row["name"],
@@ -195,6 +200,7 @@ def load_trace(
                     fit.epochs,
                     min_share,
                     max(gpus for gpus, _ in fit.measured),
+                    None if noise is None else batch_model(fit, noise),
                 )
             )
             # What the co-location model's memory estimate reads (`colocation.py`).
