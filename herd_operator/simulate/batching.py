@@ -37,6 +37,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from herd_operator.simulate.calibration import POLLUX_MAX_LOCAL_BATCH, Calibration
+from herd_operator.specs.values import (
+    BASE_BATCH_METRIC,
+    BATCH_SIZE_METRIC,
+    GRADIENT_NOISE_SCALE_METRIC,
+    STEP_SECONDS_METRIC,
+)
 
 NOISE_POINTS = 10
 """Fractions of the epochs the noise scale is kept at: 0, 1/10, ..., 9/10."""
@@ -108,6 +114,17 @@ class BatchModel:
             return 0.0
         samples = batch / self.trace_batch * self.efficiency(batch, fraction)
         return self.iteration_seconds * samples / self.step_seconds(gpus, batch)
+
+    def metrics(self, gpus: int, batch: int | None, fraction: float) -> dict[str, float]:
+        """What its workers attach to an epoch end at `gpus` and `batch` (None: the trace's),
+        `fraction` of its epochs done: the adaptive metrics (`specs/values.ADAPTIVE_METRICS`)."""
+        chosen = self.clamp(batch)
+        return {
+            GRADIENT_NOISE_SCALE_METRIC: self.noise_at(fraction),
+            BATCH_SIZE_METRIC: float(chosen),
+            STEP_SECONDS_METRIC: self.step_seconds(gpus, chosen),
+            BASE_BATCH_METRIC: float(self.trace_batch),
+        }
 
 
 def batch_model(calibration: Calibration, batching: BatchCalibration) -> BatchModel:

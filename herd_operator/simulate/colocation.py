@@ -234,3 +234,15 @@ class GpuOccupancy:
     def sharing(self, job: str) -> int:
         """The most jobs on one of `job`'s GPUs (it included; 0 when it holds none)."""
         return max((len(self._on[slot]) for slot in self._slots.get(job, ())), default=0)
+
+
+def sharing_request(
+    model: JobModel, pack: bool, share_utilization: float
+) -> tuple[bool, int | None]:
+    """(`Demand.share`, `Demand.memory_bytes`): under `pack` a job whose GPU utilization is at
+    most `share_utilization` opts in and asks for what one worker holds at its min, the most
+    it holds at any size it may be given (batch preserving: fewer workers, more each), so a
+    GPU is never over-committed."""
+    if not pack or model.gpu_utilization > share_utilization:
+        return False, None
+    return True, math.ceil(model.memory_fraction(model.min_gpus) * GPU_MEMORY_BYTES)

@@ -29,21 +29,10 @@ from herd_operator.policies.queueing import QueueConfig
 from herd_operator.policies.registry import load_policy
 from herd_operator.policies.sharing import DEFAULT_MAX_JOBS_PER_GPU, SharingLimits
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
-from herd_operator.simulate.colocation import GpuOccupancy
+from herd_operator.simulate.colocation import GpuOccupancy, sharing_request
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
 from herd_operator.specs import HerdJob, PolicyRef
-from herd_operator.specs.values import (
-    BASE_BATCH_METRIC,
-    BATCH_SIZE_METRIC,
-    GRADIENT_NOISE_SCALE_METRIC,
-    STEP_SECONDS_METRIC,
-    Demand,
-    Grant,
-    Placement,
-    Pool,
-    Report,
-    UsageSample,
-)
+from herd_operator.specs.values import Demand, Grant, Placement, Pool, Report, UsageSample
 
 _NO_METRICS: Mapping[str, float] = MappingProxyType({})
 KEPT_OBSERVATIONS = 16
@@ -478,18 +467,11 @@ class Simulation:
         self._settle(run)
         demand = Demand(
             model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
-            model.arrival, decision.gains, run.epoch / model.epochs, *self._sharing(model),
+            model.arrival, decision.gains, run.epoch / model.epochs,
+            *sharing_request(model, self.config.pack, self.config.share_utilization),
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)
-
-    def _sharing(self, model: JobModel) -> tuple[bool, int | None]:
-        """(`Demand.share`, `Demand.memory_bytes`): under `pack` a job that opts in asks for
-        what one worker holds at its min, the most it holds at any size it may be given
-        (batch preserving: fewer workers, more each), so a GPU is never over-committed."""
-        if not self.config.pack or model.gpu_utilization > self.config.share_utilization:
-            return False, None
-        return True, math.ceil(model.memory_fraction(model.min_gpus) * GPU_MEMORY_BYTES)
 
     def _rebatch(self, run: _Run, batch: int) -> None:
         """The job trains at `batch` from now (its trace's: as without adaptive batch)."""
@@ -592,13 +574,7 @@ class Simulation:
         batching = run.model.batching
         if not self.config.adaptive_batch or batching is None or run.size <= 0:
             return _NO_METRICS
-        batch = batching.clamp(run.batch)
-        return {
-            GRADIENT_NOISE_SCALE_METRIC: batching.noise_at(run.epoch / run.model.epochs),
-            BATCH_SIZE_METRIC: float(batch),
-            STEP_SECONDS_METRIC: batching.step_seconds(run.size, batch),
-            BASE_BATCH_METRIC: float(batching.trace_batch),
-        }
+        return batching.metrics(run.size, run.batch, run.epoch / run.model.epochs)
 
     def _finish(self, run: _Run, when: float) -> None:
         run.finished = when

@@ -67,6 +67,14 @@ def no_job_left(tmp_path: Path) -> Iterator[None]:
     kill_marked_processes(tmp_path / "state")
 
 
+def _interruptible() -> None:
+    """Ctrl-C reaches the child as it reaches a terminal's foreground command: a test run
+    started in the background by a non-interactive shell (`.ci/run &`) has SIGINT ignored,
+    which every child inherits (and Python then keeps), so `get -w` never saw the test's
+    Ctrl-C (it failed this way twice)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_logs_follow_and_get_watch_see_a_job_run_to_its_end(tmp_path: Path) -> None:
     write_spec(tmp_path, "counter", ["python", "-c", COUNTER])
     state = str(tmp_path / "state")
@@ -98,6 +106,7 @@ def test_logs_follow_and_get_watch_see_a_job_run_to_its_end(tmp_path: Path) -> N
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=_interruptible,
         )
         watchers += [follow, watch]
         # `logs -f` returns by itself once the job has ended, with every line it printed.
