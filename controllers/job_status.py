@@ -33,7 +33,6 @@ from herd_operator.specs import (
     is_true,
     set_condition,
 )
-from herd_operator.specs.quantity import parse_quantity
 from herd_operator.specs.status import GpuCounts, HerdJobStatus
 from herd_operator.specs.values import Demand
 
@@ -101,10 +100,9 @@ class ReconcilerBase:
         its measured peak); none if it does not share GPUs."""
         if job is None or not job.spec.gpus.share:
             return {}
-        memory = job.spec.gpus.memory
         return {
             "share": True,
-            "memory_bytes": parse_quantity(memory) if memory is not None else None,
+            "memory_bytes": job.spec.gpus.memory_bytes,
             "measured_bytes": self.peak_memory(name),
         }
 

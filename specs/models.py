@@ -24,7 +24,7 @@ from herd_operator.specs.labels import (
     LABEL_VALUE_PATTERN,
     label_problem,
 )
-from herd_operator.specs.quantity import Quantity
+from herd_operator.specs.quantity import Quantity, parse_quantity
 from herd_operator.specs.values import MODULE_NAME_PATTERN
 
 API_VERSION = "herd/v1alpha1"
@@ -128,6 +128,12 @@ class GpuRange(ApiModel):
     memory: Quantity | None = None
     """GPU memory one worker needs (`8Gi`, `512Mi`): what a sharing job is packed by until its
     measured peak (+ the operator's margin) is larger; unset: a whole GPU until measured."""
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """`memory` in bytes (None: unset): what the allocator packs by and the worker's
+        limit, one parse for both."""
+        return None if self.memory is None else parse_quantity(self.memory)
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> GpuRange:

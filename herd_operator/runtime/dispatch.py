@@ -40,7 +40,6 @@ from herd_operator.runtime.engines import (
 )
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
 from herd_operator.specs import HerdJob
-from herd_operator.specs.quantity import parse_quantity
 from herd_operator.specs.values import Placement, Slot
 
 log = logging.getLogger(__name__)
@@ -207,9 +206,9 @@ class JobLauncher:
         """
         env = {**self._env, JOB_ENV: job.name}
         gpus = job.spec.gpus
-        if self._sharing is not None and gpus.share and gpus.memory is not None:
+        if self._sharing is not None and gpus.share and gpus.memory_bytes is not None:
             # Torch OOMs in this job's worker past its request, not in a neighbour's.
-            env[GPU_MEMORY_LIMIT_ENV] = str(parse_quantity(gpus.memory))
+            env[GPU_MEMORY_LIMIT_ENV] = str(gpus.memory_bytes)
         training = training_env(job)
         worker_env = {
             name: value

@@ -34,7 +34,6 @@ from herd_operator.runtime.metrics import StateCollector
 from herd_operator.runtime.observer import ObserveReadings
 from herd_operator.runtime.specdir import SpecDirectory
 from herd_operator.runtime.store import Store
-from herd_operator.specs.quantity import parse_quantity
 
 if TYPE_CHECKING:
     from herd_operator.exporters.dcgm import JobMappingLoop
@@ -173,8 +172,9 @@ def requested_shares(specs: SpecDirectory | None) -> dict[str, int]:
     for name in specs.names():
         view = specs.view(name)
         job = view.job if view is not None else None
-        if job is not None and job.spec.gpus.share and job.spec.gpus.memory is not None:
-            shares[name] = parse_quantity(job.spec.gpus.memory)
+        memory = job.spec.gpus.memory_bytes if job is not None and job.spec.gpus.share else None
+        if memory is not None:
+            shares[name] = memory
     return shares
 
 
