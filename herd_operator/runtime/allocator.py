@@ -39,6 +39,7 @@ from herd_operator.runtime.bindings import (
 )
 from herd_operator.runtime.drains import DEFAULT_DRAIN_SECONDS, DrainTracker
 from herd_operator.runtime.first_launch import FirstLaunches
+from herd_operator.runtime.memory_guard import MemoryGuard
 from herd_operator.runtime.process_table import is_process_of_job
 from herd_operator.runtime.recording import EventSink, Recorder
 from herd_operator.runtime.service import ServiceLedger, ServiceRecords
@@ -152,7 +153,7 @@ class Allocator:
         # When each job's size last changed; a job is left alone for min_resize_interval
         # after that, since every change costs a Horovod reset.
         self._resized_at: dict[str, float] = {}
-        self._first = FirstLaunches(first_launch_seconds)
+        self._first, self._guard = FirstLaunches(first_launch_seconds), MemoryGuard(sharing)
         self._next_thaw: float | None = None
         self._batching = False
         self._deferred: set[str] = set()
@@ -287,15 +288,7 @@ class Allocator:
             self._service.restore(service or {}, now := self._clock(), self._wall_clock())
             for job in kept:
                 self._first.started(job, now)  # a launch may have been forming at the crash
-            for slot, drain in sorted((draining or {}).items()):
-                if slot not in self.pool.slot_set or slot in taken or slot in self._drains:
-                    continue
-                taken.add(slot)
-                self._drains.restore(slot, drain, now)
-                log.info(
-                    "%s: GPU %s:%d still drains (given back %.0f s ago)",
-                    drain.job, slot[0], slot[1], max(0.0, self._wall_clock() - drain.given_back_at),
-                )  # fmt: skip
+            self._drains.restore_all(draining or {}, self.pool.slot_set - taken, now)
             self._recorder.changed()
 
     def release(self, job: str) -> None:
@@ -391,6 +384,19 @@ class Allocator:
         self._on_workers_lost(job, frozenset(host for host, _ in grant.placement.hosts))
         shrunk = only(grant.placement, loss.kept)
         self._decide(caller="", shrink=(job, Grant(shrunk, f"workers lost: {message}")))
+
+    def guard_memory(self, used: Mapping[str, Mapping[Slot, int | None]]) -> None:
+        """What each worker uses now: sharing jobs near their share acted on (memory_guard.py)."""
+        with self._changing():
+            step = self._guard.step(self.pool, self._demands, self._grants, self._held,
+                set(self._drains), self._cordoned | self._unavailable_hosts(), used,
+                self._recorder.event, self._bindings.moves_cleanly)  # fmt: skip
+            self._demands.update(step.demands)
+            if step.shrink is not None:  # the GPUs its workers leave drain, as a lost worker's
+                if self.drain_seconds > 0:
+                    moved, pids = dict([step.shrink]), self._bindings.pids_on
+                    self._drains.start_given_back(self.placements(), moved, pids, self._clock())
+                self._decide(caller="", shrink=step.shrink)
 
     def _finish_drains(self) -> bool:
         """Drop the drains that are over; True if any was. Says the overdue ones."""
@@ -488,7 +494,8 @@ class Allocator:
         decided.update((job, Grant(Placement.EMPTY, why)) for job, why in preempted.items())
         if shrink is not None:
             decided[shrink[0]] = shrink[1]  # its given-up GPUs are not drains of this decision
-        self._start_drains(current, decided, now, frozenset(preempted))
+        if self.drain_seconds > 0:  # what running jobs give back (all a preempted job's)
+            self._drains.start_given_back(current, decided, self._bindings.pids_on, now, preempted)
         if self._drains:
             wait_for_drains(decided, current, self._drains.by_slot(), self._demands, self._grants)
         if shrink is not None:
@@ -524,13 +531,6 @@ class Allocator:
         ends = [at + self.min_resize_interval for at in self._resized_at.values()]
         ends += [end] if (end := self._first.next_end()) is not None else []
         self._next_thaw = min((at for at in ends if at > now), default=None)
-
-    def _start_drains(
-        self, current: Mapping[str, Placement], decided: Mapping[str, Grant], now: float,
-        preempted: AbstractSet[str] = frozenset()) -> None:  # fmt: skip
-        """Slots that running jobs give back in this decision (all a preempted job's) drain."""
-        if self.drain_seconds > 0:
-            self._drains.start_given_back(current, decided, self._bindings.pids_on, now, preempted)
 
     # ---- what the rest of the operator reads ----
 

@@ -117,6 +117,23 @@ class BindingTracker:
         self._plain_presented[job] = (placement, presented)
         return presented
 
+    def moves_cleanly(self, job: str, before: Placement, after: Placement) -> bool:
+        """Whether `job`'s workers see the change from `before` to `after` as it is: each GPU
+        kept keeps its (host name, local rank), and each GPU left takes its (name, rank) with
+        it, so the engine stops that worker. (A lone host shown under fewer names than GPUs
+        can give a GPU's name and rank to another: the worker would run on, on the old GPU.)"""
+
+        def positions(placement: Placement) -> dict[Slot, tuple[str, int]]:
+            shown = self._present(job, placement)
+            return {slot: (n, i) for n, slots in shown.items() for i, slot in enumerate(slots)}
+
+        old, new = positions(before), positions(after)
+        taken = set(new.values())
+        return all(
+            new.get(slot) == where if slot in new else where not in taken
+            for slot, where in old.items()
+        )
+
     def where(
         self, job: str, name: str, local_rank: int, placement: Placement, jobs: Collection[str]
     ) -> tuple[Slot, tuple[Slot, ...]]:

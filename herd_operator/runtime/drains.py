@@ -14,14 +14,17 @@ allocator calls it under its lock.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from herd_operator.runtime.process_table import alive
 from herd_operator.specs.values import Drain, Grant, Placement, Slot
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_SECONDS = 30.0
 PID_CHECK_SECONDS = 1.0
@@ -120,7 +123,7 @@ class DrainTracker:
         decided: Mapping[str, Grant],
         pids_on: Callable[[str, Slot], tuple[tuple[str, int], ...]],
         now: float,
-        preempted: AbstractSet[str] = frozenset(),
+        preempted: Collection[str] = (),
     ) -> None:
         """The slots each job held (`current`) and gives back in this decision (`decided`)
         start draining, watching the pids its workers bound there with (`pids_on`): all of a
@@ -150,6 +153,20 @@ class DrainTracker:
         )
         self._draining[slot] = restored
         self._next_check = min(self._next_check, self._next_look(restored, now))
+
+    def restore_all(
+        self, drains: Mapping[Slot, Drain], usable: AbstractSet[Slot], now: float
+    ) -> None:
+        """The drains a previous operator recorded, of the `usable` GPUs (in the pool, taken by
+        no restored job) not draining already (`restore`)."""
+        for slot, drain in sorted(drains.items()):
+            if slot not in usable or slot in self._draining:
+                continue
+            self.restore(slot, drain, now)
+            log.info(
+                "%s: GPU %s:%d still drains (given back %.0f s ago)",
+                drain.job, slot[0], slot[1], max(0.0, self._wall_clock() - drain.given_back_at),
+            )  # fmt: skip
 
     def release(self, job: str) -> None:
         """`job`'s processes are gone: what it was giving back is free now."""

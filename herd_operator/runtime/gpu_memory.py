@@ -12,7 +12,8 @@ writes a `MemoryOverShare` Warning when a worker goes over (or near) its share. 
 in bytes per worker is an input (`shares`): it comes from the job's memory request or the
 allocation's measured share (`Demand.memory_bytes` of the sharing allocator, wired in where
 that lands); a job without a share is never warned about. Moving or shrinking a job over its
-share is the allocator's decision, not this module's.
+share is the allocator's decision, not this module's: each round's attributed bytes are handed
+to `on_used` (the allocator's `guard_memory`, `policies/sharing_guard.py`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ from typing import Literal
 from herd_operator.controllers.ports import EventType
 from herd_operator.exporters.attribution import Attribution, GpuKey, PidOwners, attribute
 from herd_operator.exporters.gpu import GpuReading
+from herd_operator.policies.sharing_guard import NEAR_SHARE_RATIO
 
 log = logging.getLogger(__name__)
-
-NEAR_SHARE_RATIO = 0.9
-"""A worker above this share of its memory share is near it (a warning before an OOM)."""
 
 GIB = 1 << 30
 
@@ -157,7 +156,10 @@ class GpuMemoryWatch:
         record_event: RecordEvent,
         *,
         near_ratio: float = NEAR_SHARE_RATIO,
+        on_used: Callable[[Mapping[str, Mapping[GpuKey, int | None]]], object] = lambda used: None,
     ) -> None:
+        """`on_used(job -> GPU -> bytes)`: each round's attributed memory (None: unknown)."""
+        self._on_used = on_used
         self.peaks = peaks
         self._owners = owners
         self._runs = runs
@@ -170,6 +172,7 @@ class GpuMemoryWatch:
         """One round of readings: attributed to the jobs whose workers' pids they list."""
         attribution = attribute(readings, self._owners())
         self.peaks.observe(attribution, self._runs())
+        self._on_used(attribution.by_job())
         shares = self._shares()
         found: dict[tuple[str, str, int], OverShare] = {}
         for job, used in attribution.by_job().items():

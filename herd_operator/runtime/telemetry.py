@@ -152,13 +152,16 @@ def memory_watch(
     """Each job's peak GPU memory per worker while it holds GPUs (its run, to the
     allocator: a job that gave back all its GPUs starts over) into `peaks` (the allocator's
     input for sharing: made here unless given), and the MemoryOverShare warnings against
-    the sharing jobs' requests in the `specs` (`requested_shares`)."""
+    the sharing jobs' requests in the `specs` (`requested_shares`); each round's memory per
+    job and GPU to the allocator's guard (`guard_memory`) when GPUs are shared."""
     return GpuMemoryWatch(
         PeakGpuMemory() if peaks is None else peaks,
         lambda: worker_pids(allocator),
         lambda: dict.fromkeys(allocator.placements(), "placed"),
         lambda: requested_shares(specs()),
         store.add_event,
+        # A sharing job near its share is moved or shrunk by the allocator (sharing_guard.py).
+        on_used=allocator.guard_memory if allocator.sharing is not None else lambda used: None,
     )
 
 
