@@ -111,6 +111,13 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="MiB of memory each worker keeps allocated (a stand-in for a bigger model)",
     )
+    parser.add_argument(
+        "--grow-mb",
+        type=int,
+        default=0,
+        help="MiB more each worker allocates from epoch --grow-at-epoch on (a model that grows)",
+    )
+    parser.add_argument("--grow-at-epoch", type=int, default=1)
     return parser.parse_args()
 
 
@@ -152,11 +159,14 @@ def main() -> None:
             herd.report_reset()
 
     state.register_reset_callbacks([on_reset])
+    grown: list[torch.Tensor] = []  # --grow-mb: allocated once, kept to the end
     step_log = open(args.step_log, "a", buffering=1) if args.step_log else None  # noqa: SIM115
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
         for state.epoch in range(state.epoch, args.epochs):
+            if args.grow_mb and state.epoch >= args.grow_at_epoch and not grown:
+                grown.append(torch.ones(args.grow_mb * 262144))  # 4-byte floats, touched
             model.train()
             started = time.monotonic()
             total_loss, batches = 0.0, 0

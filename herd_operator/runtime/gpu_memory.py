@@ -171,8 +171,11 @@ class GpuMemoryWatch:
     def observe(self, readings: list[GpuReading], now: float) -> None:
         """One round of readings: attributed to the jobs whose workers' pids they list."""
         attribution = attribute(readings, self._owners())
-        self.peaks.observe(attribution, self._runs())
+        # The guard first: a peak the reconciler reads before the guard acted would be placed
+        # by `pack` in arrival order, which can push the neighbour out instead of the job
+        # that grew.
         self._on_used(attribution.by_job())
+        self.peaks.observe(attribution, self._runs())
         shares = self._shares()
         found: dict[tuple[str, str, int], OverShare] = {}
         for job, used in attribution.by_job().items():
