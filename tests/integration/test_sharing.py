@@ -5,6 +5,7 @@ off the shared GPU while the job trains on, and its neighbour runs undisturbed; 
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -102,6 +103,10 @@ def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_move
         assert (herd.launch_id("small-a"), herd.launch_id("small-b")) == (launch_a, launch_b)
         epochs_a = [r.epoch for r in herd.reports("small-a") if r.epoch is not None]
         assert epochs_a == sorted(epochs_a) and set(epochs_a) == set(range(8)), epochs_a
+        # Rank 0 prints each epoch as it ends: each once, across the reset the move made.
+        log = herd.layout.log_file("small-a").read_text()
+        assert [int(n) for n in re.findall(r"epoch (\d+): loss", log)] == list(range(8)), log
+        assert re.search(r"reset: world size \d, resuming epoch [2-7]", log), log
         epochs_b = [r.epoch for r in herd.reports("small-b") if r.epoch is not None]
         assert epochs_b == list(range(5)), epochs_b
         # The neighbour was never touched: no warning, no resize, no worker lost.

@@ -5,13 +5,19 @@ acting on it (`Allocator.guard_memory`)."""
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
+from herd_operator.exporters.collector import GpuCollector, exposition
+from herd_operator.exporters.nvml import NvmlGpuSource
 from herd_operator.policies.sharing import SharingLimits
 from herd_operator.policies.sharing_guard import (
     GuardDecision,
@@ -19,9 +25,13 @@ from herd_operator.policies.sharing_guard import (
     guard_sharing,
 )
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.runtime.bindings import plain_presentation
+from herd_operator.runtime.bindings import BindingTracker, plain_presentation
 from herd_operator.runtime.engines.horovod import present
+from herd_operator.runtime.gpu_memory import GpuMemoryWatch, PeakGpuMemory
+from herd_operator.runtime.telemetry import worker_pids
 from herd_operator.specs.values import Demand, Placement, Pool, Slot
+from tests.unit import fake_pynvml
+from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
 from tests.unit.test_sharing import share
 
 GI = 1 << 30
@@ -294,3 +304,91 @@ def test_a_job_that_cannot_move_is_said_once() -> None:
         ("a", "Warning", "MemoryNotMovable")
     ]
     assert allocator.placements()["a"] == on(("localhost", 0))
+
+
+# ---- four jobs on two GPUs, through NVML's readings (the fake `pynvml`) ----
+
+
+def test_four_jobs_on_two_gpus_are_accounted_per_gpu_and_the_one_that_grows_shrinks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[tuple[str, str, str, str]] = []
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 2}),
+        _Sink(),
+        virtual=False,
+        on_event=lambda *event: events.append(event),
+        belongs=lambda job, pid: True,
+        # A lone host under two names, as the Horovod engine shows it: GPU 1 keeps its
+        # worker's name and rank when a job gives GPU 0 back.
+        present=lambda job, placement: present(placement, {"localhost": ("localhost", "lo")}),
+        sharing=SharingLimits(max_jobs_per_gpu=4, margin=0.1, gpu_memory_bytes=8 * GI),
+    )
+    half = int(2.5 * GI)
+    a = replace(Demand("a", 1, 2, 2), share=True, memory_bytes=half)
+    for demand in (a, *(share(name, 1, half, arrival=n) for n, name in enumerate("bcd", 1))):
+        allocator.request(demand)
+    # a on both (the first free), b and c beside it on GPU 0 (fullest first), d on GPU 1.
+    assert {job: list(p.slots()) for job, p in allocator.placements().items()} == {
+        "a": [("localhost", 0), ("localhost", 1)],
+        "b": [("localhost", 0)],
+        "c": [("localhost", 0)],
+        "d": [("localhost", 1)],
+    }
+    pids = {("a", "localhost"): 10, ("a", "lo"): 11, ("b", "localhost"): 20}
+    pids |= {("c", "localhost"): 30, ("d", "lo"): 40}
+    for (job, name), pid in pids.items():
+        allocator.bind(job, name, 0, pid)
+    gpu0 = FakeGpu("GPU-0", 8 * GI, 5 * GI, processes=[(10, 2 * GI), (20, 2 * GI), (30, GI)])
+    gpu1 = FakeGpu("GPU-1", 8 * GI, 3 * GI, processes=[(11, 2 * GI), (40, GI)])
+    nvml = fake_pynvml.make_module(FakeNvmlConfig([gpu0, gpu1]))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    source = NvmlGpuSource("localhost")
+
+    collector = GpuCollector(source, pid_owners=lambda: worker_pids(allocator))
+    scraped = [
+        (sample.labels["herd_job"], sample.labels["gpu"], sample.value)
+        for family in text_string_to_metric_families(exposition(collector))
+        if family.name == "herd_job_gpu_memory_used_bytes"
+        for sample in family.samples
+    ]
+    assert sorted(scraped) == [
+        ("a", "0", 2 * GI),
+        ("a", "1", 2 * GI),
+        ("b", "0", 2 * GI),
+        ("c", "0", GI),
+        ("d", "1", GI),
+    ]
+
+    # a's worker on GPU 0 grows to 4 Gi: counted 4.4 Gi, it no longer fits beside b and c
+    # (2.5 Gi each), and GPU 1 has a's other worker: a shrinks by it, to its min.
+    watch = GpuMemoryWatch(
+        PeakGpuMemory(),
+        lambda: worker_pids(allocator),
+        lambda: dict.fromkeys(allocator.placements(), "run"),
+        dict,
+        lambda *event: None,
+        on_used=allocator.guard_memory,
+    )
+    gpu0.processes[0] = (10, 4 * GI)
+    watch.observe(source.read(), 1.0)
+    assert [(job, reason) for job, _, reason, _ in events] == [("a", "ShrunkForMemory")]
+    assert allocator.placements()["a"] == Placement((("localhost", (1,)),))
+    assert allocator.draining() == {("localhost", 0): "a"}
+    assert watch.peaks.peak("a") == 4 * GI
+
+
+def test_a_shrink_that_would_give_a_kept_gpu_another_local_rank_is_not_made() -> None:
+    # One name per host: giving GPU 0 back makes GPU 1 local rank 0, so Horovod would stop
+    # the worker on GPU 1 and keep the one on GPU 0, which the guard wanted gone.
+    kept = cleanly(plain_presentation)
+    assert not kept("a", on(h(0), h(1)), on(h(1)))
+    assert kept("a", on(h(0), h(1)), on(h(0)))
+    grower = Sharer("grower", on(h(0), h(1)), 1, 4 * GI, None, {h(0): 5 * GI})
+    neighbour = Sharer("neighbour", on(h(0)), 1, 5 * GI, None, {})
+    (action,) = guard([grower, neighbour], gpus=2, clean=kept).actions
+    assert action.kind == "stuck" and "its engine would not see the change" in action.message
+
+
+def cleanly(presenter: Any) -> Any:
+    return BindingTracker(presenter, ("h0",)).moves_cleanly
