@@ -17,9 +17,9 @@ from tests.integration.test_crash_only import GpuSharingSampler
 GPU_MEMORY = 1280 << 20
 ASKED = 600 << 20
 GROWN_MB = 500
-"""What the grower's workers add at its epoch 2: a worker (300-420 MB of its own here) then
-uses more than its 600 Mi share, counted 1.1 x that, which no longer fits beside the
-neighbour's 600 Mi on a 1,280 Mi GPU, but does on a GPU of its own."""
+"""What the grower's workers add at its epoch 2: a worker (about 320 MB of its own, measured
+alone) then uses more than its 600 Mi share, counted 1.1 x that, which no longer fits beside
+the neighbour's 600 Mi on a 1,280 Mi GPU, but does on a GPU of its own."""
 
 
 def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_moves(
@@ -78,6 +78,7 @@ def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_move
             timeout=180,
             job="small-a",
         )
+        print(f"small-a: {moved[0].message}")  # the figures docs/mechanisms.md quotes
         assert "the worker of small-a on localhost GPU 0 uses" in moved[0].message, moved
         # GPU 2, or 3 where this host has 2 names for Horovod (GPU 2 would have GPU 0's).
         assert "moved to localhost GPU 2" in moved[0].message or "GPU 3" in moved[0].message
