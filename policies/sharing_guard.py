@@ -242,14 +242,9 @@ def _guard_one(
     for slot in staying:
         room.add(slot, s.name, need)
     kept = list(staying)
-    moves: dict[Slot, Slot | None] = {}
-    for slot in leaving:
-        targets = _targets(s.name, slot, need, room, order, closed, no_new, set(slots))
-        seen = (t for t in targets if clean(s.name, s.placement, _in_order(s, [*kept, t], order)))
-        moves[slot] = target = next(seen, None)
-        if target is not None:
-            room.add(target, s.name, need)
-            kept.append(target)
+    moves = {
+        slot: _move(s, slot, need, room, order, closed, no_new, clean, kept) for slot in leaving
+    }
     new = _in_order(s, kept, order)
     why = ""
     if len(kept) < s.min:
@@ -265,6 +260,29 @@ def _guard_one(
         GuardAction(s.name, kinds[to is not None], slot, to, s.used.get(slot, 0), share, need, new)
         for slot, to in moves.items()
     ]
+
+
+def _move(
+    s: Sharer,
+    slot: Slot,
+    need: int,
+    room: _Room,
+    order: Mapping[Slot, int],
+    closed: AbstractSet[Slot],
+    no_new: AbstractSet[Slot],
+    clean: CleanChange,
+    kept: list[Slot],
+) -> Slot | None:
+    """Where the worker leaving `slot` goes (counted in `room`, added to `kept`): the best
+    target whose change `clean` says its engine sees; None: nowhere."""
+    mine = set(s.placement.slots())
+    targets = _targets(s.name, slot, need, room, order, closed, no_new, mine)
+    seen = (t for t in targets if clean(s.name, s.placement, _in_order(s, [*kept, t], order)))
+    target = next(seen, None)
+    if target is not None:
+        room.add(target, s.name, need)
+        kept.append(target)
+    return target
 
 
 def _stuck(s: Sharer, share: int, room: _Room, slot: Slot, why: str) -> list[GuardAction]:

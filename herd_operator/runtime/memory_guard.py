@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -74,18 +74,7 @@ class MemoryGuard:
         if limits is None or capacity is None or not used:
             return GuardStep()
         no_new = withheld_slots(pool, draining, held, doubted_hosts, {}, {})
-        sharers: list[Sharer] = []
-        closed: set[Slot] = set()
-        for job, grant in grants.items():
-            demand = demands.get(job)
-            if demand is None or not demand.share or not grant.placement.size:
-                closed.update(grant.placement.slots())  # whole GPUs, or not ours to weigh
-                continue
-            readable = {slot: b for slot, b in used.get(job, {}).items() if b is not None}
-            sharers.append(
-                Sharer(job, grant.placement, demand.min, demand.memory_bytes,
-                       demand.measured_bytes, readable)
-            )  # fmt: skip
+        sharers, closed = _sharers(demands, grants, used)
         decision = guard_sharing(
             pool.slots(), sharers, capacity=capacity, max_jobs_per_gpu=limits.max_jobs_per_gpu,
             margin=limits.margin, closed=closed, no_new=no_new,
@@ -98,8 +87,17 @@ class MemoryGuard:
             for job, measured in decision.measured.items()
             if job not in changed[1:] and measured != demands[job].measured_bytes
         }
-        stuck = {(a.job, a.gpu) for a in decision.actions if a.kind == "stuck"}
-        for action in decision.actions:
+        self._say(decision.actions, first, record_event)
+        if first is None:
+            return GuardStep(raised)
+        return GuardStep(raised, (first, _grant([a for a in decision.actions if a.job == first])))
+
+    def _say(
+        self, actions: Sequence[GuardAction], first: str | None, record_event: EventSink
+    ) -> None:
+        """The events of a step: the changed job's, and each job newly not movable."""
+        stuck = {(a.job, a.gpu) for a in actions if a.kind == "stuck"}
+        for action in actions:
             if action.kind == "stuck" and (action.job, action.gpu) not in self._said:
                 log.warning("%s: %s", action.job, action.message, extra={"job": action.job})
                 record_event(action.job, "Warning", action.reason, action.message)
@@ -107,9 +105,28 @@ class MemoryGuard:
                 log.info("%s: %s", action.job, action.message, extra={"job": action.job})
                 record_event(action.job, "Normal", action.reason, action.message)
         self._said = stuck
-        if first is None:
-            return GuardStep(raised)
-        return GuardStep(raised, (first, _grant([a for a in decision.actions if a.job == first])))
+
+
+def _sharers(
+    demands: Mapping[str, Demand],
+    grants: Mapping[str, Grant],
+    used: Mapping[str, Mapping[Slot, int | None]],
+) -> tuple[list[Sharer], set[Slot]]:
+    """The sharing jobs with GPUs as the guard sees them, and the GPUs of every other job
+    (whole GPUs, or not ours to weigh: held, released)."""
+    sharers: list[Sharer] = []
+    closed: set[Slot] = set()
+    for job, grant in grants.items():
+        demand = demands.get(job)
+        if demand is None or not demand.share or not grant.placement.size:
+            closed.update(grant.placement.slots())
+            continue
+        readable = {slot: b for slot, b in used.get(job, {}).items() if b is not None}
+        sharers.append(
+            Sharer(job, grant.placement, demand.min, demand.memory_bytes,
+                   demand.measured_bytes, readable)
+        )  # fmt: skip
+    return sharers, closed
 
 
 def _grant(actions: list[GuardAction]) -> Grant:
