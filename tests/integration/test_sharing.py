@@ -14,12 +14,13 @@ from herd_operator.specs.values import Placement
 from tests.integration.harness import HERD, digits_command, operator_harness, spec_document
 from tests.integration.test_crash_only import GpuSharingSampler
 
-GPU_MEMORY = 1280 << 20
-ASKED = 600 << 20
+GPU_MEMORY = 1600 << 20
+ASKED = 768 << 20
 GROWN_MB = 500
-"""What the grower's workers add at its epoch 2: a worker (about 320 MB of its own, measured
-alone) then uses more than its 600 Mi share, counted 1.1 x that, which no longer fits beside
-the neighbour's 600 Mi on a 1,280 Mi GPU, but does on a GPU of its own."""
+"""What the grower's workers add at its epoch 2. A worker uses about 600 MiB of its own here
+(607 MiB, read by the guard before the growth), under 90% of its 768 Mi share; grown, it is
+counted 1.1 x what it uses, which no longer fits beside the neighbour's 768 Mi on a 1,600 Mi
+GPU, but does on a GPU of its own."""
 
 
 def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_moves(
@@ -41,7 +42,7 @@ def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_move
             spec_document("small-b", 1, 1, digits_command(5, "--step-delay", "0.1")),
         ]
         for document in documents:
-            document["spec"]["gpus"].update(share=True, memory="600Mi")
+            document["spec"]["gpus"].update(share=True, memory="768Mi")
             herd.write_spec(document)
 
         def placements() -> dict[str, Placement]:
@@ -60,16 +61,16 @@ def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_move
             [HERD, "get", "-o", "wide", "--state-dir", state],
             capture_output=True, text=True, check=True, timeout=60,
         ).stdout  # fmt: skip
-        assert "localhost:0+1(shared:600Mi)" in wide and "localhost:0(shared:600Mi)" in wide, wide
+        assert "localhost:0+1(shared:768Mi)" in wide and "localhost:0(shared:768Mi)" in wide, wide
         described = subprocess.run(
             [HERD, "describe", "small-a", "--state-dir", state],
             capture_output=True, text=True, check=True, timeout=60,
         ).stdout  # fmt: skip
         assert (
-            "Sharing:      GPUs shared by memory, 600Mi per worker asked;"
+            "Sharing:      GPUs shared by memory, 768Mi per worker asked;"
             " localhost:0 with small-b" in described
         ), described
-        assert "(sharing, 600.0Mi per worker)" in described, described
+        assert "(sharing, 768.0Mi per worker)" in described, described
         launch_a, launch_b = herd.launch_id("small-a"), herd.launch_id("small-b")
 
         moved = herd.wait_for(
