@@ -71,8 +71,11 @@ class MemoryGuard:
         `grants` of jobs not in `demands` (held, released) are left alone."""
         limits = self.limits
         capacity = pool.gpu_memory_bytes or (limits.gpu_memory_bytes if limits else None)
-        if limits is None or capacity is None or not used:
+        if limits is None or capacity is None:
             return GuardStep()
+        if not any((d := demands.get(job)) is not None and d.share for job in used):
+            self._said = set()
+            return GuardStep()  # most rounds of most pools: no sharing job's memory was read
         no_new = withheld_slots(pool, draining, held, doubted_hosts, {}, {})
         sharers, closed = _sharers(demands, grants, used)
         decision = guard_sharing(
