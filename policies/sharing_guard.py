@@ -94,6 +94,7 @@ class GuardAction:
     to: Slot | None
     """Where it goes (a move)."""
     used_bytes: int
+    """The most one worker of the job uses (what the job is counted by from now)."""
     share_bytes: int
     """What one worker was counted for."""
     need_bytes: int
@@ -108,22 +109,23 @@ class GuardAction:
 
     @property
     def message(self) -> str:
-        worker = (
-            f"the worker of {self.job} on {self.gpu[0]} GPU {self.gpu[1]} uses"
-            f" {format_bytes(self.used_bytes)} of its {format_bytes(self.share_bytes)} share"
+        host, gpu = self.gpu
+        grew = (
+            f"a worker of {self.job} uses {format_bytes(self.used_bytes)} of its"
+            f" {format_bytes(self.share_bytes)} share: its worker on {host} GPU {gpu}"
         )
         if self.kind == "moved":
             assert self.to is not None
             return (
-                f"{worker}: moved to {self.to[0]} GPU {self.to[1]}, counted for"
+                f"{grew} moved to {self.to[0]} GPU {self.to[1]}, counted for"
                 f" {format_bytes(self.need_bytes)} (its neighbours' memory no longer fits it)"
             )
         if self.kind == "shrunk":
             return (
-                f"{worker}: shrunk to {self.placement.size} GPU(s) without it, no GPU has"
+                f"{grew} given up, the job shrunk to {self.placement.size} GPU(s): no GPU has"
                 f" {format_bytes(self.need_bytes)} free"
             )
-        return f"{worker}: not moved ({self.why}); its memory limit protects its neighbours"
+        return f"{grew} not moved ({self.why}); its memory limit protects its neighbours"
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,8 @@ def _guard_one(
             room.add(slot, s.name, need)
         return []
     if not staying:
-        return _stuck(s, share, room, leaving[0], "none of its workers could stay where it is")
+        why = "none of its workers could stay where it is"
+        return _stuck(s, share, most, room, leaving[0], why)
     for slot in staying:
         room.add(slot, s.name, need)
     kept = list(staying)
@@ -254,10 +257,10 @@ def _guard_one(
     if why:
         for slot in kept:
             room.remove(slot, s.name, need)
-        return _stuck(s, share, room, leaving[0], why)
+        return _stuck(s, share, most, room, leaving[0], why)
     kinds: dict[bool, GuardKind] = {True: "moved", False: "shrunk"}
     return [
-        GuardAction(s.name, kinds[to is not None], slot, to, s.used.get(slot, 0), share, need, new)
+        GuardAction(s.name, kinds[to is not None], slot, to, most, share, need, new)
         for slot, to in moves.items()
     ]
 
@@ -285,11 +288,12 @@ def _move(
     return target
 
 
-def _stuck(s: Sharer, share: int, room: _Room, slot: Slot, why: str) -> list[GuardAction]:
+def _stuck(
+    s: Sharer, share: int, most: int, room: _Room, slot: Slot, why: str
+) -> list[GuardAction]:
     for mine in s.placement.slots():
         room.add(mine, s.name, share)
-    return [GuardAction(s.name, "stuck", slot, None, s.used.get(slot, 0), share, share,
-                        s.placement, why)]  # fmt: skip
+    return [GuardAction(s.name, "stuck", slot, None, most, share, share, s.placement, why)]
 
 
 def _targets(

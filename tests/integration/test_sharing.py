@@ -80,7 +80,7 @@ def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_move
             job="small-a",
         )
         print(f"small-a: {moved[0].message}")  # the figures docs/mechanisms.md quotes
-        assert "the worker of small-a on localhost GPU 0 uses" in moved[0].message, moved
+        assert "its worker on localhost GPU 0 moved to localhost GPU" in moved[0].message, moved
         # GPU 2, or 3 where this host has 2 names for Horovod (GPU 2 would have GPU 0's).
         assert "moved to localhost GPU 2" in moved[0].message or "GPU 3" in moved[0].message
         after = placements()

@@ -74,8 +74,8 @@ def test_a_worker_past_its_share_moves_off_its_neighbours_gpu_and_the_neighbour_
     assert action.need_bytes == 5.5 * GI  # what it uses, raised by the margin
     assert decision.measured == {"grower": 5 * GI}
     assert action.message == (
-        "the worker of grower on h0 GPU 0 uses 5.0Gi of its 4.0Gi share: moved to h0 GPU 2,"
-        " counted for 5.5Gi (its neighbours' memory no longer fits it)"
+        "a worker of grower uses 5.0Gi of its 4.0Gi share: its worker on h0 GPU 0 moved to h0"
+        " GPU 2, counted for 5.5Gi (its neighbours' memory no longer fits it)"
     )
 
 
