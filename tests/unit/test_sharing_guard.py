@@ -392,3 +392,18 @@ def test_a_shrink_that_would_give_a_kept_gpu_another_local_rank_is_not_made() ->
 
 def cleanly(presenter: Any) -> Any:
     return BindingTracker(presenter, ("h0",)).moves_cleanly
+
+
+def test_a_job_near_its_share_is_counted_by_its_use_so_no_newcomer_takes_that_room() -> None:
+    allocator = Allocator(
+        Pool.from_counts({"localhost": 1}),
+        _Sink(),
+        virtual=True,
+        belongs=lambda job, pid: True,
+        sharing=SharingLimits(max_jobs_per_gpu=4, margin=0.1, gpu_memory_bytes=8 * GI),
+    )
+    allocator.request(share("a", 1, 2 * GI))
+    allocator.guard_memory({"a": {("localhost", 0): 3 * GI}})  # counted 3.3 Gi from now
+    newcomer = allocator.request(share("b", 1, 5 * GI, arrival=1.0))
+    assert newcomer is not None and not newcomer.admitted  # 2 + 5 would fit, 3.3 + 5 not
+    assert "needs 1 GPU(s) with 5.0Gi free" in newcomer.reason
