@@ -20,7 +20,8 @@ this module's code is ours. What is derived, per application and trace batch:
 - the largest batch: the largest validated (Pollux's `max_batch_size`); ncf stays at its
   32768, which Pollux's simulator fixes for it under Pollux too.
 - the smallest local batch measured (`placements.csv`, Pollux's `min_local_bsz`): the max
-  batch over it is the most GPUs Pollux's simulator lets the job grow to (`widest`).
+  batch over it is the most GPUs Pollux's simulator lets the job grow to (`widest`); ncf's
+  is its whole batch, since that simulator keeps ncf on one GPU under Pollux.
 
 The job's progress, in single-GPU seconds of work at the trace's batch `Bt` (`JobModel.work`),
 per second on n GPUs at batch B: `t1 x B / Bt x E / t(n, B)`, with `E = (noise + Bt) /
@@ -182,7 +183,11 @@ def derive_batching(
         sqr, var = float(row["grad_sqr"]), float(row["grad_var"])
         noise.append(initial * var / sqr)
     largest = batch_size if application == "ncf" else max(validated)
-    smallest_local = min(math.ceil(float(r["local_bsz"])) for r in placements)
+    smallest_local = (
+        batch_size
+        if application == "ncf"
+        else min(math.ceil(float(r["local_bsz"])) for r in placements)
+    )
     return BatchCalibration(largest, smallest_local, max(slope, 0.0), tuple(noise))
 
 
@@ -253,7 +258,7 @@ POLLUX_BATCHING: Mapping[tuple[str, int], BatchCalibration] = {
     ),
     ("ncf", 32768): BatchCalibration(
         32768,
-        32,
+        32768,
         4.337e-07,
         (
             2.072e05,

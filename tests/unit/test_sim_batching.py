@@ -139,6 +139,7 @@ def test_every_calibrated_trace_batch_has_a_noise_profile() -> None:
         assert row.max_batch >= batch
         assert all(math.isfinite(n) and n > 0 for n in row.noise)
     assert POLLUX_BATCHING["ncf", 32768].max_batch == 32768
+    assert POLLUX_BATCHING["ncf", 32768].min_local_batch == 32768  # one GPU, as Pollux's
     # Pollux's `max_batch_size // min_local_bsz`: deepspeech2 spreads 640 over 64 GPUs.
     assert POLLUX_BATCHING["deepspeech2", 320].min_local_batch == 10
     assert (
