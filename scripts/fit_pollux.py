@@ -76,8 +76,8 @@ def main(argv: list[str]) -> int:
             row = derive_batching(application, batch, fit.epochs, validated, read_trace)
             noise = ", ".join(f"{n:.4g}" for n in row.noise)
             print(
-                f'    ("{application}", {batch}): BatchCalibration("{application}", {batch},'
-                f" {row.max_batch}, {row.per_sample_seconds:.4g}, ({noise})),"
+                f'    ("{application}", {batch}): BatchCalibration({row.max_batch},'
+                f" {row.min_local_batch}, {row.per_sample_seconds:.4g}, ({noise})),"
             )
     return 0
 

@@ -19,6 +19,9 @@ this module's code is ours. What is derived, per application and trace batch:
   (`placements.csv`, placement "1", up to the application's `max_local_bsz`), least squares;
 - the largest batch: the largest validated (Pollux's `max_batch_size`); ncf stays at its
   32768, which Pollux's simulator fixes for it under Pollux too.
+- the smallest local batch measured (`placements.csv`, Pollux's `min_local_bsz`): the max
+  batch over it is the most GPUs Pollux's simulator lets the job grow to (`widest`); ncf's
+  is its whole batch, since that simulator keeps ncf on one GPU under Pollux.
 
 The job's progress, in single-GPU seconds of work at the trace's batch `Bt` (`JobModel.work`),
 per second on n GPUs at batch B: `t1 x B / Bt x E / t(n, B)`, with `E = (noise + Bt) /
@@ -50,11 +53,12 @@ NOISE_POINTS = 10
 
 @dataclass(frozen=True)
 class BatchCalibration:
-    """One application at one trace batch: what adapting its batch changes."""
+    """One application at one trace batch (the table's key): what adapting its batch
+    changes."""
 
-    application: str
-    batch_size: int
     max_batch: int
+    min_local_batch: int
+    """The smallest local batch its throughput was measured at (Pollux's `min_local_bsz`)."""
     per_sample_seconds: float
     """Seconds one GPU's step takes per sample more (placement "1"'s slope)."""
     noise: tuple[float, ...]
@@ -72,14 +76,22 @@ class BatchModel:
     serial_fraction: float
     per_sample_seconds: float
     noise: tuple[float, ...]
+    min_local_batch: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.trace_batch <= self.max_batch:
             raise ValueError("need 1 <= trace batch <= max batch")
+        if not 1 <= self.min_local_batch <= self.max_batch:
+            raise ValueError("need 1 <= min local batch <= max batch")
         if self.iteration_seconds <= 0 or self.per_sample_seconds < 0:
             raise ValueError("iteration seconds must be > 0 and per-sample seconds >= 0")
         if not self.noise or any(not (math.isfinite(n) and n > 0) for n in self.noise):
             raise ValueError("noise scales must be finite and > 0, at least one")
+
+    def widest(self) -> int:
+        """The most GPUs its batch can be spread over: its max batch at its smallest local
+        batch (Pollux's simulator bounds a job's replicas by it)."""
+        return self.max_batch // self.min_local_batch
 
     def clamp(self, batch: int | None) -> int:
         """The batch the job trains at when asked for `batch` (None: the trace's)."""
@@ -135,6 +147,7 @@ def batch_model(calibration: Calibration, batching: BatchCalibration) -> BatchMo
         serial_fraction=calibration.serial_fraction,
         per_sample_seconds=batching.per_sample_seconds,
         noise=batching.noise,
+        min_local_batch=batching.min_local_batch,
     )
 
 
@@ -152,9 +165,10 @@ def derive_batching(
     """The table row of one application at one trace batch; `validated`: the batches of its
     `validation-*.csv` files, `read(name)` the text of one of its trace files."""
     cap = POLLUX_MAX_LOCAL_BATCH.get(application, 1 << 30)
+    placements = _rows(read("placements.csv"))
     ones = [
         (float(r["local_bsz"]), float(r["step_time"]))
-        for r in _rows(read("placements.csv"))
+        for r in placements
         if r["placement"] == "1" and float(r["local_bsz"]) <= cap
     ]
     mean_x = sum(x for x, _ in ones) / len(ones)
@@ -169,14 +183,18 @@ def derive_batching(
         sqr, var = float(row["grad_sqr"]), float(row["grad_var"])
         noise.append(initial * var / sqr)
     largest = batch_size if application == "ncf" else max(validated)
-    return BatchCalibration(application, batch_size, largest, max(slope, 0.0), tuple(noise))
+    smallest_local = (
+        batch_size
+        if application == "ncf"
+        else min(math.ceil(float(r["local_bsz"])) for r in placements)
+    )
+    return BatchCalibration(largest, smallest_local, max(slope, 0.0), tuple(noise))
 
 
 POLLUX_BATCHING: Mapping[tuple[str, int], BatchCalibration] = {
     ("bert", 384): BatchCalibration(
-        "bert",
         384,
-        384,
+        4,
         0.05783,
         (
             1.122e04,
@@ -192,44 +210,38 @@ POLLUX_BATCHING: Mapping[tuple[str, int], BatchCalibration] = {
         ),
     ),
     ("cifar10", 2048): BatchCalibration(
-        "cifar10",
-        2048,
         4096,
+        32,
         0.0006643,
         (65.42, 2860, 5242, 7838, 1.203e04, 1.79e04, 3.524e04, 6.055e04, 1.295e05, 6e04),
     ),
     ("cifar10", 4096): BatchCalibration(
-        "cifar10",
         4096,
-        4096,
+        32,
         0.0006643,
         (105.8, 2993, 5821, 7932, 1.159e04, 1.909e04, 3.118e04, 9.625e04, 1.385e05, 1.71e05),
     ),
     ("deepspeech2", 320): BatchCalibration(
-        "deepspeech2",
-        320,
         640,
+        10,
         0.02905,
         (12.28, 834, 2906, 4968, 1.529e04, 1.734e05, 8.607e04, 2.597e05, 4.624e04, 4.483e04),
     ),
     ("deepspeech2", 640): BatchCalibration(
-        "deepspeech2",
         640,
-        640,
+        10,
         0.02905,
         (12.75, 824.1, 1872, 4107, 5675, 2.869e04, 8.728e04, 1.218e07, 7.095e04, 6.67e04),
     ),
     ("imagenet", 3200): BatchCalibration(
-        "imagenet",
-        3200,
         12800,
+        20,
         0.004208,
         (678.2, 8436, 9781, 1.027e04, 4.147e04, 3.426e04, 3.261e04, 1.624e05, 1.397e05, 1.281e05),
     ),
     ("imagenet", 6400): BatchCalibration(
-        "imagenet",
-        6400,
         12800,
+        20,
         0.004208,
         (
             637.9,
@@ -245,7 +257,6 @@ POLLUX_BATCHING: Mapping[tuple[str, int], BatchCalibration] = {
         ),
     ),
     ("ncf", 32768): BatchCalibration(
-        "ncf",
         32768,
         32768,
         4.337e-07,
@@ -263,9 +274,8 @@ POLLUX_BATCHING: Mapping[tuple[str, int], BatchCalibration] = {
         ),
     ),
     ("yolov3", 64): BatchCalibration(
-        "yolov3",
-        64,
         512,
+        4,
         0.0148,
         (0.3988, 323.6, 343.4, 368.7, 437.2, 440.5, 878.1, 792.5, 1506, 3046),
     ),

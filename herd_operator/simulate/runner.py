@@ -15,7 +15,13 @@ from herd_operator.simulate.baselines import BASELINES, run_baseline
 from herd_operator.simulate.colocation import with_published_memory, with_utilization
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import JobModel
-from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
+from herd_operator.simulate.workload import (
+    MixParams,
+    batch_widened,
+    load_trace,
+    perlmutter_mix,
+    rigid,
+)
 from herd_operator.specs import PolicyRef
 from herd_operator.specs.values import Pool
 
@@ -37,8 +43,9 @@ includes lending: the two are not combined), `+small` admits the smallest pendin
 `+las`, `+srpt`, `+fifo`: the allocator's queue (`policies/queueing.py`); `+fifo` is none.
 `+adaptive` is the jobs' option (`JOB_OPTIONS`)."""
 JOB_OPTIONS = {"adaptive": "adaptive_batch"}
-"""`POLICY+adaptive`: the jobs with a noise profile report the adaptive metrics and train at
-the batch the policy picks (`simulate/batching.py`)."""
+"""`POLICY+adaptive`: the jobs with a noise profile report the adaptive metrics, train at
+the batch the policy picks (`simulate/batching.py`) and may grow past their trace's GPUs as
+far as their max batch spreads (`workload.batch_widened`)."""
 
 
 def parse_pool(text: str) -> Pool:
@@ -138,6 +145,8 @@ def simulate(
         policy, flags, queued = parse_allocator_options(text, queue)
         label, ref = parse_policy(policy)
         jobs = rigid(workload.jobs) if label == FIRST_COME else workload.jobs
+        if flags.get("adaptive_batch") and label != FIRST_COME:
+            jobs = batch_widened(jobs, pool.size)
         config = SimConfig(
             pool, ref, tick=tick, resync=resync, max_wait_seconds=max_wait_seconds,
             queue=queued, share_utilization=share_utilization,

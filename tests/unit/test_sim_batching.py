@@ -8,11 +8,18 @@ from dataclasses import replace
 
 import pytest
 
-from herd_operator.simulate.batching import POLLUX_BATCHING, BatchModel, derive_batching
+from herd_operator.simulate.batching import (
+    POLLUX_BATCHING,
+    BatchModel,
+    batch_model,
+    derive_batching,
+)
 from herd_operator.simulate.calibration import POLLUX_CALIBRATIONS
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import JobModel
-from herd_operator.simulate.runner import parse_allocator_options, parse_pool
+from herd_operator.simulate.runner import Workload, parse_allocator_options, parse_pool
+from herd_operator.simulate.runner import simulate as runner_simulate
+from herd_operator.simulate.workload import batch_widened
 from herd_operator.specs import PolicyRef
 from herd_operator.specs.values import ADAPTIVE_METRICS, BASE_BATCH_METRIC
 
@@ -121,6 +128,7 @@ def test_derive_batching_from_hand_made_trace_files() -> None:
     row = derive_batching("toy", 64, 20, [16, 64, 256], files.__getitem__)
     assert row.per_sample_seconds == pytest.approx(0.01)  # slope of placement "1" only
     assert row.max_batch == 256
+    assert row.min_local_batch == 10  # the smallest local batch of any placement
     # Noise: initial batch 16 x var / sqr at epochs 0, 2, 4, ..., 18.
     assert row.noise == pytest.approx(tuple(16 * 2.0 * (2 * k + 1) for k in range(10)))
 
@@ -131,3 +139,56 @@ def test_every_calibrated_trace_batch_has_a_noise_profile() -> None:
         assert row.max_batch >= batch
         assert all(math.isfinite(n) and n > 0 for n in row.noise)
     assert POLLUX_BATCHING["ncf", 32768].max_batch == 32768
+    assert POLLUX_BATCHING["ncf", 32768].min_local_batch == 32768  # one GPU, as Pollux's
+    # Pollux's `max_batch_size // min_local_bsz`: deepspeech2 spreads 640 over 64 GPUs.
+    assert POLLUX_BATCHING["deepspeech2", 320].min_local_batch == 10
+    assert (
+        batch_model(
+            POLLUX_CALIBRATIONS["deepspeech2", 320], POLLUX_BATCHING["deepspeech2", 320]
+        ).widest()
+        == 64
+    )
+
+
+def test_the_widest_size_is_the_max_batch_at_the_smallest_local_batch() -> None:
+    assert profile(max_batch=800, min_local_batch=25).widest() == 32
+    assert profile(max_batch=800, min_local_batch=30).widest() == 26  # 26 x 30 <= 800
+    assert profile().widest() == 800  # one sample a GPU when nothing is known
+    with pytest.raises(ValueError, match="min local batch"):
+        profile(min_local_batch=0)
+    with pytest.raises(ValueError, match="min local batch"):
+        profile(min_local_batch=801)
+
+
+def test_batch_widened_bounds_by_max_batch_measured_sizes_and_pool_never_below_the_ask() -> None:
+    adaptive = profile(max_batch=800, min_local_batch=25)  # widest 32
+    jobs = [
+        job(adaptive, name="measured-to-16", max_gpus=4, scale_limit=16),
+        job(adaptive, name="unmeasured", max_gpus=4),
+        job(adaptive, name="asks-more", requested=40, max_gpus=40, scale_limit=48),
+        job(None, name="no-profile", max_gpus=4, scale_limit=16),
+    ]
+    widened = {j.name: j for j in batch_widened(jobs, pool_gpus=20)}
+    assert widened["measured-to-16"].max_gpus == 16  # its measured sizes
+    assert widened["unmeasured"].max_gpus == 20  # the pool (32 would spread the max batch)
+    assert widened["asks-more"].max_gpus == 40  # never below its trace's ask
+    assert widened["no-profile"] == jobs[3]  # no batch to spread: as it was
+    assert all(widened[j.name].min_gpus == j.min_gpus for j in jobs)
+    assert batch_widened(jobs, pool_gpus=64)[2].max_gpus == 40
+
+
+def test_adaptive_jobs_grow_past_their_trace_ask_on_an_idle_pool() -> None:
+    # A trace row asking 2 GPUs, a profile whose max batch spreads over 32 and throughput
+    # measured up to 4: alone on 4 GPUs, `+adaptive` lets it take all 4 and it ends sooner.
+    asked = job(
+        profile(serial_fraction=0.05, noise=(1e9,), min_local_batch=25),
+        requested=2, max_gpus=2, serial_fraction=0.05, scale_limit=4,
+    )  # fmt: skip
+    pool = parse_pool("1x4")
+    kept = Simulation(
+        [asked], SimConfig(pool, PolicyRef(name="goodput"), adaptive_batch=True)
+    ).run()
+    (widened,) = runner_simulate(Workload("one", [asked]), pool, ["goodput+adaptive"], 0.0)
+    held = widened.jobs[0].gpu_seconds / widened.jobs[0].completion
+    assert held > 2.5  # GPUs held on average: more than the 2 its trace row asks
+    assert widened.jobs[0].completion < 0.8 * kept.jobs[0].completion
