@@ -156,7 +156,7 @@ def run_life(life: Life, operator_argv: list[str], log: Path) -> None:
         life.wait(lambda: life.epochs_at(1), "an epoch at 1 worker", 180)
         life.launch_at_start = herd.launch_id("tr")
         herd.write_spec(torchrun_spec("tr", 3, snapshot))  # grow 1 -> 3
-        # The grow took 30.8, 45.7 and 65.0 s to its ResizeCompleted at load 6, 21 and 30-36
+        # The grow took 30.8, 45.7 and 65.0 s to its ResizeCompleted at load 5-7, 21-23, 28-36
         # (the new agents and workers import torch); bare torchrun's 60-101 s at load 25-46.
         life.wait(lambda: life.epochs_at(3), "an epoch at 3 workers", 240)
         # A Horovod job beside it, on the pool's last GPU.
