@@ -21,9 +21,12 @@ by Horovod) instead of failing.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from tenacity import (
@@ -52,6 +55,32 @@ BIND_WAIT_SECONDS = float(os.environ.get("HERD_BIND_TIMEOUT", "600"))
 BIND_RETRY_SECONDS = 0.5
 # A spec is at most a few MiB; an env file is a part of one.
 _MAX_ENV_FILE_BYTES = 16 * 1024 * 1024
+
+
+TORCHRUN_WORKER_ENV = "TORCHELASTIC_RUN_ID"
+"""Set by a torchrun agent in the environment of each worker it starts."""
+AGENT_DEATH_SIGNAL = signal.SIGTERM
+"""What a torchrun worker gets when its agent dies: as when the agent stops it."""
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int, parent: int) -> None:
+    """Get `sig` when the parent dies; exit at once if it already has (the fork raced it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, sig) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(128 + sig)
+
+
+def die_with_agent(environ: Mapping[str, str]) -> None:
+    """Under a torchrun agent, make this process (the worker, after the exec) get SIGTERM
+    when the agent dies, however it dies: torch starts each worker in a session of its own,
+    so the worker of a SIGKILLed agent trained on, an orphan on its GPU that nobody stops.
+    The signal is tied to the agent's thread that started us (torch's main loop) and
+    survives the exec. The Horovod engine's driver sets its workers' own."""
+    if TORCHRUN_WORKER_ENV in environ:
+        set_parent_death_signal(AGENT_DEATH_SIGNAL, os.getppid())
 
 
 class EnvFileError(Exception):
@@ -168,6 +197,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m herd_operator.agent.shim -- COMMAND [ARG...]", file=sys.stderr)
         return 2
+    die_with_agent(os.environ)
     try:
         env = bound_environment(dict(os.environ))
     except ShimExit as stop:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
-import ctypes
 import importlib
 import json
 import os
@@ -46,7 +45,6 @@ from pathlib import Path
 from herd_operator.agent import shim
 from herd_operator.environment import ENV_FILE_ENV
 
-PR_SET_PDEATHSIG = 1
 FDS_PER_REQUEST = 4
 """The worker's socket, stdin, stdout, stderr."""
 READY = b"R"
@@ -71,15 +69,6 @@ class WorkerRequest:
     def decode(cls, line: bytes) -> WorkerRequest:
         data = json.loads(line)
         return cls(list(data["argv"]), dict(data["env"]), str(data["cwd"]), bool(data["shim"]))
-
-
-def set_parent_death_signal(sig: int, parent: int) -> None:
-    """Get `sig` when the parent dies; exit at once if it already has (the fork raced it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, sig) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:
-        os._exit(128 + sig)
 
 
 def _read_line(sock: socket.socket) -> bytes:
@@ -154,7 +143,7 @@ def serve(control: socket.socket) -> tuple[WorkerRequest, list[int]] | None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            set_parent_death_signal(signal.SIGTERM, zygote)
+            shim.set_parent_death_signal(signal.SIGTERM, zygote)
             control.close()
             reply.close()
             for pidfd, child in children.items():

@@ -44,7 +44,7 @@ from herd_operator.runtime.process_table import is_process_of_job
 from herd_operator.runtime.recording import EventSink, Recorder
 from herd_operator.runtime.service import ServiceLedger, ServiceRecords
 from herd_operator.runtime.withheld import only, restorable, wait_for_drains, withheld_slots
-from herd_operator.runtime.world_sizes import LOST_GRACE_SECONDS, WorldSizes
+from herd_operator.runtime.world_sizes import LOST_GRACE_SECONDS, WorldSizes, standing
 from herd_operator.specs.values import Allocation, Demand, Drain, Grant, Placement, Pool, Slot
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class Allocator:
         unavailable_hosts: Callable[[], AbstractSet[str]] = frozenset,
         on_workers_lost: Callable[[str, frozenset[str]], None] = lambda job, hosts: None,
         belongs: Callable[[str, int], bool] = is_process_of_job,
+        agents: Callable[[str], AbstractSet[str]] = lambda job: frozenset(),
         first_launch_seconds: float = 0.0,
         queue: QueueConfig | None = None,
         sharing: SharingLimits | None = None,
@@ -107,36 +108,32 @@ class Allocator:
         takes their GPUs back, that `job` lost workers and ran on `hosts` (where they may
         have vanished with their node). `belongs(job, pid)`: whether a pid a worker of `job`
         binds with is a process of the job (asked for workers on this host, see `bind`).
+        `agents(job)`: the names of `job`'s GPUs here whose agent runs (`world_sizes.standing`).
         `spare_by_gain`, `share_by_gain`, `smallest_first`, `sharing`: `arbitrate_sharing`'s
         options (GPUs nobody wants lent by gain; every GPU above the mins divided by gain;
         pending jobs smallest min first; GPUs shared by memory among jobs that opt in).
         Under `smallest_first` a job pending for `max_wait_seconds` (from the first decision
-        that left it pending) goes first (`arbitrate`'s `overdue`):
-        no timer is needed, since being overdue changes a decision only when GPUs come free
-        or a job arrives, and each of those decides. `first_launch_seconds`: how long at
-        most a job whose first launch is forming is left alone (`first_launch.py`; 0: not).
+        that left it pending) goes first (`arbitrate`'s `overdue`): no timer is needed,
+        since being overdue changes a decision only when GPUs come free or a job arrives,
+        and each of those decides. `first_launch_seconds`: how long at most a job whose
+        first launch is forming is left alone (`first_launch.py`; 0: not).
         `queue`: the order by service or work left, and preemption (`queueing.py`)."""
         if not max_wait_seconds > 0 or not math.isfinite(max_wait_seconds):
             raise ValueError(f"max_wait_seconds must be finite and > 0, got {max_wait_seconds}")
-        self.pool = pool
-        self.virtual = virtual
+        self.pool, self.virtual = pool, virtual
         self.spare_by_gain, self.share_by_gain = spare_by_gain, share_by_gain
-        self.smallest_first = smallest_first
+        self.smallest_first, self.min_resize_interval = smallest_first, min_resize_interval
         self.max_wait_seconds, self.sharing = max_wait_seconds, sharing
-        self.min_resize_interval = min_resize_interval
-        self._service = ServiceLedger(queue)
-        self._sink = sink
-        self._clock = clock
-        self._wall_clock = wall_clock
-        self._unavailable_hosts = unavailable_hosts
-        self._on_workers_lost = on_workers_lost
+        self._service, self._sink = ServiceLedger(queue), sink
+        self._clock, self._wall_clock = clock, wall_clock
+        self._unavailable_hosts, self._on_workers_lost = unavailable_hosts, on_workers_lost
         self._local_hosts = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
         self._lock = threading.RLock()
         # How deep this thread is in `_changing` blocks (only the lock's holder changes it).
         self._depth = 0
         self._drains = DrainTracker(drain_seconds, clock, wall_clock, self._local_hosts)
         self._bindings = BindingTracker(present, self._local_hosts)
-        self._belongs = belongs
+        self._belongs, self._agents = belongs, agents
         self._recorder = Recorder(self._lock, self._snapshot, on_decision, on_event)
         self._listeners: list[Callable[[str, Grant], None]] = []
         self._demands: dict[str, Demand] = {}
@@ -365,7 +362,10 @@ class Allocator:
                 if grant is None:
                     return
             if self._world.lost(job, previous, world_size, grant.placement.size, now):
-                self._lose_workers(job, world_size, now)
+                if standing(self._bindings.names(job, grant.placement), self._agents(job)):
+                    self._world.bound(job, now)  # a torchrun membership forming: none lost
+                else:
+                    self._lose_workers(job, world_size, now)
 
     def _lose_workers(self, job: str, world_size: int, now: float) -> None:
         """Shrink `job` to the `world_size` workers it still has: the slots of gone workers

@@ -39,6 +39,7 @@ from herd_operator.runtime.engines import (
     engine_factory,
 )
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
+from herd_operator.runtime.process_table import agent_names
 from herd_operator.specs import HerdJob
 from herd_operator.specs.values import Placement, Slot
 
@@ -109,6 +110,12 @@ class EngineDispatch:
             if self._job_engines.get(job) is engine:
                 self._presented[job] = (engine, placement, presented)
         return presented
+
+    def agents(self, job: str) -> frozenset[str]:
+        """The names of `job`'s GPUs on this host whose agent runs (the torchrun engine's; a
+        Horovod job has none): the allocator's evidence that a membership is still forming
+        (`world_sizes.standing`). Read from the process table, only when a loss is judged."""
+        return agent_names(self.context.layout.root, job)
 
     def publish(self, job: str, placement: Placement) -> None:
         with self._lock:

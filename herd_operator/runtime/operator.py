@@ -256,6 +256,7 @@ class Operator:
             ),
             unavailable_hosts=nodes.unavailable,
             on_workers_lost=nodes.workers_vanished,
+            agents=engines.agents,
             # A worker that never binds is lost after this grace anyway.
             first_launch_seconds=LOST_GRACE_SECONDS,
         )

@@ -160,6 +160,18 @@ def started_since(pid: int, since: float) -> bool:
         return False
 
 
+def agent_names(state_dir: Path, job: str) -> frozenset[str]:
+    """The names (`HERD_WORKER_HOST`) of `job`'s GPUs on this host that a live process of
+    the job stands for without being the GPU's worker (it carries no `HERD_GPU`, which the
+    shim sets before it execs the worker): the torchrun engine's agents, and a shim not yet
+    bound. The Horovod engine's processes carry no such name."""
+    return frozenset(
+        proc.env[WORKER_HOST_ENV]
+        for proc in job_processes(state_dir)
+        if proc.job == job and WORKER_HOST_ENV in proc.env and GPU_ENV not in proc.env
+    )
+
+
 def is_process_of_job(job: str, pid: int) -> bool:
     """Whether `pid` is a live process here that belongs to `job`: it carries the job's
     name in `HERD_JOB`, as everything the operator starts for a job does (the workers, the

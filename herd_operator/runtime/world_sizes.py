@@ -11,10 +11,30 @@ decision over every job. Not thread-safe by itself: the allocator calls it under
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+
+from herd_operator.specs.values import Slot
+
 LOST_GRACE_SECONDS = 60.0
 """How long a job may report fewer workers than granted, without a drop and without a
 worker binding to one of its GPUs, before the missing ones count as lost: a grow normally
 completes within seconds."""
+
+
+def standing(names: Mapping[Slot, str], agents: AbstractSet[str]) -> bool:
+    """Whether every granted GPU (`names`: each slot -> the name its worker binds under)
+    still has a live agent here (`agents`: the names whose agent runs): then no worker is
+    lost, whatever the job reports. A torchrun agent starts its GPU's worker and restarts
+    it at each new membership, and the membership forms over many seconds on a loaded
+    node: the new agents import torch, each round waits `lastCallSeconds` after its first
+    member, and a straggler makes another round, so the world size stays short of the
+    grant for longer than the grace, or dips (a round formed without a slow member). A
+    worker whose agent runs is coming: the agent either joins or gives up (its join
+    timeout, its restarts spent) and exits, and then the slot has none. A Horovod job has
+    no agents (`agents` is empty), nor does a GPU on another host (its agent is not seen
+    from here): for those, a drop or the grace says what is lost, as before."""
+    return bool(names) and all(name in agents for name in names.values())
 
 
 class WorldSizes:

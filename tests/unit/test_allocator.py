@@ -13,14 +13,27 @@ import psutil
 import pytest
 
 from herd_operator.controllers.ports import Workers
+from herd_operator.environment import (
+    GPU_ENV,
+    JOB_ENV,
+    LAUNCH_ID_ENV,
+    STATE_DIR_ENV,
+    WORKER_HOST_ENV,
+)
 from herd_operator.exporters.gpu import process_tree_rss
 from herd_operator.layout import StateLayout
 from herd_operator.rpc.protocol import BadRequest, NotFound
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import slots_to_give_up
+from herd_operator.runtime.engines import torchrun
 from herd_operator.runtime.engines.horovod import GrantPublisher, present
 from herd_operator.runtime.handlers import AllocatorOps
-from herd_operator.runtime.process_table import alive, is_process_of_job, started_since
+from herd_operator.runtime.process_table import (
+    agent_names,
+    alive,
+    is_process_of_job,
+    started_since,
+)
 from herd_operator.specs.values import Allocation, Demand, Grant, Placement, Pool
 
 # Hang guard for running a discovery script; never a performance expectation.
@@ -600,6 +613,87 @@ def test_a_grow_whose_workers_keep_binding_is_not_lost_after_the_grace(
     allocator.observe_world_size("a", 2)
     assert allocator.grant("a").placement.size == 2  # type: ignore[union-attr]
     assert [reason for _, _, reason, _ in events.raised] == ["WorkerLost"]
+
+
+def torchrun_allocator(
+    layout: StateLayout, clock: Clock, events: Events, agents: set[str]
+) -> Allocator:
+    """An allocator over a pool of 4 GPUs that presents each GPU as the torchrun engine does
+    (`localhost:gpu2`), whose `agents` are the names in `agents` at each question."""
+    return Allocator(
+        Pool.from_counts({"localhost": 4}),
+        GrantPublisher(layout, NAMES),
+        virtual=True,
+        present=lambda job, placement: torchrun.present(placement),
+        drain_seconds=0,
+        clock=clock,
+        on_event=events,
+        lost_grace_seconds=60.0,
+        belongs=any_pid,
+        agents=lambda job: frozenset(agents),
+    )
+
+
+def test_a_torchrun_grow_is_not_lost_while_every_granted_gpus_agent_runs(
+    layout: StateLayout,
+) -> None:
+    """CI at 847fce0 (load 20-47): a torchrun grow 1 -> 3 whose new agents took longer than
+    the 60 s grace to import torch and meet was taken back as workers lost, four times
+    over; and a round formed without a slow agent (world 2, then 1) reads as a drop. While
+    each granted GPU's agent runs, its worker is coming: nothing is lost."""
+    clock, events, agents = Clock(), Events(), {"localhost:gpu0"}
+    allocator = torchrun_allocator(layout, clock, events, agents)
+    allocator.request(Demand("a", 1, 3, 3, arrival=1))
+    agents |= {"localhost:gpu1", "localhost:gpu2"}  # the driver started their agents
+    allocator.observe_world_size("a", 1)  # the old worker, while the new agents start
+    for world in (1, 2, 1, 2):  # still the old one, then rounds forming and re-forming
+        clock.now += 100
+        allocator.observe_world_size("a", world)
+    assert allocator.grant("a").placement.size == 3  # type: ignore[union-attr]
+    assert events.raised == []
+    # gpu2's agent gave up (its join timeout, its restarts spent): its GPU has nobody coming.
+    agents.discard("localhost:gpu2")
+    allocator.observe_world_size("a", 2)
+    assert allocator.grant("a").placement.size == 3  # type: ignore[union-attr]
+    clock.now += 60  # the grace, from the last time it was seen forming
+    allocator.observe_world_size("a", 2)
+    assert allocator.grant("a").placement.slots() == (("localhost", 0), ("localhost", 1))  # type: ignore[union-attr]
+    assert [reason for _, _, reason, _ in events.raised] == ["WorkerLost"]
+
+
+def test_a_torchrun_drop_with_an_agent_gone_is_a_loss_at_once(layout: StateLayout) -> None:
+    clock, events = Clock(), Events()
+    agents = {"localhost:gpu0", "localhost:gpu1", "localhost:gpu2"}
+    allocator = torchrun_allocator(layout, clock, events, agents)
+    allocator.request(Demand("a", 1, 3, 3, arrival=1))
+    allocator.observe_world_size("a", 3)
+    agents.discard("localhost:gpu1")  # its agent killed: the others form a round of 2
+    allocator.observe_world_size("a", 2)
+    assert allocator.grant("a").placement.size == 2  # type: ignore[union-attr]
+    assert [reason for _, _, reason, _ in events.raised] == ["WorkerLost"]
+
+
+def test_agent_names_are_the_slots_whose_agent_runs_not_their_workers(tmp_path: Path) -> None:
+    """What the operator reads as a job's agents: its processes here that carry a GPU's
+    name (`HERD_WORKER_HOST`, which the torchrun driver gives each agent) and no `HERD_GPU`
+    (which a worker has from its bind on)."""
+    state = tmp_path / "state"
+    base = {**os.environ, STATE_DIR_ENV: str(state.resolve()), LAUNCH_ID_ENV: "l1"}
+    envs = [
+        {JOB_ENV: "tr", WORKER_HOST_ENV: "localhost:gpu1"},  # an agent
+        {JOB_ENV: "tr", WORKER_HOST_ENV: "localhost:gpu2", GPU_ENV: "2"},  # a worker
+        {JOB_ENV: "other", WORKER_HOST_ENV: "localhost:gpu3"},  # another job's agent
+        {JOB_ENV: "tr"},  # the driver
+    ]
+    procs = [subprocess.Popen(["sleep", "30"], env={**base, **env}) for env in envs]
+    try:
+        assert agent_names(state, "tr") == {"localhost:gpu1"}
+        assert agent_names(tmp_path / "elsewhere", "tr") == frozenset()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert agent_names(state, "tr") == frozenset()
 
 
 def test_the_end_of_a_shrink_the_operator_asked_for_is_no_loss(layout: StateLayout) -> None:

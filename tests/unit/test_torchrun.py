@@ -16,10 +16,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+import psutil
 import pytest
 import yaml
 
@@ -549,3 +551,44 @@ def test_simulate_runs_every_job_on_the_engine_asked_for(tmp_path: Path) -> None
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([*argv, "--engine", "torchrun", "--output", str(tmp_path)]) == 0
     assert "torchrun jobs" in (tmp_path / "summary.md").read_text()
+
+
+STAND_IN_TORCHRUN_AGENT = """
+import os, subprocess, sys
+# As torch's agent starts a worker: a session of its own, TORCHELASTIC_RUN_ID set.
+worker = subprocess.Popen(
+    sys.argv[1:], start_new_session=True, env={**os.environ, "TORCHELASTIC_RUN_ID": "tr"}
+)
+print(worker.pid, flush=True)
+worker.wait()
+"""
+
+
+def test_a_worker_dies_with_its_torchrun_agent_when_only_the_agent_is_killed() -> None:
+    """Issue 29: an agent SIGKILLed alone left its worker training on as an orphan (torch
+    starts workers in their own session). The shim ties the worker to its agent's life."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    shimmed = [sys.executable, "-m", "herd_operator.agent.shim", "--", *sleeper]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERD_")}  # no operator
+    agent = subprocess.Popen(
+        [sys.executable, "-c", STAND_IN_TORCHRUN_AGENT, *shimmed], stdout=subprocess.PIPE, env=env
+    )
+    worker = None
+    try:
+        assert agent.stdout is not None
+        worker = psutil.Process(int(agent.stdout.readline()))
+        deadline = time.monotonic() + 60
+        while worker.cmdline() != sleeper:  # the shim exec'd the command in its place
+            assert time.monotonic() < deadline, worker.cmdline()
+            time.sleep(0.01)
+        agent.kill()
+        agent.wait()
+        # Reparented, so not ours to reap: gone or a zombie both mean it died.
+        _, alive = psutil.wait_procs([worker], timeout=30)
+        assert alive == [] or worker.status() == psutil.STATUS_ZOMBIE
+    finally:
+        agent.kill()
+        agent.wait()
+        if worker is not None:
+            with contextlib.suppress(psutil.Error):
+                worker.kill()
