@@ -11,8 +11,8 @@ every other file in pytest's usual order (the rest of tests/integration, then th
 tests, then tests/unit, whose many short files fill in the tail).
 
 The list is a guess from CI's `--durations` (the sum of each file's tests among the 25
-slowest of four fresh-clone runs, 2026-12-02); a wrong or stale entry costs time, never a
-test. Nothing is skipped or deselected: the hook only sorts.
+slowest of four fresh-clone runs, 2026-12-02) and one whole run here; a wrong or stale entry
+costs time, never a test. Nothing is skipped or deselected: the hook only sorts.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ LONGEST_FIRST = (
     "integration/test_queue.py",  # 77-80 s
     "integration/test_report.py",  # 78 s
     "test_bench.py",  # 54-59 s (its fixture's quick benchmark run)
+    # Under the 25 slowest in CI, the longest of the rest in a whole run here (at load 12-43):
+    "unit/test_arbitration.py",  # 215 s there (80 tests, hypothesis)
+    "integration/test_run_command.py",  # 155 s there
+    "test_packaging.py",  # 146 s there (builds and installs the package)
 )
 
 
