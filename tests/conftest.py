@@ -39,7 +39,7 @@ LONGEST_FIRST = (
     "integration/test_queue.py",  # 77-80 s
     "integration/test_report.py",  # 78 s
     "test_bench.py",  # 54-59 s (its fixture's quick benchmark run)
-    # Under the 25 slowest in CI, the longest of the rest in a whole run here (at load 12-43):
+    # Not among CI's 25 slowest; the longest of the rest in one whole run here (load 12-43):
     "unit/test_arbitration.py",  # 215 s there (80 tests, hypothesis)
     "integration/test_run_command.py",  # 155 s there
     "test_packaging.py",  # 146 s there (builds and installs the package)
