@@ -3,6 +3,7 @@ checked on generated pools, jobs and histories against a plain reference of what
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,7 +20,9 @@ from herd_operator.policies.arbitration import arbitrate
 from herd_operator.policies.sharing import (
     SharingLimits,
     arbitrate_sharing,
+    counted_utilization,
     worker_memory,
+    worker_memory_at,
 )
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.specs import spec_fingerprint
@@ -148,9 +151,27 @@ def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
             memory = draw(st.none() | st.integers(1, 12) | st.integers(1, 5))
             measured = draw(st.none() | st.integers(1, 12) | st.integers(1, 5))
             demand = replace(demand, share=True, memory_bytes=memory, measured_bytes=measured)
+            busy = draw(st.none() | st.sampled_from([0.0, 0.2, 0.3, 0.5, 0.7, 1.0]))
+            split = draw(st.none() | st.integers(0, (memory or 0) * low))
+            demand = replace(demand, utilization=busy, memory_split_bytes=split)
         demands.append(demand)
-    limits = SharingLimits(max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1)
+    limits = SharingLimits(
+        max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1,
+        max_utilization=draw(st.none() | st.sampled_from([1.0, 1.29, 2.0])),
+        backfill=draw(st.booleans()),
+    )  # fmt: skip
     return pool, demands, limits
+
+
+def _counted(demand: Demand, size: int, margin: float) -> int:
+    """The reference's bytes for one worker of `demand` at `size`: its request at that size
+    (the batch's split among `size` workers), its measured peak with the margin, or a GPU."""
+    request = demand.memory_bytes or 0
+    if demand.memory_split_bytes and size > demand.min:
+        fixed = request - demand.memory_split_bytes / demand.min
+        request = math.ceil(fixed + demand.memory_split_bytes / size)
+    measured = math.ceil((demand.measured_bytes or 0) * (1 + margin))
+    return max(request, measured) or CAPACITY
 
 
 def _check_invariants(
@@ -172,8 +193,12 @@ def _check_invariants(
         if len(names) > 1:
             assert all(by_name[n].share for n in names), (slot, names)  # never beside exclusive
             assert len(names) <= limits.max_jobs_per_gpu
-            used = sum(worker_memory(by_name[n], limits.margin) or CAPACITY for n in names)
+            sizes = {n: grants[n].placement.size for n in names}
+            used = sum(_counted(by_name[n], sizes[n], limits.margin) for n in names)
             assert used <= CAPACITY, (slot, names, used)
+            if limits.max_utilization is not None:
+                busy = sum(counted_utilization(by_name[n]) for n in names)
+                assert busy <= limits.max_utilization + 1e-9, (slot, names, busy)
     for name in grants:
         if by_name[name].share and grants[name].placement.size:
             assert worker_memory(by_name[name], limits.margin) <= CAPACITY
@@ -195,14 +220,22 @@ def _head_of_line_not_left_out(
     pending = next((d for d in ranked if not grants[d.name].placement.size), None)
     if pending is None:
         return
-    need = worker_memory(pending, limits.margin) or CAPACITY
+    need = _counted(pending, pending.min, limits.margin)
+    busy = counted_utilization(pending)
     room = 0
     for slot in pool.slots():
         if slot in held_exclusive:
             continue
         sharers = [d for d in ranked if slot in grants[d.name].placement.slots()]
-        used = sum(worker_memory(d, limits.margin) or CAPACITY for d in sharers)
-        if len(sharers) < limits.max_jobs_per_gpu and used + need <= CAPACITY:
+        # the decision's own rounding (whole bytes: at most one more than the reference's)
+        used = sum(
+            worker_memory_at(d, grants[d.name].placement.size, limits.margin) or CAPACITY
+            for d in sharers
+        )
+        on_gpu = sum(counted_utilization(d) for d in sharers)
+        cap = limits.max_utilization
+        within = not sharers or cap is None or on_gpu + busy <= cap + 1e-9
+        if len(sharers) < limits.max_jobs_per_gpu and used + need <= CAPACITY and within:
             room += 1
     assert room < pending.min, (pending, room)
 
