@@ -114,6 +114,64 @@ def test_the_cap_on_jobs_per_gpu_holds() -> None:
     assert [grants[d.name].placement.size for d in demands] == [1, 1, 1, 0]
 
 
+def test_a_utilization_cap_keeps_busy_jobs_apart_and_fills_the_busiest_gpu_first() -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
+    limits = SharingLimits(max_utilization=1.3)
+    busy = [
+        share("a", 1, GI, utilization=0.9),
+        share("b", 1, GI, arrival=1.0, utilization=0.5),
+        share("c", 1, GI, arrival=2.0, utilization=0.8),
+    ]
+    grants = arbitrate_sharing(pool, busy, {}, limits=limits)
+    # b joins a (1.4 > 1.3: no), so it opens the second GPU; c fits beside neither
+    # (0.9 + 0.8, 0.5 + 0.8 = 1.3 fits b's): beside b.
+    assert slots_of(grants, "a") == [("h0", 0)] and slots_of(grants, "b") == [("h0", 1)]
+    assert slots_of(grants, "c") == [("h0", 1)]
+    # Without the cap all three pack onto the first GPU by memory.
+    plain = arbitrate_sharing(pool, busy, {}, limits=SharingLimits())
+    assert {tuple(slots_of(plain, d.name)) for d in busy} == {(("h0", 0),)}
+    # A light job goes where it fills the GPU closest to the cap: beside a (0.9 + 0.3),
+    # not beside b (0.5 + 0.3); a job not measured yet counts as busy (1.0): alone only.
+    current = {"a": Placement((("h0", (0,)),)), "b": Placement((("h0", (1,)),))}
+    light = [*busy[:2], share("d", 1, GI, arrival=3.0, utilization=0.3)]
+    assert slots_of(arbitrate_sharing(pool, light, current, limits=limits), "d") == [("h0", 0)]
+    unknown = [*busy[:2], share("e", 1, GI, arrival=3.0)]
+    assert arbitrate_sharing(pool, unknown, current, limits=limits)["e"].placement.size == 0
+
+
+def test_a_job_splitting_its_batch_needs_less_per_worker_at_a_bigger_size() -> None:
+    demand = replace(share("a", 1, 30 * GI), max=4, desired=4, memory_split_bytes=24 * GI)
+    assert worker_memory_at(demand, 1, 0.1) == 30 * GI
+    assert worker_memory_at(demand, 4, 0.1) == 12 * GI  # 6 fixed + 24 / 4
+    assert worker_memory_at(replace(demand, measured_bytes=20 * GI), 4, 0.1) == 22 * GI
+    # x leaves 20 GiB free on each of two GPUs: a needs 30 GiB at its min of 1, 6 + 24 / 2 =
+    # 18 at 2: admitted at 2 at once; without the split (30 GiB at any size) it waits.
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
+    others = [share("x", 2, 60 * GI, arrival=-1.0)]
+    wanting = replace(demand, max=2, desired=2)
+    grants = arbitrate_sharing(pool, [*others, wanting], {}, limits=SharingLimits(margin=0.0))
+    assert grants["a"].placement.size == 2
+    whole = replace(wanting, memory_split_bytes=None)
+    grants = arbitrate_sharing(pool, [*others, whole], {}, limits=SharingLimits(margin=0.0))
+    assert grants["a"].placement.size == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"utilization": 1.5}, "utilization must be within [0, 1]"),
+        ({"utilization": float("nan")}, "utilization must be within [0, 1]"),
+        ({"memory_bytes": 10, "memory_split_bytes": 21}, "memory_split_bytes must be within"),
+        ({"memory_split_bytes": 1}, "memory_split_bytes must be within"),
+    ],
+)
+def test_a_bad_utilization_or_split_names_its_field(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        Demand("a", 2, 2, 2, **fields)
+    with pytest.raises(ValueError, match="max_utilization must be finite and >= 1"):
+        SharingLimits(max_utilization=0.9)
+
+
 def test_with_sharing_off_or_no_sharing_job_the_decision_is_arbitrates() -> None:
     pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
     demands = [share("a", 1, GI), share("b", 1, GI, arrival=1), Demand("c", 1, 1, 1, arrival=2)]
