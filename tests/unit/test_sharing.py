@@ -259,7 +259,8 @@ def _check_invariants(
                 assert busy <= limits.max_utilization + 1e-9, (slot, names, busy)
     for name in grants:
         if by_name[name].share and grants[name].placement.size:
-            assert worker_memory(by_name[name], limits.margin) <= CAPACITY
+            size = grants[name].placement.size  # a worker fits alone at the size it runs at
+            assert _counted(by_name[name], size, limits.margin) <= CAPACITY
 
 
 def _head_of_line_not_left_out(
