@@ -13,7 +13,11 @@ The rules, in the order a decision applies them:
 - A sharing worker never lands on a GPU a non-sharing job holds, is blocked (draining past
   its deadline, cordoned, held for an adopted job) or is being given back; the memory of the
   workers on a GPU never exceeds the GPU's; at most `max_jobs_per_gpu` jobs share one GPU;
-  a job never has two workers on one GPU (Horovod and torchrun give each rank its own).
+  a job never has two workers on one GPU (Horovod and torchrun give each rank its own);
+  with `max_utilization`, the summed GPU utilization of the jobs on a GPU never passes it
+  (a job not measured yet counts as a busy one, 1.0), which bounds how much they slow each
+  other, and a worker goes to the shared GPU it fills closest to the cap first (a lightly
+  used job beside a busy one, leaving room for the middling ones).
 - A sharing job's memory per worker is the larger of its request (`memory_bytes`) and its
   measured peak (`measured_bytes`) times `1 + margin`; with neither, or with no known GPU
   memory in the pool, a worker takes a whole GPU (still never beside an exclusive job).
@@ -24,7 +28,8 @@ The rules, in the order a decision applies them:
   onto GPUs already shared first (fullest first: packs tighter, leaves whole GPUs whole),
   then onto free GPUs. A pending job is admitted only when its whole min fits.
 - Free GPUs go to exclusive jobs first: a sharing job opens a free GPU only when no
-  exclusive job of its priority or higher is pending, and no sharing job before it was
+  exclusive job of its priority or higher is pending (unless `backfill`: then it may open
+  the GPUs the exclusive arbitration left free), and no sharing job before it was
   left pending (head of line). Packing onto GPUs already shared takes no GPU from anyone,
   so it goes on past a pending job. A sharing job is never shrunk to admit an exclusive
   one: its GPUs go back as sharing jobs end, and none opens a new one meanwhile.
@@ -56,6 +61,18 @@ def worker_memory(demand: Demand, margin: float) -> int:
     its measured peak raised by `margin`; 0 when neither is known."""
     measured = math.ceil(demand.measured_bytes * (1.0 + margin)) if demand.measured_bytes else 0
     return max(demand.memory_bytes or 0, measured)
+
+
+def worker_memory_at(demand: Demand, size: int, margin: float) -> int:
+    """GPU memory one of `size` workers (>= the job's min) of a sharing job is counted for:
+    `worker_memory` with the request taken at that size (`Demand.memory_split_bytes`: a
+    bigger job's workers each hold less of its batch). A measured peak stays a floor."""
+    request = demand.memory_bytes or 0
+    split = demand.memory_split_bytes or 0
+    if split and size > demand.min:
+        request -= split // demand.min - math.ceil(split / size)
+    measured = math.ceil(demand.measured_bytes * (1.0 + margin)) if demand.measured_bytes else 0
+    return max(request, measured)
 
 
 def sharers(
@@ -95,12 +112,23 @@ class SharingLimits:
     margin: float = DEFAULT_MEMORY_MARGIN
     gpu_memory_bytes: int | None = None
     """Each GPU's memory where the pool does not say (`Pool.gpu_memory_bytes` wins)."""
+    max_utilization: float | None = None
+    """The summed GPU utilization (`Demand.utilization`) of the jobs sharing one GPU at most;
+    None: not limited (memory and `max_jobs_per_gpu` only). Two jobs that each keep a GPU
+    busy slow each other most; a cap keeps only pairs whose kernels fit in the GPU's time."""
+    backfill: bool = False
+    """Sharing jobs may take GPUs the whole-GPU arbitration left free even while a whole-GPU
+    job waits (its min did not fit in them). False: free GPUs are the whole-GPU jobs' first
+    (a sharing job opens one only above every waiting whole-GPU job's priority)."""
 
     def __post_init__(self) -> None:
         if self.max_jobs_per_gpu < 1:
             raise ValueError(f"max_jobs_per_gpu must be >= 1, got {self.max_jobs_per_gpu}")
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"margin must be finite and >= 0, got {self.margin}")
+        cap = self.max_utilization
+        if cap is not None and not (math.isfinite(cap) and cap >= 1.0):
+            raise ValueError(f"max_utilization must be finite and >= 1 (one busy job), got {cap}")
 
 
 @dataclass
@@ -118,6 +146,11 @@ class _Gpus:
     """No worker may land here that is not on it already (being given back)."""
     used: dict[Slot, int] = field(default_factory=dict)
     jobs: dict[Slot, set[str]] = field(default_factory=dict)
+    max_busy: float | None = None
+    """`SharingLimits.max_utilization`."""
+    busy_of: Mapping[str, float] = field(default_factory=dict)
+    """Each job's GPU utilization as the cap counts it (`counted_utilization`)."""
+    busy: dict[Slot, float] = field(default_factory=dict)
 
     def fits(self, slot: Slot, job: str, need: int, *, staying: bool = False) -> bool:
         if slot in self.closed or (not staying and slot in self.no_new):
@@ -127,11 +160,38 @@ class _Gpus:
             job not in jobs
             and len(jobs) < self.max_jobs
             and self.used.get(slot, 0) + need <= self.capacity
+            and (
+                not jobs
+                or within_utilization(self.busy.get(slot, 0.0), self._busy(job), self.max_busy)
+            )
         )
 
     def add(self, slot: Slot, job: str, need: int) -> None:
         self.used[slot] = self.used.get(slot, 0) + need
         self.jobs.setdefault(slot, set()).add(job)
+        self.busy[slot] = self.busy.get(slot, 0.0) + self._busy(job)
+
+    def _busy(self, job: str) -> float:
+        return self.busy_of.get(job, 1.0)
+
+    def fill_key(self, slot: Slot) -> tuple[bool, float, int]:
+        """Best first: shared GPUs before free ones; with a utilization cap, the one left
+        busiest (closest to the cap) first; then the fullest by memory."""
+        busiest = -self.busy.get(slot, 0.0) if self.max_busy is not None else 0.0
+        return (not self.jobs.get(slot), busiest, -self.used.get(slot, 0))
+
+
+def counted_utilization(demand: Demand) -> float:
+    """A job's GPU utilization as a utilization cap counts it: the measured one, or 1.0 (a
+    busy job) until it is measured, so an unknown job never slows a neighbour past the cap."""
+    return 1.0 if demand.utilization is None else demand.utilization
+
+
+def within_utilization(on_gpu: float, joining: float, cap: float | None) -> bool:
+    """Whether a job of utilization `joining` may join the jobs on a GPU whose utilizations
+    sum to `on_gpu` (at least one job is there): always without a cap. A job alone on a GPU
+    is never refused by the cap (it slows no one), however busy it is."""
+    return cap is None or on_gpu + joining <= cap + 1e-9
 
 
 def _placement(slots: Sequence[Slot]) -> Placement:
@@ -164,26 +224,49 @@ def pack(
     capacity = pool.gpu_memory_bytes or limits.gpu_memory_bytes
     ranked = sorted(demands, key=_rank)
     if capacity is None:
-        needs = {d.name: 1 for d in ranked}
+        needs = _Needs(None, limits.margin)
         gpus = _Gpus(1, 1, False, closed, no_new)
     else:
-        needs = {d.name: worker_memory(d, limits.margin) or capacity for d in ranked}
+        needs = _Needs(capacity, limits.margin)
         gpus = _Gpus(capacity, limits.max_jobs_per_gpu, True, closed, no_new)
+        gpus.max_busy = limits.max_utilization
+        gpus.busy_of = {d.name: counted_utilization(d) for d in ranked}
     in_pool = pool.slot_set
     held: dict[str, list[Slot]] = {}
     for d in ranked:
-        need = needs[d.name]
-        staying = [
-            slot
-            for slot in current.get(d.name, Placement.EMPTY).slots()
-            if slot in in_pool and gpus.fits(slot, d.name, need, staying=True)
-        ]
+        now = [s for s in current.get(d.name, Placement.EMPTY).slots() if s in in_pool]
         top = d.max if d.name in frozen else d.wanted
-        staying = staying[:top] if len(staying) >= d.min else []
+        staying: list[Slot] = []
+        size = min(len(now), top)
+        while size >= d.min:  # the most of its GPUs it keeps at the memory that size needs
+            need = needs.at(d, size)
+            fit = [slot for slot in now if gpus.fits(slot, d.name, need, staying=True)]
+            if len(fit) >= size:
+                staying = fit[:size]
+                break
+            size = len(fit) if needs.constant(d) else min(size - 1, len(fit))
         for slot in staying:
-            gpus.add(slot, d.name, need)
+            gpus.add(slot, d.name, needs.at(d, len(staying)))
         held[d.name] = staying
     return _grow(pool, ranked, current, held, needs, gpus, frozen, may_open or {})
+
+
+@dataclass(frozen=True)
+class _Needs:
+    """Bytes one worker of a sharing job is counted for at a size (`worker_memory_at`), or a
+    whole GPU where unknown; 1 per worker where the GPUs' memory is unknown."""
+
+    capacity: int | None
+    margin: float
+
+    def at(self, demand: Demand, size: int) -> int:
+        if self.capacity is None:
+            return 1
+        return worker_memory_at(demand, max(size, demand.min), self.margin) or self.capacity
+
+    def constant(self, demand: Demand) -> bool:
+        """Whether the need is the same at every size."""
+        return self.capacity is None or not demand.memory_split_bytes
 
 
 def _grow(
@@ -191,7 +274,7 @@ def _grow(
     ranked: Sequence[Demand],
     current: Mapping[str, Placement],
     held: dict[str, list[Slot]],
-    needs: Mapping[str, int],
+    needs: _Needs,
     gpus: _Gpus,
     frozen: AbstractSet[str],
     may_open: Mapping[str, bool],
@@ -203,7 +286,7 @@ def _grow(
     for d in ranked:
         mine = held[d.name]
         before = current.get(d.name, Placement.EMPTY).size
-        need = needs[d.name]
+        need = needs.at(d, len(mine))
         if d.name in frozen and len(mine) >= d.min:
             decided[d.name] = (_placement(mine), f"holding {len(mine)}: resized recently (sharing)")
             continue
@@ -211,20 +294,41 @@ def _grow(
             decided[d.name] = (_placement(mine), _reason(d, need, before, len(mine)))
             continue
         opens = may_open.get(d.name, True) and not blocked_line
-        extra = where.best(d.name, mine, need, d.wanted - len(mine), opens)
+        need, extra = _largest_growth(d, mine, needs, where, opens)
         if len(mine) + len(extra) < d.min:
             if not mine and not blocked_line and may_open.get(d.name, True):
                 blocked_line = True  # nobody after it opens a free GPU (head of line)
             decided[d.name] = (
                 Placement.EMPTY,
-                _pending_reason(d, need, len(mine) + len(extra), before, gpus),
+                _pending_reason(d, needs.at(d, d.min), len(mine) + len(extra), before, gpus),
             )
             continue
         for slot in extra:
             gpus.add(slot, d.name, need)
+        for slot in mine:  # at its bigger size each worker it kept holds less of the batch
+            gpus.used[slot] -= needs.at(d, len(mine)) - need
         mine = mine + extra
         decided[d.name] = (_placement(mine), _reason(d, need, before, len(mine)))
     return decided
+
+
+def _largest_growth(
+    demand: Demand, mine: Sequence[Slot], needs: _Needs, where: _Candidates, opens: bool
+) -> tuple[int, list[Slot]]:
+    """(bytes per worker, the GPUs to add) for the largest size up to `wanted` whose every
+    new worker finds a GPU with the memory a worker needs at that size (a smaller size needs
+    more per worker: each tries the size the last one found room for). Nothing to add when
+    no size above what it holds fits (below its min: it stays pending)."""
+    size = demand.wanted
+    while True:
+        need = needs.at(demand, size)
+        extra = where.best(demand.name, mine, need, size - len(mine), opens)
+        found = len(mine) + len(extra)
+        if found >= size or needs.constant(demand):
+            return need, extra
+        size = min(size - 1, found)
+        if size <= len(mine) or size < demand.min:
+            return needs.at(demand, len(mine)), []
 
 
 class _Candidates:
@@ -257,8 +361,8 @@ class _Candidates:
             shared = bool(gpus.jobs.get(slot))
             return slot not in taken and (opens or shared) and gpus.fits(slot, job, need)
 
-        def fullest(slot: Slot) -> tuple[bool, int, int]:
-            return (not gpus.jobs.get(slot), -gpus.used.get(slot, 0), self._order[slot])
+        def fullest(slot: Slot) -> tuple[tuple[bool, float, int], int]:
+            return (gpus.fill_key(slot), self._order[slot])
 
         local = [slot for host in sorted(hosts) for slot in self._on_host.get(host, ())]
         chosen = sorted(filter(usable, local), key=fullest)[:count]
@@ -363,7 +467,8 @@ def arbitrate_sharing(
     )
     packed = pack(
         pool, sharing, current, closed=closed, no_new=set(draining) | held_shared, frozen=frozen,
-        may_open=_may_open(exclusive, sharing, decided), limits=limits,
+        may_open=None if limits.backfill else _may_open(exclusive, sharing, decided),
+        limits=limits,
     )  # fmt: skip
     before = previous or {}
     for d in sorted(sharing, key=_rank):

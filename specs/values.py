@@ -187,6 +187,15 @@ class Demand:
     """The largest GPU memory one worker of the job was seen to use (NVML, per process);
     None until measured. A sharing job counts the larger of this (with the operator's
     margin) and `memory_bytes` per worker (`sharing.worker_memory`)."""
+    utilization: float | None = None
+    """The share of time a kernel of the job ran on each of its GPUs (NVML), in [0, 1]; None
+    until measured. Read only by a packing with a cap on a GPU's summed utilization
+    (`SharingLimits.max_utilization`), which counts an unmeasured job as 1.0."""
+    memory_split_bytes: int | None = None
+    """Of the memory its workers hold, the bytes they split among them (the activations of a
+    global batch each worker takes its share of, when a resize keeps the global batch):
+    one worker of `n` holds `memory_bytes - split / min + split / n`, so `memory_bytes` is
+    a worker's at the job's min. None: a worker holds `memory_bytes` at any size."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -208,6 +217,16 @@ class Demand:
             raise ValueError(
                 f"demand {self.name}: gains has {len(self.gains)} values, at most max - min"
                 f" = {self.max - self.min} allowed (one per GPU above min)"
+            )
+        if self.utilization is not None and not 0 <= self.utilization <= 1:
+            raise ValueError(
+                f"demand {self.name}: utilization must be within [0, 1], got {self.utilization}"
+            )
+        split = self.memory_split_bytes
+        if split is not None and not 0 <= split <= (self.memory_bytes or 0) * self.min:
+            raise ValueError(
+                f"demand {self.name}: memory_split_bytes must be within [0, memory_bytes x min]"
+                f" = [0, {(self.memory_bytes or 0) * self.min}], got {split}"
             )
         for what, value in (("memory_bytes", self.memory_bytes), ("measured", self.measured_bytes)):
             if value is not None and value < 0:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from herd_operator.cli.arguments import (
     Subcommands,
@@ -21,6 +22,9 @@ from herd_operator.cli.arguments import (
 )
 from herd_operator.cli.views import EXIT_OK, EXIT_USAGE
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
+
+if TYPE_CHECKING:
+    from herd_operator.policies.sharing import SharingLimits
 
 
 def add_commands(commands: Subcommands) -> None:
@@ -68,6 +72,21 @@ def add_commands(commands: Subcommands) -> None:
         type=positive_int,
         default=4,
         help="under NAME+pack: jobs sharing one GPU at most (default 4, as run's)",
+    )
+    simulate.add_argument(
+        "--max-gpu-utilization",
+        type=positive_float,
+        default=None,
+        help="under NAME+pack: the summed GPU utilization of the jobs sharing one GPU at most"
+        " (>= 1; 1.29 keeps every job within 25%% of its speed alone in the interference"
+        " model; default: no cap)",
+    )
+    simulate.add_argument(
+        "--share-backfill",
+        action="store_true",
+        help="under NAME+pack: sharing jobs may take the GPUs the whole-GPU jobs' arbitration"
+        " left free while a whole-GPU job waits (default: only when none of their priority"
+        " waits)",
     )
     simulate.add_argument(
         "--memory",
@@ -161,7 +180,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         results = simulate(
             workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait,
             queue=args.queue, share_utilization=args.share_utilization,
-            max_jobs_per_gpu=args.max_jobs_per_gpu,
+            sharing=_sharing_limits(args),
         )  # fmt: skip
     except ValueError as err:
         print(f"herd-operator simulate: {err}", file=sys.stderr)
@@ -179,6 +198,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print((args.output / "summary.md").read_text())
     print(f"wrote {', '.join(str(path) for path in paths)}")
     return EXIT_OK
+
+
+def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
+    """The sharing allocator's settings a `+pack` policy runs under (ValueError naming the
+    option for a bad one)."""
+    from dataclasses import replace
+
+    from herd_operator.simulate.colocation import SIMULATED_SHARING
+
+    cap = args.max_gpu_utilization
+    if cap is not None and cap < 1.0:
+        raise ValueError(f"--max-gpu-utilization must be >= 1 (one busy job's), got {cap:g}")
+    return replace(
+        SIMULATED_SHARING,
+        max_jobs_per_gpu=args.max_jobs_per_gpu,
+        max_utilization=cap,
+        backfill=args.share_backfill,
+    )
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

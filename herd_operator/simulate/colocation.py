@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from herd_operator.policies.sharing import SharingLimits
 from herd_operator.simulate.model import (
     GPU_MEMORY_BYTES,
     MAX_MEMORY_FRACTION,
@@ -44,6 +46,10 @@ linearly; past the last point the slowdown grows one for one with the summed uti
   between; our GPU script (`scripts/gpu_share_bench.py`) is how to replace it.
 - 0 -> 1.00: a job alone.
 """
+
+SIMULATED_SHARING = SharingLimits(gpu_memory_bytes=GPU_MEMORY_BYTES)
+"""The sharing allocator's settings in the simulator by default: `run --share-gpus`'s, on the
+model's GPUs."""
 
 SLOWDOWN_LIMIT = 1.25
 """The issue's bound: no job slowed more than 25% by its neighbours."""
@@ -238,11 +244,31 @@ class GpuOccupancy:
 
 def sharing_request(
     model: JobModel, pack: bool, share_utilization: float
-) -> tuple[bool, int | None]:
-    """(`Demand.share`, `Demand.memory_bytes`): under `pack` a job whose GPU utilization is at
-    most `share_utilization` opts in and asks for what one worker holds at its min, the most
-    it holds at any size it may be given (batch preserving: fewer workers, more each), so a
-    GPU is never over-committed."""
+) -> tuple[bool, int | None, None, float | None, int | None]:
+    """(`Demand.share`, `.memory_bytes`, `.measured_bytes`, `.utilization`,
+    `.memory_split_bytes`): under `pack` a job whose GPU utilization is at most
+    `share_utilization` opts in and asks for what one worker holds at its min, with the part
+    of it its workers split (its batch's activations: batch preserving, a worker of a bigger
+    job holds less), so a GPU is never over-committed at any size it is given. Its utilization
+    is known from its admission (as from a profiling run or an earlier run of the same job:
+    the operator measures it only once the job ran)."""
     if not pack or model.gpu_utilization > share_utilization:
-        return False, None
-    return True, math.ceil(model.memory_fraction(model.min_gpus) * GPU_MEMORY_BYTES)
+        return False, None, None, None, None
+    at_min = model.mem_fixed + model.mem_batch / model.min_gpus
+    memory = math.ceil(model.memory_fraction(model.min_gpus) * GPU_MEMORY_BYTES)
+    # Past a whole GPU the model caps what a worker holds: no split is known to be right then.
+    split = int(model.mem_batch * GPU_MEMORY_BYTES) if at_min <= 1.0 else None
+    return True, memory, None, model.gpu_utilization, split
+
+
+def utilization_within(slowdown: float) -> float:
+    """The largest summed utilization of a GPU's jobs at which `interference_slowdown` stays
+    within `slowdown` (> 1): the cap (`SharingLimits.max_utilization`) that keeps every
+    co-located job within it in this model. Inverts the table's linear pieces."""
+    if not slowdown > 1.0 or not math.isfinite(slowdown):
+        raise ValueError(f"slowdown must be finite and > 1, got {slowdown}")
+    for (x0, y0), (x1, y1) in itertools.pairwise(INTERFERENCE_POINTS):
+        if slowdown <= y1:
+            return x0 + (x1 - x0) * (slowdown - y0) / (y1 - y0)
+    last_x, last_y = INTERFERENCE_POINTS[-1]
+    return last_x + (slowdown - last_y)

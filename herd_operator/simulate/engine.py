@@ -27,9 +27,9 @@ from types import MappingProxyType
 from herd_operator.policies.base import JobObservations, Policy, Signal
 from herd_operator.policies.queueing import QueueConfig
 from herd_operator.policies.registry import load_policy
-from herd_operator.policies.sharing import DEFAULT_MAX_JOBS_PER_GPU, SharingLimits
+from herd_operator.policies.sharing import SharingLimits
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
-from herd_operator.simulate.colocation import GpuOccupancy, sharing_request
+from herd_operator.simulate.colocation import SIMULATED_SHARING, GpuOccupancy, sharing_request
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
 from herd_operator.specs import HerdJob, PolicyRef
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Report, UsageSample
@@ -76,14 +76,13 @@ class SimConfig:
     """The allocator's queue: order by service attained or work left, and preemption
     (`policies/queueing.py`); None: arrival order, no preemption."""
     pack: bool = False
-    """Jobs may share GPUs by their memory (`simulate --policy NAME+pack`): the allocator
-    packs the jobs that opt in (`share_utilization`) by their memory per worker, each
-    co-located worker runs slower by `colocation.interference_slowdown`, and the allocated
-    GPUs counted are the GPUs holding at least one job."""
+    """Jobs may share GPUs (`simulate --policy NAME+pack`): the allocator packs those that opt
+    in by their memory per worker, each runs slower by `colocation.interference_slowdown`,
+    and the GPUs counted as allocated are those holding at least one job."""
     share_utilization: float = 1.0
     """Under `pack`, the jobs whose GPU utilization is at most this opt in (1.0: all)."""
-    max_jobs_per_gpu: int = DEFAULT_MAX_JOBS_PER_GPU
-    """Under `pack`, the allocator's cap on the jobs sharing one GPU (`run --max-jobs-per-gpu`)."""
+    sharing: SharingLimits = SIMULATED_SHARING
+    """Under `pack`, the allocator's sharing settings (jobs per GPU, utilization cap...)."""
     adaptive_batch: bool = False
     """Jobs with a noise profile (`JobModel.batching`) report the adaptive metrics at each
     epoch end and train at the batch the policy's decision carries (`simulate/batching.py`);
@@ -238,9 +237,7 @@ class Simulation:
             share_by_gain=config.share_by_gain,
             max_wait_seconds=config.max_wait_seconds,
             queue=config.queue,
-            sharing=SharingLimits(config.max_jobs_per_gpu, gpu_memory_bytes=GPU_MEMORY_BYTES)
-            if config.pack
-            else None,
+            sharing=config.sharing if config.pack else None,
         )
         self.allocator.watch(self._on_change)
 

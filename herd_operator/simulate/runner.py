@@ -9,10 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from herd_operator.policies.queueing import QUEUE_MODES, QueueConfig
-from herd_operator.policies.sharing import DEFAULT_MAX_JOBS_PER_GPU
+from herd_operator.policies.sharing import SharingLimits
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.simulate.baselines import BASELINES, run_baseline
-from herd_operator.simulate.colocation import with_published_memory, with_utilization
+from herd_operator.simulate.colocation import (
+    SIMULATED_SHARING,
+    with_published_memory,
+    with_utilization,
+)
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.workload import (
@@ -135,7 +139,7 @@ def simulate(
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
     queue: str = "fifo",
     share_utilization: float = 1.0,
-    max_jobs_per_gpu: int = DEFAULT_MAX_JOBS_PER_GPU,
+    sharing: SharingLimits = SIMULATED_SHARING,
 ) -> list[SimResult]:
     results = []
     for text in policies:
@@ -150,7 +154,7 @@ def simulate(
         config = SimConfig(
             pool, ref, tick=tick, resync=resync, max_wait_seconds=max_wait_seconds,
             queue=queued, share_utilization=share_utilization,
-            max_jobs_per_gpu=max_jobs_per_gpu, **flags,
+            sharing=sharing, **flags,
         )  # fmt: skip
         result = Simulation(jobs, config).run()
         result.policy = text

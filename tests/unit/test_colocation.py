@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from herd_operator.policies.sharing import worker_memory_at
 from herd_operator.simulate.colocation import (
     CUDA_CONTEXT_BYTES,
     INTERFERENCE_POINTS,
@@ -19,12 +20,15 @@ from herd_operator.simulate.colocation import (
     GpuOccupancy,
     interference_slowdown,
     job_slowdown,
+    sharing_request,
+    utilization_within,
     with_published_memory,
     with_utilization,
     worker_memory_bytes,
 )
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, MAX_MEMORY_FRACTION, JobModel
 from herd_operator.simulate.workload import perlmutter_mix
+from herd_operator.specs.values import Demand
 
 
 def test_alone_runs_at_full_speed() -> None:
@@ -154,3 +158,28 @@ def test_published_memory_replaces_the_guess(application: str, batch: int, reque
 def test_jobs_without_an_application_keep_their_memory() -> None:
     jobs = _mix(20)
     assert with_published_memory(jobs) == jobs
+
+
+@pytest.mark.parametrize("limit", [1.05, 1.10, 1.25, 1.61, 2.5])
+def test_the_utilization_cap_for_a_slowdown_inverts_the_table(limit: float) -> None:
+    cap = utilization_within(limit)
+    assert interference_slowdown((cap / 3,) * 3) == pytest.approx(limit)
+    assert interference_slowdown((cap / 3, cap / 3, cap / 3 + 0.01)) > limit
+    assert utilization_within(1.25) == pytest.approx(1 + 0.15 / 0.51)
+    with pytest.raises(ValueError, match="slowdown must be finite and > 1"):
+        utilization_within(1.0)
+
+
+def test_a_sharing_request_covers_what_a_worker_holds_at_every_size() -> None:
+    for job in with_utilization(perlmutter_mix(200, 64, seed=3), 3):
+        share, memory, _, utilization, split = sharing_request(job, True, 1.0)
+        assert share and memory is not None and utilization == job.gpu_utilization
+        demand = Demand(job.name, job.min_gpus, job.max_gpus, job.max_gpus, share=True,
+                        memory_bytes=memory, memory_split_bytes=split)  # fmt: skip
+        for size in range(job.min_gpus, job.max_gpus + 1):
+            held = job.memory_fraction(size) * GPU_MEMORY_BYTES
+            assert held <= worker_memory_at(demand, size, 0.0) <= held + 4, (
+                job.name,
+                size,
+            )  # rounding
+    assert sharing_request(job, True, job.gpu_utilization - 0.01)[0] is False

@@ -3,6 +3,7 @@ checked on generated pools, jobs and histories against a plain reference of what
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,7 +20,9 @@ from herd_operator.policies.arbitration import arbitrate
 from herd_operator.policies.sharing import (
     SharingLimits,
     arbitrate_sharing,
+    counted_utilization,
     worker_memory,
+    worker_memory_at,
 )
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.specs import spec_fingerprint
@@ -111,6 +114,64 @@ def test_the_cap_on_jobs_per_gpu_holds() -> None:
     assert [grants[d.name].placement.size for d in demands] == [1, 1, 1, 0]
 
 
+def test_a_utilization_cap_keeps_busy_jobs_apart_and_fills_the_busiest_gpu_first() -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
+    limits = SharingLimits(max_utilization=1.3)
+    busy = [
+        share("a", 1, GI, utilization=0.9),
+        share("b", 1, GI, arrival=1.0, utilization=0.5),
+        share("c", 1, GI, arrival=2.0, utilization=0.8),
+    ]
+    grants = arbitrate_sharing(pool, busy, {}, limits=limits)
+    # b joins a (1.4 > 1.3: no), so it opens the second GPU; c fits beside neither
+    # (0.9 + 0.8, 0.5 + 0.8 = 1.3 fits b's): beside b.
+    assert slots_of(grants, "a") == [("h0", 0)] and slots_of(grants, "b") == [("h0", 1)]
+    assert slots_of(grants, "c") == [("h0", 1)]
+    # Without the cap all three pack onto the first GPU by memory.
+    plain = arbitrate_sharing(pool, busy, {}, limits=SharingLimits())
+    assert {tuple(slots_of(plain, d.name)) for d in busy} == {(("h0", 0),)}
+    # A light job goes where it fills the GPU closest to the cap: beside a (0.9 + 0.3),
+    # not beside b (0.5 + 0.3); a job not measured yet counts as busy (1.0): alone only.
+    current = {"a": Placement((("h0", (0,)),)), "b": Placement((("h0", (1,)),))}
+    light = [*busy[:2], share("d", 1, GI, arrival=3.0, utilization=0.3)]
+    assert slots_of(arbitrate_sharing(pool, light, current, limits=limits), "d") == [("h0", 0)]
+    unknown = [*busy[:2], share("e", 1, GI, arrival=3.0)]
+    assert arbitrate_sharing(pool, unknown, current, limits=limits)["e"].placement.size == 0
+
+
+def test_a_job_splitting_its_batch_needs_less_per_worker_at_a_bigger_size() -> None:
+    demand = replace(share("a", 1, 30 * GI), max=4, desired=4, memory_split_bytes=24 * GI)
+    assert worker_memory_at(demand, 1, 0.1) == 30 * GI
+    assert worker_memory_at(demand, 4, 0.1) == 12 * GI  # 6 fixed + 24 / 4
+    assert worker_memory_at(replace(demand, measured_bytes=20 * GI), 4, 0.1) == 22 * GI
+    # x leaves 20 GiB free on each of two GPUs: a needs 30 GiB at its min of 1, 6 + 24 / 2 =
+    # 18 at 2: admitted at 2 at once; without the split (30 GiB at any size) it waits.
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
+    others = [share("x", 2, 60 * GI, arrival=-1.0)]
+    wanting = replace(demand, max=2, desired=2)
+    grants = arbitrate_sharing(pool, [*others, wanting], {}, limits=SharingLimits(margin=0.0))
+    assert grants["a"].placement.size == 2
+    whole = replace(wanting, memory_split_bytes=None)
+    grants = arbitrate_sharing(pool, [*others, whole], {}, limits=SharingLimits(margin=0.0))
+    assert grants["a"].placement.size == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"utilization": 1.5}, "utilization must be within [0, 1]"),
+        ({"utilization": float("nan")}, "utilization must be within [0, 1]"),
+        ({"memory_bytes": 10, "memory_split_bytes": 21}, "memory_split_bytes must be within"),
+        ({"memory_split_bytes": 1}, "memory_split_bytes must be within"),
+    ],
+)
+def test_a_bad_utilization_or_split_names_its_field(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        Demand("a", 2, 2, 2, **fields)
+    with pytest.raises(ValueError, match="max_utilization must be finite and >= 1"):
+        SharingLimits(max_utilization=0.9)
+
+
 def test_with_sharing_off_or_no_sharing_job_the_decision_is_arbitrates() -> None:
     pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=80 * GI)
     demands = [share("a", 1, GI), share("b", 1, GI, arrival=1), Demand("c", 1, 1, 1, arrival=2)]
@@ -148,9 +209,27 @@ def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
             memory = draw(st.none() | st.integers(1, 12) | st.integers(1, 5))
             measured = draw(st.none() | st.integers(1, 12) | st.integers(1, 5))
             demand = replace(demand, share=True, memory_bytes=memory, measured_bytes=measured)
+            busy = draw(st.none() | st.sampled_from([0.0, 0.2, 0.3, 0.5, 0.7, 1.0]))
+            split = draw(st.none() | st.integers(0, (memory or 0) * low))
+            demand = replace(demand, utilization=busy, memory_split_bytes=split)
         demands.append(demand)
-    limits = SharingLimits(max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1)
+    limits = SharingLimits(
+        max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1,
+        max_utilization=draw(st.none() | st.sampled_from([1.0, 1.29, 2.0])),
+        backfill=draw(st.booleans()),
+    )  # fmt: skip
     return pool, demands, limits
+
+
+def _counted(demand: Demand, size: int, margin: float) -> int:
+    """The reference's bytes for one worker of `demand` at `size`: its request at that size
+    (the batch's split among `size` workers), its measured peak with the margin, or a GPU."""
+    request = demand.memory_bytes or 0
+    if demand.memory_split_bytes and size > demand.min:
+        fixed = request - demand.memory_split_bytes / demand.min
+        request = math.ceil(fixed + demand.memory_split_bytes / size)
+    measured = math.ceil((demand.measured_bytes or 0) * (1 + margin))
+    return max(request, measured) or CAPACITY
 
 
 def _check_invariants(
@@ -172,11 +251,16 @@ def _check_invariants(
         if len(names) > 1:
             assert all(by_name[n].share for n in names), (slot, names)  # never beside exclusive
             assert len(names) <= limits.max_jobs_per_gpu
-            used = sum(worker_memory(by_name[n], limits.margin) or CAPACITY for n in names)
+            sizes = {n: grants[n].placement.size for n in names}
+            used = sum(_counted(by_name[n], sizes[n], limits.margin) for n in names)
             assert used <= CAPACITY, (slot, names, used)
+            if limits.max_utilization is not None:
+                busy = sum(counted_utilization(by_name[n]) for n in names)
+                assert busy <= limits.max_utilization + 1e-9, (slot, names, busy)
     for name in grants:
         if by_name[name].share and grants[name].placement.size:
-            assert worker_memory(by_name[name], limits.margin) <= CAPACITY
+            size = grants[name].placement.size  # a worker fits alone at the size it runs at
+            assert _counted(by_name[name], size, limits.margin) <= CAPACITY
 
 
 def _head_of_line_not_left_out(
@@ -195,14 +279,22 @@ def _head_of_line_not_left_out(
     pending = next((d for d in ranked if not grants[d.name].placement.size), None)
     if pending is None:
         return
-    need = worker_memory(pending, limits.margin) or CAPACITY
+    need = _counted(pending, pending.min, limits.margin)
+    busy = counted_utilization(pending)
     room = 0
     for slot in pool.slots():
         if slot in held_exclusive:
             continue
         sharers = [d for d in ranked if slot in grants[d.name].placement.slots()]
-        used = sum(worker_memory(d, limits.margin) or CAPACITY for d in sharers)
-        if len(sharers) < limits.max_jobs_per_gpu and used + need <= CAPACITY:
+        # the decision's own rounding (whole bytes: at most one more than the reference's)
+        used = sum(
+            worker_memory_at(d, grants[d.name].placement.size, limits.margin) or CAPACITY
+            for d in sharers
+        )
+        on_gpu = sum(counted_utilization(d) for d in sharers)
+        cap = limits.max_utilization
+        within = not sharers or cap is None or on_gpu + busy <= cap + 1e-9
+        if len(sharers) < limits.max_jobs_per_gpu and used + need <= CAPACITY and within:
             room += 1
     assert room < pending.min, (pending, room)
 

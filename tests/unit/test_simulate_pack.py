@@ -3,11 +3,23 @@ jobs, the co-location model slows the jobs that share a GPU, a shared GPU is cou
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from herd_operator.simulate.colocation import interference_slowdown, with_utilization
+from herd_operator.cli.main import main
+from herd_operator.cli.views import EXIT_USAGE
+from herd_operator.simulate.colocation import (
+    SIMULATED_SHARING,
+    SLOWDOWN_LIMIT,
+    interference_slowdown,
+    utilization_within,
+    with_utilization,
+)
 from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
 from herd_operator.simulate.model import START_SECONDS, JobModel
 from herd_operator.simulate.runner import parse_pool
@@ -109,3 +121,50 @@ def test_a_mix_under_pack_never_over_commits_and_adds_up() -> None:
     assert max(allocated for _, allocated, _ in result.timeline) <= 16
     table = sharing_table([run(jobs, pool="4x4"), result])
     assert table.count("\n") == 4 and "| static |" in table
+
+
+def test_a_cap_on_summed_utilization_keeps_busy_pairs_apart_and_pairs_a_light_one() -> None:
+    cap = utilization_within(SLOWDOWN_LIMIT)
+    sharing = replace(SIMULATED_SHARING, max_utilization=cap)
+    busy = [small("a", gpu_utilization=0.9), small("b", gpu_utilization=0.9)]
+    # Without the cap they share (1.8: each 1.51 times slower); with it, one after the other.
+    assert finished(run(busy, pack=True))["b"] == pytest.approx(
+        START_SECONDS + 1000 * interference_slowdown((0.9, 0.9))
+    )
+    assert finished(run(busy, pack=True, sharing=sharing))["b"] == pytest.approx(
+        2 * (START_SECONDS + 1000)
+    )
+    light = [small("a", gpu_utilization=0.9), small("b", gpu_utilization=0.3)]
+    slowdown = interference_slowdown((0.9, 0.3))
+    assert slowdown <= SLOWDOWN_LIMIT
+    assert finished(run(light, pack=True, sharing=sharing))["b"] == pytest.approx(
+        START_SECONDS + 1000 * slowdown
+    )
+
+
+def test_a_job_splitting_its_batch_is_admitted_at_the_size_where_its_workers_fit() -> None:
+    # b holds 40% of each of two GPUs; a needs 90% of a GPU at its min of 1 but 50% each at 2
+    # (its batch split in two): it fits beside b at 2 GPUs at once.
+    jobs = [
+        small("b", requested=2, min_gpus=2, max_gpus=2, mem_fixed=0.2, mem_batch=0.4,
+              work=5000.0),
+        small("a", arrival=1.0, requested=2, min_gpus=1, max_gpus=2, mem_fixed=0.1,
+              mem_batch=0.8),
+    ]  # fmt: skip
+    result = run(jobs, pool="1x2", pack=True, record=True)
+    models = {job.name: job for job in jobs}
+    assert max(_memory_per_gpu(result, models)) <= 1.0 + 1e-9
+    admitted = {job.name: job.admitted for job in result.jobs}
+    assert admitted["a"] == pytest.approx(1.0)  # not after b's 5,000 s
+
+
+def test_simulate_takes_the_utilization_cap_and_names_a_bad_one(tmp_path: Path) -> None:
+    argv = ["simulate", "perlmutter", "--jobs", "20", "--pool", "4x4", "--output", str(tmp_path)]
+    argv += ["--policy", "static+pack", "--share-backfill", "--max-gpu-utilization"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "1.29"]) == 0
+    assert "Co-location" in (tmp_path / "summary.md").read_text()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main([*argv, "0.5"]) == EXIT_USAGE
+    assert "--max-gpu-utilization must be >= 1" in err.getvalue()
