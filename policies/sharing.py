@@ -455,21 +455,29 @@ def arbitrate_sharing(
     shared_now = _slots_of(current, names, pool.slot_set)
     exclusive = [d for d in demands if not d.share]
     others = {job: placement for job, placement in current.items() if job not in names}
-    decided = decide(
-        pool,
-        exclusive,
-        others,
-        unavailable=set(unavailable) | shared_now | held_shared,
-        draining=draining,
-    )
-    closed = set(unavailable) | _slots_of(
-        {job: grant.placement for job, grant in decided.items()}, decided.keys(), pool.slot_set
-    )
-    packed = pack(
-        pool, sharing, current, closed=closed, no_new=set(draining) | held_shared, frozen=frozen,
-        may_open=None if limits.backfill else _may_open(exclusive, sharing, decided),
-        limits=limits,
-    )  # fmt: skip
+    # The jobs that do not share are decided on the pool less the GPUs the sharing jobs keep.
+    # Which they keep is known only after the packing (a job whose measured peak no longer
+    # fits anywhere, or that shrinks, leaves its GPU), so decide again without the GPUs they
+    # left until none is left: a GPU left idle for a round would make the next decision
+    # differ from this one (hypothesis found it). Each pass keeps fewer, so this ends.
+    kept = shared_now
+    while True:
+        decided = decide(
+            pool, exclusive, others, unavailable=set(unavailable) | kept | held_shared,
+            draining=draining,
+        )  # fmt: skip
+        closed = set(unavailable) | _slots_of(
+            {job: grant.placement for job, grant in decided.items()}, decided.keys(), pool.slot_set
+        )
+        packed = pack(
+            pool, sharing, current, closed=closed, no_new=set(draining) | held_shared,
+            frozen=frozen, limits=limits,
+            may_open=None if limits.backfill else _may_open(exclusive, sharing, decided),
+        )  # fmt: skip
+        still = kept & {slot for placement, _ in packed.values() for slot in placement.slots()}
+        if still == kept:
+            break
+        kept = still
     before = previous or {}
     for d in sorted(sharing, key=_rank):
         placement, reason = packed[d.name]

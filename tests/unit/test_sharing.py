@@ -306,8 +306,9 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
 ) -> None:
     """Over a short history (each step: one job's measured peak or wish changes, or a job
     leaves), every decision holds the reference's invariants, the exclusive jobs' grants are
-    `arbitrate`'s on the GPUs sharing jobs do not hold, and deciding again on the result
-    changes nothing."""
+    `arbitrate`'s on the GPUs sharing jobs hold before and keep after it (a GPU a sharing
+    job leaves goes to the exclusive jobs in the same decision), and deciding again on the
+    result changes nothing."""
     pool, demands, limits = case
     current: dict[str, Placement] = {}
     for step in steps:
@@ -319,7 +320,7 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
             for d in demands
             if d.share
             for slot in current.get(d.name, Placement.EMPTY).slots()
-        }
+        } & {slot for d in demands if d.share for slot in grants[d.name].placement.slots()}
         exclusive = [d for d in demands if not d.share]
         alone = arbitrate(
             pool,
@@ -336,6 +337,19 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
             n: g.placement for n, g in grants.items()
         }
         demands = _changed(demands, step)
+
+
+def test_a_gpu_a_sharing_job_leaves_goes_to_a_waiting_exclusive_job_in_the_same_decision() -> None:
+    """Hypothesis found it: a sharing job whose measured peak grew past the GPU's memory left
+    its GPU, and the exclusive job waiting for one got it only a decision later, so deciding
+    again on a decision's result changed it."""
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=CAPACITY)
+    grower = replace(Demand("grower", 1, 1, 1), share=True, measured_bytes=CAPACITY)
+    big, waiting = Demand("big", 1, 1, 1, arrival=1.0), Demand("waiting", 1, 1, 1, arrival=2.0)
+    current = {"grower": Placement((("h0", (1,)),)), "big": Placement((("h0", (0,)),))}
+    grants = arbitrate_sharing(pool, [grower, big, waiting], current, limits=LIMITS)
+    assert grants["grower"].placement.size == 0
+    assert grants["waiting"].placement == Placement((("h0", (1,)),))
 
 
 def _changed(demands: list[Demand], step: int) -> list[Demand]:
