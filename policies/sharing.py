@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
@@ -451,16 +451,42 @@ def arbitrate_sharing(
         if held_shared:
             unavailable = set(unavailable) | held_shared
         return decide(pool, demands, current, unavailable=unavailable, draining=draining)
-    names = {d.name for d in sharing}
-    shared_now = _slots_of(current, names, pool.slot_set)
+    decided, packed = _decide_beside_sharers(
+        pool, demands, current, decide, limits, unavailable, draining, held_shared, frozen
+    )
+    before = previous or {}
+    for d in sorted(sharing, key=_rank):
+        placement, reason = packed[d.name]
+        earlier = before.get(d.name)
+        if earlier is not None and placement.size and earlier.placement == placement:
+            decided[d.name] = earlier
+        else:
+            decided[d.name] = Grant(placement, reason)
+    return decided
+
+
+def _decide_beside_sharers(
+    pool: Pool,
+    demands: Sequence[Demand],
+    current: Mapping[str, Placement],
+    decide: Callable[..., dict[str, Grant]],
+    limits: SharingLimits,
+    unavailable: AbstractSet[Slot],
+    draining: AbstractSet[Slot],
+    held_shared: AbstractSet[Slot],
+    frozen: AbstractSet[str],
+) -> tuple[dict[str, Grant], dict[str, tuple[Placement, str]]]:
+    """The exclusive jobs' grants (`decide`) and the sharing jobs' packing. The jobs that do
+    not share are decided on the pool less the GPUs the sharing jobs keep, and which they
+    keep is known only after the packing (a job whose measured peak no longer fits anywhere,
+    or that shrinks, leaves its GPU): so decide again without the GPUs they left until none
+    is left. A GPU left idle for a round made the next decision differ from this one
+    (hypothesis found it). Each pass keeps fewer GPUs, so this ends."""
+    sharing = [d for d in demands if d.share]
     exclusive = [d for d in demands if not d.share]
+    names = {d.name for d in sharing}
     others = {job: placement for job, placement in current.items() if job not in names}
-    # The jobs that do not share are decided on the pool less the GPUs the sharing jobs keep.
-    # Which they keep is known only after the packing (a job whose measured peak no longer
-    # fits anywhere, or that shrinks, leaves its GPU), so decide again without the GPUs they
-    # left until none is left: a GPU left idle for a round would make the next decision
-    # differ from this one (hypothesis found it). Each pass keeps fewer, so this ends.
-    kept = shared_now
+    kept = _slots_of(current, names, pool.slot_set)
     while True:
         decided = decide(
             pool, exclusive, others, unavailable=set(unavailable) | kept | held_shared,
@@ -476,17 +502,8 @@ def arbitrate_sharing(
         )  # fmt: skip
         still = kept & {slot for placement, _ in packed.values() for slot in placement.slots()}
         if still == kept:
-            break
+            return decided, packed
         kept = still
-    before = previous or {}
-    for d in sorted(sharing, key=_rank):
-        placement, reason = packed[d.name]
-        earlier = before.get(d.name)
-        if earlier is not None and placement.size and earlier.placement == placement:
-            decided[d.name] = earlier
-        else:
-            decided[d.name] = Grant(placement, reason)
-    return decided
 
 
 def _slots_of(
