@@ -47,12 +47,24 @@ jobs): the operator passes it to `JobReconciler(peak_memory=...)`, and each dema
 sharing job carries it (`Demand.measured_bytes`): `PeakGpuMemory.peak` in the operator."""
 
 
+GpuUtilization = Callable[[str], float | None]
+"""job -> its measured GPU utilization per worker (0-1), None until measured: what the
+packing's cap on a GPU's summed utilization counts (`Demand.utilization`):
+`PeakGpuMemory.utilization` in the operator."""
+
+
 class SharingFields(TypedDict, total=False):
     """`Demand`'s fields of a job that shares GPUs by memory."""
 
     share: bool
     memory_bytes: int | None
     measured_bytes: int | None
+    utilization: float | None
+
+
+def no_gpu_utilization(job: str) -> float | None:
+    """No measurement: a sharing job counts as a busy one under a utilization cap."""
+    return None
 
 
 def no_peak_memory(job: str) -> int | None:
@@ -77,6 +89,7 @@ class ReconcilerBase:
     report_deadline_seconds: float
     worker_lost_grace_seconds: float
     peak_memory: PeakMemory
+    gpu_utilization: GpuUtilization
 
     def _record_release(self, name: str, status: HerdJobStatus, reason: str, now: float) -> None:
         """Log the drop to 0 GPUs of a job that ends (succeeded, failed, stopped, deleted).
@@ -96,14 +109,15 @@ class ReconcilerBase:
         return self.launcher.relaunch_reason(process.launch, job)
 
     def _sharing(self, name: str, job: HerdJob | None) -> SharingFields:
-        """The sharing fields of the job's demand (`spec.gpus.share`, its memory request and
-        its measured peak); none if it does not share GPUs."""
+        """The sharing fields of the job's demand (`spec.gpus.share`, its memory request,
+        its measured peak and utilization); none if it does not share GPUs."""
         if job is None or not job.spec.gpus.share:
             return {}
         return {
             "share": True,
             "memory_bytes": job.spec.gpus.memory_bytes,
             "measured_bytes": self.peak_memory(name),
+            "utilization": self.gpu_utilization(name),
         }
 
     def _hold_gpus(

@@ -23,9 +23,11 @@ from herd_operator.controllers.gating import GateSteps
 from herd_operator.controllers.job_status import (
     FALSE,
     TRUE,
+    GpuUtilization,
     PeakMemory,
     allocated_gpus,
     is_finished,
+    no_gpu_utilization,
     no_peak_memory,
 )
 from herd_operator.controllers.launching import LaunchSteps
@@ -85,11 +87,14 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
         observer: ReconcileObserver | None = None,
         nodes: NodesPort | None = None,
         peak_memory: PeakMemory = no_peak_memory,
+        gpu_utilization: GpuUtilization = no_gpu_utilization,
     ) -> None:
         """`peak_memory(job)`: the most GPU memory one worker of the job was seen to use
         (bytes, NVML per process), None until measured: what a sharing job is packed by
-        when it is above its request (`job_status.PeakMemory`)."""
+        when it is above its request (`job_status.PeakMemory`); `gpu_utilization(job)`: its
+        measured GPU utilization per worker, None until measured (`job_status.GpuUtilization`)."""
         self.peak_memory = peak_memory
+        self.gpu_utilization = gpu_utilization
         self.nodes: NodesPort = nodes or NoNodes()
         self.metrics_stale_seconds = metrics_stale_seconds
         self.report_deadline_seconds = report_deadline_seconds

@@ -10,6 +10,11 @@ is unattributed: counted per GPU as such, never charged to a job. A process list
 memory figure (`GpuReading.unknown_pids`: NVML without the permission, NVML_VALUE_NOT_AVAILABLE
 under some drivers, MIG or MPS) makes its job's memory on that GPU unknown (None), never 0.
 
+A job's GPU utilization on a GPU is its processes' summed SM utilization where the source
+reads it per process (NVML's process utilization); where it does not (MIG, old drivers,
+virtual GPUs), the GPU's own utilization when the job is alone on it (no other job's process,
+no unattributed memory), else unknown (None): a neighbour's kernels are not the job's.
+
 Pids are the host's: a worker in a container with its own pid namespace binds with a pid NVML
 does not list, and its memory shows as unattributed.
 """
@@ -17,7 +22,7 @@ does not list, and its memory shows as unattributed.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from herd_operator.exporters.gpu import GpuReading
 
@@ -36,6 +41,16 @@ class Attribution:
     not be read. Only jobs with a process listed on the GPU."""
     unattributed: Mapping[GpuKey, int]
     """Per GPU read, the bytes of processes that are no job's worker (0 when none)."""
+    utilization: Mapping[tuple[str, str, int], float | None] = field(default_factory=dict)
+    """(job, host, gpu) -> the job's GPU utilization there (0-1), None when it cannot be
+    told apart; the same keys as `jobs`."""
+
+    def utilization_by_job(self) -> dict[str, dict[GpuKey, float | None]]:
+        """Each job's utilization on each GPU it has a process on."""
+        result: dict[str, dict[GpuKey, float | None]] = {}
+        for (job, host, gpu), ratio in self.utilization.items():
+            result.setdefault(job, {})[host, gpu] = ratio
+        return result
 
     def jobs_on(self, host: str, gpu: int) -> dict[str, int | None]:
         """The jobs with a process on one GPU, and their bytes there."""
@@ -64,6 +79,7 @@ def attribute(readings: Iterable[GpuReading], owners: PidOwners) -> Attribution:
     """Charge each process of `readings` to the job `owners` says it is a worker of."""
     jobs: dict[tuple[str, str, int], int | None] = {}
     unattributed: dict[GpuKey, int] = {}
+    utilization: dict[tuple[str, str, int], float | None] = {}
     for reading in readings:
         host, gpu = reading.host, reading.index
         unattributed[host, gpu] = 0
@@ -80,4 +96,29 @@ def attribute(readings: Iterable[GpuReading], owners: PidOwners) -> Attribution:
             job = owners.get((host, pid))
             if job is not None:
                 jobs[job, host, gpu] = None
-    return Attribution(jobs, unattributed)
+        utilization.update(_utilization(reading, owners, jobs, unattributed))
+    return Attribution(jobs, unattributed, utilization)
+
+
+def _utilization(
+    reading: GpuReading,
+    owners: PidOwners,
+    jobs: Mapping[tuple[str, str, int], int | None],
+    unattributed: Mapping[GpuKey, int],
+) -> dict[tuple[str, str, int], float | None]:
+    """The utilization of each job with a process on the GPU of `reading`."""
+    host, gpu = reading.host, reading.index
+    here = [key for key in jobs if key[1:] == (host, gpu)]
+    if reading.process_utilization is not None:
+        summed = dict.fromkeys(here, 0.0)
+        for process in reading.process_utilization:
+            job = owners.get((host, process.pid))
+            if job is not None and (job, host, gpu) in summed:
+                summed[job, host, gpu] += process.sm_ratio
+        return {key: min(1.0, ratio) for key, ratio in summed.items()}
+    foreign = unattributed.get((host, gpu), 0) > 0 or any(
+        (host, pid) not in owners for pid in reading.unknown_pids
+    )
+    alone = len(here) == 1 and not foreign
+    device = reading.utilization_ratio
+    return {key: device if alone and device is not None else None for key in here}

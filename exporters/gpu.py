@@ -26,6 +26,14 @@ class ProcessMemory:
 
 
 @dataclass(frozen=True)
+class ProcessUtilization:
+    pid: int
+    sm_ratio: float
+    """The share of the GPU's time (0-1) a kernel of this process ran, over NVML's last
+    sampling window (`nvmlDeviceGetProcessUtilization`'s smUtil)."""
+
+
+@dataclass(frozen=True)
 class GpuReading:
     host: str
     index: int
@@ -40,6 +48,10 @@ class GpuReading:
     """Processes on the GPU whose memory the source cannot say (NVML without the permission,
     or NVML_VALUE_NOT_AVAILABLE under some drivers, MIG and MPS): not in `processes`, so
     that nobody reads them as using nothing (exporters/attribution.py)."""
+    process_utilization: tuple[ProcessUtilization, ...] | None = None
+    """Each process's SM utilization where the source reads it per process (a process not
+    listed ran no kernel in the window); None where it cannot (NVML without the call: MIG,
+    old drivers; virtual GPUs): a job's utilization is then the GPU's when it is alone there."""
 
 
 class GpuSource(Protocol):

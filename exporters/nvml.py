@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from herd_operator.exporters.gpu import GpuReading, ProcessMemory
+from herd_operator.exporters.gpu import GpuReading, ProcessMemory, ProcessUtilization
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class NvmlGpuSource:
         self._memory_v2 = True
         self._errors: dict[str, int] = {}
         self._unreadable: set[int] = set()
+        self._last_seen: dict[int, int] = {}
+        """Per GPU, the newest per-process utilization sample's timestamp (microseconds)."""
+        self._process_utilization = True
 
     def errors(self) -> dict[str, int]:
         """Failed NVML calls so far, by reason (not_supported, gpu_lost, driver, ...)."""
@@ -167,6 +170,7 @@ class NvmlGpuSource:
         power = self._field(nvml, lambda: nvml.nvmlDeviceGetPowerUsage(handle))
         processes = self._field(nvml, lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle))
         known, unknown = _process_memory(processes or ())
+        per_process = self._process_utilization_of(nvml, handle, index)
         return GpuReading(
             host=self.host,
             index=index,
@@ -178,7 +182,41 @@ class NvmlGpuSource:
             power_watts=None if power is None else power / 1000,
             processes=known,
             unknown_pids=unknown,
+            process_utilization=per_process,
         )
+
+    def _process_utilization_of(
+        self, nvml: Any, handle: Any, index: int
+    ) -> tuple[ProcessUtilization, ...] | None:
+        """Each process's SM utilization since the last round's newest sample (its highest
+        sample per pid); () when none ran a kernel since (NVML says NOT_FOUND); None where
+        the driver has no per-process figures (MIG, old drivers: asked once, not again)."""
+        if not self._process_utilization:
+            return None
+        call = getattr(nvml, "nvmlDeviceGetProcessUtilization", None)
+        not_found = getattr(nvml, "NVMLError_NotFound", None)
+        if call is None:
+            self._process_utilization = False
+            return None
+        try:
+            samples = call(handle, self._last_seen.get(index, 0))
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound) as err:
+            self._count(nvml, err)
+            self._process_utilization = False  # the driver is the same for every GPU
+            return None
+        except nvml.NVMLError as err:
+            if not_found is not None and isinstance(err, not_found):
+                return ()
+            if self._count(nvml, err) == "gpu_lost":
+                raise _GpuLost(err) from err
+            return None
+        highest: dict[int, float] = {}
+        for sample in samples:
+            pid = int(sample.pid)
+            highest[pid] = max(highest.get(pid, 0.0), min(100, int(sample.smUtil)) / 100)
+            seen = int(sample.timeStamp)
+            self._last_seen[index] = max(self._last_seen.get(index, 0), seen)
+        return tuple(ProcessUtilization(pid, ratio) for pid, ratio in sorted(highest.items()))
 
     def _memory_info(self, nvml: Any, handle: Any) -> Any:
         """v2 memory info where the driver has it (its `used` leaves out driver-reserved

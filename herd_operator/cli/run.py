@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -200,6 +201,14 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         default=DEFAULT_MEMORY_MARGIN,
         help="with --share-gpus: a measured peak counts this much more (default:"
         f" {DEFAULT_MEMORY_MARGIN:g}, 10%%)",
+    )
+    run.add_argument(
+        "--max-gpu-utilization",
+        type=positive_float,
+        default=None,
+        help="with --share-gpus: the summed measured GPU utilization (NVML, per process) of the"
+        " jobs sharing one GPU at most, >= 1; a job not measured yet counts 1 (default: no cap;"
+        " docs/mechanisms.md)",
     )
     run.add_argument(
         "--gpu-memory",
@@ -411,12 +420,19 @@ def _start_mps(args: argparse.Namespace) -> MpsDaemon | int | None:
 
 def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | None:
     """`--share-gpus` and its settings; the GPUs' memory must be known to share them."""
+    cap = args.max_gpu_utilization
     if not args.share_gpus:
+        if cap is not None:
+            raise UsageError("--max-gpu-utilization: only with --share-gpus")
         return None
+    if cap is not None and not (math.isfinite(cap) and cap >= 1.0):
+        raise UsageError(
+            f"--max-gpu-utilization: must be a finite number >= 1 (one busy job's), got {cap:g}"
+        )
     memory = args.gpu_memory or (args.virtual_gpu_memory if virtual else None)
     if memory is None:
         raise UsageError("--share-gpus: give --gpu-memory (each GPU's memory, e.g. 80GiB)")
-    return SharingLimits(args.max_jobs_per_gpu, args.memory_margin, memory)
+    return SharingLimits(args.max_jobs_per_gpu, args.memory_margin, memory, max_utilization=cap)
 
 
 _NEW_TOKEN = (

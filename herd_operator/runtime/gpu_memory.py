@@ -7,6 +7,14 @@ by `GpuMemoryWatch` from the readings attributed to jobs (exporters/attribution.
 one process per GPU, as the allocator places a job (never two of one job's workers on one GPU),
 so a job's bytes on a GPU are its worker's there.
 
+`PeakGpuMemory.utilization(job)` is the job's measured GPU utilization for the packing's cap
+on a GPU's summed utilization (`Demand.utilization`): per round the busiest of its GPUs,
+smoothed (`SMOOTHING` of each new round, so a one-second burst such as cuDNN's autotuning
+counts a fifth), and the highest smoothed value of the run kept. Kept at its high, not its
+latest, so that a job idle between epochs (evaluation, checkpoints) is not packed beside a
+busy one it would slow as soon as it trains again, and so that a placement does not flip as
+the figure wanders; a new run starts over, as the peak does (`accumulate_utilization`, pure).
+
 `accumulate` and `over_share` are pure; `GpuMemoryWatch` is the edge that feeds the peaks and
 writes a `MemoryOverShare` Warning when a worker goes over (or near) its share. A job's share
 in bytes per worker is an input (`shares`): it comes from the job's memory request or the
@@ -62,6 +70,50 @@ def accumulate(
     return result
 
 
+SMOOTHING = 0.2
+"""The weight of a new round's utilization in a job's smoothed one (about 3 s half-life at the
+1 s sampling period)."""
+
+
+@dataclass(frozen=True)
+class RunUtilization:
+    run: Hashable
+    smoothed: float
+    """The exponentially smoothed utilization of the job's busiest GPU, round by round."""
+    high: float
+    """The highest `smoothed` of the run: what the packing counts."""
+
+
+def accumulate_utilization(
+    before: Mapping[str, RunUtilization],
+    attribution: Attribution,
+    runs: Mapping[str, Hashable],
+    smoothing: float = SMOOTHING,
+) -> dict[str, RunUtilization]:
+    """The jobs' utilizations after one round, as `accumulate` keeps peaks: a job of `runs`
+    starts over at a new run token and is forgotten when it leaves `runs`; a round with no
+    known reading of it changes nothing (an unknown neighbour-shared GPU is not an idle one).
+    The first reading of a run starts the smoothing at its value."""
+    if not 0 < smoothing <= 1:
+        raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+    by_job = attribution.utilization_by_job()
+    result: dict[str, RunUtilization] = {}
+    for job, run in runs.items():
+        kept = before.get(job)
+        if kept is not None and kept.run != run:
+            kept = None
+        known = [ratio for ratio in by_job.get(job, {}).values() if ratio is not None]
+        if known:
+            busiest = max(known)
+            smoothed = (
+                busiest if kept is None else kept.smoothed + smoothing * (busiest - kept.smoothed)
+            )
+            kept = RunUtilization(run, smoothed, max(smoothed, 0.0 if kept is None else kept.high))
+        if kept is not None:
+            result[job] = kept
+    return result
+
+
 class PeakGpuMemory:
     """The jobs' peaks, updated by the sampling loop and read by whoever places jobs (the
     allocator, under its own lock: this lock is a leaf, nothing is called under it)."""
@@ -69,10 +121,18 @@ class PeakGpuMemory:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._peaks: dict[str, RunPeak] = {}
+        self._utilization: dict[str, RunUtilization] = {}
 
     def observe(self, attribution: Attribution, runs: Mapping[str, Hashable]) -> None:
         with self._lock:
             self._peaks = accumulate(self._peaks, attribution, runs)
+            self._utilization = accumulate_utilization(self._utilization, attribution, runs)
+
+    def utilization(self, job: str) -> float | None:
+        """`job`'s GPU utilization (0-1) as the packing counts it (None: not read this run)."""
+        with self._lock:
+            run = self._utilization.get(job)
+        return None if run is None else min(1.0, run.high)
 
     def peak(self, job: str) -> int | None:
         """The most GPU memory one worker of `job` used in its current run (None: not read)."""

@@ -346,6 +346,7 @@ class Operator:
             observer=self.metrics,
             nodes=nodes,
             peak_memory=self.gpu_memory.peaks.peak,
+            gpu_utilization=self.gpu_memory.peaks.utilization,
         )
         self.loop = ControlLoop(
             self.queue,

@@ -14,6 +14,7 @@ from typing import Literal
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
@@ -45,6 +46,10 @@ class NVMLError_NoPermission(NVMLError):
     value = NVML_ERROR_NO_PERMISSION
 
 
+class NVMLError_NotFound(NVMLError):
+    value = NVML_ERROR_NOT_FOUND
+
+
 class NVMLError_DriverNotLoaded(NVMLError):
     value = NVML_ERROR_DRIVER_NOT_LOADED
 
@@ -65,6 +70,7 @@ ERROR_CLASSES: tuple[type[NVMLError], ...] = (
     NVMLError_Uninitialized,
     NVMLError_NotSupported,
     NVMLError_NoPermission,
+    NVMLError_NotFound,
     NVMLError_DriverNotLoaded,
     NVMLError_LibraryNotFound,
     NVMLError_FunctionNotFound,
@@ -72,7 +78,16 @@ ERROR_CLASSES: tuple[type[NVMLError], ...] = (
 )
 
 # What a fake GPU can be told to fail on, one name per NVML call.
-Call = Literal["handle", "uuid", "memory", "memory_v2", "utilization", "power", "processes"]
+Call = Literal[
+    "handle",
+    "uuid",
+    "memory",
+    "memory_v2",
+    "utilization",
+    "power",
+    "processes",
+    "process_utilization",
+]
 ALL_CALLS: tuple[Call, ...] = (
     "handle",
     "uuid",
@@ -81,6 +96,7 @@ ALL_CALLS: tuple[Call, ...] = (
     "utilization",
     "power",
     "processes",
+    "process_utilization",
 )
 
 
@@ -97,6 +113,11 @@ class FakeGpu:
     """(pid, usedGpuMemory) of each compute process, as NVML lists them (a pid once per MIG
     instance; NVML_VALUE_NOT_AVAILABLE where the driver cannot say, None without the
     permission)."""
+    process_samples: list[tuple[int, int, int]] = field(default_factory=list)
+    """(pid, smUtil percent, timeStamp in microseconds) of each per-process utilization sample
+    NVML keeps; a call returns those newer than its lastSeenTimeStamp, NOT_FOUND when none."""
+    process_utilization_calls: list[int] = field(default_factory=list)
+    """The lastSeenTimeStamp of each nvmlDeviceGetProcessUtilization call."""
     failures: dict[Call, type[NVMLError]] = field(default_factory=dict)
 
     def lose(self) -> None:
@@ -144,6 +165,16 @@ class _MemoryV2:
 class _Utilization:
     gpu: int
     memory: int
+
+
+@dataclass(frozen=True)
+class _ProcessSample:
+    pid: int
+    timeStamp: int
+    smUtil: int
+    memUtil: int
+    encUtil: int
+    decUtil: int
 
 
 @dataclass(frozen=True)
@@ -219,6 +250,18 @@ def make_module(config: FakeNvmlConfig) -> types.ModuleType:
 
         return [_Process(pid, shown(used)) for pid, used in gpu_for(handle, "processes").processes]
 
+    def get_process_utilization(handle: _Handle, last_seen: int) -> list[_ProcessSample]:
+        gpu = gpu_for(handle, "process_utilization")
+        gpu.process_utilization_calls.append(last_seen)
+        newer = [
+            _ProcessSample(pid, stamp, sm, 0, 0, 0)
+            for pid, sm, stamp in gpu.process_samples
+            if stamp > last_seen
+        ]
+        if not newer:
+            raise NVMLError_NotFound()
+        return newer
+
     functions: dict[str, object] = {
         "nvmlInit": nvml_init,
         "nvmlShutdown": nvml_shutdown,
@@ -228,6 +271,7 @@ def make_module(config: FakeNvmlConfig) -> types.ModuleType:
         "nvmlDeviceGetUtilizationRates": get_utilization_rates,
         "nvmlDeviceGetPowerUsage": get_power_usage,
         "nvmlDeviceGetComputeRunningProcesses": get_compute_running_processes,
+        "nvmlDeviceGetProcessUtilization": get_process_utilization,
     }
     if config.v2 == "module_lacks":
         functions["nvmlDeviceGetMemoryInfo"] = memory_v1

@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from herd_operator.exporters.gpu import GpuReading, ProcessMemory
+from herd_operator.exporters.gpu import GpuReading, ProcessMemory, ProcessUtilization
 from herd_operator.exporters.nvml import NvmlGpuSource
 from tests.unit import fake_pynvml
 from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
@@ -48,6 +48,7 @@ def two_gpus() -> list[FakeGpu]:
             utilization_percent=37,
             power_milliwatts=251_500,
             processes=[(4242, 6 * GIB), (4243, 4 * GIB)],
+            process_samples=[(4242, 30, 1_000), (4242, 45, 2_000), (4243, 5, 1_500)],
         ),
         FakeGpu(
             uuid="GPU-bbbb",
@@ -75,6 +76,8 @@ def test_reads_every_gpu_field_by_field_with_v2_memory(install_nvml: Install) ->
             utilization_ratio=0.37,
             power_watts=251.5,
             processes=(ProcessMemory(4242, 6 * GIB), ProcessMemory(4243, 4 * GIB)),
+            # each pid's highest sample in the window
+            process_utilization=(ProcessUtilization(4242, 0.45), ProcessUtilization(4243, 0.05)),
         ),
         GpuReading(
             host="node1",
@@ -85,10 +88,40 @@ def test_reads_every_gpu_field_by_field_with_v2_memory(install_nvml: Install) ->
             memory_total_bytes=80 * GIB,
             utilization_ratio=0.0,
             power_watts=70.0,
+            process_utilization=(),  # NOT_FOUND: no process ran a kernel
         ),
     ]
     assert source.up is True
     assert source.errors() == {}
+
+
+def test_per_process_utilization_asks_only_for_samples_newer_than_the_last_round(
+    install_nvml: Install,
+) -> None:
+    config = install_nvml(FakeNvmlConfig(gpus=two_gpus()))
+    source = NvmlGpuSource("node1")
+    source.read()
+    gpu = config.gpus[0]
+    gpu.process_samples.append((4243, 80, 3_000))
+    (first, _) = source.read()
+    assert first.process_utilization == (ProcessUtilization(4243, 0.8),)
+    (again, _) = source.read()
+    assert again.process_utilization == ()  # nothing newer: no kernel ran
+    assert gpu.process_utilization_calls == [0, 2_000, 3_000]
+
+
+def test_without_per_process_utilization_the_reading_says_unknown_and_asks_once(
+    install_nvml: Install,
+) -> None:
+    gpus = two_gpus()
+    for gpu in gpus:
+        gpu.failures["process_utilization"] = fake_pynvml.NVMLError_NotSupported
+    install_nvml(FakeNvmlConfig(gpus=gpus))
+    source = NvmlGpuSource("node1")
+    readings = source.read() + source.read()
+    assert [reading.process_utilization for reading in readings] == [None] * 4
+    assert [reading.utilization_ratio for reading in readings] == [0.37, 0.0] * 2
+    assert source.errors() == {"not_supported": 1}  # MIG or an old driver: not asked again
 
 
 @pytest.mark.parametrize("v2", ["driver_lacks", "module_lacks"])

@@ -448,8 +448,10 @@ def test_a_sharing_spec_loads_with_its_memory_in_bytes() -> None:
     # The reconciler's demand carries the request in bytes and the measured peak it is given.
     reconciler = ReconcilerBase()
     reconciler.peak_memory = {"a": 5 * GI}.get
+    reconciler.gpu_utilization = {"a": 0.4}.get
     demand = Demand("a", 1, 2, 2, **reconciler._sharing("a", loaded.job))
     assert (demand.share, demand.memory_bytes, demand.measured_bytes) == (True, 8 * GI, 5 * GI)
+    assert demand.utilization == 0.4
     assert reconciler._sharing("b", plain) == {}
 
 
