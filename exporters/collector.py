@@ -12,6 +12,8 @@ processes are counted instead (`herd_gpu_processes`), whose labels stay the same
 Given the workers' pids (`pid_owners`), each GPU's memory is also attributed to the jobs whose
 workers use it (exporters/attribution.py): `herd_job_gpu_memory_used_bytes` (one series per
 job and GPU, gone with the job's workers; none while a worker's memory cannot be read),
+`herd_job_gpu_utilization_ratio` (the job's processes' share of the GPU's time, 0-1: NVML's
+per-process SM utilization, or the GPU's own where the job is alone on it; none when unknown),
 `herd_gpu_jobs` (how many jobs have a worker on the GPU: above 1 on a shared GPU) and
 `herd_gpu_unattributed_memory_bytes` (processes of no job). Their labels are `host, gpu,
 uuid, kind` and, for the first, `herd_job`: the job the memory is charged to.
@@ -150,6 +152,9 @@ class GpuCollector:
             for job, used in sorted(jobs.items()):
                 if used is not None:
                     families.used.add_metric([*labels, job], used)
+                ratio = attribution.utilization.get((job, reading.host, reading.index))
+                if ratio is not None:
+                    families.utilization.add_metric([*labels, job], ratio)
         return families.all()
 
     def _read(self) -> _Read:
@@ -232,6 +237,11 @@ class _JobFamilies:
             "GPU memory used by one job's worker processes on one GPU.",
             labels=[*SHARED_GPU_LABELS, "herd_job"],
         )
+        self.utilization = GaugeMetricFamily(
+            "herd_job_gpu_utilization_ratio",
+            "Share of the last seconds one job's worker processes ran a kernel on one GPU (0..1).",
+            labels=[*SHARED_GPU_LABELS, "herd_job"],
+        )
         self.jobs = GaugeMetricFamily(
             "herd_gpu_jobs",
             "Jobs with a worker process on the GPU (above 1: a shared GPU).",
@@ -244,7 +254,7 @@ class _JobFamilies:
         )
 
     def all(self) -> list[Metric]:
-        return [self.used, self.jobs, self.unattributed]
+        return [self.used, self.utilization, self.jobs, self.unattributed]
 
 
 def _families() -> _Families:

@@ -19,6 +19,10 @@ from herd_operator.exporters.gpu import GpuReading, ProcessMemory, ProcessUtiliz
 log = logging.getLogger(__name__)
 
 INIT_RETRY_SECONDS = 30.0
+UTILIZATION_WINDOW_SECONDS = 2.0
+"""How far back a read asks NVML for per-process utilization samples: by the wall clock, not
+from the last read's newest sample, so that two readers of one source (the operator's
+sampling loop and a scrape) each see the last two seconds rather than splitting them."""
 
 # pynvml error class name -> the reason label it is counted under; first match wins.
 _REASONS: tuple[tuple[str, str], ...] = (
@@ -45,8 +49,11 @@ class NvmlGpuSource:
         *,
         init_retry_seconds: float = INIT_RETRY_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        """`wall`: the epoch seconds NVML's sample timestamps (microseconds) count in."""
         self.host = host
+        self._wall = wall
         self.up = True
         self._init_retry_seconds = init_retry_seconds
         self._clock = clock
@@ -56,8 +63,6 @@ class NvmlGpuSource:
         self._memory_v2 = True
         self._errors: dict[str, int] = {}
         self._unreadable: set[int] = set()
-        self._last_seen: dict[int, int] = {}
-        """Per GPU, the newest per-process utilization sample's timestamp (microseconds)."""
         self._process_utilization = True
 
     def errors(self) -> dict[str, int]:
@@ -170,7 +175,7 @@ class NvmlGpuSource:
         power = self._field(nvml, lambda: nvml.nvmlDeviceGetPowerUsage(handle))
         processes = self._field(nvml, lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle))
         known, unknown = _process_memory(processes or ())
-        per_process = self._process_utilization_of(nvml, handle, index)
+        per_process = self._process_utilization_of(nvml, handle)
         return GpuReading(
             host=self.host,
             index=index,
@@ -186,11 +191,13 @@ class NvmlGpuSource:
         )
 
     def _process_utilization_of(
-        self, nvml: Any, handle: Any, index: int
+        self, nvml: Any, handle: Any
     ) -> tuple[ProcessUtilization, ...] | None:
-        """Each process's SM utilization since the last round's newest sample (its highest
-        sample per pid); () when none ran a kernel since (NVML says NOT_FOUND); None where
-        the driver has no per-process figures (MIG, old drivers: asked once, not again)."""
+        """Each process's SM utilization over the last `UTILIZATION_WINDOW_SECONDS`, its
+        highest sample (a busy job is never read as a light one; NVML keeps samples only of
+        processes that ran a kernel, so one not listed ran none); () when none did (NVML says
+        NOT_FOUND); None where the driver has no per-process figures (MIG, old drivers:
+        asked once, not again)."""
         if not self._process_utilization:
             return None
         call = getattr(nvml, "nvmlDeviceGetProcessUtilization", None)
@@ -199,7 +206,8 @@ class NvmlGpuSource:
             self._process_utilization = False
             return None
         try:
-            samples = call(handle, self._last_seen.get(index, 0))
+            since = max(0, int((self._wall() - UTILIZATION_WINDOW_SECONDS) * 1_000_000))
+            samples = call(handle, since)
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound) as err:
             self._count(nvml, err)
             self._process_utilization = False  # the driver is the same for every GPU
@@ -214,8 +222,6 @@ class NvmlGpuSource:
         for sample in samples:
             pid = int(sample.pid)
             highest[pid] = max(highest.get(pid, 0.0), min(100, int(sample.smUtil)) / 100)
-            seen = int(sample.timeStamp)
-            self._last_seen[index] = max(self._last_seen.get(index, 0), seen)
         return tuple(ProcessUtilization(pid, ratio) for pid, ratio in sorted(highest.items()))
 
     def _memory_info(self, nvml: Any, handle: Any) -> Any:

@@ -20,6 +20,7 @@ from herd_operator.cli.main import build_parser
 from herd_operator.cli.run import sharing_limits
 from herd_operator.controllers.job_status import ReconcilerBase
 from herd_operator.exporters.attribution import Attribution, attribute
+from herd_operator.exporters.collector import GpuCollector, exposition
 from herd_operator.exporters.gpu import GpuReading, ProcessMemory
 from herd_operator.exporters.nvml import NvmlGpuSource
 from herd_operator.policies.sharing import SharingLimits
@@ -34,10 +35,18 @@ from herd_operator.specs.values import Demand, Pool
 from tests.unit import fake_pynvml
 from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
 from tests.unit.test_allocator_invariants import NullSink
+from tests.unit.test_gpu_memory import families
 from tests.unit.test_spec_loading import job_yaml
 
 GIB = 1 << 30
 Install = Callable[[FakeNvmlConfig], FakeNvmlConfig]
+
+
+def wall() -> float:
+    """The epoch seconds of every read: NVML's samples below are at 9.1-9.3 s (microseconds)."""
+    return 10.0
+
+
 OWNERS = {("n1", 10): "a", ("n1", 11): "a", ("n1", 20): "b", ("n1", 21): "b"}
 
 
@@ -60,7 +69,7 @@ def gpus() -> list[FakeGpu]:
             10 * GIB,
             utilization_percent=90,
             processes=[(10, 6 * GIB), (20, 4 * GIB)],
-            process_samples=[(10, 60, 1), (20, 20, 2), (20, 30, 3)],
+            process_samples=[(10, 60, 9_100_000), (20, 20, 9_200_000), (20, 30, 9_300_000)],
         ),
         FakeGpu(
             "GPU-1",
@@ -68,7 +77,7 @@ def gpus() -> list[FakeGpu]:
             4 * GIB,
             utilization_percent=70,
             processes=[(21, 4 * GIB)],
-            process_samples=[(21, 70, 1)],
+            process_samples=[(21, 70, 9_100_000)],
         ),
         FakeGpu(
             "GPU-2",
@@ -76,14 +85,14 @@ def gpus() -> list[FakeGpu]:
             7 * GIB,
             utilization_percent=50,
             processes=[(11, 6 * GIB), (99, GIB)],
-            process_samples=[(99, 50, 1)],
+            process_samples=[(99, 50, 9_100_000)],
         ),
     ]
 
 
 def test_each_job_gets_its_own_processes_sm_utilization(install_nvml: Install) -> None:
     install_nvml(FakeNvmlConfig(gpus=gpus()))
-    attribution = attribute(NvmlGpuSource("n1").read(), OWNERS)
+    attribution = attribute(NvmlGpuSource("n1", wall=wall).read(), OWNERS)
     # b's highest sample on GPU 0; a ran no kernel on GPU 2 (the stranger's 50% is not a's).
     assert attribution.utilization_by_job() == {
         "a": {("n1", 0): 0.6, ("n1", 2): 0.0},
@@ -98,7 +107,7 @@ def test_without_per_process_figures_a_job_alone_gets_the_device_s_else_unknown(
     for gpu in config.gpus:
         gpu.failures["process_utilization"] = fake_pynvml.NVMLError_NotSupported
     install_nvml(config)
-    attribution = attribute(NvmlGpuSource("n1").read(), OWNERS)
+    attribution = attribute(NvmlGpuSource("n1", wall=wall).read(), OWNERS)
     # GPU 0 is shared and GPU 2 has a stranger's memory: neither is the job's alone.
     assert attribution.utilization_by_job() == {
         "a": {("n1", 0): None, ("n1", 2): None},
@@ -208,17 +217,27 @@ def test_measured_utilization_keeps_busy_sharing_jobs_apart_and_lets_light_ones_
         FakeNvmlConfig(
             gpus=[
                 FakeGpu(
-                    "GPU-0", 8 * GIB, GIB, processes=[(10, GIB)], process_samples=[(10, percent, 1)]
+                    "GPU-0",
+                    8 * GIB,
+                    GIB,
+                    processes=[(10, GIB)],
+                    process_samples=[(10, percent, 9_100_000)],
                 ),
                 FakeGpu(
-                    "GPU-1", 8 * GIB, GIB, processes=[(20, GIB)], process_samples=[(20, percent, 1)]
+                    "GPU-1",
+                    8 * GIB,
+                    GIB,
+                    processes=[(20, GIB)],
+                    process_samples=[(20, percent, 9_100_000)],
                 ),
             ]
         )
     )
     peaks = PeakGpuMemory()
     runs = {"a": "r", "b": "r"}
-    peaks.observe(attribute(NvmlGpuSource("n1").read(), {("n1", 10): "a", ("n1", 20): "b"}), runs)
+    peaks.observe(
+        attribute(NvmlGpuSource("n1", wall=wall).read(), {("n1", 10): "a", ("n1", 20): "b"}), runs
+    )
     assert (peaks.utilization("a"), peaks.utilization("b")) == (percent / 100, percent / 100)
 
     reconciler = ReconcilerBase()
@@ -251,3 +270,23 @@ def test_measured_utilization_keeps_busy_sharing_jobs_apart_and_lets_light_ones_
     slots = {job: tuple(placements[job].slots()) for job in "ab"}
     assert all(len(held) == 1 for held in slots.values())
     assert (slots["a"] == slots["b"]) is together
+
+
+def test_each_job_s_utilization_per_gpu_is_exported_at_scrape_time(install_nvml: Install) -> None:
+    config = FakeNvmlConfig(gpus=gpus())
+    install_nvml(config)
+    collector = GpuCollector(NvmlGpuSource("n1", wall=wall), pid_owners=lambda: OWNERS)
+    scraped = families(exposition(collector))
+    labels = [{"host": "n1", "gpu": str(i), "uuid": f"GPU-{i}", "kind": "nvml"} for i in range(3)]
+    assert scraped["herd_job_gpu_utilization_ratio"] == [
+        ({**labels[0], "herd_job": "a"}, 0.6),
+        ({**labels[0], "herd_job": "b"}, 0.3),
+        ({**labels[1], "herd_job": "b"}, 0.7),
+        ({**labels[2], "herd_job": "a"}, 0.0),
+    ]
+    # Without per-process figures only b alone on GPU 1 is known: no series rather than a guess.
+    for gpu in config.gpus:
+        gpu.failures["process_utilization"] = fake_pynvml.NVMLError_NotSupported
+    unsupported = GpuCollector(NvmlGpuSource("n1", wall=wall), pid_owners=lambda: OWNERS)
+    scraped = families(exposition(unsupported))
+    assert scraped["herd_job_gpu_utilization_ratio"] == [({**labels[1], "herd_job": "b"}, 0.7)]

@@ -48,7 +48,8 @@ def two_gpus() -> list[FakeGpu]:
             utilization_percent=37,
             power_milliwatts=251_500,
             processes=[(4242, 6 * GIB), (4243, 4 * GIB)],
-            process_samples=[(4242, 30, 1_000), (4242, 45, 2_000), (4243, 5, 1_500)],
+            # microseconds; the source below reads at 10 s, so from 8 s
+            process_samples=[(4242, 30, 9_000_000), (4242, 45, 9_500_000), (4243, 5, 9_900_000)],
         ),
         FakeGpu(
             uuid="GPU-bbbb",
@@ -63,7 +64,7 @@ def two_gpus() -> list[FakeGpu]:
 
 def test_reads_every_gpu_field_by_field_with_v2_memory(install_nvml: Install) -> None:
     install_nvml(FakeNvmlConfig(gpus=two_gpus()))
-    source = NvmlGpuSource("node1")
+    source = NvmlGpuSource("node1", wall=lambda: 10.0)
 
     assert source.read() == [
         GpuReading(
@@ -95,19 +96,32 @@ def test_reads_every_gpu_field_by_field_with_v2_memory(install_nvml: Install) ->
     assert source.errors() == {}
 
 
-def test_per_process_utilization_asks_only_for_samples_newer_than_the_last_round(
+def test_per_process_utilization_is_the_last_two_seconds_for_every_reader(
     install_nvml: Install,
 ) -> None:
     config = install_nvml(FakeNvmlConfig(gpus=two_gpus()))
-    source = NvmlGpuSource("node1")
-    source.read()
+    wall = Clock()
+    wall.now = 10.0
+    source = NvmlGpuSource("node1", wall=wall)
     gpu = config.gpus[0]
-    gpu.process_samples.append((4243, 80, 3_000))
+    gpu.process_samples = [(4242, 45, 9_500_000), (4243, 80, 11_000_000)]
     (first, _) = source.read()
-    assert first.process_utilization == (ProcessUtilization(4243, 0.8),)
-    (again, _) = source.read()
-    assert again.process_utilization == ()  # nothing newer: no kernel ran
-    assert gpu.process_utilization_calls == [0, 2_000, 3_000]
+    (again, _) = source.read()  # a second reader (a scrape) sees the same window
+    assert (
+        first.process_utilization
+        == again.process_utilization
+        == (
+            ProcessUtilization(4242, 0.45),
+            ProcessUtilization(4243, 0.8),
+        )
+    )
+    wall.now = 12.5
+    (later, _) = source.read()
+    assert later.process_utilization == (ProcessUtilization(4243, 0.8),)
+    wall.now = 14.0
+    (idle, _) = source.read()
+    assert idle.process_utilization == ()  # NOT_FOUND: no kernel ran since 12 s
+    assert gpu.process_utilization_calls == [8_000_000, 8_000_000, 10_500_000, 12_000_000]
 
 
 def test_without_per_process_utilization_the_reading_says_unknown_and_asks_once(
