@@ -53,6 +53,13 @@ packing's cap on a GPU's summed utilization counts (`Demand.utilization`):
 `PeakGpuMemory.utilization` in the operator."""
 
 
+class Measures(TypedDict):
+    """The measurement side's inputs of a `JobReconciler` (its keyword arguments)."""
+
+    peak_memory: PeakMemory
+    gpu_utilization: GpuUtilization
+
+
 class SharingFields(TypedDict, total=False):
     """`Demand`'s fields of a job that shares GPUs by memory."""
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from herd_operator.controllers.job_status import Measures
 from herd_operator.controllers.ports import EventType
 from herd_operator.exporters.attribution import Attribution, GpuKey, PidOwners, attribute
 from herd_operator.exporters.gpu import GpuReading
@@ -139,6 +140,11 @@ class PeakGpuMemory:
         with self._lock:
             run = self._peaks.get(job)
         return None if run is None else run.peak_bytes
+
+    def measures(self) -> Measures:
+        """What the reconciler reads of these for the sharing jobs' demands:
+        `JobReconciler(**peaks.measures())`."""
+        return {"peak_memory": self.peak, "gpu_utilization": self.utilization}
 
     def peaks(self) -> dict[str, int]:
         """Every job's peak that has been read."""

@@ -178,7 +178,7 @@ class Operator:
         self.allocator: Allocator | None = None
         self.observer: UsageObserver | None = None
         self.gpu_memory: GpuMemoryWatch | None = None
-        """Each job's measured GPU memory (its `peaks`: the allocator's input for sharing)."""
+        """Each job's measured GPU memory and utilization (`peaks`: the sharing packing's input)."""
         self.job_mapping: JobMappingLoop | None = None
         self.metrics = OperatorMetrics(CollectorRegistry())
         self._metrics_address: str | None = None
@@ -345,8 +345,7 @@ class Operator:
             report_deadline_seconds=config.report_deadline_seconds,
             observer=self.metrics,
             nodes=nodes,
-            peak_memory=self.gpu_memory.peaks.peak,
-            gpu_utilization=self.gpu_memory.peaks.utilization,
+            **self.gpu_memory.peaks.measures(),
         )
         self.loop = ControlLoop(
             self.queue,

@@ -241,8 +241,9 @@ def test_measured_utilization_keeps_busy_sharing_jobs_apart_and_lets_light_ones_
     assert (peaks.utilization("a"), peaks.utilization("b")) == (percent / 100, percent / 100)
 
     reconciler = ReconcilerBase()
-    reconciler.peak_memory = peaks.peak
-    reconciler.gpu_utilization = peaks.utilization
+    measures = peaks.measures()  # what the operator gives its JobReconciler
+    reconciler.peak_memory = measures["peak_memory"]
+    reconciler.gpu_utilization = measures["gpu_utilization"]
     spec = "{command: [x], gpus: {min: 1, max: 1, share: true, memory: 1Gi}}"
     demands = []
     for arrival, name in enumerate("ab"):
