@@ -213,7 +213,11 @@ class NvmlGpuSource:
             self._process_utilization = False  # the driver is the same for every GPU
             return None
         except nvml.NVMLError as err:
-            if not_found is not None and isinstance(err, not_found):
+            # No sample since `since`: NOT_FOUND, or NVML_SUCCESS with no samples, which
+            # nvidia-ml-py raises as an NVMLError of value 0.
+            if (not_found is not None and isinstance(err, not_found)) or getattr(
+                err, "value", None
+            ) == NVML_SUCCESS:
                 return ()
             if self._count(nvml, err) == "gpu_lost":
                 raise _GpuLost(err) from err
@@ -236,6 +240,7 @@ class NvmlGpuSource:
         return nvml.nvmlDeviceGetMemoryInfo(handle)
 
 
+NVML_SUCCESS = 0
 NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
 """What NVML puts in `usedGpuMemory` when it cannot say (nvidia-ml-py turns it into None;
 older pynvml releases pass it through)."""

@@ -133,6 +133,10 @@ class FakeNvmlConfig:
     nvidia-ml-py without `nvmlMemory_v2` nor the `version=` keyword."""
     not_available_as_none: bool = True
     """nvidia-ml-py turns NVML_VALUE_NOT_AVAILABLE into None; older pynvml releases pass it on."""
+    no_samples: Literal["not_found", "success"] = "not_found"
+    """What nvmlDeviceGetProcessUtilization raises when no sample is newer than asked: NVML's
+    NOT_FOUND, or an NVMLError of value 0 (NVML_SUCCESS with no samples: nvidia-ml-py raises
+    whatever the first call returned unless it was INSUFFICIENT_SIZE)."""
     init_error: type[NVMLError] | None = None
     count_error: type[NVMLError] | None = None
     shutdown_error: type[NVMLError] | None = None
@@ -258,6 +262,10 @@ def make_module(config: FakeNvmlConfig) -> types.ModuleType:
             for pid, sm, stamp in gpu.process_samples
             if stamp > last_seen
         ]
+        if not newer and config.no_samples == "success":
+            empty = NVMLError()
+            empty.value = 0
+            raise empty
         if not newer:
             raise NVMLError_NotFound()
         return newer

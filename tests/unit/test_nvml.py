@@ -96,10 +96,11 @@ def test_reads_every_gpu_field_by_field_with_v2_memory(install_nvml: Install) ->
     assert source.errors() == {}
 
 
+@pytest.mark.parametrize("no_samples", ["not_found", "success"])
 def test_per_process_utilization_is_the_last_two_seconds_for_every_reader(
-    install_nvml: Install,
+    install_nvml: Install, no_samples: Literal["not_found", "success"]
 ) -> None:
-    config = install_nvml(FakeNvmlConfig(gpus=two_gpus()))
+    config = install_nvml(FakeNvmlConfig(gpus=two_gpus(), no_samples=no_samples))
     wall = Clock()
     wall.now = 10.0
     source = NvmlGpuSource("node1", wall=wall)
@@ -120,8 +121,9 @@ def test_per_process_utilization_is_the_last_two_seconds_for_every_reader(
     assert later.process_utilization == (ProcessUtilization(4243, 0.8),)
     wall.now = 14.0
     (idle, _) = source.read()
-    assert idle.process_utilization == ()  # NOT_FOUND: no kernel ran since 12 s
+    assert idle.process_utilization == ()  # no sample: no kernel ran since 12 s
     assert gpu.process_utilization_calls == [8_000_000, 8_000_000, 10_500_000, 12_000_000]
+    assert source.errors() == {}
 
 
 def test_without_per_process_utilization_the_reading_says_unknown_and_asks_once(
