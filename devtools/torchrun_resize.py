@@ -17,7 +17,9 @@ either. Prints one line per resize and mode, with the load average.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,11 +80,53 @@ def gap(root: Path, new_world_at: float) -> float:
     return new_world_at - max(before)
 
 
+TORCH_LOG = re.compile(r"^I(\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) +(\d+) \S+\] (.*)$")
+"""One line of torch's own log (`LOGLEVEL=INFO`): month, day, UTC time, pid, message."""
+
+
+def agent_parts(root: Path) -> str:
+    """Where the grow's `agents` part went, from torch's log (`--agent-log`): seconds after
+    the trigger at which each new agent logged `Starting elastic_operator` (its interpreter
+    and torch's import done), the old agents saw them (`Detected`), and the new round was
+    complete; '' without the log."""
+    grown_at = float((root / "grown_at").read_text())
+    old: set[int] = set()
+    started: list[float] = []
+    detected: list[float] = []
+    complete: list[float] = []
+    for line in (root / "log").read_text(errors="replace").splitlines():
+        match = TORCH_LOG.match(line)
+        if match is None:
+            continue
+        month, day, hour, minute, second, pid, message = match.groups()
+        day_start = datetime.datetime(
+            datetime.datetime.now(datetime.UTC).year, int(month), int(day), int(hour),
+            int(minute), tzinfo=datetime.UTC,
+        )  # fmt: skip
+        at = day_start.timestamp() + float(second) - grown_at
+        if at < 0:
+            old.add(int(pid))
+        elif "Starting elastic_operator" in message and int(pid) not in old:
+            started.append(at)
+        elif "new nodes from group_rank" in message and not complete:
+            detected.append(at)
+        elif "Rendezvous complete" in message:
+            complete.append(at)
+    if not (started and detected and complete):
+        return ""
+    firsts = ", ".join(f"{at:.2f}" for at in started)
+    return (
+        f"; grow: new agents started at {firsts} s, seen at {max(detected):.2f} s, "
+        f"round complete at {min(complete):.2f} s"
+    )
+
+
 def measure(root: Path, grow: Callable[[], float], shrink: Callable[[], float]) -> list[float]:
     """(grow latency, grow gap, shrink latency, shrink gap) in seconds: from the trigger
     to the first step at the new size, and the time without a step before it."""
     first_step(root, 2, 0.0, STEADY_STEPS)
     grown_at = grow()
+    (root / "grown_at").write_text(f"{grown_at:.3f}\n")
     at_4 = first_step(root, 4, grown_at)
     first_step(root, 4, grown_at, STEADY_STEPS)
     shrunk_at = shrink()
@@ -164,7 +208,12 @@ def free_port() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--agent-log", action="store_true", help="split the grow's agents part by torch's log"
+    )
     args = parser.parse_args()
+    if args.agent_log:
+        os.environ["LOGLEVEL"] = "INFO"  # the agents inherit it
     for run in range(args.repeat):
         for name, mode in (("bare", bare), ("ours", ours)):
             root = Path(tempfile.mkdtemp(prefix=f"torchrun-resize-{name}-"))
@@ -173,6 +222,7 @@ def main() -> int:
             print(
                 f"run {run} {name}: 2->4 {grow:.2f} s (no step for {grow_gap:.2f} s), "
                 f"4->2 {shrink:.2f} s (no step for {shrink_gap:.2f} s) (load {load})"
+                f"{agent_parts(root) if args.agent_log else ''}"
             )
     return 0
 

@@ -343,6 +343,31 @@ def test_the_driver_runs_an_agent_of_another_hosts_slot_through_ssh_with_its_env
     assert secret not in ssh_line
 
 
+def test_a_local_agent_runs_in_a_session_of_its_own_and_still_stops_on_sigterm() -> None:
+    """A bare agent started from a shell has a session of its own, so (CFS autogroup, on by
+    default on many kernels) a CPU share of its own: our driver's agents shared the driver's
+    session, and so one share, and a grow's new agents took 1-2.5 s longer than bare ones to
+    import torch while the old workers trained (docs/benchmarks.md, run 19)."""
+    agents = Agents("127.0.0.1:29400", "127.0.0.1", ["--nnodes=1:2"], frozenset({"localhost"}))
+    stand_in = [sys.executable, "-c", "import time; time.sleep(600)"]
+    agents.argv = lambda local_addr=None: stand_in  # type: ignore[method-assign]
+    slot = ("localhost", 0)
+    agents.start(slot)
+    popen = agents.running[slot].popen
+    try:
+        deadline = time.monotonic() + 60
+        while psutil.Process(popen.pid).cmdline() != stand_in:  # past the pdeathsig wrapper
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert os.getsid(popen.pid) == popen.pid != os.getsid(0)
+        agents.stop(slot, time.monotonic())
+        popen.wait(60)
+        assert agents.reap(time.monotonic()) == [(slot, -15, True)]
+    finally:
+        popen.kill()
+        popen.wait()
+
+
 # ---- the launch ----
 
 

@@ -220,8 +220,17 @@ class Agents:
         try:
             if host in self.local_hosts:
                 # Dies with this process, however it ends (its worker is signalled by torchrun).
+                # A session of its own, as a bare agent started from a shell has: under CFS
+                # autogroup (on by default on many kernels) a session is one CPU share, and
+                # a grow's new agents sharing this process's session imported torch 1-2.5 s
+                # slower than bare ones while the old workers trained (docs/benchmarks.md,
+                # run 19). It still stops on SIGTERM from here, and the operator's SIGKILL
+                # of what outlives a stop finds it by descent and its launch id.
                 popen = subprocess.Popen(
-                    dies_with_parent(self.argv()), env=env, stdin=subprocess.DEVNULL
+                    dies_with_parent(self.argv()),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
                 )
             else:
                 popen = start_remote(host, self.argv(local_addr=host), env)
