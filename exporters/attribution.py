@@ -96,19 +96,18 @@ def attribute(readings: Iterable[GpuReading], owners: PidOwners) -> Attribution:
             job = owners.get((host, pid))
             if job is not None:
                 jobs[job, host, gpu] = None
-        utilization.update(_utilization(reading, owners, jobs, unattributed))
+        utilization.update(_utilization(reading, owners, unattributed[host, gpu]))
     return Attribution(jobs, unattributed, utilization)
 
 
 def _utilization(
-    reading: GpuReading,
-    owners: PidOwners,
-    jobs: Mapping[tuple[str, str, int], int | None],
-    unattributed: Mapping[GpuKey, int],
+    reading: GpuReading, owners: PidOwners, unattributed_bytes: int
 ) -> dict[tuple[str, str, int], float | None]:
-    """The utilization of each job with a process on the GPU of `reading`."""
+    """The utilization of each job with a process on the GPU of `reading` (its processes'
+    owners, read from this GPU's own lists, not by a scan of every job's keys)."""
     host, gpu = reading.host, reading.index
-    here = [key for key in jobs if key[1:] == (host, gpu)]
+    pids = [*(process.pid for process in reading.processes), *reading.unknown_pids]
+    here = {(job, host, gpu) for pid in pids if (job := owners.get((host, pid))) is not None}
     if reading.process_utilization is not None:
         summed = dict.fromkeys(here, 0.0)
         for process in reading.process_utilization:
@@ -116,7 +115,7 @@ def _utilization(
             if job is not None and (job, host, gpu) in summed:
                 summed[job, host, gpu] += process.sm_ratio
         return {key: min(1.0, ratio) for key, ratio in summed.items()}
-    foreign = unattributed.get((host, gpu), 0) > 0 or any(
+    foreign = unattributed_bytes > 0 or any(
         (host, pid) not in owners for pid in reading.unknown_pids
     )
     alone = len(here) == 1 and not foreign

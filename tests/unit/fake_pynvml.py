@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_NOT_SUPPORTED = 3
@@ -88,16 +88,7 @@ Call = Literal[
     "processes",
     "process_utilization",
 ]
-ALL_CALLS: tuple[Call, ...] = (
-    "handle",
-    "uuid",
-    "memory",
-    "memory_v2",
-    "utilization",
-    "power",
-    "processes",
-    "process_utilization",
-)
+ALL_CALLS: tuple[Call, ...] = get_args(Call)
 
 
 @dataclass

@@ -378,7 +378,7 @@ def test_a_worker_that_cannot_fit_any_gpu_says_so(measured: int | None, field: s
 # ---- the allocator: binding, recording and adopting shared GPUs ----
 
 
-class _Sink:
+class RecordingSink:
     def __init__(self) -> None:
         self.published: dict[str, Placement] = {}
 
@@ -392,7 +392,7 @@ class _Sink:
 def _allocator(recorded: list[Allocation], pool: Pool, **kwargs: Any) -> Allocator:
     return Allocator(
         pool,
-        _Sink(),
+        RecordingSink(),
         virtual=True,
         on_decision=recorded.append,
         drain_seconds=0,

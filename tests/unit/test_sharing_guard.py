@@ -32,7 +32,7 @@ from herd_operator.runtime.telemetry import worker_pids
 from herd_operator.specs.values import Demand, Placement, Pool, Slot
 from tests.unit import fake_pynvml
 from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
-from tests.unit.test_sharing import share
+from tests.unit.test_sharing import RecordingSink, share
 
 GI = 1 << 30
 MARGIN = 0.1
@@ -229,29 +229,32 @@ def test_the_guard_never_overcommits_and_touches_only_jobs_near_their_share(
 # ---- the allocator acting on it ----
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.published: dict[str, Placement] = {}
+Event = tuple[str, str, str, str]
 
-    def publish(self, job: str, placement: Placement) -> None:
-        self.published[job] = placement
 
-    def withdraw(self, job: str) -> None:
-        self.published.pop(job, None)
+def _allocator(
+    gpus: int, events: list[Event], gpu_memory: int, jobs_per_gpu: int, **kwargs: Any
+) -> Allocator:
+    """A sharing allocator on one host of `gpus` GPUs of `gpu_memory` bytes, its events
+    appended to `events`."""
+    return Allocator(
+        Pool.from_counts({"localhost": gpus}),
+        RecordingSink(),
+        on_event=lambda *event: events.append(event),
+        belongs=lambda job, pid: True,
+        sharing=SharingLimits(
+            max_jobs_per_gpu=jobs_per_gpu, margin=0.1, gpu_memory_bytes=gpu_memory
+        ),
+        **kwargs,
+    )
 
 
 def test_the_allocator_moves_the_job_that_grew_and_drains_the_gpu_it_left() -> None:
-    events: list[tuple[str, str, str, str]] = []
-    allocator = Allocator(
-        Pool.from_counts({"localhost": 3}),
-        _Sink(),
-        virtual=True,
-        drain_seconds=30,
-        on_event=lambda *event: events.append(event),
-        belongs=lambda job, pid: True,
+    events: list[Event] = []
+    allocator = _allocator(
+        3, events, 2 * GI, 2, virtual=True, drain_seconds=30,
         present=lambda job, placement: present(placement, {"localhost": ("a", "b", "c")}),
-        sharing=SharingLimits(max_jobs_per_gpu=2, margin=0.1, gpu_memory_bytes=2 * GI),
-    )
+    )  # fmt: skip
     grower = share("grower", 2, GI // 2)
     neighbour = share("neighbour", 1, GI, arrival=1.0)
     allocator.request(grower)
@@ -285,16 +288,8 @@ def test_the_allocator_moves_the_job_that_grew_and_drains_the_gpu_it_left() -> N
 
 
 def test_a_job_that_cannot_move_is_said_once() -> None:
-    events: list[tuple[str, str, str, str]] = []
-    allocator = Allocator(
-        Pool.from_counts({"localhost": 1}),
-        _Sink(),
-        virtual=True,
-        on_event=lambda *event: events.append(event),
-        belongs=lambda job, pid: True,
-        present=plain_presentation,
-        sharing=SharingLimits(max_jobs_per_gpu=2, margin=0.1, gpu_memory_bytes=2 * GI),
-    )
+    events: list[Event] = []
+    allocator = _allocator(1, events, 2 * GI, 2, virtual=True, present=plain_presentation)
     allocator.request(share("a", 1, GI // 2))
     allocator.request(share("b", 1, GI, arrival=1.0))
     used = {"a": {("localhost", 0): 1000 << 20}}
@@ -312,18 +307,13 @@ def test_a_job_that_cannot_move_is_said_once() -> None:
 def test_four_jobs_on_two_gpus_are_accounted_per_gpu_and_the_one_that_grows_shrinks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    events: list[tuple[str, str, str, str]] = []
-    allocator = Allocator(
-        Pool.from_counts({"localhost": 2}),
-        _Sink(),
-        virtual=False,
-        on_event=lambda *event: events.append(event),
-        belongs=lambda job, pid: True,
+    events: list[Event] = []
+    allocator = _allocator(
+        2, events, 8 * GI, 4, virtual=False,
         # A lone host under two names, as the Horovod engine shows it: GPU 1 keeps its
         # worker's name and rank when a job gives GPU 0 back.
         present=lambda job, placement: present(placement, {"localhost": ("localhost", "lo")}),
-        sharing=SharingLimits(max_jobs_per_gpu=4, margin=0.1, gpu_memory_bytes=8 * GI),
-    )
+    )  # fmt: skip
     half = int(2.5 * GI)
     a = replace(Demand("a", 1, 2, 2), share=True, memory_bytes=half)
     for demand in (a, *(share(name, 1, half, arrival=n) for n, name in enumerate("bcd", 1))):
@@ -395,13 +385,7 @@ def cleanly(presenter: Any) -> Any:
 
 
 def test_a_job_near_its_share_is_counted_by_its_use_so_no_newcomer_takes_that_room() -> None:
-    allocator = Allocator(
-        Pool.from_counts({"localhost": 1}),
-        _Sink(),
-        virtual=True,
-        belongs=lambda job, pid: True,
-        sharing=SharingLimits(max_jobs_per_gpu=4, margin=0.1, gpu_memory_bytes=8 * GI),
-    )
+    allocator = _allocator(1, [], 8 * GI, 4, virtual=True)
     allocator.request(share("a", 1, 2 * GI))
     allocator.guard_memory({"a": {("localhost", 0): 3 * GI}})  # counted 3.3 Gi from now
     newcomer = allocator.request(share("b", 1, 5 * GI, arrival=1.0))
