@@ -65,6 +65,7 @@ class SharingFields(TypedDict, total=False):
 
     share: bool
     memory_bytes: int | None
+    memory_split_bytes: int | None
     measured_bytes: int | None
     utilization: float | None
 
@@ -123,6 +124,7 @@ class ReconcilerBase:
         return {
             "share": True,
             "memory_bytes": job.spec.gpus.memory_bytes,
+            "memory_split_bytes": job.spec.gpus.memory_split_bytes,
             "measured_bytes": self.peak_memory(name),
             "utilization": self.gpu_utilization(name),
         }

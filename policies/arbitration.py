@@ -50,7 +50,7 @@ def _rank(demand: Demand) -> tuple[int, float, str]:
     return (-demand.priority, demand.arrival, demand.name)
 
 
-def _rank_smallest_first(
+def rank_smallest_first(
     demand: Demand, overdue: AbstractSet[str]
 ) -> tuple[int, int, int, float, str]:
     """Overdue jobs of a tier first, oldest first; then the smallest min first. With every
@@ -456,7 +456,7 @@ def arbitrate(
     of its grant in `previous` gets that Grant back as it is, reason included (the allocator
     keeps the reason of the decision that made a grant; writing thousands of unchanged ones
     again cost a fifth of a decision). With `smallest_first`, jobs are ranked within a tier by
-    `_rank_smallest_first` (`overdue`: names of pending jobs that waited past the caller's
+    `rank_smallest_first` (`overdue`: names of pending jobs that waited past the caller's
     bound); without it `overdue` is ignored and the order is arrival's. `draining` GPUs are
     being given back by a job whose workers may still be on them: they count as the pool's
     for admission and shares (they will be free), but are placed only where no other GPU is
@@ -472,7 +472,7 @@ def arbitrate(
     if order is not None:
         ranked = sorted(demands, key=lambda d: (-d.priority, order[d.name], d.arrival, d.name))
     elif smallest_first:
-        ranked = sorted(demands, key=lambda d: _rank_smallest_first(d, overdue))
+        ranked = sorted(demands, key=lambda d: rank_smallest_first(d, overdue))
     else:
         ranked = sorted(demands, key=_rank)
     in_pool = pool.slot_set

@@ -17,7 +17,8 @@ The rules, in the order a decision applies them:
   with `max_utilization`, the summed GPU utilization of the jobs on a GPU never passes it
   (a job not measured yet counts as a busy one, 1.0), which bounds how much they slow each
   other, and a worker goes to the shared GPU it fills closest to the cap first (a lightly
-  used job beside a busy one, leaving room for the middling ones).
+  used job beside a busy one, leaving room for the middling ones); with `whole_first`, a
+  free GPU comes before a shared one the job would take past a summed utilization of 1.0.
 - A sharing job's memory per worker is the larger of its request (`memory_bytes`) and its
   measured peak (`measured_bytes`) times `1 + margin`; with neither, or with no known GPU
   memory in the pool, a worker takes a whole GPU (still never beside an exclusive job).
@@ -27,6 +28,9 @@ The rules, in the order a decision applies them:
   untouched where they fit. Then each grows to what it wants, up to its max of `wanted`:
   onto GPUs already shared first (fullest first: packs tighter, leaves whole GPUs whole),
   then onto free GPUs. A pending job is admitted only when its whole min fits.
+  With `admit_first`, the pending jobs are admitted at their min before any job grows
+  (`arbitrate`'s order: mins first), and growth repeats with admission until neither
+  changes (a job that grows needs less per worker and may leave room for a pending one).
 - Free GPUs go to exclusive jobs first: a sharing job opens a free GPU only when no
   exclusive job of its priority or higher is pending (unless `backfill`: then it may open
   the GPUs the exclusive arbitration left free), and no sharing job before it was
@@ -37,7 +41,6 @@ The rules, in the order a decision applies them:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +48,12 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
 
-from herd_operator.policies.arbitration import arbitrate
+from herd_operator.policies.arbitration import arbitrate, rank_smallest_first
+from herd_operator.policies.sharing_room import Candidates, GpuRoom, WorkerNeeds
+from herd_operator.policies.sharing_room import counted_utilization as counted_utilization
+from herd_operator.policies.sharing_room import within_utilization as within_utilization
+from herd_operator.policies.sharing_room import worker_memory as worker_memory
+from herd_operator.policies.sharing_room import worker_memory_at as worker_memory_at
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 DEFAULT_MAX_JOBS_PER_GPU = 4
@@ -54,25 +62,6 @@ contends for the GPU's compute; past a few, the slowdown outweighs the memory sa
 DEFAULT_MEMORY_MARGIN = 0.10
 """What a measured peak is raised by before it is counted: allocator caches and
 fragmentation move a peak by a few percent from one epoch to the next."""
-
-
-def worker_memory(demand: Demand, margin: float) -> int:
-    """GPU memory one worker of a sharing job is counted for: the larger of its request and
-    its measured peak raised by `margin`; 0 when neither is known."""
-    measured = math.ceil(demand.measured_bytes * (1.0 + margin)) if demand.measured_bytes else 0
-    return max(demand.memory_bytes or 0, measured)
-
-
-def worker_memory_at(demand: Demand, size: int, margin: float) -> int:
-    """GPU memory one of `size` workers (>= the job's min) of a sharing job is counted for:
-    `worker_memory` with the request taken at that size (`Demand.memory_split_bytes`: a
-    bigger job's workers each hold less of its batch). A measured peak stays a floor."""
-    request = demand.memory_bytes or 0
-    split = demand.memory_split_bytes or 0
-    if split and size > demand.min:
-        request -= split // demand.min - math.ceil(split / size)
-    measured = math.ceil(demand.measured_bytes * (1.0 + margin)) if demand.measured_bytes else 0
-    return max(request, measured)
 
 
 def sharers(
@@ -120,6 +109,16 @@ class SharingLimits:
     """Sharing jobs may take GPUs the whole-GPU arbitration left free even while a whole-GPU
     job waits (its min did not fit in them). False: free GPUs are the whole-GPU jobs' first
     (a sharing job opens one only above every waiting whole-GPU job's priority)."""
+    admit_first: bool = False
+    """Pending sharing jobs are admitted at their min before any sharing job grows past what
+    it holds, and while one waits for free GPUs no job opens one to grow (they are kept for
+    the head of the line). False: in rank order, a running job first grows up to what it
+    wants, then a pending one is admitted at the most it wants that fits."""
+    whole_first: bool = False
+    """A sharing worker takes a free GPU (where it may open one) before a shared GPU whose
+    jobs' summed utilization it would take past `sharing_room.LIGHT_TOGETHER` (1.0): it
+    shares beside light jobs, or where it would otherwise wait. False: shared GPUs first,
+    the fullest first."""
 
     def __post_init__(self) -> None:
         if self.max_jobs_per_gpu < 1:
@@ -129,69 +128,6 @@ class SharingLimits:
         cap = self.max_utilization
         if cap is not None and not (math.isfinite(cap) and cap >= 1.0):
             raise ValueError(f"max_utilization must be finite and >= 1 (one busy job), got {cap}")
-
-
-@dataclass
-class _Gpus:
-    """What sharing workers use of each GPU as the packing goes."""
-
-    capacity: int
-    """Bytes per GPU; 1 when the pool's GPU memory is unknown (each worker counts 1)."""
-    max_jobs: int
-    known: bool
-    """Whether the GPUs' memory is known (else no GPU is shared)."""
-    closed: AbstractSet[Slot]
-    """No sharing worker may land or stay here (held by an exclusive job, blocked)."""
-    no_new: AbstractSet[Slot]
-    """No worker may land here that is not on it already (being given back)."""
-    used: dict[Slot, int] = field(default_factory=dict)
-    jobs: dict[Slot, set[str]] = field(default_factory=dict)
-    max_busy: float | None = None
-    """`SharingLimits.max_utilization`."""
-    busy_of: Mapping[str, float] = field(default_factory=dict)
-    """Each job's GPU utilization as the cap counts it (`counted_utilization`)."""
-    busy: dict[Slot, float] = field(default_factory=dict)
-
-    def fits(self, slot: Slot, job: str, need: int, *, staying: bool = False) -> bool:
-        if slot in self.closed or (not staying and slot in self.no_new):
-            return False
-        jobs = self.jobs.get(slot, set())
-        return (
-            job not in jobs
-            and len(jobs) < self.max_jobs
-            and self.used.get(slot, 0) + need <= self.capacity
-            and (
-                not jobs
-                or within_utilization(self.busy.get(slot, 0.0), self._busy(job), self.max_busy)
-            )
-        )
-
-    def add(self, slot: Slot, job: str, need: int) -> None:
-        self.used[slot] = self.used.get(slot, 0) + need
-        self.jobs.setdefault(slot, set()).add(job)
-        self.busy[slot] = self.busy.get(slot, 0.0) + self._busy(job)
-
-    def _busy(self, job: str) -> float:
-        return self.busy_of.get(job, 1.0)
-
-    def fill_key(self, slot: Slot) -> tuple[bool, float, int]:
-        """Best first: shared GPUs before free ones; with a utilization cap, the one left
-        busiest (closest to the cap) first; then the fullest by memory."""
-        busiest = -self.busy.get(slot, 0.0) if self.max_busy is not None else 0.0
-        return (not self.jobs.get(slot), busiest, -self.used.get(slot, 0))
-
-
-def counted_utilization(demand: Demand) -> float:
-    """A job's GPU utilization as a utilization cap counts it: the measured one, or 1.0 (a
-    busy job) until it is measured, so an unknown job never slows a neighbour past the cap."""
-    return 1.0 if demand.utilization is None else demand.utilization
-
-
-def within_utilization(on_gpu: float, joining: float, cap: float | None) -> bool:
-    """Whether a job of utilization `joining` may join the jobs on a GPU whose utilizations
-    sum to `on_gpu` (at least one job is there): always without a cap. A job alone on a GPU
-    is never refused by the cap (it slows no one), however busy it is."""
-    return cap is None or on_gpu + joining <= cap + 1e-9
 
 
 def _placement(slots: Sequence[Slot]) -> Placement:
@@ -216,19 +152,25 @@ def pack(
     frozen: AbstractSet[str] = frozenset(),
     may_open: Mapping[str, bool] | None = None,
     limits: SharingLimits = SharingLimits(),
+    smallest_first: bool = False,
+    overdue: AbstractSet[str] = frozenset(),
 ) -> dict[str, tuple[Placement, str]]:
     """Place the sharing `demands` (see the module docstring); each job's placement and the
     reason. `closed`: GPUs no sharing worker may use; `no_new`: GPUs only the workers on
     them may stay on; `may_open[job]`: whether the job may take a GPU no one uses (default
-    yes)."""
+    yes). With `smallest_first`, jobs are ranked within a tier as `arbitrate` ranks them
+    (`rank_smallest_first`: the `overdue` first, then the smallest min), not by arrival."""
     capacity = pool.gpu_memory_bytes or limits.gpu_memory_bytes
-    ranked = sorted(demands, key=_rank)
-    if capacity is None:
-        needs = _Needs(None, limits.margin)
-        gpus = _Gpus(1, 1, False, closed, no_new)
+    if smallest_first:
+        ranked = sorted(demands, key=lambda d: rank_smallest_first(d, overdue))
     else:
-        needs = _Needs(capacity, limits.margin)
-        gpus = _Gpus(capacity, limits.max_jobs_per_gpu, True, closed, no_new)
+        ranked = sorted(demands, key=_rank)
+    if capacity is None:
+        needs = WorkerNeeds(None, limits.margin)
+        gpus = GpuRoom(1, 1, False, closed, no_new)
+    else:
+        needs = WorkerNeeds(capacity, limits.margin)
+        gpus = GpuRoom(capacity, limits.max_jobs_per_gpu, True, closed, no_new)
         gpus.max_busy = limits.max_utilization
         gpus.busy_of = {d.name: counted_utilization(d) for d in ranked}
     in_pool = pool.slot_set
@@ -248,25 +190,7 @@ def pack(
         for slot in staying:
             gpus.add(slot, d.name, needs.at(d, len(staying)))
         held[d.name] = staying
-    return _grow(pool, ranked, current, held, needs, gpus, frozen, may_open or {})
-
-
-@dataclass(frozen=True)
-class _Needs:
-    """Bytes one worker of a sharing job is counted for at a size (`worker_memory_at`), or a
-    whole GPU where unknown; 1 per worker where the GPUs' memory is unknown."""
-
-    capacity: int | None
-    margin: float
-
-    def at(self, demand: Demand, size: int) -> int:
-        if self.capacity is None:
-            return 1
-        return worker_memory_at(demand, max(size, demand.min), self.margin) or self.capacity
-
-    def constant(self, demand: Demand) -> bool:
-        """Whether the need is the same at every size."""
-        return self.capacity is None or not demand.memory_split_bytes
+    return _grow(pool, ranked, current, held, needs, gpus, frozen, may_open or {}, limits)
 
 
 def _grow(
@@ -274,52 +198,130 @@ def _grow(
     ranked: Sequence[Demand],
     current: Mapping[str, Placement],
     held: dict[str, list[Slot]],
-    needs: _Needs,
-    gpus: _Gpus,
+    needs: WorkerNeeds,
+    gpus: GpuRoom,
     frozen: AbstractSet[str],
     may_open: Mapping[str, bool],
+    limits: SharingLimits,
 ) -> dict[str, tuple[Placement, str]]:
-    """Grow each job from what it kept up to what it wants (admit it when its min fits)."""
-    where = _Candidates(pool, gpus)
-    blocked_line = False
+    """Grow each job from what it kept up to what it wants (admit it when its min fits);
+    with `limits.admit_first`, tier by tier, the pending ones at their min first, then the
+    growth, again until neither changes anything."""
+    where = Candidates(pool, gpus, whole_first=limits.whole_first)
+    growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size)
+    if not limits.admit_first:
+        growth.step(ranked, admitting=True, growing=True)
+    else:
+        for _, tier_iter in itertools.groupby(ranked, key=lambda d: d.priority):
+            tier = list(tier_iter)
+            while growth.step(tier, True, growing=False) | growth.step(tier, False, growing=True):
+                pass  # each round admits or grows a worker: it ends
+            growth.upper_blocked = growth.upper_blocked or growth.blocker is not None
     decided: dict[str, tuple[Placement, str]] = {}
     for d in ranked:
         mine = held[d.name]
         before = current.get(d.name, Placement.EMPTY).size
-        need = needs.at(d, len(mine))
-        if d.name in frozen and len(mine) >= d.min:
+        if len(mine) < d.min:
+            fits = growth.found.get(d.name, 0)
+            reason = _pending_reason(d, needs.at(d, d.min), fits, before, gpus, pool.size)
+            decided[d.name] = (Placement.EMPTY, reason)
+        elif d.name in frozen:
             decided[d.name] = (_placement(mine), f"holding {len(mine)}: resized recently (sharing)")
-            continue
-        if len(mine) >= d.wanted:  # keeps what it holds (most jobs in most decisions)
-            decided[d.name] = (_placement(mine), _reason(d, need, before, len(mine)))
-            continue
-        opens = may_open.get(d.name, True) and not blocked_line
-        need, extra = _largest_growth(d, mine, needs, where, opens)
-        if len(mine) + len(extra) < d.min:
-            if not mine and not blocked_line and may_open.get(d.name, True):
-                blocked_line = True  # nobody after it opens a free GPU (head of line)
-            decided[d.name] = (
-                Placement.EMPTY,
-                _pending_reason(d, needs.at(d, d.min), len(mine) + len(extra), before, gpus),
-            )
-            continue
-        for slot in extra:
-            gpus.add(slot, d.name, need)
-        for slot in mine:  # at its bigger size each worker it kept holds less of the batch
-            gpus.used[slot] -= needs.at(d, len(mine)) - need
-        mine = mine + extra
-        decided[d.name] = (_placement(mine), _reason(d, need, before, len(mine)))
+        else:
+            reason = _reason(d, needs.at(d, len(mine)), before, len(mine))
+            decided[d.name] = (_placement(mine), reason)
     return decided
 
 
+@dataclass
+class _Growth:
+    """The jobs' GPUs as admission and growth go (`held`, updated in place)."""
+
+    held: dict[str, list[Slot]]
+    needs: WorkerNeeds
+    gpus: GpuRoom
+    frozen: AbstractSet[str]
+    may_open: Mapping[str, bool]
+    where: Candidates
+    pool_size: int
+    found: dict[str, int] = field(default_factory=dict)
+    """A pending job's GPUs found at its last try (for its reason)."""
+    blocker: int | None = None
+    """Admitting alone: where the first pending job that may open a GPU and did not fit is in
+    the tier (at the last admitting pass): nobody after it opens a free GPU (head of line)."""
+    reserve: bool = False
+    """That job could fit once GPUs free up: nobody of its tier opens one to grow (they are
+    kept for it)."""
+    upper_blocked: bool = False
+    """A higher priority tier has such a job: nobody of this one opens a free GPU."""
+
+    def step(self, ranked: Sequence[Demand], admitting: bool, growing: bool) -> bool:
+        """One pass over `ranked`, in order: pending jobs admitted (at the most they want, or
+        at their min when not `growing` too), running ones grown; whether any GPU was added.
+        Nobody after the first pending job that may open a GPU and did not fit opens one
+        (head of line); after an admitting pass alone left one waiting that could fit, nobody
+        of its tier who grows does."""
+        alone = admitting != growing
+        if alone and admitting:
+            self.blocker, self.reserve = None, False
+        blocked_line = self.upper_blocked
+        changed = False
+        for index, d in enumerate(ranked):
+            if not self._has_turn(d, admitting, growing):
+                continue
+            may_open = self.may_open.get(d.name, True)
+            opens = may_open and not blocked_line
+            if alone and growing:
+                after = self.blocker is not None and index > self.blocker
+                opens = opens and not self.reserve and not after
+            extra = self._admit_or_grow(d, d.wanted if growing else d.min, opens)
+            if extra is not None:
+                changed = changed or bool(extra)
+            elif may_open and not blocked_line:
+                blocked_line = True  # nobody after it opens a free GPU (head of line)
+                if alone:  # a job no GPU can hold (a peak grown past one) keeps none free
+                    need = self.needs.at(d, d.min)
+                    self.blocker = index
+                    self.reserve = need <= self.gpus.capacity and d.min <= self.pool_size
+        return changed
+
+    def _has_turn(self, d: Demand, admitting: bool, growing: bool) -> bool:
+        """Pending jobs in an admitting pass; in a growing one, the running jobs that want
+        more and were not resized recently (most jobs in most decisions keep what they hold)."""
+        mine = self.held[d.name]
+        if len(mine) < d.min:
+            return admitting
+        return growing and d.name not in self.frozen and len(mine) < d.wanted
+
+    def _admit_or_grow(self, d: Demand, top: int, opens: bool) -> list[Slot] | None:
+        """The GPUs added to `d` (up to `top` in all, counted in), or None: pending, its min
+        did not fit."""
+        mine = self.held[d.name]
+        need, extra = _largest_growth(d, top, mine, self.needs, self.where, opens)
+        if len(mine) + len(extra) < d.min:
+            self.found[d.name] = len(mine) + len(extra)
+            return None
+        for slot in extra:
+            self.gpus.add(slot, d.name, need)
+        for slot in mine:  # at its bigger size each worker it kept holds less of the batch
+            self.gpus.used[slot] -= self.needs.at(d, len(mine)) - need
+        self.held[d.name] = mine + extra
+        return extra
+
+
 def _largest_growth(
-    demand: Demand, mine: Sequence[Slot], needs: _Needs, where: _Candidates, opens: bool
+    demand: Demand,
+    top: int,
+    mine: Sequence[Slot],
+    needs: WorkerNeeds,
+    where: Candidates,
+    opens: bool,
 ) -> tuple[int, list[Slot]]:
-    """(bytes per worker, the GPUs to add) for the largest size up to `wanted` whose every
+    """(bytes per worker, the GPUs to add) for the largest size up to `top` whose every
     new worker finds a GPU with the memory a worker needs at that size (a smaller size needs
     more per worker: each tries the size the last one found room for). Nothing to add when
     no size above what it holds fits (below its min: it stays pending)."""
-    size = demand.wanted
+    size = top
     while True:
         need = needs.at(demand, size)
         extra = where.best(demand.name, mine, need, size - len(mine), opens)
@@ -331,67 +333,16 @@ def _largest_growth(
             return needs.at(demand, len(mine)), []
 
 
-class _Candidates:
-    """Where a job's next workers go, best first: GPUs on the hosts it has (shared ones
-    fullest first, then free ones), then GPUs shared elsewhere (fullest first), then free GPUs
-    in pool order. Without scanning the pool for each job: a first decision packing
-    thousands of jobs onto a Perlmutter-sized pool did that in minutes."""
-
-    def __init__(self, pool: Pool, gpus: _Gpus) -> None:
-        self._gpus = gpus
-        self._order = {slot: position for position, slot in enumerate(pool.slots())}
-        self._on_host = {host: [(host, gpu) for gpu in ids] for host, ids in pool.hosts}
-        self._free = [
-            slot
-            for slot in pool.slots()
-            if slot not in gpus.jobs and slot not in gpus.closed and slot not in gpus.no_new
-        ]
-        self._first_free = 0
-
-    def best(
-        self, job: str, mine: Sequence[Slot], need: int, count: int, opens: bool
-    ) -> list[Slot]:
-        """Up to `count` GPUs for `job` (holding `mine`), each with `need` bytes free;
-        free GPUs only if `opens`."""
-        gpus = self._gpus
-        hosts = {host for host, _ in mine}
-        taken = set(mine)
-
-        def usable(slot: Slot) -> bool:
-            shared = bool(gpus.jobs.get(slot))
-            return slot not in taken and (opens or shared) and gpus.fits(slot, job, need)
-
-        def fullest(slot: Slot) -> tuple[tuple[bool, float, int], int]:
-            return (gpus.fill_key(slot), self._order[slot])
-
-        local = [slot for host in sorted(hosts) for slot in self._on_host.get(host, ())]
-        chosen = sorted(filter(usable, local), key=fullest)[:count]
-        if len(chosen) < count:
-            shared = (s for s in gpus.jobs if s[0] not in hosts and gpus.jobs[s] and usable(s))
-            chosen += heapq.nsmallest(count - len(chosen), shared, key=fullest)
-        if len(chosen) < count and opens:
-            chosen += self._free_elsewhere(job, hosts, need, count - len(chosen))
-        return chosen
-
-    def _free_elsewhere(
-        self, job: str, hosts: AbstractSet[str], need: int, count: int
-    ) -> list[Slot]:
-        """The first `count` GPUs no job uses, off `hosts`, in pool order."""
-        gpus = self._gpus
-        while self._first_free < len(self._free) and gpus.jobs.get(self._free[self._first_free]):
-            self._first_free += 1  # taken since: never free again in this decision
-        found: list[Slot] = []
-        for slot in itertools.islice(self._free, self._first_free, None):
-            if len(found) == count:
-                break
-            if slot[0] not in hosts and not gpus.jobs.get(slot) and gpus.fits(slot, job, need):
-                found.append(slot)
-        return found
-
-
-def _pending_reason(demand: Demand, need: int, fits: int, before: int, gpus: _Gpus) -> str:
+def _pending_reason(
+    demand: Demand, need: int, fits: int, before: int, gpus: GpuRoom, pool_size: int
+) -> str:
     memory = gpus.capacity if gpus.known else None
-    if memory is not None and need > memory:
+    if demand.min > pool_size:
+        why = (
+            f"spec.gpus.min: {demand.min} is above the pool's {pool_size} GPU(s) (a sharing"
+            " job's workers each take a GPU of their own)"
+        )
+    elif memory is not None and need > memory:
         field = "spec.gpus.memory" if need == (demand.memory_bytes or 0) else "measured peak"
         why = (
             f"{field}: {format_bytes(need)} per worker is above the pool's GPU memory"
@@ -434,8 +385,9 @@ def arbitrate_sharing(
     GPUs sharing jobs hold), `pack` for those that do. The arguments are `arbitrate`'s, with
     `limits` for the packing and `held_shared` (`held_slots`): GPUs no job lands on,
     where the sharing jobs on them stay, and `order` (the queue's, `queueing.py`) for the
-    jobs that do not share. With sharing off (`limits` None: `Demand.share` is
-    ignored, every job gets whole GPUs) or no sharing demand, this is `arbitrate` itself."""
+    jobs that do not share (`smallest_first` and `overdue` rank both kinds). With sharing
+    off (`limits` None: `Demand.share` is ignored, every job gets whole GPUs) or no sharing
+    demand, this is `arbitrate` itself."""
     decide = partial(
         arbitrate,
         frozen=frozen,
@@ -451,8 +403,11 @@ def arbitrate_sharing(
         if held_shared:
             unavailable = set(unavailable) | held_shared
         return decide(pool, demands, current, unavailable=unavailable, draining=draining)
+    packing = partial(
+        pack, frozen=frozen, limits=limits, smallest_first=smallest_first, overdue=overdue
+    )
     decided, packed = _decide_beside_sharers(
-        pool, demands, current, decide, limits, unavailable, draining, held_shared, frozen
+        pool, demands, current, decide, packing, limits, unavailable, draining, held_shared
     )
     before = previous or {}
     for d in sorted(sharing, key=_rank):
@@ -470,13 +425,14 @@ def _decide_beside_sharers(
     demands: Sequence[Demand],
     current: Mapping[str, Placement],
     decide: Callable[..., dict[str, Grant]],
+    packing: Callable[..., dict[str, tuple[Placement, str]]],
     limits: SharingLimits,
     unavailable: AbstractSet[Slot],
     draining: AbstractSet[Slot],
     held_shared: AbstractSet[Slot],
-    frozen: AbstractSet[str],
 ) -> tuple[dict[str, Grant], dict[str, tuple[Placement, str]]]:
-    """The exclusive jobs' grants (`decide`) and the sharing jobs' packing. The jobs that do
+    """The exclusive jobs' grants (`decide`) and the sharing jobs' packing (`packing`: `pack`
+    with the decision's settings). The jobs that do
     not share are decided on the pool less the GPUs the sharing jobs keep, and which they
     keep is known only after the packing (a job whose measured peak no longer fits anywhere,
     or that shrinks, leaves its GPU): so decide again without the GPUs they left until none
@@ -495,9 +451,8 @@ def _decide_beside_sharers(
         closed = set(unavailable) | _slots_of(
             {job: grant.placement for job, grant in decided.items()}, decided.keys(), pool.slot_set
         )
-        packed = pack(
+        packed = packing(
             pool, sharing, current, closed=closed, no_new=set(draining) | held_shared,
-            frozen=frozen, limits=limits,
             may_open=None if limits.backfill else _may_open(exclusive, sharing, decided),
         )  # fmt: skip
         still = kept & {slot for placement, _ in packed.values() for slot in placement.slots()}

@@ -10,9 +10,9 @@ that grew to move, not whichever the arbitration's order reaches last.
 The rules (`guard_sharing`):
 
 - A worker is near its share when its readable bytes are above `near_ratio` of what its job is
-  counted for per worker (`worker_memory`: the larger of the request and the measured peak
-  times 1 + margin). Workers whose use is unknown say nothing; jobs counted as whole GPUs
-  (nothing requested or measured yet) have no share to near.
+  counted for per worker (`worker_memory_at`: the larger of the request at the size it runs
+  at and the measured peak times 1 + margin). Workers whose use is unknown say nothing; jobs
+  counted as whole GPUs (nothing requested or measured yet) have no share to near.
 - A job with a worker near its share is counted from now by its measured memory raised to
   the most one of its workers uses (`measured`). Where that fits on each of its GPUs beside
   the others there, nothing else changes.
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from herd_operator.policies.sharing import format_bytes
+from herd_operator.policies.sharing_room import request_at
 from herd_operator.specs.values import Placement, Slot
 
 NEAR_SHARE_RATIO = 0.9
@@ -70,17 +71,21 @@ class Sharer:
     placement: Placement
     min: int
     memory_bytes: int | None
-    """Its request per worker (`spec.gpus.memory`)."""
+    """Its request per worker at its min (`spec.gpus.memory`)."""
     measured_bytes: int | None
     """The measured peak per worker it is counted by now (`Demand.measured_bytes`)."""
     used: Mapping[Slot, int] = field(default_factory=dict)
     """What its worker on each GPU uses now (GPUs whose reading is unknown left out)."""
+    memory_split_bytes: int | None = None
+    """Of its request, what its workers split (`spec.gpus.memorySplit`)."""
 
     def share(self, margin: float, measured: int | None = None) -> int:
-        """Bytes one worker is counted for (`sharing.worker_memory`), by `measured` if given."""
+        """Bytes one worker is counted for at the size it runs at (`sharing.worker_memory_at`),
+        by `measured` if given."""
         peak = self.measured_bytes if measured is None else measured
         counted = math.ceil(peak * (1.0 + margin)) if peak else 0
-        return max(self.memory_bytes or 0, counted)
+        size = self.placement.size
+        return max(request_at(self.memory_bytes, self.memory_split_bytes, self.min, size), counted)
 
 
 @dataclass(frozen=True)

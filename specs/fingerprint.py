@@ -51,6 +51,8 @@ def spec_fingerprint(job: HerdJob) -> str:
     gpus = {"share"} if not job.spec.gpus.share else set()
     if job.spec.gpus.memory is None:
         gpus.add("memory")
+    if job.spec.gpus.memory_split is None:
+        gpus.add("memory_split")
     if gpus:
         excluded["gpus"] = gpus
     # And the default launcher, which specs from before the field run under now.

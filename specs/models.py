@@ -126,14 +126,36 @@ class GpuRange(ApiModel):
     share: bool = Field(default=False, strict=True)
     """Share GPUs by memory with other sharing jobs' workers (under `run --share-gpus`)."""
     memory: Quantity | None = None
-    """GPU memory one worker needs (`8Gi`, `512Mi`): what a sharing job is packed by until its
-    measured peak (+ the operator's margin) is larger; unset: a whole GPU until measured."""
+    """GPU memory one worker needs (`8Gi`, `512Mi`; at `min` GPUs with `memorySplit`): what a
+    sharing job is packed by until its measured peak (+ the operator's margin) is larger;
+    unset: a whole GPU until measured."""
+    memory_split: Quantity | None = None
+    """Of `memory`, what the workers split among them, in total (a global batch's activations):
+    at `n` GPUs a worker is counted for `memory - memorySplit / min + memorySplit / n`. At
+    most `memory` times `min`; needs `memory`. Unset: `memory` at every size."""
 
     @property
     def memory_bytes(self) -> int | None:
         """`memory` in bytes (None: unset): what the allocator packs by and the worker's
         limit, one parse for both."""
         return None if self.memory is None else parse_quantity(self.memory)
+
+    @property
+    def memory_split_bytes(self) -> int | None:
+        """`memorySplit` in bytes (None: unset)."""
+        return None if self.memory_split is None else parse_quantity(self.memory_split)
+
+    @field_validator("memory_split")
+    @classmethod
+    def _split_within_the_memory(cls, split: str | None, info: ValidationInfo) -> str | None:
+        memory, low = info.data.get("memory", ""), info.data.get("min")
+        if split is None or memory == "" or low is None:
+            return split  # unset, or memory or min is wrong itself: its own error says so
+        if memory is None:
+            raise ValueError("needs spec.gpus.memory (what one worker needs at min GPUs)")
+        if parse_quantity(split) > parse_quantity(memory) * low:
+            raise ValueError(f"{split} is more than spec.gpus.memory ({memory}) times min ({low})")
+        return split
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> GpuRange:

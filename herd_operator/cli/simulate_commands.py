@@ -89,6 +89,19 @@ def add_commands(commands: Subcommands) -> None:
         " waits)",
     )
     simulate.add_argument(
+        "--share-admit-first",
+        action="store_true",
+        help="under NAME+pack: waiting sharing jobs are admitted at their min before any"
+        " sharing job grows, and free GPUs are kept for the first of them that waits"
+        " (default: a running job grows first)",
+    )
+    simulate.add_argument(
+        "--share-whole-first",
+        action="store_true",
+        help="under NAME+pack: a sharing job takes a free GPU before a shared one whose"
+        " summed utilization it would take past 1.0 (default: shared GPUs first)",
+    )
+    simulate.add_argument(
         "--memory",
         choices=("guess", "published"),
         default="guess",
@@ -215,6 +228,8 @@ def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
         max_jobs_per_gpu=args.max_jobs_per_gpu,
         max_utilization=cap,
         backfill=args.share_backfill,
+        admit_first=args.share_admit_first,
+        whole_first=args.share_whole_first,
     )
 
 

@@ -127,7 +127,7 @@ def _sharers(
         readable = {slot: b for slot, b in used.get(job, {}).items() if b is not None}
         sharers.append(
             Sharer(job, grant.placement, demand.min, demand.memory_bytes,
-                   demand.measured_bytes, readable)
+                   demand.measured_bytes, readable, demand.memory_split_bytes)
         )  # fmt: skip
     return sharers, closed
 

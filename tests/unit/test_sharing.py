@@ -16,7 +16,7 @@ from herd_operator.cli.arguments import UsageError
 from herd_operator.cli.main import build_parser
 from herd_operator.cli.run import sharing_limits
 from herd_operator.controllers.job_status import ReconcilerBase
-from herd_operator.policies.arbitration import arbitrate
+from herd_operator.policies.arbitration import arbitrate, rank_smallest_first
 from herd_operator.policies.sharing import (
     SharingLimits,
     arbitrate_sharing,
@@ -216,7 +216,8 @@ def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
     limits = SharingLimits(
         max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1,
         max_utilization=draw(st.none() | st.sampled_from([1.0, 1.29, 2.0])),
-        backfill=draw(st.booleans()),
+        backfill=draw(st.booleans()), admit_first=draw(st.booleans()),
+        whole_first=draw(st.booleans()),
     )  # fmt: skip
     return pool, demands, limits
 
@@ -264,7 +265,11 @@ def _check_invariants(
 
 
 def _head_of_line_not_left_out(
-    pool: Pool, demands: Sequence[Demand], grants: Mapping[str, Grant], limits: SharingLimits
+    pool: Pool,
+    demands: Sequence[Demand],
+    grants: Mapping[str, Grant],
+    limits: SharingLimits,
+    overdue: frozenset[str] | None = None,
 ) -> None:
     """Packing is maximal for the first sharing job left pending with nothing in the way:
     no exclusive job waits and no sharing job before it was left pending, so it could take
@@ -275,7 +280,12 @@ def _head_of_line_not_left_out(
     held_exclusive = {
         slot for d in demands if not d.share for slot in grants[d.name].placement.slots()
     }
-    ranked = sorted((d for d in demands if d.share), key=lambda d: (-d.priority, d.arrival))
+    if overdue is None:  # arrival order; else smallest first, the overdue before
+        ranked = sorted((d for d in demands if d.share), key=lambda d: (-d.priority, d.arrival))
+    else:
+        ranked = sorted(
+            (d for d in demands if d.share), key=lambda d: rank_smallest_first(d, overdue)
+        )
     pending = next((d for d in ranked if not grants[d.name].placement.size), None)
     if pending is None:
         return
@@ -300,21 +310,31 @@ def _head_of_line_not_left_out(
 
 
 @settings(max_examples=300, deadline=None)
-@given(case=decisions(), steps=st.lists(st.integers(0, 2**16), min_size=1, max_size=4))
+@given(
+    case=decisions(),
+    steps=st.lists(st.integers(0, 2**16), min_size=1, max_size=4),
+    overdue=st.none() | st.frozensets(st.sampled_from([f"j{i}" for i in range(7)])),
+)
 def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
-    case: tuple[Pool, list[Demand], SharingLimits], steps: list[int]
+    case: tuple[Pool, list[Demand], SharingLimits],
+    steps: list[int],
+    overdue: frozenset[str] | None,
 ) -> None:
     """Over a short history (each step: one job's measured peak or wish changes, or a job
     leaves), every decision holds the reference's invariants, the exclusive jobs' grants are
     `arbitrate`'s on the GPUs sharing jobs hold before and keep after it (a GPU a sharing
     job leaves goes to the exclusive jobs in the same decision), and deciding again on the
-    result changes nothing."""
+    result changes nothing. `overdue` None: in arrival order; else smallest first (the
+    overdue jobs before), sharing jobs and the others alike."""
     pool, demands, limits = case
+    ranking: dict[str, Any] = {}
+    if overdue is not None:
+        ranking = {"smallest_first": True, "overdue": overdue}
     current: dict[str, Placement] = {}
     for step in steps:
-        grants = arbitrate_sharing(pool, demands, current, limits=limits)
+        grants = arbitrate_sharing(pool, demands, current, limits=limits, **ranking)
         _check_invariants(pool, demands, grants, limits)
-        _head_of_line_not_left_out(pool, demands, grants, limits)
+        _head_of_line_not_left_out(pool, demands, grants, limits, overdue)
         shared = {
             slot
             for d in demands
@@ -327,12 +347,13 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
             exclusive,
             {d.name: current[d.name] for d in exclusive if d.name in current},
             unavailable=shared,
+            **ranking,
         )
         assert {n: g.placement for n, g in alone.items()} == {
             d.name: grants[d.name].placement for d in exclusive
         }
         current = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
-        again = arbitrate_sharing(pool, demands, current, limits=limits)
+        again = arbitrate_sharing(pool, demands, current, limits=limits, **ranking)
         assert {n: g.placement for n, g in again.items()} == {
             n: g.placement for n, g in grants.items()
         }

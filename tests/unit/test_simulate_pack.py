@@ -160,7 +160,8 @@ def test_a_job_splitting_its_batch_is_admitted_at_the_size_where_its_workers_fit
 
 def test_simulate_takes_the_utilization_cap_and_names_a_bad_one(tmp_path: Path) -> None:
     argv = ["simulate", "perlmutter", "--jobs", "20", "--pool", "4x4", "--output", str(tmp_path)]
-    argv += ["--policy", "static+pack", "--share-backfill", "--max-gpu-utilization"]
+    argv += ["--policy", "static+pack", "--share-backfill", "--share-admit-first"]
+    argv += ["--share-whole-first", "--max-gpu-utilization"]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([*argv, "1.29"]) == 0
     assert "Co-location" in (tmp_path / "summary.md").read_text()
