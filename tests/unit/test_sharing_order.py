@@ -75,3 +75,21 @@ def test_a_busy_job_takes_a_free_gpu_before_crowding_a_shared_one() -> None:
     full = {"a": _on(0), "x": _on(1)}
     grants = arbitrate_sharing(pool, [other, light, busy], full, limits=whole)
     assert slots_of(grants, "b") == [("h0", 0)]  # h0:1 is full: it shares, not waits
+
+
+def test_with_smallest_first_a_small_sharing_job_is_not_held_behind_a_large_one() -> None:
+    pool = Pool.from_counts({"h0": 1}, gpu_memory_bytes=ALONE)
+    large = share("large", 2, ALONE)  # needs 2 GPUs of a pool of 1: heads the line in vain
+    small = share("small", 1, ALONE, arrival=1.0)
+    plain = arbitrate_sharing(pool, [large, small], {}, limits=SharingLimits())
+    assert plain["small"].placement.size == 0  # behind the head of the line
+    grants = arbitrate_sharing(
+        pool, [large, small], {}, limits=SharingLimits(), smallest_first=True
+    )
+    assert slots_of(grants, "small") == [("h0", 0)]
+    # A job pending past the bound (overdue) goes first again, smallest or not.
+    late = arbitrate_sharing(
+        pool, [large, small], {}, limits=SharingLimits(), smallest_first=True,
+        overdue={"large"},
+    )  # fmt: skip
+    assert late["small"].placement.size == 0
