@@ -45,7 +45,7 @@ from herd_operator.runtime.process_table import JobProcess, find_orphans, job_pr
 from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs import ConditionType, HerdJob, HerdJobSpec, is_true
 from herd_operator.specs.status import HerdJobStatus
-from herd_operator.specs.values import Demand, Drain, Placement, Pool
+from herd_operator.specs.values import Demand, Drain, Placement, Pool, ResizeMode
 from tests.unit.test_launcher import Exits
 from tests.unit.test_reconciler import FakeSpecs, herd_job
 
@@ -494,6 +494,9 @@ class JobsOnLauncher:
 
     def relaunch_reason(self, launch: LaunchInfo, job: HerdJob) -> str:
         return ""
+
+    def resize_mode(self, kind: str) -> ResizeMode | None:
+        return None  # no engine: a resize's event says no more than its time
 
     def stop(self, name: str) -> None:
         self.launcher.stop(name)
