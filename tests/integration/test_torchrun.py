@@ -178,7 +178,8 @@ def run_life(life: Life, operator_argv: list[str], log: Path) -> None:
         life.launch_at_start = herd.launch_id("tr")
         herd.write_spec(torchrun_spec("tr", 3, snapshot))  # grow 1 -> 3
         # The grow took 30.8, 45.7 and 65.0 s to its ResizeCompleted at load 5-7, 21-23, 28-36
-        # (the new agents and workers import torch); bare torchrun's 60-101 s at load 25-46.
+        # (the new agents and workers import torch; measured to the first epoch's report at 3,
+        # 19.4 s at load 7-9 to the first step's); bare torchrun's 60-101 s at load 25-46.
         life.wait(lambda: life.epochs_at(3), "an epoch at 3 workers", 240)
         # A Horovod job beside it, on the pool's last GPU.
         herd.write_spec(spec_document("hvd", 1, 1, digits_command(12, "--step-delay", "0.03")))
