@@ -34,7 +34,7 @@ from herd_operator.specs.loading import load_spec_text
 from herd_operator.specs.values import Demand, Pool
 from tests.unit import fake_pynvml
 from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
-from tests.unit.test_allocator_invariants import NullSink
+from tests.unit.sinks import RecordingSink
 from tests.unit.test_gpu_memory import families
 from tests.unit.test_spec_loading import job_yaml
 
@@ -259,7 +259,7 @@ def test_measured_utilization_keeps_busy_sharing_jobs_apart_and_lets_light_ones_
     )
     allocator = Allocator(
         Pool.from_counts({"localhost": 2}),
-        NullSink(),
+        RecordingSink(),
         virtual=True,
         drain_seconds=0,
         belongs=lambda job, pid: True,
