@@ -36,18 +36,18 @@ GUARD_S = 30.0
     forming=st.floats(1, 1000),
     formed_limit=st.floats(1, 1000),
 )
-def test_a_round_is_overdue_once_a_failure_waited_its_limit_for_workers_that_never_came(
+def test_a_round_is_overdue_once_it_was_quiet_for_its_limit_with_a_worker_missing(
     failed_for: float | None, missing: int, formed: bool, forming: float, formed_limit: float
 ) -> None:
     now = 5000.0
-    failed_at = None if failed_for is None else now - failed_for
-    overdue = round_overdue(failed_at, now, missing, formed, forming, formed_limit)
+    since = None if failed_for is None else now - failed_for
+    overdue = round_overdue(since, now, missing, formed, forming, formed_limit)
     if failed_for is None or missing == 0:
         # No failure holds it, or every worker recorded: Horovod's barrier decides.
         assert not overdue
     else:
-        assert failed_at is not None
-        assert overdue == (now - failed_at >= (formed_limit if formed else forming))
+        assert since is not None
+        assert overdue == (now - since >= (formed_limit if formed else forming))
 
 
 @given(
@@ -67,7 +67,7 @@ def test_the_message_names_who_failed_who_never_came_and_the_limit() -> None:
         False, ["rank 0 (localhost[0])"], ["rank 2 (host[0])"], 5.2, "glooTimeoutSeconds"
     )
     assert message.startswith("the workers' first meeting failed: rank 0 (localhost[0]) failed")
-    assert "rank 2 (host[0]) neither reached Horovod's rendezvous nor ended in 5 s" in message
+    assert "rank 2 (host[0]) neither came to the rendezvous nor ended in the 5 s since" in message
     assert "(glooTimeoutSeconds)" in message and "\n" not in message
     later = stuck_round_message(True, [], [], 600, "elasticTimeoutSeconds")
     assert later.startswith("a round after a failure did not end: a worker failed")
@@ -197,11 +197,30 @@ def test_a_first_meeting_that_a_held_back_worker_missed_fails_the_job_naming_it(
         failed = sorted(f"rank {rank[host]} ({host}[0])" for host in ("localhost", "127.0.0.1"))
         assert message.startswith(
             f"the workers' first meeting failed: {', '.join(failed)} failed, and rank"
-            f" {rank['host']} (host[0]) neither reached Horovod's rendezvous nor ended in"
+            f" {rank['host']} (host[0]) neither came to the rendezvous nor ended in the"
         ), message
         assert "(glooTimeoutSeconds)" in message
         # The failed workers' ends are results (their threads left the broken barrier).
         assert results.worker_results["localhost[0]"][0] == 134
+
+
+def test_a_worker_that_comes_after_the_first_failure_is_given_its_gloo_timeout() -> None:
+    # Killed or crashed before the meeting, one worker fails first; the others are still
+    # starting. Each that puts its address later fails on its own within Gloo's timeout
+    # (then Horovod ends the round): the quiet counts from the last arrival.
+    with job(HOSTS, watched=True, forming=0.5) as j:
+        assert j.watch is not None
+        rank = {host: infos[0].rank for host, infos in j.driver.host_assignments.items()}
+        j.workers.end("host[0]", 137)
+        for _ in range(6):  # arrivals 0.2 s apart: never 0.5 s of quiet
+            time.sleep(0.2)
+            j.watch.put_seen("global", f"rank_{rank['localhost']}")
+        assert not j.watch.gave_up.is_set() and j.main.is_alive()
+        j.workers.end("localhost[0]", 134)
+        j.workers.end("127.0.0.1[0]", 134)
+        j.main.join(GUARD_S)
+        (results,) = j.results
+        assert results.error_message is None and not j.watch.gave_up.is_set()
 
 
 def test_a_first_meeting_every_worker_failed_is_horovods_to_end() -> None:

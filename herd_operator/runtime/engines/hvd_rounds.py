@@ -12,14 +12,18 @@ failure and wait at the barrier for the one that is not there. The driver then r
 worker training and no end (`test_slurm`'s 6-worker job in CI at 1620f19: Running, "waiting
 for the workers' first report", until the test gave up).
 
-A round in which a worker failed is given `limit` seconds, from its first failure, to end:
+A round in which a worker failed, and which still has a worker that recorded nothing, is
+given `limit` seconds of quiet to end: counted from its last sign of life, a failure or a
+worker putting its Gloo address on the rendezvous server.
 
 - before the job's workers first met (some rank of the round never put its Gloo address,
   and no worker reached `hvd.elastic.run`), the round cannot form any more: each worker of
-  it needs every other, and one has failed. The others fail within Gloo's timeout of
-  reaching the rendezvous, so that is the limit: whoever is not done by then is not coming.
-- once the job has met, the survivors of a failure reset and meet again: Horovod's elastic
-  timeout, how long it waits for workers after a reset, is the limit.
+  it needs every other, and one has failed. A worker at the rendezvous fails within Gloo's
+  timeout of putting its address, so that is the limit: a worker that has neither ended
+  nor come by then is not coming (held back, or stuck).
+- once the job has met, the survivors of a failure reset and meet again at their next
+  collective: Horovod's elastic timeout, how long it waits for workers after a reset, is
+  the limit.
 
 Past the limit the driver stops the job (Horovod's `stop`, which stops every worker) with an
 error naming the workers that failed and those that never came; it exits 1, and the
@@ -57,35 +61,36 @@ def round_formed(put_ranks: Set[int], world_size: int, registered: bool) -> bool
 
 
 def round_overdue(
-    failed_at: float | None,
+    quiet_since: float | None,
     now: float,
     missing: int,
     formed: bool,
     forming_limit: float,
     formed_limit: float,
 ) -> bool:
-    """Whether a round whose first failure was recorded at `failed_at` (None: no worker of it
-    failed), and `missing` of whose workers have recorded nothing by `now`, is past its
-    limit: `forming_limit` before the workers first met (`formed` False), `formed_limit`
+    """Whether a round is past its limit at `now`: a worker of it failed, and its last sign
+    of life since (a failure, or a worker putting its address) was at `quiet_since` (None:
+    no worker of it failed), `missing` of its workers have recorded nothing, and the quiet
+    lasted `forming_limit` before the workers first met (`formed` False), `formed_limit`
     after. A round with no worker missing is Horovod's to end (its barrier's action runs,
     with its own timeout where it waits for hosts)."""
-    if failed_at is None or missing <= 0:
+    if quiet_since is None or missing <= 0:
         return False
-    return now - failed_at >= (formed_limit if formed else forming_limit)
+    return now - quiet_since >= (formed_limit if formed else forming_limit)
 
 
 def stuck_round_message(
-    formed: bool, failed: Sequence[str], missing: Sequence[str], waited: float, limit: str
+    formed: bool, failed: Sequence[str], missing: Sequence[str], quiet: float, limit: str
 ) -> str:
     """What the job's error says: which workers failed (`rank 0 (localhost[0])`...), which
-    neither came to the rendezvous nor ended (`missing`), for how long, and which limit."""
+    have not ended (`missing`), how long the round has been quiet, and which limit."""
     what = "a round after a failure did not end" if formed else "the workers' first meeting failed"
     failures = ", ".join(failed) or "a worker"
     absent = ", ".join(missing) or "a worker"
     return (
-        f"{what}: {failures} failed, and {absent} neither reached Horovod's rendezvous nor"
-        f" ended in {waited:.0f} s ({limit}); Horovod waits for every worker of a round, so"
-        " the driver stopped the job"
+        f"{what}: {failures} failed, and {absent} neither came to the rendezvous nor ended in"
+        f" the {quiet:.0f} s since the round's last failure or arrival ({limit}); Horovod"
+        " waits for every worker of a round, so the driver stopped the job"
     )
 
 
@@ -96,9 +101,9 @@ def _worker(rank: int, host: str, local_rank: int) -> str:
 class RoundWatch:
     """Gives up a round of Horovod's driver that a failed worker left unfinished.
 
-    Notes the first failure Horovod records in each round (wrapping its registry's
-    `record_failure`: the worker's thread then waits at the barrier) and the ranks that put
-    their Gloo address (`put_seen`, told by the rendezvous handler), and looks every
+    Notes each failure Horovod records in a round (wrapping its registry's `record_failure`:
+    the worker's thread then waits at the barrier) and each Gloo address put (`put_seen`,
+    told by the rendezvous handler): the round's signs of life. Looks every
     `period` seconds: a round past its limit (`round_overdue`) is ended by stopping the job
     with the reason as its error, and the barrier where the failed workers' threads wait is
     broken so that they end.
@@ -120,7 +125,8 @@ class RoundWatch:
         self.gave_up = threading.Event()
         self._lock = threading.Lock()
         self._round: int | None = None
-        self._failed_at: float | None = None
+        self._quiet_since: float | None = None
+        """The round's last failure or arrival, once a worker of it failed; else None."""
         self._failed: list[tuple[str, int]] = []
         self._put: set[int] = set()
         self._formed = False
@@ -134,6 +140,8 @@ class RoundWatch:
         if rank is not None:
             with self._lock:
                 self._put.add(rank)
+                if self._quiet_since is not None:  # it will fail within Gloo's timeout, or meet
+                    self._quiet_since = self.clock()
 
     def _on_failure(self, host: str, slot: int) -> int:
         driver = self.driver
@@ -143,7 +151,8 @@ class RoundWatch:
             with self._lock:
                 round_id = registry.last_rendezvous()
                 if round_id != self._round:
-                    self._round, self._failed_at, self._failed = round_id, self.clock(), []
+                    self._round, self._failed = round_id, []
+                self._quiet_since = self.clock()
                 self._failed.append((host, slot))
         try:
             return int(self._record_failure(host, slot))
@@ -168,10 +177,10 @@ class RoundWatch:
         registry = driver._worker_registry
         formed = self.formed()
         with self._lock:
-            if self._failed_at is not None and registry.last_rendezvous() != self._round:
-                self._failed_at = None  # Horovod ended the round: it went on or stopped
-            failed_at, failed = self._failed_at, list(self._failed)
-        if failed_at is None or driver.finished():
+            if self._quiet_since is not None and registry.last_rendezvous() != self._round:
+                self._quiet_since = None  # Horovod ended the round: it went on or stopped
+            quiet_since, failed = self._quiet_since, list(self._failed)
+        if quiet_since is None or driver.finished():
             return None
         assigned = {
             (host, info.local_rank): info.rank
@@ -187,14 +196,14 @@ class RoundWatch:
         ]
         now = self.clock()
         overdue = round_overdue(
-            failed_at, now, len(missing), formed, self.forming_limit, self.formed_limit
+            quiet_since, now, len(missing), formed, self.forming_limit, self.formed_limit
         )
         if not overdue:
             return None
         ranked = sorted((assigned.get(key, -1), key) for key in set(failed))
         failures = [_worker(rank, *key) for rank, key in ranked]
         limit = "elasticTimeoutSeconds" if formed else "glooTimeoutSeconds"
-        return stuck_round_message(formed, failures, missing, now - failed_at, limit)
+        return stuck_round_message(formed, failures, missing, now - quiet_since, limit)
 
     def give_up(self, message: str) -> None:
         self.gave_up.set()
