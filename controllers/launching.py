@@ -445,7 +445,10 @@ def _exit_message(process: ProcessState) -> str:
         # Only a launch adopted after an operator restart lacks one: it ended while no
         # operator ran, and its keeper was killed with it.
         return f"{_command(process)} ended while no operator ran; its exit status is unknown"
-    return f"{_command(process)} exited with status {process.exit_code}"
+    exited = f"{_command(process)} exited with status {process.exit_code}"
+    # What its driver said of the failure, where it said something: the status alone (1)
+    # does not name the cause.
+    return f"{exited}: {process.error}" if process.error else exited
 
 
 def out_of_memory_message(name: str, workers: tuple[str, ...]) -> str:

@@ -160,6 +160,9 @@ class ProcessState:
     out_of_memory: tuple[str, ...] = ()
     """Exited with a failure only: the workers whose output says they ran out of GPU memory
     ("rank 1"), from the launch's log; () when none did or the log is not known."""
+    error: str = ""
+    """Exited with a failure only: the error the job's driver printed last (`the workers'
+    first meeting failed: ...`), from the launch's log; '' when none or not known."""
 
 
 class LauncherPort(Protocol):

@@ -845,6 +845,29 @@ def test_a_worker_out_of_gpu_memory_is_said_as_such_not_as_a_bare_exit(world: Wo
     )
 
 
+def test_a_failure_is_said_with_the_error_its_driver_printed(world: World) -> None:
+    # The exit status alone (1) does not name the cause: the driver's last error line does,
+    # in the BackOff and then in the Failed (exit_cause.driver_error reads it from the log).
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 1}))
+    error = "the workers' first meeting failed: rank 0 (localhost[0]) failed, and ..."
+    for _ in range(2):
+        world.launcher.exit("a", 1)
+        world.launcher.states["a"] = replace(world.launcher.states["a"], error=error)
+        world.reconcile("a")
+        world.clock.advance(restart_delay(1))
+        world.reconcile("a")
+
+    said = f"horovodrun exited with status 1: {error}"
+    reasons = [(reason, message) for _, reason, message in world.events("a")]
+    assert ("BackOff", f"{said}; restart 1/1 in 1s") in reasons
+    assert reasons[-1] == ("Failed", said)
+    assert facts(world.condition("a", ConditionType.Failed)) == (
+        "True",
+        "BackoffLimitExceeded",
+        said,
+    )
+
+
 def test_failure_without_restart_policy_fails_directly(world: World) -> None:
     started(world, herd_job(restart={"onFailure": False}))
     world.launcher.exit("a", 2)
