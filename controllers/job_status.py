@@ -180,6 +180,14 @@ def not_resizing(
     return set_condition(conditions, ConditionType.Resizing, FALSE, "Stable", "", generation, now)
 
 
+def preempted_for(conditions: tuple[Condition, ...]) -> str | None:
+    """Why the job's workers are stopped (or being stopped) for another job: the message of
+    its `Preempted=True` condition, the queue's `preempted for X (attained ...)`; None when
+    it shows no preemption. What a preempted job's stop, its exit and its relaunch read."""
+    preempted = get_condition(conditions, ConditionType.Preempted)
+    return preempted.message if preempted is not None and preempted.status == TRUE else None
+
+
 def allocated_gpus(status: HerdJobStatus) -> int:
     return status.gpus.allocated if status.gpus else 0
 

@@ -20,6 +20,7 @@ from herd_operator.controllers.job_status import (
     ReconcilerBase,
     gpu_counts,
     not_resizing,
+    preempted_for,
 )
 from herd_operator.controllers.ports import (
     LaunchInfo,
@@ -141,8 +142,7 @@ class LaunchSteps(ReconcilerBase):
     ) -> tuple[Condition, ...]:
         """A preempted job launched again: `Preempted=False Readmitted` and an event (a
         script that keeps a checkpoint goes on from it)."""
-        preempted = get_condition(conditions, ConditionType.Preempted)
-        if preempted is None or preempted.status != TRUE:
+        if preempted_for(conditions) is None:
             return conditions
         message = f"granted {size} GPU(s) again: launched again after its preemption"
         self._event(name, "Normal", "Readmitted", message, now)
@@ -311,10 +311,7 @@ class LaunchSteps(ReconcilerBase):
         # No process of the launch is left to resize (a failed job showed Resizing=True).
         conditions = not_resizing(status.conditions, generation, now)
         code = process.exit_code
-        preempted = get_condition(conditions, ConditionType.Preempted)
-        stopped_for = (
-            preempted.message if preempted is not None and preempted.status == TRUE else ""
-        )
+        stopped_for = preempted_for(conditions) or ""
         # A launch adopted while it stopped for a preemption no longer says it was stopped.
         if process.stopped_by_us or (stopped_for and code != 0):
             if stopped_for:
@@ -448,7 +445,10 @@ def _exit_message(process: ProcessState) -> str:
         # Only a launch adopted after an operator restart lacks one: it ended while no
         # operator ran, and its keeper was killed with it.
         return f"{_command(process)} ended while no operator ran; its exit status is unknown"
-    return f"{_command(process)} exited with status {process.exit_code}"
+    exited = f"{_command(process)} exited with status {process.exit_code}"
+    # What its driver said of the failure, where it said something: the status alone (1)
+    # does not name the cause.
+    return f"{exited}: {process.error}" if process.error else exited
 
 
 def out_of_memory_message(name: str, workers: tuple[str, ...]) -> str:

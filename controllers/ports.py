@@ -14,8 +14,8 @@ from typing import Literal, Protocol
 
 from herd_operator.specs import HerdJob, HerdJobSpec
 from herd_operator.specs.records import JobRecord
-from herd_operator.specs.status import HerdJobStatus
-from herd_operator.specs.values import Demand, Grant, Report, UsageSample
+from herd_operator.specs.status import HerdJobStatus, ResizeCost
+from herd_operator.specs.values import Demand, Grant, Report, ResizeMode, UsageSample
 
 EventType = Literal["Normal", "Warning"]
 
@@ -160,6 +160,9 @@ class ProcessState:
     out_of_memory: tuple[str, ...] = ()
     """Exited with a failure only: the workers whose output says they ran out of GPU memory
     ("rank 1"), from the launch's log; () when none did or the log is not known."""
+    error: str = ""
+    """Exited with a failure only: the error the job's driver printed last (`the workers'
+    first meeting failed: ...`), from the launch's log; '' when none or not known."""
 
 
 class LauncherPort(Protocol):
@@ -172,6 +175,12 @@ class LauncherPort(Protocol):
         """
         ...
 
+    def resize_mode(self, kind: str) -> ResizeMode | None:
+        """What a resize does to the workers of a job launched on the engine of `kind`
+        (`spec.engine.kind`), as that engine says; None when this operator has no such
+        engine."""
+        ...
+
     def stop(self, name: str) -> None: ...
     def forget(self, name: str) -> None: ...
 
@@ -180,12 +189,12 @@ class ReconcileObserver(Protocol):
     """Hears about resizes, for metrics; the controllers do not know who listens."""
 
     def resized(self, job: str, before: int, after: int) -> None: ...
-    def resize_completed(self, job: str, seconds: float) -> None: ...
+    def resize_completed(self, job: str, cost: ResizeCost) -> None: ...
 
 
 class NoObserver:
     def resized(self, job: str, before: int, after: int) -> None:
         pass
 
-    def resize_completed(self, job: str, seconds: float) -> None:
+    def resize_completed(self, job: str, cost: ResizeCost) -> None:
         pass

@@ -16,8 +16,8 @@ from herd_operator.controllers.ports import LaunchInfo, Result, Workers
 from herd_operator.controllers.progress import estimate_progress, latest_metrics
 from herd_operator.policies.base import JobObservations, Policy, Signal
 from herd_operator.specs import Condition, ConditionType, HerdJob, get_condition, set_condition
-from herd_operator.specs.status import HerdJobStatus, Progress, WorkerWatch
-from herd_operator.specs.values import Grant, Report
+from herd_operator.specs.status import HerdJobStatus, Progress, ResizeCost, WorkerWatch
+from herd_operator.specs.values import Grant, Report, ResizeMode
 
 WORKER_LOST_GRACE_SECONDS = 30.0
 """How long fewer workers than were seen may run, while the job's driver still runs, before
@@ -49,22 +49,19 @@ def watch_workers(
     return WorkerWatch(seen=alive), seen - alive, now - since
 
 
-WHOLE_RESTART_ENGINES = frozenset({"torchrun"})
-"""Engines whose resize restarts every worker (from the job's own snapshot), which a
-resize's event says: what the stall is made of. Horovod's keeps its workers' processes."""
-
-
-def resize_completed_message(reports: Sequence[Report], seconds: float, engine: str) -> str:
-    """What the ResizeCompleted event says: the world size before (the last one the
+def resize_cost(
+    reports: Sequence[Report], seconds: float, engine: str, mode: ResizeMode | None, now: float
+) -> ResizeCost:
+    """What a resize that just finished cost: the world size before (the last one the
     workers reported that differs from the latest, when the reports still hold one), the
-    new one, and how long the resize took."""
+    new one, how long it took, and what it did to the workers (`mode`, the engine's word)."""
     after = reports[-1].world_size
     before = next(
         (report.world_size for report in reversed(reports) if report.world_size != after), None
     )
-    sizes = f"{before} -> {after}" if before is not None else f"to {after}"
-    how = " (every worker restarted)" if engine in WHOLE_RESTART_ENGINES else ""
-    return f"{sizes} workers in {seconds:.1f} s{how}"
+    return ResizeCost(
+        before=before, after=after, seconds=seconds, engine=engine, mode=mode, completed_at=now
+    )
 
 
 class RunningSteps(ReconcilerBase):
@@ -112,14 +109,22 @@ class RunningSteps(ReconcilerBase):
         )
         # What the workers say (Horovod's world): bindings show live processes, not a size.
         resizing = reported is not None and reported != grant.placement.size
+        last_resize = status.last_resize
         was_resizing = get_condition(status.conditions, ConditionType.Resizing)
         if not resizing and was_resizing is not None and was_resizing.status == TRUE and reported:
-            # One measure for the metric and the event: from the grant change (the Resizing
-            # condition's start) to the workers reporting the new world size.
-            seconds = now - was_resizing.last_transition_time
-            self.observer.resize_completed(name, seconds)
-            message = resize_completed_message(reports, seconds, job.spec.engine.kind)
-            self._event(name, "Normal", "ResizeCompleted", message, now)
+            # One measure for the metric, the event and `describe`: from the grant change
+            # (the Resizing condition's start) to the workers reporting the new world size.
+            # The engine the running launch was started on (a spec edit relaunches later).
+            engine = (launch.spec if launch is not None else job.spec).engine.kind
+            last_resize = resize_cost(
+                reports,
+                now - was_resizing.last_transition_time,
+                engine,
+                self.launcher.resize_mode(engine),
+                now,
+            )
+            self.observer.resize_completed(name, last_resize)
+            self._event(name, "Normal", "ResizeCompleted", last_resize.message(), now)
         conditions = self._reporting_condition(
             name, conditions, bool(reports), observed.started_at, generation, now
         )
@@ -142,6 +147,7 @@ class RunningSteps(ReconcilerBase):
                 "workers": watch,
                 "progress": _progress(job, reports, epoch),
                 "metrics": latest_metrics(status.metrics, reports),
+                "last_resize": last_resize,
             }
         )
         self._save(name, status, generation, now)

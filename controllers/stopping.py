@@ -18,6 +18,7 @@ from herd_operator.controllers.job_status import (
     allocated_gpus,
     gpu_counts,
     not_resizing,
+    preempted_for,
 )
 from herd_operator.controllers.ports import ProcessPhase, ProcessState, Result
 from herd_operator.policies.queueing import is_preemption
@@ -111,14 +112,14 @@ class StopSteps(ReconcilerBase):
 
         None when the job is not preempted."""
         grant = self.allocator.grant(name)
-        shown = get_condition(status.conditions, ConditionType.Preempted)
-        stopping = shown is not None and shown.status == TRUE
+        shown = preempted_for(status.conditions)
+        stopping = shown is not None
         if grant is not None and grant.placement.size:
             return None
         if grant is not None and is_preemption(grant.reason):
             why = grant.reason
-        elif stopping and shown is not None:
-            why = shown.message  # its stop was under way when the operator restarted
+        elif shown is not None:
+            why = shown  # its stop was under way when the operator restarted
         else:
             return None
         if process.phase == ProcessPhase.RUNNING:

@@ -10,7 +10,10 @@ Under herd-operator (`engine: {kind: torchrun}`) each GPU is one torchrun agent:
 is a new membership, every worker starts again at the new world size from the last
 snapshot. The snapshot also keeps which epochs were trained at which world size
 (`history`): after a run, its epochs are 0..N-1, each once, whatever resized in between.
-When herd_operator is importable and the operator runs the job, rank 0 reports each epoch.
+When herd_operator is importable and the operator runs the job, rank 0 reports each epoch,
+and its world size once its first step at each start is done: a resize's cost (its
+`ResizeCompleted` event, `describe`) is then the time from the grant to training at the new
+size, not to the end of the first epoch there.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ def main() -> None:
     if rank == 0:
         print(f"start: world size {world}, from epoch {progress['epochs_run']}", flush=True)
     step_log = open(args.step_log, "a", buffering=1) if args.step_log and rank == 0 else None  # noqa: SIM115
+    trained_at_this_size = False
 
     for epoch in range(progress["epochs_run"], args.epochs):
         started = time.monotonic()
@@ -166,6 +170,10 @@ def main() -> None:
             total += torch.tensor([loss.item(), 1.0])
             if step_log is not None:
                 step_log.write(f"{time.time():.6f} {world}\n")
+            if not trained_at_this_size:
+                trained_at_this_size = True
+                if herd is not None:  # where the operator's measure of a resize ends
+                    herd.report_reset()
             if args.step_delay:
                 time.sleep(args.step_delay)
         dist.all_reduce(total)

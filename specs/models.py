@@ -226,7 +226,9 @@ class HorovodOptions(ApiModel):
     workers as `HOROVOD_GLOO_TIMEOUT_SECONDS`; the default is Horovod's own): at a rendezvous,
     and in a collective whose peer hangs, crashed or is on a node that is gone, which is how
     long such a loss stalls the job. Under `horovodrun` it is also all the time a worker that
-    a grow starts has to reach `hvd.init()`; under the `driver`, `growTimeoutSeconds` is."""
+    a grow starts has to reach `hvd.init()`; under the `driver`, `growTimeoutSeconds` is.
+    Under the `driver`, a first meeting where a worker failed waits this long for the
+    workers that are not there, then the launch fails (`restartPolicy` applies)."""
     grow_timeout_seconds: int = Field(
         default=DEFAULT_GROW_TIMEOUT_SECONDS, strict=True, gt=0, le=MAX_TIMEOUT_SECONDS
     )

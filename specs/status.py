@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from herd_operator.specs.conditions import Condition, ConditionType, get_condition, is_true
+from herd_operator.specs.values import ResizeMode
 
 MAX_JOB_METRICS = 16
 """The most metric names a job's status (and /metrics) keeps of what its workers report:
@@ -74,6 +75,51 @@ class BatchChoice(StatusModel):
     size: int
 
 
+RESIZE_MODE_WORDS = {
+    ResizeMode.RESTART: "every worker restarted",
+    ResizeMode.LIVE: "no worker restarted",
+}
+"""What a resize's event and `describe` say it did to the workers."""
+
+
+class ResizeCost(StatusModel):
+    """What a finished resize of a running job cost: from the grant change to the workers
+    reporting the new world size (the `ResizeCompleted` event, `describe`'s "Last resize",
+    `herd_resize_duration_seconds`)."""
+
+    before: int | None = None
+    """The world size the workers reported before (None: the kept reports no longer hold
+    it)."""
+    after: int
+    """The world size they reported at the end: the grant's size."""
+    seconds: float
+    """From the grant change to the report of the new world size. A worker that reports
+    once it trains (Horovod's reset callback, `examples/train_torchrun.py` after its first
+    step) makes it the time to training at the new size; one that reports at epoch ends
+    only adds the rest of that epoch."""
+    engine: str
+    """The engine the job ran on (`spec.engine.kind`)."""
+    mode: ResizeMode | None = None
+    """What the resize did to the workers, as the engine says (None: this operator has no
+    such engine)."""
+    completed_at: float
+    """When the new world size was seen (Unix time)."""
+
+    @property
+    def direction(self) -> str:
+        """`grow`, `shrink`, or `unknown` when the size before is not known."""
+        if self.before is None or self.before == self.after:
+            return "unknown"
+        return "grow" if self.after > self.before else "shrink"
+
+    def message(self) -> str:
+        """What the event and `describe` say: `1 -> 3 workers in 30.8 s (every worker
+        restarted)`."""
+        sizes = f"{self.before} -> {self.after}" if self.before is not None else f"to {self.after}"
+        how = f" ({RESIZE_MODE_WORDS[self.mode]})" if self.mode is not None else ""
+        return f"{sizes} workers in {self.seconds:.1f} s{how}"
+
+
 class HerdJobStatus(StatusModel):
     observed_generation: int = 0
     conditions: tuple[Condition, ...] = ()
@@ -95,6 +141,8 @@ class HerdJobStatus(StatusModel):
     stored before say `launchFailures` too, which is read past)."""
     last_resize_at: float | None = None
     """When the grant of the running job last changed size."""
+    last_resize: ResizeCost | None = None
+    """What the last resize the workers finished cost (None: none finished yet)."""
     workers: WorkerWatch | None = None
     """The running launch's workers, while none has reported (None otherwise)."""
     policy_reason: str = ""

@@ -8,6 +8,7 @@ live elsewhere (`herd_operator.policies.arbitration`, the policies).
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -319,6 +320,19 @@ class Report:
     world_size: int
     metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     rank: int = 0
+
+
+class ResizeMode(enum.StrEnum):
+    """What a resize of a running job does to its workers: each engine says which of these
+    its resizes are (`Engine.resize_mode`), so that what a resize cost can say it without
+    the reconciler knowing engines."""
+
+    LIVE = "live"
+    """The workers that stay keep their processes, and new ones join them (Horovod's
+    elastic reset): no worker restarts."""
+    RESTART = "restart"
+    """Every worker is stopped and started again at the new world size, and resumes from
+    the job's own snapshot (torchrun's new membership)."""
 
 
 @dataclass(frozen=True)

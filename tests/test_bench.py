@@ -334,6 +334,17 @@ def test_step_log_skips_a_half_written_line(tmp_path: Path) -> None:
     assert StepLog(path).wait_steps(2, 2, 0.0) == [10.0, 10.5]
 
 
+def test_step_log_reads_on_from_where_it_stopped(tmp_path: Path) -> None:
+    path = tmp_path / "steps.txt"
+    path.write_text("10.0 2\n10.5")
+    log = StepLog(path)
+    assert log.steps() == [(10.0, 2)]
+    with path.open("a") as more:
+        more.write(" 2\n11.0 4\n")  # the half-written line is finished, and one more
+    assert log.steps() == [(10.0, 2), (10.5, 2), (11.0, 4)]
+    assert log.steps() == [(10.0, 2), (10.5, 2), (11.0, 4)]  # nothing read twice
+
+
 def test_samples_per_second_counts_steps_between_first_and_last() -> None:
     # 4 steps end 0.5 s apart: 3 intervals of 32 samples on each of 2 workers.
     assert samples_per_second([0.0, 0.5, 1.0, 1.5], 2) == pytest.approx(3 * 32 * 2 / 1.5)

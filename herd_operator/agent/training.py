@@ -483,19 +483,9 @@ class DistributedBatches(_BatchSteps):
         return box[0]
 
 
-def distributed_batches(
-    epoch_size: int,
-    settings: BatchSettings,
-    *,
-    seed: int = 0,
-    shuffle: bool = True,
-    state: dict[str, float | int] | None = None,
-    ask: Callable[[], tuple[int, int] | None] = decided_batch,
-) -> DistributedBatches:
-    """The batch sampler of the torchrun engine (see `DistributedBatches`)."""
-    return DistributedBatches(
-        epoch_size, settings, seed=seed, shuffle=shuffle, state=state, ask=ask
-    )
+distributed_batches = DistributedBatches
+"""The batch sampler of the torchrun engine, named as `elastic_batches` is: the class
+itself, so that its arguments are said once (see `DistributedBatches`)."""
 
 
 def elastic_batches(

@@ -235,5 +235,10 @@ def decided_batch() -> tuple[int, int] | None:
 
 
 def report_reset() -> None:
-    """Reset callback for `state.register_reset_callbacks`: reports the new world size."""
+    """Reset callback for `state.register_reset_callbacks`: reports the new world size.
+
+    A torchrun script calls it once its first step after each start is done (every resize
+    restarts its workers): the operator's measure of a resize (the `ResizeCompleted` event,
+    `describe`) ends at the report of the new size, here the first step at it, instead of
+    the end of the first epoch there (`examples/train_torchrun.py`)."""
     _report(None, {}, None)

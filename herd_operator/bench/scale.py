@@ -85,12 +85,16 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
         runtime_base,
     )
     from herd_operator.runtime.allocator import Allocator
-    from herd_operator.runtime.engines.horovod import GrantPublisher, relaunch_reason
+    from herd_operator.runtime.engines.horovod import (
+        GrantPublisher,
+        HorovodEngine,
+        relaunch_reason,
+    )
     from herd_operator.runtime.operator import tune_gc
     from herd_operator.runtime.specdir import SpecDirectory
     from herd_operator.runtime.store import Store
     from herd_operator.specs import HerdJob
-    from herd_operator.specs.values import Pool
+    from herd_operator.specs.values import Pool, ResizeMode
 
     @dataclass
     class RecordingLauncher:
@@ -118,6 +122,9 @@ def measure_operator(directory: Path, state: Path, nodes: int, budget_s: float) 
 
         def relaunch_reason(self, launch: LaunchInfo, job: HerdJob) -> str:
             return relaunch_reason(launch.spec, job.spec)
+
+        def resize_mode(self, kind: str) -> ResizeMode | None:
+            return HorovodEngine.resize_mode  # every generated job is a Horovod job
 
         def stop(self, name: str) -> None:
             raise AssertionError(f"nothing should be stopped ({name})")

@@ -420,7 +420,7 @@ def launcher_cpu_seconds(marker: str) -> float:
 
 
 def run_torchrun_training_overhead(ctx: Context) -> list[Row]:
-    skip, measure = (20, 100) if ctx.quick else (50, 400)
+    skip, measure = (20, 100) if ctx.quick else (100, 3000)
     rates: dict[str, list[float]] = {"bare": [], "ours": []}
     job_cpu: dict[str, list[float]] = {"bare": [], "ours": []}
     launcher_cpu: dict[str, list[float]] = {"bare": [], "ours": []}

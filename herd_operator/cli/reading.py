@@ -408,6 +408,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
         *_describe_progress(obj, now),
         f"Restarts:     {obj['restarts']}",
         *([f"Preemptions:  {obj['preemptions']}"] if obj.get("preemptions") else []),
+        *_describe_resize(obj, now),
         f"Age:          {format_age(now - obj['createdAt'])}",
         "Placement:" + ("" if obj["placement"] else "    none"),
     ]
@@ -474,6 +475,15 @@ def _describe_progress(obj: dict[str, Any], now: float) -> list[str]:
     if spec.get("dependsOn"):
         lines.append(f"Depends on:   {', '.join(spec['dependsOn'])} (must succeed first)")
     return lines
+
+
+def _describe_resize(obj: dict[str, Any], now: float) -> list[str]:
+    """What the job's last finished resize cost, on the engine it ran on (none: no line)."""
+    cost = obj["lastResize"]
+    if cost is None:
+        return []
+    ago = format_age(now - cost["completedAt"])
+    return [f"Last resize:  {cost['message']}, on {cost['engine']}, {ago} ago"]
 
 
 def cmd_events(args: argparse.Namespace) -> int:

@@ -76,10 +76,20 @@ def job_object(record: JobRecord) -> dict[str, Any]:
         "progress": _progress_view(spec, status),
         "metrics": dict(status.metrics),
         "runStartedAt": status.run_started_at,
+        "lastResize": _resize_view(status),
     }
     if spec_error is not None:
         shown["specError"] = spec_error
     return shown
+
+
+def _resize_view(status: HerdJobStatus) -> dict[str, Any] | None:
+    """What the job's last finished resize cost, with what its event said (None: none
+    finished yet)."""
+    cost = status.last_resize
+    if cost is None:
+        return None
+    return {**cost.model_dump(by_alias=True, mode="json"), "message": cost.message()}
 
 
 def epochs_completed(last_epoch: int | None) -> int | None:
@@ -242,6 +252,12 @@ def herdjob_resource(record: JobRecord, log_file: Path | None = None) -> dict[st
         "runStartedAt": rfc3339(status.run_started_at),
         "specFile": record.spec_path,
     }
+    last_resize = _resize_view(status)
+    if last_resize is not None:
+        shown_status["lastResize"] = {
+            **last_resize,
+            "completedAt": rfc3339(last_resize["completedAt"]),
+        }
     progress = _progress_view(job.spec if job is not None else None, status)
     if progress is not None:
         shown_status["progress"] = {

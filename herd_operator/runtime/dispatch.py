@@ -41,7 +41,7 @@ from herd_operator.runtime.engines import (
 from herd_operator.runtime.launcher import Launcher, LaunchRequest
 from herd_operator.runtime.process_table import agent_names
 from herd_operator.specs import HerdJob
-from herd_operator.specs.values import Placement, Slot
+from herd_operator.specs.values import Placement, ResizeMode, Slot
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,12 @@ class JobLauncher:
         if launched != wanted:
             return f"engine.kind changed from {launched} to {wanted}"
         return self._engine(job).relaunch_reason(launch.spec, job.spec)
+
+    def resize_mode(self, kind: str) -> ResizeMode | None:
+        try:
+            return self._engines.engine(kind).resize_mode
+        except UnknownEngineError:  # a job adopted from an operator that had the engine
+            return None
 
     def stop(self, name: str) -> None:
         self._launcher.stop(name)

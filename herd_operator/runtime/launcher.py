@@ -43,6 +43,7 @@ import psutil
 
 from herd_operator.controllers.ports import LaunchInfo, ProcessPhase, ProcessState
 from herd_operator.environment import LAUNCH_ID_ENV
+from herd_operator.runtime.exit_cause import driver_error
 from herd_operator.runtime.keeper import read_exit_start
 from herd_operator.runtime.launch_records import LaunchRecord, LaunchRecords, read_record
 from herd_operator.runtime.log_format import log_time
@@ -96,6 +97,8 @@ class _Process:
     """The job's log (None for an adopted launch: its records do not name it)."""
     out_of_memory: tuple[str, ...] | None = None
     """Read from the log once the launch failed (`out_of_memory.py`)."""
+    error: str = ""
+    """Its driver's last error line, read with `out_of_memory` (`exit_cause.py`)."""
     follower: LogFollower | None = None
     """The running launch's new log lines, for `out_of_memory_news`."""
     said_out_of_memory: set[str] = field(default_factory=set)
@@ -365,6 +368,7 @@ class Launcher:
             return ProcessState(
                 ProcessPhase.STOPPING, process.exit_code, process.info, stopped_by_us
             )
+        out_of_memory = self._out_of_memory(process)  # reads `process.error` with it
         return ProcessState(
             ProcessPhase.EXITED,
             process.exit_code,
@@ -372,7 +376,8 @@ class Launcher:
             stopped_by_us,
             launch_error=process.launch_error,
             ended_at=process.ended_at,
-            out_of_memory=self._out_of_memory(process),
+            out_of_memory=out_of_memory,
+            error=process.error,
         )
 
     def out_of_memory_news(self) -> dict[str, tuple[str, ...]]:
@@ -393,12 +398,14 @@ class Launcher:
 
     @staticmethod
     def _out_of_memory(process: _Process) -> tuple[str, ...]:
-        """The workers that ran out of GPU memory, read once from the log of a failed launch."""
+        """The workers that ran out of GPU memory, read once from the log of a failed launch
+        (its driver's error with them)."""
         if process.stop_requested or process.exit_code == 0 or process.log_file is None:
             return ()
         if process.out_of_memory is None:
             lines = launch_output(process.log_file, process.info.launch_id)
             process.out_of_memory = out_of_memory_workers(lines)
+            process.error = driver_error(lines)
         return process.out_of_memory
 
     def stop(self, job: str) -> None:

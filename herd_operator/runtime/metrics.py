@@ -20,10 +20,11 @@ from prometheus_client.registry import Collector
 
 from herd_operator.controllers.loop import Outcome
 from herd_operator.lifecycle import LoopHealth
+from herd_operator.runtime.engines import ENGINES
 from herd_operator.runtime.store import Store
 from herd_operator.specs import ConditionStatus, ConditionType
 from herd_operator.specs.conditions import get_condition
-from herd_operator.specs.status import MAX_JOB_METRICS, HerdJobStatus, Progress
+from herd_operator.specs.status import MAX_JOB_METRICS, HerdJobStatus, Progress, ResizeCost
 from herd_operator.specs.values import Placement, Pool, UsageSample
 
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -115,10 +116,15 @@ class OperatorMetrics:
             self.resizes.labels(direction=direction)
         self.resize_duration = Histogram(
             "herd_resize_duration_seconds",
-            "From a grant change to the workers reporting the new world size.",
+            "From a grant change to the workers reporting the new world size, by the job's"
+            " engine and the resize's direction (unknown: the size before was not known).",
+            ["engine", "direction"],
             buckets=RESIZE_BUCKETS,
             registry=registry,
         )
+        for engine in ENGINES:
+            for direction in ("grow", "shrink"):
+                self.resize_duration.labels(engine=engine, direction=direction)
 
     # LoopObserver (controllers.loop)
     def reconciled(self, outcome: Outcome, seconds: float) -> None:
@@ -131,8 +137,10 @@ class OperatorMetrics:
     def resized(self, job: str, before: int, after: int) -> None:
         self.resizes.labels(direction="grow" if after > before else "shrink").inc()
 
-    def resize_completed(self, job: str, seconds: float) -> None:
-        self.resize_duration.observe(seconds)
+    def resize_completed(self, job: str, cost: ResizeCost) -> None:
+        self.resize_duration.labels(engine=cost.engine, direction=cost.direction).observe(
+            cost.seconds
+        )
 
 
 class LoopCollector(Collector):
@@ -274,6 +282,13 @@ class _JobSeries:
             "Times the operator started the job again after it failed (restartPolicy).",
             labels=["herd_job"],
         )
+        self.last_resize = GaugeMetricFamily(
+            "herd_job_last_resize_seconds",
+            "What the job's last finished resize cost: from the grant change to the workers"
+            " reporting the new world size; mode: live (no worker restarted) or restart"
+            " (every worker restarted), as the job's engine resizes.",
+            labels=["herd_job", "engine", "mode"],
+        )
         self.counts: dict[tuple[str, str], int] = {
             (str(t), s): 0 for t in ConditionType for s in ("True", "False", "Unknown")
         }
@@ -293,6 +308,10 @@ class _JobSeries:
         for value in JOB_STATUSES:
             self.job_statuses.add_metric([name, value], 1 if value == now_in else 0)
         self.restarts.add_metric([name], status.restarts)
+        cost = status.last_resize
+        if cost is not None:  # a past cost: shown for an ended job too, as its restarts
+            mode = cost.mode.value if cost.mode is not None else "unknown"
+            self.last_resize.add_metric([name, cost.engine, mode], cost.seconds)
         if status.gpus is not None:
             self.allocated.add_metric([name], status.gpus.allocated)
         if now_in in ENDED_STATUSES:
@@ -318,6 +337,7 @@ class _JobSeries:
         for (condition_type, condition_status), count in sorted(self.counts.items()):
             self.jobs.add_metric([condition_type, condition_status], count)
         yield from (self.jobs, self.job_statuses, self.restarts, self.desired, self.allocated)
+        yield self.last_resize
         yield from (self.active, self.epoch, self.memory, self.thresholds)
         yield from self.progress.families()
 

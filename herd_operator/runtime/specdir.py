@@ -83,10 +83,18 @@ class SpecDirectory:
         # Entries named like specs that are not read, and why: said once, not every relist.
         self._skipped: dict[str, str] = {}
         self._warned_writable = False
+        self._version = 0
 
     def view(self, name: str) -> SpecView | None:
         with self._lock:
             return self._views.get(name)
+
+    @property
+    def version(self) -> int:
+        """How many relists changed a job's view (new, edited, invalid or deleted): what a
+        reader derived from the views is current while this stays the same."""
+        with self._lock:
+            return self._version
 
     def names(self) -> list[str]:
         with self._lock:
@@ -171,6 +179,7 @@ class SpecDirectory:
             }
             new_unnamed = set(unnamed) - set(self._unnamed)
             self._files, self._views, self._keys, self._unnamed = files, views, keys, unnamed
+            self._version += bool(changed)
             self._declared = declared
         for file_name, reason in new_skipped:
             log.warning("spec directory: skipping %s: %s", file_name, reason)

@@ -158,11 +158,33 @@ def memory_watch(
         PeakGpuMemory() if peaks is None else peaks,
         lambda: worker_pids(allocator),
         lambda: dict.fromkeys(allocator.placements(), "placed"),
-        lambda: requested_shares(specs()),
+        RequestedShares(specs),
         store.add_event,
         # A sharing job near its share is moved or shrunk by the allocator (sharing_guard.py).
         on_used=allocator.guard_memory if allocator.sharing is not None else lambda used: None,
     )
+
+
+class RequestedShares:
+    """`requested_shares` of the spec directory `specs()` gives, asked each sampling round:
+    read again only after a relist changed a job (`SpecDirectory.version`), not every
+    round (at 1,000 jobs a reading costs milliseconds; docs/mechanisms.md has the figure).
+    Called by the sampling loop's thread only."""
+
+    def __init__(self, specs: Callable[[], SpecDirectory | None]) -> None:
+        self._specs = specs
+        self._read: tuple[SpecDirectory, int, Mapping[str, int]] | None = None
+
+    def __call__(self) -> Mapping[str, int]:
+        directory = self._specs()
+        if directory is None:  # not read yet
+            return {}
+        # Taken before the views are read: a relist in between makes the next call read
+        # them again, never keeps what it changed unread.
+        version = directory.version
+        if self._read is None or self._read[0] is not directory or self._read[1] != version:
+            self._read = (directory, version, requested_shares(directory))
+        return self._read[2]
 
 
 def requested_shares(specs: SpecDirectory | None) -> dict[str, int]:

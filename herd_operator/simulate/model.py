@@ -28,14 +28,17 @@ SHRINK_STALL_SECONDS = 0.3
 """A shrink's stall: `resize-stall 4->2` under the driver (docs/benchmarks.md, runs 7 and 8:
 medians 0.30 and 0.27 s, n = 3 each); the demo's recorded shrinks 3 -> 2 took 0.0 and 0.3 s
 (`herd-operator replay`, docs/simulation.md). Under horovodrun's launch it was 2.0 s (run 3)."""
-TORCHRUN_GROW_STALL_SECONDS = 13.6
+TORCHRUN_GROW_STALL_SECONDS = 11.1
 """A grow's stall under the torchrun engine: every worker starts again at the new size from
-the job's snapshot. The time without a step of `devtools/torchrun_resize.py`'s 2 -> 4 (our
-driver: 15.6 and 11.5 s, n = 2, load 3-5; docs/benchmarks.md, run 16)."""
-TORCHRUN_SHRINK_STALL_SECONDS = 15.5
+the job's snapshot. The time without a training step of `herd-operator bench --only
+torchrun-resize-stall` 2 -> 4 under the operator (median, n = 3, load 1.1-2.1;
+docs/benchmarks.md run 20; bare torchrun 11.3 s). From the grant to the first step at 4 it
+was 15.3 s: the old workers train on at 2 while the new agents start (the first 4.2 s),
+which this model, with the new size from the grant on, counts at 4."""
+TORCHRUN_SHRINK_STALL_SECONDS = 12.2
 """A shrink's stall under the torchrun engine: the stopped agents' heartbeats lapse, the
-round's last call, every worker's restart (the same script's 4 -> 2: 16.9, 15.0 and 15.5 s,
-median, n = 3; docs/benchmarks.md, run 16)."""
+round's last call, every worker's restart. The same run's 4 -> 2, its time without a step
+(median, n = 3; 12.1 s from the grant to the first step at 2; bare torchrun 13.7 s)."""
 ENGINES = ("horovod", "torchrun")
 START_SECONDS = 33.3
 """A first launch, from the grant to the first progress: a new driver, every worker's

@@ -12,9 +12,11 @@ starts it again); both jobs Succeeded.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +24,11 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from herd_operator.runtime.process_table import job_processes
 from herd_operator.runtime.store import Store
+from herd_operator.specs.values import ResizeMode
 from tests.integration.harness import (
     HERD,
     OperatorHarness,
@@ -82,6 +86,19 @@ def gpu_holders(state: Path) -> dict[int, set[str]]:
     return holders
 
 
+def resize_metrics(state: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The operator's resize series as it serves them now: (name, labels) -> value."""
+    address = json.loads((state / "allocator.json").read_text())["metrics"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith(("herd_resize_duration_seconds", "herd_job_last_resize"))
+    }
+
+
 def workers_of(state: Path, job: str) -> dict[int, int]:
     """`job`'s live workers: GPU -> pid."""
     return {
@@ -108,6 +125,10 @@ class Life:
     killed_worker: int = 0
     shared: list[dict[int, set[str]]] = field(default_factory=list)
     """Samples, from the restart to the end, with a GPU held by two jobs: none expected."""
+    metrics_after_shrink: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(
+        default_factory=dict
+    )
+    """The restarted operator's resize series once the shrink's cost was said."""
     watching: bool = False
 
     def sample(self) -> None:
@@ -157,7 +178,8 @@ def run_life(life: Life, operator_argv: list[str], log: Path) -> None:
         life.launch_at_start = herd.launch_id("tr")
         herd.write_spec(torchrun_spec("tr", 3, snapshot))  # grow 1 -> 3
         # The grow took 30.8, 45.7 and 65.0 s to its ResizeCompleted at load 5-7, 21-23, 28-36
-        # (the new agents and workers import torch); bare torchrun's 60-101 s at load 25-46.
+        # (the new agents and workers import torch; measured to the first epoch's report at 3,
+        # 19.4 s at load 7-9 to the first step's); bare torchrun's 60-101 s at load 25-46.
         life.wait(lambda: life.epochs_at(3), "an epoch at 3 workers", 240)
         # A Horovod job beside it, on the pool's last GPU.
         herd.write_spec(spec_document("hvd", 1, 1, digits_command(12, "--step-delay", "0.03")))
@@ -185,6 +207,12 @@ def run_life(life: Life, operator_argv: list[str], log: Path) -> None:
         life.epoch_after_adoption = life.last_epoch()
         herd.write_spec(torchrun_spec("tr", 2, snapshot))  # shrink 3 -> 2
         life.wait(lambda: life.epochs_at(2), "an epoch at 2 workers", 180)
+        life.wait(
+            lambda: [e for e in herd.events("tr") if e.message.startswith("3 -> 2 workers in ")],
+            "the shrink's ResizeCompleted",
+            60,
+        )
+        life.metrics_after_shrink = resize_metrics(state)
         # A worker SIGKILLed: its agent starts it again (one of maxRestarts), the other's
         # worker too, and the job goes on at its size from its last snapshot.
         life.killed_worker = max(workers_of(state, "tr").values())
@@ -246,6 +274,34 @@ def test_the_torchrun_job_grew_shrank_and_lost_no_epoch_and_repeated_none(life: 
     for sizes in ("1 -> 3 workers in ", "3 -> 2 workers in "):
         told = [m for m in completed if m.startswith(sizes)]
         assert told and told[0].endswith(" s (every worker restarted)"), completed
+
+
+@pytest.mark.timeout(60)
+def test_the_last_resizes_cost_is_in_the_status_and_the_metrics(life: Life) -> None:
+    """What the shrink cost, the engine's word on it (every worker restarted), in the status
+    (`describe`'s Last resize), the per-job gauge and the histogram by engine and direction,
+    the same figure as its event's."""
+    job = life.herd.job("tr")
+    assert job is not None and job["lastResize"] is not None, life.herd.diagnostics("tr")
+    cost = job["lastResize"]
+    assert (cost["before"], cost["after"], cost["engine"], cost["mode"]) == (
+        3, 2, "torchrun", ResizeMode.RESTART.value
+    )  # fmt: skip
+    assert cost["message"] in [e.message for e in life.herd.events("tr")]
+    # The measure ends at the first step at the new size: the example reports it then (a
+    # report without an epoch), not at the end of its first epoch there.
+    first_at: dict[int, int | None] = {}
+    for report in life.herd.reports("tr"):
+        first_at.setdefault(report.world_size, report.epoch)
+    assert first_at[3] is None and first_at[2] is None, first_at
+    got = life.metrics_after_shrink
+    # The operator was restarted after the grow: its histogram holds the shrink alone.
+    shrink = (("direction", "shrink"), ("engine", "torchrun"))
+    assert got[("herd_resize_duration_seconds_count", shrink)] == 1, got
+    assert got[("herd_resize_duration_seconds_sum", shrink)] == pytest.approx(cost["seconds"])
+    gauge = ("herd_job_last_resize_seconds", (("engine", "torchrun"), ("herd_job", "tr"),
+                                              ("mode", "restart")))  # fmt: skip
+    assert got[gauge] == pytest.approx(cost["seconds"])
 
 
 @pytest.mark.timeout(60)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# A fake pynvml in sys.modules, for the NVML, GPU memory and utilization tests.
+from tests.unit.fake_pynvml import install_nvml  # noqa: F401
+
 # The test policies, installed as a plug-in distribution (entry points).
 from tests.unit.plugin_policy import (  # noqa: F401
     example_plugin_installed,

@@ -1,15 +1,20 @@
 """A fake `pynvml` module (the `nvidia-ml-py` API surface NvmlGpuSource uses), driven by a config.
 
-`make_module(config)` builds a module to put in `sys.modules["pynvml"]`. Errors follow
+`make_module(config)` builds a module to put in `sys.modules["pynvml"]`; the `install_nvml`
+fixture (shared through tests/unit/conftest.py) puts it there for one test. Errors follow
 the real module: `NVMLError` carries the NVML return code in `.value`, and each
 subclass (same names as pynvml's) is constructed without arguments.
 """
 
 from __future__ import annotations
 
+import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
+
+import pytest
 
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_NOT_SUPPORTED = 3
@@ -280,3 +285,17 @@ def make_module(config: FakeNvmlConfig) -> types.ModuleType:
     for name, value in functions.items():
         setattr(module, name, value)
     return module
+
+
+Install = Callable[[FakeNvmlConfig], FakeNvmlConfig]
+
+
+@pytest.fixture
+def install_nvml(monkeypatch: pytest.MonkeyPatch) -> Install:
+    """Put a fake pynvml built from a config into sys.modules; returns the config."""
+
+    def install(config: FakeNvmlConfig) -> FakeNvmlConfig:
+        monkeypatch.setitem(sys.modules, "pynvml", make_module(config))
+        return config
+
+    return install

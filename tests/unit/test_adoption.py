@@ -45,7 +45,8 @@ from herd_operator.runtime.process_table import JobProcess, find_orphans, job_pr
 from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs import ConditionType, HerdJob, HerdJobSpec, is_true
 from herd_operator.specs.status import HerdJobStatus
-from herd_operator.specs.values import Demand, Drain, Placement, Pool
+from herd_operator.specs.values import Demand, Drain, Placement, Pool, ResizeMode
+from tests.unit.sinks import RecordingSink
 from tests.unit.test_launcher import Exits
 from tests.unit.test_reconciler import FakeSpecs, herd_job
 
@@ -324,19 +325,8 @@ def _zombie(pid: int) -> bool:
 # ---- the allocator takes back what adopted jobs hold ----
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.published: dict[str, Placement] = {}
-
-    def publish(self, job: str, placement: Placement) -> None:
-        self.published[job] = placement
-
-    def withdraw(self, job: str) -> None:
-        self.published.pop(job, None)
-
-
-def allocator(gpus: int = 4) -> tuple[Allocator, Sink, list[dict[str, Placement]]]:
-    sink, decisions = Sink(), []
+def allocator(gpus: int = 4) -> tuple[Allocator, RecordingSink, list[dict[str, Placement]]]:
+    sink, decisions = RecordingSink(), []
     made = Allocator(
         Pool.from_counts({"localhost": gpus}),
         sink,
@@ -446,7 +436,9 @@ def test_restored_bindings_under_another_name_of_the_host_find_their_pool_host()
         slots = placement.slots()
         return {"localhost": slots[0::2], "127.0.0.1": slots[1::2]}
 
-    alloc = Allocator(Pool.from_counts({"localhost": 4}), Sink(), virtual=True, present=two_names)
+    alloc = Allocator(
+        Pool.from_counts({"localhost": 4}), RecordingSink(), virtual=True, present=two_names
+    )
     alloc.restore(
         {"a": place(0, 1, 2)},
         [
@@ -494,6 +486,9 @@ class JobsOnLauncher:
 
     def relaunch_reason(self, launch: LaunchInfo, job: HerdJob) -> str:
         return ""
+
+    def resize_mode(self, kind: str) -> ResizeMode | None:
+        return None  # no engine: a resize's event says no more than its time
 
     def stop(self, name: str) -> None:
         self.launcher.stop(name)
@@ -552,7 +547,7 @@ def test_no_instant_of_a_jobs_end_lets_a_killed_operator_run_it_again(tmp_path: 
     exits = Exits()
     launcher = ProbedLauncher(exits, grace_seconds=2.0, records_dir=layout.launches_dir)
     launcher.successors = successors = Successors(layout.database, layout.launches_dir, "done")
-    allocator = Allocator(Pool.from_counts({"localhost": 1}), Sink(), virtual=True)
+    allocator = Allocator(Pool.from_counts({"localhost": 1}), RecordingSink(), virtual=True)
     queue = WorkQueue()
     try:
         with Store(layout.database) as store:
@@ -674,7 +669,7 @@ class Operator:
         self.store = Store(layout.database)
         self.launcher = launcher
         self.port = JobsOnLauncher(launcher, layout.logs_dir, layout.root)
-        allocator = Allocator(Pool.from_counts({"localhost": 1}), Sink(), virtual=True)
+        allocator = Allocator(Pool.from_counts({"localhost": 1}), RecordingSink(), virtual=True)
         self.reconciler = JobReconciler(specs, self.store, allocator, self.port, clock=clock)
 
     def started_events(self, job: str) -> list[str]:
@@ -881,7 +876,7 @@ def test_restored_drains_hold_their_gpus_until_their_workers_exit_or_the_job_rep
 ) -> None:
     clock = [100.0]
     alloc = Allocator(
-        Pool.from_counts({"localhost": 4}), Sink(), virtual=True, clock=lambda: clock[0]
+        Pool.from_counts({"localhost": 4}), RecordingSink(), virtual=True, clock=lambda: clock[0]
     )
     worker = subprocess.Popen(["sleep", "60"])
     try:
@@ -916,7 +911,7 @@ def test_a_restored_drain_keeps_the_deadline_it_had() -> None:
     warned: list[str] = []
     alloc = Allocator(
         Pool.from_counts({"localhost": 2}),
-        Sink(),
+        RecordingSink(),
         virtual=True,
         drain_seconds=30.0,
         on_event=lambda job, kind, reason, message: warned.append(reason),

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.store import Store
-from herd_operator.specs.values import Allocation, Demand, Placement, Pool, Slot
+from herd_operator.specs.values import Allocation, Demand, Pool, Slot
+from tests.unit.sinks import RecordingSink
 from tests.unit.test_reconciler import herd_job
 
 # Hang guard for the deadlock test's threads; never a performance expectation.
@@ -27,14 +28,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class NullSink:
-    def publish(self, job: str, placement: Placement) -> None:
-        pass
-
-    def withdraw(self, job: str) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -82,7 +75,7 @@ def test_admission_hands_on_only_drained_gpus_and_takes_no_more_than_it_needs(
     pool = Pool.from_counts({f"h{i}": count for i, count in enumerate(story.hosts)})
     allocator = Allocator(
         pool,
-        NullSink(),
+        RecordingSink(),
         virtual=True,
         drain_seconds=3600.0,  # only reports free a GPU here (no pid to watch)
         clock=clock,
@@ -148,7 +141,9 @@ def test_a_second_job_is_not_shrunk_while_the_first_ones_gpus_drain() -> None:
     """The first case the property found, spelled out: x and y run 2 GPUs each on 4; new
     (min 1) arrives and the fair share takes one of y's. new waits for it; x keeps its 2
     (it used to be shrunk too, its GPU handed to new at once, under x's worker)."""
-    allocator = Allocator(Pool.from_counts({"h": 4}), NullSink(), virtual=True, drain_seconds=60)
+    allocator = Allocator(
+        Pool.from_counts({"h": 4}), RecordingSink(), virtual=True, drain_seconds=60
+    )
     x, y = Demand("x", 1, 2, 2, arrival=1.0), Demand("y", 1, 2, 2, arrival=2.0)
     for demand in (x, y):
         allocator.request(demand)
@@ -190,7 +185,7 @@ def test_a_report_group_and_a_decision_do_not_deadlock(tmp_path: Path) -> None:
         store.replace_allocations(decision.placements, 2.0, decision.draining)
 
     allocator = Allocator(
-        Pool.from_counts({"localhost": 4}), NullSink(), virtual=True, on_decision=record
+        Pool.from_counts({"localhost": 4}), RecordingSink(), virtual=True, on_decision=record
     )
     allocator.request(Demand("a", 1, 2, 2))
     deciding.clear()

@@ -26,7 +26,8 @@ from herd_operator.specs import (
     set_condition,
     spec_fingerprint,
 )
-from herd_operator.specs.status import GpuCounts, HerdJobStatus
+from herd_operator.specs.status import GpuCounts, HerdJobStatus, ResizeCost
+from herd_operator.specs.values import ResizeMode
 from tests.unit.test_store import corrupt_a_table_page
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -534,6 +535,40 @@ def test_describe_idle_and_missing_jobs(state: Path, capsys: pytest.CaptureFixtu
     code, out, err = run_cli(capsys, "describe", "nope", "--state-dir", str(state))
     assert (code, out) == (EXIT_FAILURE, "")
     assert err == f"herd-operator: no job 'nope' in {state}\n"
+
+
+def test_describe_and_get_show_what_the_last_resize_cost(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last resize's cost stays in `describe` (and the resource) once its event has left
+    the newest 20; a job that finished none has no line."""
+    finished = time.time() - 240
+    cost = ResizeCost(
+        before=1, after=3, seconds=30.84, engine="torchrun", mode=ResizeMode.RESTART,
+        completed_at=finished,
+    )  # fmt: skip
+    with Store(StateLayout(state).database) as store:
+        current = store.get_job("train")
+        assert current is not None
+        store.put_status("train", current.status.model_copy(update={"last_resize": cost}), finished)
+
+    code, out, err = run_cli(capsys, "describe", "train", "--state-dir", str(state))
+    assert (code, err) == (EXIT_OK, "")
+    told = "1 -> 3 workers in 30.8 s (every worker restarted)"
+    assert f"Last resize:  {told}, on torchrun, 4m ago" in out.splitlines()
+    code, out, _ = run_cli(capsys, "get", "train", "-o", "json", "--state-dir", str(state))
+    shown = json.loads(out)["status"]["lastResize"]
+    assert datetime.fromisoformat(shown.pop("completedAt")).timestamp() == pytest.approx(
+        finished, abs=1
+    )
+    assert shown == {
+        "before": 1, "after": 3, "seconds": 30.84, "engine": "torchrun", "mode": "restart",
+        "message": told,
+    }  # fmt: skip
+    code, out, _ = run_cli(capsys, "describe", "idle", "--state-dir", str(state))
+    assert not [line for line in out.splitlines() if line.startswith("Last resize")]
+    code, out, _ = run_cli(capsys, "get", "idle", "-o", "json", "--state-dir", str(state))
+    assert "lastResize" not in json.loads(out)["status"]
 
 
 def test_events_of_all_jobs(state: Path, capsys: pytest.CaptureFixture[str]) -> None:

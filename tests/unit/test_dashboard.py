@@ -24,12 +24,15 @@ from herd_operator.exporters.gpu import GpuReading, ProcessMemory
 from herd_operator.runtime.metrics import OperatorMetrics, StateCollector
 from herd_operator.runtime.store import Store
 from herd_operator.specs import Condition, ConditionStatus, HerdJob
-from herd_operator.specs.status import GpuCounts, HerdJobStatus, Progress
-from herd_operator.specs.values import Placement, Pool
+from herd_operator.specs.status import GpuCounts, HerdJobStatus, Progress, ResizeCost
+from herd_operator.specs.values import Placement, Pool, ResizeMode
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "herd-dashboard.json"
 METRIC = re.compile(r"\b(herd_[a-z0-9_]+)(\{[^}]*\})?")
 JOB_FILTER = 'herd_job=~"$job"'
+RESIZE = ResizeCost(
+    before=2, after=1, seconds=3.0, engine="torchrun", mode=ResizeMode.RESTART, completed_at=1.5
+)
 
 
 class Gpus:
@@ -71,13 +74,14 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
         epoch=1, metrics={"loss": 0.5, "val/acc": 0.9},
         progress=Progress(epochs=10, completed=2, epoch_seconds=4.0, world_size=1,
                           estimated_completion=40.0),
+        last_resize=RESIZE,
     )  # fmt: skip
     store.put_status("resnet", status, 2.0)
     store.add_usage("resnet", 1, 3 << 30, 80 << 30, 3.0)
     placements = {"resnet": Placement((("n1", (0,)),))}
     registry = CollectorRegistry()
     metrics = OperatorMetrics(registry)
-    metrics.resize_completed("resnet", 3.0)
+    metrics.resize_completed("resnet", RESIZE)
     metrics.reconcile_duration.observe(0.01)
     metrics.loops.started("pruner")  # a loop that ran a step and failed one
     metrics.loops.succeeded("pruner")

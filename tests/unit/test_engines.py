@@ -50,7 +50,7 @@ from herd_operator.specs import (
     load_spec_text,
     spec_fingerprint,
 )
-from herd_operator.specs.values import Demand, Placement, Pool, Slot
+from herd_operator.specs.values import Demand, Placement, Pool, ResizeMode, Slot
 
 # Hang guard for waiting on processes; never a performance expectation.
 GUARD_S = 20.0
@@ -59,6 +59,8 @@ MASTER_TOKEN = bytes(range(32))
 
 class RecordingEngine:
     """A test engine: runs a sleeping Python and records every call the runtime makes."""
+
+    resize_mode = ResizeMode.RESTART
 
     def __init__(self, context: EngineContext) -> None:
         self.context = context
@@ -213,6 +215,36 @@ def test_a_registered_engine_gets_the_launch_the_placements_and_the_relaunch_que
     runtime.reconcile_until("a", lambda: runtime.store.get_job("a") is None, "the deletion")
     assert engine.calls[-1] == ("withdraw", "a")
     assert runtime.allocator.grant("a") is None
+
+
+def test_what_a_resize_does_to_the_workers_is_the_engines_word(
+    recording: None, runtime: Runtime
+) -> None:
+    """The seam: each engine says what its resizes do to the workers (`resize_mode`); the
+    reconciler asks its launcher port, knowing no engine, and the resize's event says it.
+    Before, the controllers kept a list of engine names whose resizes restart workers."""
+    port = runtime.reconciler.launcher
+    assert port.resize_mode("horovod") is ResizeMode.LIVE
+    assert port.resize_mode("torchrun") is ResizeMode.RESTART
+    assert port.resize_mode("nope") is None
+    runtime.write("a", job_yaml("a", "{kind: recording}"))
+    runtime.reconciler.reconcile("a")  # started on both GPUs
+    runtime.store.add_report("a", 0, 2, 0, {}, time.time())
+    runtime.reconciler.reconcile("a")
+
+    runtime.allocator.request(Demand("other", 1, 1, 1))  # one of its GPUs goes to another job
+    runtime.reconciler.reconcile("a")  # Resizing 2 -> 1
+    runtime.store.add_report("a", None, 1, 0, {}, time.time())
+    runtime.reconciler.reconcile("a")
+
+    [told] = [message for reason, message in runtime.events("a") if reason == "ResizeCompleted"]
+    assert told.startswith("2 -> 1 workers in ") and told.endswith(" s (every worker restarted)")
+    record = runtime.store.get_job("a")
+    assert record is not None and record.status.last_resize is not None
+    assert (record.status.last_resize.engine, record.status.last_resize.mode) == (
+        "recording",
+        ResizeMode.RESTART,
+    )
 
 
 def test_changing_the_engine_kind_relaunches_on_the_new_engine(

@@ -16,6 +16,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import Binding, BindingTracker, plain_presentation
 from herd_operator.runtime.first_launch import FirstLaunches
 from herd_operator.specs.values import Demand, Grant, Placement, Pool
+from tests.unit.sinks import RecordingSink
 
 LIMIT_S = 60.0
 
@@ -28,18 +29,10 @@ class Clock:
         return self.now
 
 
-class Sink:
-    def publish(self, job: str, placement: Placement) -> None:
-        pass
-
-    def withdraw(self, job: str) -> None:
-        pass
-
-
 def allocator(clock: Clock, limit: float = LIMIT_S, gpus: int = 4) -> Allocator:
     return Allocator(
         Pool.from_counts({"localhost": gpus}),
-        Sink(),
+        RecordingSink(),
         virtual=True,
         drain_seconds=0,
         clock=clock,

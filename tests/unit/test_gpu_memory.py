@@ -8,9 +8,6 @@ figure, NVML_VALUE_NOT_AVAILABLE, a pid listed twice under MIG) is what is attri
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,19 +26,9 @@ from herd_operator.runtime.gpu_memory import (
     over_share,
 )
 from herd_operator.runtime.telemetry import memory_feed
-from tests.unit import fake_pynvml
-from tests.unit.fake_pynvml import NVML_VALUE_NOT_AVAILABLE, FakeGpu, FakeNvmlConfig
+from tests.unit.fake_pynvml import NVML_VALUE_NOT_AVAILABLE, FakeGpu, FakeNvmlConfig, Install
 
 GIB = 1 << 30
-Install = Callable[[FakeNvmlConfig], None]
-
-
-@pytest.fixture
-def install_nvml(monkeypatch: pytest.MonkeyPatch) -> Install:
-    def install(config: FakeNvmlConfig) -> None:
-        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml.make_module(config))
-
-    return install
 
 
 def shared_gpus() -> list[FakeGpu]:

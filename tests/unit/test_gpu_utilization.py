@@ -8,9 +8,6 @@ NVML is the fake `pynvml` (tests/unit/fake_pynvml.py) read by the real `NvmlGpuS
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -33,13 +30,12 @@ from herd_operator.runtime.gpu_memory import (
 from herd_operator.specs.loading import load_spec_text
 from herd_operator.specs.values import Demand, Pool
 from tests.unit import fake_pynvml
-from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
-from tests.unit.test_allocator_invariants import NullSink
+from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig, Install
+from tests.unit.sinks import RecordingSink
 from tests.unit.test_gpu_memory import families
 from tests.unit.test_spec_loading import job_yaml
 
 GIB = 1 << 30
-Install = Callable[[FakeNvmlConfig], FakeNvmlConfig]
 
 
 def wall() -> float:
@@ -48,15 +44,6 @@ def wall() -> float:
 
 
 OWNERS = {("n1", 10): "a", ("n1", 11): "a", ("n1", 20): "b", ("n1", 21): "b"}
-
-
-@pytest.fixture
-def install_nvml(monkeypatch: pytest.MonkeyPatch) -> Install:
-    def install(config: FakeNvmlConfig) -> FakeNvmlConfig:
-        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml.make_module(config))
-        return config
-
-    return install
 
 
 def gpus() -> list[FakeGpu]:
@@ -259,7 +246,7 @@ def test_measured_utilization_keeps_busy_sharing_jobs_apart_and_lets_light_ones_
     )
     allocator = Allocator(
         Pool.from_counts({"localhost": 2}),
-        NullSink(),
+        RecordingSink(),
         virtual=True,
         drain_seconds=0,
         belongs=lambda job, pid: True,

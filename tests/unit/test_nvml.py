@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
 from typing import Literal
 
 import pytest
@@ -12,22 +11,9 @@ import pytest
 from herd_operator.exporters.gpu import GpuReading, ProcessMemory, ProcessUtilization
 from herd_operator.exporters.nvml import NvmlGpuSource
 from tests.unit import fake_pynvml
-from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
+from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig, Install
 
 GIB = 1 << 30
-
-Install = Callable[[FakeNvmlConfig], FakeNvmlConfig]
-
-
-@pytest.fixture
-def install_nvml(monkeypatch: pytest.MonkeyPatch) -> Install:
-    """Put a fake pynvml built from a config into sys.modules; returns the config."""
-
-    def install(config: FakeNvmlConfig) -> FakeNvmlConfig:
-        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml.make_module(config))
-        return config
-
-    return install
 
 
 class Clock:

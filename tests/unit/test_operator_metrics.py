@@ -17,8 +17,8 @@ from herd_operator.runtime.metrics import JOB_STATUSES, OperatorMetrics, StateCo
 from herd_operator.runtime.observer import UsageObserver, job_usage
 from herd_operator.runtime.store import Store, StoreError
 from herd_operator.specs import Condition, ConditionStatus, HerdJob
-from herd_operator.specs.status import GpuCounts, HerdJobStatus
-from herd_operator.specs.values import Placement, Pool
+from herd_operator.specs.status import GpuCounts, HerdJobStatus, ResizeCost
+from herd_operator.specs.values import Placement, Pool, ResizeMode
 from tests.unit.full_disk import accept_writes, fill_up, make_room, refuse_writes
 
 SPEC = {
@@ -167,15 +167,23 @@ def test_operator_metrics_count_resizes_and_reconciles() -> None:
     metrics.resized("a", 2, 4)
     metrics.resized("a", 4, 1)
     metrics.resized("b", 4, 2)
-    metrics.resize_completed("a", 3.5)
+    metrics.resize_completed("a", resize(3.5, before=2, after=4, engine="torchrun"))
     metrics.reconcile_duration.observe(0.004)
     metrics.reconciled(Outcome.TEMPORARY_ERROR, 0.002)
     got = samples(registry)
     assert got[("herd_resizes_total", (("direction", "grow"),))] == 1
     assert got[("herd_resizes_total", (("direction", "shrink"),))] == 2
-    assert got[("herd_resize_duration_seconds_count", ())] == 1
-    assert got[("herd_resize_duration_seconds_bucket", (("le", "5.0"),))] == 1
-    assert got[("herd_resize_duration_seconds_bucket", (("le", "2.0"),))] == 0
+    torchrun_grow = (("direction", "grow"), ("engine", "torchrun"))
+    assert got[("herd_resize_duration_seconds_count", torchrun_grow)] == 1
+    assert got[("herd_resize_duration_seconds_bucket", (*torchrun_grow, ("le", "5.0")))] == 1
+    assert got[("herd_resize_duration_seconds_bucket", (*torchrun_grow, ("le", "2.0")))] == 0
+    # Each engine's grows and shrinks are there from the start, at zero, for rate().
+    for engine in ("horovod", "torchrun"):
+        for direction in ("grow", "shrink"):
+            labels = (("direction", direction), ("engine", engine))
+            assert ("herd_resize_duration_seconds_count", labels) in got
+    assert got[("herd_resize_duration_seconds_count", (("direction", "shrink"),
+                                                       ("engine", "horovod")))] == 0  # fmt: skip
     assert got[("herd_reconcile_duration_seconds_count", ())] == 2
     assert got[("herd_reconcile_total", (("outcome", "temporary_error"),))] == 1
     assert not any(name.startswith("herd_reconcile_errors") for name, _ in got)
@@ -334,6 +342,40 @@ def test_a_job_that_ended_keeps_no_gauges_of_its_run(tmp_path: Path) -> None:
     # A live job that holds no GPU (pending again) shows no memory: its sample is of the past.
     placements.clear()
     assert ("herd_job_memory_utilization_ratio", (("herd_job", "live"),)) not in samples(registry)
+
+
+def resize(seconds: float, *, before: int | None, after: int, engine: str) -> ResizeCost:
+    mode = {"horovod": ResizeMode.LIVE, "torchrun": ResizeMode.RESTART}.get(engine)
+    return ResizeCost(
+        before=before, after=after, seconds=seconds, engine=engine, mode=mode, completed_at=4.0
+    )
+
+
+def test_each_jobs_last_resize_cost_is_a_gauge_with_its_engine_and_mode(tmp_path: Path) -> None:
+    """What a resize cost per job (describe's Last resize), beside the histogram by engine:
+    kept for a job that ended, as its restarts; none for a job that never finished one."""
+    store = Store(tmp_path / "state.db")
+    for name in ("tr", "hvd", "old", "none"):
+        record(store, name, desired=2, allocated=2, active=2)
+    running = (condition("Running", ConditionStatus.TRUE, "Training"),)
+    put(store, "tr", running, last_resize=resize(31.5, before=1, after=3, engine="torchrun"))
+    put(store, "hvd", running, last_resize=resize(0.3, before=4, after=2, engine="horovod"))
+    ended = (condition("Succeeded", ConditionStatus.TRUE, "Completed"),)
+    put(store, "old", ended, last_resize=resize(2.0, before=None, after=2, engine="gone"))
+    registry = CollectorRegistry()
+    registry.register(StateCollector(store, lambda: Pool.from_counts({"h": 4}), dict, dict))
+
+    got = {
+        dict(labels)["herd_job"]: (dict(labels)["engine"], dict(labels)["mode"], value)
+        for (name, labels), value in samples(registry).items()
+        if name == "herd_job_last_resize_seconds"
+    }
+
+    assert got == {
+        "tr": ("torchrun", "restart", 31.5),
+        "hvd": ("horovod", "live", 0.3),
+        "old": ("gone", "unknown", 2.0),
+    }
 
 
 def test_restarts_are_a_counter_per_job(tmp_path: Path) -> None:

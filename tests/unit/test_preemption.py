@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 from herd_operator.cli.main import main
+from herd_operator.controllers.job_status import FALSE, TRUE, preempted_for
 from herd_operator.controllers.ports import ProcessPhase, Result
 from herd_operator.controllers.reconciler import JobReconciler
 from herd_operator.layout import StateLayout
-from herd_operator.policies.queueing import QueueConfig, is_preemption
+from herd_operator.policies.queueing import PREEMPTED_FOR, QueueConfig, is_preemption
 from herd_operator.runtime.adoption import adopted_holdings
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import Binding
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.store import Store
-from herd_operator.specs import ConditionType
+from herd_operator.specs import ConditionType, set_condition
 from herd_operator.specs.values import Demand, Drain, Placement, Pool
 from tests.unit.test_reconciler import (
     RESYNC_S,
@@ -108,6 +109,17 @@ def test_a_preempted_job_is_stopped_shown_then_relaunched_without_a_restart(
     assert world.status("a").summary() == "Running" and world.status("a").restarts == 0
     reasons = [reason for _, reason, _ in world.events("a")]
     assert reasons[-2:] == ["Started", "Readmitted"]
+
+
+def test_the_stop_the_exit_and_the_relaunch_read_a_preemption_only_while_it_is_shown() -> None:
+    why = f"{PREEMPTED_FOR}b (attained 0.1 GPU-h against its 0.0)"
+    shown = set_condition((), ConditionType.Preempted, TRUE, "Preempted", why, 1, 10.0)
+    assert preempted_for(shown) == why
+    ended = set_condition(shown, ConditionType.Preempted, FALSE, "Readmitted", "granted", 1, 20.0)
+    assert preempted_for(ended) is None, "a readmitted job's old reason is no preemption"
+    running = set_condition((), ConditionType.Running, TRUE, "Started", why, 1, 10.0)
+    assert preempted_for(running) is None, "only the Preempted condition says it"
+    assert preempted_for(()) is None
 
 
 def test_a_decision_before_the_preempted_jobs_reconcile_does_not_hide_the_preemption(

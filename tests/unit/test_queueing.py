@@ -15,6 +15,7 @@ from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.runner import parse_allocator_options
 from herd_operator.specs import PolicyRef
 from herd_operator.specs.values import Demand, Placement, Pool
+from tests.unit.sinks import RecordingSink
 
 HOUR = 3600.0
 LAS = QueueConfig("las", min_run_seconds=600.0, max_preemptions=2, starvation_seconds=8 * HOUR)
@@ -147,7 +148,7 @@ def test_preemption_only_of_eligible_lower_ranked_jobs_and_only_to_make_room(
 def test_the_allocator_preempts_drains_then_readmits_with_the_queue_and_says_why() -> None:
     clock = [0.0]
     pool = Pool.from_counts({"n0": 4})
-    allocator = Allocator(pool, _Sink(), virtual=True, clock=lambda: clock[0], queue=LAS)
+    allocator = Allocator(pool, RecordingSink(), virtual=True, clock=lambda: clock[0], queue=LAS)
     assert allocator.request(demand("old", 4)).placement.size == 4
     clock[0] = 5 * HOUR  # 20 GPU-hours attained: past both LAS thresholds
     grant = allocator.request(demand("new", 2, arrival=clock[0]))
@@ -169,19 +170,11 @@ def test_the_allocator_preempts_drains_then_readmits_with_the_queue_and_says_why
 def test_without_a_queue_the_allocator_never_preempts() -> None:
     clock = [0.0]
     allocator = Allocator(
-        Pool.from_counts({"n0": 4}), _Sink(), virtual=True, clock=lambda: clock[0]
+        Pool.from_counts({"n0": 4}), RecordingSink(), virtual=True, clock=lambda: clock[0]
     )
     allocator.request(demand("old", 4))
     clock[0] = 5 * HOUR
     assert allocator.request(demand("new", 2, arrival=clock[0])).placement.size == 0
-
-
-class _Sink:
-    def publish(self, job: str, placement: Placement) -> None:
-        pass
-
-    def withdraw(self, job: str) -> None:
-        pass
 
 
 def _stream(count: int) -> list[JobModel]:

@@ -30,7 +30,7 @@ from herd_operator.controllers.ports import (
     SpecView,
 )
 from herd_operator.controllers.reconciler import JobReconciler
-from herd_operator.controllers.running import resize_completed_message, watch_workers
+from herd_operator.controllers.running import resize_cost, watch_workers
 from herd_operator.layout import StateLayout
 from herd_operator.rpc.protocol import NotFound
 from herd_operator.runtime.allocator import Allocator
@@ -47,8 +47,8 @@ from herd_operator.specs import (
     get_condition,
     is_true,
 )
-from herd_operator.specs.status import GpuCounts, HerdJobStatus
-from herd_operator.specs.values import Pool, Report
+from herd_operator.specs.status import GpuCounts, HerdJobStatus, ResizeCost
+from herd_operator.specs.values import Pool, Report, ResizeMode
 from tests.unit.plugin_policy import LegacyPolicy, RecordingPolicy
 
 RESYNC_S = 5.0
@@ -127,6 +127,10 @@ class FakeLauncher:
     def relaunch_reason(self, launch: LaunchInfo, job: HerdJob) -> str:
         # The real launcher asks the job's engine; these jobs run on Horovod.
         return relaunch_reason(launch.spec, job.spec)
+
+    def resize_mode(self, kind: str) -> ResizeMode | None:
+        # The real launcher asks the engine of the kind (test_engines checks each engine's).
+        return {"horovod": ResizeMode.LIVE, "torchrun": ResizeMode.RESTART}.get(kind)
 
     def stop(self, name: str) -> None:
         self.stops.append(name)
@@ -841,6 +845,29 @@ def test_a_worker_out_of_gpu_memory_is_said_as_such_not_as_a_bare_exit(world: Wo
     )
 
 
+def test_a_failure_is_said_with_the_error_its_driver_printed(world: World) -> None:
+    # The exit status alone (1) does not name the cause: the driver's last error line does,
+    # in the BackOff and then in the Failed (exit_cause.driver_error reads it from the log).
+    started(world, herd_job(restart={"onFailure": True, "backoffLimit": 1}))
+    error = "the workers' first meeting failed: rank 0 (localhost[0]) failed, and ..."
+    for _ in range(2):
+        world.launcher.exit("a", 1)
+        world.launcher.states["a"] = replace(world.launcher.states["a"], error=error)
+        world.reconcile("a")
+        world.clock.advance(restart_delay(1))
+        world.reconcile("a")
+
+    said = f"horovodrun exited with status 1: {error}"
+    reasons = [(reason, message) for _, reason, message in world.events("a")]
+    assert ("BackOff", f"{said}; restart 1/1 in 1s") in reasons
+    assert reasons[-1] == ("Failed", said)
+    assert facts(world.condition("a", ConditionType.Failed)) == (
+        "True",
+        "BackoffLimitExceeded",
+        said,
+    )
+
+
 def test_failure_without_restart_policy_fails_directly(world: World) -> None:
     started(world, herd_job(restart={"onFailure": False}))
     world.launcher.exit("a", 2)
@@ -1424,17 +1451,23 @@ def test_resizing_while_the_reported_world_size_differs_from_the_grant(world: Wo
 
 
 @pytest.mark.parametrize(
-    ("engine", "told"),
+    ("engine", "told", "mode"),
     [
-        ("horovod", "2 -> 1 workers in 2.5 s"),
-        ("torchrun", "2 -> 1 workers in 2.5 s (every worker restarted)"),
+        ("horovod", "2 -> 1 workers in 2.5 s (no worker restarted)", ResizeMode.LIVE),
+        ("torchrun", "2 -> 1 workers in 2.5 s (every worker restarted)", ResizeMode.RESTART),
+        ("gone", "2 -> 1 workers in 2.5 s", None),
     ],
 )
-def test_a_finished_resize_says_what_it_cost_in_an_event(
-    world: World, engine: str, told: str
+def test_a_finished_resize_says_what_it_cost_in_an_event_and_the_status(
+    world: World, engine: str, told: str, mode: ResizeMode | None
 ) -> None:
-    """A resize's cost (from the grant change to the new world size reported) was only in
-    the histogram; `describe` and the events now say it, the same measure."""
+    """A resize's cost (from the grant change to the new world size reported) and what it
+    did to the workers, as the engine the launch runs on says (the launcher port): in the
+    event, in the status (`describe`'s Last resize) and to the observer (the metrics).
+    Before, the event guessed the restart from a list of engine names in the controllers,
+    and nothing but the events (the newest 20 in `describe`) kept it."""
+    observer = RecordingObserver()
+    world.reconciler.observer = observer
 
     def on_engine(job: HerdJob) -> HerdJob:
         engine_spec = job.spec.engine.model_copy(update={"kind": engine})
@@ -1448,22 +1481,50 @@ def test_a_finished_resize_says_what_it_cost_in_an_event(
     world.clock.advance(2.5)
     world.reconcile("a")  # the workers have not said their new size yet
     assert [r for _, r, _ in world.events("a")].count("ResizeCompleted") == 0
+    assert world.status("a").last_resize is None
 
     world.store.add_report("a", None, 1, 0, {}, world.clock())
     world.reconcile("a")
 
     completed = [(kind, msg) for kind, r, msg in world.events("a") if r == "ResizeCompleted"]
     assert completed == [("Normal", told)]
+    cost = world.status("a").last_resize
+    assert cost is not None and cost.seconds == pytest.approx(2.5)
+    assert cost == ResizeCost(
+        before=2, after=1, seconds=cost.seconds, engine=engine, mode=mode,
+        completed_at=world.clock(),
+    )  # fmt: skip
+    assert observer.completed == [("a", cost)]
     world.clock.advance(1.0)
     world.reconcile("a")
     assert [r for _, r, _ in world.events("a")].count("ResizeCompleted") == 1, "said once"
+    assert world.status("a").last_resize == cost, "kept until the next resize finishes"
 
 
-def test_a_resize_event_without_the_old_size_in_the_reports_says_the_new_one() -> None:
+@dataclass
+class RecordingObserver:
+    completed: list[tuple[str, ResizeCost]] = field(default_factory=list)
+
+    def resized(self, job: str, before: int, after: int) -> None:
+        pass
+
+    def resize_completed(self, job: str, cost: ResizeCost) -> None:
+        self.completed.append((job, cost))
+
+
+def test_a_resize_cost_without_the_old_size_in_the_reports_says_the_new_one() -> None:
     reports = [Report(epoch=None, time=1.0, world_size=3)]
-    assert resize_completed_message(reports, 7.06, "torchrun") == (
-        "to 3 workers in 7.1 s (every worker restarted)"
-    )
+    cost = resize_cost(reports, 7.06, "torchrun", ResizeMode.RESTART, 9.0)
+    assert (cost.before, cost.after, cost.direction) == (None, 3, "unknown")
+    assert cost.message() == "to 3 workers in 7.1 s (every worker restarted)"
+
+
+def test_a_resize_cost_takes_the_last_other_size_reported_as_the_one_before() -> None:
+    sizes = [1, 1, 3, 2, 2]  # 1 -> 3, then 3 -> 2: the last resize is from 3
+    reports = [Report(epoch=i, time=float(i), world_size=size) for i, size in enumerate(sizes)]
+    cost = resize_cost(reports, 0.31, "horovod", ResizeMode.LIVE, 9.0)
+    assert (cost.before, cost.after, cost.direction, cost.completed_at) == (3, 2, "shrink", 9.0)
+    assert cost.message() == "3 -> 2 workers in 0.3 s (no worker restarted)"
 
 
 def test_reports_from_before_the_launch_are_ignored(world: World) -> None:

@@ -22,6 +22,8 @@ from herd_operator.cli.report.figure import figure_title
 from herd_operator.cli.report.figure_data import (
     grant_steps,
     label_lifts,
+    resize_label,
+    resize_seconds,
     threshold_lines,
     time_unit,
     world_size_steps,
@@ -220,6 +222,26 @@ def test_grant_and_world_size_steps_hold_the_last_value() -> None:
     running = series(world_sizes=((12.0, 4),))
     assert world_size_steps(running, 100.0) == ([12.0, 100.0], [4, 4])
     assert world_size_steps(series(), 100.0) == ([], [])
+
+
+def test_a_resize_is_labelled_with_what_it_cost_when_the_reports_say_it() -> None:
+    """The figure's resize marks say what each cost: from the grant change to the first
+    report of the new size, before the grant changed again (the ResizeCompleted measure)."""
+    never = GrantStep(30, 2, 3, "a")
+    grow, shrink, back = (
+        GrantStep(50, 3, 4, "b"),
+        GrantStep(90, 4, 2, "c"),
+        GrantStep(95, 2, 4, "d"),
+    )
+    job = series(
+        grants=(GrantStep(10, 0, 2, "s"), never, grow, shrink, back),
+        world_sizes=((12.0, 2), (65.5, 4), (99.0, 2)),
+    )
+    assert resize_seconds(job, grow) == 15.5
+    assert resize_label(job, grow) == "3->4 16s"
+    assert (resize_seconds(job, never), resize_label(job, never)) == (None, "2->3")
+    assert resize_seconds(job, shrink) is None  # its 2 came after the grant changed again
+    assert resize_label(series(grants=(grow,)), grow) == "3->4"  # a script that never reports
 
 
 def test_gpu_seconds_pending_and_resizes() -> None:

@@ -36,6 +36,7 @@ from herd_operator.specs.values import (
     Pool,
     Slot,
 )
+from tests.unit.sinks import RecordingSink
 from tests.unit.test_spec_loading import job_yaml
 
 GI = 1 << 30
@@ -397,17 +398,6 @@ def test_a_worker_that_cannot_fit_any_gpu_says_so(measured: int | None, field: s
 
 
 # ---- the allocator: binding, recording and adopting shared GPUs ----
-
-
-class RecordingSink:
-    def __init__(self) -> None:
-        self.published: dict[str, Placement] = {}
-
-    def publish(self, job: str, placement: Placement) -> None:
-        self.published[job] = placement
-
-    def withdraw(self, job: str) -> None:
-        self.published.pop(job, None)
 
 
 def _allocator(recorded: list[Allocation], pool: Pool, **kwargs: Any) -> Allocator:

@@ -14,7 +14,7 @@ from herd_operator.runtime.dispatch import EngineDispatch, JobLauncher
 from herd_operator.runtime.engines import EngineContext
 from herd_operator.runtime.launcher import Launcher
 from herd_operator.runtime.specdir import SpecDirectory
-from herd_operator.runtime.telemetry import requested_shares
+from herd_operator.runtime.telemetry import RequestedShares, requested_shares
 
 
 def _spec(name: str, gpus: str) -> str:
@@ -40,6 +40,22 @@ def specs(tmp_path: Path) -> SpecDirectory:
 def test_only_a_sharing_job_with_a_request_has_a_share(specs: SpecDirectory) -> None:
     assert requested_shares(specs) == {"asked": 2 * 1024**3}
     assert requested_shares(None) == {}  # before the spec directory is read
+
+
+def test_the_shares_are_read_again_only_after_a_relist_changed_a_job(specs: SpecDirectory) -> None:
+    shares = RequestedShares(lambda: specs)
+    first = shares()
+    assert first == {"asked": 2 * 1024**3}
+    version = specs.version
+    specs.relist()  # nothing changed: the round keeps what it read
+    assert specs.version == version and shares() is first
+    measured = specs.directory / "measured.yaml"
+    measured.write_text(_spec("measured", "{min: 1, max: 1, share: true, memory: 1Gi}"))
+    assert shares() is first, "an edit counts once a relist has read it, as for the reconciler"
+    specs.relist()
+    assert specs.version == version + 1
+    assert shares() == {"asked": 2 * 1024**3, "measured": 1024**3}
+    assert RequestedShares(lambda: None)() == {}  # before the spec directory is read
 
 
 @pytest.mark.parametrize(

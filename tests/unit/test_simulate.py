@@ -33,7 +33,8 @@ from herd_operator.simulate.report import summarize, write
 from herd_operator.simulate.runner import Workload, parse_pool, simulate
 from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
 from herd_operator.specs import HerdJob, PolicyRef
-from herd_operator.specs.values import Placement, Pool, Report
+from herd_operator.specs.values import Pool, Report
+from tests.unit.sinks import RecordingSink
 
 
 def job(name: str = "a", **changes: object) -> JobModel:
@@ -168,14 +169,6 @@ def test_the_goodput_policy_runs_a_badly_scaling_job_on_fewer_gpus() -> None:
 # ---- the same decisions as the real allocator ----
 
 
-class NullSink:
-    def publish(self, job: str, placement: Placement) -> None:
-        pass
-
-    def withdraw(self, job: str) -> None:
-        pass
-
-
 @pytest.mark.parametrize("policy", ["static", "memory", "goodput"])
 def test_the_real_allocator_given_the_same_calls_decides_the_same(policy: str) -> None:
     pool = parse_pool("3x4")
@@ -184,7 +177,7 @@ def test_the_real_allocator_given_the_same_calls_decides_the_same(policy: str) -
     assert result.steps
     clock = [0.0]
     allocator = Allocator(
-        pool, NullSink(), virtual=True, min_resize_interval=30.0, drain_seconds=30.0,
+        pool, RecordingSink(), virtual=True, min_resize_interval=30.0, drain_seconds=30.0,
         clock=lambda: clock[0],
     )  # fmt: skip
     moved = 0
@@ -372,7 +365,7 @@ def test_the_real_allocator_dividing_by_gain_decides_as_the_simulation(option: s
     result = Simulation(jobs, config).run()
     clock = [0.0]
     allocator = Allocator(
-        pool, NullSink(), virtual=True, min_resize_interval=30.0, drain_seconds=30.0,
+        pool, RecordingSink(), virtual=True, min_resize_interval=30.0, drain_seconds=30.0,
         clock=lambda: clock[0], **{option: True},
     )  # fmt: skip
     lent = 0

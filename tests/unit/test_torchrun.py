@@ -55,6 +55,7 @@ from herd_operator.runtime.engines.torchrun import (
 from herd_operator.runtime.engines.torchrun_driver import (
     Agents,
     GrantFile,
+    failure_summary,
     outcome,
     parse_args,
     plan,
@@ -460,6 +461,16 @@ def test_the_driver_ends_when_no_agent_runs_or_can_start() -> None:
     assert outcome({A: 0, B: 1}, running=False, startable=False) == 0
     assert outcome({B: 3, A: 1}, running=False, startable=False) == 3
     assert outcome({}, running=False, startable=False) == 1
+
+
+def test_a_driver_whose_agents_all_failed_says_how_each_ended() -> None:
+    # All agents failing their first rendezvous ends the driver (`outcome`); its last line
+    # names them (the job's Failed says it, through exit_cause).
+    summary = failure_summary({B: 1, A: 1})
+    assert summary.startswith("every agent ended and none finished: ")
+    assert f"{slot_name(*B)} with status 1, {slot_name(*A)} with status 1" in summary
+    assert "joinTimeoutSeconds" in summary
+    assert failure_summary({}) == "no agent could be started"
 
 
 # ---- the workers' side ----

@@ -20,6 +20,7 @@ from herd_operator.cli.report.figure_data import (
     label_lifts,
     line_offsets,
     pool_stack,
+    resize_label,
     threshold_lines,
     time_unit,
     world_size_steps,
@@ -160,7 +161,8 @@ def _label_resizes(
     offsets: Sequence[float],
     scale: float,
 ) -> None:
-    """Each resize's `before->after` beside its mark, lifted over the labels near it."""
+    """Each resize's `before->after` and what it cost (`resize_label`) beside its mark,
+    lifted over the labels near it."""
     resizes = sorted(
         (
             (step, index)
@@ -174,7 +176,7 @@ def _label_resizes(
     for (step, index), lift in zip(resizes, lifts, strict=True):
         near_right = step.time > 0.85 * run.end
         axes.annotate(
-            step.label,
+            resize_label(run.jobs[index], step),
             (step.time / scale, step.after + offsets[index]),
             xytext=(-4 if near_right else 4, 5 + 9 * lift),
             textcoords="offset points",

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from herd_operator.cli.report.series import JobSeries, RunData
+from herd_operator.cli.report.series import GrantStep, JobSeries, RunData
+from herd_operator.cli.report.text import format_duration
 
 if TYPE_CHECKING:
     from matplotlib.typing import LineStyleType
@@ -65,6 +66,29 @@ def world_size_steps(job: JobSeries, end: float) -> tuple[list[float], list[int]
     xs = [t for t, _ in job.world_sizes] + [max(release, last)]
     ys = [size for _, size in job.world_sizes]
     return xs, [*ys, ys[-1]]
+
+
+def resize_seconds(job: JobSeries, step: GrantStep) -> float | None:
+    """How long the resize `step` took to reach the workers: from the grant change to the
+    first reported world size at the new grant's size, before the grant next changed (the
+    measure of its `ResizeCompleted` event); None when no report said it in time, as for a
+    script that does not report."""
+    until = min((later.time for later in job.grants if later.time > step.time), default=None)
+    return next(
+        (
+            when - step.time
+            for when, size in job.world_sizes
+            if size == step.after and when >= step.time and (until is None or when < until)
+        ),
+        None,
+    )
+
+
+def resize_label(job: JobSeries, step: GrantStep) -> str:
+    """A resize's mark in the figure: `3->2`, and what it cost when the reports say it
+    (`3->2 28s`)."""
+    seconds = resize_seconds(job, step)
+    return step.label if seconds is None else f"{step.label} {format_duration(seconds)}"
 
 
 def _world_size_in_force(job: JobSeries, end: float, when: float) -> int:

@@ -1,9 +1,10 @@
 """What an engine is: the part of running a job that depends on how the job trains.
 
 An engine says how a job is started (its argument list and environment), which spec
-changes its running processes cannot follow (they need a relaunch), and how a new
-placement reaches the running job. Process supervision, the allocator and the
-reconciler are the same for every engine.
+changes its running processes cannot follow (they need a relaunch), how a new
+placement reaches the running job, and what a resize does to the job's workers (whether
+every one of them restarts, which the resize's event and `describe` say). Process
+supervision, the allocator and the reconciler are the same for every engine.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol
 
 from herd_operator.layout import StateLayout
 from herd_operator.specs import HerdJob, HerdJobSpec
-from herd_operator.specs.values import Placement, Slot
+from herd_operator.specs.values import Placement, ResizeMode, Slot
 
 
 def training_at_launch(spec: HerdJobSpec) -> dict[str, object] | None:
@@ -62,6 +63,12 @@ class EngineContext:
 
 
 class Engine(Protocol):
+    resize_mode: ResizeMode
+    """What a resize of a running job does to its workers: `LIVE` (the staying workers go
+    on) or `RESTART` (every worker starts again from the job's snapshot). The reconciler
+    reads it through its launcher port (`JobLauncher.resize_mode`) to say what a finished
+    resize cost; the time itself is measured, from the grant change to the new world size."""
+
     def process_name(self, job: HerdJob) -> str:
         """What the process started for `job` is called in events, `describe` and the
         operator's log: "horovodrun exited with status 1", "hvd-driver pid 42 ..."."""

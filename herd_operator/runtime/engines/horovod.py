@@ -35,7 +35,7 @@ from herd_operator.runtime.engines.base import (
     training_at_launch,
 )
 from herd_operator.specs import HerdJob, HerdJobSpec
-from herd_operator.specs.values import Placement, Slot
+from herd_operator.specs.values import Placement, ResizeMode, Slot
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 BLACKLIST_COOLDOWN_SECONDS = (10, 30)
@@ -269,6 +269,9 @@ class GrantPublisher:
 class HorovodEngine:
     """Runs a job under our in-process Horovod driver (`hvd_driver`), or under
     `horovodrun --min-np --max-np --host-discovery-script` (`spec.horovod.launcher`)."""
+
+    resize_mode = ResizeMode.LIVE
+    """Horovod's elastic reset keeps the staying workers' processes; new ones join them."""
 
     def __init__(self, context: EngineContext) -> None:
         self.hosts = context.hosts

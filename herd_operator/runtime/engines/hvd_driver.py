@@ -73,6 +73,7 @@ from herd_operator.runtime.engines.hvd_grow import (
     WithheldSlots,
     observed_rendezvous_handler,
 )
+from herd_operator.runtime.engines.hvd_rounds import RoundWatch
 from herd_operator.runtime.engines.hvd_workers import make_worker_factory, worker_environment
 from herd_operator.runtime.log_format import TextFormatter
 from herd_operator.specs.values import MODULE_NAME_PATTERN
@@ -81,6 +82,8 @@ DRIVER_MODULE = "herd_operator.runtime.engines.hvd_driver"
 """This module: how the Horovod engine starts every job (running jobs, adopted by a newer
 operator, were started by this name too: it stays the entry point)."""
 MODULE_NAME = re.compile(MODULE_NAME_PATTERN)
+DEFAULT_GLOO_TIMEOUT_SECONDS = 30
+"""Horovod's, when `--gloo-timeout-seconds` is not given (the operator always gives it)."""
 
 log = logging.getLogger("herd.hvd_driver")
 DRIVER_LOG_FORMAT = "%(asctime)s herd-driver: %(message)s"
@@ -164,7 +167,14 @@ def run_elastic(
     )
     MissedUpdateRedelivery(driver, poll_seconds).start()
     hold = GrowHold(driver, discovery, grow_timeout, driver._timeout, grow_retry)
-    port = rendezvous.start(observed_rendezvous_handler(driver, hold.put_seen))
+    gloo_timeout = args.gloo_timeout_seconds or DEFAULT_GLOO_TIMEOUT_SECONDS
+    rounds = RoundWatch(driver, forming_limit=gloo_timeout, formed_limit=driver._timeout)
+
+    def put_seen(scope: str, key: str) -> None:
+        hold.put_seen(scope, key)
+        rounds.put_seen(scope, key)
+
+    port = rendezvous.start(observed_rendezvous_handler(driver, put_seen))
     min_hosts = horovod_gloo._get_min_start_hosts(settings)
     hosts = driver.wait_for_available_slots(settings.num_proc, min_hosts=min_hosts)
     nics = job_interfaces(settings, hosts.host_assignment_order)
@@ -175,6 +185,7 @@ def run_elastic(
     create_worker = make_worker_factory(
         settings, env, args.command, server_ip, nics, port, shutdown, zygote, hold.stop_events
     )
+    rounds.start()
     try:
         driver.start(settings.num_proc, create_worker)
         results = driver.get_results()

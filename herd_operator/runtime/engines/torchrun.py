@@ -55,7 +55,7 @@ from herd_operator.runtime.engines.base import (
 from herd_operator.runtime.engines.horovod import LOCAL_HOSTS
 from herd_operator.runtime.engines.torchrun_options import TorchrunOptions, torchrun_options
 from herd_operator.specs import HerdJob, HerdJobSpec
-from herd_operator.specs.values import Placement, Slot
+from herd_operator.specs.values import Placement, ResizeMode, Slot
 
 DRIVER_MODULE = "herd_operator.runtime.engines.torchrun_driver"
 """Our driver, run as a module (not imported here: it imports torch)."""
@@ -193,6 +193,9 @@ def gloo_interface(hosts: Sequence[str], network_interface: str | None) -> dict[
 
 class TorchrunEngine:
     """Runs a job as one torchrun agent per granted GPU under our driver."""
+
+    resize_mode = ResizeMode.RESTART
+    """A new membership: every agent restarts its worker at the new world size."""
 
     def __init__(self, context: EngineContext) -> None:
         self.layout: StateLayout = context.layout

@@ -141,6 +141,19 @@ def outcome(exits: Mapping[Slot, int], running: bool, startable: bool) -> int | 
     return next((code for code in exits.values() if code != 0), 1)
 
 
+def failure_summary(exits: Mapping[Slot, int]) -> str:
+    """The driver's last line when the job is over and no agent finished (printed after
+    `herd-torchrun: `; the operator shows it with the exit status): how each agent ended."""
+    if not exits:
+        return "no agent could be started"
+    ended = ", ".join(f"{slot_name(*slot)} with status {code}" for slot, code in exits.items())
+    return (
+        f"every agent ended and none finished: {ended} (an agent fails when its rendezvous"
+        " does not complete within joinTimeoutSeconds or its worker's restarts are spent;"
+        " its traceback is above)"
+    )
+
+
 NOT_CARRIED = ("BASH_FUNC_", "OLDPWD", "CUDA_VISIBLE_DEVICES")
 """Variables of the driver's environment an agent on another host does not get (what
 Horovod leaves out of a remote worker's): shell functions, the driver's previous directory,
@@ -317,6 +330,8 @@ def run(grant: GrantFile, agents: Agents, poll_seconds: float, stop: threading.E
             agents.start(slot)
         status = outcome(agents.exits, bool(agents.running), bool(todo.start))
         if status is not None:
+            if status != 0:  # what the job's BackOff or Failed says (`exit_cause`)
+                print(f"herd-torchrun: {failure_summary(agents.exits)}", file=sys.stderr)
             return status
         stop.wait(poll_seconds)
     agents.stop_all(time.monotonic() + agents.stop_grace)
