@@ -25,7 +25,8 @@ from herd_operator.runtime.telemetry import worker_pids
 from herd_operator.specs.values import Demand, Placement, Pool
 from tests.unit import fake_pynvml
 from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
-from tests.unit.test_sharing import RecordingSink, share
+from tests.unit.sinks import RecordingSink
+from tests.unit.test_sharing import share
 
 GI = 1 << 30
 MI = 1 << 20
