@@ -59,6 +59,19 @@ def guard(
     )
 
 
+def guarding_watch(allocator: Allocator) -> GpuMemoryWatch:
+    """The memory watch as the operator wires it: its readings charged to the allocator's
+    workers and handed to the allocator's guard."""
+    return GpuMemoryWatch(
+        PeakGpuMemory(),
+        lambda: worker_pids(allocator),
+        lambda: dict.fromkeys(allocator.placements(), "run"),
+        dict,
+        lambda *event: None,
+        on_used=allocator.guard_memory,
+    )
+
+
 def test_a_worker_past_its_share_moves_off_its_neighbours_gpu_and_the_neighbour_stays() -> None:
     # grower: 2 workers of 4 Gi on GPUs 0 and 1; neighbour: 5 Gi on GPU 0 (9 of 10 Gi used).
     grower = Sharer("grower", on(h(0), h(1)), 1, 4 * GI, None, {h(0): 5 * GI, h(1): 5 * GI})
@@ -353,14 +366,7 @@ def test_four_jobs_on_two_gpus_are_accounted_per_gpu_and_the_one_that_grows_shri
 
     # a's worker on GPU 0 grows to 4 Gi: counted 4.4 Gi, it no longer fits beside b and c
     # (2.5 Gi each), and GPU 1 has a's other worker: a shrinks by it, to its min.
-    watch = GpuMemoryWatch(
-        PeakGpuMemory(),
-        lambda: worker_pids(allocator),
-        lambda: dict.fromkeys(allocator.placements(), "run"),
-        dict,
-        lambda *event: None,
-        on_used=allocator.guard_memory,
-    )
+    watch = guarding_watch(allocator)
     gpu0.processes[0] = (10, 4 * GI)
     watch.observe(source.read(), 1.0)
     assert [(job, reason) for job, _, reason, _ in events] == [("a", "ShrunkForMemory")]

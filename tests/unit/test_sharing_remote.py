@@ -20,13 +20,12 @@ from herd_operator.exporters.sources import ScrapeGpuSource
 from herd_operator.policies.sharing import SharingLimits
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.engines.horovod import present
-from herd_operator.runtime.gpu_memory import GpuMemoryWatch, PeakGpuMemory
-from herd_operator.runtime.telemetry import worker_pids
 from herd_operator.specs.values import Demand, Placement, Pool
 from tests.unit import fake_pynvml
 from tests.unit.fake_pynvml import FakeGpu, FakeNvmlConfig
 from tests.unit.sinks import RecordingSink
 from tests.unit.test_sharing import share
+from tests.unit.test_sharing_guard import guarding_watch
 
 GI = 1 << 30
 MI = 1 << 20
@@ -75,14 +74,7 @@ def test_the_guard_moves_a_worker_on_another_node_from_that_nodes_exporter(
         FakeGpu("GPU-2", 2 * GI, 0),
     ]
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml.make_module(FakeNvmlConfig(gpus)))
-    watch = GpuMemoryWatch(
-        PeakGpuMemory(),
-        lambda: worker_pids(allocator),
-        lambda: dict.fromkeys(allocator.placements(), "run"),
-        dict,
-        lambda *event: None,
-        on_used=allocator.guard_memory,
-    )
+    watch = guarding_watch(allocator)
     exporter = _node_exporter(per_process)
     scraped = ScrapeGpuSource([next(exporter)])
     try:
