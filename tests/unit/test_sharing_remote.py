@@ -7,7 +7,7 @@ fake `pynvml`."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import replace
 
 import pytest
@@ -31,7 +31,7 @@ GI = 1 << 30
 MI = 1 << 20
 
 
-def _node_exporter(per_process: bool) -> Iterator[str]:
+def _node_exporter(per_process: bool) -> Generator[str, None, None]:
     """h1's exporter as `herd-operator exporter` builds it: its GPUs (NVML) at /metrics."""
     registry = CollectorRegistry()
     registry.register(GpuCollector(NvmlGpuSource("h1"), per_process=per_process))
