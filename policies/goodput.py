@@ -17,8 +17,9 @@ gradient noise scale, the global batch and the seconds per step, as the worker A
 `adaptive` batch policy does), the policy models goodput as Pollux does: throughput times
 statistical efficiency (`policies/efficiency.py`), with the batch chosen per size
 (`choose_batch`). The time of a step is fitted as `fixed + per_sample x batch / gpus` on
-the reported steps (before two per-GPU batches are measured, `priorSerial` of the one
-measured step is taken as fixed). Each size's goodput is at its best batch within the
+the reported steps (before two per-GPU batches are measured, half of the one measured step
+is taken as fixed, as Pollux's agent assumes: optimistic about a larger batch, so that the
+job tries one and the next fit has two points). Each size's goodput is at its best batch within the
 job's max batch and per-GPU memory (`spec.training.maxBatch`, `maxWorkerBatch`); the
 gains are in share of the job's goodput on one GPU (its speedup: the weight every job's
 GPUs are compared by, whatever its absolute rate), and the decision carries the batch for
@@ -200,10 +201,18 @@ def choose_batch(gpus: int, profile: BatchProfile) -> int:
     return max(sorted(candidates), key=lambda batch: goodput(gpus, batch, profile))
 
 
-def fit_step_time(epochs: Sequence[Report], prior_serial: float) -> StepTime | None:
+ONE_POINT_FIXED_SHARE = 0.5
+"""Of a step measured at one per-GPU batch only, the share taken as fixed. Pollux's agent
+takes half (adaptdl's `fit_perf_params` with one atomic batch): a model that credits a larger
+batch with amortizing it, so the job is given one and the next fit sees two batches. A small
+share (the Amdahl prior's 5%) says nearly all of a step grows with the batch, which keeps
+the job at its smallest batch, whose steps alone it then ever measures."""
+
+
+def fit_step_time(epochs: Sequence[Report]) -> StepTime | None:
     """The step-time model from the reported (world size, batch, step seconds), the latest
     few per point; None without any. Least squares over two per-GPU batches or more, else
-    `prior_serial` of the one measured step is fixed."""
+    `ONE_POINT_FIXED_SHARE` of the one measured step is fixed."""
     points: dict[tuple[int, float], list[float]] = {}
     for report in epochs:
         seconds = report.metrics.get(STEP_SECONDS_METRIC)
@@ -229,12 +238,11 @@ def fit_step_time(epochs: Sequence[Report], prior_serial: float) -> StepTime | N
             return StepTime(intercept, slope)
     # One per-GPU batch, or a fit that says nothing sensible: split the mean step.
     x, y = max(samples)
-    return StepTime(prior_serial * y, (1.0 - prior_serial) * y / x)
+    fixed = ONE_POINT_FIXED_SHARE
+    return StepTime(fixed * y, (1.0 - fixed) * y / x)
 
 
-def batch_profile(
-    job: HerdJob, epochs: Sequence[Report], prior_serial: float
-) -> BatchProfile | None:
+def batch_profile(job: HerdJob, epochs: Sequence[Report]) -> BatchProfile | None:
     """The job's profile from its reports: None until one reports the noise scale, the
     batch and the step time (then the policy works as without them)."""
     noise = next(
@@ -245,7 +253,7 @@ def batch_profile(
         ),
         None,
     )
-    step_time = fit_step_time(epochs, prior_serial)
+    step_time = fit_step_time(epochs)
     batches = [
         r.metrics[BATCH_SIZE_METRIC] for r in epochs if r.metrics.get(BATCH_SIZE_METRIC, 0) >= 1
     ]
@@ -297,7 +305,7 @@ class GoodputPolicy:
     def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
         params = self.params
         low, high = job.spec.gpus.min, job.spec.gpus.max
-        profile = batch_profile(job, observed.epochs, params.prior_serial)
+        profile = batch_profile(job, observed.epochs)
         if profile is not None:
             return _adaptive_decision(job, observed, profile, params.min_gain)
         rates = rates_by_size(observed.epochs, params.throughput_metric)
