@@ -176,3 +176,24 @@ def test_a_bad_noise_report_is_not_used() -> None:
         make_job(), JobObservations(0.0, 2, epochs=adaptive_reports(math.nan)), 30.0
     )
     assert decision.batch_size is None
+
+
+def test_a_job_measured_at_one_batch_is_given_a_larger_one_to_try() -> None:
+    # 960 samples on 48 GPUs took 0.4 s, a noise scale of 5,000: with half the step fixed
+    # (Pollux's prior) the best batch is about sqrt(a N n / c) = sqrt(0.2 x 5,000 x 48 /
+    # 0.01) = 2,190 > 960, so the next epoch measures a second per-GPU batch. With 5% fixed
+    # (the Amdahl prior, used here before) it was about 500, at or below the one measured:
+    # the job never learned what a larger batch costs. (This test failed with 0.05.)
+    metrics = {
+        GRADIENT_NOISE_SCALE_METRIC: 5000.0,
+        BATCH_SIZE_METRIC: 960.0,
+        STEP_SECONDS_METRIC: 0.4,
+        BASE_BATCH_METRIC: 200.0,
+    }
+    epochs = [Report(0, 10.0, 48, metrics), Report(1, 20.0, 48, metrics)]
+    job = make_job(high=64, training={"batchPolicy": "adaptive", "maxBatch": 12800})
+    decision = GoodputPolicy(GoodputParams()).desired(
+        job, JobObservations(0.0, 48, epochs=epochs), 30.0
+    )
+    assert decision.batch_size is not None
+    assert decision.batch_size > 960

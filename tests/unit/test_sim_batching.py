@@ -322,3 +322,23 @@ def test_the_goodput_policy_keeps_a_simulated_job_within_its_declared_batches(
     if worker is not None and chosen > max(base, gpus):
         assert chosen <= worker * gpus
     assert base <= model.batch_on(gpus, model.clamp(chosen)) <= base * spread
+
+
+def test_an_adaptive_job_trains_below_its_trace_batch_when_the_noise_is_small() -> None:
+    # Noise of 1 sample: a batch above the base loses nearly all its extra samples, so the
+    # policy takes the job from its trace row's 200 down to its base batch, 100 (before this
+    # change the trace's batch was the floor), and it ends sooner than kept at 200.
+    quiet = job(profile(noise=(1.0,), min_local_batch=1), min_gpus=1, max_gpus=1)
+    run = Simulation(
+        [quiet], SimConfig(parse_pool("1x4"), PolicyRef(name="goodput"), adaptive_batch=True)
+    )
+    adapted = run.run().jobs[0]
+    assert run._runs["a"].reports[-1].metrics["batch_size"] == 100.0
+    kept = (
+        Simulation(
+            [quiet], SimConfig(parse_pool("1x4"), PolicyRef(name="static"), adaptive_batch=True)
+        )
+        .run()
+        .jobs[0]
+    )
+    assert adapted.completion < kept.completion
