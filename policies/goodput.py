@@ -12,17 +12,18 @@ knee (`spare_by_gain`), or weigh each of its GPUs above the min against other jo
 (`share_by_gain`). With the batch-preserving modes the global batch does not change with the
 size, so statistical efficiency is 1 and throughput is goodput.
 
-When the workers report the adaptive metrics (`specs.values.ADAPTIVE_METRICS`: the
-gradient noise scale, the global batch and the seconds per step, as the worker API's
-`adaptive` batch policy does), the policy models goodput as Pollux does: throughput times
-statistical efficiency (`policies/efficiency.py`), with the batch chosen per size
-(`choose_batch`). The time of a step is fitted as `fixed + per_sample x batch / gpus` on
-the reported steps (before two per-GPU batches are measured, `priorSerial` of the one
-measured step is taken as fixed). Each size's goodput is at its best batch within the
-job's max batch and per-GPU memory (`spec.training.maxBatch`, `maxWorkerBatch`); the
-gains are in share of the job's goodput on one GPU (its speedup: the weight every job's
-GPUs are compared by, whatever its absolute rate), and the decision carries the batch for
-the GPUs granted now (`Decision.batch_size`).
+When the workers report the adaptive metrics (`specs.values.ADAPTIVE_METRICS`: the gradient
+noise scale, the global batch and the seconds per step, as the worker API's `adaptive` batch
+policy does), the policy models goodput as Pollux does: throughput times statistical
+efficiency (`policies/efficiency.py`), with the batch chosen per size (`choose_batch`). The
+time of a step is fitted as `fixed + per_sample x batch / gpus` on the reported steps
+(before two per-GPU batches are measured, half of the one measured step is taken as fixed,
+as Pollux's agent assumes: optimistic about a larger batch, so that the job tries one and
+the next fit has two points; a `priorSerial` above a half, more). Each size's goodput is at
+its best batch within the job's max batch and per-GPU memory (`spec.training.maxBatch`,
+`maxWorkerBatch`); the gains are in share of the job's goodput on one GPU (its speedup: the
+weight every job's GPUs are compared by, whatever its absolute rate), and the decision
+carries the batch for the GPUs granted now (`Decision.batch_size`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ class GoodputParams(BaseModel):
     """A GPU is asked for only if it adds at least this share of one GPU's throughput
     (0..1): 0.5 stops where the next GPU would run at half speed."""
     prior_serial: float = Field(default=0.05, ge=0, lt=1, strict=True)
-    """The serial fraction (Amdahl's law) assumed until the job has run at two sizes."""
+    """The serial fraction (Amdahl's law) assumed until the job has run at two sizes; with
+    the adaptive metrics, the share of a step taken as fixed until two per-GPU batches are
+    measured, if above `ONE_POINT_FIXED_SHARE` (a half)."""
     throughput_metric: str = Field(default="throughput", min_length=1)
     """The name of the metric in the workers' reports that holds samples per second; without
     it, the rate of epochs is used."""
@@ -200,10 +203,20 @@ def choose_batch(gpus: int, profile: BatchProfile) -> int:
     return max(sorted(candidates), key=lambda batch: goodput(gpus, batch, profile))
 
 
-def fit_step_time(epochs: Sequence[Report], prior_serial: float) -> StepTime | None:
+ONE_POINT_FIXED_SHARE = 0.5
+"""Of a step measured at one per-GPU batch only, the share taken as fixed. Pollux's agent
+takes half (adaptdl's `fit_perf_params` with one atomic batch): a model that credits a larger
+batch with amortizing it, so the job is given one and the next fit sees two batches. A small
+share (the Amdahl prior's 5%) says nearly all of a step grows with the batch, which keeps
+the job at its smallest batch, whose steps alone it then ever measures."""
+
+
+def fit_step_time(
+    epochs: Sequence[Report], fixed_share: float = ONE_POINT_FIXED_SHARE
+) -> StepTime | None:
     """The step-time model from the reported (world size, batch, step seconds), the latest
     few per point; None without any. Least squares over two per-GPU batches or more, else
-    `prior_serial` of the one measured step is fixed."""
+    `fixed_share` of the one measured step is fixed."""
     points: dict[tuple[int, float], list[float]] = {}
     for report in epochs:
         seconds = report.metrics.get(STEP_SECONDS_METRIC)
@@ -229,14 +242,15 @@ def fit_step_time(epochs: Sequence[Report], prior_serial: float) -> StepTime | N
             return StepTime(intercept, slope)
     # One per-GPU batch, or a fit that says nothing sensible: split the mean step.
     x, y = max(samples)
-    return StepTime(prior_serial * y, (1.0 - prior_serial) * y / x)
+    return StepTime(fixed_share * y, (1.0 - fixed_share) * y / x)
 
 
 def batch_profile(
-    job: HerdJob, epochs: Sequence[Report], prior_serial: float
+    job: HerdJob, epochs: Sequence[Report], prior_serial: float = 0.0
 ) -> BatchProfile | None:
     """The job's profile from its reports: None until one reports the noise scale, the
-    batch and the step time (then the policy works as without them)."""
+    batch and the step time (then the policy works as without them). `prior_serial`: the
+    share of a step measured at one per-GPU batch taken as fixed, if above a half."""
     noise = next(
         (
             r.metrics[GRADIENT_NOISE_SCALE_METRIC]
@@ -245,7 +259,7 @@ def batch_profile(
         ),
         None,
     )
-    step_time = fit_step_time(epochs, prior_serial)
+    step_time = fit_step_time(epochs, max(ONE_POINT_FIXED_SHARE, prior_serial))
     batches = [
         r.metrics[BATCH_SIZE_METRIC] for r in epochs if r.metrics.get(BATCH_SIZE_METRIC, 0) >= 1
     ]

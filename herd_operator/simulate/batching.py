@@ -1,34 +1,40 @@
 """Adaptive batch in the simulated jobs: statistical efficiency and the step time at any batch.
 
 Apart from `model.py` because only jobs that carry a noise profile (Pollux's applications)
-use it: a job without one, or one kept at its trace's batch, progresses exactly as before.
+use it, and only under `+adaptive`: without it every job trains at its trace's batch at
+Amdahl's speedup (`model.py`), as before.
 
 Source: petuum/adaptdl, branch `osdi21-artifact`, `simulator/traces/<application>/` and
 `simulator/applications.py`, `simulator.py` (Apache-2.0; Qiao et al., OSDI 2021). As in
-`calibration.py`, nothing of those files is kept: `POLLUX_BATCHING` is a small table derived
+`calibration.py`, nothing of those files is kept: `POLLUX_BATCHING` is a table derived
 from them by `derive_batching` (`scripts/fit_pollux.py` prints it again from a clone), and
-this module's code is ours. What is derived, per application and trace batch:
+this module's code is ours (the table is in `pollux_profiles.py`). A job under `+adaptive` is
+the job Pollux's simulator runs under
+Pollux: it declares the application's smallest validated batch B0 as its base batch (the one
+its learning rate is tuned for, Pollux's `init_batch_size`) and may be given any batch from
+B0 to the largest validated (ncf: 32768 only, as there); until a policy picks one it trains
+at its trace row's batch (Pollux's simulator starts at B0 and picks another after a minute;
+our workers report at epoch ends only, and bert's first epoch at B0 is half its run).
+What is derived, per application:
 
-- the gradient noise scale as training goes: Pollux's simulator reads `grad_sqr` and
-  `grad_var` of the epoch from `validation-<batch>.csv` and counts a step of batch B as
-  `(var + sqr) / (var / scale + sqr)` steps of its initial batch B0 (the smallest validated;
-  scale = B / B0). That is Pollux's eq. 6 with the noise scale `B0 x var / sqr` samples.
-  `noise` keeps it at 0%, 10%, ..., 90% of the epochs (the epoch at that fraction of
-  `max_epochs`, from the trace batch's file); between them it is interpolated geometrically;
-- the cost of a sample: the slope of one GPU's step time over its local batch
-  (`placements.csv`, placement "1", up to the application's `max_local_bsz`), least squares;
-- the largest batch: the largest validated (Pollux's `max_batch_size`); ncf stays at its
-  32768, which Pollux's simulator fixes for it under Pollux too.
-- the smallest local batch measured (`placements.csv`, Pollux's `min_local_bsz`): the max
-  batch over it is the most GPUs Pollux's simulator lets the job grow to (`widest`); ncf's
-  is its whole batch, since that simulator keeps ncf on one GPU under Pollux.
+- progress, counted as Pollux's simulator counts it: a step of batch B in epoch k is worth
+  `gain = (B / B0) x (noise + B0) / (noise + B)` steps of B0 (Pollux's eq. 6), and the job
+  is done when its progress reaches `progress`, the least any validated batch made in the
+  application's epochs (Pollux's completion rule); each of our epochs is one `progress /
+  epochs` of it. `noise`, the gradient noise scale in samples, is `B0 x grad_var /
+  grad_sqr` of epoch k in `validation-<b>.csv`, kept per epoch for each validated batch b,
+  and at a batch between two validated ones interpolated linearly in the batch (Pollux's
+  simulator interpolates the two statistics so; the noise measured at a larger batch is
+  larger, up to 26 times for bert's first epoch);
+- the step time: `steptime.StepModel` of the application, by GPUs and local batch (fitted
+  to Pollux's measured steps, with gradient accumulation past the largest local batch);
+- the smallest local batch measured (Pollux's `min_local_bsz`): a job on n GPUs trains at
+  `n x` that at least, and the max batch over it is the most GPUs Pollux's simulator lets the
+  job grow to (`widest`); ncf's is its whole batch (one GPU), as there.
 
-The job's progress, in single-GPU seconds of work at the trace's batch `Bt` (`JobModel.work`),
-per second on n GPUs at batch B: `t1 x B / Bt x E / t(n, B)`, with `E = (noise + Bt) /
-(noise + B)` (efficiency relative to the trace's batch, so 1 at Bt) and the step time
-`t(n, B) = t(n, Bt) + per_sample x (B - Bt) / n` (the trace batch's fitted Amdahl time, plus
-or minus the samples each GPU computes more or less). At B = Bt it is Amdahl's speedup,
-which the engine then uses as it is.
+Progress is kept in the job's work units (`JobModel.work`, single-GPU seconds at the trace
+batch): `seconds_per_progress` is the work over `progress`, so the time of epoch k on n GPUs
+at batch B is `(progress / epochs) x t(n, B) / gain`, whatever the work's unit.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from herd_operator.simulate.calibration import POLLUX_MAX_LOCAL_BATCH, Calibration
+from herd_operator.simulate.calibration import Calibration
+from herd_operator.simulate.steptime import POLLUX_STEP_MODELS, StepModel, trace_rows
 from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
     BATCH_SIZE_METRIC,
@@ -47,8 +54,26 @@ from herd_operator.specs.values import (
     STEP_SECONDS_METRIC,
 )
 
-NOISE_POINTS = 10
-"""Fractions of the epochs the noise scale is kept at: 0, 1/10, ..., 9/10."""
+Noise = tuple[tuple[int, tuple[float, ...]], ...]
+"""(batch, the noise scale in samples at each epoch) per validated batch, batches rising."""
+NOISE_FLOOR = 1e-3
+"""The least noise scale kept (samples): an epoch whose gradient variance was measured as 0
+would make every batch above B0 worthless."""
+
+
+def check_noise(noise: Noise) -> None:
+    """Raises ValueError unless `noise` has a batch, batches rise and every scale is > 0."""
+    batches = [batch for batch, _ in noise]
+    if not noise or batches != sorted(set(batches)) or batches[0] < 1:
+        raise ValueError(f"noise: need batches >= 1 in increasing order, got {batches}")
+    for batch, scales in noise:
+        if not scales or any(not (math.isfinite(n) and n > 0) for n in scales):
+            raise ValueError(f"noise at batch {batch}: scales must be finite and > 0")
+
+
+def _epoch_value(points: tuple[float, ...], fraction: float) -> float:
+    index = int(min(max(fraction, 0.0), 1.0) * len(points) + 1e-9)
+    return points[min(index, len(points) - 1)]
 
 
 @dataclass(frozen=True)
@@ -56,37 +81,49 @@ class BatchCalibration:
     """One application at one trace batch (the table's key): what adapting its batch
     changes."""
 
+    base_batch: int
+    """The smallest validated batch (Pollux's `init_batch_size`): progress is counted in
+    its steps, and the job declares it as its base batch."""
+    min_batch: int
+    """The smallest batch the job may train at: the base batch, ncf's 32768."""
     max_batch: int
     min_local_batch: int
     """The smallest local batch its throughput was measured at (Pollux's `min_local_bsz`)."""
-    per_sample_seconds: float
-    """Seconds one GPU's step takes per sample more (placement "1"'s slope)."""
-    noise: tuple[float, ...]
-    """Gradient noise scale in samples at 0, 1/10, ..., 9/10 of the epochs."""
+    progress: float
+    """Steps of the base batch's worth of progress that complete the job."""
+    noise: Noise
+    """Per validated batch, in increasing order, its gradient noise scale in samples per
+    epoch."""
 
 
 @dataclass(frozen=True)
 class BatchModel:
     """What a simulated job needs to train at another batch than its trace's."""
 
-    trace_batch: int
+    base_batch: int
+    min_batch: int
     max_batch: int
-    iteration_seconds: float
-    """One iteration on one GPU at the trace batch (Amdahl's t1)."""
-    serial_fraction: float
-    per_sample_seconds: float
-    noise: tuple[float, ...]
-    min_local_batch: int = 1
+    min_local_batch: int
+    start_batch: int
+    """What it trains at until a policy picks a batch: its trace row's (the batch its
+    script was set to run at)."""
+    seconds_per_progress: float
+    """The job's work (single-GPU seconds at its trace batch) per step of progress."""
+    step: StepModel
+    noise: Noise
+    """Per batch, per epoch (or at evenly spaced fractions of the epochs): as
+    `BatchCalibration.noise`."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.trace_batch <= self.max_batch:
-            raise ValueError("need 1 <= trace batch <= max batch")
+        if not 1 <= self.base_batch <= self.min_batch <= self.max_batch:
+            raise ValueError("need 1 <= base batch <= min batch <= max batch")
+        if not self.min_batch <= self.start_batch <= self.max_batch:
+            raise ValueError("need min batch <= start batch <= max batch")
         if not 1 <= self.min_local_batch <= self.max_batch:
             raise ValueError("need 1 <= min local batch <= max batch")
-        if self.iteration_seconds <= 0 or self.per_sample_seconds < 0:
-            raise ValueError("iteration seconds must be > 0 and per-sample seconds >= 0")
-        if not self.noise or any(not (math.isfinite(n) and n > 0) for n in self.noise):
-            raise ValueError("noise scales must be finite and > 0, at least one")
+        if not (math.isfinite(self.seconds_per_progress) and self.seconds_per_progress > 0):
+            raise ValueError("seconds per progress must be finite and > 0")
+        check_noise(self.noise)
 
     def widest(self) -> int:
         """The most GPUs its batch can be spread over: its max batch at its smallest local
@@ -94,60 +131,78 @@ class BatchModel:
         return self.max_batch // self.min_local_batch
 
     def clamp(self, batch: int | None) -> int:
-        """The batch the job trains at when asked for `batch` (None: the trace's)."""
+        """The batch the job trains at when asked for `batch` (None: its start batch)."""
         if batch is None:
-            return self.trace_batch
-        return max(1, min(self.max_batch, batch))
+            return self.start_batch
+        return max(self.min_batch, min(self.max_batch, batch))
 
-    def noise_at(self, fraction: float) -> float:
-        """The noise scale at `fraction` (0..1) of the epochs, geometric between points."""
-        points = self.noise
-        position = min(max(fraction, 0.0), 1.0) * len(points)
-        low = min(int(position), len(points) - 1)
-        if low + 1 >= len(points):
-            return points[-1]
-        share = position - low
-        return math.exp((1 - share) * math.log(points[low]) + share * math.log(points[low + 1]))
+    def batch_on(self, gpus: int, batch: int) -> int:
+        """The batch it takes on `gpus` GPUs when asked for `batch`: at least the smallest
+        local batch on each (as Pollux's simulator), within its max batch."""
+        return min(self.max_batch, max(self.clamp(batch), self.min_local_batch * gpus))
 
-    def step_seconds(self, gpus: int, batch: int) -> float:
-        """One step of global batch `batch` on `gpus` GPUs."""
-        t1, serial = self.iteration_seconds, self.serial_fraction
-        at_trace = t1 * (serial + (1.0 - serial) / gpus)
-        return max(at_trace + self.per_sample_seconds * (batch - self.trace_batch) / gpus, 1e-9)
+    def noise_at(self, fraction: float, batch: int) -> float:
+        """The noise scale at `fraction` (0..1) of the epochs (that epoch's: a step per
+        epoch) when training at `batch` (linear between the validated batches around it)."""
+        below = above = self.noise[0]
+        for point in self.noise:
+            if point[0] <= batch:
+                below = point
+            if point[0] >= batch:
+                above = point
+                break
+        else:
+            above = self.noise[-1]
+        low, high = _epoch_value(below[1], fraction), _epoch_value(above[1], fraction)
+        if above[0] <= below[0]:
+            return low
+        share = (batch - below[0]) / (above[0] - below[0])
+        return low + share * (high - low)
 
     def efficiency(self, batch: int, fraction: float) -> float:
-        """Progress per sample at `batch` relative to the trace batch (Pollux's eq. 6)."""
-        noise = self.noise_at(fraction)
-        return (noise + self.trace_batch) / (noise + batch)
+        """Progress per sample at `batch` relative to the base batch (Pollux's eq. 6)."""
+        noise = self.noise_at(fraction, batch)
+        return (noise + self.base_batch) / (noise + batch)
+
+    def step_seconds(self, gpus: int, batch: int) -> float:
+        """One step on `gpus` GPUs when asked for global batch `batch`."""
+        return self.step.seconds(gpus, self.batch_on(gpus, batch))
 
     def rate(self, gpus: int, batch: int, fraction: float) -> float:
-        """Work per second (single-GPU seconds at the trace batch) on `gpus` at `batch`."""
+        """Work per second (the job's units) on `gpus` at `batch`, `fraction` of its epochs
+        done."""
         if gpus <= 0:
             return 0.0
-        samples = batch / self.trace_batch * self.efficiency(batch, fraction)
-        return self.iteration_seconds * samples / self.step_seconds(gpus, batch)
+        taken = self.batch_on(gpus, batch)
+        gain = taken / self.base_batch * self.efficiency(taken, fraction)
+        return self.seconds_per_progress * gain / self.step.seconds(gpus, taken)
 
     def metrics(self, gpus: int, batch: int | None, fraction: float) -> dict[str, float]:
-        """What its workers attach to an epoch end at `gpus` and `batch` (None: the trace's),
+        """What its workers attach to an epoch end at `gpus` and `batch` (None: the base),
         `fraction` of its epochs done: the adaptive metrics (`specs/values.ADAPTIVE_METRICS`)."""
-        chosen = self.clamp(batch)
+        taken = self.batch_on(gpus, self.clamp(batch))
         return {
-            GRADIENT_NOISE_SCALE_METRIC: self.noise_at(fraction),
-            BATCH_SIZE_METRIC: float(chosen),
-            STEP_SECONDS_METRIC: self.step_seconds(gpus, chosen),
-            BASE_BATCH_METRIC: float(self.trace_batch),
+            GRADIENT_NOISE_SCALE_METRIC: self.noise_at(fraction, taken),
+            BATCH_SIZE_METRIC: float(taken),
+            STEP_SECONDS_METRIC: self.step.seconds(gpus, taken),
+            BASE_BATCH_METRIC: float(self.min_batch),
         }
 
 
-def batch_model(calibration: Calibration, batching: BatchCalibration) -> BatchModel:
+def batch_model(
+    calibration: Calibration, batching: BatchCalibration, step: StepModel | None = None
+) -> BatchModel:
+    """The job's model from its application's rows (`step`: its step model, by default
+    `POLLUX_STEP_MODELS`' for the application)."""
     return BatchModel(
-        trace_batch=calibration.batch_size,
+        base_batch=batching.base_batch,
+        min_batch=batching.min_batch,
         max_batch=max(batching.max_batch, calibration.batch_size),
-        iteration_seconds=calibration.iteration_seconds,
-        serial_fraction=calibration.serial_fraction,
-        per_sample_seconds=batching.per_sample_seconds,
-        noise=batching.noise,
         min_local_batch=batching.min_local_batch,
+        start_batch=max(batching.min_batch, min(calibration.batch_size, batching.max_batch)),
+        seconds_per_progress=calibration.work / batching.progress,
+        step=POLLUX_STEP_MODELS[calibration.application] if step is None else step,
+        noise=batching.noise,
     )
 
 
@@ -155,130 +210,37 @@ def _rows(text: str) -> list[dict[str, str]]:
     return list(csv.DictReader(io.StringIO(text)))
 
 
+FIXED_BATCH: Mapping[str, int] = {"ncf": 32768}
+"""Applications Pollux's simulator keeps at one batch under Pollux too (on one GPU)."""
+
+
 def derive_batching(
-    application: str,
-    batch_size: int,
-    epochs: int,
-    validated: list[int],
-    read: Callable[[str], str],
+    application: str, epochs: int, validated: list[int], read: Callable[[str], str]
 ) -> BatchCalibration:
-    """The table row of one application at one trace batch; `validated`: the batches of its
-    `validation-*.csv` files, `read(name)` the text of one of its trace files."""
-    cap = POLLUX_MAX_LOCAL_BATCH.get(application, 1 << 30)
-    placements = _rows(read("placements.csv"))
-    ones = [
-        (float(r["local_bsz"]), float(r["step_time"]))
-        for r in placements
-        if r["placement"] == "1" and float(r["local_bsz"]) <= cap
-    ]
-    mean_x = sum(x for x, _ in ones) / len(ones)
-    mean_y = sum(y for _, y in ones) / len(ones)
-    spread = sum((x - mean_x) ** 2 for x, _ in ones)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in ones) / spread if spread else 0.0
-    initial = min(validated)
-    rows = _rows(read(f"validation-{batch_size}.csv"))
+    """The table row of one application; `validated`: the batches of its `validation-*.csv`
+    files, `read(name)` the text of one of its trace files."""
+    base = min(validated)
+    files = {batch: _rows(read(f"validation-{batch}.csv")) for batch in sorted(validated)}
+    progress = min(float(rows[epochs - 1]["progress"]) for rows in files.values())
     noise = []
-    for point in range(NOISE_POINTS):
-        row = rows[min(epochs * point // NOISE_POINTS, len(rows) - 1)]
-        sqr, var = float(row["grad_sqr"]), float(row["grad_var"])
-        noise.append(initial * var / sqr)
-    largest = batch_size if application == "ncf" else max(validated)
-    smallest_local = (
-        batch_size
-        if application == "ncf"
-        else min(math.ceil(float(r["local_bsz"])) for r in placements)
+    for batch, rows in files.items():
+        scales = []
+        for row in rows[:epochs]:
+            sqr, var = float(row["grad_sqr"]), float(row["grad_var"])
+            scales.append(max(base * var / sqr, NOISE_FLOOR) if sqr > 0 else NOISE_FLOOR)
+        noise.append((batch, tuple(scales)))
+    fixed = FIXED_BATCH.get(application)
+    smallest_local = min(math.ceil(local) for _, _, local, _ in trace_rows(read))
+    return BatchCalibration(
+        base_batch=base,
+        min_batch=fixed or base,
+        max_batch=fixed or max(validated),
+        min_local_batch=fixed or smallest_local,
+        progress=progress,
+        noise=tuple(noise),
     )
-    return BatchCalibration(largest, smallest_local, max(slope, 0.0), tuple(noise))
 
 
-POLLUX_BATCHING: Mapping[tuple[str, int], BatchCalibration] = {
-    ("bert", 384): BatchCalibration(
-        384,
-        4,
-        0.05783,
-        (
-            1.122e04,
-            1.122e04,
-            1.122e04,
-            1.122e04,
-            1.122e04,
-            1.279e04,
-            1.279e04,
-            1.279e04,
-            1.279e04,
-            1.279e04,
-        ),
-    ),
-    ("cifar10", 2048): BatchCalibration(
-        4096,
-        32,
-        0.0006643,
-        (65.42, 2860, 5242, 7838, 1.203e04, 1.79e04, 3.524e04, 6.055e04, 1.295e05, 6e04),
-    ),
-    ("cifar10", 4096): BatchCalibration(
-        4096,
-        32,
-        0.0006643,
-        (105.8, 2993, 5821, 7932, 1.159e04, 1.909e04, 3.118e04, 9.625e04, 1.385e05, 1.71e05),
-    ),
-    ("deepspeech2", 320): BatchCalibration(
-        640,
-        10,
-        0.02905,
-        (12.28, 834, 2906, 4968, 1.529e04, 1.734e05, 8.607e04, 2.597e05, 4.624e04, 4.483e04),
-    ),
-    ("deepspeech2", 640): BatchCalibration(
-        640,
-        10,
-        0.02905,
-        (12.75, 824.1, 1872, 4107, 5675, 2.869e04, 8.728e04, 1.218e07, 7.095e04, 6.67e04),
-    ),
-    ("imagenet", 3200): BatchCalibration(
-        12800,
-        20,
-        0.004208,
-        (678.2, 8436, 9781, 1.027e04, 4.147e04, 3.426e04, 3.261e04, 1.624e05, 1.397e05, 1.281e05),
-    ),
-    ("imagenet", 6400): BatchCalibration(
-        12800,
-        20,
-        0.004208,
-        (
-            637.9,
-            9160,
-            1.069e04,
-            1.129e04,
-            4.531e04,
-            3.626e04,
-            3.531e04,
-            2.012e05,
-            1.662e05,
-            1.61e05,
-        ),
-    ),
-    ("ncf", 32768): BatchCalibration(
-        32768,
-        32768,
-        4.337e-07,
-        (
-            2.072e05,
-            1.867e06,
-            1.697e06,
-            1.684e06,
-            4.193e06,
-            8.124e06,
-            7.095e06,
-            5.701e07,
-            6.502e07,
-            6.369e07,
-        ),
-    ),
-    ("yolov3", 64): BatchCalibration(
-        512,
-        4,
-        0.0148,
-        (0.3988, 323.6, 343.4, 368.7, 437.2, 440.5, 878.1, 792.5, 1506, 3046),
-    ),
-}
-"""Each key of `POLLUX_CALIBRATIONS`, as `scripts/fit_pollux.py` prints it from
-`osdi21-artifact`."""
+def series(text: str) -> tuple[float, ...]:
+    """Numbers written one after the other (the table keeps each noise profile so)."""
+    return tuple(float(word) for word in text.split())

@@ -470,9 +470,8 @@ class Simulation:
         self._record(("request", demand))
         self.allocator.request(demand)
 
-    def _rebatch(self, run: _Run, batch: int) -> None:
-        """The job trains at `batch` from now (its trace's: as without adaptive batch)."""
-        wanted = None if run.model.batching and batch == run.model.batching.trace_batch else batch
+    def _rebatch(self, run: _Run, wanted: int) -> None:
+        """The job trains at `wanted` from now (on its GPUs: `BatchModel.batch_on`)."""
         if wanted == run.batch:
             return
         if run.size > 0:

@@ -120,9 +120,10 @@ class JobModel:
         return gpus / (1.0 + self.serial_fraction * (gpus - 1))
 
     def rate(self, gpus: int, batch: int | None, fraction: float) -> float:
-        """Work per second on `gpus` GPUs at global batch `batch` (None or the trace's: its
-        `speedup`), `fraction` of its epochs done (the noise scale changes as it trains)."""
-        if self.batching is None or batch is None or batch == self.batching.trace_batch:
+        """Work per second on `gpus` GPUs at global batch `batch` (None: at its trace's, its
+        `speedup`; a batch: adaptive, `batching.py`'s model), `fraction` of its epochs done
+        (the noise scale changes as it trains)."""
+        if self.batching is None or batch is None:
             return self.speedup(gpus)
         return self.batching.rate(gpus, batch, fraction)
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from herd_operator.simulate.batching import POLLUX_BATCHING, BatchModel, batch_model
+from herd_operator.simulate.batching import BatchModel, batch_model
 from herd_operator.simulate.calibration import (
     DEFAULT_BATCH,
     POLLUX_CALIBRATIONS,
@@ -22,6 +22,7 @@ from herd_operator.simulate.calibration import (
     Calibration,
 )
 from herd_operator.simulate.model import MAX_MEMORY_FRACTION, JobModel, feasible_min
+from herd_operator.simulate.pollux_profiles import POLLUX_BATCHING
 
 GPU_COUNT_WEIGHTS: tuple[tuple[int, float], ...] = (
     (1, 0.30),
@@ -187,7 +188,7 @@ def load_trace(
             requested = min(replicas, pool_gpus)
             used = min(POLLUX_MEMORY[application], MAX_MEMORY_FRACTION - 0.05)
             speedup = requested / (1.0 + fit.serial_fraction * (requested - 1))
-            noise = POLLUX_BATCHING.get((application, batch))
+            noise = POLLUX_BATCHING.get(application)
             jobs.append(
                 _job(
                     row["name"],

@@ -179,7 +179,7 @@ def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
     # min stays 1 (Horovod's --min-np is fixed at launch); lowering max shrinks the job live.
     # A small minGain keeps goodput asking for the max: the resize is the test's. The
     # script sleeps 0.15 s a step, a fixed cost of most of its step: priorSerial says so
-    # until two batches per GPU are measured.
+    # (above the half goodput takes by itself) until two batches per GPU are measured.
     policy = {"name": "goodput", "params": {"minGain": 0.01, "priorSerial": 0.9}}
 
     def document(gpus: int) -> dict[str, Any]:

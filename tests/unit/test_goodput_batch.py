@@ -105,14 +105,14 @@ def test_the_step_time_fit_recovers_a_known_model() -> None:
         Report(0, 10.0, 2, {STEP_SECONDS_METRIC: 0.82, BATCH_SIZE_METRIC: 64}),
         Report(1, 20.0, 4, {STEP_SECONDS_METRIC: 1.14, BATCH_SIZE_METRIC: 256}),
     ]
-    fitted = fit_step_time(reports, prior_serial=0.05)
+    fitted = fit_step_time(reports)
     assert fitted is not None
     assert fitted.fixed == pytest.approx(0.5)
     assert fitted.per_sample == pytest.approx(0.01)
-    # One point: the prior serial share of it is fixed.
-    (one,) = [fit_step_time(reports[:1], prior_serial=0.25)]
-    assert one == StepTime(0.25 * 0.82, 0.75 * 0.82 / 32)
-    assert fit_step_time([Report(0, 1.0, 2, {"loss": 1.0})], 0.05) is None
+    # One point: half of it is fixed, as Pollux's agent takes it.
+    (one,) = [fit_step_time(reports[:1])]
+    assert one == StepTime(0.5 * 0.82, 0.5 * 0.82 / 32)
+    assert fit_step_time([Report(0, 1.0, 2, {"loss": 1.0})]) is None
 
 
 def test_gains_are_in_share_of_one_gpus_goodput_and_the_knee_follows_them() -> None:
@@ -139,7 +139,7 @@ def test_the_policy_picks_the_batch_for_the_granted_gpus_and_reports_goodput_gai
     job = make_job(training={"batchPolicy": "adaptive", "maxBatch": 4096})
     epochs = adaptive_reports(2000.0)
     decision = policy.desired(job, JobObservations(0.0, allocated=2, epochs=epochs), 30.0)
-    fitted = fit_step_time(epochs, GoodputParams().prior_serial)
+    fitted = fit_step_time(epochs)
     assert fitted is not None
     expected = BatchProfile(32, 2000.0, fitted, 4096, None)
     assert decision.batch_size == choose_batch(2, expected)
@@ -176,3 +176,24 @@ def test_a_bad_noise_report_is_not_used() -> None:
         make_job(), JobObservations(0.0, 2, epochs=adaptive_reports(math.nan)), 30.0
     )
     assert decision.batch_size is None
+
+
+def test_a_job_measured_at_one_batch_is_given_a_larger_one_to_try() -> None:
+    # 960 samples on 48 GPUs took 0.4 s, a noise scale of 5,000: with half the step fixed
+    # (Pollux's prior) the best batch is about sqrt(a N n / c) = sqrt(0.2 x 5,000 x 48 /
+    # 0.01) = 2,190 > 960, so the next epoch measures a second per-GPU batch. With 5% fixed
+    # (the Amdahl prior, used here before) it was about 500, at or below the one measured:
+    # the job never learned what a larger batch costs. (This test failed with 0.05.)
+    metrics = {
+        GRADIENT_NOISE_SCALE_METRIC: 5000.0,
+        BATCH_SIZE_METRIC: 960.0,
+        STEP_SECONDS_METRIC: 0.4,
+        BASE_BATCH_METRIC: 200.0,
+    }
+    epochs = [Report(0, 10.0, 48, metrics), Report(1, 20.0, 48, metrics)]
+    job = make_job(high=64, training={"batchPolicy": "adaptive", "maxBatch": 12800})
+    decision = GoodputPolicy(GoodputParams()).desired(
+        job, JobObservations(0.0, 48, epochs=epochs), 30.0
+    )
+    assert decision.batch_size is not None
+    assert decision.batch_size > 960
