@@ -248,9 +248,11 @@ class HorovodOptions(ApiModel):
     `horovodrun`, the bare `horovodrun --host-discovery-script` (a script run every second).
     Both take the same horovodrun arguments."""
     preload: list[str] = Field(default_factory=list, max_length=MAX_PRELOAD_MODULES)
-    """Modules (like `torch`, `horovod.torch`) that a per-job zygote imports once, under the
-    `driver` launcher: the job's local workers are then forked from it, ready, instead of
-    starting an interpreter and importing them (seconds per scale-up). Only for a command
+    """Modules (like `torch`, `horovod.torch`, `torch._dynamo`) that a per-job zygote imports
+    once, under the `driver` launcher: the job's local workers are then forked from it,
+    ready, instead of starting an interpreter and importing them (seconds per scale-up).
+    List `torch._dynamo` with torch: torch 2.x's optimizers import it on their first call,
+    which otherwise every forked worker does (half of its start). Only for a command
     `python SCRIPT ...` run by the operator's Python; other commands start as usual. Empty
     (the default): no zygote."""
 

@@ -1,6 +1,6 @@
 """A fork server for a job's local workers: the job's imports done once, before they are needed.
 
-    python -m herd_operator.agent.zygote --control-fd N --preload torch,horovod.torch
+    python -m herd_operator.agent.zygote --control-fd N --preload torch,horovod.torch,torch._dynamo
 
 Our Horovod driver starts one per job (`spec.horovod.preload`): it imports the listed
 modules and waits. For each worker that Horovod starts on this host, the driver sends
@@ -17,6 +17,9 @@ child sets CUDA_VISIBLE_DEVICES before anything touches the GPU), no `hvd.init()
 Gloo context, no parallel torch op. It has no Python thread; a native one (OpenBLAS's
 pool, started by `import numpy`) is shut down by OpenBLAS's own `pthread_atfork` hook
 and restarted in the child. A zygote with more than one Python thread refuses to fork.
+`torch._dynamo`, which torch 2.x's optimizers import on their first call (half of a forked
+worker's start when the zygote has not), starts no thread of either kind: the process has
+the same 2 tasks before and after its import (torch 2.13).
 
 The zygote reports on the worker's socket `pid N` after the fork and `exit S` when the
 child ended (S as `subprocess` gives it: -N for a death by signal N). The child gets

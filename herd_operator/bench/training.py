@@ -55,8 +55,9 @@ def train_command(step_log: Path) -> list[str]:
     return ["python", str(TRAIN_SCRIPT), "--epochs", "1000000", "--step-log", str(step_log)]
 
 
-PRELOAD = ("torch", "horovod.torch")
-"""What `examples/train_digits.py` imports that takes time: its zygote's preload."""
+PRELOAD = ("torch", "horovod.torch", "torch._dynamo")
+"""What `examples/train_digits.py` imports that takes time: its zygote's preload. torch 2.13's
+`torch.optim` imports `torch._dynamo` when the optimizer is built (`torch._disable_dynamo`)."""
 
 
 def training_spec(

@@ -38,6 +38,15 @@ def digits_command(epochs: int, *extra: str) -> list[str]:
     return ["python", "examples/train_digits.py", "--epochs", str(epochs), *extra]
 
 
+ZYGOTE = {"preload": ["torch", "horovod.torch", "torch._dynamo"]}
+"""`horovod=ZYGOTE` in a spec: the job's local workers are forked by its zygote, which has
+these imported (`spec.horovod.preload`), instead of each starting an interpreter and importing
+them: 0.09 CPU-s from the fork to the first step of `examples/train_digits.py` against 3.6
+from a new interpreter (`python -m devtools.worker_start`, n = 5, 2026-12-02). For the tests of
+what the operator does with jobs that start many workers (policies resizing them), where
+the workers' start is not what is checked: the other tests start their workers the usual
+way, which is the default."""
+
 LAUNCHER_ENV = "HERD_TEST_HOROVOD_LAUNCHER"
 """Set to `horovodrun` to run the operator's integration tests under the bare launch (the
 fallback) instead of the default driver."""

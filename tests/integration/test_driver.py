@@ -209,8 +209,9 @@ def test_workers_die_with_a_driver_killed_alone(tmp_path: Path) -> None:
 
 def test_a_grow_from_2_to_4_forks_the_new_workers_from_the_zygote(tmp_path: Path) -> None:
     # About 36 s here: the first two workers wait for the zygote's imports (one import
-    # instead of two), the grow forks the other two.
-    preload = ["--preload", "torch,horovod.torch"]
+    # instead of two), the grow forks the other two. torch._dynamo as the docs advise: the
+    # workers' optimizer imports it otherwise, and here it must be safe to fork after.
+    preload = ["--preload", "torch,horovod.torch,torch._dynamo"]
     with driver_job(
         tmp_path, "localhost:2\n", 2, "--min-np", "2", "--max-np", "4", driver_args=preload
     ) as job:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from devtools.bench.multinode import job_environment
 from devtools.cluster import NamespaceCluster, cluster_unavailable, namespace_cluster
@@ -268,6 +267,8 @@ def test_a_torchrun_job_grows_onto_another_host_and_goes_on_smaller_when_a_gpu_t
     finally:
         with contextlib.suppress(Exception):
             stop_session(operator)
+    import torch  # here, not at collection: every xdist worker collects this file
+
     saved = torch.load(snapshot, map_location="cpu", weights_only=False)
     epochs_run = [(int(epoch), int(world)) for epoch, world in saved["history"]]
     assert [epoch for epoch, _ in epochs_run] == list(range(len(epochs_run))), "lost or repeated"

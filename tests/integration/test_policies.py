@@ -1,4 +1,9 @@
-"""Policies on real jobs: the memory signal is the measured memory of real workers."""
+"""Policies on real jobs: the memory signal is the measured memory of real workers.
+
+The jobs that start more than one worker have their workers forked by the job's zygote
+(`harness.ZYGOTE`): each grow here starts one to three workers, which is what the
+policies are checked on, not how a worker starts (test_jobs and test_faults start theirs
+the usual way)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from typing import Any
 import pytest
 
 from herd_operator.policies.registry import reset_plugin_cache
-from tests.integration.harness import OperatorHarness, digits_command, spec_document
+from tests.integration.harness import ZYGOTE, OperatorHarness, digits_command, spec_document
 from tests.unit.plugin_policy import TEST_PLUGINS, install, write_distribution
 
 
@@ -65,13 +70,13 @@ def test_memory_policy_moves_gpus_from_the_idle_job_to_the_hungry_one(
     # higher priority keeps the allocator's fair share from splitting them 2/2 when the
     # hungry job arrives after the idle job's resize freeze (a race on a loaded machine):
     # only the memory policy moves GPUs here.
-    herd.write_spec(spec_document("idle", 1, 3, idle, policy=memory, priority=1))
+    herd.write_spec(spec_document("idle", 1, 3, idle, policy=memory, priority=1, horovod=ZYGOTE))
     herd.wait_for(
         lambda: (herd.job("idle") or {}).get("gpus", {}).get("allocated") == 3,
         "the idle job on 3 GPUs",
         job="idle",
     )
-    herd.write_spec(spec_document("hungry", 1, 3, hungry, policy=memory))
+    herd.write_spec(spec_document("hungry", 1, 3, hungry, policy=memory, horovod=ZYGOTE))
 
     herd.wait_for(
         lambda: succeeded(herd, "idle") and succeeded(herd, "hungry"),
@@ -100,7 +105,14 @@ def test_schedule_policy_resizes_by_epoch(herd: OperatorHarness) -> None:
         "params": {"initial": 2, "steps": [{"atEpoch": 3, "gpus": 4}, {"atEpoch": 6, "gpus": 2}]},
     }
     herd.write_spec(
-        spec_document("sched", 1, 4, digits_command(9, "--step-delay", "0.03"), policy=schedule)
+        spec_document(
+            "sched",
+            1,
+            4,
+            digits_command(9, "--step-delay", "0.03"),
+            policy=schedule,
+            horovod=ZYGOTE,
+        )
     )
     herd.wait_for(
         lambda: succeeded(herd, "sched"), "the scheduled job to finish", timeout=300, job="sched"
@@ -115,7 +127,8 @@ def test_schedule_policy_resizes_by_epoch(herd: OperatorHarness) -> None:
 
 @pytest.mark.timeout(900)  # each wait below has its own bound; on a saturated machine they add up
 def test_high_priority_job_is_admitted_by_shrinking_an_elastic_job(herd: OperatorHarness) -> None:
-    herd.write_spec(spec_document("elastic", 1, 4, digits_command(300, "--step-delay", "0.05")))
+    elastic = digits_command(300, "--step-delay", "0.05")
+    herd.write_spec(spec_document("elastic", 1, 4, elastic, horovod=ZYGOTE))
     # Training at 4, not only bound to 4 GPUs: workers still importing torch when the urgent
     # job came made its wait for their GPUs a wait for their start as well (over 90 s at
     # load 27 on 2 cores), and the shrink needs them past their first commit.
@@ -128,7 +141,7 @@ def test_high_priority_job_is_admitted_by_shrinking_an_elastic_job(herd: Operato
         job="elastic",
         timeout=300,
     )
-    herd.write_spec(spec_document("urgent", 3, 3, digits_command(2), priority=10))
+    herd.write_spec(spec_document("urgent", 3, 3, digits_command(2), priority=10, horovod=ZYGOTE))
     # Two bounds, each generous: the urgent job waited 82-117 s at load 15-27 for the
     # elastic job's 3 workers to leave their GPUs (a reset), then its driver and 3 workers
     # start, train and end; one 180 s bound for both failed with nothing stuck.
@@ -161,7 +174,8 @@ def test_an_installed_plugin_sizes_a_job_and_a_module_reference_is_refused(
         spec_document("module", 1, 1, digits_command(1), policy={"name": "unittest.__main__:Main"})
     )
     # The plug-in `half` asks for half of max: 2 of 4.
-    herd.write_spec(spec_document("half", 1, 4, digits_command(2), policy={"name": "half"}))
+    half = spec_document("half", 1, 4, digits_command(2), policy={"name": "half"}, horovod=ZYGOTE)
+    herd.write_spec(half)
     herd.wait_for(lambda: succeeded(herd, "half"), "the plug-in's job to finish", job="half")
     assert set(epochs_by_world_size(herd, "half").values()) == {2}
     refused = [e.message for e in herd.events("module") if e.reason == "InvalidSpec"]

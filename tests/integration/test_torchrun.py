@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from herd_operator.runtime.process_table import job_processes
@@ -72,6 +71,8 @@ def torchrun_spec(name: str, gpus: int, snapshot: Path, epochs: int = EPOCHS) ->
 
 def history(snapshot: Path) -> list[tuple[int, int]]:
     """(epoch, world size) of every epoch the job's snapshot says it trained."""
+    import torch  # here, not at collection: every xdist worker collects this file
+
     saved = torch.load(snapshot, map_location="cpu", weights_only=False)
     return [(int(epoch), int(world)) for epoch, world in saved["history"]]
 

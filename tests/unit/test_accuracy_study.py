@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-pytest.importorskip("matplotlib")
-
-from examples.experiments import study
-from examples.experiments.data import load
-from examples.experiments.quality import RunConfig, RunResult, simulate
 from herd_operator.agent.batching import BATCH_POLICIES, BatchPolicyName
+
+# The study imports torch, scikit-learn and matplotlib: each test imports it when it runs,
+# not this module when it is collected, which every xdist worker does (torch alone is about
+# 2 CPU-s of each worker's collection). Installed is checked without importing them.
+for _needed in ("torch", "sklearn", "matplotlib"):
+    if importlib.util.find_spec(_needed) is None:
+        pytest.skip(f"{_needed} is not installed", allow_module_level=True)
+
+if TYPE_CHECKING:
+    from examples.experiments.quality import RunResult
 
 
 def test_tiny_study_writes_the_table_and_the_figure(tmp_path: Path) -> None:
+    from examples.experiments import study
+
     assert study.main(["--out", str(tmp_path), "--tiny"]) == 0
     runs = (tmp_path / "runs.jsonl").read_text().splitlines()
     assert len(runs) == len(BATCH_POLICIES) * 2  # two schedules, one seed
@@ -48,6 +55,9 @@ def test_tiny_study_writes_the_table_and_the_figure(tmp_path: Path) -> None:
 def test_simulated_preserve_batch_is_the_same_training_at_any_world_size() -> None:
     """Summed shard gradients are the global batch's mean gradient: the world size changes
     only the order of float additions, so the runs end within a few test samples."""
+    from examples.experiments.data import load
+    from examples.experiments.quality import RunConfig, simulate
+
     data = load("digits")
     base = RunConfig(dataset="digits", policy="preserve-batch", epochs=1, evaluations=2)
     one = simulate(base, data)
@@ -64,6 +74,10 @@ def test_the_memory_schedule_resizes_where_the_memory_policy_decides() -> None:
     """Under naive the memory per GPU never falls, so the policy grows the job to its max;
     under preserve-batch it falls with each worker and the job settles at 3 (the memory
     model's numbers: examples/experiments/memory_schedule.py)."""
+    from examples.experiments import study
+    from examples.experiments.data import load
+    from examples.experiments.quality import RunConfig, simulate
+
     data = load("digits")
     epoch = len(data.y_train)
     for policy, worlds in [("naive", [1, 2, 3, 4]), ("preserve-batch", [1, 2, 3])]:
@@ -78,6 +92,8 @@ def test_the_memory_schedule_resizes_where_the_memory_policy_decides() -> None:
 def test_the_table_counts_a_memory_run_as_elastic() -> None:
     """preserve-batch's memory runs train at the static runs' global batch, so they enter the
     elastic-vs-static gap; naive's (32/64/96/128) match no static run and do not."""
+    from examples.experiments import study
+    from examples.experiments.quality import RunConfig, RunResult
 
     def run(policy: BatchPolicyName, schedule: str, accuracy: float) -> RunResult:
         config = RunConfig(dataset="digits", policy=policy, schedule=schedule)
@@ -98,6 +114,9 @@ def test_the_table_counts_a_memory_run_as_elastic() -> None:
 
 
 def test_comparison_puts_each_real_run_beside_its_simulation() -> None:
+    from examples.experiments import study
+    from examples.experiments.quality import RunConfig, RunResult
+
     config = RunConfig(dataset="digits", policy="naive", schedule="up-1-2-4")
     simulated = RunResult(
         config,
@@ -128,6 +147,9 @@ def test_an_adaptive_run_trains_until_the_fixed_runs_progress() -> None:
     """adaptive epochs are AdaScale progress: at 2 workers, larger batches at a gain below
     batch / base take more samples than the fixed run's pass, in fewer optimizer steps,
     and every evaluation mark (of progress) is reached."""
+    from examples.experiments.data import load
+    from examples.experiments.quality import RunConfig, simulate
+
     data = load("digits")
     config = RunConfig(
         dataset="digits", policy="adaptive", schedule="static-2", epochs=2, evaluations=2,

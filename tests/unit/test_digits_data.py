@@ -11,11 +11,12 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("horovod.torch")
-datasets = pytest.importorskip("sklearn.datasets")
-
-from examples.experiments import data  # noqa: E402
+# Each test imports torch (the readers' modules do) and scikit-learn when it runs, not this
+# module when it is collected, which every xdist worker does. Installed is checked without
+# importing them.
+for _needed in ("torch", "horovod", "sklearn"):
+    if importlib.util.find_spec(_needed) is None:
+        pytest.skip(f"{_needed} is not installed", allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,10 @@ def train_digits_script() -> ModuleType:
 
 
 def test_both_readers_give_what_load_digits_gives() -> None:
+    from sklearn import datasets
+
+    from examples.experiments import data
+
     reference = datasets.load_digits()
     images, labels = train_digits_script().load_digit_images()
     assert images.shape == (1797, 8, 8) and images.dtype == reference.images.dtype
@@ -44,6 +49,10 @@ def test_both_readers_give_what_load_digits_gives() -> None:
 def test_without_the_bundled_file_the_readers_ask_scikit_learn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from sklearn import datasets
+
+    from examples.experiments import data
+
     script = train_digits_script()
     # A scikit-learn whose files are elsewhere (a zip, another layout): no table file found.
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
@@ -55,6 +64,8 @@ def test_without_the_bundled_file_the_readers_ask_scikit_learn(
 
 
 def test_the_readers_do_not_import_scikit_learn(monkeypatch: pytest.MonkeyPatch) -> None:
+    from examples.experiments import data
+
     script = train_digits_script()
     # Forget scikit-learn and SciPy for this test (restored after): a reader that imported
     # them would put them back.
