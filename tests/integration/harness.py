@@ -272,7 +272,10 @@ class OperatorHarness:
             if log_file.exists():
                 parts.append("log tail:\n" + "\n".join(log_file.read_text().splitlines()[-40:]))
         events = self.events(name)
-        parts.append("events:\n" + "\n".join(f"{e.reason}: {e.message}" for e in events[-30:]))
+        parts.append(
+            "events:\n"
+            + "\n".join(f"{e.time:.1f} {e.job} {e.reason}: {e.message}" for e in events[-30:])
+        )
         return "\n".join(parts)
 
     def wait_for(

@@ -57,7 +57,8 @@ def test_a_long_job_is_preempted_for_a_short_one_then_resumes_from_its_checkpoin
         )
 
         job = herd.job("long")
-        assert job is not None and job["restarts"] == 0 and job["preemptions"] == 1
+        assert job is not None, herd.diagnostics("long")
+        assert job["restarts"] == 0 and job["preemptions"] == 1, herd.diagnostics(None)
         readmitted = herd.condition("long", "Preempted")
         assert readmitted is not None and readmitted["reason"] == "Readmitted"
         reasons = [event.reason for event in herd.events("long")]
