@@ -130,14 +130,12 @@ class GpuRange(ApiModel):
     sharing job is packed by until its measured peak (+ the operator's margin) is larger;
     unset: a whole GPU until measured."""
     memory_split: Quantity | None = None
-    """Of `memory`, what the workers split among them, in total (a global batch's activations):
-    at `n` GPUs a worker is counted for `memory - memorySplit / min + memorySplit / n`. At
-    most `memory` times `min`; needs `memory`. Unset: `memory` at every size."""
+    """Of `memory`, what the workers split in total (a global batch's activations): at `n`
+    GPUs a worker counts `memory - memorySplit/min + memorySplit/n`; at most `memory` x `min`."""
 
     @property
     def memory_bytes(self) -> int | None:
-        """`memory` in bytes (None: unset): what the allocator packs by and the worker's
-        limit, one parse for both."""
+        """`memory` in bytes (None: unset): the allocator's packing and the worker's limit."""
         return None if self.memory is None else parse_quantity(self.memory)
 
     @property
