@@ -218,6 +218,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
                 arrival=record.created_at,
                 gains=decision.gains,
                 done_fraction=done_fraction(status.progress),
+                resumable=_resumable(job),
                 **self._sharing(name, job),
             )
         )
@@ -406,3 +407,9 @@ def _stalled_by(err: BaseException) -> str:
         f"{type(err).__name__}: {err} ({STALL_AFTER_FAILURES} or more reconciles in a row"
         " failed; tried again at the longest backoff; the operator's log has the traceback)"
     )
+
+
+def _resumable(job: HerdJob) -> bool:
+    """Whether the job says it goes on from a checkpoint (`training.resumable`): a queue may
+    preempt only such a job (`Demand.resumable`)."""
+    return job.spec.training is not None and job.spec.training.resumable

@@ -23,9 +23,11 @@ this order, each at its min, skipping one that does not fit (as Tiresias's round
 the ones that should run. A pending one of them whose min does not fit in what the running
 jobs leave above their mins takes the GPUs of running jobs outside that set, lowest ranked
 first and only ranked after it, and only if that makes it fit: a job is never preempted for
-one that would still not fit. A job may be preempted only after it ran `min_run_seconds` in
-its current run and fewer than `max_preemptions` times: each preemption costs its launch,
-its restore and the work since its last checkpoint.
+one that would still not fit. A job may be preempted only if it says it resumes from a
+checkpoint (`Demand.resumable`, `spec.training.resumable`: one that does not would start
+again from zero, so it is ordered like the others but never preempted), after it ran
+`min_run_seconds` in its current run and fewer than `max_preemptions` times: each preemption
+costs its launch, its restore and the work since its last checkpoint.
 """
 
 from __future__ import annotations
@@ -246,6 +248,8 @@ def _preemptible(
     frozen: AbstractSet[str],
 ) -> bool:
     service = services.get(demand.name, NEVER_SERVED)
+    if not demand.resumable:
+        return False  # it would start again from zero: ordered like the others, never preempted
     if demand.name in frozen or service.preemptions >= config.max_preemptions:
         return False
     since = service.running_since

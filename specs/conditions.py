@@ -8,7 +8,7 @@ from enum import StrEnum
 
 from pydantic import Field, field_validator
 
-from herd_operator.specs.models import ApiModel
+from herd_operator.specs.api_model import ApiModel
 
 REASON_PATTERN = r"^[A-Z][A-Za-z0-9]*$"
 

@@ -34,6 +34,8 @@ def spec_fingerprint(job: HerdJob) -> str:
     else:  # and no expected epochs nor max batch, which it had not
         training = job.spec.training
         unset = {name for name in ("epochs", "max_batch") if getattr(training, name) is None}
+        if not training.resumable:  # nor `resumable: false`, the default
+            unset.add("resumable")
         if unset:
             excluded["training"] = unset
     # Nor a time limit or dependencies, which specs before them had not.

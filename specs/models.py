@@ -7,15 +7,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
 
+from herd_operator.specs.api_model import SCHEMA_CONFIG as SCHEMA_CONFIG
+from herd_operator.specs.api_model import ApiModel
 from herd_operator.specs.json_data import json_problem
 from herd_operator.specs.labels import (
     LABEL_KEY_MAX_LENGTH,
@@ -65,53 +64,6 @@ MAX_EPOCHS = 2**31 - 1
 MAX_DEADLINE_SECONDS = 366 * 24 * 3600
 """The longest time limit: a year (Slurm sites allow weeks at most)."""
 MAX_DEPENDENCIES = 64
-
-
-_TITLE_WORDS = {"gpu": "GPU", "gpus": "GPUs", "api": "API"}
-"""Words a title spells in capitals wherever they stand."""
-
-
-def _title(words: list[str]) -> str:
-    shown = [_TITLE_WORDS.get(word.lower(), word.lower()) for word in words]
-    return " ".join([shown[0][:1].upper() + shown[0][1:], *shown[1:]]) if shown else ""
-
-
-def field_title(name: str, info: object) -> str:
-    """A field's title in the JSON Schema, from its Python name: `elastic_timeout_seconds`
-    -> "Elastic timeout seconds" (pydantic's default, from the camelCase alias, gives
-    "Elastictimeoutseconds")."""
-    return _title(name.split("_"))
-
-
-def model_title(model: type) -> str:
-    """A model's title in the JSON Schema: `HorovodOptions` -> "Horovod options"."""
-    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z][a-z0-9]*|[a-z0-9]+", model.__name__)
-    return _title(words) or model.__name__
-
-
-SCHEMA_CONFIG = ConfigDict(
-    # Each field's docstring is its description in the JSON Schema: what an editor shows
-    # on hover. Written for the person who writes the YAML.
-    use_attribute_docstrings=True,
-    field_title_generator=field_title,
-    model_title_generator=model_title,
-)
-"""The JSON Schema settings of every model a spec holds (policies' params too)."""
-
-
-class ApiModel(BaseModel):
-    """Base of every API model: camelCase in YAML, snake_case in Python, immutable."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        alias_generator=to_camel,
-        populate_by_name=True,
-        frozen=True,
-        # Validators are built on first use, not at import: a restarted operator serves its
-        # jobs' workers before it reads a spec (the chaos test's restart-to-serving time).
-        defer_build=True,
-        **SCHEMA_CONFIG,
-    )
 
 
 class GpuRange(ApiModel):
@@ -377,10 +329,31 @@ class TrainingOptions(ApiModel):
         ),
     )
 
+    resumable: bool = Field(
+        default=False,
+        strict=True,
+        description=(
+            "true: the script saves a checkpoint and goes on from it when started again, so "
+            "a queue that preempts (`run --queue srpt` or `las`) may stop the job for one "
+            "that should go first. false (default): the job is never preempted; such a queue "
+            "only orders it. The operator cannot check it: a job that says true and keeps no "
+            "checkpoint starts again from zero at each preemption."
+        ),
+    )
+
     def tells_workers(self) -> bool:
         """Whether the workers are given the batch fields (HERD_BATCH_POLICY ...): unless
-        `epochs` is the only thing said, which is the operator's to read, not theirs."""
-        return self.epochs is None or self.model_copy(update={"epochs": None}) != TrainingOptions()
+        only `epochs` and `resumable` are said, which are the operator's to read, not theirs."""
+        said_for_the_operator = self.epochs is not None or self.resumable
+        return (
+            not said_for_the_operator
+            or self.model_copy(update=OPERATOR_ONLY_TRAINING) != TrainingOptions()
+        )
+
+
+OPERATOR_ONLY_TRAINING: dict[str, Any] = {"epochs": None, "resumable": False}
+"""The fields of `training` only the operator reads, at their defaults: changing them
+relaunches nothing and tells the workers nothing."""
 
 
 def _check_env_name(name: str) -> str:

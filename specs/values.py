@@ -197,6 +197,9 @@ class Demand:
     global batch each worker takes its share of, when a resize keeps the global batch):
     one worker of `n` holds `memory_bytes - split / min + split / n`, so `memory_bytes` is
     a worker's at the job's min. None: a worker holds `memory_bytes` at any size."""
+    resumable: bool = False
+    """The job goes on from a checkpoint when started again (`spec.training.resumable`):
+    a queue that preempts may take its GPUs; otherwise it only orders it."""
 
     def __post_init__(self) -> None:
         if not self.name:

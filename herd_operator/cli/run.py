@@ -174,7 +174,8 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         help="the order in which jobs claim GPUs within a priority tier: fifo (arrival, no"
         " preemption; the default), las (least GPU-time attained first) or srpt (least work"
         " left first, from the jobs' progress); las and srpt preempt a job ranked after a"
-        " pending one that would not fit otherwise (docs/policies.md)",
+        " pending one that would not fit otherwise, if its spec says training.resumable"
+        " (docs/policies.md)",
     )
     run.add_argument(
         "--queue-min-run",

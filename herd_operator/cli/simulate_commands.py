@@ -138,8 +138,8 @@ def add_commands(commands: Subcommands) -> None:
         default="fifo",
         help="the allocator's queue for every policy that names none (NAME+las, NAME+srpt,"
         " NAME+fifo): las orders by service attained and srpt by work left, both preempting"
-        " (docs/simulation.md); fifo, the default, is arrival order without preemption, as"
-        " the operator runs",
+        " (every simulated job resumes from its last epoch; docs/simulation.md); fifo, the"
+        " default, is arrival order without preemption, as the operator runs by default",
     )
     simulate.add_argument(
         "--output", type=Path, default=Path("sim-results"), help="default: ./sim-results"

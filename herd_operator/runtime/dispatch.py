@@ -136,7 +136,7 @@ class EngineDispatch:
 def training_env(job: HerdJob) -> dict[str, str]:
     """`spec.training` as the variables the worker API reads (none when it is unset)."""
     training = job.spec.training
-    if training is None or not training.tells_workers():  # `epochs` alone is not theirs
+    if training is None or not training.tells_workers():  # `epochs`, `resumable` are not theirs
         return {}
     env: dict[str, str] = {BATCH_POLICY_ENV: training.batch_policy}
     if training.warmup_steps is not None:

@@ -466,6 +466,7 @@ class Simulation:
             model.name, model.min_gpus, model.max_gpus, decision.gpus, model.priority,
             model.arrival, decision.gains, run.epoch / model.epochs,
             *sharing_request(model, self.config.pack, self.config.share_utilization),
+            resumable=model.resumable,
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)

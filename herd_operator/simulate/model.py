@@ -92,6 +92,10 @@ class JobModel:
     batching: BatchModel | None = None
     """Its noise profile and step time at other batches (`batching.py`); None: it trains at
     its trace's batch only."""
+    resumable: bool = True
+    """It goes on from the end of its last epoch when started again (`training.resumable`),
+    so a queue may preempt it. Every job of a trace and of the mix is: Pollux's jobs
+    checkpoint, and the simulator restarts a preempted job there."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_gpus <= self.max_gpus:

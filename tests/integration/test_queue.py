@@ -1,8 +1,8 @@
 """The allocator's queue with preemption against a real operator and real Horovod jobs
-(issue 31): on one GPU under `srpt`, a long job that has run is preempted for a new short
-one (its workers stopped, its GPU drained), then launched again from its checkpoint once
-the short one is done, and finishes; `Preempted` and its events say so, and the preemption
-counts as no failure."""
+(issue 31): on one GPU under `srpt`, a long job that has run and says it resumes
+(`training.resumable`) is preempted for a new short one (its workers stopped, its GPU
+drained), then launched again from its checkpoint once the short one is done, and
+finishes; `Preempted` and its events say so, and the preemption counts as no failure."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_a_long_job_is_preempted_for_a_short_one_then_resumes_from_its_checkpoin
     checkpoint = tmp_path / "long.ckpt"
     long_command = digits_command(4, "--step-delay", "0.03", "--checkpoint", str(checkpoint))
     with operator_harness(tmp_path, gpus=1, queue=queue) as herd:
-        herd.write_spec(spec_document("long", 1, 1, long_command))
+        herd.write_spec(spec_document("long", 1, 1, long_command, training={"resumable": True}))
         done = herd.wait_for(
             lambda: (
                 checkpoint.exists()

@@ -22,7 +22,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.runtime.bindings import Binding
 from herd_operator.runtime.engines.horovod import GrantPublisher
 from herd_operator.runtime.store import Store
-from herd_operator.specs import ConditionType, set_condition
+from herd_operator.specs import ConditionType, HerdJob, TrainingOptions, set_condition
 from herd_operator.specs.values import Demand, Drain, Placement, Pool
 from tests.unit.test_reconciler import (
     RESYNC_S,
@@ -62,15 +62,31 @@ def world(tmp_path: Path) -> Iterator[World]:
         yield World(store, allocator, specs, launcher, clock, reconciler)
 
 
+def resumable(job: HerdJob) -> HerdJob:
+    """`job` saying it goes on from a checkpoint (`training.resumable`): preemptible."""
+    training = TrainingOptions(resumable=True)
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"training": training})})
+
+
 def preempted_for_b(world: World) -> str:
-    """`a` runs on both GPUs past the minimum run; `b` (a new job, less work done) comes:
-    the queue preempts `a` for it. Returns a's grant's reason."""
-    started(world, herd_job("a", gpus=(2, 2)))
+    """`a` (resumable) runs on both GPUs past the minimum run; `b` (a new job, less work
+    done) comes: the queue preempts `a` for it. Returns a's grant's reason."""
+    started(world, resumable(herd_job("a", gpus=(2, 2))))
     world.clock.advance(2 * MIN_RUN_S)
     world.specs.put(herd_job("b", gpus=(2, 2)))
     world.reconcile("b")
     assert world.granted("a") == 0 and world.granted("b") == 2
     return world.grant_reason("a")
+
+
+def test_a_job_whose_spec_does_not_say_resumable_is_not_preempted(world: World) -> None:
+    started(world, herd_job("a", gpus=(2, 2)))
+    world.clock.advance(2 * MIN_RUN_S)
+    world.specs.put(herd_job("b", gpus=(2, 2)))
+    world.reconcile("b")
+    assert world.granted("a") == 2 and world.granted("b") == 0
+    assert not is_preemption(world.grant_reason("a"))
+    assert world.launcher.stops == []
 
 
 def test_a_preempted_job_is_stopped_shown_then_relaunched_without_a_restart(
@@ -173,7 +189,7 @@ def test_the_service_attained_and_preemptions_survive_an_operator_restart(
                          drain_seconds=0, clock=clock, wall_clock=clock, queue=config)  # fmt: skip
 
     first = allocator()
-    first.request(Demand("a", 2, 2, 2, 0, 1.0))
+    first.request(Demand("a", 2, 2, 2, 0, 1.0, resumable=True))
     clock.advance(1000.0)
     first.request(Demand("b", 2, 2, 2, 0, 2.0))  # a preempted
     assert is_preemption(first.grant("a").reason)  # type: ignore[union-attr]
@@ -197,7 +213,7 @@ def test_the_service_attained_and_preemptions_survive_an_operator_restart(
     assert records["b"].attained == 1600.0 and records["a"].attained == 2000.0
     assert records["a"].preemptions == 1 and records["a"].waiting_since == 1000.0 + 1000.0
     # a asks again: still preempted (its grant says so; the controller stops it on that)
-    assert is_preemption(second.request(Demand("a", 2, 2, 2, 0, 1.0)).reason)  # type: ignore[union-attr]
+    assert is_preemption(second.request(Demand("a", 2, 2, 2, 0, 1.0, resumable=True)).reason)  # type: ignore[union-attr]
 
 
 def test_an_adopted_job_does_not_hold_the_gpus_it_was_giving_back() -> None:

@@ -13,6 +13,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.simulate.engine import SimConfig, Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.runner import parse_allocator_options
+from herd_operator.simulate.workload import perlmutter_mix
 from herd_operator.specs import PolicyRef
 from herd_operator.specs.values import Demand, Placement, Pool
 from tests.unit.sinks import RecordingSink
@@ -21,8 +22,10 @@ HOUR = 3600.0
 LAS = QueueConfig("las", min_run_seconds=600.0, max_preemptions=2, starvation_seconds=8 * HOUR)
 
 
-def demand(name: str, gpus: int, arrival: float = 0.0, done: float | None = None) -> Demand:
-    return Demand(name, gpus, gpus, gpus, arrival=arrival, done_fraction=done)
+def demand(
+    name: str, gpus: int, arrival: float = 0.0, done: float | None = None, resumable: bool = True
+) -> Demand:
+    return Demand(name, gpus, gpus, gpus, arrival=arrival, done_fraction=done, resumable=resumable)
 
 
 def running(since: float, attained: float, preemptions: int = 0) -> Service:
@@ -106,8 +109,10 @@ def _cases(draw: st.DrawFn) -> tuple[list[Demand], dict[str, int], dict[str, Ser
         name = f"j{i}"
         gpus = draw(st.integers(1, pool))
         demands.append(
-            Demand(name, gpus, gpus, gpus, priority=draw(st.integers(0, 1)), arrival=float(i))
-        )
+            Demand(name, gpus, gpus, gpus, priority=draw(st.integers(0, 1)), arrival=float(i),
+                   done_fraction=draw(st.none() | st.floats(0.01, 1.0)),
+                   resumable=draw(st.booleans()))
+        )  # fmt: skip
         attained = draw(st.floats(0, 40 * HOUR))
         if draw(st.booleans()) and gpus <= pool - sum(sizes.values()):
             sizes[name] = gpus
@@ -135,6 +140,7 @@ def test_preemption_only_of_eligible_lower_ranked_jobs_and_only_to_make_room(
         assert sizes.get(winner, 0) == 0
         for victim in taken:
             service = services[victim]
+            assert by_name[victim].resumable  # a job that would start from zero never is
             assert sizes.get(victim, 0) >= by_name[victim].min
             assert service.preemptions < config.max_preemptions
             assert service.running_since is not None
@@ -143,6 +149,52 @@ def test_preemption_only_of_eligible_lower_ranked_jobs_and_only_to_make_room(
     # The jobs left running and the ones preempted for fit at their mins together.
     kept = sum(by_name[j].min for j, size in sizes.items() if j not in result.preempted)
     assert kept + sum(by_name[w].min for w in result.admitted_by) <= pool
+
+
+@settings(max_examples=150, deadline=None)
+@given(_cases(), st.sampled_from(["las", "srpt", "fifo"]))
+def test_the_starvation_bound_puts_every_starving_job_before_the_others_of_its_tier(
+    case: tuple[list[Demand], dict[str, int], dict[str, Service], int], mode: str
+) -> None:
+    demands, sizes, services, pool = case
+    config = QueueConfig(mode, min_run_seconds=600.0, max_preemptions=2, starvation_seconds=HOUR)
+    now = 2 * HOUR
+    result = plan(demands, sizes, services, config, now, pool)
+
+    def starving(d: Demand) -> bool:
+        since = services[d.name].waiting_since
+        return since is not None and now - since >= config.starvation_seconds
+
+    keys = {d.name: rank(d, services[d.name], config, now) for d in demands}
+    for first in filter(starving, demands):
+        assert first.name not in result.preempted
+        for other in demands:
+            if other.priority == first.priority and not starving(other):
+                assert keys[first.name] < keys[other.name]
+                # Within the part that should run, and within the rest, the order keeps it.
+                if result.order[first.name][0] == result.order[other.name][0]:
+                    assert result.order[first.name] < result.order[other.name]
+    # Nothing starves once admitted: the oldest starving job of the highest tier, if its
+    # min fits the pool with the starving jobs before it, is in the part that should run.
+    top = max((d.priority for d in demands), default=0)
+    hungry = sorted((d for d in demands if d.priority == top and starving(d)),
+                    key=lambda d: (keys[d.name], d.arrival, d.name))  # fmt: skip
+    budget = pool
+    for d in hungry:
+        if d.min > budget:
+            break
+        budget -= d.min
+        assert result.order[d.name][0] == 0.0
+
+
+def test_a_job_that_does_not_resume_is_ordered_but_never_preempted() -> None:
+    jobs = [demand("old", 8, resumable=False), demand("new", 4, arrival=5.0)]
+    services = {"old": running(0, 20 * HOUR), "new": Service(waiting_since=HOUR)}
+    result = plan(jobs, {"old": 8}, services, LAS, HOUR, 8)
+    assert result.preempted == {}
+    assert result.order["new"] < result.order["old"]  # ordered by the queue all the same
+    resumable = [demand("old", 8), demand("new", 4, arrival=5.0)]
+    assert list(plan(resumable, {"old": 8}, services, LAS, HOUR, 8).preempted) == ["old"]
 
 
 def test_the_allocator_preempts_drains_then_readmits_with_the_queue_and_says_why() -> None:
@@ -177,14 +229,15 @@ def test_without_a_queue_the_allocator_never_preempts() -> None:
     assert allocator.request(demand("new", 2, arrival=clock[0])).placement.size == 0
 
 
-def _stream(count: int) -> list[JobModel]:
+def _stream(count: int, resumable: bool = True) -> list[JobModel]:
     """A long job first, then a stream of short ones (each 20 min on the whole pool) arriving
     every 15 min: under LAS the long one loses to every newcomer."""
 
-    def job(name: str, arrival: float, work: float) -> JobModel:
-        return JobModel(name, arrival, 2, 2, 2, work, 4, 0.0, 0.1, 0.1, start_seconds=0.0)
+    def job(name: str, arrival: float, work: float, resumable: bool = True) -> JobModel:
+        return JobModel(name, arrival, 2, 2, 2, work, 4, 0.0, 0.1, 0.1, start_seconds=0.0,
+                        resumable=resumable)  # fmt: skip
 
-    jobs = [job("long", 0.0, 2 * 4 * HOUR)]
+    jobs = [job("long", 0.0, 2 * 4 * HOUR, resumable)]
     jobs += [job(f"short{i}", HOUR + 900.0 * i, 2 * 1200.0) for i in range(count)]
     return jobs
 
@@ -209,6 +262,19 @@ def test_the_starvation_bound_gets_a_preempted_job_back_before_the_stream_ends()
     assert starved == last  # without a bound the long job waits out the whole stream
     bounded, last = _long_job_finished(starvation=HOUR)
     assert bounded < last - HOUR
+
+
+def test_a_simulated_job_that_does_not_resume_runs_through_the_stream() -> None:
+    config = SimConfig(
+        Pool.from_counts({"n0": 2}), PolicyRef(name="static"), min_resize_interval=0.0,
+        drain_seconds=0.0, queue=QueueConfig("las", (HOUR,), min_run_seconds=0.0),
+    )  # fmt: skip
+    result = Simulation(_stream(8, resumable=False), config).run()
+    long_job = next(job for job in result.jobs if job.name == "long")
+    assert long_job.preemptions == 0
+    assert long_job.finished == pytest.approx(4 * HOUR)  # its run, alone, from its arrival
+    # The generated mix's jobs (and the traces', by the same default) resume from an epoch.
+    assert all(job.resumable for job in perlmutter_mix(50, 16, 1))
 
 
 def test_simulate_names_the_queue_as_a_policy_option_or_takes_the_default() -> None:

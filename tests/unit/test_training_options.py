@@ -17,6 +17,7 @@ from herd_operator.environment import (
     WARMUP_STEPS_ENV,
 )
 from herd_operator.runtime.dispatch import training_env
+from herd_operator.runtime.engines.base import training_at_launch
 from herd_operator.specs import HerdJob, json_schema, load_spec_text, spec_fingerprint
 
 
@@ -59,6 +60,8 @@ def test_training_reaches_the_workers_as_herd_variables() -> None:
         {"maxWorkerBatch": 0},
         {"maxWorkerBatch": "64"},
         {"batch": "naive"},
+        {"resumable": "yes"},
+        {"resumable": 1},
     ],
 )
 def test_bad_training_options_are_spec_errors(training: dict[str, Any]) -> None:
@@ -80,9 +83,43 @@ def test_unset_training_keeps_the_fingerprint_of_older_specs() -> None:
     )
 
 
+def test_resumable_is_the_operators_alone_and_false_keeps_older_fingerprints() -> None:
+    said = job(training={"resumable": True})
+    assert said.spec.training is not None and said.spec.training.resumable
+    assert job(training={}).spec.training.resumable is False  # type: ignore[union-attr]
+    # Only the operator reads it: alone it tells the workers nothing, and beside a batch
+    # policy it changes nothing they are told (nor what their launch fixed).
+    assert training_env(said) == {}
+    assert training_env(job(training={"epochs": 3, "resumable": True})) == {}
+    batch = {"batchPolicy": "linear-lr", "warmupSteps": 20}
+    assert training_env(job(training={**batch, "resumable": True})) == training_env(
+        job(training=batch)
+    )
+    assert training_at_launch(job(training={**batch, "resumable": True}).spec) == (
+        training_at_launch(job(training=batch).spec)
+    )
+    # `resumable: false`, the default, is the spec from before the field.
+    assert spec_fingerprint(job(training={"epochs": 3, "resumable": False})) == spec_fingerprint(
+        job(training={"epochs": 3})
+    )
+    assert spec_fingerprint(said) != spec_fingerprint(job(training={}))
+
+
+def test_a_bad_resumable_names_its_field() -> None:
+    text = (
+        "apiVersion: herd/v1alpha1\nkind: HerdJob\nmetadata: {name: t}\n"
+        "spec: {command: [x], gpus: {min: 1, max: 1}, training: {resumable: maybe}}\n"
+    )
+    loaded = load_spec_text(text, "t.yaml")
+    assert [error.field for error in loaded.errors] == ["spec.training.resumable"]
+    assert "t.yaml" in str(loaded.errors[0])
+
+
 def test_schema_describes_the_training_fields() -> None:
     fields = json_schema()["$defs"]["TrainingOptions"]["properties"]
-    assert set(fields) == {"batchPolicy", "warmupSteps", "maxWorkerBatch", "maxBatch", "epochs"}
+    assert set(fields) == {
+        "batchPolicy", "warmupSteps", "maxWorkerBatch", "maxBatch", "epochs", "resumable",
+    }  # fmt: skip
     assert fields["batchPolicy"]["enum"] == ["naive", "linear-lr", "preserve-batch", "adaptive"]
     assert all(field.get("description") for field in fields.values())
 

@@ -16,16 +16,17 @@ from typing import Protocol
 
 from herd_operator.layout import StateLayout
 from herd_operator.specs import HerdJob, HerdJobSpec
+from herd_operator.specs.models import OPERATOR_ONLY_TRAINING
 from herd_operator.specs.values import Placement, ResizeMode, Slot
 
 
 def training_at_launch(spec: HerdJobSpec) -> dict[str, object] | None:
     """The training options the workers read from their environment when they start, so
-    an engine's launch fixes them: not `epochs`, which only the operator reads (changing it
-    relaunches nothing)."""
+    an engine's launch fixes them: not `epochs` nor `resumable`, which only the operator
+    reads (changing them relaunches nothing)."""
     if spec.training is None or not spec.training.tells_workers():
         return None
-    return spec.training.model_dump(by_alias=True, exclude={"epochs"})
+    return spec.training.model_dump(by_alias=True, exclude=set(OPERATOR_ONLY_TRAINING))
 
 
 def launch_mismatch(

@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError, field_validator
 
+from herd_operator.specs.api_model import ApiModel
 from herd_operator.specs.loading import error_message, format_location
-from herd_operator.specs.models import ApiModel
 
 OPTIONS_FIELD = "spec.engine.options"
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
