@@ -197,6 +197,10 @@ class Demand:
     global batch each worker takes its share of, when a resize keeps the global batch):
     one worker of `n` holds `memory_bytes - split / min + split / n`, so `memory_bytes` is
     a worker's at the job's min. None: a worker holds `memory_bytes` at any size."""
+    min_speedup: float | None = field(default=None, compare=False)
+    """The job's goodput at its min, in share of one GPU's (as `gains`); None: its min (as if
+    it scaled linearly up to it). Read only by `share_by_speedup` (`policies/power_mean.py`);
+    not compared: it moves with the gains, which are, so the decisions are those without it."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -228,6 +232,11 @@ class Demand:
             raise ValueError(
                 f"demand {self.name}: memory_split_bytes must be within [0, memory_bytes x min]"
                 f" = [0, {(self.memory_bytes or 0) * self.min}], got {split}"
+            )
+        speedup = self.min_speedup
+        if speedup is not None and not (math.isfinite(speedup) and speedup > 0):
+            raise ValueError(
+                f"demand {self.name}: min_speedup must be finite and > 0, got {speedup}"
             )
         for what, value in (("memory_bytes", self.memory_bytes), ("measured", self.measured_bytes)):
             if value is not None and value < 0:

@@ -355,7 +355,7 @@ def test_spare_gpus_lent_by_gain_run_a_lone_goodput_job_past_its_knee() -> None:
     )
 
 
-@pytest.mark.parametrize("option", ["spare_by_gain", "share_by_gain"])
+@pytest.mark.parametrize("option", ["spare_by_gain", "share_by_gain", "share_by_speedup"])
 def test_the_real_allocator_dividing_by_gain_decides_as_the_simulation(option: str) -> None:
     pool = parse_pool("3x4")
     # A mix where spare GPUs are lent often (246 decisions; seed 5 lent none once GPUs being
