@@ -215,14 +215,7 @@ class Demand:
             )
         if not math.isfinite(self.arrival):
             raise ValueError(f"demand {self.name}: arrival must be finite, got {self.arrival}")
-        for gain in self.gains:
-            if not (math.isfinite(gain) and gain >= 0):
-                raise ValueError(f"demand {self.name}: gains must be finite and >= 0, got {gain}")
-        if len(self.gains) > self.max - self.min:
-            raise ValueError(
-                f"demand {self.name}: gains has {len(self.gains)} values, at most max - min"
-                f" = {self.max - self.min} allowed (one per GPU above min)"
-            )
+        self._check_speedups()
         if self.utilization is not None and not 0 <= self.utilization <= 1:
             raise ValueError(
                 f"demand {self.name}: utilization must be within [0, 1], got {self.utilization}"
@@ -233,14 +226,26 @@ class Demand:
                 f"demand {self.name}: memory_split_bytes must be within [0, memory_bytes x min]"
                 f" = [0, {(self.memory_bytes or 0) * self.min}], got {split}"
             )
+        for what, value in (("memory_bytes", self.memory_bytes), ("measured", self.measured_bytes)):
+            if value is not None and value < 0:
+                raise ValueError(f"demand {self.name}: {what} must be >= 0, got {value}")
+
+    def _check_speedups(self) -> None:
+        """`gains` (one per GPU above the min at most, each finite and >= 0) and
+        `min_speedup` (finite and > 0)."""
+        for gain in self.gains:
+            if not (math.isfinite(gain) and gain >= 0):
+                raise ValueError(f"demand {self.name}: gains must be finite and >= 0, got {gain}")
+        if len(self.gains) > self.max - self.min:
+            raise ValueError(
+                f"demand {self.name}: gains has {len(self.gains)} values, at most max - min"
+                f" = {self.max - self.min} allowed (one per GPU above min)"
+            )
         speedup = self.min_speedup
         if speedup is not None and not (math.isfinite(speedup) and speedup > 0):
             raise ValueError(
                 f"demand {self.name}: min_speedup must be finite and > 0, got {speedup}"
             )
-        for what, value in (("memory_bytes", self.memory_bytes), ("measured", self.measured_bytes)):
-            if value is not None and value < 0:
-                raise ValueError(f"demand {self.name}: {what} must be >= 0, got {value}")
 
     @cached_property  # read several times per job in every decision
     def wanted(self) -> int:

@@ -18,18 +18,16 @@ from herd_operator.policies.power_mean import (
     divide_by_speedup,
     fair_share,
 )
-from herd_operator.specs.values import Demand, Placement, Pool
+from herd_operator.specs.values import Demand, Pool
 
 
 def curve(demand: Demand) -> list[float]:
     """Goodput at min, min + 1, ... as the module's docstring says it is read, written again
     here so that the test does not read the code it checks."""
     values = [demand.min_speedup if demand.min_speedup is not None else float(demand.min)]
-    if demand.gains:
-        for gain in demand.gains:
-            values.append(values[-1] + gain)
-    else:
-        values.extend(float(n) for n in range(demand.min + 1, demand.wanted + 1))
+    # A job that reports no gains adds a whole GPU's goodput with each GPU up to its wish.
+    for gain in demand.gains or (1.0,) * (demand.wanted - demand.min):
+        values.append(values[-1] + gain)
     return values
 
 
@@ -184,4 +182,10 @@ def test_arbitrate_by_speedup_respects_the_pool_mins_and_frozen_jobs() -> None:
     frozen = arbitrate(pool, [a, b], current, frozen={"a"}, share_by_speedup=True)
     assert frozen["a"].placement == current["a"]
     assert frozen["b"].placement.size == pool.size - current["a"].size
-    assert Placement.EMPTY.size == 0
+    assert sum(g.placement.size for g in frozen.values()) <= pool.size
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_demand_refuses_a_min_speedup_that_is_not_finite_and_positive(bad: float) -> None:
+    with pytest.raises(ValueError, match=r"demand a: min_speedup must be finite and > 0"):
+        Demand("a", 1, 2, 2, min_speedup=bad)
