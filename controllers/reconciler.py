@@ -217,6 +217,7 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
                 priority=job.spec.priority,
                 arrival=record.created_at,
                 gains=decision.gains,
+                min_speedup=decision.min_speedup,
                 done_fraction=done_fraction(status.progress),
                 resumable=_resumable(job),
                 **self._sharing(name, job),

@@ -14,6 +14,9 @@ Opt-in (`share_by_gain`, Pollux-like): instead of the fair share up to the wishe
 GPUs left once its jobs hold their mins go one at a time to the job whose next GPU adds most
 (`Demand.gains`; a job that reports no gains is taken to gain a whole GPU from each GPU up to
 its wish, and nothing past it), up to its max.
+Opt-in (`share_by_speedup`, Pollux's objective): those GPUs go so as to maximise the harmonic
+mean of the jobs' speedups over their fair share, a running job grown only if the grow pays
+its stall (`policies/power_mean.py`).
 Opt-in (`smallest_first`): within a tier, pending jobs are admitted smallest min first
 (arrival breaks ties) instead of in arrival order; a job named `overdue` (the caller's
 starvation bound: it waited too long) goes before every other job of its tier, oldest first,
@@ -39,6 +42,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from herd_operator.policies.placement import place
+from herd_operator.policies.power_mean import divide_by_speedup, fair_share, gain_of_next
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 
@@ -111,6 +115,7 @@ class _Counts:
     admissions: list[Demand]
     held_fixed: set[str]
     shared_by_gain: bool = False
+    by_speedup: bool = False
 
 
 _NAMED_FROZEN = 3
@@ -156,6 +161,7 @@ def _count(
     frozen: AbstractSet[str],
     spare_by_gain: bool = False,
     share_by_gain: bool = False,
+    share_by_speedup: bool = False,
 ) -> _Counts:
     running = {d.name for d in ranked if len(kept[d.name]) >= d.min}
     fixed = [d for d in ranked if d.name in running and d.name in frozen]
@@ -165,14 +171,35 @@ def _count(
         target[d.name] if d.name in held_fixed else d.min for d in ranked if d.name in running
     )
     tally = _Tally(target, free, {}, [])
+    fair = fair_share(size, len(ranked)) if share_by_speedup else 0
     for _, tier_iter in itertools.groupby(ranked, key=lambda d: d.priority):
         tier = list(tier_iter)
         _admit_tier(tier, tally, running, held_fixed, fixed)
-        if tally.free > 0:
+        if tally.free > 0 and share_by_speedup:
+            tally.free = _divide_by_speedup(tier, target, held_fixed, tally.free, kept, fair)
+        elif tally.free > 0:
             tally.free = _divide_tier(tier, target, held_fixed, tally.free, share_by_gain)
-    if spare_by_gain and not share_by_gain and tally.free > 0:
+    by_gain = share_by_gain or share_by_speedup
+    if spare_by_gain and not by_gain and tally.free > 0:
         _share_spare_by_gain(ranked, target, held_fixed, tally.free)
-    return _Counts(target, tally.waiting, tally.admissions, held_fixed, share_by_gain)
+    return _Counts(target, tally.waiting, tally.admissions, held_fixed, by_gain, share_by_speedup)
+
+
+def _divide_by_speedup(
+    tier: Sequence[Demand],
+    target: dict[str, int],
+    held_fixed: AbstractSet[str],
+    free: int,
+    kept: Mapping[str, Sequence[Slot]],
+    fair: int,
+) -> int:
+    """`free` GPUs among the tier's admitted, unfrozen jobs (each at its min now) by the
+    harmonic mean of their speedups (`power_mean.divide_by_speedup`); returns the GPUs left."""
+    jobs = [d for d in tier if target[d.name] > 0 and d.name not in held_fixed]
+    held = {d.name: len(kept[d.name]) for d in jobs}
+    sizes, left = divide_by_speedup(jobs, {d.name: target[d.name] for d in jobs}, held, free, fair)
+    target.update(sizes)
+    return left
 
 
 def _divide_tier(
@@ -249,16 +276,6 @@ def _share_spare_by_gain(
             heapq.heappush(heap, (-demand.priority, -gain, arrival, name, size + 1))
 
 
-def gain_of_next(demand: Demand, size: int) -> float | None:
-    """What GPU `size + 1` adds to `demand` as `share_by_gain` counts it: its reported gain
-    (None past the last one: not given); a job that reports no gains (`static`, `memory`)
-    is taken to gain a whole GPU from each up to its wish, and nothing past it."""
-    if demand.gains:
-        above = size - demand.min
-        return demand.gains[above] if 0 <= above < len(demand.gains) else None
-    return 1.0 if size < demand.wanted else None
-
-
 def _share_by_gain(
     tier: Sequence[Demand], target: dict[str, int], fixed: AbstractSet[str], free: int
 ) -> int:
@@ -333,7 +350,9 @@ def _fair_share(sharers: Sequence[Demand], target: dict[str, int], free: int) ->
     return 0
 
 
-def _policy_cause(demand: Demand, size: int, shared_by_gain: bool = False) -> str:
+def _policy_cause(
+    demand: Demand, size: int, shared_by_gain: bool = False, how: str = "gain"
+) -> str:
     wanted = demand.wanted
     if demand.desired > demand.max:
         wants = f"policy wants {demand.desired}, max is {demand.max}"
@@ -343,7 +362,7 @@ def _policy_cause(demand: Demand, size: int, shared_by_gain: bool = False) -> st
         wants = f"policy wants {wanted}"
     if shared_by_gain and size != wanted:
         more = f"{_gpus(size - wanted)} more" if size > wanted else f"{_gpus(wanted - size)} fewer"
-        return f"{wants}, {more}: GPUs divided by gain"
+        return f"{wants}, {more}: GPUs divided by {how}"
     if size > wanted:
         return f"{wants}, {_gpus(size - wanted)} more lent by gain (nobody else wants them)"
     return wants if size >= wanted else f"{wants}, no more free"
@@ -411,7 +430,8 @@ class _Reasons:
         return f"shrunk {old} -> {new}: {self._taker(demand)}"
 
     def _cause(self, demand: Demand, size: int) -> str:
-        return _policy_cause(demand, size, self._counts.shared_by_gain)
+        how = "speedup" if self._counts.by_speedup else "gain"
+        return _policy_cause(demand, size, self._counts.shared_by_gain, how)
 
     def _taker(self, demand: Demand) -> str:
         admissions = self._counts.admissions
@@ -422,7 +442,8 @@ class _Reasons:
             return "fewer GPUs in the pool"
         if gainer.priority == demand.priority:
             if self._counts.shared_by_gain:
-                return f"divided by gain with {gainer.name}"
+                how = "speedup" if self._counts.by_speedup else "gain"
+                return f"divided by {how} with {gainer.name}"
             return f"fair share with {gainer.name}"
         return f"{gainer.name} (priority {gainer.priority}) grew"
 
@@ -441,6 +462,7 @@ def arbitrate(
     share_by_gain: bool = False,
     draining: AbstractSet[Slot] = frozenset(),
     order: Mapping[str, tuple[float, ...]] | None = None,
+    share_by_speedup: bool = False,
 ) -> dict[str, Grant]:
     """Decide every job's GPUs; returns one Grant per demand, in priority/arrival order.
 
@@ -462,7 +484,9 @@ def arbitrate(
     for admission and shares (they will be free), but are placed only where no other GPU is
     free, so that the caller, which holds them back until they drained, holds back as few
     as it must. `order` (a queue's, `policies/queueing.py`): the order within a tier, instead
-    of arrival's or `smallest_first`'s (arrival breaks its ties).
+    of arrival's or `smallest_first`'s (arrival breaks its ties). With `share_by_speedup`, the
+    GPUs above the mins are divided by the harmonic mean of speedups instead (`power_mean.py`;
+    it includes `share_by_gain` and `spare_by_gain`).
     Raises ValueError if two demands share a name or two current placements share a GPU.
     """
     by_name = sorted(demands, key=lambda d: d.name)
@@ -478,7 +502,10 @@ def arbitrate(
     in_pool = pool.slot_set
     blocked = {slot for slot in unavailable if slot in in_pool}
     held, kept = _kept_slots(pool, by_name, current, blocked)
-    counts = _count(pool.size - len(blocked), ranked, kept, frozen, spare_by_gain, share_by_gain)
+    counts = _count(
+        pool.size - len(blocked), ranked, kept, frozen, spare_by_gain, share_by_gain,
+        share_by_speedup,
+    )  # fmt: skip
     late = {slot for slot in draining if slot in in_pool and slot not in blocked}
     placements = place(pool, ranked, current, kept, counts.target, blocked, late)
     reasons = _Reasons(ranked, held, kept, counts)

@@ -62,6 +62,9 @@ class Decision:
     batch_size: int | None = None
     """The global batch (samples) the policy picked for the job at the GPUs it is granted
     (None: the job keeps the batch its spec and batch policy give it)."""
+    min_speedup: float | None = None
+    """The job's goodput at its min in share of one GPU's, the level `gains` start from
+    (None: its min); read by an allocator dividing by speedup (`share_by_speedup`)."""
 
 
 class Policy(Protocol):

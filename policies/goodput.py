@@ -281,10 +281,10 @@ def batch_profile(
 
 def goodput_knee(
     profile: BatchProfile, min_gain: float, low: int, high: int
-) -> tuple[int, tuple[float, ...]]:
-    """The size to ask for and the gains of GPUs `low + 1` to `high`: each in share of the
-    job's goodput on one GPU, each size at its own best batch. The size is the largest one
-    reached from `low` by GPUs that each add at least `min_gain`."""
+) -> tuple[int, tuple[float, ...], float]:
+    """The size to ask for, the gains of GPUs `low + 1` to `high` and the goodput at `low`:
+    each in share of the job's goodput on one GPU, each size at its own best batch. The size
+    is the largest one reached from `low` by GPUs that each add at least `min_gain`."""
     best = {
         n: goodput(n, choose_batch(n, profile), profile) for n in range(max(1, low - 1), high + 1)
     }
@@ -294,7 +294,7 @@ def goodput_knee(
     size = low
     while size < high and gains[size - low] >= min_gain:
         size += 1
-    return size, gains
+    return size, gains, best[low] / scale
 
 
 class GoodputPolicy:
@@ -340,6 +340,7 @@ class GoodputPolicy:
             size,
             f"goodput: {source}: knee at {size} for a gain of {params.min_gain:g}",
             gains=amdahl_gains(serial, low, high),
+            min_speedup=speedup(serial, low),
         )
 
 
@@ -347,7 +348,7 @@ def _adaptive_decision(
     job: HerdJob, observed: JobObservations, profile: BatchProfile, min_gain: float
 ) -> Decision:
     low, high = job.spec.gpus.min, job.spec.gpus.max
-    knee_size, gains = goodput_knee(profile, min_gain, low, high)
+    knee_size, gains, at_min = goodput_knee(profile, min_gain, low, high)
     size = clamp(job, knee_size)
     granted = observed.allocated if observed.allocated > 0 else size
     batch = choose_batch(granted, profile)
@@ -358,4 +359,5 @@ def _adaptive_decision(
         f"batch {batch} at {granted} GPUs",
         gains=gains,
         batch_size=batch,
+        min_speedup=at_min if at_min > 0 else None,
     )

@@ -380,6 +380,7 @@ def arbitrate_sharing(
     share_by_gain: bool = False,
     held_shared: AbstractSet[Slot] = frozenset(),
     order: Mapping[str, tuple[float, ...]] | None = None,
+    share_by_speedup: bool = False,
 ) -> dict[str, Grant]:
     """Every job's grant: `arbitrate` for the jobs that do not share (on the pool less the
     GPUs sharing jobs hold), `pack` for those that do. The arguments are `arbitrate`'s, with
@@ -397,6 +398,7 @@ def arbitrate_sharing(
         overdue=overdue,
         share_by_gain=share_by_gain,
         order=order,
+        share_by_speedup=share_by_speedup,
     )
     sharing = [d for d in demands if d.share] if limits is not None else []
     if limits is None or not sharing:

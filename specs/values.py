@@ -200,6 +200,10 @@ class Demand:
     resumable: bool = False
     """The job goes on from a checkpoint when started again (`spec.training.resumable`):
     a queue that preempts may take its GPUs; otherwise it only orders it."""
+    min_speedup: float | None = field(default=None, compare=False)
+    """The job's goodput at its min, in share of one GPU's (as `gains`); None: its min (as if
+    it scaled linearly up to it). Read only by `share_by_speedup` (`policies/power_mean.py`);
+    not compared: it moves with the gains, which are, so the decisions are those without it."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -214,14 +218,7 @@ class Demand:
             )
         if not math.isfinite(self.arrival):
             raise ValueError(f"demand {self.name}: arrival must be finite, got {self.arrival}")
-        for gain in self.gains:
-            if not (math.isfinite(gain) and gain >= 0):
-                raise ValueError(f"demand {self.name}: gains must be finite and >= 0, got {gain}")
-        if len(self.gains) > self.max - self.min:
-            raise ValueError(
-                f"demand {self.name}: gains has {len(self.gains)} values, at most max - min"
-                f" = {self.max - self.min} allowed (one per GPU above min)"
-            )
+        self._check_speedups()
         if self.utilization is not None and not 0 <= self.utilization <= 1:
             raise ValueError(
                 f"demand {self.name}: utilization must be within [0, 1], got {self.utilization}"
@@ -235,6 +232,23 @@ class Demand:
         for what, value in (("memory_bytes", self.memory_bytes), ("measured", self.measured_bytes)):
             if value is not None and value < 0:
                 raise ValueError(f"demand {self.name}: {what} must be >= 0, got {value}")
+
+    def _check_speedups(self) -> None:
+        """`gains` (one per GPU above the min at most, each finite and >= 0) and
+        `min_speedup` (finite and > 0)."""
+        for gain in self.gains:
+            if not (math.isfinite(gain) and gain >= 0):
+                raise ValueError(f"demand {self.name}: gains must be finite and >= 0, got {gain}")
+        if len(self.gains) > self.max - self.min:
+            raise ValueError(
+                f"demand {self.name}: gains has {len(self.gains)} values, at most max - min"
+                f" = {self.max - self.min} allowed (one per GPU above min)"
+            )
+        speedup = self.min_speedup
+        if speedup is not None and not (math.isfinite(speedup) and speedup > 0):
+            raise ValueError(
+                f"demand {self.name}: min_speedup must be finite and > 0, got {speedup}"
+            )
 
     @cached_property  # read several times per job in every decision
     def wanted(self) -> int:

@@ -154,6 +154,14 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         " the job whose next GPU adds most by its policy's gains (goodput reports them), up"
         " to its max; includes --spare-by-gain (docs/policies.md)",
     )
+    by_gain.add_argument(
+        "--share-by-speedup",
+        action="store_true",
+        help="divide every GPU above the admitted jobs' mins, tier by tier, to maximise the"
+        " harmonic mean of the jobs' speedups over a fair share (Pollux's objective; goodput"
+        " reports them), a running job grown only if the grow pays its stall; includes"
+        " --spare-by-gain (docs/policies.md)",
+    )
     run.add_argument(
         "--smallest-first",
         action="store_true",
@@ -357,6 +365,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         min_resize_interval=args.min_resize_interval,
         spare_by_gain=args.spare_by_gain,
         share_by_gain=args.share_by_gain,
+        share_by_speedup=args.share_by_speedup,
         smallest_first=args.smallest_first,
         max_wait_seconds=args.max_wait,
         queue=None

@@ -5,11 +5,11 @@ the resulting placements to a sink (which makes each reach its job: for Horovod,
 its discovery script reads), and tells the controller which jobs' grants changed. Workers
 ask it, over the authenticated RPC (`runtime/handlers.py`), which GPU is theirs.
 
-Its parts: the decision state here (demands, grants, held jobs, freezes); the GPUs given
-back (`drains.py`: free only when seen free); the workers' bindings (`bindings.py`); world
-sizes (`world_sizes.py`); first launches (`first_launch.py`); what a decision may not hand
-out (`withheld.py`); how decisions reach the store (`recording.py`, after the lock); each
-job's attained service for the queues (`service.py`). Decisions: `policies/sharing.py`.
+Its parts: the decision state here (demands, grants, held jobs, freezes); the GPUs given back
+(`drains.py`: free only when seen free); the workers' bindings (`bindings.py`); world sizes
+(`world_sizes.py`); first launches (`first_launch.py`); what a decision may not hand out
+(`withheld.py`); how decisions reach the store (`recording.py`, after the lock); attained
+service for the queues (`service.py`). Decisions: `policies/sharing.py`.
 Horovod also shrinks a job on its own when a worker fails: the grant follows
 (`observe_world_size`), with a WorkerLost event, and the policy grows the job back. No RPC
 error is raised here: the handlers turn its answers into the protocol's.
@@ -94,6 +94,7 @@ class Allocator:
         smallest_first: bool = False,
         max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS,
         share_by_gain: bool = False,
+        share_by_speedup: bool = False,
         unavailable_hosts: Callable[[], AbstractSet[str]] = frozenset,
         on_workers_lost: Callable[[str, frozenset[str]], None] = lambda job, hosts: None,
         belongs: Callable[[str, int], bool] = is_process_of_job,
@@ -109,9 +110,10 @@ class Allocator:
         have vanished with their node). `belongs(job, pid)`: whether a pid a worker of `job`
         binds with is a process of the job (asked for workers on this host, see `bind`).
         `agents(job)`: the names of `job`'s GPUs here whose agent runs (`world_sizes.standing`).
-        `spare_by_gain`, `share_by_gain`, `smallest_first`, `sharing`: `arbitrate_sharing`'s
-        options (GPUs nobody wants lent by gain; every GPU above the mins divided by gain;
-        pending jobs smallest min first; GPUs shared by memory among jobs that opt in).
+        `spare_by_gain`, `share_by_gain`, `share_by_speedup`, `smallest_first`, `sharing`:
+        `arbitrate_sharing`'s options (GPUs nobody wants lent by gain; every GPU above the
+        mins divided by gain, or by the harmonic mean of speedups; pending jobs smallest min
+        first; GPUs shared by memory among jobs that opt in).
         Under `smallest_first` a job pending for `max_wait_seconds` (from the first decision
         that left it pending) goes first (`arbitrate`'s `overdue`): no timer is needed,
         since being overdue changes a decision only when GPUs come free or a job arrives,
@@ -123,6 +125,7 @@ class Allocator:
         self.pool, self.virtual = pool, virtual
         self.spare_by_gain, self.share_by_gain = spare_by_gain, share_by_gain
         self.smallest_first, self.min_resize_interval = smallest_first, min_resize_interval
+        self.share_by_speedup = share_by_speedup
         self.max_wait_seconds, self.sharing = max_wait_seconds, sharing
         self._service, self._sink = ServiceLedger(queue), sink
         self._clock, self._wall_clock = clock, wall_clock
@@ -138,8 +141,7 @@ class Allocator:
         self._listeners: list[Callable[[str, Grant], None]] = []
         self._demands: dict[str, Demand] = {}
         self._grants: dict[str, Grant] = {}
-        # Placements of jobs adopted after an operator restart whose demand has not come
-        # yet: their workers are on these GPUs, so no decision may give them to anyone else.
+        # Adopted jobs' placements whose demand has not come: no decision gives them away.
         self._held: dict[str, Placement] = {}
         self._shared_held: frozenset[str] = frozenset()  # held jobs that share GPUs by memory
         self._cordoned: frozenset[str] = frozenset()
@@ -147,8 +149,7 @@ class Allocator:
         # When each job not admitted was first left pending (only with smallest_first).
         self._pending_since: dict[str, float] = {}
         self._world = WorldSizes(lost_grace_seconds)
-        # When each job's size last changed; a job is left alone for min_resize_interval
-        # after that, since every change costs a Horovod reset.
+        # When each job's size last changed: left alone min_resize_interval (a reset each).
         self._resized_at: dict[str, float] = {}
         self._first, self._guard = FirstLaunches(first_launch_seconds), MemoryGuard(sharing)
         self._next_thaw: float | None = None
@@ -429,8 +430,7 @@ class Allocator:
         decided = self._arbitrate(now, shrink)
         # From here on, changes are against the grants as they were (the shrink is one).
         current = {job: grant.placement for job, grant in self._grants.items()}
-        # A dict: ordered like `decided`, and membership costs O(1) (a list made this loop
-        # quadratic: 0.9 s of a 10,000-job decision).
+        # A dict: ordered, O(1) membership (a list: 0.9 s of a 10,000-job decision).
         changed = {
             job: None
             for job, grant in decided.items()
@@ -440,8 +440,7 @@ class Allocator:
         }
         for job, grant in decided.items():
             if job not in changed and grant.placement.size:
-                # Unchanged: keep the reason of the decision that made it, which is what
-                # the job's events and status should say, not "holding".
+                # Unchanged: keep the reason of the decision that made it, not "holding".
                 decided[job] = self._grants[job]
         self._note_changes(changed, decided, current, now)
         self._grants = decided
@@ -488,7 +487,8 @@ class Allocator:
             unavailable=unavailable, spare_by_gain=self.spare_by_gain, previous=self._grants,
             smallest_first=self.smallest_first,
             overdue={j for j, t in self._pending_since.items() if now - t >= self.max_wait_seconds},
-            share_by_gain=self.share_by_gain, draining=self._drains.counted(),
+            share_by_gain=self.share_by_gain, share_by_speedup=self.share_by_speedup,
+            draining=self._drains.counted(),
             held_shared=held_slots(self._held, self._shared_held), order=order,
         )  # fmt: skip
         decided.update((job, Grant(Placement.EMPTY, why)) for job, why in preempted.items())

@@ -59,6 +59,9 @@ class OperatorConfig:
     """The allocator admits pending jobs smallest min first (`Allocator`)."""
     share_by_gain: bool = False
     """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
+    share_by_speedup: bool = False
+    """The allocator divides the GPUs above the mins by the harmonic mean of the jobs'
+    speedups, Pollux's objective (`Allocator`)."""
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: a job pending this long is admitted first."""
     queue: QueueConfig | None = None

@@ -201,8 +201,7 @@ class Operator:
         self.layout = self.handover.layout
         self.layout.create()
         try:
-            # The token is made right after the store first opened: with it there, a 0-byte
-            # database was truncated, not new.
+            # Made right after the store first opened: with it, a 0-byte database was truncated.
             store = Store(
                 self.layout.database,
                 previous_state=(self.layout.token_file,),
@@ -247,6 +246,7 @@ class Operator:
             spare_by_gain=config.spare_by_gain,
             smallest_first=config.smallest_first,
             share_by_gain=config.share_by_gain,
+            share_by_speedup=config.share_by_speedup,
             max_wait_seconds=config.max_wait_seconds,
             queue=config.queue,
             sharing=config.sharing,

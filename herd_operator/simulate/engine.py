@@ -70,6 +70,8 @@ class SimConfig:
     """The allocator admits pending jobs smallest min first (`Allocator`)."""
     share_by_gain: bool = False
     """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
+    share_by_speedup: bool = False
+    """... by the harmonic mean of the jobs' speedups (`Allocator`, `policies/power_mean.py`)."""
     max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
     """With `smallest_first`: the wait after which a pending job goes first."""
     queue: QueueConfig | None = None
@@ -235,6 +237,7 @@ class Simulation:
             spare_by_gain=config.spare_by_gain,
             smallest_first=config.smallest_first,
             share_by_gain=config.share_by_gain,
+            share_by_speedup=config.share_by_speedup,
             max_wait_seconds=config.max_wait_seconds,
             queue=config.queue,
             sharing=config.sharing if config.pack else None,
@@ -467,6 +470,7 @@ class Simulation:
             model.arrival, decision.gains, run.epoch / model.epochs,
             *sharing_request(model, self.config.pack, self.config.share_utilization),
             resumable=model.resumable,
+            min_speedup=decision.min_speedup,
         )  # fmt: skip
         self._record(("request", demand))
         self.allocator.request(demand)

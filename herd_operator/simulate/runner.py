@@ -37,15 +37,17 @@ PERLMUTTER = "perlmutter"
 ALLOCATOR_OPTIONS = {
     "spare": "spare_by_gain",
     "share": "share_by_gain",
+    "speedup": "share_by_speedup",
     "small": "smallest_first",
     "pack": "pack",
 }
 """`POLICY+OPTION[+OPTION]`: the policy under an allocator with these opt-in behaviours:
 `+spare` lends spare GPUs by gain, `+share` divides every GPU above the mins by gain (which
-includes lending: the two are not combined), `+small` admits the smallest pending job first,
-`+pack` lets jobs share GPUs by their memory (slowed by their neighbours: `colocation.py`).
-`+las`, `+srpt`, `+fifo`: the allocator's queue (`policies/queueing.py`); `+fifo` is none.
-`+adaptive` is the jobs' option (`JOB_OPTIONS`)."""
+includes lending: the two are not combined), `+speedup` divides them by the harmonic mean of
+speedups instead (Pollux's objective: `policies/power_mean.py`), `+small` admits the smallest
+pending job first, `+pack` lets jobs share GPUs by their memory (slowed by their neighbours:
+`colocation.py`). `+las`, `+srpt`, `+fifo`: the allocator's queue (`policies/queueing.py`);
+`+fifo` is none. `+adaptive` is the jobs' option (`JOB_OPTIONS`)."""
 JOB_OPTIONS = {"adaptive": "adaptive_batch"}
 """`POLICY+adaptive`: the jobs with a noise profile report the adaptive metrics, train at
 the batch the policy picks (`simulate/batching.py`) and may grow past their trace's GPUs as
@@ -125,8 +127,12 @@ def parse_allocator_options(
             allowed = ", ".join(f"+{name}" for name in ALLOCATOR_OPTIONS)
             raise ValueError(f"policy {text!r}: unknown allocator option +{option} ({allowed})")
         flags[ALLOCATOR_OPTIONS[option]] = True
-    if flags.get("spare_by_gain") and flags.get("share_by_gain"):
-        raise ValueError(f"policy {text!r}: +share already lends spare GPUs; drop +spare")
+    if flags.get("spare_by_gain") and (flags.get("share_by_gain") or flags.get("share_by_speedup")):
+        raise ValueError(
+            f"policy {text!r}: +share and +speedup already lend spare GPUs; drop +spare"
+        )
+    if flags.get("share_by_gain") and flags.get("share_by_speedup"):
+        raise ValueError(f"policy {text!r}: +share and +speedup are two divisions; keep one")
     return policy, flags, None if mode == "fifo" else QueueConfig(mode)
 
 

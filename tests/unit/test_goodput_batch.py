@@ -117,7 +117,7 @@ def test_the_step_time_fit_recovers_a_known_model() -> None:
 
 def test_gains_are_in_share_of_one_gpus_goodput_and_the_knee_follows_them() -> None:
     job = profile(1000.0)
-    size, gains = goodput_knee(job, 0.5, 1, 8)
+    size, gains, _ = goodput_knee(job, 0.5, 1, 8)
     best = [goodput(n, choose_batch(n, job), job) for n in range(1, 9)]
     assert gains == pytest.approx([(best[i] - best[i - 1]) / best[0] for i in range(1, 8)])
     assert all(g >= 0.5 for g in gains[: size - 1])
@@ -143,7 +143,7 @@ def test_the_policy_picks_the_batch_for_the_granted_gpus_and_reports_goodput_gai
     assert fitted is not None
     expected = BatchProfile(32, 2000.0, fitted, 4096, None)
     assert decision.batch_size == choose_batch(2, expected)
-    size, gains = goodput_knee(expected, GoodputParams().min_gain, 1, 8)
+    size, gains, _ = goodput_knee(expected, GoodputParams().min_gain, 1, 8)
     assert (decision.gpus, decision.gains) == (size, gains)
     assert decision.batch_size > 32  # a noise scale of 2,000 pays for a larger batch
     assert "batch" in decision.reason

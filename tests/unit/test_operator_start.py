@@ -247,6 +247,16 @@ def test_the_allocator_options_of_run_reach_the_operators_allocator(
     # The two ways of dividing by gain are one or the other: argparse refuses both.
     with pytest.raises(SystemExit):
         cli.main(["run", *common, "--spare-by-gain", "--share-by-gain"])
+    by_speedup = ["--share-by-speedup"]
+    assert cli.main(["run", *common, "--state-dir", str(tmp_path / "speedup"), *by_speedup]) == 0
+    divided = started[-1].allocator
+    assert divided is not None and (divided.share_by_speedup, divided.share_by_gain) == (
+        True,
+        False,
+    )
+    assert not plain.share_by_speedup
+    with pytest.raises(SystemExit):
+        cli.main(["run", *common, "--share-by-gain", "--share-by-speedup"])
     assert started[0].config.queue is None  # fifo: no queue, no preemption
     queued = ["--queue", "srpt", "--queue-min-run", "5"]
     caplog.set_level(logging.INFO, logger="herd_operator")

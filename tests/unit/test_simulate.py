@@ -355,7 +355,7 @@ def test_spare_gpus_lent_by_gain_run_a_lone_goodput_job_past_its_knee() -> None:
     )
 
 
-@pytest.mark.parametrize("option", ["spare_by_gain", "share_by_gain"])
+@pytest.mark.parametrize("option", ["spare_by_gain", "share_by_gain", "share_by_speedup"])
 def test_the_real_allocator_dividing_by_gain_decides_as_the_simulation(option: str) -> None:
     pool = parse_pool("3x4")
     # A mix where spare GPUs are lent often (246 decisions; seed 5 lent none once GPUs being
@@ -540,11 +540,16 @@ def test_policy_plus_small_runs_under_an_allocator_that_admits_the_smallest_firs
     assert admitted["static"]["small"] >= r_end
     assert admitted["static+small"]["small"] == 20.0
     with pytest.raises(
-        ValueError, match=r"unknown allocator option \+fast \(\+spare, \+share, \+small, \+pack\)"
+        ValueError,
+        match=r"unknown allocator option \+fast \(\+spare, \+share, \+speedup, \+small, \+pack\)",
     ):
         simulate(workload, parse_pool("1x4"), ["static+fast"], tick=0.0)
-    with pytest.raises(ValueError, match=r"\+share already lends spare GPUs; drop \+spare"):
+    with pytest.raises(ValueError, match=r"already lend spare GPUs; drop \+spare"):
         simulate(workload, parse_pool("1x4"), ["goodput+share+spare"], tick=0.0)
+    with pytest.raises(ValueError, match=r"already lend spare GPUs; drop \+spare"):
+        simulate(workload, parse_pool("1x4"), ["goodput+speedup+spare"], tick=0.0)
+    with pytest.raises(ValueError, match=r"\+share and \+speedup are two divisions; keep one"):
+        simulate(workload, parse_pool("1x4"), ["goodput+share+speedup"], tick=0.0)
 
 
 def test_goodput_plus_share_divides_the_gpus_by_gain_in_a_short_simulation() -> None:
