@@ -37,6 +37,11 @@ The rules, in the order a decision applies them:
   left pending (head of line). Packing onto GPUs already shared takes no GPU from anyone,
   so it goes on past a pending job. A sharing job is never shrunk to admit an exclusive
   one: its GPUs go back as sharing jobs end, and none opens a new one meanwhile.
+- With `shrink_to_admit`, the head of the line (the first pending sharing job that may open
+  a GPU and did not fit) may take workers of running sharing jobs of its priority or lower
+  above their min (`sharing_shrink.py`), and is admitted if its whole min then fits; then
+  admission and growth go on until nothing changes, and the next head may do the same.
+  Without an admission nobody is shrunk.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from herd_operator.policies.sharing_room import counted_utilization as counted_u
 from herd_operator.policies.sharing_room import within_utilization as within_utilization
 from herd_operator.policies.sharing_room import worker_memory as worker_memory
 from herd_operator.policies.sharing_room import worker_memory_at as worker_memory_at
+from herd_operator.policies.sharing_shrink import Shrinker
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 DEFAULT_MAX_JOBS_PER_GPU = 4
@@ -119,12 +125,19 @@ class SharingLimits:
     jobs' summed utilization it would take past `sharing_room.LIGHT_TOGETHER` (1.0): it
     shares beside light jobs, or where it would otherwise wait. False: shared GPUs first,
     the fullest first."""
+    shrink_to_admit: bool = False
+    """The first waiting sharing job that fits nowhere may take workers of running sharing
+    jobs of its priority or lower above their min, as `arbitrate` shrinks whole-GPU jobs to
+    admit one (`sharing_shrink.py`). False: a sharing job is never shrunk to admit another.
+    Not with `admit_first`."""
 
     def __post_init__(self) -> None:
         if self.max_jobs_per_gpu < 1:
             raise ValueError(f"max_jobs_per_gpu must be >= 1, got {self.max_jobs_per_gpu}")
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"margin must be finite and >= 0, got {self.margin}")
+        if self.shrink_to_admit and self.admit_first:
+            raise ValueError("shrink_to_admit and admit_first: choose one (both admit first)")
         cap = self.max_utilization
         if cap is not None and not (math.isfinite(cap) and cap >= 1.0):
             raise ValueError(f"max_utilization must be finite and >= 1 (one busy job), got {cap}")
@@ -209,8 +222,15 @@ def _grow(
     growth, again until neither changes anything."""
     where = Candidates(pool, gpus, whole_first=limits.whole_first)
     growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size)
+    shrinker = Shrinker(ranked, held, needs, gpus, where, frozen)
     if not limits.admit_first:
         growth.step(ranked, admitting=True, growing=True)
+        admit = partial(_admit_head, growth)
+        while limits.shrink_to_admit and growth.head is not None:
+            if not shrinker.admit(growth.head, admit, pool.size):
+                break  # the head of the line waits, as without shrinking
+            while growth.step(ranked, admitting=True, growing=True):
+                pass  # a job that grew may leave room for another: until nothing changes
     else:
         for _, tier_iter in itertools.groupby(ranked, key=lambda d: d.priority):
             tier = list(tier_iter)
@@ -229,8 +249,16 @@ def _grow(
             decided[d.name] = (_placement(mine), f"holding {len(mine)}: resized recently (sharing)")
         else:
             reason = _reason(d, needs.at(d, len(mine)), before, len(mine))
+            taker = shrinker.shrunk_for.get(d.name)
+            if taker is not None and len(mine) < before:
+                share = f"sharing, {format_bytes(needs.at(d, len(mine)))} per worker"
+                reason = f"shrunk {before} -> {len(mine)}: admitting {taker} ({share})"
             decided[d.name] = (_placement(mine), reason)
     return decided
+
+
+def _admit_head(growth: _Growth, head: Demand) -> list[Slot] | None:
+    return growth.admit_or_grow(head, head.wanted, opens=True)
 
 
 @dataclass
@@ -254,6 +282,9 @@ class _Growth:
     kept for it)."""
     upper_blocked: bool = False
     """A higher priority tier has such a job: nobody of this one opens a free GPU."""
+    head: Demand | None = None
+    """The first pending job that may open a GPU and did not fit, at the last pass: the
+    head of the line (the one `shrink_to_admit` shrinks others for)."""
 
     def step(self, ranked: Sequence[Demand], admitting: bool, growing: bool) -> bool:
         """One pass over `ranked`, in order: pending jobs admitted (at the most they want, or
@@ -266,6 +297,7 @@ class _Growth:
             self.blocker, self.reserve = None, False
         blocked_line = self.upper_blocked
         changed = False
+        self.head = None
         for index, d in enumerate(ranked):
             if not self._has_turn(d, admitting, growing):
                 continue
@@ -274,11 +306,12 @@ class _Growth:
             if alone and growing:
                 after = self.blocker is not None and index > self.blocker
                 opens = opens and not self.reserve and not after
-            extra = self._admit_or_grow(d, d.wanted if growing else d.min, opens)
+            extra = self.admit_or_grow(d, d.wanted if growing else d.min, opens)
             if extra is not None:
                 changed = changed or bool(extra)
             elif may_open and not blocked_line:
                 blocked_line = True  # nobody after it opens a free GPU (head of line)
+                self.head = d
                 if alone:  # a job no GPU can hold (a peak grown past one) keeps none free
                     need = self.needs.at(d, d.min)
                     self.blocker = index
@@ -293,7 +326,7 @@ class _Growth:
             return admitting
         return growing and d.name not in self.frozen and len(mine) < d.wanted
 
-    def _admit_or_grow(self, d: Demand, top: int, opens: bool) -> list[Slot] | None:
+    def admit_or_grow(self, d: Demand, top: int, opens: bool) -> list[Slot] | None:
         """The GPUs added to `d` (up to `top` in all, counted in), or None: pending, its min
         did not fit."""
         mine = self.held[d.name]

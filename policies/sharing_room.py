@@ -7,12 +7,13 @@ short enough to read.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from herd_operator.specs.values import Demand, Pool, Slot
@@ -88,6 +89,31 @@ class GpuRoom:
         self.jobs.setdefault(slot, set()).add(job)
         self.busy[slot] = self.busy.get(slot, 0.0) + self._busy(job)
 
+    def remove(self, slot: Slot, job: str, need: int) -> bool:
+        """Take `job`'s worker (counted `need` bytes) off `slot`; whether the GPU is free now
+        (then it is as if no one had been on it)."""
+        jobs = self.jobs[slot]
+        jobs.remove(job)
+        if not jobs:
+            del self.jobs[slot], self.used[slot], self.busy[slot]
+            return True
+        self.used[slot] -= need
+        self.busy[slot] -= self._busy(job)
+        return False
+
+    def copy(self) -> GpuRoom:
+        """What `restore` puts back."""
+        return replace(
+            self,
+            used=dict(self.used),
+            jobs={slot: set(jobs) for slot, jobs in self.jobs.items()},
+            busy=dict(self.busy),
+        )
+
+    def restore(self, saved: GpuRoom) -> None:
+        """Back to `saved` (a `copy`), in place: a `Candidates` holds this object."""
+        self.used, self.jobs, self.busy = saved.used, saved.jobs, saved.busy
+
     def _busy(self, job: str) -> float:
         return self.busy_of.get(job, 1.0)
 
@@ -151,7 +177,30 @@ class Candidates:
             for slot in pool.slots()
             if slot not in gpus.jobs and slot not in gpus.closed and slot not in gpus.no_new
         ]
+        self._free_set = set(self._free)
         self._first_free = 0
+
+    def freed(self, slot: Slot) -> None:
+        """`slot` has no job on it any more (a job shrank off it): free GPUs may be taken."""
+        if slot in self._gpus.closed or slot in self._gpus.no_new:
+            return
+        position = bisect.bisect_left(self._free, self._order[slot], key=self._order.__getitem__)
+        if slot not in self._free_set:  # taken before this decision: not in the list yet
+            self._free.insert(position, slot)
+            self._free_set.add(slot)
+        self._first_free = min(self._first_free, position)  # the search skips past taken ones
+
+    def position(self, slot: Slot) -> int:
+        """`slot`'s place in the pool's order."""
+        return self._order[slot]
+
+    def saved(self) -> tuple[list[Slot], int]:
+        """What `restore` puts back."""
+        return list(self._free), self._first_free
+
+    def restore(self, saved: tuple[list[Slot], int]) -> None:
+        self._free, self._first_free = list(saved[0]), saved[1]
+        self._free_set = set(self._free)
 
     def best(
         self, job: str, mine: Sequence[Slot], need: int, count: int, opens: bool

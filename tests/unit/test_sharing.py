@@ -214,11 +214,13 @@ def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
             split = draw(st.none() | st.integers(0, (memory or 0) * low))
             demand = replace(demand, utilization=busy, memory_split_bytes=split)
         demands.append(demand)
+    admit_first = draw(st.booleans())
     limits = SharingLimits(
         max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1,
         max_utilization=draw(st.none() | st.sampled_from([1.0, 1.29, 2.0])),
-        backfill=draw(st.booleans()), admit_first=draw(st.booleans()),
+        backfill=draw(st.booleans()), admit_first=admit_first,
         whole_first=draw(st.booleans()),
+        shrink_to_admit=not admit_first and draw(st.booleans()),
     )  # fmt: skip
     return pool, demands, limits
 
@@ -353,12 +355,42 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
         assert {n: g.placement for n, g in alone.items()} == {
             d.name: grants[d.name].placement for d in exclusive
         }
+        if limits.shrink_to_admit:
+            _shrunk_only_to_admit(pool, demands, current, grants, limits, ranking)
         current = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
         again = arbitrate_sharing(pool, demands, current, limits=limits, **ranking)
         assert {n: g.placement for n, g in again.items()} == {
             n: g.placement for n, g in grants.items()
         }
         demands = _changed(demands, step)
+
+
+def _shrunk_only_to_admit(
+    pool: Pool,
+    demands: Sequence[Demand],
+    current: Mapping[str, Placement],
+    grants: Mapping[str, Grant],
+    limits: SharingLimits,
+    ranking: Mapping[str, Any],
+) -> None:
+    """With `shrink_to_admit`, a decision differs from the one without only by admitting a
+    job that waited (pending before and without the option), and no job is given fewer GPUs
+    than without it unless its priority is at most such a job's."""
+    without = arbitrate_sharing(
+        pool, demands, current, limits=replace(limits, shrink_to_admit=False), **ranking
+    )
+    sizes = {name: grant.placement.size for name, grant in grants.items()}
+    plain = {name: grant.placement.size for name, grant in without.items()}
+    if all(grants[n].placement == without[n].placement for n in grants):
+        return
+    admitted = [
+        d for d in demands
+        if sizes[d.name] and not plain[d.name] and not current.get(d.name, Placement.EMPTY).size
+    ]  # fmt: skip
+    assert admitted, "the option changed a decision that admitted no one more"
+    top = max(d.priority for d in admitted)
+    for d in demands:
+        assert sizes[d.name] >= plain[d.name] or d.priority <= top, (d.name, top)
 
 
 def test_a_gpu_a_sharing_job_leaves_goes_to_a_waiting_exclusive_job_in_the_same_decision() -> None:
