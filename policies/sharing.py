@@ -37,11 +37,13 @@ The rules, in the order a decision applies them:
   left pending (head of line). Packing onto GPUs already shared takes no GPU from anyone,
   so it goes on past a pending job. A sharing job is never shrunk to admit an exclusive
   one: its GPUs go back as sharing jobs end, and none opens a new one meanwhile.
-- With `shrink_to_admit`, the head of the line (the first pending sharing job that may open
-  a GPU and did not fit) may take workers of running sharing jobs of its priority or lower
-  above their min (`sharing_shrink.py`), and is admitted if its whole min then fits; then
-  admission and growth go on until nothing changes, and the next head may do the same.
-  Without an admission nobody is shrunk.
+- With `shrink_to_admit`, pending jobs are admitted at their min first (in rank order,
+  across tiers), then the head of the line (the first pending sharing job that may open a
+  GPU and did not fit) may take workers of running sharing jobs of its priority or lower
+  above their min (`sharing_shrink.py`) and is admitted if its whole min then fits; then
+  the running jobs grow; all again until nothing changes. Nobody is shrunk for a job that
+  is not admitted. Unlike `arbitrate`, a lower tier's pending job may be admitted at its
+  min before a higher tier's running job grows.
 """
 
 from __future__ import annotations
@@ -143,6 +145,27 @@ class SharingLimits:
             raise ValueError(f"max_utilization must be finite and >= 1 (one busy job), got {cap}")
 
 
+def describe_sharing(limits: SharingLimits | None) -> str:
+    """For the operator's start-up log line: whether and how GPUs are shared."""
+    if limits is None:
+        return "GPUs not shared"
+    memory = limits.gpu_memory_bytes
+    each = f"{format_bytes(memory)} each" if memory is not None else "the pool's memory each"
+    cap = limits.max_utilization
+    parts = [
+        f"GPUs shared by memory ({each}, at most {limits.max_jobs_per_gpu} jobs per GPU",
+        f"margin {limits.margin:.0%}",
+        "no utilization cap" if cap is None else f"summed utilization at most {cap:g}",
+        "whole GPUs first" if limits.whole_first else "shared GPUs first",
+        "shrinking sharing jobs to admit" if limits.shrink_to_admit else "no shrink to admit",
+    ]
+    if limits.backfill:
+        parts.append("backfill")
+    if limits.admit_first:
+        parts.append("admission first")
+    return ", ".join(parts) + ")"
+
+
 def _placement(slots: Sequence[Slot]) -> Placement:
     """Slots in order, grouped by host in the order hosts first appear (local-rank order)."""
     hosts: dict[str, list[int]] = {}
@@ -162,6 +185,7 @@ def pack(
     *,
     closed: AbstractSet[Slot],
     no_new: AbstractSet[Slot] = frozenset(),
+    draining: AbstractSet[Slot] = frozenset(),
     frozen: AbstractSet[str] = frozenset(),
     may_open: Mapping[str, bool] | None = None,
     limits: SharingLimits = SharingLimits(),
@@ -170,9 +194,11 @@ def pack(
 ) -> dict[str, tuple[Placement, str]]:
     """Place the sharing `demands` (see the module docstring); each job's placement and the
     reason. `closed`: GPUs no sharing worker may use; `no_new`: GPUs only the workers on
-    them may stay on; `may_open[job]`: whether the job may take a GPU no one uses (default
-    yes). With `smallest_first`, jobs are ranked within a tier as `arbitrate` ranks them
-    (`rank_smallest_first`: the `overdue` first, then the smallest min), not by arrival."""
+    them may stay on, of which `draining` are being given back (with `shrink_to_admit`
+    the head of the line counts those, as `arbitrate` counts them); `may_open[job]`:
+    whether the job may take a GPU no one uses (default yes). With `smallest_first`, jobs
+    are ranked within a tier as `arbitrate` ranks them (`rank_smallest_first`: the
+    `overdue` first, then the smallest min), not by arrival."""
     capacity = pool.gpu_memory_bytes or limits.gpu_memory_bytes
     if smallest_first:
         ranked = sorted(demands, key=lambda d: rank_smallest_first(d, overdue))
@@ -184,6 +210,7 @@ def pack(
     else:
         needs = WorkerNeeds(capacity, limits.margin)
         gpus = GpuRoom(capacity, limits.max_jobs_per_gpu, True, closed, no_new)
+        gpus.draining = draining
         gpus.max_busy = limits.max_utilization
         gpus.busy_of = {d.name: counted_utilization(d) for d in ranked}
     in_pool = pool.slot_set
@@ -219,18 +246,25 @@ def _grow(
 ) -> dict[str, tuple[Placement, str]]:
     """Grow each job from what it kept up to what it wants (admit it when its min fits);
     with `limits.admit_first`, tier by tier, the pending ones at their min first, then the
-    growth, again until neither changes anything."""
+    growth, again until neither changes anything. With `limits.shrink_to_admit`: the pending
+    ones at their min, then the head of the line by shrinking others (`Shrinker`), then
+    the growth, again until none changes anything; admission before growth, so that a job
+    shrunk for one waiting does not grow back into its GPUs while that one's grant waits for
+    them to drain (it did, and was shrunk again at the next decision, over and over)."""
     where = Candidates(pool, gpus, whole_first=limits.whole_first)
     growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size)
     shrinker = Shrinker(ranked, held, needs, gpus, where, frozen)
-    if not limits.admit_first:
-        growth.step(ranked, admitting=True, growing=True)
+    if limits.shrink_to_admit:
         admit = partial(_admit_head, growth)
-        while limits.shrink_to_admit and growth.head is not None:
-            if not shrinker.admit(growth.head, admit, pool.size):
-                break  # the head of the line waits, as without shrinking
-            while growth.step(ranked, admitting=True, growing=True):
-                pass  # a job that grew may leave room for another: until nothing changes
+        while True:  # each round admits a job or adds a worker: it ends
+            admitted = growth.step(ranked, admitting=True, growing=False)
+            head = growth.head
+            if head is not None and shrinker.admit(head, admit, pool.size):
+                continue
+            if not (growth.step(ranked, admitting=True, growing=True) or admitted):
+                break
+    elif not limits.admit_first:
+        growth.step(ranked, admitting=True, growing=True)
     else:
         for _, tier_iter in itertools.groupby(ranked, key=lambda d: d.priority):
             tier = list(tier_iter)
@@ -486,6 +520,7 @@ def _decide_beside_sharers(
         )
         packed = packing(
             pool, sharing, current, closed=closed, no_new=set(draining) | held_shared,
+            draining=set(draining) - held_shared,
             may_open=None if limits.backfill else _may_open(exclusive, sharing, decided),
         )  # fmt: skip
         still = kept & {slot for placement, _ in packed.values() for slot in placement.slots()}

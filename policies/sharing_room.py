@@ -69,9 +69,14 @@ class GpuRoom:
     busy_of: Mapping[str, float] = field(default_factory=dict)
     """Each job's GPU utilization as the cap counts it (`counted_utilization`)."""
     busy: dict[Slot, float] = field(default_factory=dict)
+    draining: AbstractSet[Slot] = frozenset()
+    """Of `no_new`, the GPUs being given back: they will be free."""
+    counting_drains: bool = False
+    """Whether a new worker may be placed on `draining` GPUs (the head of the line being
+    admitted by shrinking others: its grant waits for them to drain, as `arbitrate`'s)."""
 
     def fits(self, slot: Slot, job: str, need: int, *, staying: bool = False) -> bool:
-        if slot in self.closed or (not staying and slot in self.no_new):
+        if slot in self.closed or (not staying and not self.open_to_new(slot)):
             return False
         jobs = self.jobs.get(slot, set())
         return (
@@ -83,6 +88,10 @@ class GpuRoom:
                 or within_utilization(self.busy.get(slot, 0.0), self._busy(job), self.max_busy)
             )
         )
+
+    def open_to_new(self, slot: Slot) -> bool:
+        """Whether a worker not on `slot` yet may be placed there (memory aside)."""
+        return slot not in self.no_new or (self.counting_drains and slot in self.draining)
 
     def add(self, slot: Slot, job: str, need: int) -> None:
         self.used[slot] = self.used.get(slot, 0) + need
@@ -175,14 +184,17 @@ class Candidates:
         self._free = [
             slot
             for slot in pool.slots()
-            if slot not in gpus.jobs and slot not in gpus.closed and slot not in gpus.no_new
-        ]
+            if slot not in gpus.jobs
+            and slot not in gpus.closed
+            and (slot not in gpus.no_new or slot in gpus.draining)
+        ]  # draining ones only while `counting_drains` (`GpuRoom.fits` says)
         self._free_set = set(self._free)
         self._first_free = 0
 
     def freed(self, slot: Slot) -> None:
         """`slot` has no job on it any more (a job shrank off it): free GPUs may be taken."""
-        if slot in self._gpus.closed or slot in self._gpus.no_new:
+        gpus = self._gpus
+        if slot in gpus.closed or (slot in gpus.no_new and slot not in gpus.draining):
             return
         position = bisect.bisect_left(self._free, self._order[slot], key=self._order.__getitem__)
         if slot not in self._free_set:  # taken before this decision: not in the list yet

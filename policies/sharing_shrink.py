@@ -8,6 +8,9 @@ module short enough to read. The rules:
 - Only the head of the line is admitted this way: the first pending sharing job that may
   open a free GPU and did not fit (`sharing._Growth.head`). Nobody overtakes it, as
   without the option.
+- It counts the GPUs being given back (draining), as `arbitrate` counts them for
+  admission: its grant then waits for them to drain (the allocator's `wait_for_drains`),
+  and the next decision admits it there again instead of shrinking others once more.
 - It may take workers of running sharing jobs of its priority or lower, not frozen (resized
   recently), each down to that job's min and never below. Whether they hold a GPU alone or
   share it does not matter.
@@ -68,6 +71,15 @@ class Shrinker:
         need = self._needs.at(head, head.min)
         if need > self._gpus.capacity or head.min > pool_size:
             return False  # no GPU, or not enough of them, could ever hold it
+        self._gpus.counting_drains = True
+        try:
+            return self._admit(head, need, admit)
+        finally:
+            self._gpus.counting_drains = False
+
+    def _admit(
+        self, head: Demand, need: int, admit: Callable[[Demand], Sequence[Slot] | None]
+    ) -> bool:
         donors = {
             d.name: d
             for d in self._ranked
@@ -76,8 +88,6 @@ class Shrinker:
             and d.name not in self._frozen
             and len(self._held[d.name]) > d.min
         }
-        if not donors:
-            return False
         saved = (self._gpus.copy(), self._where.saved(), dict(self._held))
         fitting = self._where.best(head.name, [], need, head.min, True)
         short = head.min - len(fitting)
@@ -121,7 +131,7 @@ class Shrinker:
         """The donors' workers to take off `slot` for `head` to fit there (ranked last
         first, each donor above its min), or None: it cannot be made to fit."""
         gpus = self._gpus
-        if slot in gpus.closed or slot in gpus.no_new:
+        if slot in gpus.closed or not gpus.open_to_new(slot):
             return None
         staying = set(gpus.jobs.get(slot, ()))
         used = gpus.used.get(slot, 0)

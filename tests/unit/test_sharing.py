@@ -356,7 +356,7 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
             d.name: grants[d.name].placement for d in exclusive
         }
         if limits.shrink_to_admit:
-            _shrunk_only_to_admit(pool, demands, current, grants, limits, ranking)
+            _shrunk_only_to_admit(demands, current, grants)
         current = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
         again = arbitrate_sharing(pool, demands, current, limits=limits, **ranking)
         assert {n: g.placement for n, g in again.items()} == {
@@ -366,31 +366,21 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
 
 
 def _shrunk_only_to_admit(
-    pool: Pool,
-    demands: Sequence[Demand],
-    current: Mapping[str, Placement],
-    grants: Mapping[str, Grant],
-    limits: SharingLimits,
-    ranking: Mapping[str, Any],
+    demands: Sequence[Demand], current: Mapping[str, Placement], grants: Mapping[str, Grant]
 ) -> None:
-    """With `shrink_to_admit`, a decision differs from the one without only by admitting a
-    job that waited (pending before and without the option), and no job is given fewer GPUs
-    than without it unless its priority is at most such a job's."""
-    without = arbitrate_sharing(
-        pool, demands, current, limits=replace(limits, shrink_to_admit=False), **ranking
-    )
-    sizes = {name: grant.placement.size for name, grant in grants.items()}
-    plain = {name: grant.placement.size for name, grant in without.items()}
-    if all(grants[n].placement == without[n].placement for n in grants):
-        return
-    admitted = [
-        d for d in demands
-        if sizes[d.name] and not plain[d.name] and not current.get(d.name, Placement.EMPTY).size
-    ]  # fmt: skip
-    assert admitted, "the option changed a decision that admitted no one more"
-    top = max(d.priority for d in admitted)
-    for d in demands:
-        assert sizes[d.name] >= plain[d.name] or d.priority <= top, (d.name, top)
+    """With `shrink_to_admit`, a job shrunk to admit another names it, and that one waited
+    (held no GPU), is admitted now (its whole min) and is of the shrunk job's priority or
+    higher."""
+    by_name = {d.name: d for d in demands}
+    for name, grant in grants.items():
+        before = current.get(name, Placement.EMPTY).size
+        if "admitting" not in grant.reason or not grant.reason.startswith("shrunk"):
+            continue
+        taker = by_name[grant.reason.split("admitting ", 1)[1].split(" ", 1)[0]]
+        assert before > grant.placement.size >= by_name[name].min, (name, grant)
+        assert not current.get(taker.name, Placement.EMPTY).size, (name, taker.name)
+        assert grants[taker.name].placement.size >= taker.min, (name, taker.name)
+        assert taker.priority >= by_name[name].priority, (name, taker.name)
 
 
 def test_a_gpu_a_sharing_job_leaves_goes_to_a_waiting_exclusive_job_in_the_same_decision() -> None:

@@ -9,6 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from herd_operator.cli.arguments import UsageError
+from herd_operator.cli.main import build_parser
+from herd_operator.cli.run import sharing_limits
 from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing
 from herd_operator.specs.values import Placement, Pool
 from tests.unit.test_sharing import GI, share, slots_of
@@ -96,3 +99,19 @@ def test_a_job_splitting_its_batch_is_shrunk_only_where_its_other_workers_still_
 def test_shrinking_and_admission_first_are_refused_together() -> None:
     with pytest.raises(ValueError, match="shrink_to_admit and admit_first"):
         SharingLimits(shrink_to_admit=True, admit_first=True)
+
+
+def test_run_takes_whole_first_and_shrink_to_admit_only_with_share_gpus() -> None:
+    parser = build_parser()
+    both = ["--share-whole-first", "--share-shrink-to-admit"]
+    args = parser.parse_args(["run", "--share-gpus", "--gpu-memory", "80GiB", *both])
+    limits = sharing_limits(args, virtual=False)
+    assert limits == SharingLimits(gpu_memory_bytes=80 << 30, whole_first=True,
+                                   shrink_to_admit=True)  # fmt: skip
+    plain = sharing_limits(
+        parser.parse_args(["run", "--share-gpus", "--gpu-memory", "1GiB"]), False
+    )
+    assert plain is not None and not (plain.whole_first or plain.shrink_to_admit)
+    for flag in both:
+        with pytest.raises(UsageError, match=f"{flag}: only with --share-gpus"):
+            sharing_limits(parser.parse_args(["run", flag]), virtual=False)
