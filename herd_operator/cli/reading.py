@@ -358,16 +358,28 @@ def _log_file(layout: StateLayout, name: str) -> Path | None:
 
 
 def _sharing_neighbours(store: Store, name: str) -> dict[str, list[str]]:
-    """Each GPU `name` holds with other jobs (`host:gpu` -> their names): GPUs shared by
-    memory (`spec.gpus.share`)."""
+    """Each GPU `name` holds with other jobs (`host:gpu` -> each of them with the memory its
+    worker asked for, `b (8Gi asked)`): GPUs shared by memory (`spec.gpus.share`)."""
     placements = store.allocations()
     mine = set(placements.get(name, Placement.EMPTY).slots())
     shared: dict[str, list[str]] = {}
+    asked: dict[str, str] = {}
     for job, placement in sorted(placements.items()):
         for host, gpu in placement.slots():
             if job != name and (host, gpu) in mine:
-                shared.setdefault(f"{host}:{gpu}", []).append(job)
+                if job not in asked:
+                    asked[job] = _asked_memory(store.get_job(job))
+                shared.setdefault(f"{host}:{gpu}", []).append(f"{job} ({asked[job]})")
     return shared
+
+
+def _asked_memory(record: JobRecord | None) -> str:
+    """What one worker of a sharing job asked for, as `describe` says it of a neighbour."""
+    try:
+        memory = record.spec.spec.gpus.memory if record is not None else None
+    except UnreadableSpecError:
+        memory = None  # its stored spec no longer parses: `describe` of it says why
+    return f"{memory} asked" if memory else "no memory asked: its measured peak"
 
 
 def _sharing_line(memory: str | None, neighbours: Mapping[str, list[str]]) -> str:

@@ -68,7 +68,7 @@ def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_move
         ).stdout  # fmt: skip
         assert (
             "Sharing:      GPUs shared by memory, 768Mi per worker asked;"
-            " localhost:0 with small-b" in described
+            " localhost:0 with small-b (768Mi asked)" in described
         ), described
         assert "(sharing, 768.0Mi per worker)" in described, described
         launch_a, launch_b = herd.launch_id("small-a"), herd.launch_id("small-b")
