@@ -267,7 +267,7 @@ def _print_objects(
     beside: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
     """`records` in the `-o` format; `single`: one object, not a List (get NAME); `beside`:
-    `_beside(store)`, for `wide`."""
+    `_beside`, for `wide`."""
     layout = StateLayout(args.state_dir)
     if args.output in ("json", "yaml"):
         objects = [herdjob_resource(r, _log_file(layout, r.name)) for r in records]
@@ -306,7 +306,7 @@ def cmd_get(args: argparse.Namespace) -> int:
                 print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
                 return EXIT_FAILURE
         if records or args.output in ("json", "yaml"):
-            beside = _beside(store) if args.output == "wide" else None
+            beside = _beside(store, args)
             _print_objects(records, args, header=True, single=bool(args.name), beside=beside)
         elif args.output != "name":
             print(f"No jobs in {args.state_dir}.", file=sys.stderr)
@@ -315,8 +315,11 @@ def cmd_get(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _beside(store: Store) -> dict[str, list[str]]:
-    """Each job holding a GPU with other jobs now (GPUs shared by memory) -> their names."""
+def _beside(store: Store, args: argparse.Namespace) -> dict[str, list[str]] | None:
+    """For `-o wide`: each job holding a GPU with other jobs now (GPUs shared by memory) ->
+    their names; None for the other formats (they do not show it)."""
+    if args.output != "wide":
+        return None
     on: dict[tuple[str, int], list[str]] = {}
     for job, placement in sorted(store.allocations().items()):
         for slot in placement.slots():
@@ -354,7 +357,7 @@ def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecor
                     print("---", flush=True)
                 _print_objects([record], args, header=False, single=True)
         elif changed:
-            beside = _beside(store) if wide else None
+            beside = _beside(store, args)
             _print_objects(changed, args, header=not printed_header, single=False, beside=beside)
             printed_header = printed_header or args.output in ("table", "wide")
         if gone and args.output in ("table", "wide", "name"):
