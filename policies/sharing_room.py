@@ -45,7 +45,10 @@ def request_at(memory: int | None, split: int | None, low: int, size: int) -> in
     workers, of which `split` bytes in total are divided among the workers; 0 without one."""
     request = memory or 0
     if split and size > low:
-        request -= split // low - math.ceil(split / size)
+        # Rounded up (never counted under what a worker holds), and never above the request
+        # at the min: with a few bytes split (1 among 2 workers) the roundings made a bigger
+        # job count more per worker, and a job that grew no longer fit the GPUs it held.
+        request = min(request, request - split // low + math.ceil(split / size))
     return request
 
 
