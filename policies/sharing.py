@@ -37,6 +37,13 @@ The rules, in the order a decision applies them:
   left pending (head of line). Packing onto GPUs already shared takes no GPU from anyone,
   so it goes on past a pending job. A sharing job is never shrunk to admit an exclusive
   one: its GPUs go back as sharing jobs end, and none opens a new one meanwhile.
+- With `shrink_to_admit`, pending jobs are admitted at their min first (in rank order,
+  across tiers), then the head of the line (the first pending sharing job that may open a
+  GPU and did not fit) may take workers of running sharing jobs of its priority or lower
+  above their min (`sharing_shrink.py`) and is admitted if its whole min then fits; then
+  the running jobs grow; all again until nothing changes. Nobody is shrunk for a job that
+  is not admitted. Unlike `arbitrate`, a lower tier's pending job may be admitted at its
+  min before a higher tier's running job grows.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from herd_operator.policies.sharing_room import counted_utilization as counted_u
 from herd_operator.policies.sharing_room import within_utilization as within_utilization
 from herd_operator.policies.sharing_room import worker_memory as worker_memory
 from herd_operator.policies.sharing_room import worker_memory_at as worker_memory_at
+from herd_operator.policies.sharing_shrink import Shrinker
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 DEFAULT_MAX_JOBS_PER_GPU = 4
@@ -119,15 +127,43 @@ class SharingLimits:
     jobs' summed utilization it would take past `sharing_room.LIGHT_TOGETHER` (1.0): it
     shares beside light jobs, or where it would otherwise wait. False: shared GPUs first,
     the fullest first."""
+    shrink_to_admit: bool = False
+    """The first waiting sharing job that fits nowhere may take workers of running sharing
+    jobs of its priority or lower above their min, as `arbitrate` shrinks whole-GPU jobs to
+    admit one (`sharing_shrink.py`). False: a sharing job is never shrunk to admit another.
+    Not with `admit_first`."""
 
     def __post_init__(self) -> None:
         if self.max_jobs_per_gpu < 1:
             raise ValueError(f"max_jobs_per_gpu must be >= 1, got {self.max_jobs_per_gpu}")
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"margin must be finite and >= 0, got {self.margin}")
+        if self.shrink_to_admit and self.admit_first:
+            raise ValueError("shrink_to_admit and admit_first: choose one (both admit first)")
         cap = self.max_utilization
         if cap is not None and not (math.isfinite(cap) and cap >= 1.0):
             raise ValueError(f"max_utilization must be finite and >= 1 (one busy job), got {cap}")
+
+
+def describe_sharing(limits: SharingLimits | None) -> str:
+    """For the operator's start-up log line: whether and how GPUs are shared."""
+    if limits is None:
+        return "GPUs not shared"
+    memory = limits.gpu_memory_bytes
+    each = f"{format_bytes(memory)} each" if memory is not None else "the pool's memory each"
+    cap = limits.max_utilization
+    parts = [
+        f"GPUs shared by memory ({each}, at most {limits.max_jobs_per_gpu} jobs per GPU",
+        f"margin {limits.margin:.0%}",
+        "no utilization cap" if cap is None else f"summed utilization at most {cap:g}",
+        "whole GPUs first" if limits.whole_first else "shared GPUs first",
+        "shrinking sharing jobs to admit" if limits.shrink_to_admit else "no shrink to admit",
+    ]
+    if limits.backfill:
+        parts.append("backfill")
+    if limits.admit_first:
+        parts.append("admission first")
+    return ", ".join(parts) + ")"
 
 
 def _placement(slots: Sequence[Slot]) -> Placement:
@@ -149,6 +185,7 @@ def pack(
     *,
     closed: AbstractSet[Slot],
     no_new: AbstractSet[Slot] = frozenset(),
+    draining: AbstractSet[Slot] = frozenset(),
     frozen: AbstractSet[str] = frozenset(),
     may_open: Mapping[str, bool] | None = None,
     limits: SharingLimits = SharingLimits(),
@@ -157,9 +194,11 @@ def pack(
 ) -> dict[str, tuple[Placement, str]]:
     """Place the sharing `demands` (see the module docstring); each job's placement and the
     reason. `closed`: GPUs no sharing worker may use; `no_new`: GPUs only the workers on
-    them may stay on; `may_open[job]`: whether the job may take a GPU no one uses (default
-    yes). With `smallest_first`, jobs are ranked within a tier as `arbitrate` ranks them
-    (`rank_smallest_first`: the `overdue` first, then the smallest min), not by arrival."""
+    them may stay on, of which `draining` are being given back (with `shrink_to_admit`
+    the head of the line counts those, as `arbitrate` counts them); `may_open[job]`:
+    whether the job may take a GPU no one uses (default yes). With `smallest_first`, jobs
+    are ranked within a tier as `arbitrate` ranks them (`rank_smallest_first`: the
+    `overdue` first, then the smallest min), not by arrival."""
     capacity = pool.gpu_memory_bytes or limits.gpu_memory_bytes
     if smallest_first:
         ranked = sorted(demands, key=lambda d: rank_smallest_first(d, overdue))
@@ -171,6 +210,7 @@ def pack(
     else:
         needs = WorkerNeeds(capacity, limits.margin)
         gpus = GpuRoom(capacity, limits.max_jobs_per_gpu, True, closed, no_new)
+        gpus.draining = draining
         gpus.max_busy = limits.max_utilization
         gpus.busy_of = {d.name: counted_utilization(d) for d in ranked}
     in_pool = pool.slot_set
@@ -206,10 +246,24 @@ def _grow(
 ) -> dict[str, tuple[Placement, str]]:
     """Grow each job from what it kept up to what it wants (admit it when its min fits);
     with `limits.admit_first`, tier by tier, the pending ones at their min first, then the
-    growth, again until neither changes anything."""
+    growth, again until neither changes anything. With `limits.shrink_to_admit`: the pending
+    ones at their min, then the head of the line by shrinking others (`Shrinker`), then
+    the growth, again until none changes anything; admission before growth, so that a job
+    shrunk for one waiting does not grow back into its GPUs while that one's grant waits for
+    them to drain (it did, and was shrunk again at the next decision, over and over)."""
     where = Candidates(pool, gpus, whole_first=limits.whole_first)
     growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size)
-    if not limits.admit_first:
+    shrinker = Shrinker(ranked, held, needs, gpus, where, frozen)
+    if limits.shrink_to_admit:
+        admit = partial(_admit_head, growth)
+        while True:  # each round admits a job or adds a worker: it ends
+            admitted = growth.step(ranked, admitting=True, growing=False)
+            head = growth.head
+            if head is not None and shrinker.admit(head, admit, pool.size):
+                continue
+            if not (growth.step(ranked, admitting=True, growing=True) or admitted):
+                break
+    elif not limits.admit_first:
         growth.step(ranked, admitting=True, growing=True)
     else:
         for _, tier_iter in itertools.groupby(ranked, key=lambda d: d.priority):
@@ -229,8 +283,16 @@ def _grow(
             decided[d.name] = (_placement(mine), f"holding {len(mine)}: resized recently (sharing)")
         else:
             reason = _reason(d, needs.at(d, len(mine)), before, len(mine))
+            taker = shrinker.shrunk_for.get(d.name)
+            if taker is not None and len(mine) < before:
+                share = f"sharing, {format_bytes(needs.at(d, len(mine)))} per worker"
+                reason = f"shrunk {before} -> {len(mine)}: admitting {taker} ({share})"
             decided[d.name] = (_placement(mine), reason)
     return decided
+
+
+def _admit_head(growth: _Growth, head: Demand) -> list[Slot] | None:
+    return growth.admit_or_grow(head, head.wanted, opens=True)
 
 
 @dataclass
@@ -254,6 +316,9 @@ class _Growth:
     kept for it)."""
     upper_blocked: bool = False
     """A higher priority tier has such a job: nobody of this one opens a free GPU."""
+    head: Demand | None = None
+    """The first pending job that may open a GPU and did not fit, at the last pass: the
+    head of the line (the one `shrink_to_admit` shrinks others for)."""
 
     def step(self, ranked: Sequence[Demand], admitting: bool, growing: bool) -> bool:
         """One pass over `ranked`, in order: pending jobs admitted (at the most they want, or
@@ -266,6 +331,7 @@ class _Growth:
             self.blocker, self.reserve = None, False
         blocked_line = self.upper_blocked
         changed = False
+        self.head = None
         for index, d in enumerate(ranked):
             if not self._has_turn(d, admitting, growing):
                 continue
@@ -274,11 +340,12 @@ class _Growth:
             if alone and growing:
                 after = self.blocker is not None and index > self.blocker
                 opens = opens and not self.reserve and not after
-            extra = self._admit_or_grow(d, d.wanted if growing else d.min, opens)
+            extra = self.admit_or_grow(d, d.wanted if growing else d.min, opens)
             if extra is not None:
                 changed = changed or bool(extra)
             elif may_open and not blocked_line:
                 blocked_line = True  # nobody after it opens a free GPU (head of line)
+                self.head = d
                 if alone:  # a job no GPU can hold (a peak grown past one) keeps none free
                     need = self.needs.at(d, d.min)
                     self.blocker = index
@@ -293,7 +360,7 @@ class _Growth:
             return admitting
         return growing and d.name not in self.frozen and len(mine) < d.wanted
 
-    def _admit_or_grow(self, d: Demand, top: int, opens: bool) -> list[Slot] | None:
+    def admit_or_grow(self, d: Demand, top: int, opens: bool) -> list[Slot] | None:
         """The GPUs added to `d` (up to `top` in all, counted in), or None: pending, its min
         did not fit."""
         mine = self.held[d.name]
@@ -455,6 +522,7 @@ def _decide_beside_sharers(
         )
         packed = packing(
             pool, sharing, current, closed=closed, no_new=set(draining) | held_shared,
+            draining=set(draining) - held_shared,
             may_open=None if limits.backfill else _may_open(exclusive, sharing, decided),
         )  # fmt: skip
         still = kept & {slot for placement, _ in packed.values() for slot in placement.slots()}

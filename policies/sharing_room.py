@@ -7,12 +7,13 @@ short enough to read.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from herd_operator.specs.values import Demand, Pool, Slot
@@ -44,7 +45,10 @@ def request_at(memory: int | None, split: int | None, low: int, size: int) -> in
     workers, of which `split` bytes in total are divided among the workers; 0 without one."""
     request = memory or 0
     if split and size > low:
-        request -= split // low - math.ceil(split / size)
+        # Rounded up (never counted under what a worker holds), and never above the request
+        # at the min: with a few bytes split (1 among 2 workers) the roundings made a bigger
+        # job count more per worker, and a job that grew no longer fit the GPUs it held.
+        request = min(request, request - split // low + math.ceil(split / size))
     return request
 
 
@@ -68,9 +72,14 @@ class GpuRoom:
     busy_of: Mapping[str, float] = field(default_factory=dict)
     """Each job's GPU utilization as the cap counts it (`counted_utilization`)."""
     busy: dict[Slot, float] = field(default_factory=dict)
+    draining: AbstractSet[Slot] = frozenset()
+    """Of `no_new`, the GPUs being given back: they will be free."""
+    counting_drains: bool = False
+    """Whether a new worker may be placed on `draining` GPUs (the head of the line being
+    admitted by shrinking others: its grant waits for them to drain, as `arbitrate`'s)."""
 
     def fits(self, slot: Slot, job: str, need: int, *, staying: bool = False) -> bool:
-        if slot in self.closed or (not staying and slot in self.no_new):
+        if slot in self.closed or (not staying and not self.open_to_new(slot)):
             return False
         jobs = self.jobs.get(slot, set())
         return (
@@ -83,10 +92,39 @@ class GpuRoom:
             )
         )
 
+    def open_to_new(self, slot: Slot) -> bool:
+        """Whether a worker not on `slot` yet may be placed there (memory aside)."""
+        return slot not in self.no_new or (self.counting_drains and slot in self.draining)
+
     def add(self, slot: Slot, job: str, need: int) -> None:
         self.used[slot] = self.used.get(slot, 0) + need
         self.jobs.setdefault(slot, set()).add(job)
         self.busy[slot] = self.busy.get(slot, 0.0) + self._busy(job)
+
+    def remove(self, slot: Slot, job: str, need: int) -> bool:
+        """Take `job`'s worker (counted `need` bytes) off `slot`; whether the GPU is free now
+        (then it is as if no one had been on it)."""
+        jobs = self.jobs[slot]
+        jobs.remove(job)
+        if not jobs:
+            del self.jobs[slot], self.used[slot], self.busy[slot]
+            return True
+        self.used[slot] -= need
+        self.busy[slot] -= self._busy(job)
+        return False
+
+    def copy(self) -> GpuRoom:
+        """What `restore` puts back."""
+        return replace(
+            self,
+            used=dict(self.used),
+            jobs={slot: set(jobs) for slot, jobs in self.jobs.items()},
+            busy=dict(self.busy),
+        )
+
+    def restore(self, saved: GpuRoom) -> None:
+        """Back to `saved` (a `copy`), in place: a `Candidates` holds this object."""
+        self.used, self.jobs, self.busy = saved.used, saved.jobs, saved.busy
 
     def _busy(self, job: str) -> float:
         return self.busy_of.get(job, 1.0)
@@ -149,9 +187,35 @@ class Candidates:
         self._free = [
             slot
             for slot in pool.slots()
-            if slot not in gpus.jobs and slot not in gpus.closed and slot not in gpus.no_new
-        ]
+            if slot not in gpus.jobs
+            and slot not in gpus.closed
+            and (slot not in gpus.no_new or slot in gpus.draining)
+        ]  # draining ones only while `counting_drains` (`GpuRoom.fits` says)
+        self._free_set = set(self._free)
         self._first_free = 0
+
+    def freed(self, slot: Slot) -> None:
+        """`slot` has no job on it any more (a job shrank off it): free GPUs may be taken."""
+        gpus = self._gpus
+        if slot in gpus.closed or (slot in gpus.no_new and slot not in gpus.draining):
+            return
+        position = bisect.bisect_left(self._free, self._order[slot], key=self._order.__getitem__)
+        if slot not in self._free_set:  # taken before this decision: not in the list yet
+            self._free.insert(position, slot)
+            self._free_set.add(slot)
+        self._first_free = min(self._first_free, position)  # the search skips past taken ones
+
+    def position(self, slot: Slot) -> int:
+        """`slot`'s place in the pool's order."""
+        return self._order[slot]
+
+    def saved(self) -> tuple[list[Slot], int]:
+        """What `restore` puts back."""
+        return list(self._free), self._first_free
+
+    def restore(self, saved: tuple[list[Slot], int]) -> None:
+        self._free, self._first_free = list(saved[0]), saved[1]
+        self._free_set = set(self._free)
 
     def best(
         self, job: str, mine: Sequence[Slot], need: int, count: int, opens: bool

@@ -224,7 +224,10 @@ def _table_header(wide: bool) -> list[str]:
 _AGE = _table_header(False).index("AGE")
 
 
-def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
+def _table_row(
+    obj: dict[str, Any], now: float, wide: bool, beside: Sequence[str] = ()
+) -> list[str]:
+    """One job's cells; `beside`: the jobs sharing a GPU with it now (wide only)."""
     gpus = obj["gpus"]
     row = [
         obj["name"],
@@ -242,7 +245,8 @@ def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
             f"{host}:{'+'.join(map(str, gpu_list))}" for host, gpu_list in obj["placement"].items()
         )
         if placement and gpus["share"]:  # GPUs shared by memory: what one worker asked for
-            placement += f"(shared:{gpus['memory'] or '?'})"
+            with_ = f",with:{'+'.join(beside)}" if beside else ""
+            placement += f"(shared:{gpus['memory'] or '?'}{with_})"
         row += [
             dash(epochs_completed(obj["epoch"])),
             eta_cell(obj, now),
@@ -255,9 +259,15 @@ def _table_row(obj: dict[str, Any], now: float, wide: bool) -> list[str]:
 
 
 def _print_objects(
-    records: Sequence[JobRecord], args: argparse.Namespace, *, header: bool, single: bool
+    records: Sequence[JobRecord],
+    args: argparse.Namespace,
+    *,
+    header: bool,
+    single: bool,
+    beside: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
-    """`records` in the `-o` format; `single`: one object, not a List (get NAME)."""
+    """`records` in the `-o` format; `single`: one object, not a List (get NAME); `beside`:
+    `_beside`, for `wide`."""
     layout = StateLayout(args.state_dir)
     if args.output in ("json", "yaml"):
         objects = [herdjob_resource(r, _log_file(layout, r.name)) for r in records]
@@ -275,8 +285,11 @@ def _print_objects(
         return
     wide = args.output == "wide"
     now = time.time()
+    shared = beside or {}
     rows = [
-        _table_row(job_object(record), now, wide) + _label_cells(record, args) for record in records
+        _table_row(job_object(record), now, wide, shared.get(record.name, ()))
+        + _label_cells(record, args)
+        for record in records
     ]
     if header and not args.no_headers:
         rows.insert(0, _table_header(wide) + _label_header(args))
@@ -293,12 +306,29 @@ def cmd_get(args: argparse.Namespace) -> int:
                 print(f"herd-operator: no job {args.name!r} in {args.state_dir}", file=sys.stderr)
                 return EXIT_FAILURE
         if records or args.output in ("json", "yaml"):
-            _print_objects(records, args, header=True, single=bool(args.name))
+            beside = _beside(store, args)
+            _print_objects(records, args, header=True, single=bool(args.name), beside=beside)
         elif args.output != "name":
             print(f"No jobs in {args.state_dir}.", file=sys.stderr)
         if args.watch:
             _watch_jobs(store, args, records)
     return EXIT_OK
+
+
+def _beside(store: Store, args: argparse.Namespace) -> dict[str, list[str]] | None:
+    """For `-o wide`: each job holding a GPU with other jobs now (GPUs shared by memory) ->
+    their names; None for the other formats (they do not show it)."""
+    if args.output != "wide":
+        return None
+    on: dict[tuple[str, int], list[str]] = {}
+    for job, placement in sorted(store.allocations().items()):
+        for slot in placement.slots():
+            on.setdefault(slot, []).append(job)
+    beside: dict[str, set[str]] = {}
+    for jobs in on.values():
+        for job in jobs:
+            beside.setdefault(job, set()).update(other for other in jobs if other != job)
+    return {job: sorted(others) for job, others in beside.items() if others}
 
 
 def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecord]) -> None:
@@ -327,7 +357,8 @@ def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecor
                     print("---", flush=True)
                 _print_objects([record], args, header=False, single=True)
         elif changed:
-            _print_objects(changed, args, header=not printed_header, single=False)
+            beside = _beside(store, args)
+            _print_objects(changed, args, header=not printed_header, single=False, beside=beside)
             printed_header = printed_header or args.output in ("table", "wide")
         if gone and args.output in ("table", "wide", "name"):
             for name in gone:
@@ -358,16 +389,28 @@ def _log_file(layout: StateLayout, name: str) -> Path | None:
 
 
 def _sharing_neighbours(store: Store, name: str) -> dict[str, list[str]]:
-    """Each GPU `name` holds with other jobs (`host:gpu` -> their names): GPUs shared by
-    memory (`spec.gpus.share`)."""
+    """Each GPU `name` holds with other jobs (`host:gpu` -> each of them with the memory its
+    worker asked for, `b (8Gi asked)`): GPUs shared by memory (`spec.gpus.share`)."""
     placements = store.allocations()
     mine = set(placements.get(name, Placement.EMPTY).slots())
     shared: dict[str, list[str]] = {}
+    asked: dict[str, str] = {}
     for job, placement in sorted(placements.items()):
         for host, gpu in placement.slots():
             if job != name and (host, gpu) in mine:
-                shared.setdefault(f"{host}:{gpu}", []).append(job)
+                if job not in asked:
+                    asked[job] = _asked_memory(store.get_job(job))
+                shared.setdefault(f"{host}:{gpu}", []).append(f"{job} ({asked[job]})")
     return shared
+
+
+def _asked_memory(record: JobRecord | None) -> str:
+    """What one worker of a sharing job asked for, as `describe` says it of a neighbour."""
+    try:
+        memory = record.spec.spec.gpus.memory if record is not None else None
+    except UnreadableSpecError:
+        memory = None  # its stored spec no longer parses: `describe` of it says why
+    return f"{memory} asked" if memory else "no memory asked: its measured peak"
 
 
 def _sharing_line(memory: str | None, neighbours: Mapping[str, list[str]]) -> str:

@@ -220,6 +220,20 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         " docs/mechanisms.md)",
     )
     run.add_argument(
+        "--share-whole-first",
+        action="store_true",
+        help="with --share-gpus: a sharing job takes a free GPU before a shared one whose"
+        " summed measured utilization it would take past 1.0 (default: shared GPUs first,"
+        " the fullest first; docs/mechanisms.md)",
+    )
+    run.add_argument(
+        "--share-shrink-to-admit",
+        action="store_true",
+        help="with --share-gpus: the first waiting sharing job that fits nowhere may take GPUs"
+        " from running sharing jobs of its priority or lower, down to their min, as whole-GPU"
+        " jobs are shrunk to admit one (default: a sharing job is never shrunk to admit another)",
+    )
+    run.add_argument(
         "--gpu-memory",
         type=parse_bytes,
         help="with --share-gpus: each GPU's memory, e.g. 80GiB (default: --virtual-gpu-memory"
@@ -432,8 +446,13 @@ def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | N
     """`--share-gpus` and its settings; the GPUs' memory must be known to share them."""
     cap = args.max_gpu_utilization
     if not args.share_gpus:
-        if cap is not None:
-            raise UsageError("--max-gpu-utilization: only with --share-gpus")
+        given = {
+            "--max-gpu-utilization": cap is not None,
+            "--share-whole-first": args.share_whole_first,
+            "--share-shrink-to-admit": args.share_shrink_to_admit,
+        }
+        for flag in (flag for flag, on in given.items() if on):
+            raise UsageError(f"{flag}: only with --share-gpus")
         return None
     if cap is not None and not (math.isfinite(cap) and cap >= 1.0):
         raise UsageError(
@@ -442,7 +461,10 @@ def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | N
     memory = args.gpu_memory or (args.virtual_gpu_memory if virtual else None)
     if memory is None:
         raise UsageError("--share-gpus: give --gpu-memory (each GPU's memory, e.g. 80GiB)")
-    return SharingLimits(args.max_jobs_per_gpu, args.memory_margin, memory, max_utilization=cap)
+    return SharingLimits(
+        args.max_jobs_per_gpu, args.memory_margin, memory, max_utilization=cap,
+        whole_first=args.share_whole_first, shrink_to_admit=args.share_shrink_to_admit,
+    )  # fmt: skip
 
 
 _NEW_TOKEN = (

@@ -102,6 +102,14 @@ def add_commands(commands: Subcommands) -> None:
         " summed utilization it would take past 1.0 (default: shared GPUs first)",
     )
     simulate.add_argument(
+        "--share-shrink-to-admit",
+        action="store_true",
+        help="under NAME+pack: the first waiting sharing job that fits nowhere may take GPUs"
+        " from running sharing jobs of its priority or lower, down to their min, as the"
+        " whole-GPU arbitration does (default: a sharing job is never shrunk to admit another;"
+        " not with --share-admit-first)",
+    )
+    simulate.add_argument(
         "--memory",
         choices=("guess", "published"),
         default="guess",
@@ -223,6 +231,8 @@ def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
     cap = args.max_gpu_utilization
     if cap is not None and cap < 1.0:
         raise ValueError(f"--max-gpu-utilization must be >= 1 (one busy job's), got {cap:g}")
+    if args.share_shrink_to_admit and args.share_admit_first:
+        raise ValueError("--share-shrink-to-admit and --share-admit-first: choose one")
     return replace(
         SIMULATED_SHARING,
         max_jobs_per_gpu=args.max_jobs_per_gpu,
@@ -230,6 +240,7 @@ def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
         backfill=args.share_backfill,
         admit_first=args.share_admit_first,
         whole_first=args.share_whole_first,
+        shrink_to_admit=args.share_shrink_to_admit,
     )
 
 

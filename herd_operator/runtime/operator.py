@@ -26,12 +26,10 @@ from prometheus_client import CollectorRegistry
 from herd_operator.auth import agent_key, ensure_token_file, write_token_file
 from herd_operator.controllers.workqueue import WorkQueue
 from herd_operator.environment import ALLOCATOR_ENV, STATE_DIR_ENV
-from herd_operator.layout import (
-    StateLayout,
-    remove_runtime_dir,
-)
+from herd_operator.layout import StateLayout, remove_runtime_dir
 from herd_operator.lifecycle import Hooks, Manager
 from herd_operator.policies.queueing import describe_queue
+from herd_operator.policies.sharing import describe_sharing
 from herd_operator.rpc.protocol import Handler
 from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.adoption import adopt
@@ -326,9 +324,9 @@ class Operator:
         job_launcher = JobLauncher(launcher, engines, self.layout, env, token, config.sharing)
         self._enqueue_known_jobs()
         log.info(
-            "pool: %s; allocator on %s; queue %s; specs from %s; state in %s",
+            "pool: %s; allocator on %s; queue %s; %s; specs from %s; state in %s",
             config.pool.description, address, describe_queue(config.queue),
-            config.specs_dir, self.layout.root,
+            describe_sharing(config.sharing), config.specs_dir, self.layout.root,
         )  # fmt: skip
         from herd_operator.controllers.loop import ControlLoop
         from herd_operator.controllers.reconciler import JobReconciler

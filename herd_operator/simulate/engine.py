@@ -519,8 +519,11 @@ class Simulation:
         self._advance(run, self.now)
         old, new = run.size, placement.size
         run.placement = placement
-        if old == new:
+        if old == new == 0:
             return
+        # Same size elsewhere (a shared GPU's worker moved): a new worker joins, as a grow by
+        # one does, and the job then reports its size (frees the drain of the GPU it left).
+        stall = run.model.stall(old - 1 if old == new else old, new)
         if old == 0 and run.admitted is None:
             run.admitted = self.now
         elif old > 0 and new == 0:
@@ -531,7 +534,7 @@ class Simulation:
             run.resizes += 1
             run.last_resize = self.now
         run.size = new
-        run.stall_until = self.now + run.model.stall(old, new)
+        run.stall_until = self.now + stall
         self._settle(run)
         self._schedule_epoch(run)
         if new == 0 and old > 0:

@@ -61,14 +61,15 @@ def test_two_sharing_jobs_share_a_gpu_and_the_one_that_grows_past_its_share_move
             [HERD, "get", "-o", "wide", "--state-dir", state],
             capture_output=True, text=True, check=True, timeout=60,
         ).stdout  # fmt: skip
-        assert "localhost:0+1(shared:768Mi)" in wide and "localhost:0(shared:768Mi)" in wide, wide
+        assert "localhost:0+1(shared:768Mi,with:small-b)" in wide, wide
+        assert "localhost:0(shared:768Mi,with:small-a)" in wide, wide
         described = subprocess.run(
             [HERD, "describe", "small-a", "--state-dir", state],
             capture_output=True, text=True, check=True, timeout=60,
         ).stdout  # fmt: skip
         assert (
             "Sharing:      GPUs shared by memory, 768Mi per worker asked;"
-            " localhost:0 with small-b" in described
+            " localhost:0 with small-b (768Mi asked)" in described
         ), described
         assert "(sharing, 768.0Mi per worker)" in described, described
         launch_a, launch_b = herd.launch_id("small-a"), herd.launch_id("small-b")

@@ -264,6 +264,16 @@ def test_the_allocator_options_of_run_reach_the_operators_allocator(
     assert started[-1].config.queue == QueueConfig("srpt", min_run_seconds=5.0)
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pool: ")]
     assert "; queue srpt (preempting after 5 s of a run, at most 8 times" in logged[-1]
+    assert "; GPUs not shared; specs from" in logged[-1]
+    sharing = ["--share-gpus", "--share-whole-first", "--share-shrink-to-admit"]
+    assert cli.main(["run", *common, "--state-dir", str(tmp_path / "shared"), *sharing]) == 0
+    limits = started[-1].config.sharing
+    assert limits is not None and (limits.whole_first, limits.shrink_to_admit) == (True, True)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pool: ")]
+    assert (
+        "; GPUs shared by memory (2.0Gi each, at most 4 jobs per GPU, margin 10%, no utilization"
+        " cap, whole GPUs first, shrinking sharing jobs to admit); specs from"
+    ) in logged[-1]
     capsys.readouterr()
     with pytest.raises(SystemExit):
         cli.main(["run", *common, "--queue", "sjf"])

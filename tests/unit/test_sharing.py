@@ -214,11 +214,13 @@ def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
             split = draw(st.none() | st.integers(0, (memory or 0) * low))
             demand = replace(demand, utilization=busy, memory_split_bytes=split)
         demands.append(demand)
+    admit_first = draw(st.booleans())
     limits = SharingLimits(
         max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1,
         max_utilization=draw(st.none() | st.sampled_from([1.0, 1.29, 2.0])),
-        backfill=draw(st.booleans()), admit_first=draw(st.booleans()),
+        backfill=draw(st.booleans()), admit_first=admit_first,
         whole_first=draw(st.booleans()),
+        shrink_to_admit=not admit_first and draw(st.booleans()),
     )  # fmt: skip
     return pool, demands, limits
 
@@ -353,12 +355,32 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
         assert {n: g.placement for n, g in alone.items()} == {
             d.name: grants[d.name].placement for d in exclusive
         }
+        if limits.shrink_to_admit:
+            _shrunk_only_to_admit(demands, current, grants)
         current = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
         again = arbitrate_sharing(pool, demands, current, limits=limits, **ranking)
         assert {n: g.placement for n, g in again.items()} == {
             n: g.placement for n, g in grants.items()
         }
         demands = _changed(demands, step)
+
+
+def _shrunk_only_to_admit(
+    demands: Sequence[Demand], current: Mapping[str, Placement], grants: Mapping[str, Grant]
+) -> None:
+    """With `shrink_to_admit`, a job shrunk to admit another names it, and that one waited
+    (held no GPU), is admitted now (its whole min) and is of the shrunk job's priority or
+    higher."""
+    by_name = {d.name: d for d in demands}
+    for name, grant in grants.items():
+        before = current.get(name, Placement.EMPTY).size
+        if "admitting" not in grant.reason or not grant.reason.startswith("shrunk"):
+            continue
+        taker = by_name[grant.reason.split("admitting ", 1)[1].split(" ", 1)[0]]
+        assert before > grant.placement.size >= by_name[name].min, (name, grant)
+        assert not current.get(taker.name, Placement.EMPTY).size, (name, taker.name)
+        assert grants[taker.name].placement.size >= taker.min, (name, taker.name)
+        assert taker.priority >= by_name[name].priority, (name, taker.name)
 
 
 def test_a_gpu_a_sharing_job_leaves_goes_to_a_waiting_exclusive_job_in_the_same_decision() -> None:

@@ -4,10 +4,12 @@ runs at; and a sharing job whose min no pool can hold, named."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from herd_operator.controllers.job_status import ReconcilerBase
-from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing
+from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing, worker_memory_at
 from herd_operator.policies.sharing_guard import Sharer, near_ratio_of
 from herd_operator.specs import spec_fingerprint
 from herd_operator.specs.loading import load_spec_text
@@ -88,3 +90,13 @@ def test_a_sharing_job_whose_min_no_pool_holds_names_the_field() -> None:
         "pending: spec.gpus.min: 3 is above the pool's 2 GPU(s) (a sharing job's workers each"
         " take a GPU of their own)"
     )
+
+
+def test_a_worker_never_counts_more_at_a_bigger_size_whatever_the_rounding() -> None:
+    # Hypothesis found it (seed 14, on main too): 1 byte split among 2 workers counted 4 at 2
+    # GPUs and 5 at 3 (4 - 1 // 2 + ceil(1 / 3)); a job that grew to 3 then no longer fit the
+    # GPUs it held beside others, and deciding again moved a neighbour.
+    demand = replace(Demand("a", 2, 3, 3), share=True, memory_bytes=4, memory_split_bytes=1)
+    assert [worker_memory_at(demand, size, 0.0) for size in (2, 3)] == [4, 4]
+    splitting = replace(demand, memory_bytes=10, memory_split_bytes=8)
+    assert [worker_memory_at(splitting, size, 0.0) for size in (2, 3, 4)] == [10, 9, 8]

@@ -169,3 +169,24 @@ def test_simulate_takes_the_utilization_cap_and_names_a_bad_one(tmp_path: Path) 
     with contextlib.redirect_stderr(err):
         assert main([*argv, "0.5"]) == EXIT_USAGE
     assert "--max-gpu-utilization must be >= 1" in err.getvalue()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main([*argv, "1.29", "--share-shrink-to-admit"]) == EXIT_USAGE
+    assert "--share-shrink-to-admit and --share-admit-first: choose one" in err.getvalue()
+
+
+def test_shrinking_a_sharing_job_admits_a_waiting_one_at_once() -> None:
+    # a (elastic, 1-2 GPUs) fills both GPUs of the pool; b (1 GPU, as big) arrives later.
+    # Without shrink-to-admit b waits for a to end; with it, a gives one GPU back at b's
+    # arrival and b starts once a's worker left it (a's shrink, then a's report frees the
+    # drain): no drain stays held past its deadline.
+    whole = {"mem_fixed": 0.5, "mem_batch": 0.4, "gpu_utilization": 0.9}
+    elastic = small("a", requested=2, max_gpus=2, work=4000.0, **whole)
+    waiting = small("b", arrival=100.0, **whole)
+    config = {"pack": True, "sharing": replace(SIMULATED_SHARING, shrink_to_admit=True)}
+    plain = {job.name: job for job in run([elastic, waiting], "1x2", pack=True).jobs}
+    shrunk = {job.name: job for job in run([elastic, waiting], "1x2", **config).jobs}
+    assert plain["b"].admitted == pytest.approx(plain["a"].finished)
+    assert shrunk["b"].admitted == pytest.approx(100.0, abs=1.0)
+    assert shrunk["b"].finished < plain["b"].finished
+    assert shrunk["a"].resizes == 2  # shrunk for b, grown again once b ended

@@ -1,0 +1,117 @@
+"""Shrinking sharing jobs to admit a waiting one (`SharingLimits.shrink_to_admit`,
+`policies/sharing_shrink.py`): named cases. Its properties (never over-committed, the
+exclusive rules, deciding again changes nothing, a decision changed only by an admission)
+are `test_sharing.py`'s hypothesis test, which draws the option."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from herd_operator.cli.arguments import UsageError
+from herd_operator.cli.main import build_parser
+from herd_operator.cli.run import sharing_limits
+from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing
+from herd_operator.specs.values import Placement, Pool
+from tests.unit.test_sharing import GI, share, slots_of
+
+ALONE = 40 * GI
+"""A worker that fills a 40 GiB GPU: it shares with no one."""
+SHRINK = SharingLimits(shrink_to_admit=True)
+
+
+def _on(*gpus: int) -> Placement:
+    return Placement((("h0", gpus),))
+
+
+def test_a_job_alone_on_its_gpus_is_shrunk_to_its_min_to_admit_a_waiting_one() -> None:
+    pool = Pool.from_counts({"h0": 4}, gpu_memory_bytes=ALONE)
+    running = replace(share("a", 1, ALONE), max=4, desired=4)
+    waiting = share("b", 2, ALONE, arrival=1.0)
+    current = {"a": _on(0, 1, 2, 3)}
+    plain = arbitrate_sharing(pool, [running, waiting], current, limits=SharingLimits())
+    assert plain["a"].placement.size == 4 and plain["b"].placement.size == 0
+    grants = arbitrate_sharing(pool, [running, waiting], current, limits=SHRINK)
+    assert slots_of(grants, "a") == [("h0", 0), ("h0", 1)]  # the last GPUs go first
+    assert slots_of(grants, "b") == [("h0", 2), ("h0", 3)]
+    assert grants["a"].reason == "shrunk 4 -> 2: admitting b (sharing, 40.0Gi per worker)"
+    assert grants["b"].reason == "admitted 0 -> 2: min 2 fits (sharing, 40.0Gi per worker)"
+    # Deciding again changes nothing: a wants 4 again, but b holds what it was given.
+    again = {job: grant.placement for job, grant in grants.items()}
+    regrants = arbitrate_sharing(pool, [running, waiting], again, limits=SHRINK)
+    assert {job: grant.placement for job, grant in regrants.items()} == again
+
+
+def test_a_worker_is_taken_off_a_shared_gpu_where_that_makes_room() -> None:
+    # h0:0 holds a and x (20 + 20 GiB), h0:1 a and y (20 + 15): b (25) fits beside y alone.
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=ALONE)
+    running = replace(share("a", 1, 20 * GI), max=2, desired=2)
+    x = share("x", 1, 20 * GI, priority=1)
+    y = share("y", 1, 15 * GI, priority=1, arrival=0.5)
+    waiting = share("b", 1, 25 * GI, arrival=1.0)
+    current = {"a": _on(0, 1), "x": _on(0), "y": _on(1)}
+    limits = replace(SHRINK, margin=0.0)
+    grants = arbitrate_sharing(pool, [running, x, y, waiting], current, limits=limits)
+    assert slots_of(grants, "a") == [("h0", 0)] and slots_of(grants, "b") == [("h0", 1)]
+    assert slots_of(grants, "x") == [("h0", 0)] and slots_of(grants, "y") == [("h0", 1)]
+
+
+def test_nobody_is_shrunk_for_a_job_that_would_not_fit_even_so() -> None:
+    pool = Pool.from_counts({"h0": 4}, gpu_memory_bytes=ALONE)
+    running = replace(share("a", 2, ALONE), max=4, desired=4)  # can give 2 at most
+    waiting = share("b", 3, ALONE, arrival=1.0)
+    current = {"a": _on(0, 1, 2, 3)}
+    grants = arbitrate_sharing(pool, [running, waiting], current, limits=SHRINK)
+    assert grants == arbitrate_sharing(pool, [running, waiting], current, limits=SharingLimits())
+    assert grants["a"].placement.size == 4 and grants["b"].placement.size == 0
+
+
+@pytest.mark.parametrize("why", ["higher priority", "frozen"])
+def test_a_higher_priority_or_recently_resized_job_is_not_shrunk(why: str) -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=ALONE)
+    running = replace(share("a", 1, ALONE), max=2, desired=2)
+    frozen: frozenset[str] = frozenset()
+    if why == "higher priority":
+        running = replace(running, priority=1)
+    else:
+        frozen = frozenset({"a"})
+    waiting = share("b", 1, ALONE, arrival=1.0)
+    grants = arbitrate_sharing(
+        pool, [running, waiting], {"a": _on(0, 1)}, limits=SHRINK, frozen=frozen
+    )
+    assert grants["a"].placement.size == 2 and grants["b"].placement.size == 0
+
+
+def test_a_job_splitting_its_batch_is_shrunk_only_where_its_other_workers_still_fit() -> None:
+    # a's workers need 10 GiB each at 2 GPUs, 20 at 1 (its batch split); x fills h0:0 but
+    # 15 GiB: taking a's worker off h0:1 would push a's other one to 20 GiB, past the GPU.
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=ALONE)
+    splitting = replace(share("a", 1, 20 * GI), max=2, desired=2, memory_split_bytes=20 * GI)
+    filler = share("x", 1, 25 * GI, arrival=0.5)
+    waiting = share("b", 1, 35 * GI, arrival=1.0)
+    current = {"a": _on(0, 1), "x": _on(0)}
+    limits = replace(SHRINK, margin=0.0)
+    grants = arbitrate_sharing(pool, [splitting, filler, waiting], current, limits=limits)
+    assert grants["a"].placement.size == 2 and grants["b"].placement.size == 0
+
+
+def test_shrinking_and_admission_first_are_refused_together() -> None:
+    with pytest.raises(ValueError, match="shrink_to_admit and admit_first"):
+        SharingLimits(shrink_to_admit=True, admit_first=True)
+
+
+def test_run_takes_whole_first_and_shrink_to_admit_only_with_share_gpus() -> None:
+    parser = build_parser()
+    both = ["--share-whole-first", "--share-shrink-to-admit"]
+    args = parser.parse_args(["run", "--share-gpus", "--gpu-memory", "80GiB", *both])
+    limits = sharing_limits(args, virtual=False)
+    assert limits == SharingLimits(gpu_memory_bytes=80 << 30, whole_first=True,
+                                   shrink_to_admit=True)  # fmt: skip
+    plain = sharing_limits(
+        parser.parse_args(["run", "--share-gpus", "--gpu-memory", "1GiB"]), False
+    )
+    assert plain is not None and not (plain.whole_first or plain.shrink_to_admit)
+    for flag in both:
+        with pytest.raises(UsageError, match=f"{flag}: only with --share-gpus"):
+            sharing_limits(parser.parse_args(["run", flag]), virtual=False)
