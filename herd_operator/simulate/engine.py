@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from herd_operator.policies.base import JobObservations, Policy, Signal
-from herd_operator.policies.queueing import QueueConfig
 from herd_operator.policies.registry import load_policy
-from herd_operator.policies.sharing import SharingLimits
-from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS, Allocator
-from herd_operator.simulate.colocation import SIMULATED_SHARING, GpuOccupancy, sharing_request
+from herd_operator.runtime.allocator import Allocator
+from herd_operator.simulate.colocation import GpuOccupancy, sharing_request
+from herd_operator.simulate.config import SimConfig
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
-from herd_operator.specs import HerdJob, PolicyRef
-from herd_operator.specs.values import Demand, Grant, Placement, Pool, Report, UsageSample
+from herd_operator.specs import HerdJob
+from herd_operator.specs.values import Demand, Grant, Placement, Report, UsageSample
 
 _NO_METRICS: Mapping[str, float] = MappingProxyType({})
 KEPT_OBSERVATIONS = 16
@@ -49,49 +48,6 @@ class Kind(enum.IntEnum):
     """A recently resized job may be resized again: decide again."""
     RESYNC = 5
     """The operator's periodic resync: every running job is reconciled again."""
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    pool: Pool
-    policy: PolicyRef
-    tick: float = 0.0
-    """0: decide at each event's instant; > 0: at the next multiple of `tick` seconds."""
-    min_resize_interval: float = 30.0
-    """The operator's `--min-resize-interval` default."""
-    drain_seconds: float = 30.0
-    resync: float = 0.0
-    """> 0: every job is reconciled again every `resync` seconds, as the operator's periodic
-    resync does (5 s by default there); 0: only at its events. Each resync is a reconcile per
-    running job, so at scale it costs what it does in the operator."""
-    spare_by_gain: bool = False
-    """The allocator lends GPUs nobody wants by the gain policies report (`Allocator`)."""
-    smallest_first: bool = False
-    """The allocator admits pending jobs smallest min first (`Allocator`)."""
-    share_by_gain: bool = False
-    """The allocator divides the GPUs above the mins by the gain policies report (`Allocator`)."""
-    share_by_speedup: bool = False
-    """... by the harmonic mean of the jobs' speedups (`Allocator`, `policies/power_mean.py`)."""
-    max_wait_seconds: float = DEFAULT_MAX_WAIT_SECONDS
-    """With `smallest_first`: the wait after which a pending job goes first."""
-    queue: QueueConfig | None = None
-    """The allocator's queue: order by service attained or work left, and preemption
-    (`policies/queueing.py`); None: arrival order, no preemption."""
-    pack: bool = False
-    """Jobs may share GPUs (`simulate --policy NAME+pack`): the allocator packs those that opt
-    in by their memory per worker, each runs slower by `colocation.interference_slowdown`,
-    and the GPUs counted as allocated are those holding at least one job."""
-    share_utilization: float = 1.0
-    """Under `pack`, the jobs whose GPU utilization is at most this opt in (1.0: all)."""
-    sharing: SharingLimits = SIMULATED_SHARING
-    """Under `pack`, the allocator's sharing settings (jobs per GPU, utilization cap...)."""
-    adaptive_batch: bool = False
-    """Jobs with a noise profile (`JobModel.batching`) report the adaptive metrics at each
-    epoch end and train at the batch the policy's decision carries (`simulate/batching.py`);
-    False: every job keeps its trace's batch."""
-    record: bool = False
-    """Keep every request, release and report given to the allocator, batch by batch
-    (for replaying them on another allocator)."""
 
 
 class _NullSink:

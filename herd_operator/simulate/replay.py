@@ -22,7 +22,8 @@ from pathlib import Path
 
 from herd_operator.policies.goodput import fit_serial, rates_by_size, speedup
 from herd_operator.runtime.store import Store
-from herd_operator.simulate.engine import SimConfig, Simulation
+from herd_operator.simulate.config import SimConfig
+from herd_operator.simulate.engine import Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.specs import PolicyRef
 from herd_operator.specs.values import Pool, Report

@@ -17,7 +17,8 @@ from herd_operator.simulate.colocation import (
     with_published_memory,
     with_utilization,
 )
-from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
+from herd_operator.simulate.config import SimConfig
+from herd_operator.simulate.engine import SimResult, Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.workload import (
     MixParams,

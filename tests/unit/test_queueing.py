@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from herd_operator.policies.queueing import QueueConfig, Service, plan, rank, work_left
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.simulate.engine import SimConfig, Simulation
+from herd_operator.simulate.config import SimConfig
+from herd_operator.simulate.engine import Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.runner import parse_allocator_options
 from herd_operator.simulate.workload import perlmutter_mix

@@ -19,7 +19,8 @@ from herd_operator.simulate.batching import (
     derive_batching,
 )
 from herd_operator.simulate.calibration import POLLUX_CALIBRATIONS
-from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
+from herd_operator.simulate.config import SimConfig
+from herd_operator.simulate.engine import SimResult, Simulation
 from herd_operator.simulate.model import JobModel
 from herd_operator.simulate.pollux_profiles import POLLUX_BATCHING
 from herd_operator.simulate.runner import Workload, parse_allocator_options, parse_pool

@@ -20,7 +20,8 @@ from herd_operator.policies.goodput import (
     speedup,
 )
 from herd_operator.runtime.allocator import Allocator
-from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
+from herd_operator.simulate.config import SimConfig
+from herd_operator.simulate.engine import SimResult, Simulation
 from herd_operator.simulate.model import (
     GROW_STALL_SECONDS,
     SHRINK_STALL_SECONDS,

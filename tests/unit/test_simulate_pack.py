@@ -20,7 +20,8 @@ from herd_operator.simulate.colocation import (
     utilization_within,
     with_utilization,
 )
-from herd_operator.simulate.engine import SimConfig, SimResult, Simulation
+from herd_operator.simulate.config import SimConfig
+from herd_operator.simulate.engine import SimResult, Simulation
 from herd_operator.simulate.model import START_SECONDS, JobModel
 from herd_operator.simulate.runner import parse_pool
 from herd_operator.simulate.share_report import sharing_table, summarize_sharing
