@@ -15,8 +15,12 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import TYPE_CHECKING
 
-from herd_operator.specs.values import Demand, Pool, Slot
+from herd_operator.specs.values import Demand, Placement, Pool, Slot
+
+if TYPE_CHECKING:
+    from herd_operator.policies.sharing import SharingLimits
 
 LIGHT_TOGETHER = 1.0
 """Summed utilization (`Demand.utilization`) up to which jobs sharing a GPU fit in its time:
@@ -29,6 +33,23 @@ def worker_memory(demand: Demand, margin: float) -> int:
     its measured peak raised by `margin`; 0 when neither is known."""
     measured = math.ceil(demand.measured_bytes * (1.0 + margin)) if demand.measured_bytes else 0
     return max(demand.memory_bytes or 0, measured)
+
+
+def counted_memory(
+    limits: SharingLimits | None,
+    demands: Mapping[str, Demand],
+    placements: Mapping[str, Placement],
+    shared: AbstractSet[str],
+) -> dict[str, int]:
+    """Bytes one worker of each sharing job that holds GPUs is counted for at its size
+    (`worker_memory_at`); a job with no demand (adopted, not asked yet) is left out. What
+    the store logs per shared GPU (`Allocation.memory`)."""
+    margin = limits.margin if limits is not None else 0.0
+    return {
+        job: worker_memory_at(demands[job], placement.size, margin)
+        for job, placement in placements.items()
+        if job in shared and job in demands and placement.size
+    }
 
 
 def worker_memory_at(demand: Demand, size: int, margin: float) -> int:

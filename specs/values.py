@@ -296,6 +296,9 @@ class Allocation:
     """The jobs that share GPUs by memory: a GPU may be in several of their placements."""
     service: Mapping[str, ServiceRecord] = field(default_factory=dict)
     """What each job had of the pool under the allocator's queue (empty without one)."""
+    memory: Mapping[str, int] = field(default_factory=dict)
+    """Bytes one worker of each sharing job that holds GPUs is counted for (0: not known);
+    the store logs it per shared GPU for the report."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Protocol
 from herd_operator.controllers.ports import Workers
 from herd_operator.policies.queueing import QueueConfig
 from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing, held_slots, sharers
+from herd_operator.policies.sharing_room import counted_memory
 from herd_operator.runtime.bindings import (
     Binding,
     BindingTracker,
@@ -144,8 +145,7 @@ class Allocator:
         # Adopted jobs' placements whose demand has not come: no decision gives them away.
         self._held: dict[str, Placement] = {}
         self._shared_held: frozenset[str] = frozenset()  # held jobs that share GPUs by memory
-        self._cordoned: frozenset[str] = frozenset()
-        """Hosts whose free GPUs are granted to nobody (see `cordon`)."""
+        self._cordoned: frozenset[str] = frozenset()  # hosts granted to nobody: `cordon`
         # When each job not admitted was first left pending (only with smallest_first).
         self._pending_since: dict[str, float] = {}
         self._world = WorldSizes(lost_grace_seconds)
@@ -189,7 +189,8 @@ class Allocator:
         placements = {job: grant.placement for job, grant in self._grants.items()}
         shared = sharers(self.sharing, self._demands, self._held, self._shared_held)
         service = self._service.records(self._clock(), self._wall_clock())
-        return Allocation(placements, self._drains.records(), shared, service)
+        memory = counted_memory(self.sharing, self._demands, placements, shared)
+        return Allocation(placements, self._drains.records(), shared, service, memory)
 
     def mark_unrecorded(self) -> None:
         """What was recorded was lost (the store rolled back the group it was written in):
@@ -208,8 +209,7 @@ class Allocator:
         """Record a job's demand, decide again for everyone, return the job's grant.
 
         Inside `batch()`, a changed demand is only recorded: the result is None and the job
-        is woken (the `watch` listeners) once the batch's single decision is made.
-        """
+        is woken (the `watch` listeners) once the batch's single decision is made."""
         with self._changing():
             thawed = self._next_thaw is not None and self._clock() >= self._next_thaw
             drained = self._finish_drains()

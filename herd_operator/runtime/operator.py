@@ -236,9 +236,7 @@ class Operator:
             config.pool.pool,
             engines,
             virtual=config.pool.virtual,
-            on_decision=lambda decided: store.replace_allocations(
-                decided.placements, time.time(), decided.draining, decided.shared, decided.service
-            ),
+            on_decision=lambda decided: store.record_allocation(decided, time.time()),
             min_resize_interval=config.min_resize_interval,
             drain_seconds=config.drain_seconds,
             spare_by_gain=config.spare_by_gain,

@@ -44,6 +44,7 @@ def test_the_json_report_has_its_documented_shape(
         "poolInferred",
         "jobs",
         "grantChanges",
+        "sharedGpus",
     ]
     assert (shown["kind"], shown["version"]) == ("HerdReport", 1)
     assert shown["start"] == "2023-11-14T22:13:20Z"
@@ -104,7 +105,7 @@ def test_the_csv_has_a_header_row_and_one_row_per_job(
     state_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = report(capsys, state_dir, "--format", "csv", "--jobs", "beta")
-    assert out.splitlines() == [",".join(CSV_COLUMNS), "beta,Running,static,2,2,540.0,0,0,125.0"]
+    assert out.splitlines() == [",".join(CSV_COLUMNS), "beta,Running,static,2,2,540.0,0,0,125.0,,"]
 
 
 def test_a_json_or_csv_output_file_picks_its_format(

@@ -444,6 +444,8 @@ def test_two_sharing_jobs_bind_to_one_gpu_and_a_restart_gives_it_back_to_both() 
     assert allocator.bind("a", "localhost", 0, 11) == (("localhost", 0),)
     assert allocator.bind("b", "localhost", 0, 12) == (("localhost", 0),)
     assert recorded[-1].shared == {"a", "b"}
+    # What each sharing worker is counted for is recorded too (the store logs it per GPU).
+    assert recorded[-1].memory == {"a": 3 * GI, "b": 3 * GI}
     # An exclusive job waits: the only GPU is shared.
     waiting = allocator.request(Demand("x", 1, 1, 1, arrival=2.0))
     assert waiting is not None and not waiting.admitted
@@ -457,6 +459,7 @@ def test_two_sharing_jobs_bind_to_one_gpu_and_a_restart_gives_it_back_to_both() 
     restarted.restore(placements, allocator.bindings(), shared=recorded[-1].shared)
     assert restarted.placements() == placements
     assert again[-1].shared == {"a", "b"}
+    assert again[-1].memory == {}, "adopted jobs' memory is known once they ask"
     newcomer = restarted.request(share("c", 1, GI, arrival=3.0))
     assert newcomer is not None and not newcomer.admitted
     granted = restarted.request(a)

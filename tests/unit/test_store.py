@@ -335,8 +335,8 @@ def test_a_new_store_is_created_at_the_current_version_without_the_runtime_table
     db_path: Path,
 ) -> None:
     Store(db_path).close()
-    assert SCHEMA_VERSION == 5
-    assert user_version(db_path) == 5
+    assert SCHEMA_VERSION == 6
+    assert user_version(db_path) == 6
     assert tables(db_path) == {
         "jobs",
         "allocations",
@@ -345,6 +345,7 @@ def test_a_new_store_is_created_at_the_current_version_without_the_runtime_table
         "gpu_usage",
         "grant_history",
         "grant_history_trimmed",
+        "share_history",
         "events",
         "meta",
     }
@@ -360,6 +361,7 @@ def test_a_reader_reads_a_version_1_store_as_it_is(db_path: Path) -> None:
         assert reader.allocations() == {}
         assert reader.draining() == {}, "no drains were recorded then"
         assert reader.trimmed_history() == {}, "no bound then: nothing was dropped"
+        assert reader.share_history() == [], "no log of shared GPUs then"
     assert user_version(db_path) == 1  # a reader never migrates
     assert "runtime" in tables(db_path)
 
@@ -371,7 +373,7 @@ def test_the_writer_migrates_a_version_1_store(db_path: Path) -> None:
         assert job is not None and (job.uid, job.status.epoch) == ("0" * 32, 3)
     assert user_version(db_path) == SCHEMA_VERSION
     assert "runtime" not in tables(db_path)
-    assert {"grant_history_trimmed", "drains"} <= tables(db_path)
+    assert {"grant_history_trimmed", "drains", "share_history"} <= tables(db_path)
     with Store(db_path) as again:  # migrated once: opening again changes nothing
         assert again.get_job("resnet") == job
 

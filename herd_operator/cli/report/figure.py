@@ -1,5 +1,6 @@
 """The report's figure: three panels on one time axis (GPUs per job, the pool stacked,
-GPU memory), drawn with matplotlib into a PNG, SVG or PDF.
+GPU memory), and a fourth when GPUs were shared (each shared GPU's jobs and their memory),
+drawn with matplotlib into a PNG, SVG or PDF.
 
 Apart from the numbers it shows (`figure_data`, pure and tested without drawing):
 matplotlib is imported only here, and only when a figure is drawn.
@@ -26,6 +27,7 @@ from herd_operator.cli.report.figure_data import (
     world_size_steps,
 )
 from herd_operator.cli.report.series import JobSeries, RunData
+from herd_operator.cli.report.shares import LANE_HEIGHT, share_bars
 from herd_operator.cli.report.text import format_duration
 
 if TYPE_CHECKING:
@@ -73,15 +75,21 @@ def figure_title(run: RunData) -> str:
 
 
 def draw_run(figure: Figure, run: RunData) -> None:
-    """Three panels on one time axis: GPUs per job, the pool stacked, GPU memory."""
+    """Three panels on one time axis: GPUs per job, the pool stacked, GPU memory; and the
+    shared GPUs below them when there were any."""
     scale, unit = time_unit(run.end)
     styles = job_styles([job.name for job in run.jobs])
-    jobs_axes, pool_axes, memory_axes = figure.subplots(3, 1, sharex=True, height_ratios=[3, 2, 2])
+    ratios = [3, 2, 2, 2] if run.shared else [3, 2, 2]
+    panels = figure.subplots(len(ratios), 1, sharex=True, height_ratios=ratios)
+    jobs_axes, pool_axes, memory_axes = panels[:3]
     figure.suptitle(figure_title(run), fontsize=11)
     top = max(run.pool_max, *(job.max_gpus or 0 for job in run.jobs), 1)
     _draw_jobs(jobs_axes, run, styles, scale, top)
     _draw_pool(pool_axes, run, styles, scale, top)
     _draw_memory(memory_axes, run, styles, scale, unit)
+    if run.shared:
+        memory_axes.set_xlabel("")
+        _draw_shared(panels[3], run, styles, scale, unit)
     figure.legend(
         handles=_legend_handles(run, styles),
         loc="outside lower center",
@@ -269,6 +277,48 @@ def _draw_memory(
     axes.grid(axis="y", alpha=0.3)
     axes.set_title(
         "(c) GPU memory used, and the memory policy's thresholds", loc="left", fontsize=9
+    )
+
+
+def _draw_shared(
+    axes: Axes, run: RunData, styles: Sequence[JobStyle], scale: float, unit: str
+) -> None:
+    """(d) each shared GPU a lane: its jobs stacked by the memory each worker is counted for,
+    labelled where the bar is wide enough."""
+    style_of = dict(zip([job.name for job in run.jobs], styles, strict=True))
+    lanes, bars = share_bars(run.shared)
+    for bar in bars:
+        style = style_of.get(bar.job)  # a neighbour left out by --jobs: grey
+        axes.bar(
+            bar.start / scale,
+            bar.height,
+            width=max(bar.width, 0.0) / scale,
+            bottom=bar.bottom,
+            align="edge",
+            color=style.color if style else "#999999",
+            hatch=style.hatch if style else "",
+            edgecolor="white",
+            linewidth=0.5,
+        )
+        if bar.width >= run.end / 8:
+            axes.text(
+                (bar.start + bar.width / 2) / scale,
+                bar.bottom + bar.height / 2,
+                bar.text,
+                ha="center",
+                va="center",
+                fontsize=7,
+                # Black on a pale box: readable on every job's colour and hatch.
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.8, "lw": 0},
+            )
+    axes.set_yticks([lane + LANE_HEIGHT / 2 for lane in range(len(lanes))], lanes, fontsize=7)
+    axes.set_ylim(-0.1, len(lanes))
+    axes.set_xlim(0, max(run.end, 1.0) * 1.01 / scale)
+    axes.set_xlabel(f"{unit} since the start of the run")
+    axes.set_title(
+        "(d) shared GPUs: each job's memory counted per worker (bar height)",
+        loc="left",
+        fontsize=9,
     )
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from herd_operator.cli.report.shares import SharedSpan, shared_spans
 from herd_operator.policies.memory import MemoryParams
 from herd_operator.runtime.store import (
     MAX_EVENTS,
@@ -139,6 +140,9 @@ class RunData:
     pool_inferred: bool = False
     """The store did not log the pool's size (written by an older operator): ``pool`` is
     the most GPUs the jobs held at once."""
+    shared: tuple[SharedSpan, ...] = ()
+    """When a GPU held several of the jobs' workers, and each one's memory (none for a
+    store from before the log of shared GPUs, schema 6)."""
 
     def pool_at(self, when: float) -> int:
         size = self.pool[0][1] if self.pool else 0
@@ -389,9 +393,11 @@ def load_run(
         job_series(source, reports[source.name], usage[source.name], origin) for source in sources
     )
     end = max(0.0, last - origin)
+    shared = shared_spans(store.share_history(), origin, end, {s.name for s in sources})
     if pool_sizes:
         earlier = [gpus for at, gpus in pool_sizes if at <= origin]
         pool = [(0.0, earlier[-1] if earlier else pool_sizes[0][1])]
         pool += [(at - origin, gpus) for at, gpus in pool_sizes if origin < at <= last]
-        return RunData(state_dir, origin, end, jobs, tuple(pool))
-    return RunData(state_dir, origin, end, jobs, ((0.0, infer_pool(jobs)),), pool_inferred=True)
+        return RunData(state_dir, origin, end, jobs, tuple(pool), shared=shared)
+    pool_size = ((0.0, infer_pool(jobs)),)
+    return RunData(state_dir, origin, end, jobs, pool_size, pool_inferred=True, shared=shared)

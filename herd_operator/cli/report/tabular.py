@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from herd_operator.cli.report.series import JobSeries, RunData
+from herd_operator.cli.report.shares import SharedSpan
 from herd_operator.cli.views import rfc3339
 
 REPORT_KIND = "HerdReport"
@@ -32,7 +33,11 @@ CSV_COLUMNS = (
     "epochs",
     "resizes",
     "pending_seconds",
+    "shared_with",
+    "shared_memory_bytes",
 )
+"""``shared_with``: the jobs that shared a GPU with it (``;`` between them, empty if none);
+``shared_memory_bytes``: the most one of its workers was counted for on a shared GPU."""
 
 
 def _job(job: JobSeries, end: float) -> dict[str, Any]:
@@ -49,6 +54,24 @@ def _job(job: JobSeries, end: float) -> dict[str, Any]:
         # None: the whole grant history is kept; else run seconds up to which it was trimmed.
         "historyTrimmedThroughSeconds": job.trimmed_through,
     }
+
+
+def _shared_gpu(span: SharedSpan) -> dict[str, Any]:
+    return {
+        "gpu": span.gpu,
+        "fromOffsetSeconds": span.start,
+        "toOffsetSeconds": span.end,
+        # 0: the job's memory was not known (adopted by a restarted operator, not asked yet).
+        "jobs": [{"job": job, "memoryBytes": count} for job, count in span.jobs],
+    }
+
+
+def _sharing(run: RunData, name: str) -> tuple[str, int | None]:
+    """The CSV's ``shared_with`` and ``shared_memory_bytes`` of job ``name``."""
+    spans = [span for span in run.shared if name in dict(span.jobs)]
+    others = sorted({job for span in spans for job, _ in span.jobs} - {name})
+    counted = max((dict(span.jobs)[name] for span in spans), default=None)
+    return ";".join(others), counted
 
 
 def report_object(run: RunData) -> dict[str, Any]:
@@ -76,6 +99,7 @@ def report_object(run: RunData) -> dict[str, Any]:
             }
             for step, name in changes
         ],
+        "sharedGpus": [_shared_gpu(span) for span in run.shared],
     }
 
 
@@ -101,6 +125,7 @@ def format_csv(run: RunData) -> str:
             job["epochs"],
             job["resizes"],
             job["pendingSeconds"],
+            *_sharing(run, job["name"]),
         ]
         writer.writerow(["" if value is None else value for value in row])
     return out.getvalue()

@@ -77,4 +77,18 @@ def format_summary(run: RunData, markdown: bool = False) -> str:
         lines = [headline, "", *_table(rows, False), ""]
         lines += ["Grant changes:" + ("" if changes else " none")]
         lines += ["  " + line for line in _table(log_rows, False)] if changes else []
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _shared_lines(run, markdown)) + "\n"
+
+
+def _shared_lines(run: RunData, markdown: bool) -> list[str]:
+    """The GPUs that held several jobs, when, and the memory each job's worker there was
+    counted for (nothing when none did, or the store predates the log: schema 6)."""
+    if not run.shared:
+        return []
+    rows = [["GPU", "FROM", "TO", "JOBS (MEMORY COUNTED PER WORKER)"]] + [
+        [span.gpu, format_duration(span.start), format_duration(span.end), span.label()]
+        for span in run.shared
+    ]
+    if markdown:
+        return ["", "## Shared GPUs", "", *_table(rows, True)]
+    return ["", "Shared GPUs:", *("  " + line for line in _table(rows, False))]

@@ -23,6 +23,7 @@ One module per concern; each but ``connection`` is a mixin class over its ``Stor
 - ``schema``: the tables, the version and its migrations, the checks of a file at open;
 - ``jobs``: specs and statuses as models, and the caches that parse each text once;
 - ``allocations``: who holds which GPU, and the GPUs draining;
+- ``shares``: the log of which sharing jobs each GPU held, with their counted memory;
 - ``reports``: the workers' reports and the GPU usage samples (batched in a group);
 - ``history``: the bounded grant history, its pruning, the pool's size over time;
 - ``events``: the bounded event log.
@@ -59,6 +60,7 @@ from herd_operator.runtime.store.history import (
 from herd_operator.runtime.store.jobs import JobsMixin, UnreadableSpecError
 from herd_operator.runtime.store.reports import MAX_REPORTS_PER_JOB, ReportsMixin
 from herd_operator.runtime.store.schema import DB_FILENAME, SCHEMA_VERSION, SchemaMixin
+from herd_operator.runtime.store.shares import MAX_SHARE_CHANGES, ShareChange, SharesMixin
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
@@ -66,6 +68,7 @@ __all__ = [
     "MAX_EVENTS",
     "MAX_GRANTS_PER_JOB",
     "MAX_REPORTS_PER_JOB",
+    "MAX_SHARE_CHANGES",
     "PRUNE_BATCH_JOBS",
     "SCHEMA_VERSION",
     "DamagedStoreError",
@@ -73,6 +76,7 @@ __all__ = [
     "EventType",
     "GrantChange",
     "GrantHistory",
+    "ShareChange",
     "Store",
     "StoreError",
     "TrimmedHistory",
@@ -83,7 +87,15 @@ BUSY_TIMEOUT_MS = 5_000
 """How long the writer waits for another process's write lock before a ``StoreError``."""
 
 
-class Store(SchemaMixin, JobsMixin, AllocationsMixin, ReportsMixin, HistoryMixin, EventsMixin):
+class Store(
+    SchemaMixin,
+    JobsMixin,
+    AllocationsMixin,
+    SharesMixin,
+    ReportsMixin,
+    HistoryMixin,
+    EventsMixin,
+):
     """The SQLite state store; see the package docstring for the guarantees."""
 
     def __init__(

@@ -15,13 +15,25 @@ from dataclasses import asdict
 
 from herd_operator.runtime.store.connection import StoreBase, StoreError
 from herd_operator.runtime.store.jobs import require_job
-from herd_operator.specs.values import Drain, Placement, ServiceRecord, Slot
+from herd_operator.runtime.store.shares import log_share_changes
+from herd_operator.specs.values import Allocation, Drain, Placement, ServiceRecord, Slot
 
 _log = logging.getLogger(__name__)
 
 
 class AllocationsMixin(StoreBase):
-    """The ``allocations`` and ``drains`` tables."""
+    """The ``allocations`` and ``drains`` tables (and the log of shared GPUs, ``shares``)."""
+
+    def record_allocation(self, allocation: Allocation, now: float) -> None:
+        """``replace_allocations`` with what the allocator's decision holds."""
+        self.replace_allocations(
+            allocation.placements,
+            now,
+            allocation.draining,
+            allocation.shared,
+            allocation.service,
+            allocation.memory,
+        )
 
     def replace_allocations(
         self,
@@ -30,6 +42,7 @@ class AllocationsMixin(StoreBase):
         draining: Mapping[Slot, Drain] | None = None,
         shared: AbstractSet[str] = frozenset(),
         service: Mapping[str, ServiceRecord] | None = None,
+        memory: Mapping[str, int] | None = None,
     ) -> None:
         """Replace all allocations with ``placements`` (job -> placement), and the draining
         GPUs with ``draining``, in one transaction: a restarted operator must find a GPU that
@@ -41,6 +54,8 @@ class AllocationsMixin(StoreBase):
         or a host of a placement has no GPUs; KeyError if a job that holds GPUs does not
         exist. On error nothing changes. ``service``: what the allocator's queue counted of
         each job (``service()`` reads it back), in the same transaction; None: left as is.
+        ``memory``: bytes one worker of each sharing job is counted for; each GPU whose
+        sharing jobs or their memory changed is logged (``shares.log_share_changes``).
         """
         held = {job: placement for job, placement in placements.items() if placement.size}
         rows: list[tuple[str, int, str, int, int, int]] = []
@@ -67,6 +82,8 @@ class AllocationsMixin(StoreBase):
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 rows,
             )
+            placed = [(host, gpu, job, shared) for host, gpu, job, _, _, shared in rows]
+            log_share_changes(conn, placed, memory or {}, now)
             conn.execute("DELETE FROM drains")
             conn.executemany(
                 "INSERT INTO drains (host, gpu, job, given_back_at, pids_json, after_loss)"

@@ -22,12 +22,13 @@ _log = logging.getLogger(__name__)
 DB_FILENAME = "state.db"
 """The store's file name inside the operator's state directory."""
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """1: the first release. 2: the unused ``runtime`` table is dropped. 3: the grant history
 is bounded per job; ``grant_history_trimmed`` says what was dropped. 4: ``drains``, the GPUs
 jobs gave back that their workers may still be on, recorded with the allocations. 5: a GPU
 may be allocated to several jobs that share GPUs by memory (``allocations.shared``; the key
-is the GPU and the job)."""
+is the GPU and the job). 6: ``share_history``, the log of which sharing jobs each GPU held
+and the memory each was counted for (the report's shared GPUs)."""
 
 _SCHEMA = """
 CREATE TABLE jobs (
@@ -93,6 +94,14 @@ CREATE TABLE grant_history_trimmed (
     dropped INTEGER NOT NULL,
     through REAL NOT NULL
 );
+CREATE TABLE share_history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    host TEXT NOT NULL,
+    gpu INTEGER NOT NULL,
+    jobs_json TEXT NOT NULL
+);
+CREATE INDEX share_history_by_gpu ON share_history (host, gpu, id);
 CREATE TABLE events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     time REAL NOT NULL,
@@ -135,11 +144,17 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE allocations_v5 RENAME TO allocations",
         "CREATE INDEX allocations_by_job ON allocations (job, host_ordinal, local_rank)",
     ),
+    6: (
+        "CREATE TABLE share_history (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL,"
+        " host TEXT NOT NULL, gpu INTEGER NOT NULL, jobs_json TEXT NOT NULL)",
+        "CREATE INDEX share_history_by_gpu ON share_history (host, gpu, id)",
+    ),
 }
 """What takes a store from the version before to the key's version."""
 _TABLES_ADDED: dict[int, frozenset[str]] = {
     3: frozenset({"grant_history_trimmed"}),
     4: frozenset({"drains"}),
+    6: frozenset({"share_history"}),
 }
 """Tables a store of an older version lacks: a reader opens such a store as it is."""
 
