@@ -6,13 +6,15 @@ that job only; the neighbour trains on in its one launch and succeeds."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from herd_operator.policies.sharing import SharingLimits
 from herd_operator.specs.values import Placement
-from tests.integration.harness import digits_command, operator_harness, spec_document
+from tests.integration.harness import HERD, digits_command, operator_harness, spec_document
 
 GPU_MEMORY = 1600 << 20
+ASKED = 640 << 20
 
 
 def oom_command(trigger: Path) -> list[str]:
@@ -44,7 +46,7 @@ def test_an_out_of_memory_on_a_shared_gpu_fails_only_the_job_that_ran_out(
             spec_document("greedy", 1, 1, oom_command(trigger)),
         ]
         for document in documents:
-            document["spec"]["gpus"].update(share=True, memory="640Mi")
+            document["spec"]["gpus"].update(share=True, memory=f"{ASKED >> 20}Mi")
             herd.write_spec(document)
 
         def together() -> bool:
@@ -54,6 +56,12 @@ def test_an_out_of_memory_on_a_shared_gpu_fails_only_the_job_that_ran_out(
             return now.get("steady") == gpu0 and now.get("greedy") == gpu0
 
         herd.wait_for(together, "steady and greedy both on GPU 0", timeout=60)
+        # The operator logged the shared GPU with each job's counted memory (for `report`).
+        with herd.store() as store:
+            last = store.share_history()[-1]
+        assert (last.host, last.gpu) == ("localhost", 0)
+        assert [job for job, _ in last.jobs] == ["greedy", "steady"], last
+        assert all(counted >= ASKED for _, counted in last.jobs), last
         launch = herd.wait_for(lambda: herd.launch_id("steady"), "steady's launch", timeout=60)
         trigger.touch()
         herd.wait_for(
@@ -76,3 +84,16 @@ def test_an_out_of_memory_on_a_shared_gpu_fails_only_the_job_that_ran_out(
         epochs = [r.epoch for r in herd.reports("steady") if r.epoch is not None]
         assert epochs == list(range(5)), epochs
         assert not [e for e in herd.events("steady") if e.reason == "OutOfMemory"]
+        state = str(herd.layout.root)
+        report = ("report", "--state-dir", state)
+        text = subprocess.run(
+            [HERD, *report, "--format", "text"],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+        shared = text.split("Shared GPUs:")[1].strip().splitlines()[1:]
+        assert [row.split()[0] for row in shared] == ["localhost:0"], text
+        assert "greedy" in shared[0] and "steady" in shared[0], text
+        figure = tmp_path / "timeline.png"  # looked at by hand: pytest --basetemp
+        subprocess.run(
+            [HERD, *report, "--output", str(figure)], capture_output=True, check=True, timeout=120
+        )
