@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import sqlite3
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from herd_operator.cli.report.shares import LANE_HEIGHT, SharedSpan, share_bars, shared_spans
 from herd_operator.layout import StateLayout
@@ -75,6 +78,41 @@ def test_bars_stack_each_gpus_jobs_by_memory_to_one_scale() -> None:
     # Memory not known for a job: every job counts alike (a bar each, none of height 0).
     _, alike = share_bars((SharedSpan("h:0", 0.0, 1.0, (("a", GIB), ("b", 0))),))
     assert [bar.height for bar in alike] == [LANE_HEIGHT / 2, LANE_HEIGHT / 2]
+
+
+_changes = st.lists(
+    st.tuples(
+        st.integers(0, 2),
+        st.integers(0, 100),
+        st.lists(st.sampled_from("abcd"), unique=True, max_size=4),
+    ),
+    max_size=12,
+).map(
+    lambda rows: [
+        on(gpu, float(time), *((job, GIB) for job in sorted(jobs)))
+        for gpu, time, jobs in sorted(rows, key=lambda row: row[1])
+    ]
+)
+
+
+@given(_changes, st.integers(0, 50), st.integers(0, 100))
+def test_spans_cover_exactly_the_time_a_gpu_was_shared(
+    changes: list[ShareChange], origin: int, end: int
+) -> None:
+    spans = shared_spans(changes, float(origin), float(end))
+    for index in range(3):
+        mine = [span for span in spans if span.gpu == f"h:{index}"]
+        # In order, apart, within the window, each of two jobs or more.
+        assert all(0.0 <= s.start <= s.end <= end and len(s.jobs) >= 2 for s in mine)
+        assert all(a.end <= b.start for a, b in itertools.pairwise(mine))
+        # At each whole second, shared in a span iff the last change by then had two jobs.
+        logged = [change for change in changes if change.gpu == index]
+        for second in range(end):
+            at = origin + second + 0.5
+            state = [change for change in logged if change.time <= at]
+            shared = bool(state) and len(state[-1].jobs) >= 2
+            inside = any(s.start <= second + 0.5 < s.end for s in mine)
+            assert inside == shared, (second, state, mine)
 
 
 # ---- through the real store ----

@@ -58,11 +58,11 @@ def shared_spans(
         for change, following in zip(logged, [*logged[1:], None], strict=True):
             start = max(change.time - origin, 0.0)
             stop = end if following is None else min(following.time - origin, end)
-            if len(change.jobs) < 2 or (stop <= start and following is not None):
+            if len(change.jobs) < 2 or stop <= start:  # not shared, or not in the window
                 continue
             if jobs is not None and not jobs & {job for job, _ in change.jobs}:
                 continue
-            spans.append(SharedSpan(gpu, start, max(stop, start), change.jobs))
+            spans.append(SharedSpan(gpu, start, stop, change.jobs))
     return tuple(spans)
 
 
