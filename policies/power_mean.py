@@ -40,8 +40,10 @@ from collections.abc import Mapping, Sequence
 from herd_operator.specs.values import Demand
 
 GROW_STALL_SECONDS = 8.6
-"""What a grow costs a running job: the median `resize-stall 2->4` under the operator with
-its default launch (docs/benchmarks.md, run 8), the simulator's `GROW_STALL_SECONDS`."""
+"""What a grow costs a running job, here and in the simulator (`simulate/model.py`): the
+median `resize-stall 2->4` under the operator with its default launch, the in-process driver
+(docs/benchmarks.md, run 8: 8.57 s, n = 3, load average 7-8; new workers import torch and
+Horovod, then Gloo's rendezvous). Run 3 (n = 10, horovodrun launch) had 9.6 s."""
 RESIZE_HORIZON_SECONDS = 300.0
 """How long a grow is expected to pay before the division changes the job again: five of
 Pollux's 60 s periods. A grow must add more than `GROW_STALL_SECONDS / this` (2.9%) of the

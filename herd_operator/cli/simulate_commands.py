@@ -245,11 +245,8 @@ def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from herd_operator.simulate.model import (
-        GROW_STALL_SECONDS,
-        SHRINK_STALL_SECONDS,
-        START_SECONDS,
-    )
+    from herd_operator.policies.power_mean import GROW_STALL_SECONDS
+    from herd_operator.simulate.model import SHRINK_STALL_SECONDS, START_SECONDS
     from herd_operator.simulate.replay import (
         describe,
         describe_stalls,

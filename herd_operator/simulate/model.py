@@ -17,13 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from herd_operator.policies.power_mean import GROW_STALL_SECONDS
 from herd_operator.simulate.batching import BatchModel
 
-GROW_STALL_SECONDS = 8.6
-"""A grow's stall: median of `resize-stall 2->4` under the operator with its default launch,
-the in-process driver (docs/benchmarks.md, run 8: 8.57 s, n = 3, load average 7-8; new workers
-import torch and Horovod, then Gloo's rendezvous). Run 3 (n = 10, horovodrun launch) had
-9.6 s."""
 SHRINK_STALL_SECONDS = 0.3
 """A shrink's stall: `resize-stall 4->2` under the driver (docs/benchmarks.md, runs 7 and 8:
 medians 0.30 and 0.27 s, n = 3 each); the demo's recorded shrinks 3 -> 2 took 0.0 and 0.3 s

@@ -19,11 +19,11 @@ from herd_operator.policies.goodput import (
     rates_by_size,
     speedup,
 )
+from herd_operator.policies.power_mean import GROW_STALL_SECONDS
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.simulate.config import SimConfig
 from herd_operator.simulate.engine import SimResult, Simulation
 from herd_operator.simulate.model import (
-    GROW_STALL_SECONDS,
     SHRINK_STALL_SECONDS,
     START_SECONDS,
     JobModel,
