@@ -320,15 +320,20 @@ def _beside(store: Store, args: argparse.Namespace) -> dict[str, list[str]] | No
     their names; None for the other formats (they do not show it)."""
     if args.output != "wide":
         return None
-    on: dict[tuple[str, int], list[str]] = {}
-    for job, placement in sorted(store.allocations().items()):
-        for slot in placement.slots():
-            on.setdefault(slot, []).append(job)
     beside: dict[str, set[str]] = {}
-    for jobs in on.values():
+    for jobs in _jobs_on_gpus(store.allocations()).values():
         for job in jobs:
             beside.setdefault(job, set()).update(other for other in jobs if other != job)
     return {job: sorted(others) for job, others in beside.items() if others}
+
+
+def _jobs_on_gpus(placements: Mapping[str, Placement]) -> dict[tuple[str, int], list[str]]:
+    """Each granted GPU (host, index) -> the jobs placed on it, by name."""
+    on: dict[tuple[str, int], list[str]] = {}
+    for job, placement in sorted(placements.items()):
+        for slot in placement.slots():
+            on.setdefault(slot, []).append(job)
+    return on
 
 
 def _watch_jobs(store: Store, args: argparse.Namespace, shown: Sequence[JobRecord]) -> None:
@@ -391,13 +396,14 @@ def _log_file(layout: StateLayout, name: str) -> Path | None:
 def _sharing_neighbours(store: Store, name: str) -> dict[str, list[str]]:
     """Each GPU `name` holds with other jobs (`host:gpu` -> each of them with the memory its
     worker asked for, `b (8Gi asked)`): GPUs shared by memory (`spec.gpus.share`)."""
-    placements = store.allocations()
-    mine = set(placements.get(name, Placement.EMPTY).slots())
+    on = _jobs_on_gpus(store.allocations())
     shared: dict[str, list[str]] = {}
     asked: dict[str, str] = {}
-    for job, placement in sorted(placements.items()):
-        for host, gpu in placement.slots():
-            if job != name and (host, gpu) in mine:
+    for (host, gpu), jobs in sorted(on.items()):
+        if name not in jobs:
+            continue
+        for job in jobs:
+            if job != name:
                 if job not in asked:
                     asked[job] = _asked_memory(store.get_job(job))
                 shared.setdefault(f"{host}:{gpu}", []).append(f"{job} ({asked[job]})")
