@@ -125,14 +125,23 @@ def _cases(draw: st.DrawFn) -> tuple[list[Demand], dict[str, int], dict[str, Ser
     return demands, sizes, services, pool
 
 
+PROPERTY_NOW = 2 * HOUR
+"""When the property tests decide: after every drawn run and wait began (`_cases`)."""
+
+
+def _property_config(mode: str) -> QueueConfig:
+    """The queue the property tests decide with: `_cases` draws runs and waits around its
+    10-minute minimum run, 2 preemptions and 1-hour starvation bound."""
+    return QueueConfig(mode, min_run_seconds=600.0, max_preemptions=2, starvation_seconds=HOUR)
+
+
 @settings(max_examples=150, deadline=None)
 @given(_cases(), st.sampled_from(["las", "srpt", "fifo"]))
 def test_preemption_only_of_eligible_lower_ranked_jobs_and_only_to_make_room(
     case: tuple[list[Demand], dict[str, int], dict[str, Service], int], mode: str
 ) -> None:
     demands, sizes, services, pool = case
-    config = QueueConfig(mode, min_run_seconds=600.0, max_preemptions=2, starvation_seconds=HOUR)
-    now = 2 * HOUR
+    config, now = _property_config(mode), PROPERTY_NOW
     result = plan(demands, sizes, services, config, now, pool)
     by_name = {d.name: d for d in demands}
     victims = [v for taken in result.admitted_by.values() for v in taken]
@@ -158,8 +167,7 @@ def test_the_starvation_bound_puts_every_starving_job_before_the_others_of_its_t
     case: tuple[list[Demand], dict[str, int], dict[str, Service], int], mode: str
 ) -> None:
     demands, sizes, services, pool = case
-    config = QueueConfig(mode, min_run_seconds=600.0, max_preemptions=2, starvation_seconds=HOUR)
-    now = 2 * HOUR
+    config, now = _property_config(mode), PROPERTY_NOW
     result = plan(demands, sizes, services, config, now, pool)
 
     def starving(d: Demand) -> bool:
