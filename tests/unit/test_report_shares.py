@@ -15,12 +15,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from herd_operator.cli.report.figure_data import pool_stack
+from herd_operator.cli.report.series import job_sources, load_run
 from herd_operator.cli.report.shares import LANE_HEIGHT, SharedSpan, share_bars, shared_spans
 from herd_operator.layout import StateLayout
 from herd_operator.runtime.store import Store
 from herd_operator.runtime.store.shares import ShareChange
 from herd_operator.specs.values import Placement
-from tests.unit.test_report import GIB, T0, read_png, run_cli, two_jobs
+from tests.unit.test_report import GIB, T0, add_job, read_png, run_cli, spec_json, two_jobs
 
 EXIT_OK = 0
 
@@ -213,3 +215,41 @@ def test_a_state_dir_from_before_the_log_still_reports(
     share_alpha_and_beta(state)
     code, out, err = run_cli(capsys, *base, "--format", "json")
     assert [span["gpu"] for span in json.loads(out)["sharedGpus"]] == ["h:0"]
+
+
+# ---- the pool panel counts a shared GPU once ----
+
+
+def test_the_pool_stack_splits_a_shared_gpu_by_memory_and_never_exceeds_the_pool(
+    tmp_path: Path,
+) -> None:
+    """alpha holds h:0 alone, then beta comes on h:0 (beside alpha) and h:1: three grants on
+    a pool of two GPUs. The stack gives each job its memory's part of h:0, so beta shows
+    whole, where stacking the grants hid half of it above the pool."""
+    state = tmp_path / "state"
+    with Store(StateLayout(state).database) as store:
+        store.record_pool_size(2, T0)
+        add_job(store, "alpha", spec_json("alpha", 1, 1), T0, "Running", T0 + 100)
+        add_job(store, "beta", spec_json("beta", 2, 2), T0, "Running", T0 + 100)
+        store.add_grant_change("alpha", 1, "admitted", T0 + 10)
+        alone = {"alpha": Placement((("h", (0,)),))}
+        store.replace_allocations(alone, T0 + 10, shared={"alpha"}, memory={"alpha": 2 * GIB})
+        store.add_grant_change("beta", 2, "admitted", T0 + 20)
+        both = {**alone, "beta": Placement((("h", (0, 1)),))}
+        memory = {"alpha": 2 * GIB, "beta": 3 * GIB}
+        store.replace_allocations(both, T0 + 20, shared={"alpha", "beta"}, memory=memory)
+        store.add_report("alpha", 0, 1, 0, {}, T0 + 90)
+        with store.snapshot():
+            run = load_run(store, state, job_sources(store), since=None)
+    stack = pool_stack(run)
+    names = [job.name for job in run.jobs]
+    at = stack.times.index(20.0)
+    parts = dict(zip(names, (levels[at] for levels in stack.granted), strict=True))
+    assert parts == pytest.approx({"alpha": 0.4, "beta": 1.6})  # h:0 split 2:3, h:1 beta's
+    assert stack.idle[at] == pytest.approx(0.0)
+    before = stack.times.index(10.0)
+    alpha_alone = dict(zip(names, (levels[before] for levels in stack.granted), strict=True))
+    assert alpha_alone == {"alpha": 1, "beta": 0}  # a GPU held alone counts whole
+    for index, size in enumerate(stack.pool):
+        held = sum(levels[index] for levels in stack.granted)
+        assert held + stack.draining[index] + stack.idle[index] == pytest.approx(size)

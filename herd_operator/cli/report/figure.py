@@ -201,7 +201,7 @@ def _draw_pool(
     """(b) the pool, stacked: what each job holds, what drains, what is idle."""
     stack = pool_stack(run)
     xs = [t / scale for t in stack.times]
-    lower = [0] * len(stack.times)
+    lower: list[float] = [0.0] * len(stack.times)
     for job, style, levels in zip(run.jobs, styles, stack.granted, strict=True):
         upper = [a + b for a, b in zip(lower, levels, strict=True)]
         if any(levels):
@@ -237,8 +237,11 @@ def _draw_pool(
     axes.set_ylabel("GPUs in the pool")
     axes.set_ylim(0, top + 0.5)
     _integer_ticks(axes)
+    shared = ", a shared GPU split by memory" if run.shared else ""
     axes.set_title(
-        "(b) the pool: GPUs per job stacked, draining and idle GPUs on top", loc="left", fontsize=9
+        f"(b) the pool: GPUs per job stacked{shared}, draining and idle GPUs on top",
+        loc="left",
+        fontsize=9,
     )
 
 

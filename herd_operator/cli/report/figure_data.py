@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from herd_operator.cli.report.series import GrantStep, JobSeries, RunData
+from herd_operator.cli.report.shares import SharedSpan
 from herd_operator.cli.report.text import format_duration
 
 if TYPE_CHECKING:
@@ -110,15 +111,33 @@ class PoolStack:
 
     At each time the layers add up to the pool: GPUs granted to each job, GPUs draining
     (taken from a job whose workers still run on them: its reported world size is above
-    its grant), and idle GPUs.
+    its grant), and idle GPUs. A GPU that several jobs share counts once: each of its jobs
+    holds the part of it its memory is of theirs (alike where a memory is not known), so a
+    job's level is fractional while it shares.
     """
 
     times: tuple[float, ...]
-    granted: tuple[tuple[int, ...], ...]
+    granted: tuple[tuple[float, ...], ...]
     """Per job (in ``RunData.jobs`` order), per time."""
-    draining: tuple[int, ...]
-    idle: tuple[int, ...]
+    draining: tuple[float, ...]
+    idle: tuple[float, ...]
     pool: tuple[int, ...]
+
+
+def shared_surplus(spans: Sequence[SharedSpan], at: float) -> dict[str, float]:
+    """Per job, the GPUs its grant counts at ``at`` beyond its parts of the GPUs it shares
+    then: on each shared GPU, one less its part (its memory over the jobs' there; alike
+    where one is not known)."""
+    surplus: dict[str, float] = {}
+    for span in spans:
+        if not span.start <= at < span.end:
+            continue
+        known = all(count > 0 for _, count in span.jobs)
+        total = sum(count for _, count in span.jobs) if known else len(span.jobs)
+        for job, count in span.jobs:
+            part = (count if known else 1) / total
+            surplus[job] = surplus.get(job, 0.0) + 1.0 - part
+    return surplus
 
 
 def pool_stack(run: RunData) -> PoolStack:
@@ -127,18 +146,20 @@ def pool_stack(run: RunData) -> PoolStack:
         times.update(step.time for step in job.grants)
         times.update(world_size_steps(job, run.end)[0])
     times.update(at for at, _ in run.pool)
+    times.update(edge for span in run.shared for edge in (span.start, span.end))
     grid = tuple(sorted(t for t in times if 0.0 <= t <= run.end))
-    granted: list[list[int]] = [[] for _ in run.jobs]
-    draining: list[int] = []
-    idle: list[int] = []
+    granted: list[list[float]] = [[] for _ in run.jobs]
+    draining: list[float] = []
+    idle: list[float] = []
     pool: list[int] = []
     for at in grid:
         size = run.pool_at(at)
+        surplus = shared_surplus(run.shared, at)
         levels = [job.granted_at(at) for job in run.jobs]
         # A job that held more than the pool (a damaged log) is shown at most the pool.
-        room = size
-        for index, level in enumerate(levels):
-            shown = min(level, room)
+        room: float = size
+        for index, (job, level) in enumerate(zip(run.jobs, levels, strict=True)):
+            shown = min(level - surplus.get(job.name, 0.0), room)
             granted[index].append(shown)
             room -= shown
         beyond = sum(
