@@ -47,6 +47,13 @@ what the operator does with jobs that start many workers (policies resizing them
 the workers' start is not what is checked: the other tests start their workers the usual
 way, which is the default."""
 
+SLOW_CYCLE = {"HOROVOD_CYCLE_TIME": "10"}
+"""`env=SLOW_CYCLE` in a spec: Horovod's background thread coordinates the job's workers
+every 10 ms, not every 1 ms (its default), busy or idle, which is most of what a worker of a
+job that only has to go on training costs while a test waits for something else (a node
+lost, a resize). For jobs whose tests wait on time and events, not on epochs: each
+collective waits for the next cycle, so epochs take longer (docs/benchmarks.md, CI)."""
+
 LAUNCHER_ENV = "HERD_TEST_HOROVOD_LAUNCHER"
 """Set to `horovodrun` to run the operator's integration tests under the bare launch (the
 fallback) instead of the default driver."""
