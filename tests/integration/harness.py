@@ -47,6 +47,13 @@ what the operator does with jobs that start many workers (policies resizing them
 the workers' start is not what is checked: the other tests start their workers the usual
 way, which is the default."""
 
+SLOW_CYCLE = {"HOROVOD_CYCLE_TIME": "10"}
+"""`env=SLOW_CYCLE` in a spec: Horovod's background thread coordinates the job's workers
+every 10 ms, not every 1 ms (its default), busy or idle: a worker stepping every 0.2 s
+used 0.113 CPU-s a second against 0.168 (2 workers, n = 1, docs/benchmarks.md, CI). For
+jobs whose tests wait on time and events, not on epochs: each collective waits for the
+next cycle, so short steps take longer."""
+
 LAUNCHER_ENV = "HERD_TEST_HOROVOD_LAUNCHER"
 """Set to `horovodrun` to run the operator's integration tests under the bare launch (the
 fallback) instead of the default driver."""

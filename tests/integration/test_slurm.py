@@ -29,6 +29,7 @@ from devtools.cluster import NamespaceCluster, cluster_unavailable, namespace_cl
 from tests.integration.harness import (
     HERD,
     REPO,
+    SLOW_CYCLE,
     OperatorHarness,
     digits_command,
     new_grants_on,
@@ -52,6 +53,13 @@ def cluster() -> Iterator[NamespaceCluster]:
             yield made
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+GOING_ON = ("--step-delay", "0.5", "--batch-size", "64")
+"""The jobs' training here only has to go on while the tests take nodes away and back: 2
+steps a second, not 20, cost their workers less CPU (with `SLOW_CYCLE`, Horovod's 10 ms
+cycle, about 0.06 CPU-s a second a worker against 0.17 at 0.2 s and 1 ms; docs/benchmarks.md),
+and a resize is still seen at the next commit (every 4 steps, 2 s)."""
 
 
 SCRAPE = [
@@ -151,15 +159,13 @@ def test_an_operator_in_an_allocation_runs_and_resizes_jobs_across_its_nodes(
         ), operator_output()
         assert served["address"].startswith(cluster.address("h1") + ":"), served
 
-        # Training that only has to go on: 5 steps a second, not 20, cost its 6 workers less
-        # CPU; a resize is still seen at the next commit (every 4 steps).
-        command = digits_command(10_000, "--step-delay", "0.2", "--batch-size", "64")
+        command = digits_command(10_000, *GOING_ON)
         # Gloo's rendezvous waits 60 s, not Horovod's 30, for the 6 workers' first meeting: CI
         # at 1620f19 starts this test beside the suite's other heaviest files on 2 cores, and
         # the operator's node's 2 workers took longer than 30 s to publish their address
         # (`Wait timeout after 30 seconds for key(s): 2`), so the first round failed on every
         # rank. What a user of a loaded allocation would set too; the spec edit below keeps it.
-        patient = {"horovod": {"glooTimeoutSeconds": 60}}
+        patient: dict[str, Any] = {"horovod": {"glooTimeoutSeconds": 60}, "env": SLOW_CYCLE}
         herd.write_spec(spec_document("wide", 2, 6, command, **patient))
 
         def wide_on(hosts: int | None, gpus: int) -> bool:
@@ -222,7 +228,7 @@ def test_an_operator_in_an_allocation_runs_and_resizes_jobs_across_its_nodes(
         assert placement is not None and list(placement["placement"]) == [wide_host]
 
         # A second job is admitted on the freed nodes.
-        herd.write_spec(spec_document("pair", 2, 2, command))
+        herd.write_spec(spec_document("pair", 2, 2, command, env=SLOW_CYCLE))
 
         def pair_running() -> bool:
             job = herd.job("pair")
@@ -379,7 +385,7 @@ def test_a_lost_nodes_gpus_go_to_nobody_and_no_job_is_failed_for_it(
 
     def command(name: str) -> list[str]:
         return digits_command(
-            10_000, "--step-delay", "0.2", "--batch-size", "64",
+            10_000, *GOING_ON,
             "--step-log", str(tmp_path / f"{name}.steps"),
         )  # fmt: skip
 
@@ -404,12 +410,12 @@ def test_a_lost_nodes_gpus_go_to_nobody_and_no_job_is_failed_for_it(
     try:
         herd.wait_for(herd.layout.endpoint_file.exists, "the operator's endpoint file", 60)
         static = {"name": "static", "params": {"gpus": 2}}
-        herd.write_spec(spec_document("by", 2, 3, command("by"), policy=static))
+        herd.write_spec(spec_document("by", 2, 3, command("by"), policy=static, env=SLOW_CYCLE))
         herd.wait_for(lambda: (herd.job("by") or {}).get("placement"), "by placed", 60)
         # One decision for both, wide first (its priority): h2's GPUs and one of h3's, and
         # solo the other one of h3's.
-        herd.write_spec(spec_document("wide", 2, 3, command("wide"), priority=1))
-        herd.write_spec(spec_document("solo", 1, 1, command("solo")))
+        herd.write_spec(spec_document("wide", 2, 3, command("wide"), priority=1, env=SLOW_CYCLE))
+        herd.write_spec(spec_document("solo", 1, 1, command("solo"), env=SLOW_CYCLE))
         for name, gpus in (("by", 2), ("wide", 3), ("solo", 1)):
             herd.wait_for(
                 lambda name=name, gpus=gpus: training(name, gpus), f"{name} training", 180, job=name
@@ -422,7 +428,7 @@ def test_a_lost_nodes_gpus_go_to_nobody_and_no_job_is_failed_for_it(
         (lost,) = solo["placement"]
         assert lost in wide["placement"] and len(wide["placement"]) == 2, (wide, solo)
         # by now wants 3: only the lost node's GPUs could give it one more.
-        herd.write_spec(spec_document("by", 2, 3, command("by")))
+        herd.write_spec(spec_document("by", 2, 3, command("by"), env=SLOW_CYCLE))
         by_launch = herd.launch_id("by")
         mark(f"by on h1, wide on {sorted(wide['placement'])}, solo alone on {lost}")
 
