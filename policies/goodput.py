@@ -32,12 +32,14 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
 from herd_operator.policies.efficiency import statistical_efficiency
+from herd_operator.policies.stepfit import fit_sync_step_time
 from herd_operator.specs import HerdJob
 from herd_operator.specs.models import SCHEMA_CONFIG
 from herd_operator.specs.values import (
@@ -73,6 +75,11 @@ class GoodputParams(BaseModel):
     throughput_metric: str = Field(default="throughput", min_length=1)
     """The name of the metric in the workers' reports that holds samples per second; without
     it, the rate of epochs is used."""
+    step_model: Literal["line", "pollux"] = "line"
+    """With the adaptive metrics, the step time's form: `line`, `fixed + perSample x batch /
+    gpus`; `pollux`, compute and synchronisation within and across nodes, overlapped
+    (`policies/stepfit.py`), fitted where the reports carry the compute seconds and nodes
+    (`specs.values.PLACEMENT_METRICS`), else the line."""
 
 
 def speedup(serial: float, gpus: int) -> float:
@@ -149,6 +156,12 @@ class StepTime:
         return self.fixed + self.per_sample * batch / gpus
 
 
+class StepSeconds(Protocol):
+    """A step-time model: `StepTime` or `stepfit.SyncStepTime`."""
+
+    def seconds(self, gpus: int, batch: int) -> float: ...
+
+
 @dataclass(frozen=True)
 class BatchProfile:
     """What the batch choice knows of a job: its base batch, noise scale, step time and
@@ -156,7 +169,7 @@ class BatchProfile:
 
     base_batch: int
     noise_scale: float
-    step_time: StepTime
+    step_time: StepSeconds
     max_batch: int | None = None
     max_worker_batch: int | None = None
 
@@ -246,11 +259,17 @@ def fit_step_time(
 
 
 def batch_profile(
-    job: HerdJob, epochs: Sequence[Report], prior_serial: float = 0.0
+    job: HerdJob,
+    epochs: Sequence[Report],
+    prior_serial: float = 0.0,
+    step_model: Literal["line", "pollux"] = "line",
+    gpus_per_node: int | None = None,
 ) -> BatchProfile | None:
     """The job's profile from its reports: None until one reports the noise scale, the
     batch and the step time (then the policy works as without them). `prior_serial`: the
-    share of a step measured at one per-GPU batch taken as fixed, if above a half."""
+    share of a step measured at one per-GPU batch taken as fixed, if above a half;
+    `step_model`: the step time's form (`GoodputParams.step_model`), `gpus_per_node` what
+    the `pollux` form packs a size on."""
     noise = next(
         (
             r.metrics[GRADIENT_NOISE_SCALE_METRIC]
@@ -259,7 +278,12 @@ def batch_profile(
         ),
         None,
     )
-    step_time = fit_step_time(epochs, max(ONE_POINT_FIXED_SHARE, prior_serial))
+    fixed_share = max(ONE_POINT_FIXED_SHARE, prior_serial)
+    step_time: StepSeconds | None = None
+    if step_model == "pollux":
+        step_time = fit_sync_step_time(epochs, gpus_per_node, fixed_share)
+    if step_time is None:
+        step_time = fit_step_time(epochs, fixed_share)
     batches = [
         r.metrics[BATCH_SIZE_METRIC] for r in epochs if r.metrics.get(BATCH_SIZE_METRIC, 0) >= 1
     ]
@@ -311,7 +335,9 @@ class GoodputPolicy:
     def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
         params = self.params
         low, high = job.spec.gpus.min, job.spec.gpus.max
-        profile = batch_profile(job, observed.epochs, params.prior_serial)
+        profile = batch_profile(
+            job, observed.epochs, params.prior_serial, params.step_model, observed.gpus_per_node
+        )
         if profile is not None:
             return _adaptive_decision(job, observed, profile, params.min_gain)
         rates = rates_by_size(observed.epochs, params.throughput_metric)

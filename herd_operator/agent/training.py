@@ -66,7 +66,7 @@ from herd_operator.agent.batching import (
     step_gain,
     trained_epochs,
 )
-from herd_operator.agent.worker import decided_batch
+from herd_operator.agent.worker import decided_batch, host_name
 from herd_operator.environment import (
     BATCH_POLICY_ENV,
     MAX_BATCH_ENV,
@@ -76,7 +76,9 @@ from herd_operator.environment import (
 from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
     BATCH_SIZE_METRIC,
+    COMPUTE_SECONDS_METRIC,
     GRADIENT_NOISE_SCALE_METRIC,
+    NODES_METRIC,
     STEP_SECONDS_METRIC,
 )
 
@@ -195,8 +197,14 @@ class _BatchSteps:
     _order: list[int]
     _step_seconds: list[float]
     _step_started: float | None
+    _compute_seconds: list[float]
+    _compute_started: float | None
 
     def _world(self) -> int:
+        raise NotImplementedError
+
+    def _nodes(self) -> int:
+        """The nodes (hosts) this job's workers span now."""
         raise NotImplementedError
 
     def _sum_all(self, params: list[Any]) -> None:
@@ -216,6 +224,7 @@ class _BatchSteps:
         get its answer, so they cut steps alike); at a step boundary on every rank
         (the start, a reset, an epoch's end). The step times restart with it."""
         self._step_seconds, self._step_started = [], None
+        self._compute_seconds, self._compute_started = [], None
         if self.settings.policy != "adaptive":
             return
         decided = self._ask() if self.rank == 0 else None
@@ -239,9 +248,18 @@ class _BatchSteps:
         """`sum_gradients`, measuring the gradient noise scale on the way (adaptive):
         each rank's squared norm of its own mean gradient, averaged over the ranks,
         against the squared norm of the step's mean gradient. Only full steps with
-        equal shares count (the estimate assumes one local batch size)."""
-        params = [param for param in parameters if param.requires_grad]
+        equal shares count (the estimate assumes one local batch size). The time since the
+        step was handed out is its compute (forward and backward passes, every micro-batch),
+        counted for the steps whose time is (`record_step`)."""
         plan = self.plan
+        if (
+            self._compute_started is not None
+            and self._step_started is not None
+            and step.count == plan.global_batch
+        ):
+            self._compute_seconds.append(time.monotonic() - self._compute_started)
+        self._compute_started = None
+        params = [param for param in parameters if param.requires_grad]
         shares = set(plan.worker_batches)
         measure = (
             self.settings.policy == "adaptive"
@@ -268,10 +286,13 @@ class _BatchSteps:
         """What the operator's goodput policy reads, for `report_epoch`: the noise scale
         (once measured), the global batch and the mean seconds of a step since the last
         reset or epoch end (the first step after either, which waits for the others or
-        warms up, is left out)."""
+        warms up, is left out), with the mean of those steps' compute (measured by the
+        sampler's `sum_gradients`: from the step's hand-out to its all-reduce) and the nodes
+        the workers span (`specs.values.PLACEMENT_METRICS`)."""
         metrics: dict[str, float] = {
             BATCH_SIZE_METRIC: float(self.plan.global_batch),
             BASE_BATCH_METRIC: float(self.settings.reference_batch),
+            NODES_METRIC: float(self._nodes()),
         }
         noise = self.batch_state.noise.noise_scale()
         if noise is not None:
@@ -279,6 +300,9 @@ class _BatchSteps:
         if self._step_seconds:
             mean = sum(self._step_seconds) / len(self._step_seconds)
             metrics[STEP_SECONDS_METRIC] = mean
+        if self._compute_seconds:
+            mean = sum(self._compute_seconds) / len(self._compute_seconds)
+            metrics[COMPUTE_SECONDS_METRIC] = mean
         return metrics
 
     def _set_order(self) -> None:
@@ -299,6 +323,7 @@ class _BatchSteps:
             step = next_step(self.settings, self.batch_state, self._order, self.rank)
             if step is None:
                 return
+            self._compute_started = time.monotonic()
             yield step
 
     def apply_lr(self, optimizer: Any, step: Step) -> None:
@@ -342,12 +367,19 @@ def _elastic_batch_sampler_class() -> type:
             self._order: list[int] = []
             self._step_seconds: list[float] = []
             self._step_started: float | None = None
+            self._compute_seconds: list[float] = []
+            self._compute_started: float | None = None
             super().__init__(range(epoch_size), shuffle=shuffle, seed=seed)
             self.refresh_batch()
 
         # The engine's hooks.
         def _world(self) -> int:
             return int(hvd.size())
+
+        def _nodes(self) -> int:
+            # Rank 0 is local rank 0 of its host, and every host has one: the cross
+            # communicator of local rank 0 holds one rank per host.
+            return int(hvd.cross_size())
 
         def _sum_all(self, params: list[Any]) -> None:
             sum_gradients(params)
@@ -431,6 +463,8 @@ class DistributedBatches(_BatchSteps):
         self.rank = 0 if dist is None else int(dist.get_rank())
         self._epoch_size = epoch_size
         self._step_seconds, self._step_started = [], None
+        self._compute_seconds, self._compute_started = [], None
+        self._node_count = self._count_hosts()
         restored = BatchState() if state is None else BatchState.from_dict(state)
         self.batch_state = on_world(settings, restored, self._world())
         self.processed_num = self.batch_state.cursor
@@ -460,6 +494,20 @@ class DistributedBatches(_BatchSteps):
     def _world(self) -> int:
         dist = _torch_distributed()
         return 1 if dist is None else int(dist.get_world_size())
+
+    @staticmethod
+    def _count_hosts() -> int:
+        """The distinct host names of the workers (one all_gather, at the start: torchrun
+        starts the workers again at every resize)."""
+        dist = _torch_distributed()
+        if dist is None:
+            return 1
+        hosts: list[Any] = [None] * int(dist.get_world_size())
+        dist.all_gather_object(hosts, host_name())
+        return len(set(hosts))
+
+    def _nodes(self) -> int:
+        return self._node_count
 
     def _sum_all(self, params: list[Any]) -> None:
         sum_gradients(params)
