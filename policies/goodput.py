@@ -314,7 +314,8 @@ def goodput_knee(
     }
     one = goodput(1, choose_batch(1, profile), profile)
     scale = one if one > 0 else 1.0
-    gains = tuple((best[n] - best[n - 1]) / scale for n in range(low + 1, high + 1))
+    # A GPU more may slow a job whose step time has a sync across nodes: a gain is >= 0.
+    gains = tuple(max(0.0, best[n] - best[n - 1]) / scale for n in range(low + 1, high + 1))
     size = low
     while size < high and gains[size - low] >= min_gain:
         size += 1
