@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 
 from herd_operator.policies.base import JobObservations
 from herd_operator.policies.goodput import (
+    BatchProfile,
     GoodputParams,
     GoodputPolicy,
     StepTime,
     batch_profile,
     choose_batch,
+    goodput,
     goodput_knee,
 )
 from herd_operator.policies.stepfit import (
@@ -207,6 +209,15 @@ def test_the_policy_keeps_a_job_on_one_node_when_crossing_costs_more_than_it_gai
     assert pollux.gpus == goodput_knee(profile, 0.5, 2, 32)[0] == 4
     assert pollux.batch_size == choose_batch(4, profile)
     assert line.gpus > 4
+
+
+def test_a_gpu_that_slows_the_job_gains_nothing_rather_than_less_than_nothing() -> None:
+    profile = BatchProfile(16, 200.0, TRUTH, max_batch=4096)
+    best = {n: goodput(n, choose_batch(n, profile), profile) for n in (4, 5)}
+    assert best[5] < best[4]  # the fifth GPU crosses to a second node
+    _, gains, _ = goodput_knee(profile, 0.5, 1, 32)
+    assert gains[5 - 2] == 0.0
+    assert min(gains) >= 0.0
 
 
 placements = st.lists(
