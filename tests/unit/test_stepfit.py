@@ -202,8 +202,8 @@ def test_the_policy_keeps_a_job_on_one_node_when_crossing_costs_more_than_it_gai
     seen = reports(TRUTH, [(1, 2, 32), (1, 4, 64), (1, 4, 128), (2, 8, 128)])
     job = make_job(low=2, high=32)
     observed = JobObservations(0.0, allocated=4, epochs=seen, gpus_per_node=4)
-    pollux = GoodputPolicy(GoodputParams(step_model="pollux")).desired(job, observed, 0.0)
-    line = GoodputPolicy(GoodputParams()).desired(job, observed, 0.0)
+    pollux = GoodputPolicy(GoodputParams()).desired(job, observed, 0.0)  # the default
+    line = GoodputPolicy(GoodputParams(step_model="line")).desired(job, observed, 0.0)
     profile = batch_profile(job, seen, step_model="pollux", gpus_per_node=4)
     assert profile is not None and isinstance(profile.step_time, SyncStepTime)
     assert pollux.gpus == goodput_knee(profile, 0.5, 2, 32)[0] == 4
