@@ -231,9 +231,7 @@ def _link_terms(
     return max(fixed, 0.0), slope
 
 
-def sync_terms(
-    points: Sequence[StepPoint], overlap: float
-) -> tuple[float, float, float, float]:
+def sync_terms(points: Sequence[StepPoint], overlap: float) -> tuple[float, float, float, float]:
     """(node fixed, node per GPU, network fixed, network per GPU) at `overlap`, with the
     priors for the links not seen (the module's docstring)."""
     node = [(p.gpus - 2, _sync_of(p, overlap)) for p in points if p.gpus > 1 and p.nodes == 1]
