@@ -198,7 +198,7 @@ class _BatchSteps:
     _step_seconds: list[float]
     _step_started: float | None
     _compute_seconds: list[float]
-    _compute_started: float | None
+    _sync_seconds: float
 
     def _world(self) -> int:
         raise NotImplementedError
@@ -224,7 +224,7 @@ class _BatchSteps:
         get its answer, so they cut steps alike); at a step boundary on every rank
         (the start, a reset, an epoch's end). The step times restart with it."""
         self._step_seconds, self._step_started = [], None
-        self._compute_seconds, self._compute_started = [], None
+        self._compute_seconds, self._sync_seconds = [], 0.0
         if self.settings.policy != "adaptive":
             return
         decided = self._ask() if self.rank == 0 else None
@@ -248,18 +248,10 @@ class _BatchSteps:
         """`sum_gradients`, measuring the gradient noise scale on the way (adaptive):
         each rank's squared norm of its own mean gradient, averaged over the ranks,
         against the squared norm of the step's mean gradient. Only full steps with
-        equal shares count (the estimate assumes one local batch size). The time since the
-        step was handed out is its compute (forward and backward passes, every micro-batch),
-        counted for the steps whose time is (`record_step`)."""
-        plan = self.plan
-        if (
-            self._compute_started is not None
-            and self._step_started is not None
-            and step.count == plan.global_batch
-        ):
-            self._compute_seconds.append(time.monotonic() - self._compute_started)
-        self._compute_started = None
+        equal shares count (the estimate assumes one local batch size). The time spent in
+        the two all-reduces is the step's sync, which `record_step` takes off its time."""
         params = [param for param in parameters if param.requires_grad]
+        plan = self.plan
         shares = set(plan.worker_batches)
         measure = (
             self.settings.policy == "adaptive"
@@ -273,10 +265,13 @@ class _BatchSteps:
             # The local gradient is (share / count) x the mean over the rank's samples.
             grads = [p.grad for p in params if p.grad is not None]
             local_sqr = squared_norm(grads) * (step.count / share) ** 2
+        started = time.monotonic()
         self._sum_all(params)
         if not measure:
+            self._sync_seconds += time.monotonic() - started
             return
         mean_local = self._mean_all(local_sqr)
+        self._sync_seconds += time.monotonic() - started
         global_sqr = squared_norm(p.grad for p in params)
         self.batch_state = after_gradients(
             self.settings, self.batch_state, mean_local, global_sqr, share, step.count
@@ -286,9 +281,11 @@ class _BatchSteps:
         """What the operator's goodput policy reads, for `report_epoch`: the noise scale
         (once measured), the global batch and the mean seconds of a step since the last
         reset or epoch end (the first step after either, which waits for the others or
-        warms up, is left out), with the mean of those steps' compute (measured by the
-        sampler's `sum_gradients`: from the step's hand-out to its all-reduce) and the nodes
-        the workers span (`specs.values.PLACEMENT_METRICS`)."""
+        warms up, is left out), with the mean of those steps' time apart from the all-reduce
+        wait in the sampler's `sum_gradients` (the forward and backward passes, the optimizer
+        step and whatever else the script does each step: all of it is what Pollux's model
+        counts as compute, fixed or growing with the local batch) and the nodes the workers
+        span (`specs.values.PLACEMENT_METRICS`)."""
         metrics: dict[str, float] = {
             BATCH_SIZE_METRIC: float(self.plan.global_batch),
             BASE_BATCH_METRIC: float(self.settings.reference_batch),
@@ -323,7 +320,6 @@ class _BatchSteps:
             step = next_step(self.settings, self.batch_state, self._order, self.rank)
             if step is None:
                 return
-            self._compute_started = time.monotonic()
             yield step
 
     def apply_lr(self, optimizer: Any, step: Step) -> None:
@@ -336,8 +332,10 @@ class _BatchSteps:
         self.processed_num = self.batch_state.cursor
         now = time.monotonic()
         if self._step_started is not None and step.count == self.plan.global_batch:
-            self._step_seconds.append(now - self._step_started)
-        self._step_started = now
+            took = now - self._step_started
+            self._step_seconds.append(took)
+            self._compute_seconds.append(max(took - self._sync_seconds, 0.0))
+        self._step_started, self._sync_seconds = now, 0.0
 
 
 _sampler_class: type | None = None
@@ -368,7 +366,7 @@ def _elastic_batch_sampler_class() -> type:
             self._step_seconds: list[float] = []
             self._step_started: float | None = None
             self._compute_seconds: list[float] = []
-            self._compute_started: float | None = None
+            self._sync_seconds = 0.0
             super().__init__(range(epoch_size), shuffle=shuffle, seed=seed)
             self.refresh_batch()
 
@@ -463,7 +461,7 @@ class DistributedBatches(_BatchSteps):
         self.rank = 0 if dist is None else int(dist.get_rank())
         self._epoch_size = epoch_size
         self._step_seconds, self._step_started = [], None
-        self._compute_seconds, self._compute_started = [], None
+        self._compute_seconds, self._sync_seconds = [], 0.0
         self._node_count = self._count_hosts()
         restored = BatchState() if state is None else BatchState.from_dict(state)
         self.batch_state = on_world(settings, restored, self._world())

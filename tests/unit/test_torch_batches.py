@@ -52,8 +52,8 @@ def _worker(rank: int, store: str, out: str) -> None:
             "progress": sampler.batch_state.progress,
             "first": sampler.adaptive_metrics(),
         }
-        # The second step is timed (the first after a start is not): its compute, from its
-        # hand-out to its all-reduce, lies within its step.
+        # The second step is timed (the first after a start is not): its time apart from
+        # the all-reduce wait lies within it.
         step = next(steps)
         param.grad = torch.tensor(GRADIENTS[rank])
         sampler.sum_gradients([param], step)
