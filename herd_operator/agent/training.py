@@ -41,6 +41,7 @@ torch and Horovod are imported when first needed: importing this module stays li
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -66,12 +67,13 @@ from herd_operator.agent.batching import (
     step_gain,
     trained_epochs,
 )
-from herd_operator.agent.worker import decided_batch, host_name
+from herd_operator.agent.worker import decided_batch
 from herd_operator.environment import (
     BATCH_POLICY_ENV,
     MAX_BATCH_ENV,
     MAX_WORKER_BATCH_ENV,
     WARMUP_STEPS_ENV,
+    WORKER_HOST_ENV,
 )
 from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
@@ -122,6 +124,16 @@ def batch_settings(
         max_worker_batch=max_worker_batch if limit is None else limit,
         max_batch=max_batch if largest is None else largest,
     )
+
+
+def machine_name() -> str:
+    """The machine this worker runs on: the host of the torchrun engine's GPU slot name
+    (HERD_WORKER_HOST, `host:gpuN`), else the system's host name. Not Horovod's names: the
+    operator shows one machine's slots under several of them (`runtime/engines/horovod.py`),
+    so `hvd.cross_size()` counts those aliases."""
+    slot = os.environ.get(WORKER_HOST_ENV, "")
+    host, sep, _ = slot.rpartition(":gpu")
+    return host if sep else (slot or socket.gethostname())
 
 
 def squared_norm(tensors: Iterable[Any]) -> float:
@@ -368,6 +380,7 @@ def _elastic_batch_sampler_class() -> type:
             self._compute_seconds: list[float] = []
             self._sync_seconds = 0.0
             super().__init__(range(epoch_size), shuffle=shuffle, seed=seed)
+            self._node_count = self._count_machines()
             self.refresh_batch()
 
         # The engine's hooks.
@@ -375,9 +388,14 @@ def _elastic_batch_sampler_class() -> type:
             return int(hvd.size())
 
         def _nodes(self) -> int:
-            # Rank 0 is local rank 0 of its host, and every host has one: the cross
-            # communicator of local rank 0 holds one rank per host.
-            return int(hvd.cross_size())
+            return self._node_count
+
+        def _count_machines(self) -> int:
+            """The distinct machines of the workers (one allgather, at the start and at
+            each reset: on every rank)."""
+            if int(hvd.size()) == 1:
+                return 1
+            return len(set(hvd.allgather_object(machine_name(), name="herd.hosts")))
 
         def _sum_all(self, params: list[Any]) -> None:
             sum_gradients(params)
@@ -430,6 +448,7 @@ def _elastic_batch_sampler_class() -> type:
         def on_reset(self) -> None:
             """Reset callback (`state.register_reset_callbacks`): the new world's plan."""
             self.reset()
+            self._node_count = self._count_machines()
             self.refresh_batch()
 
     _sampler_class = ElasticBatchSampler
@@ -501,7 +520,7 @@ class DistributedBatches(_BatchSteps):
         if dist is None:
             return 1
         hosts: list[Any] = [None] * int(dist.get_world_size())
-        dist.all_gather_object(hosts, host_name())
+        dist.all_gather_object(hosts, machine_name())
         return len(set(hosts))
 
     def _nodes(self) -> int:
