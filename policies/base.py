@@ -45,6 +45,9 @@ class JobObservations:
     """Reports of completed epochs (epoch set), oldest first."""
     usage: Sequence[UsageSample] = ()
     """GPU memory samples of the last hour at most."""
+    gpus_per_node: int | None = None
+    """The most GPUs one node of the pool holds (None: not known; the simulator knows it,
+    the operator leaves it to what the job's reports show)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,10 @@ efficiency (`policies/efficiency.py`), with the batch chosen per size (`choose_b
 time of a step is fitted as `fixed + per_sample x batch / gpus` on the reported steps
 (before two per-GPU batches are measured, half of the one measured step is taken as fixed,
 as Pollux's agent assumes: optimistic about a larger batch, so that the job tries one and
-the next fit has two points; a `priorSerial` above a half, more). Each size's goodput is at
+the next fit has two points; a `priorSerial` above a half, more); where the reports also
+carry the compute seconds and nodes (`specs.values.PLACEMENT_METRICS`), by default it is
+Pollux's form instead, compute and synchronisation within and across nodes overlapped
+(`policies/stepfit.py`, `stepModel`). Each size's goodput is at
 its best batch within the job's max batch and per-GPU memory (`spec.training.maxBatch`,
 `maxWorkerBatch`); the gains are in share of the job's goodput on one GPU (its speedup: the
 weight every job's GPUs are compared by, whatever its absolute rate), and the decision
@@ -32,12 +35,14 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
 from herd_operator.policies.efficiency import statistical_efficiency
+from herd_operator.policies.stepfit import fit_sync_step_time
 from herd_operator.specs import HerdJob
 from herd_operator.specs.models import SCHEMA_CONFIG
 from herd_operator.specs.values import (
@@ -73,6 +78,12 @@ class GoodputParams(BaseModel):
     throughput_metric: str = Field(default="throughput", min_length=1)
     """The name of the metric in the workers' reports that holds samples per second; without
     it, the rate of epochs is used."""
+    step_model: Literal["line", "pollux"] = "pollux"
+    """With the adaptive metrics, the step time's form: `pollux`, compute and synchronisation
+    within and across nodes, overlapped (`policies/stepfit.py`), fitted where the reports
+    carry the compute seconds (`specs.values.PLACEMENT_METRICS`), else the line; `line`,
+    `fixed + perSample x batch / gpus` always (the default until issue 31's session 8: the
+    `pollux` form measured 0.911 h against 0.921 h on Pollux's workloads, docs/simulation.md)."""
 
 
 def speedup(serial: float, gpus: int) -> float:
@@ -149,6 +160,12 @@ class StepTime:
         return self.fixed + self.per_sample * batch / gpus
 
 
+class StepSeconds(Protocol):
+    """A step-time model: `StepTime` or `stepfit.SyncStepTime`."""
+
+    def seconds(self, gpus: int, batch: int) -> float: ...
+
+
 @dataclass(frozen=True)
 class BatchProfile:
     """What the batch choice knows of a job: its base batch, noise scale, step time and
@@ -156,7 +173,7 @@ class BatchProfile:
 
     base_batch: int
     noise_scale: float
-    step_time: StepTime
+    step_time: StepSeconds
     max_batch: int | None = None
     max_worker_batch: int | None = None
 
@@ -246,11 +263,17 @@ def fit_step_time(
 
 
 def batch_profile(
-    job: HerdJob, epochs: Sequence[Report], prior_serial: float = 0.0
+    job: HerdJob,
+    epochs: Sequence[Report],
+    prior_serial: float = 0.0,
+    step_model: Literal["line", "pollux"] = "pollux",
+    gpus_per_node: int | None = None,
 ) -> BatchProfile | None:
     """The job's profile from its reports: None until one reports the noise scale, the
     batch and the step time (then the policy works as without them). `prior_serial`: the
-    share of a step measured at one per-GPU batch taken as fixed, if above a half."""
+    share of a step measured at one per-GPU batch taken as fixed, if above a half;
+    `step_model`: the step time's form (`GoodputParams.step_model`), `gpus_per_node` what
+    the `pollux` form packs a size on."""
     noise = next(
         (
             r.metrics[GRADIENT_NOISE_SCALE_METRIC]
@@ -259,7 +282,12 @@ def batch_profile(
         ),
         None,
     )
-    step_time = fit_step_time(epochs, max(ONE_POINT_FIXED_SHARE, prior_serial))
+    fixed_share = max(ONE_POINT_FIXED_SHARE, prior_serial)
+    step_time: StepSeconds | None = None
+    if step_model == "pollux":
+        step_time = fit_sync_step_time(epochs, gpus_per_node, fixed_share)
+    if step_time is None:
+        step_time = fit_step_time(epochs, fixed_share)
     batches = [
         r.metrics[BATCH_SIZE_METRIC] for r in epochs if r.metrics.get(BATCH_SIZE_METRIC, 0) >= 1
     ]
@@ -290,7 +318,8 @@ def goodput_knee(
     }
     one = goodput(1, choose_batch(1, profile), profile)
     scale = one if one > 0 else 1.0
-    gains = tuple((best[n] - best[n - 1]) / scale for n in range(low + 1, high + 1))
+    # A GPU more may slow a job whose step time has a sync across nodes: a gain is >= 0.
+    gains = tuple(max(0.0, best[n] - best[n - 1]) / scale for n in range(low + 1, high + 1))
     size = low
     while size < high and gains[size - low] >= min_gain:
         size += 1
@@ -311,7 +340,9 @@ class GoodputPolicy:
     def desired(self, job: HerdJob, observed: JobObservations, now: float) -> Decision:
         params = self.params
         low, high = job.spec.gpus.min, job.spec.gpus.max
-        profile = batch_profile(job, observed.epochs, params.prior_serial)
+        profile = batch_profile(
+            job, observed.epochs, params.prior_serial, params.step_model, observed.gpus_per_node
+        )
         if profile is not None:
             return _adaptive_decision(job, observed, profile, params.min_gain)
         rates = rates_by_size(observed.epochs, params.throughput_metric)

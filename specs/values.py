@@ -329,6 +329,14 @@ BASE_BATCH_METRIC = "base_batch_size"
 """Optional beside `ADAPTIVE_METRICS`: the global batch the job's learning rate was tuned
 for (the worker API's adaptive policy reports it); without it, the policies take the
 smallest batch reported."""
+PLACEMENT_METRICS = ("compute_seconds", "nodes")
+"""Optional beside `ADAPTIVE_METRICS` (issue 31, what Pollux's agent measures apart from the
+step): the mean seconds of one step's local compute (forward and backward passes, gradient
+accumulation included, the all-reduce wait left out) over the same steps as `step_seconds`,
+and the number of nodes (hosts) the job's workers spanned. With them the `goodput` policy can
+fit the synchronisation apart from the compute (`policies/stepfit.py`); reports without them
+keep the line fit."""
+COMPUTE_SECONDS_METRIC, NODES_METRIC = PLACEMENT_METRICS
 
 
 @dataclass(frozen=True)

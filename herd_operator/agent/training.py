@@ -41,6 +41,7 @@ torch and Horovod are imported when first needed: importing this module stays li
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -72,11 +73,14 @@ from herd_operator.environment import (
     MAX_BATCH_ENV,
     MAX_WORKER_BATCH_ENV,
     WARMUP_STEPS_ENV,
+    WORKER_HOST_ENV,
 )
 from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
     BATCH_SIZE_METRIC,
+    COMPUTE_SECONDS_METRIC,
     GRADIENT_NOISE_SCALE_METRIC,
+    NODES_METRIC,
     STEP_SECONDS_METRIC,
 )
 
@@ -120,6 +124,16 @@ def batch_settings(
         max_worker_batch=max_worker_batch if limit is None else limit,
         max_batch=max_batch if largest is None else largest,
     )
+
+
+def machine_name() -> str:
+    """The machine this worker runs on: the host of the torchrun engine's GPU slot name
+    (HERD_WORKER_HOST, `host:gpuN`), else the system's host name. Not Horovod's names: the
+    operator shows one machine's slots under several of them (`runtime/engines/horovod.py`),
+    so `hvd.cross_size()` counts those aliases."""
+    slot = os.environ.get(WORKER_HOST_ENV, "")
+    host, sep, _ = slot.rpartition(":gpu")
+    return host if sep else (slot or socket.gethostname())
 
 
 def squared_norm(tensors: Iterable[Any]) -> float:
@@ -195,8 +209,14 @@ class _BatchSteps:
     _order: list[int]
     _step_seconds: list[float]
     _step_started: float | None
+    _compute_seconds: list[float]
+    _sync_seconds: float
 
     def _world(self) -> int:
+        raise NotImplementedError
+
+    def _nodes(self) -> int:
+        """The nodes (hosts) this job's workers span now."""
         raise NotImplementedError
 
     def _sum_all(self, params: list[Any]) -> None:
@@ -216,6 +236,7 @@ class _BatchSteps:
         get its answer, so they cut steps alike); at a step boundary on every rank
         (the start, a reset, an epoch's end). The step times restart with it."""
         self._step_seconds, self._step_started = [], None
+        self._compute_seconds, self._sync_seconds = [], 0.0
         if self.settings.policy != "adaptive":
             return
         decided = self._ask() if self.rank == 0 else None
@@ -239,7 +260,8 @@ class _BatchSteps:
         """`sum_gradients`, measuring the gradient noise scale on the way (adaptive):
         each rank's squared norm of its own mean gradient, averaged over the ranks,
         against the squared norm of the step's mean gradient. Only full steps with
-        equal shares count (the estimate assumes one local batch size)."""
+        equal shares count (the estimate assumes one local batch size). The time spent in
+        the two all-reduces is the step's sync, which `record_step` takes off its time."""
         params = [param for param in parameters if param.requires_grad]
         plan = self.plan
         shares = set(plan.worker_batches)
@@ -255,10 +277,13 @@ class _BatchSteps:
             # The local gradient is (share / count) x the mean over the rank's samples.
             grads = [p.grad for p in params if p.grad is not None]
             local_sqr = squared_norm(grads) * (step.count / share) ** 2
+        started = time.monotonic()
         self._sum_all(params)
         if not measure:
+            self._sync_seconds += time.monotonic() - started
             return
         mean_local = self._mean_all(local_sqr)
+        self._sync_seconds += time.monotonic() - started
         global_sqr = squared_norm(p.grad for p in params)
         self.batch_state = after_gradients(
             self.settings, self.batch_state, mean_local, global_sqr, share, step.count
@@ -268,10 +293,15 @@ class _BatchSteps:
         """What the operator's goodput policy reads, for `report_epoch`: the noise scale
         (once measured), the global batch and the mean seconds of a step since the last
         reset or epoch end (the first step after either, which waits for the others or
-        warms up, is left out)."""
+        warms up, is left out), with the mean of those steps' time apart from the all-reduce
+        wait in the sampler's `sum_gradients` (the forward and backward passes, the optimizer
+        step and whatever else the script does each step: all of it is what Pollux's model
+        counts as compute, fixed or growing with the local batch) and the nodes the workers
+        span (`specs.values.PLACEMENT_METRICS`)."""
         metrics: dict[str, float] = {
             BATCH_SIZE_METRIC: float(self.plan.global_batch),
             BASE_BATCH_METRIC: float(self.settings.reference_batch),
+            NODES_METRIC: float(self._nodes()),
         }
         noise = self.batch_state.noise.noise_scale()
         if noise is not None:
@@ -279,6 +309,9 @@ class _BatchSteps:
         if self._step_seconds:
             mean = sum(self._step_seconds) / len(self._step_seconds)
             metrics[STEP_SECONDS_METRIC] = mean
+        if self._compute_seconds:
+            mean = sum(self._compute_seconds) / len(self._compute_seconds)
+            metrics[COMPUTE_SECONDS_METRIC] = mean
         return metrics
 
     def _set_order(self) -> None:
@@ -311,8 +344,10 @@ class _BatchSteps:
         self.processed_num = self.batch_state.cursor
         now = time.monotonic()
         if self._step_started is not None and step.count == self.plan.global_batch:
-            self._step_seconds.append(now - self._step_started)
-        self._step_started = now
+            took = now - self._step_started
+            self._step_seconds.append(took)
+            self._compute_seconds.append(max(took - self._sync_seconds, 0.0))
+        self._step_started, self._sync_seconds = now, 0.0
 
 
 _sampler_class: type | None = None
@@ -342,12 +377,25 @@ def _elastic_batch_sampler_class() -> type:
             self._order: list[int] = []
             self._step_seconds: list[float] = []
             self._step_started: float | None = None
+            self._compute_seconds: list[float] = []
+            self._sync_seconds = 0.0
             super().__init__(range(epoch_size), shuffle=shuffle, seed=seed)
+            self._node_count = self._count_machines()
             self.refresh_batch()
 
         # The engine's hooks.
         def _world(self) -> int:
             return int(hvd.size())
+
+        def _nodes(self) -> int:
+            return self._node_count
+
+        def _count_machines(self) -> int:
+            """The distinct machines of the workers (one allgather, at the start and at
+            each reset: on every rank)."""
+            if int(hvd.size()) == 1:
+                return 1
+            return len(set(hvd.allgather_object(machine_name(), name="herd.hosts")))
 
         def _sum_all(self, params: list[Any]) -> None:
             sum_gradients(params)
@@ -400,6 +448,7 @@ def _elastic_batch_sampler_class() -> type:
         def on_reset(self) -> None:
             """Reset callback (`state.register_reset_callbacks`): the new world's plan."""
             self.reset()
+            self._node_count = self._count_machines()
             self.refresh_batch()
 
     _sampler_class = ElasticBatchSampler
@@ -431,6 +480,8 @@ class DistributedBatches(_BatchSteps):
         self.rank = 0 if dist is None else int(dist.get_rank())
         self._epoch_size = epoch_size
         self._step_seconds, self._step_started = [], None
+        self._compute_seconds, self._sync_seconds = [], 0.0
+        self._node_count = self._count_hosts()
         restored = BatchState() if state is None else BatchState.from_dict(state)
         self.batch_state = on_world(settings, restored, self._world())
         self.processed_num = self.batch_state.cursor
@@ -460,6 +511,20 @@ class DistributedBatches(_BatchSteps):
     def _world(self) -> int:
         dist = _torch_distributed()
         return 1 if dist is None else int(dist.get_world_size())
+
+    @staticmethod
+    def _count_hosts() -> int:
+        """The distinct host names of the workers (one all_gather, at the start: torchrun
+        starts the workers again at every resize)."""
+        dist = _torch_distributed()
+        if dist is None:
+            return 1
+        hosts: list[Any] = [None] * int(dist.get_world_size())
+        dist.all_gather_object(hosts, machine_name())
+        return len(set(hosts))
+
+    def _nodes(self) -> int:
+        return self._node_count
 
     def _sum_all(self, params: list[Any]) -> None:
         sum_gradients(params)

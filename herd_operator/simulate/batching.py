@@ -46,11 +46,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from herd_operator.simulate.calibration import Calibration
-from herd_operator.simulate.steptime import POLLUX_STEP_MODELS, StepModel, trace_rows
+from herd_operator.simulate.steptime import (
+    POLLUX_STEP_MODELS,
+    StepModel,
+    packed_nodes,
+    trace_rows,
+)
 from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
     BATCH_SIZE_METRIC,
+    COMPUTE_SECONDS_METRIC,
     GRADIENT_NOISE_SCALE_METRIC,
+    NODES_METRIC,
     STEP_SECONDS_METRIC,
 )
 
@@ -179,13 +186,17 @@ class BatchModel:
 
     def metrics(self, gpus: int, batch: int | None, fraction: float) -> dict[str, float]:
         """What its workers attach to an epoch end at `gpus` and `batch` (None: the base),
-        `fraction` of its epochs done: the adaptive metrics (`specs/values.ADAPTIVE_METRICS`)."""
+        `fraction` of its epochs done: the adaptive metrics (`specs/values.ADAPTIVE_METRICS`)
+        and the step's compute and nodes (`PLACEMENT_METRICS`: the step model packs a job on
+        whole nodes, so its nodes are the fewest its GPUs fill)."""
         taken = self.batch_on(gpus, self.clamp(batch))
         return {
             GRADIENT_NOISE_SCALE_METRIC: self.noise_at(fraction, taken),
             BATCH_SIZE_METRIC: float(taken),
             STEP_SECONDS_METRIC: self.step.seconds(gpus, taken),
             BASE_BATCH_METRIC: float(self.min_batch),
+            COMPUTE_SECONDS_METRIC: self.step.compute_seconds(gpus, taken),
+            NODES_METRIC: float(packed_nodes(gpus)),
         }
 
 

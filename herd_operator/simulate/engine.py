@@ -170,6 +170,7 @@ class Simulation:
         self.now = 0.0
         self.policy: Policy = load_policy(config.policy)
         self._observes = self.policy.observes
+        self._gpus_per_node = max((len(gpus) for _, gpus in config.pool.hosts), default=0) or None
         self._heap: list[tuple[float, int, Kind, str, int]] = []
         self._seq = 0
         self._runs: dict[str, _Run] = {}
@@ -415,6 +416,7 @@ class Simulation:
             last_resize=run.last_resize,
             epochs=run.reports if Signal.EPOCHS in self._observes else (),
             usage=run.usage if Signal.USAGE in self._observes else (),
+            gpus_per_node=self._gpus_per_node,
         )
         decision = self.policy.desired(run.spec, observed, self.now)
         if self.config.adaptive_batch and model.batching is not None:

@@ -80,15 +80,29 @@ class StepModel:
         g = self.overlap
         return float((compute**g + sync**g) ** (1.0 / g))
 
-    def seconds(self, gpus: int, batch: float) -> float:
-        """One optimizer step of global batch `batch` on `gpus` GPUs packed on nodes."""
+    def _micro_batches(self, gpus: int, batch: float) -> tuple[int, float]:
+        """(micro-batches past the first, samples of each) of a step of `batch` on `gpus`."""
         if gpus < 1 or batch <= 0:
             raise ValueError(f"need gpus >= 1 and batch > 0, got {gpus} and {batch}")
         local = batch / gpus
         extra = max(math.ceil(local / self.max_local_batch - 1e-9) - 1, 0)
-        atomic = local / (extra + 1)
-        nodes = -(-gpus // GPUS_PER_NODE)
-        return self.micro_step(nodes, gpus, atomic) + extra * self.compute(atomic)
+        return extra, local / (extra + 1)
+
+    def seconds(self, gpus: int, batch: float) -> float:
+        """One optimizer step of global batch `batch` on `gpus` GPUs packed on nodes."""
+        extra, atomic = self._micro_batches(gpus, batch)
+        return self.micro_step(packed_nodes(gpus), gpus, atomic) + extra * self.compute(atomic)
+
+    def compute_seconds(self, gpus: int, batch: float) -> float:
+        """The compute of that step alone (every micro-batch's), without the sync: what a
+        worker measures around its forward and backward passes."""
+        extra, atomic = self._micro_batches(gpus, batch)
+        return (extra + 1) * self.compute(atomic)
+
+
+def packed_nodes(gpus: int) -> int:
+    """The nodes `gpus` GPUs span when packed on whole nodes of `GPUS_PER_NODE`."""
+    return -(-gpus // GPUS_PER_NODE)
 
 
 Row = tuple[int, int, float, float]

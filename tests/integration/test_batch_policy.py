@@ -221,6 +221,9 @@ def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
         keys = {"gradient_noise_scale", "batch_size", "step_seconds"}
         assert keys <= set(report.metrics), (report, epochs)
         assert report.metrics["gradient_noise_scale"] > 0
+        # A step's compute, measured apart from it, and the one host the workers span.
+        assert 0 < report.metrics["compute_seconds"] <= report.metrics["step_seconds"]
+        assert report.metrics["nodes"] == 1
     records = read_steps(steps_dir)
     passes = 1 + max(record["pass"] for record in records)
     chain = committed_chain(records, DIGITS_TRAIN, passes, by="pass")
