@@ -95,7 +95,9 @@ class Shrinker:
             if short <= 0:
                 break
             plan = self._clearing(slot, head, need, donors)
-            if plan is not None and all(self._take(donors[job], slot) for job in plan):
+            if plan is not None and self._takable([donors[job] for job in plan], slot):
+                for job in plan:
+                    self._take(donors[job], slot)
                 short -= 1
         if short <= 0 and admit(head) is not None:
             for job in donors:
@@ -163,21 +165,38 @@ class Shrinker:
     def _above_min(self, demand: Demand) -> bool:
         return len(self._held[demand.name]) > demand.min
 
-    def _take(self, donor: Demand, slot: Slot) -> bool:
-        """Take `donor`'s worker off `slot` (its size one less), where its other workers have
-        the memory a worker needs at that size; whether it was taken."""
+    def _takable(self, plan: Sequence[Demand], slot: Slot) -> bool:
+        """Whether every donor of `plan` can give its worker on `slot`: each above its min
+        and, where it splits its batch, with the memory its other workers then need on their
+        GPUs (counting what the plan's earlier donors add there). All or none: a plan that
+        failed part-way left the workers it had taken off, and the head, admitted on another
+        GPU, left a donor shrunk for nothing."""
+        gpus = self._gpus
+        added: dict[Slot, int] = {}
+        for donor in plan:
+            mine = self._held[donor.name]
+            if len(mine) <= donor.min or slot not in mine:
+                return False
+            more = self._needs.at(donor, len(mine) - 1) - self._needs.at(donor, len(mine))
+            if more <= 0:
+                continue
+            for other in mine:
+                if other != slot:
+                    added[other] = added.get(other, 0) + more
+                    if gpus.used[other] + added[other] > gpus.capacity:
+                        return False
+        return True
+
+    def _take(self, donor: Demand, slot: Slot) -> None:
+        """Take `donor`'s worker off `slot` (its size one less; `_takable` said it can): its
+        other workers are counted for what a worker needs at that size."""
         mine = self._held[donor.name]
-        if len(mine) <= donor.min or slot not in mine:
-            return False
         now = self._needs.at(donor, len(mine))
         more = self._needs.at(donor, len(mine) - 1) - now
         rest = [other for other in mine if other != slot]
         gpus = self._gpus
-        if more > 0 and any(gpus.used[other] + more > gpus.capacity for other in rest):
-            return False
         if gpus.remove(slot, donor.name, now):
             self._where.freed(slot)
         for other in rest:
             gpus.used[other] += more
         self._held[donor.name] = rest
-        return True

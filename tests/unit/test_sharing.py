@@ -369,8 +369,8 @@ def _shrunk_only_to_admit(
     demands: Sequence[Demand], current: Mapping[str, Placement], grants: Mapping[str, Grant]
 ) -> None:
     """With `shrink_to_admit`, a job shrunk to admit another names it, and that one waited
-    (held no GPU), is admitted now (its whole min) and is of the shrunk job's priority or
-    higher."""
+    (held no GPU), is admitted now (its whole min), is of the shrunk job's priority or
+    higher and holds a GPU the shrunk job left (nobody is shrunk for nothing)."""
     by_name = {d.name: d for d in demands}
     for name, grant in grants.items():
         before = current.get(name, Placement.EMPTY).size
@@ -381,6 +381,8 @@ def _shrunk_only_to_admit(
         assert not current.get(taker.name, Placement.EMPTY).size, (name, taker.name)
         assert grants[taker.name].placement.size >= taker.min, (name, taker.name)
         assert taker.priority >= by_name[name].priority, (name, taker.name)
+        left = set(current[name].slots()) - set(grant.placement.slots())
+        assert left & set(grants[taker.name].placement.slots()), (name, taker.name, grants)
 
 
 def test_a_gpu_a_sharing_job_leaves_goes_to_a_waiting_exclusive_job_in_the_same_decision() -> None:

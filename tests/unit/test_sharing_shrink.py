@@ -96,6 +96,34 @@ def test_a_job_splitting_its_batch_is_shrunk_only_where_its_other_workers_still_
     assert grants["a"].placement.size == 2 and grants["b"].placement.size == 0
 
 
+def test_a_gpu_whose_clearing_fails_part_way_takes_no_worker_off() -> None:
+    # b (35 GiB) fits nowhere. h0:4 holds a and c (10 + 15): clearing it takes c, then a,
+    # but a splits its batch and its other worker (h0:0, beside x) has no room for the 20
+    # GiB it needs at one GPU. h0:3 (d and e, 20 + 20) is cleared instead and b admitted
+    # there. c must keep its worker on h0:4: shrunk, it gave b nothing (and d, growing back
+    # first, would take the room c left, leaving c at its min for nothing).
+    pool = Pool.from_counts({"h0": 5}, gpu_memory_bytes=ALONE)
+    x = share("x", 1, 25 * GI, priority=1)
+    y = share("y", 1, 20 * GI, priority=1, arrival=0.05)
+    a = replace(share("a", 1, 20 * GI, arrival=0.1), max=2, desired=2,
+                memory_split_bytes=20 * GI)  # fmt: skip
+    d = replace(share("d", 1, 20 * GI, arrival=0.2), max=2, desired=2)
+    e = replace(share("e", 1, 20 * GI, arrival=0.3), max=2, desired=2)
+    c = replace(share("c", 1, 15 * GI, arrival=0.4), max=2, desired=2)
+    waiting = share("b", 1, 35 * GI, arrival=1.0)
+    current = {"x": _on(0), "y": _on(1), "a": _on(0, 4), "d": _on(2, 3), "e": _on(2, 3),
+               "c": _on(4, 1)}  # fmt: skip
+    limits = replace(SHRINK, margin=0.0)
+    jobs = [x, y, a, d, e, c, waiting]
+    grants = arbitrate_sharing(pool, jobs, current, limits=limits)
+    assert slots_of(grants, "b") == [("h0", 3)]
+    assert grants["c"].placement == current["c"], grants["c"]
+    assert grants["a"].placement == current["a"], grants["a"]
+    for job in ("d", "e"):
+        assert slots_of(grants, job) == [("h0", 2)], grants[job]
+        assert grants[job].reason.startswith("shrunk 2 -> 1: admitting b"), grants[job]
+
+
 def test_shrinking_and_admission_first_are_refused_together() -> None:
     with pytest.raises(ValueError, match="shrink_to_admit and admit_first"):
         SharingLimits(shrink_to_admit=True, admit_first=True)
