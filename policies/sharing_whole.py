@@ -94,17 +94,11 @@ def _next(
     top = max(d.priority for d in waiting)
     heads = [d for d in waiting if d.priority == top]
     on = _on(packed)
-    sizes = {name: placement.size for name, (placement, _) in packed.items()}
-
-    def donor(name: str) -> bool:
-        d = by_name[name]
-        return d.priority <= top and name not in frozen and sizes[name] > d.min
-
+    budget = _budgets(by_name, packed, top, frozen)
     candidates = sorted(
-        (slot for slot, names in on.items() if slot not in fixed and all(map(donor, names))),
+        (slot for slot, names in on.items() if slot not in fixed and budget.keys() >= set(names)),
         key=lambda slot: (len(on[slot]), -position[slot]),
     )
-    budget = {name: sizes[name] - by_name[name].min for name in sizes}
     chosen: list[Slot] = []
     for slot in candidates:
         if len(chosen) >= max(d.min for d in heads):
@@ -114,19 +108,38 @@ def _next(
         for name in on[slot]:
             budget[name] -= 1
         chosen.append(slot)
-        now = freed | set(chosen)
-        trial = decide(now)
+        trial = decide(freed | set(chosen))
         if any(trial[0][d.name].placement.size for d in heads):
-            taken = {
-                slot
-                for name, grant in trial[0].items()
-                if name in arriving
-                for slot in grant.placement.slots()
-            }
-            if not now <= taken or not _kept(packed, trial[1], set(chosen)):
-                return None
-            return trial, now
+            if _taken(trial[0], arriving) >= freed | set(chosen) and _kept(
+                packed, trial[1], set(chosen)
+            ):
+                return trial, freed | set(chosen)
+            return None
     return None
+
+
+def _budgets(
+    by_name: Mapping[str, Demand],
+    packed: Mapping[str, tuple[Placement, str]],
+    top: int,
+    frozen: AbstractSet[str],
+) -> dict[str, int]:
+    """The sharing jobs that may give workers to a waiting job of priority `top` (of its
+    priority or lower, not frozen, above their min), and how many each may give."""
+    budget = {}
+    for name, (placement, _) in packed.items():
+        d = by_name[name]
+        if d.priority <= top and name not in frozen and placement.size > d.min:
+            budget[name] = placement.size - d.min
+    return budget
+
+
+def _taken(grants: Mapping[str, Grant], arriving: AbstractSet[str]) -> set[Slot]:
+    """The GPUs granted to jobs that held none before this decision."""
+    return {
+        slot for name, grant in grants.items() if name in arriving
+        for slot in grant.placement.slots()
+    }  # fmt: skip
 
 
 def _kept(
