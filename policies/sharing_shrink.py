@@ -95,7 +95,7 @@ class Shrinker:
             if short <= 0:
                 break
             plan = self._clearing(slot, head, need, donors)
-            if plan is not None and self._takable([donors[job] for job in plan], slot):
+            if plan is not None:  # every donor of it can give its worker there: all or none
                 for job in plan:
                     self._take(donors[job], slot)
                 short -= 1
@@ -131,7 +131,8 @@ class Shrinker:
         self, slot: Slot, head: Demand, need: int, donors: Mapping[str, Demand]
     ) -> list[str] | None:
         """The donors' workers to take off `slot` for `head` to fit there (ranked last
-        first, each donor above its min), or None: it cannot be made to fit."""
+        first, each donor above its min and able to give it, `_gives`), or None: it cannot
+        be made to fit."""
         gpus = self._gpus
         if slot in gpus.closed or not gpus.open_to_new(slot):
             return None
@@ -143,9 +144,12 @@ class Shrinker:
             key=lambda job: -self._position[job],
         )
         plan: list[str] = []
+        added: dict[Slot, int] = {}
         for job in takable:
             if self._fits(head, need, len(staying), used, busy):
                 break
+            if not self._gives(donors[job], slot, added):
+                continue
             size = len(self._held[job])
             used -= self._needs.at(donors[job], size)
             busy -= gpus.busy_of.get(job, 1.0)
@@ -165,30 +169,26 @@ class Shrinker:
     def _above_min(self, demand: Demand) -> bool:
         return len(self._held[demand.name]) > demand.min
 
-    def _takable(self, plan: Sequence[Demand], slot: Slot) -> bool:
-        """Whether every donor of `plan` can give its worker on `slot`: each above its min
-        and, where it splits its batch, with the memory its other workers then need on their
-        GPUs (counting what the plan's earlier donors add there). All or none: a plan that
-        failed part-way left the workers it had taken off, and the head, admitted on another
-        GPU, left a donor shrunk for nothing."""
+    def _gives(self, donor: Demand, slot: Slot, added: dict[Slot, int]) -> bool:
+        """Whether `donor` can give its worker on `slot`: where it splits its batch, its
+        other workers then need more each, which their GPUs must have (beyond what the
+        plan's earlier donors add there, `added`, updated when it can). A plan is made of
+        such donors only: one that failed part-way left the workers it had taken off, and
+        the head, admitted on another GPU, left a donor shrunk for nothing."""
+        mine = self._held[donor.name]
+        more = self._needs.at(donor, len(mine) - 1) - self._needs.at(donor, len(mine))
+        others = [other for other in mine if other != slot]
         gpus = self._gpus
-        added: dict[Slot, int] = {}
-        for donor in plan:
-            mine = self._held[donor.name]
-            if len(mine) <= donor.min or slot not in mine:
-                return False
-            more = self._needs.at(donor, len(mine) - 1) - self._needs.at(donor, len(mine))
-            if more <= 0:
-                continue
-            for other in mine:
-                if other != slot:
-                    added[other] = added.get(other, 0) + more
-                    if gpus.used[other] + added[other] > gpus.capacity:
-                        return False
+        if more > 0 and any(
+            gpus.used[other] + added.get(other, 0) + more > gpus.capacity for other in others
+        ):
+            return False
+        for other in others:
+            added[other] = added.get(other, 0) + max(more, 0)
         return True
 
     def _take(self, donor: Demand, slot: Slot) -> None:
-        """Take `donor`'s worker off `slot` (its size one less; `_takable` said it can): its
+        """Take `donor`'s worker off `slot` (its size one less; `_gives` said it can): its
         other workers are counted for what a worker needs at that size."""
         mine = self._held[donor.name]
         now = self._needs.at(donor, len(mine))

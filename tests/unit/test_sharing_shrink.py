@@ -98,11 +98,11 @@ def test_a_job_splitting_its_batch_is_shrunk_only_where_its_other_workers_still_
 
 
 def test_a_gpu_whose_clearing_fails_part_way_takes_no_worker_off() -> None:
-    # b (35 GiB) fits nowhere. h0:4 holds a and c (10 + 15): clearing it takes c, then a,
-    # but a splits its batch and its other worker (h0:0, beside x) has no room for the 20
+    # b (35 GiB) fits nowhere. h0:4 holds a and c (10 + 15): clearing it would take c, then
+    # a, but a splits its batch and its other worker (h0:0, beside x) has no room for the 20
     # GiB it needs at one GPU. h0:3 (d and e, 20 + 20) is cleared instead and b admitted
     # there. c must keep its worker on h0:4: shrunk, it gave b nothing (and d, growing back
-    # first, would take the room c left, leaving c at its min for nothing).
+    # first, would take the room c left, leaving c at its min for nothing: it did).
     pool = Pool.from_counts({"h0": 5}, gpu_memory_bytes=ALONE)
     x = share("x", 1, 25 * GI, priority=1)
     y = share("y", 1, 20 * GI, priority=1, arrival=0.05)
