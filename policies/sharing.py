@@ -35,15 +35,19 @@ The rules, in the order a decision applies them:
   exclusive job of its priority or higher is pending (unless `backfill`: then it may open
   the GPUs the exclusive arbitration left free), and no sharing job before it was
   left pending (head of line). Packing onto GPUs already shared takes no GPU from anyone,
-  so it goes on past a pending job. A sharing job is never shrunk to admit an exclusive
-  one: its GPUs go back as sharing jobs end, and none opens a new one meanwhile.
+  so it goes on past a pending job. Without `shrink_to_admit` a sharing job is never shrunk
+  to admit an exclusive one: its GPUs go back as sharing jobs end, and none opens a new one
+  meanwhile.
 - With `shrink_to_admit`, pending jobs are admitted at their min first (in rank order,
   across tiers), then the head of the line (the first pending sharing job that may open a
   GPU and did not fit) may take workers of running sharing jobs of its priority or lower
   above their min (`sharing_shrink.py`) and is admitted if its whole min then fits; then
   the running jobs grow; all again until nothing changes. Nobody is shrunk for a job that
   is not admitted. Unlike `arbitrate`, a lower tier's pending job may be admitted at its
-  min before a higher tier's running job grows.
+  min before a higher tier's running job grows. And while an exclusive job waits, whole
+  GPUs may be freed for it from sharing jobs of its priority or lower above their min
+  (`sharing_whole.py`: the decision made again with those GPUs free, kept only if it is
+  admitted there and no sharing job loses more than those GPUs).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from herd_operator.policies.sharing_room import within_utilization as within_uti
 from herd_operator.policies.sharing_room import worker_memory as worker_memory
 from herd_operator.policies.sharing_room import worker_memory_at as worker_memory_at
 from herd_operator.policies.sharing_shrink import Shrinker
+from herd_operator.policies.sharing_whole import shrink_for_whole
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
 DEFAULT_MAX_JOBS_PER_GPU = 4
@@ -475,13 +480,26 @@ def arbitrate_sharing(
     packing = partial(
         pack, frozen=frozen, limits=limits, smallest_first=smallest_first, overdue=overdue
     )
-    decided, packed = _decide_beside_sharers(
-        pool, demands, current, decide, packing, limits, unavailable, draining, held_shared
-    )
+    beside = partial(
+        _decide_beside_sharers, pool, demands, current, decide, packing, limits, unavailable,
+        draining, held_shared,
+    )  # fmt: skip
+    (decided, packed), shrunk_for = beside(frozenset()), dict[str, str]()
+    if limits.shrink_to_admit and any(not g.placement.size for g in decided.values()):
+        position = {slot: index for index, slot in enumerate(pool.slots())}
+        arriving = {d.name for d in demands if not current.get(d.name, Placement.EMPTY).size}
+        (decided, packed), shrunk_for = shrink_for_whole(
+            demands, (decided, packed), beside, frozen=frozen, fixed=held_shared,
+            position=position, arriving=arriving,
+        )  # fmt: skip
     before = previous or {}
     for d in sorted(sharing, key=_rank):
         placement, reason = packed[d.name]
         earlier = before.get(d.name)
+        size = current.get(d.name, Placement.EMPTY).size
+        if d.name in shrunk_for and size > placement.size:
+            share = reason[reason.rfind("(sharing") :]
+            reason = f"shrunk {size} -> {placement.size}: admitting {shrunk_for[d.name]} {share}"
         if earlier is not None and placement.size and earlier.placement == placement:
             decided[d.name] = earlier
         else:
@@ -499,9 +517,11 @@ def _decide_beside_sharers(
     unavailable: AbstractSet[Slot],
     draining: AbstractSet[Slot],
     held_shared: AbstractSet[Slot],
+    freed: AbstractSet[Slot],
 ) -> tuple[dict[str, Grant], dict[str, tuple[Placement, str]]]:
     """The exclusive jobs' grants (`decide`) and the sharing jobs' packing (`packing`: `pack`
-    with the decision's settings). The jobs that do
+    with the decision's settings), with the GPUs `freed` taken from the sharing jobs that
+    hold them (`sharing_whole.py`: they count as free to the exclusive jobs). The jobs that do
     not share are decided on the pool less the GPUs the sharing jobs keep, and which they
     keep is known only after the packing (a job whose measured peak no longer fits anywhere,
     or that shrinks, leaves its GPU): so decide again without the GPUs they left until none
@@ -511,7 +531,7 @@ def _decide_beside_sharers(
     exclusive = [d for d in demands if not d.share]
     names = {d.name for d in sharing}
     others = {job: placement for job, placement in current.items() if job not in names}
-    kept = _slots_of(current, names, pool.slot_set)
+    kept = _slots_of(current, names, pool.slot_set) - set(freed)
     while True:
         decided = decide(
             pool, exclusive, others, unavailable=set(unavailable) | kept | held_shared,

@@ -95,7 +95,9 @@ class Shrinker:
             if short <= 0:
                 break
             plan = self._clearing(slot, head, need, donors)
-            if plan is not None and all(self._take(donors[job], slot) for job in plan):
+            if plan is not None:  # every donor of it can give its worker there: all or none
+                for job in plan:
+                    self._take(donors[job], slot)
                 short -= 1
         if short <= 0 and admit(head) is not None:
             for job in donors:
@@ -129,7 +131,8 @@ class Shrinker:
         self, slot: Slot, head: Demand, need: int, donors: Mapping[str, Demand]
     ) -> list[str] | None:
         """The donors' workers to take off `slot` for `head` to fit there (ranked last
-        first, each donor above its min), or None: it cannot be made to fit."""
+        first, each donor above its min and able to give it, `_gives`), or None: it cannot
+        be made to fit."""
         gpus = self._gpus
         if slot in gpus.closed or not gpus.open_to_new(slot):
             return None
@@ -141,9 +144,12 @@ class Shrinker:
             key=lambda job: -self._position[job],
         )
         plan: list[str] = []
+        added: dict[Slot, int] = {}
         for job in takable:
             if self._fits(head, need, len(staying), used, busy):
                 break
+            if not self._gives(donors[job], slot, added):
+                continue
             size = len(self._held[job])
             used -= self._needs.at(donors[job], size)
             busy -= gpus.busy_of.get(job, 1.0)
@@ -163,21 +169,34 @@ class Shrinker:
     def _above_min(self, demand: Demand) -> bool:
         return len(self._held[demand.name]) > demand.min
 
-    def _take(self, donor: Demand, slot: Slot) -> bool:
-        """Take `donor`'s worker off `slot` (its size one less), where its other workers have
-        the memory a worker needs at that size; whether it was taken."""
+    def _gives(self, donor: Demand, slot: Slot, added: dict[Slot, int]) -> bool:
+        """Whether `donor` can give its worker on `slot`: where it splits its batch, its
+        other workers then need more each, which their GPUs must have (beyond what the
+        plan's earlier donors add there, `added`, updated when it can). A plan is made of
+        such donors only: one that failed part-way left the workers it had taken off, and
+        the head, admitted on another GPU, left a donor shrunk for nothing."""
         mine = self._held[donor.name]
-        if len(mine) <= donor.min or slot not in mine:
+        more = self._needs.at(donor, len(mine) - 1) - self._needs.at(donor, len(mine))
+        others = [other for other in mine if other != slot]
+        gpus = self._gpus
+        if more > 0 and any(
+            gpus.used[other] + added.get(other, 0) + more > gpus.capacity for other in others
+        ):
             return False
+        for other in others:
+            added[other] = added.get(other, 0) + max(more, 0)
+        return True
+
+    def _take(self, donor: Demand, slot: Slot) -> None:
+        """Take `donor`'s worker off `slot` (its size one less; `_gives` said it can): its
+        other workers are counted for what a worker needs at that size."""
+        mine = self._held[donor.name]
         now = self._needs.at(donor, len(mine))
         more = self._needs.at(donor, len(mine) - 1) - now
         rest = [other for other in mine if other != slot]
         gpus = self._gpus
-        if more > 0 and any(gpus.used[other] + more > gpus.capacity for other in rest):
-            return False
         if gpus.remove(slot, donor.name, now):
             self._where.freed(slot)
         for other in rest:
             gpus.used[other] += more
         self._held[donor.name] = rest
-        return True

@@ -229,9 +229,10 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--share-shrink-to-admit",
         action="store_true",
-        help="with --share-gpus: the first waiting sharing job that fits nowhere may take GPUs"
-        " from running sharing jobs of its priority or lower, down to their min, as whole-GPU"
-        " jobs are shrunk to admit one (default: a sharing job is never shrunk to admit another)",
+        help="with --share-gpus: the first waiting sharing job that fits nowhere, or a waiting"
+        " whole-GPU job, may take GPUs from running sharing jobs of its priority or lower, down"
+        " to their min, as whole-GPU jobs are shrunk to admit one (default: a sharing job is"
+        " never shrunk to admit another job)",
     )
     run.add_argument(
         "--gpu-memory",

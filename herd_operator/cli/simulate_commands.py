@@ -104,10 +104,10 @@ def add_commands(commands: Subcommands) -> None:
     simulate.add_argument(
         "--share-shrink-to-admit",
         action="store_true",
-        help="under NAME+pack: the first waiting sharing job that fits nowhere may take GPUs"
-        " from running sharing jobs of its priority or lower, down to their min, as the"
-        " whole-GPU arbitration does (default: a sharing job is never shrunk to admit another;"
-        " not with --share-admit-first)",
+        help="under NAME+pack: the first waiting sharing job that fits nowhere, or a waiting"
+        " whole-GPU job, may take GPUs from running sharing jobs of its priority or lower, down"
+        " to their min, as the whole-GPU arbitration does (default: a sharing job is never"
+        " shrunk to admit another job; not with --share-admit-first)",
     )
     simulate.add_argument(
         "--memory",

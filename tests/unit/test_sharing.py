@@ -330,47 +330,77 @@ def test_sharing_decisions_never_overcommit_and_keep_the_exclusive_rules(
     result changes nothing. `overdue` None: in arrival order; else smallest first (the
     overdue jobs before), sharing jobs and the others alike."""
     pool, demands, limits = case
+    current: dict[str, Placement] = {}
+    for step in steps:
+        current = _decide_and_check(pool, demands, current, limits, overdue)
+        demands = _changed(demands, step)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    case=decisions(),
+    steps=st.lists(st.integers(0, 2**16), min_size=1, max_size=3),
+    overdue=st.none() | st.frozensets(st.sampled_from([f"j{i}" for i in range(7)])),
+)
+def test_whole_gpu_jobs_arriving_beside_sharing_jobs_shrink_them_only_to_be_admitted(
+    case: tuple[Pool, list[Demand], SharingLimits],
+    steps: list[int],
+    overdue: frozenset[str] | None,
+) -> None:
+    """With `shrink_to_admit`, the sharing jobs are placed first (each wanting its max), then
+    the whole-GPU jobs arrive (`sharing_whole.py` may shrink the sharing jobs for them): the
+    same properties as above over the history that follows."""
+    pool, demands, limits = case
+    limits = replace(limits, admit_first=False, shrink_to_admit=True)
+    demands = [replace(d, desired=d.max) if d.share else d for d in demands]  # some to give
+    current = _decide_and_check(pool, [d for d in demands if d.share], {}, limits, overdue)
+    for step in steps:
+        current = _decide_and_check(pool, demands, current, limits, overdue)
+        demands = _changed(demands, step)
+
+
+def _decide_and_check(
+    pool: Pool,
+    demands: Sequence[Demand],
+    current: Mapping[str, Placement],
+    limits: SharingLimits,
+    overdue: frozenset[str] | None,
+) -> dict[str, Placement]:
+    """One decision checked (the two tests above say what); the placements it gives."""
     ranking: dict[str, Any] = {}
     if overdue is not None:
         ranking = {"smallest_first": True, "overdue": overdue}
-    current: dict[str, Placement] = {}
-    for step in steps:
-        grants = arbitrate_sharing(pool, demands, current, limits=limits, **ranking)
-        _check_invariants(pool, demands, grants, limits)
-        _head_of_line_not_left_out(pool, demands, grants, limits, overdue)
-        shared = {
-            slot
-            for d in demands
-            if d.share
-            for slot in current.get(d.name, Placement.EMPTY).slots()
-        } & {slot for d in demands if d.share for slot in grants[d.name].placement.slots()}
-        exclusive = [d for d in demands if not d.share]
-        alone = arbitrate(
-            pool,
-            exclusive,
-            {d.name: current[d.name] for d in exclusive if d.name in current},
-            unavailable=shared,
-            **ranking,
-        )
-        assert {n: g.placement for n, g in alone.items()} == {
-            d.name: grants[d.name].placement for d in exclusive
-        }
-        if limits.shrink_to_admit:
-            _shrunk_only_to_admit(demands, current, grants)
-        current = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
-        again = arbitrate_sharing(pool, demands, current, limits=limits, **ranking)
-        assert {n: g.placement for n, g in again.items()} == {
-            n: g.placement for n, g in grants.items()
-        }
-        demands = _changed(demands, step)
+    grants = arbitrate_sharing(pool, demands, current, limits=limits, **ranking)
+    _check_invariants(pool, demands, grants, limits)
+    _head_of_line_not_left_out(pool, demands, grants, limits, overdue)
+    shared = {
+        slot for d in demands if d.share for slot in current.get(d.name, Placement.EMPTY).slots()
+    } & {slot for d in demands if d.share for slot in grants[d.name].placement.slots()}
+    exclusive = [d for d in demands if not d.share]
+    alone = arbitrate(
+        pool,
+        exclusive,
+        {d.name: current[d.name] for d in exclusive if d.name in current},
+        unavailable=shared,
+        **ranking,
+    )
+    assert {n: g.placement for n, g in alone.items()} == {
+        d.name: grants[d.name].placement for d in exclusive
+    }
+    if limits.shrink_to_admit:
+        _shrunk_only_to_admit(demands, current, grants)
+    placed = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
+    again = arbitrate_sharing(pool, demands, placed, limits=limits, **ranking)
+    assert {n: g.placement for n, g in again.items()} == {n: g.placement for n, g in grants.items()}
+    return placed
 
 
 def _shrunk_only_to_admit(
     demands: Sequence[Demand], current: Mapping[str, Placement], grants: Mapping[str, Grant]
 ) -> None:
     """With `shrink_to_admit`, a job shrunk to admit another names it, and that one waited
-    (held no GPU), is admitted now (its whole min) and is of the shrunk job's priority or
-    higher."""
+    (held no GPU), is admitted now (its whole min), is of the shrunk job's priority or
+    higher and holds a GPU the shrunk job left (nobody is shrunk for nothing)."""
     by_name = {d.name: d for d in demands}
     for name, grant in grants.items():
         before = current.get(name, Placement.EMPTY).size
@@ -381,6 +411,8 @@ def _shrunk_only_to_admit(
         assert not current.get(taker.name, Placement.EMPTY).size, (name, taker.name)
         assert grants[taker.name].placement.size >= taker.min, (name, taker.name)
         assert taker.priority >= by_name[name].priority, (name, taker.name)
+        left = set(current[name].slots()) - set(grant.placement.slots())
+        assert left & set(grants[taker.name].placement.slots()), (name, taker.name, grants)
 
 
 def test_a_gpu_a_sharing_job_leaves_goes_to_a_waiting_exclusive_job_in_the_same_decision() -> None:

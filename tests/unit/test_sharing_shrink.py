@@ -1,5 +1,6 @@
 """Shrinking sharing jobs to admit a waiting one (`SharingLimits.shrink_to_admit`,
-`policies/sharing_shrink.py`): named cases. Its properties (never over-committed, the
+`policies/sharing_shrink.py`; a waiting whole-GPU one, `policies/sharing_whole.py`): named
+cases. Its properties (never over-committed, the
 exclusive rules, deciding again changes nothing, a decision changed only by an admission)
 are `test_sharing.py`'s hypothesis test, which draws the option."""
 
@@ -13,7 +14,7 @@ from herd_operator.cli.arguments import UsageError
 from herd_operator.cli.main import build_parser
 from herd_operator.cli.run import sharing_limits
 from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing
-from herd_operator.specs.values import Placement, Pool
+from herd_operator.specs.values import Demand, Placement, Pool
 from tests.unit.test_sharing import GI, share, slots_of
 
 ALONE = 40 * GI
@@ -94,6 +95,102 @@ def test_a_job_splitting_its_batch_is_shrunk_only_where_its_other_workers_still_
     limits = replace(SHRINK, margin=0.0)
     grants = arbitrate_sharing(pool, [splitting, filler, waiting], current, limits=limits)
     assert grants["a"].placement.size == 2 and grants["b"].placement.size == 0
+
+
+def test_a_gpu_whose_clearing_fails_part_way_takes_no_worker_off() -> None:
+    # b (35 GiB) fits nowhere. h0:4 holds a and c (10 + 15): clearing it would take c, then
+    # a, but a splits its batch and its other worker (h0:0, beside x) has no room for the 20
+    # GiB it needs at one GPU. h0:3 (d and e, 20 + 20) is cleared instead and b admitted
+    # there. c must keep its worker on h0:4: shrunk, it gave b nothing (and d, growing back
+    # first, would take the room c left, leaving c at its min for nothing: it did).
+    pool = Pool.from_counts({"h0": 5}, gpu_memory_bytes=ALONE)
+    x = share("x", 1, 25 * GI, priority=1)
+    y = share("y", 1, 20 * GI, priority=1, arrival=0.05)
+    a = replace(share("a", 1, 20 * GI, arrival=0.1), max=2, desired=2,
+                memory_split_bytes=20 * GI)  # fmt: skip
+    d = replace(share("d", 1, 20 * GI, arrival=0.2), max=2, desired=2)
+    e = replace(share("e", 1, 20 * GI, arrival=0.3), max=2, desired=2)
+    c = replace(share("c", 1, 15 * GI, arrival=0.4), max=2, desired=2)
+    waiting = share("b", 1, 35 * GI, arrival=1.0)
+    current = {"x": _on(0), "y": _on(1), "a": _on(0, 4), "d": _on(2, 3), "e": _on(2, 3),
+               "c": _on(4, 1)}  # fmt: skip
+    limits = replace(SHRINK, margin=0.0)
+    jobs = [x, y, a, d, e, c, waiting]
+    grants = arbitrate_sharing(pool, jobs, current, limits=limits)
+    assert slots_of(grants, "b") == [("h0", 3)]
+    assert grants["c"].placement == current["c"], grants["c"]
+    assert grants["a"].placement == current["a"], grants["a"]
+    for job in ("d", "e"):
+        assert slots_of(grants, job) == [("h0", 2)], grants[job]
+        assert grants[job].reason.startswith("shrunk 2 -> 1: admitting b"), grants[job]
+
+
+def test_a_sharing_job_is_shrunk_to_its_min_to_admit_a_waiting_whole_gpu_job() -> None:
+    pool = Pool.from_counts({"h0": 4}, gpu_memory_bytes=ALONE)
+    running = replace(share("a", 1, 10 * GI), max=4, desired=4)
+    whole = Demand("w", 2, 2, 2, arrival=1.0)
+    current = {"a": _on(0, 1, 2, 3)}
+    plain = arbitrate_sharing(pool, [running, whole], current, limits=SharingLimits())
+    assert plain["a"].placement.size == 4 and plain["w"].placement.size == 0
+    grants = arbitrate_sharing(pool, [running, whole], current, limits=SHRINK)
+    assert slots_of(grants, "a") == [("h0", 0), ("h0", 1)]  # the last GPUs go first
+    assert slots_of(grants, "w") == [("h0", 2), ("h0", 3)]
+    assert grants["a"].reason == "shrunk 4 -> 2: admitting w (sharing, 10.0Gi per worker)"
+    again = {job: grant.placement for job, grant in grants.items()}
+    regrants = arbitrate_sharing(pool, [running, whole], again, limits=SHRINK)
+    assert {job: grant.placement for job, grant in regrants.items()} == again
+
+
+def test_a_gpu_is_freed_for_a_whole_gpu_job_only_whole_and_the_least_shared_first() -> None:
+    # h0:0 holds a and b, h0:1 a and x (a higher tier's), h0:2 b alone, 20 GiB each: w (one
+    # GPU) gets h0:2, the one GPU a single worker leaves; h0:1 is x's too, and a and b are
+    # not both shrunk for h0:0.
+    pool = Pool.from_counts({"h0": 3}, gpu_memory_bytes=ALONE)
+    a = replace(share("a", 1, 20 * GI), max=2, desired=2)
+    b = replace(share("b", 1, 20 * GI, arrival=0.5), max=2, desired=2)
+    x = share("x", 1, 20 * GI, priority=1)
+    whole = Demand("w", 1, 1, 1, arrival=1.0)
+    current = {"a": _on(0, 1), "b": _on(0, 2), "x": _on(1)}
+    grants = arbitrate_sharing(pool, [a, b, x, whole], current, limits=SHRINK)
+    assert slots_of(grants, "w") == [("h0", 2)]
+    assert slots_of(grants, "a") == [("h0", 0), ("h0", 1)] and slots_of(grants, "b") == [("h0", 0)]
+    assert grants["b"].reason.startswith("shrunk 2 -> 1: admitting w")
+
+
+@pytest.mark.parametrize("why", ["higher priority", "frozen", "at its min", "too large"])
+def test_a_sharing_job_is_not_shrunk_for_a_whole_gpu_job_it_must_not_or_cannot_admit(
+    why: str,
+) -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=ALONE)
+    running = replace(share("a", 1, ALONE), max=2, desired=2)
+    whole = Demand("w", 1, 1, 1, arrival=1.0)
+    frozen: frozenset[str] = frozenset()
+    if why == "higher priority":
+        running = replace(running, priority=1)
+    elif why == "frozen":
+        frozen = frozenset({"a"})
+    elif why == "at its min":
+        running = replace(running, min=2)
+    else:
+        whole = Demand("w", 2, 2, 2, arrival=1.0)
+    jobs = [running, whole]
+    current = {"a": _on(0, 1)}
+    grants = arbitrate_sharing(pool, jobs, current, limits=SHRINK, frozen=frozen)
+    plain = arbitrate_sharing(pool, jobs, current, limits=SharingLimits(), frozen=frozen)
+    assert grants == plain and grants["w"].placement.size == 0
+
+
+def test_a_job_splitting_its_batch_is_not_shrunk_for_a_whole_gpu_where_it_would_not_fit() -> None:
+    # a needs 10 GiB a worker at 2 GPUs, 20 at 1; h0:0 has x's 25 beside it: freeing h0:1
+    # would push a's other worker past the GPU. Nothing changes.
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=ALONE)
+    splitting = replace(share("a", 1, 20 * GI), max=2, desired=2, memory_split_bytes=20 * GI)
+    filler = share("x", 1, 25 * GI, arrival=0.5)
+    whole = Demand("w", 1, 1, 1, arrival=1.0)
+    current = {"a": _on(0, 1), "x": _on(0)}
+    limits = replace(SHRINK, margin=0.0)
+    grants = arbitrate_sharing(pool, [splitting, filler, whole], current, limits=limits)
+    assert grants["a"].placement.size == 2 and grants["w"].placement.size == 0
 
 
 def test_shrinking_and_admission_first_are_refused_together() -> None:
