@@ -28,6 +28,7 @@ carries the batch for the GPUs granted now (`Decision.batch_size`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -170,22 +171,49 @@ def batch_bounds(gpus: int, profile: BatchProfile) -> tuple[int, int]:
 
     The rules: never below the base batch (the one the rate was tuned for; at most
     `max_worker_batch` per GPU is not asked of it, it runs with gradient accumulation as
-    preserve-batch does) nor below one sample per GPU; above it, at most `max_batch` and
-    `max_worker_batch` per GPU, or, with neither, the base batch per GPU (what Elastic
+    preserve-batch does) nor below one sample per GPU; above it, at most `max_batch`, which
+    a GPU may reach past `max_worker_batch` by gradient accumulation (`step_seconds` charges
+    the micro-batches, so the goodput decides whether that pays); without a max batch, at
+    most `max_worker_batch` per GPU, or, with neither, the base batch per GPU (what Elastic
     Horovod would train at)."""
     if gpus < 1:
         raise ValueError(f"gpus must be at least 1, got {gpus}")
     lower = max(profile.base_batch, gpus)
-    limits = [limit for limit in (profile.max_batch,) if limit is not None]
-    if profile.max_worker_batch is not None:
-        limits.append(profile.max_worker_batch * gpus)
-    upper = min(limits) if limits else profile.base_batch * gpus
+    if profile.max_batch is not None:
+        upper = profile.max_batch
+    elif profile.max_worker_batch is not None:
+        upper = profile.max_worker_batch * gpus
+    else:
+        upper = profile.base_batch * gpus
     return lower, max(lower, upper)
+
+
+def accumulation_steps(gpus: int, batch: float, max_worker_batch: int | None) -> int:
+    """Micro-batches of one optimizer step of `batch` on `gpus` GPUs: the largest worker's
+    share (`ceil(batch / gpus)`, as `agent.batching.plan_batches` cuts it) over
+    `max_worker_batch`, rounded up; 1 without that limit."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    if max_worker_batch is None:
+        return 1
+    share = math.ceil(batch / gpus - 1e-9)
+    return max(1, -(-share // max_worker_batch))
+
+
+def step_seconds(gpus: int, batch: int, profile: BatchProfile) -> float:
+    """Seconds of one optimizer step of `batch` on `gpus` GPUs: each of its micro-batches
+    (`accumulation_steps`) costs a fitted step of its size. Pessimistic where the
+    synchronisation is a large part of the fitted step (it runs once per optimizer step,
+    not per micro-batch); the line's fit cannot tell it from the compute."""
+    steps = accumulation_steps(gpus, batch, profile.max_worker_batch)
+    if steps == 1:
+        return profile.step_time.seconds(gpus, batch)
+    return steps * profile.step_time.seconds(gpus, math.ceil(batch / steps))
 
 
 def goodput(gpus: int, batch: int, profile: BatchProfile) -> float:
     """Base-batch samples of progress per second: throughput x statistical efficiency."""
-    seconds = profile.step_time.seconds(gpus, batch)
+    seconds = step_seconds(gpus, batch, profile)
     if seconds <= 0:
         return 0.0
     efficiency = statistical_efficiency(profile.noise_scale, batch, profile.base_batch)
@@ -194,12 +222,18 @@ def goodput(gpus: int, batch: int, profile: BatchProfile) -> float:
 
 def choose_batch(gpus: int, profile: BatchProfile) -> int:
     """The global batch of most goodput at `gpus` GPUs within `batch_bounds` (the smaller
-    one of equal goodput)."""
+    one of equal goodput). Tried: the bounds, batches spaced geometrically between them and,
+    with a `max_worker_batch`, the batches that fill every micro-batch (the largest without
+    accumulation, and the first one at or above the lower bound)."""
     lower, upper = batch_bounds(gpus, profile)
     candidates = {lower, upper}
     if upper > lower:
         ratio = (upper / lower) ** (1.0 / (_CANDIDATES - 1))
         candidates.update(min(upper, round(lower * ratio**i)) for i in range(_CANDIDATES))
+    if profile.max_worker_batch is not None:
+        full = profile.max_worker_batch * gpus
+        filled = (full, full * -(-lower // full))
+        candidates.update(batch for batch in filled if lower <= batch <= upper)
     return max(sorted(candidates), key=lambda batch: goodput(gpus, batch, profile))
 
 
@@ -245,6 +279,28 @@ def fit_step_time(
     return StepTime(fixed_share * y, (1.0 - fixed_share) * y / x)
 
 
+def per_micro_batch(epochs: Sequence[Report], max_worker_batch: int | None) -> list[Report]:
+    """The reports as the fit of one micro-batch sees them: a step reported at a batch that
+    took `k` micro-batches (`accumulation_steps`) is `k` steps of `batch / k` samples, so
+    its batch and seconds are divided by `k`; the others, and every report without a
+    `max_worker_batch`, as they are."""
+    if max_worker_batch is None:
+        return list(epochs)
+    seen: list[Report] = []
+    for report in epochs:
+        seconds = report.metrics.get(STEP_SECONDS_METRIC)
+        batch = report.metrics.get(BATCH_SIZE_METRIC)
+        steps = 1
+        if seconds is not None and batch is not None and batch > 0 and report.world_size > 0:
+            steps = accumulation_steps(report.world_size, batch, max_worker_batch)
+        if steps > 1 and seconds is not None and batch is not None:
+            metrics = {**report.metrics, STEP_SECONDS_METRIC: seconds / steps}
+            metrics[BATCH_SIZE_METRIC] = batch / steps
+            report = dataclasses.replace(report, metrics=metrics)
+        seen.append(report)
+    return seen
+
+
 def batch_profile(
     job: HerdJob, epochs: Sequence[Report], prior_serial: float = 0.0
 ) -> BatchProfile | None:
@@ -259,7 +315,11 @@ def batch_profile(
         ),
         None,
     )
-    step_time = fit_step_time(epochs, max(ONE_POINT_FIXED_SHARE, prior_serial))
+    training = job.spec.training
+    max_worker_batch = None if training is None else training.max_worker_batch
+    step_time = fit_step_time(
+        per_micro_batch(epochs, max_worker_batch), max(ONE_POINT_FIXED_SHARE, prior_serial)
+    )
     batches = [
         r.metrics[BATCH_SIZE_METRIC] for r in epochs if r.metrics.get(BATCH_SIZE_METRIC, 0) >= 1
     ]
@@ -269,13 +329,12 @@ def batch_profile(
         r.metrics[BASE_BATCH_METRIC] for r in epochs if r.metrics.get(BASE_BATCH_METRIC, 0) >= 1
     ]
     base = int(bases[-1]) if bases else int(min(batches))
-    training = job.spec.training
     return BatchProfile(
         base_batch=base,
         noise_scale=float(noise),
         step_time=step_time,
         max_batch=None if training is None else training.max_batch,
-        max_worker_batch=None if training is None else training.max_worker_batch,
+        max_worker_batch=max_worker_batch,
     )
 
 
