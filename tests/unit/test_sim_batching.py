@@ -251,10 +251,10 @@ def test_the_widest_size_is_the_max_batch_at_the_smallest_local_batch() -> None:
 def test_batch_widened_bounds_by_max_batch_and_pool_never_below_the_ask() -> None:
     adaptive = profile(max_batch=800, min_local_batch=25)  # widest 32
     jobs = [
-        job(adaptive, name="measured-to-4", max_gpus=4, scale_limit=4),
+        job(adaptive, name="measured-to-4", min_gpus=2, max_gpus=4, scale_limit=4),
         job(adaptive, name="unmeasured", max_gpus=4),
-        job(adaptive, name="asks-more", requested=40, max_gpus=40, scale_limit=48),
-        job(None, name="no-profile", max_gpus=4, scale_limit=16),
+        job(adaptive, name="asks-more", requested=40, min_gpus=10, max_gpus=40, scale_limit=48),
+        job(None, name="no-profile", min_gpus=2, max_gpus=4, scale_limit=16),
     ]
     widened = {j.name: j for j in batch_widened(jobs, pool_gpus=20)}
     # Its steps come from the step model: the Amdahl fit's sizes (4) do not bound it.
@@ -262,7 +262,8 @@ def test_batch_widened_bounds_by_max_batch_and_pool_never_below_the_ask() -> Non
     assert widened["unmeasured"].max_gpus == 20
     assert widened["asks-more"].max_gpus == 40  # never below its trace's ask
     assert widened["no-profile"] == jobs[3]  # no batch to spread: as it was
-    assert all(widened[j.name].min_gpus == j.min_gpus for j in jobs)
+    # Its base batch fits one GPU in micro-batches: its min is 1 (the others as they were).
+    assert [widened[j.name].min_gpus for j in jobs] == [1, 1, 1, 2]
     on_64 = batch_widened(jobs, pool_gpus=64)
     assert [j.max_gpus for j in on_64[:3]] == [32, 32, 40]  # the max batch spread
 
