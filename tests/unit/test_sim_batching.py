@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from herd_operator.policies.base import JobObservations
-from herd_operator.policies.goodput import GoodputParams, GoodputPolicy
+from herd_operator.policies.goodput import GoodputParams, GoodputPolicy, accumulation_steps
 from herd_operator.simulate.batching import (
     NOISE_FLOOR,
     BatchModel,
@@ -300,7 +300,7 @@ def test_the_goodput_policy_keeps_a_simulated_job_within_its_declared_batches(
 ) -> None:  # fmt: skip
     # The job reports what `BatchModel.metrics` says at the sizes and batches it ran at; the
     # policy's batch for its GPUs is never below its base (the smallest validated batch),
-    # never above its max batch, nor, above that floor, above what its GPUs' memory holds.
+    # never above its max batch, nor above what its GPUs' memory holds in micro-batches.
     assume(gpus <= base * spread)
     model = profile(
         base_batch=base, min_batch=base, max_batch=base * spread, start_batch=base,
@@ -323,8 +323,8 @@ def test_the_goodput_policy_keeps_a_simulated_job_within_its_declared_batches(
     chosen = GoodputPolicy(GoodputParams()).desired(spec, observed, 60.0).batch_size
     assert chosen is not None
     assert base <= chosen <= base * spread
-    if worker is not None and chosen > max(base, gpus):
-        assert chosen <= worker * gpus
+    if worker is not None:  # no GPU computes more than `worker` at once: micro-batches
+        assert -(-chosen // gpus) <= worker * accumulation_steps(gpus, chosen, worker)
     assert base <= model.batch_on(gpus, model.clamp(chosen)) <= base * spread
 
 
