@@ -180,7 +180,7 @@ class Simulation:
         self._decisions = 0
         self._steps: list[Step] = []
         self._wake_at: float | None = None
-        self._specs: dict[tuple[int, int, int, int], HerdJob] = {}
+        self._specs: dict[tuple[int, ...], HerdJob] = {}
         self._occupancy = GpuOccupancy() if config.pack else None
         self.allocator = Allocator(
             config.pool,
