@@ -170,8 +170,9 @@ ONCE_SHARE = 0.5
 step time, which the line cannot split into compute (repeated by each micro-batch) and
 synchronisation (once per step), so half of its fixed part is taken as run once, an
 optimistic prior as `ONE_POINT_FIXED_SHARE` is (with none, a micro-batch costs a whole step
-and accumulation never pays; in the simulated steps yolov3's synchronisation is 32% of its
-step on 4 GPUs and 65% across nodes, bert's 60% across nodes)."""
+and accumulation never pays; in the simulated steps yolov3's synchronisation is a third of
+its step on 4 GPUs and two thirds across nodes, and bert's across nodes is longer than its
+compute)."""
 
 
 _CANDIDATES = 64
