@@ -31,6 +31,7 @@ carries the batch for the GPUs granted now (`Decision.batch_size`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from herd_operator.specs.models import SCHEMA_CONFIG
 from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
     BATCH_SIZE_METRIC,
+    COMPUTE_SECONDS_METRIC,
     GRADIENT_NOISE_SCALE_METRIC,
     STEP_SECONDS_METRIC,
     Report,
@@ -159,11 +161,20 @@ class StepTime:
     def seconds(self, gpus: int, batch: int) -> float:
         return self.fixed + self.per_sample * batch / gpus
 
+    def repeated_seconds(self, gpus: int, batch: int, once_share: float) -> float:
+        return self.seconds(gpus, batch) - once_share * self.fixed
+
 
 class StepSeconds(Protocol):
     """A step-time model: `StepTime` or `stepfit.SyncStepTime`."""
 
     def seconds(self, gpus: int, batch: int) -> float: ...
+
+    def repeated_seconds(self, gpus: int, batch: int, once_share: float) -> float:
+        """A gradient-accumulation micro-batch of `batch` past a step's first: what of a
+        step is done again for each (`once_share`: of a step's fixed part, the share run
+        once per step, for a model that cannot tell compute from synchronisation)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -176,6 +187,19 @@ class BatchProfile:
     step_time: StepSeconds
     max_batch: int | None = None
     max_worker_batch: int | None = None
+    once_share: float = 0.0
+    """Of the fitted step's fixed part, the share run once per optimizer step (the
+    synchronisation of the gradients), not once per gradient-accumulation micro-batch."""
+
+
+ONCE_SHARE = 0.5
+"""`BatchProfile.once_share` of a job that declares `maxWorkerBatch`: the reports give one
+step time, which the line cannot split into compute (repeated by each micro-batch) and
+synchronisation (once per step), so half of its fixed part is taken as run once, an
+optimistic prior as `ONE_POINT_FIXED_SHARE` is (with none, a micro-batch costs a whole step
+and accumulation never pays; in the simulated steps yolov3's synchronisation is a third of
+its step on 4 GPUs and two thirds across nodes, and bert's across nodes is longer than its
+compute)."""
 
 
 _CANDIDATES = 64
@@ -187,22 +211,51 @@ def batch_bounds(gpus: int, profile: BatchProfile) -> tuple[int, int]:
 
     The rules: never below the base batch (the one the rate was tuned for; at most
     `max_worker_batch` per GPU is not asked of it, it runs with gradient accumulation as
-    preserve-batch does) nor below one sample per GPU; above it, at most `max_batch` and
-    `max_worker_batch` per GPU, or, with neither, the base batch per GPU (what Elastic
+    preserve-batch does) nor below one sample per GPU; above it, at most `max_batch`, which
+    a GPU may reach past `max_worker_batch` by gradient accumulation (`step_seconds` charges
+    the micro-batches, so the goodput decides whether that pays); without a max batch, at
+    most `max_worker_batch` per GPU, or, with neither, the base batch per GPU (what Elastic
     Horovod would train at)."""
     if gpus < 1:
         raise ValueError(f"gpus must be at least 1, got {gpus}")
     lower = max(profile.base_batch, gpus)
-    limits = [limit for limit in (profile.max_batch,) if limit is not None]
-    if profile.max_worker_batch is not None:
-        limits.append(profile.max_worker_batch * gpus)
-    upper = min(limits) if limits else profile.base_batch * gpus
+    if profile.max_batch is not None:
+        upper = profile.max_batch
+    elif profile.max_worker_batch is not None:
+        upper = profile.max_worker_batch * gpus
+    else:
+        upper = profile.base_batch * gpus
     return lower, max(lower, upper)
+
+
+def accumulation_steps(gpus: int, batch: float, max_worker_batch: int | None) -> int:
+    """Micro-batches of one optimizer step of `batch` on `gpus` GPUs: the largest worker's
+    share (`ceil(batch / gpus)`, as `agent.batching.plan_batches` cuts it) over
+    `max_worker_batch`, rounded up; 1 without that limit."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    if max_worker_batch is None:
+        return 1
+    share = math.ceil(batch / gpus - 1e-9)
+    return max(1, -(-share // max_worker_batch))
+
+
+def step_seconds(gpus: int, batch: int, profile: BatchProfile) -> float:
+    """Seconds of one optimizer step of `batch` on `gpus` GPUs: one fitted step of a
+    micro-batch's size (`accumulation_steps`), and for each other micro-batch what the model
+    says is done again (`StepSeconds.repeated_seconds`: its compute, or for the line a step
+    less the share of its fixed part that runs once, `once_share`)."""
+    steps = accumulation_steps(gpus, batch, profile.max_worker_batch)
+    if steps == 1:
+        return profile.step_time.seconds(gpus, batch)
+    micro = math.ceil(batch / steps)
+    again = profile.step_time.repeated_seconds(gpus, micro, profile.once_share)
+    return profile.step_time.seconds(gpus, micro) + (steps - 1) * again
 
 
 def goodput(gpus: int, batch: int, profile: BatchProfile) -> float:
     """Base-batch samples of progress per second: throughput x statistical efficiency."""
-    seconds = profile.step_time.seconds(gpus, batch)
+    seconds = step_seconds(gpus, batch, profile)
     if seconds <= 0:
         return 0.0
     efficiency = statistical_efficiency(profile.noise_scale, batch, profile.base_batch)
@@ -211,12 +264,18 @@ def goodput(gpus: int, batch: int, profile: BatchProfile) -> float:
 
 def choose_batch(gpus: int, profile: BatchProfile) -> int:
     """The global batch of most goodput at `gpus` GPUs within `batch_bounds` (the smaller
-    one of equal goodput)."""
+    one of equal goodput). Tried: the bounds, batches spaced geometrically between them and,
+    with a `max_worker_batch`, the batches that fill every micro-batch (the largest without
+    accumulation, and the first one at or above the lower bound)."""
     lower, upper = batch_bounds(gpus, profile)
     candidates = {lower, upper}
     if upper > lower:
         ratio = (upper / lower) ** (1.0 / (_CANDIDATES - 1))
         candidates.update(min(upper, round(lower * ratio**i)) for i in range(_CANDIDATES))
+    if profile.max_worker_batch is not None:
+        full = profile.max_worker_batch * gpus
+        filled = (full, full * -(-lower // full))
+        candidates.update(batch for batch in filled if lower <= batch <= upper)
     return max(sorted(candidates), key=lambda batch: goodput(gpus, batch, profile))
 
 
@@ -262,6 +321,37 @@ def fit_step_time(
     return StepTime(fixed_share * y, (1.0 - fixed_share) * y / x)
 
 
+def per_micro_batch(epochs: Sequence[Report], max_worker_batch: int | None) -> list[Report]:
+    """The reports as the fit of one micro-batch sees them: a step reported at a batch that
+    took `k` micro-batches (`accumulation_steps`) is a step of `batch / k` samples: its
+    batch divided by `k`, and its seconds too where it carries no compute seconds; where it
+    does, its compute divided by `k` and its step less the compute of the `k - 1` other
+    micro-batches (what `stepfit` fits the synchronisation from). The others, and every
+    report without a `max_worker_batch`, as they are."""
+    if max_worker_batch is None:
+        return list(epochs)
+    seen: list[Report] = []
+    for report in epochs:
+        seconds = report.metrics.get(STEP_SECONDS_METRIC)
+        batch = report.metrics.get(BATCH_SIZE_METRIC)
+        steps = 1
+        if seconds is not None and batch is not None and batch > 0 and report.world_size > 0:
+            steps = accumulation_steps(report.world_size, batch, max_worker_batch)
+        if steps > 1 and seconds is not None and batch is not None:
+            metrics = {**report.metrics, STEP_SECONDS_METRIC: seconds / steps}
+            metrics[BATCH_SIZE_METRIC] = batch / steps
+            compute = report.metrics.get(COMPUTE_SECONDS_METRIC)
+            if compute is not None and 0 < compute <= seconds:
+                # The compute measured is every micro-batch's; all but one ran alone, the
+                # last one under the synchronisation: one micro-batch's step is the step
+                # less the compute of the others.
+                metrics[COMPUTE_SECONDS_METRIC] = compute / steps
+                metrics[STEP_SECONDS_METRIC] = seconds - compute * (steps - 1) / steps
+            report = dataclasses.replace(report, metrics=metrics)
+        seen.append(report)
+    return seen
+
+
 def batch_profile(
     job: HerdJob,
     epochs: Sequence[Report],
@@ -282,12 +372,15 @@ def batch_profile(
         ),
         None,
     )
+    training = job.spec.training
+    max_worker_batch = None if training is None else training.max_worker_batch
+    seen = per_micro_batch(epochs, max_worker_batch)
     fixed_share = max(ONE_POINT_FIXED_SHARE, prior_serial)
     step_time: StepSeconds | None = None
     if step_model == "pollux":
-        step_time = fit_sync_step_time(epochs, gpus_per_node, fixed_share)
+        step_time = fit_sync_step_time(seen, gpus_per_node, fixed_share)
     if step_time is None:
-        step_time = fit_step_time(epochs, fixed_share)
+        step_time = fit_step_time(seen, fixed_share)
     batches = [
         r.metrics[BATCH_SIZE_METRIC] for r in epochs if r.metrics.get(BATCH_SIZE_METRIC, 0) >= 1
     ]
@@ -297,13 +390,13 @@ def batch_profile(
         r.metrics[BASE_BATCH_METRIC] for r in epochs if r.metrics.get(BASE_BATCH_METRIC, 0) >= 1
     ]
     base = int(bases[-1]) if bases else int(min(batches))
-    training = job.spec.training
     return BatchProfile(
         base_batch=base,
         noise_scale=float(noise),
         step_time=step_time,
         max_batch=None if training is None else training.max_batch,
-        max_worker_batch=None if training is None else training.max_worker_batch,
+        max_worker_batch=max_worker_batch,
+        once_share=0.0 if max_worker_batch is None else ONCE_SHARE,
     )
 
 

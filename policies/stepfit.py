@@ -104,6 +104,12 @@ class SyncStepTime:
     def compute(self, local: float) -> float:
         return self.compute_fixed + self.compute_per_sample * local
 
+    def repeated_seconds(self, gpus: int, batch: int, once_share: float) -> float:
+        """A micro-batch past a step's first: its compute alone (the synchronisation runs
+        once, with the last); `once_share` is for a model without compute, not this one."""
+        del once_share
+        return self.compute(batch / gpus)
+
     def sync(self, nodes: int, gpus: int) -> float:
         if gpus <= 1:
             return 0.0

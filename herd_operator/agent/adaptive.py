@@ -139,9 +139,11 @@ def batch_for_world(
     (gpus, batch): that batch at those GPUs; at another world size (a resize the operator
     has not decided on yet) the same batch per GPU. Without a choice, the base batch.
 
-    Bounded as the operator's choice is: at most `max_batch` and `max_worker_batch` per
-    worker (without either, the base batch per worker), never below the base batch (which
-    runs with accumulation if it must), and at least one sample per worker."""
+    Bounded as the operator's choice is (`policies.goodput.batch_bounds`): at most
+    `max_batch` (past `max_worker_batch` per worker by gradient accumulation), without it at
+    most `max_worker_batch` per worker, without either the base batch per worker; never below
+    the base batch (which runs with accumulation if it must), and at least one sample per
+    worker."""
     if world_size < 1 or base < 1:
         raise ValueError(f"world size and base batch must be >= 1, got {world_size}, {base}")
     if decided is None:
@@ -150,8 +152,10 @@ def batch_for_world(
         gpus, batch = decided
         wanted = batch if gpus == world_size else round(batch * world_size / max(gpus, 1))
     lower = max(base, world_size)
-    limits = [limit for limit in (max_batch,) if limit is not None]
-    if max_worker_batch is not None:
-        limits.append(max_worker_batch * world_size)
-    upper = max(lower, min(limits)) if limits else max(lower, base * world_size)
-    return max(lower, min(upper, wanted))
+    if max_batch is not None:
+        upper = max_batch
+    elif max_worker_batch is not None:
+        upper = max_worker_batch * world_size
+    else:
+        upper = base * world_size
+    return max(lower, min(max(lower, upper), wanted))

@@ -137,6 +137,12 @@ class BatchModel:
         batch (Pollux's simulator bounds a job's replicas by it)."""
         return self.max_batch // self.min_local_batch
 
+    def max_worker_batch(self) -> int:
+        """The most samples one GPU computes at once (its step model's largest local batch,
+        the largest Pollux measured): what the job declares as `maxWorkerBatch`, past which
+        its step is micro-batched (`StepModel.seconds`)."""
+        return max(1, math.floor(self.step.max_local_batch + 1e-9))
+
     def clamp(self, batch: int | None) -> int:
         """The batch the job trains at when asked for `batch` (None: its start batch)."""
         if batch is None:

@@ -181,7 +181,7 @@ class Simulation:
         self._decisions = 0
         self._steps: list[Step] = []
         self._wake_at: float | None = None
-        self._specs: dict[tuple[int, int, int, int], HerdJob] = {}
+        self._specs: dict[tuple[int, ...], HerdJob] = {}
         self._occupancy = GpuOccupancy() if config.pack else None
         self.allocator = Allocator(
             config.pool,
@@ -209,10 +209,12 @@ class Simulation:
 
     def _spec(self, model: JobModel) -> HerdJob:
         """The spec a policy sees; policies read only its GPU range, priority, policy and,
-        with adaptive batch, its max batch."""
+        with adaptive batch, its max batch and the most samples a GPU computes at once (its
+        step model's largest local batch: past it the step is micro-batched)."""
         adaptive = self.config.adaptive_batch and model.batching is not None
         max_batch = model.batching.max_batch if adaptive and model.batching else 0
-        key = (model.min_gpus, model.max_gpus, model.priority, max_batch)
+        worker = model.batching.max_worker_batch() if adaptive and model.batching else 0
+        key = (model.min_gpus, model.max_gpus, model.priority, max_batch, worker)
         spec = self._specs.get(key)
         if spec is None:
             body: dict[str, object] = {
@@ -222,7 +224,11 @@ class Simulation:
                 "policy": self.config.policy.model_dump(),
             }
             if max_batch:
-                body["training"] = {"batchPolicy": "adaptive", "maxBatch": max_batch}
+                body["training"] = {
+                    "batchPolicy": "adaptive",
+                    "maxBatch": max_batch,
+                    "maxWorkerBatch": worker,
+                }
             spec = self._specs[key] = HerdJob.model_validate(
                 {
                     "apiVersion": "herd/v1alpha1",

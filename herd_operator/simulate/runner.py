@@ -51,8 +51,8 @@ pending job first, `+pack` lets jobs share GPUs by their memory (slowed by their
 `+fifo` is none. `+adaptive` is the jobs' option (`JOB_OPTIONS`)."""
 JOB_OPTIONS = {"adaptive": "adaptive_batch"}
 """`POLICY+adaptive`: the jobs with a noise profile report the adaptive metrics, train at
-the batch the policy picks (`simulate/batching.py`) and may grow past their trace's GPUs as
-far as their max batch spreads (`workload.batch_widened`)."""
+the batch the policy picks (`simulate/batching.py`), may grow past their trace's GPUs as
+far as their max batch spreads and shrink to one GPU (`workload.batch_widened`)."""
 
 
 def parse_pool(text: str) -> Pool:

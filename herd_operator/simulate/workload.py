@@ -214,17 +214,19 @@ def batch_widened(jobs: Sequence[JobModel], pool_gpus: int) -> list[JobModel]:
     """The jobs as adaptive batch runs them (`+adaptive`): one with a noise profile may grow
     past the GPUs its trace row asks for, up to the most GPUs its max batch spreads over at
     its smallest local batch (`BatchModel.widest`; Pollux's simulator bounds a job's replicas
-    so, `max_batch_size // min_local_bsz` in `simulator/simulator.py` of the artifact), within
-    the sizes its throughput was measured at (`scale_limit`: past them the fitted Amdahl time
-    is 2-3 times too fast for cifar10 and yolov3, docs/simulation.md) and the pool. Never
-    below what it asked; the others unchanged."""
+    so, `max_batch_size // min_local_bsz` in `simulator/simulator.py` of the artifact) and
+    the pool. Its steps come from its step model (`steptime.py`, fitted to every size Pollux
+    measured, 1-64 GPUs), not from the Amdahl fit, so the sizes that fit was measured at
+    (`scale_limit`) do not bound it. Never below what it asked. Its min is one GPU: any
+    batch it trains at, its base batch first, fits one GPU's memory in micro-batches of its
+    largest local batch (`StepModel.seconds`), and Pollux's jobs have no min either; the
+    trace's min (a quarter of the ask) is this simulator's, for rigid batches. The others
+    unchanged."""
     widened: list[JobModel] = []
     for job in jobs:
         if job.batching is not None:
-            limit = job.scale_limit or pool_gpus
-            widest = min(job.batching.widest(), limit, pool_gpus)
-            if widest > job.max_gpus:
-                job = dataclasses.replace(job, max_gpus=widest)
+            widest = max(job.max_gpus, min(job.batching.widest(), pool_gpus))
+            job = dataclasses.replace(job, min_gpus=1, max_gpus=widest)
         widened.append(job)
     return widened
 

@@ -142,7 +142,8 @@ def test_gain_ratio_is_between_one_and_the_scale(
         (4, (2, 96), (1000, None), 192),  # the same with a max batch that allows it
         (1, (2, 96), (1000, None), 48),  # a shrink keeps the per-GPU share
         (2, (2, 500), (300, None), 300),  # at most max_batch
-        (2, (2, 500), (None, 64), 128),  # at most max_worker_batch per worker
+        (2, (2, 500), (None, 64), 128),  # without a max batch, max_worker_batch per worker
+        (2, (2, 500), (1000, 64), 500),  # with one, past it by accumulation
         (2, (4, 40), (None, None), 32),  # never below the base batch
         (64, None, (None, None), 64),  # one sample per worker at least
     ],
@@ -174,18 +175,29 @@ def test_adaptive_starts_at_the_base_batch_then_takes_the_operators() -> None:
     # A resize to 3 before the operator decides again: the same batch per GPU.
     state = on_world(settings, state, 3)
     assert state.global_batch == 144
-    # With a memory limit of 32 per worker, the choice is held to 32 per worker.
-    limited = adaptive(max_worker_batch=32)
+    # With a memory limit of 32 per worker and no max batch, the choice is held to 32 per
+    # worker; with a max batch, it is taken in micro-batches of at most 32.
+    limited = adaptive(max_worker_batch=32, max_batch=None)
     assert on_decision(limited, on_world(limited, BatchState(), 2), (2, 96)).global_batch == 64
+    bounded = adaptive(max_worker_batch=32)
+    state = on_decision(bounded, on_world(bounded, BatchState(), 2), (2, 96))
+    plan = plan_batches(bounded, 2, state.global_batch)
+    assert (plan.global_batch, plan.worker_batches, plan.accumulation_steps) == (96, (48, 48), 2)
 
 
 def test_adaptive_base_batch_runs_with_accumulation_past_the_memory_limit() -> None:
-    settings = adaptive(max_worker_batch=8)
+    settings = adaptive(max_worker_batch=8, max_batch=None)
     state = on_decision(settings, on_world(settings, BatchState(), 2), (2, 500))
     plan = plan_batches(settings, 2, state.global_batch)
-    assert plan.global_batch == 32  # the base batch: the memory limit allows no more
+    assert plan.global_batch == 32  # the base batch: without a max batch, no more
     assert plan.worker_batches == (16, 16)
     assert plan.accumulation_steps == 2
+    # Under a max batch the operator's choice is taken, in micro-batches of at most 8.
+    bounded = adaptive(max_worker_batch=8, max_batch=1024)
+    state = on_decision(bounded, on_world(bounded, BatchState(), 2), (2, 500))
+    plan = plan_batches(bounded, 2, state.global_batch)
+    assert plan.global_batch == 500
+    assert (plan.worker_batches, plan.accumulation_steps) == ((250, 250), 32)
     # The other policies ignore the operator's choice.
     fixed = BatchSettings("preserve-batch", 16, 0.1, reference_workers=2)
     assert on_decision(fixed, on_world(fixed, BatchState(), 2), (2, 96)).global_batch == 0

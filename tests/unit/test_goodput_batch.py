@@ -10,22 +10,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from herd_operator.agent.batching import BatchSettings, micro_batches, plan_batches, split_evenly
 from herd_operator.policies.base import JobObservations
 from herd_operator.policies.goodput import (
+    ONCE_SHARE,
     BatchProfile,
     GoodputParams,
     GoodputPolicy,
     StepTime,
+    accumulation_steps,
     batch_bounds,
+    batch_profile,
     choose_batch,
     fit_step_time,
     goodput,
     goodput_knee,
+    per_micro_batch,
+    step_seconds,
 )
+from herd_operator.policies.stepfit import SyncStepTime
 from herd_operator.specs import HerdJob
 from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
     BATCH_SIZE_METRIC,
+    COMPUTE_SECONDS_METRIC,
     GRADIENT_NOISE_SCALE_METRIC,
     STEP_SECONDS_METRIC,
     Report,
@@ -89,14 +97,124 @@ def test_the_batch_choice_keeps_to_the_limits(
     assert lower <= batch <= upper
     # Never below the base batch, nor below a sample per GPU.
     assert batch >= base and batch >= gpus
-    # Above the floor, never above the max batch nor the memory of the GPUs.
+    # Above the floor, never above the max batch; without one, never above the memory of
+    # the GPUs (past it, a max batch is reached by accumulation, below).
     if batch > lower:
         assert max_batch is None or batch <= max_batch
-        assert max_worker_batch is None or batch <= max_worker_batch * gpus
+        if max_batch is None:
+            assert max_worker_batch is None or batch <= max_worker_batch * gpus
         if max_batch is None and max_worker_batch is None:
             assert batch <= base * gpus
+    # No GPU computes more than max_worker_batch at once: its share, cut into the
+    # micro-batches the policy charges for, as the workers cut it (agent/batching.py).
+    if max_worker_batch is not None:
+        steps = accumulation_steps(gpus, batch, max_worker_batch)
+        share = split_evenly(batch, gpus)[0]
+        assert max(micro_batches(share, steps)) <= max_worker_batch
+        plan = plan_batches(adaptive_settings(base, max_worker_batch, max_batch), gpus, batch)
+        assert plan.accumulation_steps == steps
     # And it is the best of the bounds at least.
     assert goodput(gpus, batch, job) >= max(goodput(gpus, b, job) for b in (lower, upper)) - 1e-9
+
+
+def adaptive_settings(base: int, max_worker_batch: int, max_batch: int | None) -> BatchSettings:
+    return BatchSettings(
+        "adaptive", base, 0.1, max_worker_batch=max_worker_batch, max_batch=max_batch
+    )
+
+
+@pytest.mark.parametrize(
+    ("gpus", "batch", "limit", "expected"),
+    [
+        (4, 32, 8, 1),  # 8 a GPU: one micro-batch
+        (4, 64, 8, 2),  # 16 a GPU
+        (4, 65, 8, 3),  # the largest share is 17
+        (3, 10, 4, 1),  # shares 4, 3, 3
+        (1, 512, 8, 64),
+        (4, 4096, None, 1),  # no limit: no accumulation
+    ],
+)
+def test_accumulation_steps(gpus: int, batch: int, limit: int | None, expected: int) -> None:
+    assert accumulation_steps(gpus, batch, limit) == expected
+
+
+def test_a_step_past_the_largest_local_batch_costs_its_micro_batches() -> None:
+    job = profile(1000.0, step_time=StepTime(1.0, 0.01), max_worker_batch=8)
+    # 64 on 4 GPUs: 16 a GPU, two micro-batches of 8, each 1 + 0.01 x 8 s.
+    assert step_seconds(4, 64, job) == pytest.approx(2 * 1.08)
+    assert step_seconds(4, 32, job) == pytest.approx(1.08)
+    # Without the limit the line is taken as it is (one step of 16 a GPU).
+    assert step_seconds(4, 64, profile(1000.0, step_time=StepTime(1.0, 0.01))) == 1.16
+    # With half the fixed part run once a step (the synchronisation), the second
+    # micro-batch costs 0.5 s less: 2 x 1.08 - 0.5.
+    synced = profile(1000.0, step_time=StepTime(1.0, 0.01), max_worker_batch=8, once_share=0.5)
+    assert step_seconds(4, 64, synced) == pytest.approx(1.66)
+    assert step_seconds(4, 96, synced) == pytest.approx(3 * 1.08 - 2 * 0.5)
+
+
+def test_the_bounds_reach_the_max_batch_by_accumulation() -> None:
+    # With a max batch, past max_worker_batch per GPU by accumulation; without one, at most
+    # max_worker_batch per GPU; never below the base batch, which accumulates if it must.
+    assert batch_bounds(4, profile(1.0, base_batch=8, max_batch=512, max_worker_batch=8)) == (
+        8,
+        512,
+    )
+    assert batch_bounds(4, profile(1.0, base_batch=8, max_batch=None, max_worker_batch=8)) == (
+        8,
+        32,
+    )
+    assert batch_bounds(2, profile(1.0, base_batch=64, max_batch=None, max_worker_batch=8)) == (
+        64,
+        64,
+    )
+
+
+def test_accumulation_is_taken_only_where_it_pays() -> None:
+    # Every micro-batch costs a whole step of the line (1 s fixed): past 8 a GPU the
+    # throughput does not grow, so even with the noise of a huge batch the choice is the
+    # batch that fills each GPU once, 32 on 4 GPUs, not the max batch (10,000) the line
+    # alone would take. Without the limit it is the max (the test above).
+    job = profile(1e12, base_batch=8, max_worker_batch=8)
+    assert choose_batch(4, job) == 32
+    # A base batch above the GPUs' memory is still the floor, taken in micro-batches,
+    # and a batch that fills each of them.
+    job = profile(1e12, base_batch=40, max_worker_batch=8)
+    assert choose_batch(4, job) == 64
+    assert choose_batch(4, profile(1e12, base_batch=40)) == 10_000
+    # With half the fixed part run once a step, each micro-batch more amortizes it: at a
+    # noise that wastes no sample, the max batch (55 samples/s against 30 at 32).
+    assert choose_batch(4, profile(1e12, base_batch=8, max_worker_batch=8, once_share=0.5)) == (
+        10_000
+    )
+
+
+def test_the_fit_sees_micro_batches() -> None:
+    # A step of 64 on 4 GPUs with at most 8 a GPU is two micro-batches: the fit of the
+    # line takes it as a step of 32 in half the time. Known model: 1 s + 0.01 s a sample
+    # per GPU; steps of 32 (1.08 s) and of 64 (two micro-batches, 2.16 s).
+    reports = [
+        Report(0, 10.0, 4, {STEP_SECONDS_METRIC: 1.04, BATCH_SIZE_METRIC: 16}),
+        Report(1, 20.0, 4, {STEP_SECONDS_METRIC: 2.16, BATCH_SIZE_METRIC: 64}),
+    ]
+    seen = per_micro_batch(reports, 8)
+    assert [r.metrics[BATCH_SIZE_METRIC] for r in seen] == [16, 32]
+    fitted = fit_step_time(seen)
+    assert fitted is not None
+    assert fitted.fixed == pytest.approx(1.0)
+    assert fitted.per_sample == pytest.approx(0.01)
+    assert per_micro_batch(reports, None) == reports
+    # The policy reads the limit from the spec and fits so.
+    job = make_job(training={"batchPolicy": "adaptive", "maxBatch": 512, "maxWorkerBatch": 8})
+    noisy = [
+        Report(r.epoch, r.time, 4, {**r.metrics, GRADIENT_NOISE_SCALE_METRIC: 100.0})
+        for r in reports
+    ]
+    found = batch_profile(job, noisy)
+    assert found is not None
+    assert found.step_time == fitted
+    assert (found.max_worker_batch, found.once_share) == (8, ONCE_SHARE)
+    plain = batch_profile(make_job(training={"maxBatch": 512}), noisy)
+    assert plain is not None and plain.once_share == 0  # no micro-batches declared
 
 
 def test_the_step_time_fit_recovers_a_known_model() -> None:
@@ -197,3 +315,25 @@ def test_a_job_measured_at_one_batch_is_given_a_larger_one_to_try() -> None:
     )
     assert decision.batch_size is not None
     assert decision.batch_size > 960
+
+
+def test_micro_batches_under_pollux_form_repeat_only_the_compute() -> None:
+    """With compute seconds in the reports, a micro-batched step is read as one micro-batch's
+    step (the step less the others' compute) and charged back as the simulated workers run
+    it: one step of a micro-batch, then the compute alone of each other one."""
+    truth = SyncStepTime(0.2, 0.05, 0.02, 0.004, 1.2, 0.01, 2.0, gpus_per_node=4)
+    synced = profile(1000.0, step_time=truth, max_worker_batch=8, once_share=0.5)
+    # 64 samples on 2 GPUs: 32 a GPU, 4 micro-batches of 8 (16 a step).
+    expected = truth.seconds(2, 16) + 3 * truth.compute(8)
+    assert step_seconds(2, 64, synced) == pytest.approx(expected)
+    assert step_seconds(2, 16, synced) == pytest.approx(truth.seconds(2, 16))  # no accumulation
+    # What such a step reports (compute: all four micro-batches') reads back as one.
+    compute = 4 * truth.compute(8)
+    report = Report(
+        3, 0.0, 2,
+        {STEP_SECONDS_METRIC: expected, COMPUTE_SECONDS_METRIC: compute, BATCH_SIZE_METRIC: 64},
+    )  # fmt: skip
+    (seen,) = per_micro_batch([report], 8)
+    assert seen.metrics[BATCH_SIZE_METRIC] == 16
+    assert seen.metrics[COMPUTE_SECONDS_METRIC] == pytest.approx(truth.compute(8))
+    assert seen.metrics[STEP_SECONDS_METRIC] == pytest.approx(truth.seconds(2, 16))

@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from herd_operator.policies.base import JobObservations
-from herd_operator.policies.goodput import GoodputParams, GoodputPolicy
+from herd_operator.policies.goodput import GoodputParams, GoodputPolicy, accumulation_steps
 from herd_operator.simulate.batching import (
     NOISE_FLOOR,
     BatchModel,
@@ -248,21 +248,24 @@ def test_the_widest_size_is_the_max_batch_at_the_smallest_local_batch() -> None:
         profile(min_local_batch=801)
 
 
-def test_batch_widened_bounds_by_max_batch_measured_sizes_and_pool_never_below_the_ask() -> None:
+def test_batch_widened_bounds_by_max_batch_and_pool_never_below_the_ask() -> None:
     adaptive = profile(max_batch=800, min_local_batch=25)  # widest 32
     jobs = [
-        job(adaptive, name="measured-to-16", max_gpus=4, scale_limit=16),
+        job(adaptive, name="measured-to-4", min_gpus=2, max_gpus=4, scale_limit=4),
         job(adaptive, name="unmeasured", max_gpus=4),
-        job(adaptive, name="asks-more", requested=40, max_gpus=40, scale_limit=48),
-        job(None, name="no-profile", max_gpus=4, scale_limit=16),
+        job(adaptive, name="asks-more", requested=40, min_gpus=10, max_gpus=40, scale_limit=48),
+        job(None, name="no-profile", min_gpus=2, max_gpus=4, scale_limit=16),
     ]
     widened = {j.name: j for j in batch_widened(jobs, pool_gpus=20)}
-    assert widened["measured-to-16"].max_gpus == 16  # its measured sizes
-    assert widened["unmeasured"].max_gpus == 20  # the pool (32 would spread the max batch)
+    # Its steps come from the step model: the Amdahl fit's sizes (4) do not bound it.
+    assert widened["measured-to-4"].max_gpus == 20  # the pool (32 would spread the max batch)
+    assert widened["unmeasured"].max_gpus == 20
     assert widened["asks-more"].max_gpus == 40  # never below its trace's ask
     assert widened["no-profile"] == jobs[3]  # no batch to spread: as it was
-    assert all(widened[j.name].min_gpus == j.min_gpus for j in jobs)
-    assert batch_widened(jobs, pool_gpus=64)[2].max_gpus == 40
+    # Its base batch fits one GPU in micro-batches: its min is 1 (the others as they were).
+    assert [widened[j.name].min_gpus for j in jobs] == [1, 1, 1, 2]
+    on_64 = batch_widened(jobs, pool_gpus=64)
+    assert [j.max_gpus for j in on_64[:3]] == [32, 32, 40]  # the max batch spread
 
 
 def test_adaptive_jobs_grow_past_their_trace_ask_on_an_idle_pool() -> None:
@@ -297,7 +300,7 @@ def test_the_goodput_policy_keeps_a_simulated_job_within_its_declared_batches(
 ) -> None:  # fmt: skip
     # The job reports what `BatchModel.metrics` says at the sizes and batches it ran at; the
     # policy's batch for its GPUs is never below its base (the smallest validated batch),
-    # never above its max batch, nor, above that floor, above what its GPUs' memory holds.
+    # never above its max batch, nor above what its GPUs' memory holds in micro-batches.
     assume(gpus <= base * spread)
     model = profile(
         base_batch=base, min_batch=base, max_batch=base * spread, start_batch=base,
@@ -320,8 +323,8 @@ def test_the_goodput_policy_keeps_a_simulated_job_within_its_declared_batches(
     chosen = GoodputPolicy(GoodputParams()).desired(spec, observed, 60.0).batch_size
     assert chosen is not None
     assert base <= chosen <= base * spread
-    if worker is not None and chosen > max(base, gpus):
-        assert chosen <= worker * gpus
+    if worker is not None:  # no GPU computes more than `worker` at once: micro-batches
+        assert -(-chosen // gpus) <= worker * accumulation_steps(gpus, chosen, worker)
     assert base <= model.batch_on(gpus, model.clamp(chosen)) <= base * spread
 
 
