@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -152,7 +153,12 @@ def test_a_worker_lost_by_a_script_that_does_not_report_is_shown(tmp_path: Path)
         )
         print(f"WorkerLost {lost.time - killed_at:.1f} s after the kill: {lost.message}")
         assert lost.type == "Warning"
-        assert f"none on localhost:{victim.gpu}" in lost.message, lost.message
+        # Horovod's driver may restart the other workers too after the kill; on a loaded machine
+        # they can be gone as long as the grace, so the message names the victim's GPU among
+        # possibly several.
+        named = re.search(r"\(none on ([^)]*)\)", lost.message)
+        assert named is not None, lost.message
+        assert f"localhost:{victim.gpu}" in named.group(1).split(", "), lost.message
         assert lost.time - killed_at >= WORKER_LOST_GRACE_SECONDS  # not while it may be ending
         assert is_true_condition(herd.condition("plain", "Running"))
         assert not any(e.reason == "ReportDeadlineExceeded" for e in herd.events("plain"))
