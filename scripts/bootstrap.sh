@@ -2,7 +2,7 @@
 # Sets up ./.venv with everything herd-operator and its tests need, once.
 #
 #   - torch 2.13.0 CPU build (pinned first: an unpinned torch pulls a CUDA build of several GB)
-#   - Horovod 0.28.1, patched for C++17 and built once into a wheel cache
+#   - Horovod 0.28.1, patched for C++17 and a sleeping collective wait, built once into a wheel cache
 #     (herd_operator/horovod_build/build-horovod.sh; about 5 minutes on 2 cores, then
 #     instant): with NCCL where nvcc is found and torch is a CUDA build, else CPU (Gloo)
 #   - this project, editable, with its train and dev extras

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Builds (once) a Horovod 0.28.1 wheel that compiles against current PyTorch, and caches
-# it by Horovod, torch, Python and flavour (cpu, or nccl-cuda<version>). Prints the
-# wheel's path on stdout; everything else goes to stderr.
+# it by Horovod, torch, Python, flavour (cpu, or nccl-cuda<version>) and the patch's hash.
+# Prints the wheel's path on stdout; everything else goes to stderr.
 #
 # Horovod's last release hard-codes C++14 (PyTorch >= 2.1 needs C++17) and, for CUDA,
 # C++11 (CUDA 13 needs C++17); horovod-0.28.1.patch beside this script changes those and
-# adds two includes GCC 13 wants. docs/perlmutter.md says how it builds on a GPU node.
+# adds two includes GCC 13 wants. It also makes the training thread's wait for a collective
+# (WaitAndClear) sleep after 50 us instead of yielding in a loop, which kept a core busy per
+# waiting worker (docs/benchmarks.md). docs/perlmutter.md says how it builds on a GPU node.
 #
 # Usage: build-horovod.sh PYTHON   (a python whose environment already has torch)
 #        herd-operator-build-horovod   (the same, for the python it is installed in)
@@ -130,9 +132,11 @@ if [[ $flavour == nccl ]]; then
 fi
 
 # The CPU wheel's folder has no flavour in its name: caches made before the NCCL build
-# existed stay valid.
+# existed stay valid. A changed patch is a new wheel: its hash is in the folder's name.
+patch_hash=$(sha256sum "$patch_file" | cut -c1-8)
 cache=${HERD_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/herd-operator/wheels}/horovod-$horovod_version-torch$torch_version-$py_tag
 [[ $flavour == cpu ]] || cache+=-$flavour
+cache+=-patch$patch_hash
 build_env=("${build_env[@]/#HOROVOD_NCCL_LIB=<cache>/HOROVOD_NCCL_LIB=$cache}")
 if [[ ${HERD_HOROVOD_DRY_RUN:-} == 1 ]]; then
   echo "flavour=$flavour"

@@ -7,6 +7,7 @@ to Horovod 0.28.1's sources (tests/test_packaging.py installs them from a wheel)
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ from herd_operator.horovod_build import BUILD_SCRIPT, PATCH, build_command
 GUARD_S = 60.0
 """Hang guard for the script; never a performance expectation."""
 PY_TAG = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+# A changed patch builds a new wheel: the cache folder ends with the patch's hash.
+PATCHED = "patch" + hashlib.sha256(PATCH.read_bytes()).hexdigest()[:8]
 
 
 def fake_torch(root: Path, cuda: str | None) -> Path:
@@ -92,8 +95,8 @@ def test_nccl_is_chosen_where_nvcc_and_a_cuda_torch_are(tmp_path: Path) -> None:
     assert build["HOROVOD_CUDA_HOME"] == str(cuda)
     assert build["HOROVOD_BUILD_CUDA_CC_LIST"] == "80"
     assert build["HOROVOD_CPU_OPERATIONS"] == "GLOO"
-    # Its own cache: a CPU wheel is never taken for it, and the CPU cache keeps its name.
-    assert build["cache"].endswith(f"/horovod-0.28.1-torch2.5.1-{PY_TAG}-nccl-cuda12.4")
+    # Its own cache: a CPU wheel is never taken for it.
+    assert build["cache"].endswith(f"/horovod-0.28.1-torch2.5.1-{PY_TAG}-nccl-cuda12.4-{PATCHED}")
 
 
 def test_cuda_home_is_the_toolkit_and_ncclhome_and_cc_list_are_passed_on(tmp_path: Path) -> None:
@@ -130,7 +133,7 @@ def test_without_nvcc_it_builds_for_cpu(tmp_path: Path, torch_cuda: str | None) 
     build = chosen(dry_run(tmp_path, torch_cuda=torch_cuda, path=[], CUDA_HOME=str(tmp_path)))
     assert build["flavour"] == "cpu"
     assert "HOROVOD_GPU_OPERATIONS" not in build
-    assert build["cache"].endswith(f"-{PY_TAG}")
+    assert build["cache"].endswith(f"-{PY_TAG}-{PATCHED}")
 
 
 def test_nvcc_with_a_cpu_torch_builds_for_cpu_and_says_why(tmp_path: Path) -> None:
@@ -184,7 +187,7 @@ def test_this_machine_builds_the_wheel_bootstrap_cached() -> None:
     assert build["flavour"].startswith("nccl") if nccl else build["flavour"] == "cpu"
     assert Path(build["cache"]).name.startswith("horovod-0.28.1-torch")
     if not nccl:
-        assert Path(build["cache"]).name.endswith(f"-{PY_TAG}")
+        assert Path(build["cache"]).name.endswith(f"-{PY_TAG}-{PATCHED}")
 
 
 def test_the_console_script_builds_for_its_own_python() -> None:
