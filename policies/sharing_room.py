@@ -198,11 +198,15 @@ class Candidates:
     in pool order. Without scanning the pool for each job: a first decision packing
     thousands of jobs onto a Perlmutter-sized pool did that in minutes. With `whole_first`
     (`SharingLimits.whole_first`), the shared GPUs it would crowd (`GpuRoom.crowded`) come
-    after every other."""
+    after every other; with `free_first` (`SharingLimits.share_to_admit`), every shared GPU
+    does."""
 
-    def __init__(self, pool: Pool, gpus: GpuRoom, *, whole_first: bool) -> None:
+    def __init__(
+        self, pool: Pool, gpus: GpuRoom, *, whole_first: bool, free_first: bool = False
+    ) -> None:
         self._gpus = gpus
         self._whole_first = whole_first
+        self._free_first = free_first
         self._order = {slot: position for position, slot in enumerate(pool.slots())}
         self._on_host = {host: [(host, gpu) for gpu in ids] for host, ids in pool.hosts}
         self._free = [
@@ -239,19 +243,30 @@ class Candidates:
         self._free_set = set(self._free)
 
     def best(
-        self, job: str, mine: Sequence[Slot], need: int, count: int, opens: bool
-    ) -> list[Slot]:
+        self, job: str, mine: Sequence[Slot], need: int, count: int, opens: bool,
+        *, shares: bool = True,
+    ) -> list[Slot]:  # fmt: skip
         """Up to `count` GPUs for `job` (holding `mine`), each with `need` bytes free;
-        free GPUs only if `opens`."""
-        if not self._whole_first:
-            return self._best(job, mine, need, count, opens, lambda slot: True)
+        free GPUs only if `opens`; GPUs other jobs use only if `shares`."""
         gpus = self._gpus
-        chosen = self._best(job, mine, need, count, opens, partial(_not_crowded, gpus, job))
+        if not shares:
+            return self._best(job, mine, need, count, opens, _nowhere)
+        if self._free_first:
+            first, then = _nowhere, _anywhere
+        elif self._whole_first:
+            first, then = partial(_not_crowded, gpus, job), partial(gpus.crowded, job=job)
+        else:
+            return self._best(job, mine, need, count, opens, _anywhere)
+        chosen = self._best(job, mine, need, count, opens, first)
         if len(chosen) < count:
-            rest = self._best(job, [*mine, *chosen], need, count - len(chosen), False,
-                              partial(gpus.crowded, job=job))  # fmt: skip
-            chosen += rest
+            chosen += self._best(job, [*mine, *chosen], need, count - len(chosen), False, then)
         return chosen
+
+    def free_for(self, job: str, mine: Sequence[Slot], need: int) -> Slot | None:
+        """A GPU no job uses for one more worker of `job` (holding `mine`, `need` bytes), on
+        its own hosts first; None if there is none."""
+        found = self._best(job, mine, need, 1, True, _nowhere)
+        return found[0] if found else None
 
     def _best(
         self,
@@ -305,3 +320,12 @@ class Candidates:
 
 def _not_crowded(gpus: GpuRoom, job: str, slot: Slot) -> bool:
     return not gpus.crowded(slot, job)
+
+
+def _nowhere(slot: Slot) -> bool:
+    """No shared GPU is allowed: free ones only."""
+    return False
+
+
+def _anywhere(slot: Slot) -> bool:
+    return True

@@ -215,12 +215,14 @@ def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
             demand = replace(demand, utilization=busy, memory_split_bytes=split)
         demands.append(demand)
     admit_first = draw(st.booleans())
+    shrink_to_admit = not admit_first and draw(st.booleans())
     limits = SharingLimits(
         max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1,
         max_utilization=draw(st.none() | st.sampled_from([1.0, 1.29, 2.0])),
         backfill=draw(st.booleans()), admit_first=admit_first,
-        whole_first=draw(st.booleans()),
-        shrink_to_admit=not admit_first and draw(st.booleans()),
+        whole_first=draw(st.booleans()), shrink_to_admit=shrink_to_admit,
+        share_to_admit=draw(st.booleans()),
+        move_apart=shrink_to_admit and draw(st.booleans()),
     )  # fmt: skip
     return pool, demands, limits
 
