@@ -252,19 +252,9 @@ def _grow(
     shrinker = Shrinker(ranked, held, needs, gpus, where, frozen)
     moved: dict[str, int] = {}
     if limits.shrink_to_admit:
-        admit = partial(_admit_head, growth)
-        while True:  # each round admits a job, moves or adds a worker: it ends
-            admitted = growth.step(ranked, admitting=True, growing=False)
-            head = growth.head
-            if head is not None and shrinker.admit(head, admit, pool.size):
-                continue
-            apart = limits.move_apart and not (growth.reserve or growth.upper_blocked)
-            now = move_apart(ranked, held, needs, gpus, where, frozen=frozen,
-                             may_open=may_open) if apart else {}  # fmt: skip
-            for job, count in now.items():
-                moved[job] = moved.get(job, 0) + count
-            if not (growth.step(ranked, admitting=True, growing=True) or admitted or now):
-                break
+        apart = partial(move_apart, ranked, held, needs, gpus, where, frozen=frozen,
+                        may_open=may_open)  # fmt: skip
+        moved = _shrink_to_admit(ranked, growth, shrinker, pool.size, limits.move_apart, apart)
     elif not limits.admit_first:
         growth.step(ranked, admitting=True, growing=True)
     else:
@@ -291,6 +281,32 @@ def _grow(
                 reason = f"shrunk {before} -> {len(mine)}: admitting {taker} ({share})"
             decided[d.name] = (_placement(mine), reason)
     return decided
+
+
+def _shrink_to_admit(
+    ranked: Sequence[Demand],
+    growth: _Growth,
+    shrinker: Shrinker,
+    pool_size: int,
+    moving: bool,
+    apart: Callable[[], dict[str, int]],
+) -> dict[str, int]:
+    """`shrink_to_admit`'s rounds (`_grow`), with `moving` (`move_apart`) the moves between
+    admission and growth unless the free GPUs are kept for a waiting job; the workers moved,
+    per job."""
+    admit = partial(_admit_head, growth)
+    moved: dict[str, int] = {}
+    while True:  # each round admits a job, moves or adds a worker: it ends
+        admitted = growth.step(ranked, admitting=True, growing=False)
+        head = growth.head
+        if head is not None and shrinker.admit(head, admit, pool_size):
+            continue
+        kept = growth.reserve or growth.upper_blocked
+        now = apart() if moving and not kept else {}
+        for job, count in now.items():
+            moved[job] = moved.get(job, 0) + count
+        if not (growth.step(ranked, admitting=True, growing=True) or admitted or now):
+            return moved
 
 
 def _admit_head(growth: _Growth, head: Demand) -> list[Slot] | None:
