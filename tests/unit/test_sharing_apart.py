@@ -1,0 +1,126 @@
+"""Sharing only where it pays (issue 30, session 9): a worker goes onto a shared GPU only to
+admit its job (`SharingLimits.share_to_admit`), and workers on shared GPUs move to free ones
+when GPUs free up (`SharingLimits.move_apart`, `policies/sharing_apart.py`). Their properties
+(never over-committed, the exclusive rules, deciding again changes nothing) are
+`test_sharing.py`'s hypothesis test, which draws both."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from herd_operator.cli.arguments import UsageError
+from herd_operator.cli.main import build_parser
+from herd_operator.cli.run import sharing_limits
+from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing, describe_sharing
+from herd_operator.specs.values import Grant, Placement, Pool
+from tests.unit.test_sharing import GI, share, slots_of
+
+SHRINK = SharingLimits(max_utilization=1.29, whole_first=True, shrink_to_admit=True)
+APART = replace(SHRINK, move_apart=True)
+
+
+def _on(*gpus: int) -> Placement:
+    return Placement((("h0", gpus),))
+
+
+def _placed(grants: dict[str, Grant]) -> dict[str, Placement]:
+    return {job: grant.placement for job, grant in grants.items() if grant.placement.size}
+
+
+def test_a_worker_on_a_shared_gpu_moves_to_a_gpu_that_freed_up() -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=40 * GI)
+    a = share("a", 1, 10 * GI, utilization=0.5)
+    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.5)
+    current = {"a": _on(0), "b": _on(0)}  # h0:1's job just ended
+    kept = arbitrate_sharing(pool, [a, b], current, limits=SHRINK)
+    assert slots_of(kept, "a") == slots_of(kept, "b") == [("h0", 0)]
+    grants = arbitrate_sharing(pool, [a, b], current, limits=APART)
+    assert slots_of(grants, "a") == [("h0", 1)] and slots_of(grants, "b") == [("h0", 0)]
+    assert grants["a"].reason == (
+        "holding 1: 1 worker(s) moved off shared GPUs to free ones (sharing, 10.0Gi per worker)"
+    )
+    again = arbitrate_sharing(pool, [a, b], _placed(grants), limits=APART)
+    assert _placed(again) == _placed(grants)
+    # A job resized recently is not moved (a move is a resize); the other one is.
+    frozen = arbitrate_sharing(pool, [a, b], current, limits=APART, frozen={"a"})
+    assert slots_of(frozen, "a") == [("h0", 0)] and slots_of(frozen, "b") == [("h0", 1)]
+
+
+def test_a_free_gpu_goes_to_a_waiting_job_before_a_move_and_is_kept_for_one_that_waits() -> None:
+    pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=40 * GI)
+    a = share("a", 1, 10 * GI, utilization=0.5)
+    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.5)
+    current = {"a": _on(0), "b": _on(0)}
+    whole = share("c", 1, 40 * GI, arrival=2.0)  # fills a GPU: fits only the free one
+    grants = arbitrate_sharing(pool, [a, b, whole], current, limits=APART)
+    assert slots_of(grants, "c") == [("h0", 1)]
+    assert slots_of(grants, "a") == slots_of(grants, "b") == [("h0", 0)]
+    # A job waiting for two whole GPUs (a and b, at their min, cannot be shrunk for it)
+    # could fit once h0:0 frees up: the free one is kept for it, as against growth.
+    two = share("d", 2, 40 * GI, arrival=2.0)
+    grants = arbitrate_sharing(pool, [a, b, two], current, limits=APART)
+    assert grants["d"].placement.size == 0
+    assert slots_of(grants, "a") == slots_of(grants, "b") == [("h0", 0)]
+
+
+def test_a_move_takes_the_jobs_own_host_first_and_one_worker_per_shared_gpu() -> None:
+    pool = Pool.from_counts({"h0": 2, "h1": 2}, gpu_memory_bytes=40 * GI)
+    a = replace(share("a", 2, 10 * GI, utilization=0.3), max=2)
+    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.3)
+    c = share("c", 1, 10 * GI, arrival=2.0, utilization=0.3)
+    # a on h1:0 (shared with b) and h1:1 (shared with c); h0 is free.
+    both = Placement((("h1", (0, 1)),))
+    current = {"a": both, "b": Placement((("h1", (0,)),)), "c": Placement((("h1", (1,)),))}
+    grants = arbitrate_sharing(pool, [a, b, c], current, limits=APART)
+    assert slots_of(grants, "a") == [("h0", 0), ("h0", 1)]  # both of its workers, in order
+    assert slots_of(grants, "b") == [("h1", 0)] and slots_of(grants, "c") == [("h1", 1)]
+    # A free GPU on the job's own host before one elsewhere (h0 comes first in the pool).
+    local = {"a": Placement((("h1", (0,)),)), "b": Placement((("h1", (0,)),))}
+    alone = replace(a, min=1, max=1, desired=1)
+    grants = arbitrate_sharing(pool, [alone, b], local, limits=APART)
+    assert slots_of(grants, "a") == [("h1", 1)] and slots_of(grants, "b") == [("h1", 0)]
+
+
+def test_sharing_only_to_admit_takes_free_gpus_first_and_grows_onto_free_ones_only() -> None:
+    pool = Pool.from_counts({"h0": 3}, gpu_memory_bytes=40 * GI)
+    light = SharingLimits(max_utilization=1.29, whole_first=True)
+    to_admit = replace(light, share_to_admit=True)
+    a = share("a", 1, 10 * GI, utilization=0.3)
+    c = share("c", 1, 10 * GI, arrival=2.0, utilization=0.3)
+    current = {"a": _on(0)}
+    assert slots_of(arbitrate_sharing(pool, [a, c], current, limits=light), "c") == [("h0", 0)]
+    assert slots_of(arbitrate_sharing(pool, [a, c], current, limits=to_admit), "c") == [("h0", 1)]
+    # A running job wanting more grows beside a light job; sharing only to admit, it does
+    # not: h0:1 and h0:2 are taken by x and y.
+    grower = replace(a, max=2, desired=2)
+    x = share("x", 1, 10 * GI, arrival=-2.0, utilization=0.3)
+    y = share("y", 1, 40 * GI, arrival=-1.0, utilization=0.3)
+    full = {"a": _on(0), "x": _on(1), "y": _on(2)}
+    grown = arbitrate_sharing(pool, [x, y, grower], full, limits=light)
+    assert slots_of(grown, "a") == [("h0", 0), ("h0", 1)]
+    kept = arbitrate_sharing(pool, [x, y, grower], full, limits=to_admit)
+    assert slots_of(kept, "a") == [("h0", 0)]
+    # With no free GPU left, a waiting job still shares to be admitted.
+    grants = arbitrate_sharing(pool, [x, y, a, c], full, limits=to_admit)
+    assert grants["c"].placement.size == 1
+
+
+def test_the_options_are_named_where_they_are_set() -> None:
+    with pytest.raises(ValueError, match="move_apart: only with shrink_to_admit"):
+        SharingLimits(move_apart=True)
+    text = describe_sharing(replace(APART, share_to_admit=True))
+    assert text.endswith("sharing only to admit, moving workers apart onto free GPUs)")
+    parser = build_parser()
+    base = ["run", "--share-gpus", "--gpu-memory", "40GiB"]
+    args = parser.parse_args([*base, "--share-shrink-to-admit", "--share-move-apart"])
+    limits = sharing_limits(args, virtual=False)
+    assert limits is not None and limits.move_apart and not limits.share_to_admit
+    args = parser.parse_args([*base, "--share-to-admit"])
+    limits = sharing_limits(args, virtual=False)
+    assert limits is not None and limits.share_to_admit
+    with pytest.raises(UsageError, match="--share-move-apart: only with --share-shrink-to-admit"):
+        sharing_limits(parser.parse_args([*base, "--share-move-apart"]), virtual=False)
+    with pytest.raises(UsageError, match="--share-to-admit: only with --share-gpus"):
+        sharing_limits(parser.parse_args(["run", "--share-to-admit"]), virtual=False)
