@@ -391,6 +391,11 @@ def _decide_and_check(
     }
     if limits.shrink_to_admit:
         _shrunk_only_to_admit(demands, current, grants)
+    if limits.move_apart and all(grants[d.name].placement.size for d in demands):
+        held = [slot for grant in grants.values() for slot in grant.placement.slots()]
+        shared = {slot for slot in held if held.count(slot) > 1}
+        free = pool.slot_set - set(held)  # nobody waits: no GPU shared while one is free
+        assert not (shared and free), (shared, free, grants)
     placed = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
     again = arbitrate_sharing(pool, demands, placed, limits=limits, **ranking)
     assert {n: g.placement for n, g in again.items()} == {n: g.placement for n, g in grants.items()}

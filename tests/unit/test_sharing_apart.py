@@ -9,12 +9,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from herd_operator.cli.arguments import UsageError
 from herd_operator.cli.main import build_parser
 from herd_operator.cli.run import sharing_limits
-from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing, describe_sharing
-from herd_operator.specs.values import Grant, Placement, Pool
+from herd_operator.policies.sharing import (
+    SharingLimits,
+    arbitrate_sharing,
+    counted_utilization,
+    describe_sharing,
+    worker_memory_at,
+)
+from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 from tests.unit.test_sharing import GI, share, slots_of
 
 SHRINK = SharingLimits(max_utilization=1.29, whole_first=True, shrink_to_admit=True)
@@ -124,3 +132,64 @@ def test_the_options_are_named_where_they_are_set() -> None:
         sharing_limits(parser.parse_args([*base, "--share-move-apart"]), virtual=False)
     with pytest.raises(UsageError, match="--share-to-admit: only with --share-gpus"):
         sharing_limits(parser.parse_args(["run", "--share-to-admit"]), virtual=False)
+
+
+@st.composite
+def _jobs_that_fit(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
+    """Small sharing jobs on a small pool (each worker fits a GPU alone), and the options."""
+    counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    pool = Pool.from_counts({f"h{i}": n for i, n in enumerate(counts)}, gpu_memory_bytes=10)
+    demands = []
+    for index in range(draw(st.integers(1, 6))):
+        low = draw(st.integers(1, 2))
+        demand = share(f"j{index}", low, draw(st.integers(1, 6)), arrival=float(index))
+        busy = draw(st.none() | st.sampled_from([0.1, 0.3, 0.5, 0.8]))
+        top = draw(st.integers(low, 3))
+        demands.append(
+            replace(demand, max=top, desired=draw(st.integers(0, top)), utilization=busy)
+        )
+    limits = replace(
+        APART, max_jobs_per_gpu=draw(st.integers(2, 4)),
+        max_utilization=draw(st.none() | st.just(1.29)), whole_first=draw(st.booleans()),
+        share_to_admit=draw(st.booleans()),
+    )  # fmt: skip
+    return pool, demands, limits
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=_jobs_that_fit(), leaving=st.lists(st.integers(0, 5), max_size=4))
+def test_with_nobody_waiting_no_gpu_stays_shared_while_one_is_free(
+    case: tuple[Pool, list[Demand], SharingLimits], leaving: list[int]
+) -> None:
+    """Jobs leave one by one: after every decision no GPU is over-committed or past the cap,
+    deciding again changes nothing, and, when every job holds GPUs, no GPU is shared while
+    another is free (the moves took them apart); sharing only to admit, no job holds more
+    GPUs others use than its min."""
+    pool, demands, limits = case
+    current: dict[str, Placement] = {}
+    for step in [*leaving, -1]:
+        grants = arbitrate_sharing(pool, demands, current, limits=limits)
+        placed = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
+        again = arbitrate_sharing(pool, demands, placed, limits=limits)
+        assert {job: grant.placement for job, grant in again.items() if grant.placement.size} == (
+            placed
+        )
+        on: dict[Slot, list[Demand]] = {}
+        for d in demands:
+            for slot in grants[d.name].placement.slots():
+                on.setdefault(slot, []).append(d)
+        for slot, jobs in on.items():
+            used = sum(worker_memory_at(d, placed[d.name].size, limits.margin) for d in jobs)
+            busy = sum(counted_utilization(d) for d in jobs)
+            capped = len(jobs) == 1 or limits.max_utilization is None or busy <= 1.29 + 1e-9
+            assert used <= 10 and capped, (slot, jobs)
+        shared = {slot for slot, jobs in on.items() if len(jobs) > 1}
+        if len(placed) == len(demands):
+            assert not (shared and pool.slot_set - on.keys()), (shared, grants)
+        if limits.share_to_admit:
+            for d in demands:
+                mine = [slot for slot in grants[d.name].placement.slots() if slot in shared]
+                assert len(mine) <= d.min, (d.name, grants)
+        current = placed
+        if step >= 0 and demands:
+            demands = demands[: step % len(demands)] + demands[step % len(demands) + 1 :]
