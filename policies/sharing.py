@@ -66,7 +66,7 @@ from functools import partial
 
 from herd_operator.policies.arbitration import arbitrate, rank_smallest_first
 from herd_operator.policies.sharing_apart import move_apart
-from herd_operator.policies.sharing_room import Candidates, GpuRoom, WorkerNeeds
+from herd_operator.policies.sharing_room import Candidates, GpuRoom, Sharing, WorkerNeeds
 from herd_operator.policies.sharing_room import counted_utilization as counted_utilization
 from herd_operator.policies.sharing_room import within_utilization as within_utilization
 from herd_operator.policies.sharing_room import worker_memory as worker_memory
@@ -142,6 +142,11 @@ class SharingLimits:
     """A sharing worker goes onto a GPU another job uses only to admit its job (to reach its
     min), and only where no free GPU is left for it; a running job grows onto free GPUs only.
     False: a job grows onto shared GPUs too, and `whole_first` says which come first."""
+    light_growth: bool = False
+    """A running job grows onto a shared GPU only where the jobs there stay within a summed
+    utilization of `sharing_room.LIGHT_TOGETHER` (1.0); admission may still use the cap."""
+    apart_crowded: bool = False
+    """With `move_apart`, only workers on GPUs past `LIGHT_TOGETHER` move."""
     move_apart: bool = False
     """After admission and before growth, a running job's workers on GPUs it shares move to
     free GPUs (`sharing_apart.py`): sharing lasts only while no GPU is free. Only with
@@ -248,12 +253,13 @@ def _grow(
     them to drain (it did, and was shrunk again at the next decision, over and over)."""
     free_first = limits.share_to_admit
     where = Candidates(pool, gpus, whole_first=limits.whole_first, free_first=free_first)
-    growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size, not free_first)
+    grows: Sharing = "none" if free_first else "light" if limits.light_growth else "any"
+    growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size, grows)
     shrinker = Shrinker(ranked, held, needs, gpus, where, frozen)
     moved: dict[str, int] = {}
     if limits.shrink_to_admit:
         apart = partial(move_apart, ranked, held, needs, gpus, where, frozen=frozen,
-                        may_open=may_open)  # fmt: skip
+                        may_open=may_open, crowded=limits.apart_crowded)  # fmt: skip
         moved = _shrink_to_admit(ranked, growth, shrinker, pool.size, limits.move_apart, apart)
     elif not limits.admit_first:
         growth.step(ranked, admitting=True, growing=True)
@@ -324,8 +330,8 @@ class _Growth:
     may_open: Mapping[str, bool]
     where: Candidates
     pool_size: int
-    growth_shares: bool = True
-    """Whether a running job may grow onto GPUs others use (not `share_to_admit`)."""
+    growth_shares: Sharing = "any"
+    """Which GPUs others use a running job may grow onto (`share_to_admit`: none)."""
     found: dict[str, int] = field(default_factory=dict)
     """A pending job's GPUs found at its last try (for its reason)."""
     blocker: int | None = None
@@ -384,7 +390,7 @@ class _Growth:
         """The GPUs added to `d` (up to `top` in all, counted in), or None: pending, its min
         did not fit."""
         mine = self.held[d.name]
-        shares = self.growth_shares or len(mine) < d.min
+        shares: Sharing = "any" if len(mine) < d.min else self.growth_shares
         need, extra = _largest_growth(d, top, mine, self.needs, self.where, opens, shares)
         if len(mine) + len(extra) < d.min:
             self.found[d.name] = len(mine) + len(extra)
@@ -404,7 +410,7 @@ def _largest_growth(
     needs: WorkerNeeds,
     where: Candidates,
     opens: bool,
-    shares: bool,
+    shares: Sharing,
 ) -> tuple[int, list[Slot]]:
     """(bytes per worker, the GPUs to add) for the largest size up to `top` whose every
     new worker finds a GPU with the memory a worker needs at that size (a smaller size needs

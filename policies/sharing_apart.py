@@ -26,7 +26,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from herd_operator.policies.sharing_room import Candidates, GpuRoom, WorkerNeeds
+from herd_operator.policies.sharing_room import (
+    LIGHT_TOGETHER,
+    Candidates,
+    GpuRoom,
+    WorkerNeeds,
+)
 from herd_operator.specs.values import Demand, Slot
 
 
@@ -39,6 +44,7 @@ def move_apart(
     *,
     frozen: AbstractSet[str],
     may_open: Mapping[str, bool],
+    crowded: bool = False,
 ) -> dict[str, int]:
     """Move workers off shared GPUs onto free ones (the module docstring's rules), updating
     `held`, `gpus` and `where` in place; the workers moved, per job (none moved: empty)."""
@@ -50,6 +56,8 @@ def move_apart(
         need = needs.at(d, len(mine))
         for index, slot in enumerate(mine):
             if len(gpus.jobs.get(slot, ())) < 2:
+                continue
+            if crowded and gpus.busy.get(slot, 0.0) <= LIGHT_TOGETHER + 1e-9:
                 continue
             free = where.free_for(d.name, mine, need)
             if free is None:

@@ -15,13 +15,16 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from herd_operator.specs.values import Demand, Placement, Pool, Slot
 
 if TYPE_CHECKING:
     from herd_operator.policies.sharing import SharingLimits
 
+Sharing = Literal["any", "light", "none"]
+"""Which GPUs other jobs use a worker may go to: any, those it would not crowd
+(`GpuRoom.crowded`), none."""
 LIGHT_TOGETHER = 1.0
 """Summed utilization (`Demand.utilization`) up to which jobs sharing a GPU fit in its time:
 in the simulator's interference model they run at most 10% slower there
@@ -244,21 +247,26 @@ class Candidates:
 
     def best(
         self, job: str, mine: Sequence[Slot], need: int, count: int, opens: bool,
-        *, shares: bool = True,
+        *, shares: Sharing = "any",
     ) -> list[Slot]:  # fmt: skip
         """Up to `count` GPUs for `job` (holding `mine`), each with `need` bytes free;
-        free GPUs only if `opens`; GPUs other jobs use only if `shares`."""
+        free GPUs only if `opens`; GPUs other jobs use: any, only those it would not crowd
+        (`light`), or `none`."""
         gpus = self._gpus
-        if not shares:
+        if shares == "none":
             return self._best(job, mine, need, count, opens, _nowhere)
+        light = partial(_not_crowded, gpus, job)
+        first: Callable[[Slot], bool]
+        then: Callable[[Slot], bool] | None
         if self._free_first:
-            first, then = _nowhere, _anywhere
+            first, then = _nowhere, light if shares == "light" else _anywhere
         elif self._whole_first:
-            first, then = partial(_not_crowded, gpus, job), partial(gpus.crowded, job=job)
+            first, then = light, None if shares == "light" else partial(gpus.crowded, job=job)
         else:
-            return self._best(job, mine, need, count, opens, _anywhere)
+            allowed = light if shares == "light" else _anywhere
+            return self._best(job, mine, need, count, opens, allowed)
         chosen = self._best(job, mine, need, count, opens, first)
-        if len(chosen) < count:
+        if then is not None and len(chosen) < count:
             chosen += self._best(job, [*mine, *chosen], need, count - len(chosen), False, then)
         return chosen
 
