@@ -50,9 +50,10 @@ The rules, in the order a decision applies them:
   admitted there and no sharing job loses more than those GPUs).
 - With `share_to_admit`, a worker goes onto a GPU another job uses only to admit its job,
   after every free GPU it may open, and a running job grows onto free GPUs only. With
-  `move_apart` (and `shrink_to_admit`), after admission and before growth the running jobs'
-  workers on shared GPUs move to free ones (`sharing_apart.py`), unless the free GPUs are
-  kept for a waiting job.
+  `light_growth`, a running job grows onto a shared GPU only where it leaves the jobs there
+  within `LIGHT_TOGETHER` (1.0): only admission crowds a GPU. With `move_apart` (and
+  `shrink_to_admit`), after admission and before growth the running jobs' workers on crowded
+  GPUs move to free ones (`sharing_apart.py`), unless the free GPUs are kept for a waiting job.
 """
 
 from __future__ import annotations
@@ -143,14 +144,14 @@ class SharingLimits:
     min), and only where no free GPU is left for it; a running job grows onto free GPUs only.
     False: a job grows onto shared GPUs too, and `whole_first` says which come first."""
     light_growth: bool = False
-    """A running job grows onto a shared GPU only where the jobs there stay within a summed
-    utilization of `sharing_room.LIGHT_TOGETHER` (1.0); admission may still use the cap."""
-    apart_crowded: bool = False
-    """With `move_apart`, only workers on GPUs past `LIGHT_TOGETHER` move."""
+    """A running job grows onto a shared GPU only where it leaves the jobs there within a
+    summed utilization of `sharing_room.LIGHT_TOGETHER` (1.0): only admission crowds a GPU
+    (up to `max_utilization`). False: growth crowds a GPU as admission does."""
     move_apart: bool = False
-    """After admission and before growth, a running job's workers on GPUs it shares move to
-    free GPUs (`sharing_apart.py`): sharing lasts only while no GPU is free. Only with
-    `shrink_to_admit` (its order: admission, then the rest)."""
+    """After admission and before growth, a running job's workers on crowded GPUs (summed
+    utilization past `LIGHT_TOGETHER`) move to free GPUs (`sharing_apart.py`): a GPU stays
+    crowded only while no GPU is free. Only with `shrink_to_admit` (its order: admission,
+    then the rest)."""
 
     def __post_init__(self) -> None:
         if self.max_jobs_per_gpu < 1:
@@ -259,7 +260,7 @@ def _grow(
     moved: dict[str, int] = {}
     if limits.shrink_to_admit:
         apart = partial(move_apart, ranked, held, needs, gpus, where, frozen=frozen,
-                        may_open=may_open, crowded=limits.apart_crowded)  # fmt: skip
+                        may_open=may_open)  # fmt: skip
         moved = _shrink_to_admit(ranked, growth, shrinker, pool.size, limits.move_apart, apart)
     elif not limits.admit_first:
         growth.step(ranked, admitting=True, growing=True)

@@ -41,8 +41,10 @@ def describe_sharing(limits: SharingLimits | None) -> str:
         parts.append("admission first")
     if limits.share_to_admit:
         parts.append("sharing only to admit")
+    if limits.light_growth:
+        parts.append("growing onto light GPUs only")
     if limits.move_apart:
-        parts.append("moving workers apart onto free GPUs")
+        parts.append("moving workers off crowded GPUs onto free ones")
     return ", ".join(parts) + ")"
 
 

@@ -242,11 +242,18 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         " onto shared GPUs too)",
     )
     run.add_argument(
+        "--share-light-growth",
+        action="store_true",
+        help="with --share-gpus: a running job grows onto a shared GPU only where the summed"
+        " measured utilization stays within 1.0; only admission crowds a GPU (default: growth"
+        " too)",
+    )
+    run.add_argument(
         "--share-move-apart",
         action="store_true",
-        help="with --share-gpus and --share-shrink-to-admit: a running job's worker on a shared"
-        " GPU moves to a free GPU when one is left after admission (a Horovod reset of that"
-        " job; default: a worker stays where it was placed)",
+        help="with --share-gpus and --share-shrink-to-admit: a running job's worker on a GPU"
+        " past a summed utilization of 1.0 moves to a free GPU when one is left after"
+        " admission (a Horovod reset of that job; default: a worker stays where it was placed)",
     )
     run.add_argument(
         "--gpu-memory",
@@ -466,6 +473,7 @@ def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | N
             "--share-whole-first": args.share_whole_first,
             "--share-shrink-to-admit": args.share_shrink_to_admit,
             "--share-to-admit": args.share_to_admit,
+            "--share-light-growth": args.share_light_growth,
             "--share-move-apart": args.share_move_apart,
         }
         for flag in (flag for flag, on in given.items() if on):
@@ -483,7 +491,8 @@ def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | N
     return SharingLimits(
         args.max_jobs_per_gpu, args.memory_margin, memory, max_utilization=cap,
         whole_first=args.share_whole_first, shrink_to_admit=args.share_shrink_to_admit,
-        share_to_admit=args.share_to_admit, move_apart=args.share_move_apart,
+        share_to_admit=args.share_to_admit, light_growth=args.share_light_growth,
+        move_apart=args.share_move_apart,
     )  # fmt: skip
 
 

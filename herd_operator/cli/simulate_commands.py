@@ -117,11 +117,18 @@ def add_commands(commands: Subcommands) -> None:
         " GPUs too)",
     )
     simulate.add_argument(
+        "--share-light-growth",
+        action="store_true",
+        help="under NAME+pack: a running job grows onto a shared GPU only where the summed"
+        " utilization stays within 1.0; only admission crowds a GPU (default: growth too)",
+    )
+    simulate.add_argument(
         "--share-move-apart",
         action="store_true",
         help="under NAME+pack, with --share-shrink-to-admit: after admission and before"
-        " growth, a running job's workers on shared GPUs move to free GPUs (a move stalls it"
-        " as a grow by one does; default: a worker stays where it was placed)",
+        " growth, a running job's workers on GPUs past a summed utilization of 1.0 move to"
+        " free GPUs (a move stalls it as a grow by one does; default: a worker stays where it"
+        " was placed)",
     )
     simulate.add_argument(
         "--memory",
@@ -258,6 +265,7 @@ def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
         whole_first=args.share_whole_first,
         shrink_to_admit=args.share_shrink_to_admit,
         share_to_admit=args.share_to_admit,
+        light_growth=args.share_light_growth,
         move_apart=args.share_move_apart,
     )
 

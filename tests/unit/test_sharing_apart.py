@@ -1,8 +1,9 @@
 """Sharing only where it pays (issue 30, session 9): a worker goes onto a shared GPU only to
-admit its job (`SharingLimits.share_to_admit`), and workers on shared GPUs move to free ones
-when GPUs free up (`SharingLimits.move_apart`, `policies/sharing_apart.py`). Their properties
-(never over-committed, the exclusive rules, deciding again changes nothing) are
-`test_sharing.py`'s hypothesis test, which draws both."""
+admit its job (`SharingLimits.share_to_admit`), growth crowds no GPU
+(`SharingLimits.light_growth`), and workers on crowded GPUs move to free ones when GPUs free
+up (`SharingLimits.move_apart`, `policies/sharing_apart.py`). Their properties (never
+over-committed, the exclusive rules, deciding again changes nothing) are also
+`test_sharing.py`'s hypothesis test, which draws them."""
 
 from __future__ import annotations
 
@@ -37,11 +38,11 @@ def _placed(grants: dict[str, Grant]) -> dict[str, Placement]:
     return {job: grant.placement for job, grant in grants.items() if grant.placement.size}
 
 
-def test_a_worker_on_a_shared_gpu_moves_to_a_gpu_that_freed_up() -> None:
+def test_a_worker_on_a_crowded_gpu_moves_to_a_gpu_that_freed_up() -> None:
     pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=40 * GI)
-    a = share("a", 1, 10 * GI, utilization=0.5)
-    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.5)
-    current = {"a": _on(0), "b": _on(0)}  # h0:1's job just ended
+    a = share("a", 1, 10 * GI, utilization=0.6)
+    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.6)
+    current = {"a": _on(0), "b": _on(0)}  # 1.2 together; h0:1's job just ended
     kept = arbitrate_sharing(pool, [a, b], current, limits=SHRINK)
     assert slots_of(kept, "a") == slots_of(kept, "b") == [("h0", 0)]
     grants = arbitrate_sharing(pool, [a, b], current, limits=APART)
@@ -49,6 +50,9 @@ def test_a_worker_on_a_shared_gpu_moves_to_a_gpu_that_freed_up() -> None:
     assert grants["a"].reason == (
         "holding 1: 1 worker(s) moved off shared GPUs to free ones (sharing, 10.0Gi per worker)"
     )
+    # Beside a light job (0.6 + 0.4: within 1.0) it stays: a move would cost more.
+    light = replace(b, utilization=0.4)
+    assert _placed(arbitrate_sharing(pool, [a, light], current, limits=APART)) == current
     again = arbitrate_sharing(pool, [a, b], _placed(grants), limits=APART)
     assert _placed(again) == _placed(grants)
     # A job resized recently is not moved (a move is a resize); the other one is.
@@ -58,8 +62,8 @@ def test_a_worker_on_a_shared_gpu_moves_to_a_gpu_that_freed_up() -> None:
 
 def test_a_free_gpu_goes_to_a_waiting_job_before_a_move_and_is_kept_for_one_that_waits() -> None:
     pool = Pool.from_counts({"h0": 2}, gpu_memory_bytes=40 * GI)
-    a = share("a", 1, 10 * GI, utilization=0.5)
-    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.5)
+    a = share("a", 1, 10 * GI, utilization=0.6)
+    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.6)
     current = {"a": _on(0), "b": _on(0)}
     whole = share("c", 1, 40 * GI, arrival=2.0)  # fills a GPU: fits only the free one
     grants = arbitrate_sharing(pool, [a, b, whole], current, limits=APART)
@@ -73,11 +77,11 @@ def test_a_free_gpu_goes_to_a_waiting_job_before_a_move_and_is_kept_for_one_that
     assert slots_of(grants, "a") == slots_of(grants, "b") == [("h0", 0)]
 
 
-def test_a_move_takes_the_jobs_own_host_first_and_one_worker_per_shared_gpu() -> None:
+def test_a_move_takes_the_jobs_own_host_first_and_one_worker_per_crowded_gpu() -> None:
     pool = Pool.from_counts({"h0": 2, "h1": 2}, gpu_memory_bytes=40 * GI)
-    a = replace(share("a", 2, 10 * GI, utilization=0.3), max=2)
-    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.3)
-    c = share("c", 1, 10 * GI, arrival=2.0, utilization=0.3)
+    a = replace(share("a", 2, 10 * GI, utilization=0.6), max=2)
+    b = share("b", 1, 10 * GI, arrival=1.0, utilization=0.6)
+    c = share("c", 1, 10 * GI, arrival=2.0, utilization=0.6)
     # a on h1:0 (shared with b) and h1:1 (shared with c); h0 is free.
     both = Placement((("h1", (0, 1)),))
     current = {"a": both, "b": Placement((("h1", (0,)),)), "c": Placement((("h1", (1,)),))}
@@ -115,19 +119,45 @@ def test_sharing_only_to_admit_takes_free_gpus_first_and_grows_onto_free_ones_on
     assert grants["c"].placement.size == 1
 
 
+def test_with_light_growth_only_admission_crowds_a_gpu() -> None:
+    pool = Pool.from_counts({"h0": 3}, gpu_memory_bytes=40 * GI)
+    capped = SharingLimits(max_utilization=1.29, whole_first=True)
+    light = replace(capped, light_growth=True)
+    grower = replace(share("a", 1, 10 * GI, utilization=0.6), max=2, desired=2)
+    x = share("x", 1, 10 * GI, arrival=-2.0, utilization=0.6)
+    y = share("y", 1, 40 * GI, arrival=-1.0, utilization=0.3)  # fills h0:2
+    full = {"a": _on(0), "x": _on(1), "y": _on(2)}
+    assert slots_of(arbitrate_sharing(pool, [x, y, grower], full, limits=capped), "a") == [
+        ("h0", 0),
+        ("h0", 1),
+    ]  # 0.6 + 0.6 = 1.2: within the cap
+    assert slots_of(arbitrate_sharing(pool, [x, y, grower], full, limits=light), "a") == [("h0", 0)]
+    lighter = replace(x, utilization=0.3)  # 0.9: within 1.0, it grows there
+    grants = arbitrate_sharing(pool, [lighter, y, grower], full, limits=light)
+    assert slots_of(grants, "a") == [("h0", 0), ("h0", 1)]
+    waiting = share("c", 1, 10 * GI, arrival=3.0, utilization=0.6)
+    grants = arbitrate_sharing(
+        pool, [x, y, replace(grower, desired=1), waiting], full, limits=light
+    )
+    assert grants["c"].placement.size == 1  # admitted, crowding a GPU (1.2)
+
+
 def test_the_options_are_named_where_they_are_set() -> None:
     with pytest.raises(ValueError, match="move_apart: only with shrink_to_admit"):
         SharingLimits(move_apart=True)
-    text = describe_sharing(replace(APART, share_to_admit=True))
-    assert text.endswith("sharing only to admit, moving workers apart onto free GPUs)")
+    text = describe_sharing(replace(APART, share_to_admit=True, light_growth=True))
+    assert text.endswith(
+        "sharing only to admit, growing onto light GPUs only, moving workers off crowded GPUs"
+        " onto free ones)"
+    )
     parser = build_parser()
     base = ["run", "--share-gpus", "--gpu-memory", "40GiB"]
     args = parser.parse_args([*base, "--share-shrink-to-admit", "--share-move-apart"])
     limits = sharing_limits(args, virtual=False)
     assert limits is not None and limits.move_apart and not limits.share_to_admit
-    args = parser.parse_args([*base, "--share-to-admit"])
+    args = parser.parse_args([*base, "--share-to-admit", "--share-light-growth"])
     limits = sharing_limits(args, virtual=False)
-    assert limits is not None and limits.share_to_admit
+    assert limits is not None and limits.share_to_admit and limits.light_growth
     with pytest.raises(UsageError, match="--share-move-apart: only with --share-shrink-to-admit"):
         sharing_limits(parser.parse_args([*base, "--share-move-apart"]), virtual=False)
     with pytest.raises(UsageError, match="--share-to-admit: only with --share-gpus"):
@@ -151,20 +181,20 @@ def _jobs_that_fit(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
     limits = replace(
         APART, max_jobs_per_gpu=draw(st.integers(2, 4)),
         max_utilization=draw(st.none() | st.just(1.29)), whole_first=draw(st.booleans()),
-        share_to_admit=draw(st.booleans()),
+        share_to_admit=draw(st.booleans()), light_growth=draw(st.booleans()),
     )  # fmt: skip
     return pool, demands, limits
 
 
 @settings(max_examples=200, deadline=None)
 @given(case=_jobs_that_fit(), leaving=st.lists(st.integers(0, 5), max_size=4))
-def test_with_nobody_waiting_no_gpu_stays_shared_while_one_is_free(
+def test_with_nobody_waiting_no_gpu_stays_crowded_while_one_is_free(
     case: tuple[Pool, list[Demand], SharingLimits], leaving: list[int]
 ) -> None:
     """Jobs leave one by one: after every decision no GPU is over-committed or past the cap,
-    deciding again changes nothing, and, when every job holds GPUs, no GPU is shared while
-    another is free (the moves took them apart); sharing only to admit, no job holds more
-    GPUs others use than its min."""
+    deciding again changes nothing, and, when every job holds GPUs, no GPU is crowded (past a
+    summed utilization of 1.0) while another is free (the moves took them apart); sharing
+    only to admit, no job holds more GPUs others use than its min."""
     pool, demands, limits = case
     current: dict[str, Placement] = {}
     for step in [*leaving, -1]:
@@ -184,8 +214,9 @@ def test_with_nobody_waiting_no_gpu_stays_shared_while_one_is_free(
             capped = len(jobs) == 1 or limits.max_utilization is None or busy <= 1.29 + 1e-9
             assert used <= 10 and capped, (slot, jobs)
         shared = {slot for slot, jobs in on.items() if len(jobs) > 1}
+        crowded = {s for s in shared if sum(counted_utilization(d) for d in on[s]) > 1 + 1e-9}
         if len(placed) == len(demands):
-            assert not (shared and pool.slot_set - on.keys()), (shared, grants)
+            assert not (crowded and pool.slot_set - on.keys()), (crowded, grants)
         if limits.share_to_admit:
             for d in demands:
                 mine = [slot for slot in grants[d.name].placement.slots() if slot in shared]
