@@ -48,6 +48,12 @@ The rules, in the order a decision applies them:
   GPUs may be freed for it from sharing jobs of its priority or lower above their min
   (`sharing_whole.py`: the decision made again with those GPUs free, kept only if it is
   admitted there and no sharing job loses more than those GPUs).
+- With `share_to_admit`, a worker goes onto a GPU another job uses only to admit its job,
+  after every free GPU it may open, and a running job grows onto free GPUs only. With
+  `light_growth`, a running job grows onto a shared GPU only where it leaves the jobs there
+  within `LIGHT_TOGETHER` (1.0): only admission crowds a GPU. With `move_apart` (and
+  `shrink_to_admit`), after admission and before growth the running jobs' workers on crowded
+  GPUs move to free ones (`sharing_apart.py`), unless the free GPUs are kept for a waiting job.
 """
 
 from __future__ import annotations
@@ -60,12 +66,16 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from herd_operator.policies.arbitration import arbitrate, rank_smallest_first
-from herd_operator.policies.sharing_room import Candidates, GpuRoom, WorkerNeeds
+from herd_operator.policies.sharing_apart import move_apart
+from herd_operator.policies.sharing_room import Candidates, GpuRoom, Sharing, WorkerNeeds
 from herd_operator.policies.sharing_room import counted_utilization as counted_utilization
 from herd_operator.policies.sharing_room import within_utilization as within_utilization
 from herd_operator.policies.sharing_room import worker_memory as worker_memory
 from herd_operator.policies.sharing_room import worker_memory_at as worker_memory_at
 from herd_operator.policies.sharing_shrink import Shrinker
+from herd_operator.policies.sharing_text import describe_sharing as describe_sharing
+from herd_operator.policies.sharing_text import format_bytes as format_bytes
+from herd_operator.policies.sharing_text import pending_reason, placed_reason
 from herd_operator.policies.sharing_whole import shrink_for_whole
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 
@@ -96,14 +106,6 @@ def held_slots(held: Mapping[str, Placement], shared: AbstractSet[str]) -> set[S
     job lands there until they ask (their memory is not known till then), but the sharing
     jobs on them stay."""
     return {slot for job in shared if job in held for slot in held[job].slots()}
-
-
-def format_bytes(count: int) -> str:
-    """`8.0Gi`-style, as a spec writes a quantity."""
-    for unit, size in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.1f}{unit}"
-    return f"{count}"
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,19 @@ class SharingLimits:
     jobs of its priority or lower above their min, as `arbitrate` shrinks whole-GPU jobs to
     admit one (`sharing_shrink.py`). False: a sharing job is never shrunk to admit another.
     Not with `admit_first`."""
+    share_to_admit: bool = False
+    """A sharing worker goes onto a GPU another job uses only to admit its job (to reach its
+    min), and only where no free GPU is left for it; a running job grows onto free GPUs only.
+    False: a job grows onto shared GPUs too, and `whole_first` says which come first."""
+    light_growth: bool = False
+    """A running job grows onto a shared GPU only where it leaves the jobs there within a
+    summed utilization of `sharing_room.LIGHT_TOGETHER` (1.0): only admission crowds a GPU
+    (up to `max_utilization`). False: growth crowds a GPU as admission does."""
+    move_apart: bool = False
+    """After admission and before growth, a running job's workers on crowded GPUs (summed
+    utilization past `LIGHT_TOGETHER`) move to free GPUs (`sharing_apart.py`): a GPU stays
+    crowded only while no GPU is free. Only with `shrink_to_admit` (its order: admission,
+    then the rest)."""
 
     def __post_init__(self) -> None:
         if self.max_jobs_per_gpu < 1:
@@ -145,30 +160,11 @@ class SharingLimits:
             raise ValueError(f"margin must be finite and >= 0, got {self.margin}")
         if self.shrink_to_admit and self.admit_first:
             raise ValueError("shrink_to_admit and admit_first: choose one (both admit first)")
+        if self.move_apart and not self.shrink_to_admit:
+            raise ValueError("move_apart: only with shrink_to_admit (admission comes first)")
         cap = self.max_utilization
         if cap is not None and not (math.isfinite(cap) and cap >= 1.0):
             raise ValueError(f"max_utilization must be finite and >= 1 (one busy job), got {cap}")
-
-
-def describe_sharing(limits: SharingLimits | None) -> str:
-    """For the operator's start-up log line: whether and how GPUs are shared."""
-    if limits is None:
-        return "GPUs not shared"
-    memory = limits.gpu_memory_bytes
-    each = f"{format_bytes(memory)} each" if memory is not None else "the pool's memory each"
-    cap = limits.max_utilization
-    parts = [
-        f"GPUs shared by memory ({each}, at most {limits.max_jobs_per_gpu} jobs per GPU",
-        f"margin {limits.margin:.0%}",
-        "no utilization cap" if cap is None else f"summed utilization at most {cap:g}",
-        "whole GPUs first" if limits.whole_first else "shared GPUs first",
-        "shrinking sharing jobs to admit" if limits.shrink_to_admit else "no shrink to admit",
-    ]
-    if limits.backfill:
-        parts.append("backfill")
-    if limits.admit_first:
-        parts.append("admission first")
-    return ", ".join(parts) + ")"
 
 
 def _placement(slots: Sequence[Slot]) -> Placement:
@@ -256,18 +252,16 @@ def _grow(
     the growth, again until none changes anything; admission before growth, so that a job
     shrunk for one waiting does not grow back into its GPUs while that one's grant waits for
     them to drain (it did, and was shrunk again at the next decision, over and over)."""
-    where = Candidates(pool, gpus, whole_first=limits.whole_first)
-    growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size)
+    free_first = limits.share_to_admit
+    where = Candidates(pool, gpus, whole_first=limits.whole_first, free_first=free_first)
+    grows: Sharing = "none" if free_first else "light" if limits.light_growth else "any"
+    growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size, grows)
     shrinker = Shrinker(ranked, held, needs, gpus, where, frozen)
+    moved: dict[str, int] = {}
     if limits.shrink_to_admit:
-        admit = partial(_admit_head, growth)
-        while True:  # each round admits a job or adds a worker: it ends
-            admitted = growth.step(ranked, admitting=True, growing=False)
-            head = growth.head
-            if head is not None and shrinker.admit(head, admit, pool.size):
-                continue
-            if not (growth.step(ranked, admitting=True, growing=True) or admitted):
-                break
+        apart = partial(move_apart, ranked, held, needs, gpus, where, frozen=frozen,
+                        may_open=may_open)  # fmt: skip
+        moved = _shrink_to_admit(ranked, growth, shrinker, pool.size, limits.move_apart, apart)
     elif not limits.admit_first:
         growth.step(ranked, admitting=True, growing=True)
     else:
@@ -282,18 +276,44 @@ def _grow(
         before = current.get(d.name, Placement.EMPTY).size
         if len(mine) < d.min:
             fits = growth.found.get(d.name, 0)
-            reason = _pending_reason(d, needs.at(d, d.min), fits, before, gpus, pool.size)
+            reason = pending_reason(d, needs.at(d, d.min), fits, before, gpus, pool.size)
             decided[d.name] = (Placement.EMPTY, reason)
         elif d.name in frozen:
             decided[d.name] = (_placement(mine), f"holding {len(mine)}: resized recently (sharing)")
         else:
-            reason = _reason(d, needs.at(d, len(mine)), before, len(mine))
+            reason = placed_reason(d, needs.at(d, len(mine)), before, len(mine), moved.get(d.name))
             taker = shrinker.shrunk_for.get(d.name)
             if taker is not None and len(mine) < before:
                 share = f"sharing, {format_bytes(needs.at(d, len(mine)))} per worker"
                 reason = f"shrunk {before} -> {len(mine)}: admitting {taker} ({share})"
             decided[d.name] = (_placement(mine), reason)
     return decided
+
+
+def _shrink_to_admit(
+    ranked: Sequence[Demand],
+    growth: _Growth,
+    shrinker: Shrinker,
+    pool_size: int,
+    moving: bool,
+    apart: Callable[[], dict[str, int]],
+) -> dict[str, int]:
+    """`shrink_to_admit`'s rounds (`_grow`), with `moving` (`move_apart`) the moves between
+    admission and growth unless the free GPUs are kept for a waiting job; the workers moved,
+    per job."""
+    admit = partial(_admit_head, growth)
+    moved: dict[str, int] = {}
+    while True:  # each round admits a job, moves or adds a worker: it ends
+        admitted = growth.step(ranked, admitting=True, growing=False)
+        head = growth.head
+        if head is not None and shrinker.admit(head, admit, pool_size):
+            continue
+        kept = growth.reserve or growth.upper_blocked
+        now = apart() if moving and not kept else {}
+        for job, count in now.items():
+            moved[job] = moved.get(job, 0) + count
+        if not (growth.step(ranked, admitting=True, growing=True) or admitted or now):
+            return moved
 
 
 def _admit_head(growth: _Growth, head: Demand) -> list[Slot] | None:
@@ -311,6 +331,8 @@ class _Growth:
     may_open: Mapping[str, bool]
     where: Candidates
     pool_size: int
+    growth_shares: Sharing = "any"
+    """Which GPUs others use a running job may grow onto (`share_to_admit`: none)."""
     found: dict[str, int] = field(default_factory=dict)
     """A pending job's GPUs found at its last try (for its reason)."""
     blocker: int | None = None
@@ -369,7 +391,8 @@ class _Growth:
         """The GPUs added to `d` (up to `top` in all, counted in), or None: pending, its min
         did not fit."""
         mine = self.held[d.name]
-        need, extra = _largest_growth(d, top, mine, self.needs, self.where, opens)
+        shares: Sharing = "any" if len(mine) < d.min else self.growth_shares
+        need, extra = _largest_growth(d, top, mine, self.needs, self.where, opens, shares)
         if len(mine) + len(extra) < d.min:
             self.found[d.name] = len(mine) + len(extra)
             return None
@@ -388,6 +411,7 @@ def _largest_growth(
     needs: WorkerNeeds,
     where: Candidates,
     opens: bool,
+    shares: Sharing,
 ) -> tuple[int, list[Slot]]:
     """(bytes per worker, the GPUs to add) for the largest size up to `top` whose every
     new worker finds a GPU with the memory a worker needs at that size (a smaller size needs
@@ -396,44 +420,13 @@ def _largest_growth(
     size = top
     while True:
         need = needs.at(demand, size)
-        extra = where.best(demand.name, mine, need, size - len(mine), opens)
+        extra = where.best(demand.name, mine, need, size - len(mine), opens, shares=shares)
         found = len(mine) + len(extra)
         if found >= size or needs.constant(demand):
             return need, extra
         size = min(size - 1, found)
         if size <= len(mine) or size < demand.min:
             return needs.at(demand, len(mine)), []
-
-
-def _pending_reason(
-    demand: Demand, need: int, fits: int, before: int, gpus: GpuRoom, pool_size: int
-) -> str:
-    memory = gpus.capacity if gpus.known else None
-    if demand.min > pool_size:
-        why = (
-            f"spec.gpus.min: {demand.min} is above the pool's {pool_size} GPU(s) (a sharing"
-            " job's workers each take a GPU of their own)"
-        )
-    elif memory is not None and need > memory:
-        field = "spec.gpus.memory" if need == (demand.memory_bytes or 0) else "measured peak"
-        why = (
-            f"{field}: {format_bytes(need)} per worker is above the pool's GPU memory"
-            f" ({format_bytes(memory)})"
-        )
-    else:
-        each = f" with {format_bytes(need)} free" if memory is not None else ""
-        why = f"needs {demand.min} GPU(s){each} for sharing, {fits} found"
-    return f"pending {before} -> 0: {why}" if before else f"pending: {why}"
-
-
-def _reason(demand: Demand, need: int, before: int, size: int) -> str:
-    share = f"sharing, {format_bytes(need)} per worker"
-    if before == 0:
-        return f"admitted 0 -> {size}: min {demand.min} fits ({share})"
-    if size == before:
-        return f"holding {size}: policy wants {demand.wanted} ({share})"
-    verb = "grown" if size > before else "shrunk"
-    return f"{verb} {before} -> {size}: policy wants {demand.wanted} ({share})"
 
 
 def arbitrate_sharing(

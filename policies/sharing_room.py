@@ -15,13 +15,16 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from herd_operator.specs.values import Demand, Placement, Pool, Slot
 
 if TYPE_CHECKING:
     from herd_operator.policies.sharing import SharingLimits
 
+Sharing = Literal["any", "light", "none"]
+"""Which GPUs other jobs use a worker may go to: any, those it would not crowd
+(`GpuRoom.crowded`), none."""
 LIGHT_TOGETHER = 1.0
 """Summed utilization (`Demand.utilization`) up to which jobs sharing a GPU fit in its time:
 in the simulator's interference model they run at most 10% slower there
@@ -198,11 +201,15 @@ class Candidates:
     in pool order. Without scanning the pool for each job: a first decision packing
     thousands of jobs onto a Perlmutter-sized pool did that in minutes. With `whole_first`
     (`SharingLimits.whole_first`), the shared GPUs it would crowd (`GpuRoom.crowded`) come
-    after every other."""
+    after every other; with `free_first` (`SharingLimits.share_to_admit`), every shared GPU
+    does."""
 
-    def __init__(self, pool: Pool, gpus: GpuRoom, *, whole_first: bool) -> None:
+    def __init__(
+        self, pool: Pool, gpus: GpuRoom, *, whole_first: bool, free_first: bool = False
+    ) -> None:
         self._gpus = gpus
         self._whole_first = whole_first
+        self._free_first = free_first
         self._order = {slot: position for position, slot in enumerate(pool.slots())}
         self._on_host = {host: [(host, gpu) for gpu in ids] for host, ids in pool.hosts}
         self._free = [
@@ -239,19 +246,35 @@ class Candidates:
         self._free_set = set(self._free)
 
     def best(
-        self, job: str, mine: Sequence[Slot], need: int, count: int, opens: bool
-    ) -> list[Slot]:
+        self, job: str, mine: Sequence[Slot], need: int, count: int, opens: bool,
+        *, shares: Sharing = "any",
+    ) -> list[Slot]:  # fmt: skip
         """Up to `count` GPUs for `job` (holding `mine`), each with `need` bytes free;
-        free GPUs only if `opens`."""
-        if not self._whole_first:
-            return self._best(job, mine, need, count, opens, lambda slot: True)
+        free GPUs only if `opens`; GPUs other jobs use: any, only those it would not crowd
+        (`light`), or `none`."""
         gpus = self._gpus
-        chosen = self._best(job, mine, need, count, opens, partial(_not_crowded, gpus, job))
-        if len(chosen) < count:
-            rest = self._best(job, [*mine, *chosen], need, count - len(chosen), False,
-                              partial(gpus.crowded, job=job))  # fmt: skip
-            chosen += rest
+        if shares == "none":
+            return self._best(job, mine, need, count, opens, _nowhere)
+        light = partial(_not_crowded, gpus, job)
+        first: Callable[[Slot], bool]
+        then: Callable[[Slot], bool] | None
+        if self._free_first:
+            first, then = _nowhere, light if shares == "light" else _anywhere
+        elif self._whole_first:
+            first, then = light, None if shares == "light" else partial(gpus.crowded, job=job)
+        else:
+            allowed = light if shares == "light" else _anywhere
+            return self._best(job, mine, need, count, opens, allowed)
+        chosen = self._best(job, mine, need, count, opens, first)
+        if then is not None and len(chosen) < count:
+            chosen += self._best(job, [*mine, *chosen], need, count - len(chosen), False, then)
         return chosen
+
+    def free_for(self, job: str, mine: Sequence[Slot], need: int) -> Slot | None:
+        """A GPU no job uses for one more worker of `job` (holding `mine`, `need` bytes), on
+        its own hosts first; None if there is none."""
+        found = self._best(job, mine, need, 1, True, _nowhere)
+        return found[0] if found else None
 
     def _best(
         self,
@@ -305,3 +328,12 @@ class Candidates:
 
 def _not_crowded(gpus: GpuRoom, job: str, slot: Slot) -> bool:
     return not gpus.crowded(slot, job)
+
+
+def _nowhere(slot: Slot) -> bool:
+    """No shared GPU is allowed: free ones only."""
+    return False
+
+
+def _anywhere(slot: Slot) -> bool:
+    return True

@@ -235,6 +235,27 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         " never shrunk to admit another job)",
     )
     run.add_argument(
+        "--share-to-admit",
+        action="store_true",
+        help="with --share-gpus: a sharing job takes a GPU another job uses only to be"
+        " admitted, after every free GPU, and grows onto free GPUs only (default: it grows"
+        " onto shared GPUs too)",
+    )
+    run.add_argument(
+        "--share-light-growth",
+        action="store_true",
+        help="with --share-gpus: a running job grows onto a shared GPU only where the summed"
+        " measured utilization stays within 1.0; only admission crowds a GPU (default: growth"
+        " too)",
+    )
+    run.add_argument(
+        "--share-move-apart",
+        action="store_true",
+        help="with --share-gpus and --share-shrink-to-admit: a running job's worker on a GPU"
+        " past a summed utilization of 1.0 moves to a free GPU when one is left after"
+        " admission (a Horovod reset of that job; default: a worker stays where it was placed)",
+    )
+    run.add_argument(
         "--gpu-memory",
         type=parse_bytes,
         help="with --share-gpus: each GPU's memory, e.g. 80GiB (default: --virtual-gpu-memory"
@@ -451,6 +472,9 @@ def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | N
             "--max-gpu-utilization": cap is not None,
             "--share-whole-first": args.share_whole_first,
             "--share-shrink-to-admit": args.share_shrink_to_admit,
+            "--share-to-admit": args.share_to_admit,
+            "--share-light-growth": args.share_light_growth,
+            "--share-move-apart": args.share_move_apart,
         }
         for flag in (flag for flag, on in given.items() if on):
             raise UsageError(f"{flag}: only with --share-gpus")
@@ -459,12 +483,16 @@ def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | N
         raise UsageError(
             f"--max-gpu-utilization: must be a finite number >= 1 (one busy job's), got {cap:g}"
         )
+    if args.share_move_apart and not args.share_shrink_to_admit:
+        raise UsageError("--share-move-apart: only with --share-shrink-to-admit")
     memory = args.gpu_memory or (args.virtual_gpu_memory if virtual else None)
     if memory is None:
         raise UsageError("--share-gpus: give --gpu-memory (each GPU's memory, e.g. 80GiB)")
     return SharingLimits(
         args.max_jobs_per_gpu, args.memory_margin, memory, max_utilization=cap,
         whole_first=args.share_whole_first, shrink_to_admit=args.share_shrink_to_admit,
+        share_to_admit=args.share_to_admit, light_growth=args.share_light_growth,
+        move_apart=args.share_move_apart,
     )  # fmt: skip
 
 

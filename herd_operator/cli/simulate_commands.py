@@ -110,6 +110,27 @@ def add_commands(commands: Subcommands) -> None:
         " shrunk to admit another job; not with --share-admit-first)",
     )
     simulate.add_argument(
+        "--share-to-admit",
+        action="store_true",
+        help="under NAME+pack: a sharing job takes a GPU another job uses only to be admitted,"
+        " after every free GPU, and grows onto free GPUs only (default: it grows onto shared"
+        " GPUs too)",
+    )
+    simulate.add_argument(
+        "--share-light-growth",
+        action="store_true",
+        help="under NAME+pack: a running job grows onto a shared GPU only where the summed"
+        " utilization stays within 1.0; only admission crowds a GPU (default: growth too)",
+    )
+    simulate.add_argument(
+        "--share-move-apart",
+        action="store_true",
+        help="under NAME+pack, with --share-shrink-to-admit: after admission and before"
+        " growth, a running job's workers on GPUs past a summed utilization of 1.0 move to"
+        " free GPUs (a move stalls it as a grow by one does; default: a worker stays where it"
+        " was placed)",
+    )
+    simulate.add_argument(
         "--memory",
         choices=("guess", "published"),
         default="guess",
@@ -233,6 +254,8 @@ def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
         raise ValueError(f"--max-gpu-utilization must be >= 1 (one busy job's), got {cap:g}")
     if args.share_shrink_to_admit and args.share_admit_first:
         raise ValueError("--share-shrink-to-admit and --share-admit-first: choose one")
+    if args.share_move_apart and not args.share_shrink_to_admit:
+        raise ValueError("--share-move-apart: only with --share-shrink-to-admit")
     return replace(
         SIMULATED_SHARING,
         max_jobs_per_gpu=args.max_jobs_per_gpu,
@@ -241,6 +264,9 @@ def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
         admit_first=args.share_admit_first,
         whole_first=args.share_whole_first,
         shrink_to_admit=args.share_shrink_to_admit,
+        share_to_admit=args.share_to_admit,
+        light_growth=args.share_light_growth,
+        move_apart=args.share_move_apart,
     )
 
 

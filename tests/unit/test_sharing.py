@@ -215,12 +215,14 @@ def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
             demand = replace(demand, utilization=busy, memory_split_bytes=split)
         demands.append(demand)
     admit_first = draw(st.booleans())
+    shrink_to_admit = not admit_first and draw(st.booleans())
     limits = SharingLimits(
         max_jobs_per_gpu=draw(st.integers(1, 4)), margin=0.1,
         max_utilization=draw(st.none() | st.sampled_from([1.0, 1.29, 2.0])),
         backfill=draw(st.booleans()), admit_first=admit_first,
-        whole_first=draw(st.booleans()),
-        shrink_to_admit=not admit_first and draw(st.booleans()),
+        whole_first=draw(st.booleans()), shrink_to_admit=shrink_to_admit,
+        share_to_admit=draw(st.booleans()), light_growth=draw(st.booleans()),
+        move_apart=shrink_to_admit and draw(st.booleans()),
     )  # fmt: skip
     return pool, demands, limits
 
@@ -389,6 +391,14 @@ def _decide_and_check(
     }
     if limits.shrink_to_admit:
         _shrunk_only_to_admit(demands, current, grants)
+    if limits.move_apart and all(grants[d.name].placement.size for d in demands):
+        on: dict[Slot, float] = {}
+        for d in demands:
+            for slot in grants[d.name].placement.slots():
+                on[slot] = on.get(slot, 0.0) + counted_utilization(d)
+        crowded = {slot for slot, busy in on.items() if busy > 1 + 1e-9}
+        free = pool.slot_set - on.keys()  # nobody waits: no GPU crowded while one is free
+        assert not (crowded and free), (crowded, free, grants)
     placed = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
     again = arbitrate_sharing(pool, demands, placed, limits=limits, **ranking)
     assert {n: g.placement for n, g in again.items()} == {n: g.placement for n, g in grants.items()}

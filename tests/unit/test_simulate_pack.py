@@ -191,3 +191,38 @@ def test_shrinking_a_sharing_job_admits_a_waiting_one_at_once() -> None:
     assert shrunk["b"].admitted == pytest.approx(100.0, abs=1.0)
     assert shrunk["b"].finished < plain["b"].finished
     assert shrunk["a"].resizes == 2  # shrunk for b, grown again once b ended
+
+
+def test_a_crowded_gpus_worker_moves_to_a_gpu_that_freed_up_and_runs_unslowed_from_then() -> None:
+    # c fills h0:0; a takes h0:1 and b joins it (0.6 + 0.6: slowed 1.20). When c ends, with
+    # --share-move-apart a's worker moves to h0:0 (a fresh start of a one-GPU job: its
+    # launch stall), and from then neither is slowed; without it they share to the end.
+    whole = small("c", work=500.0, mem_fixed=0.5, mem_batch=0.4, gpu_utilization=0.9)
+    jobs = [whole, small("a", arrival=1.0, gpu_utilization=0.6)]
+    jobs.append(small("b", arrival=2.0, gpu_utilization=0.6))
+    limits = replace(SIMULATED_SHARING, whole_first=True, shrink_to_admit=True)
+    plain = {job.name: job for job in run(jobs, "1x2", pack=True, sharing=limits).jobs}
+    moving = replace(limits, move_apart=True)
+    apart = {job.name: job for job in run(jobs, "1x2", pack=True, sharing=moving).jobs}
+    assert plain["a"].resizes == 0 and apart["a"].resizes == 1 and apart["b"].resizes == 0
+    ended = plain["c"].finished
+    assert apart["c"].finished == pytest.approx(ended)
+    slowdown = interference_slowdown((0.6, 0.6))
+    done_a = (ended - 1.0 - START_SECONDS) / slowdown  # a's work when c ended
+    assert apart["a"].finished == pytest.approx(ended + START_SECONDS + 1000.0 - done_a)
+    done_b = (ended - 2.0 - START_SECONDS) / slowdown
+    assert apart["b"].finished == pytest.approx(ended + 1000.0 - done_b)
+    assert apart["a"].finished < plain["a"].finished and apart["b"].finished < plain["b"].finished
+
+
+def test_simulate_names_share_move_apart_without_shrink_to_admit(tmp_path: Path) -> None:
+    argv = ["simulate", "perlmutter", "--jobs", "20", "--pool", "4x4", "--output", str(tmp_path)]
+    argv += ["--policy", "static+pack", "--share-to-admit", "--share-light-growth"]
+    argv += ["--share-move-apart"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(argv) == EXIT_USAGE
+    assert "--share-move-apart: only with --share-shrink-to-admit" in err.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*argv, "--share-shrink-to-admit"]) == 0
+    assert "Co-location" in (tmp_path / "summary.md").read_text()
