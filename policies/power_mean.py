@@ -93,7 +93,7 @@ class _Job:
     """One job of the division: its curve from its min, its weight (goodput at its fair
     share) and its current size (0: being admitted)."""
 
-    __slots__ = ("curve", "demand", "held", "weight")
+    __slots__ = ("curve", "demand", "floor", "held", "terms", "weight")
 
     def __init__(self, demand: Demand, fair: int, held: int) -> None:
         self.demand = demand
@@ -101,24 +101,30 @@ class _Job:
         top = demand.min + len(self.curve) - 1
         self.weight = self.goodput(max(demand.min, min(top, fair)))
         self.held = held
+        # The job's term of the objective at its min, min + 1, ...: its weight over its
+        # goodput there; and the least term at each size or past it, which bounds the fall
+        # of a longer grow.
+        self.terms = tuple(self.weight / v if v > 0 else math.inf for v in self.curve)
+        floor = list(self.terms)
+        for index in range(len(floor) - 2, -1, -1):
+            floor[index] = min(floor[index], floor[index + 1])
+        self.floor = tuple(floor)
 
     def goodput(self, size: int) -> float:
         return self.curve[size - self.demand.min]
-
-    def term(self, size: int) -> float:
-        """The job's term of the objective at `size`: its weight over its goodput there."""
-        value = self.goodput(size)
-        return self.weight / value if value > 0 else math.inf
 
     def best_step(self, size: int, free: int) -> tuple[float, int] | None:
         """The grow from `size` by at most `free` GPUs whose term falls most per GPU, and
         that fall per GPU (the smallest grow of the most, within a relative `_TIE`); None if
         none lowers the term (or none is left of the curve)."""
-        here = self.term(size)
-        top = min(self.demand.min + len(self.curve) - 1, size + free)
+        terms, floor, low = self.terms, self.floor, self.demand.min
+        here = terms[size - low]
+        top = min(low + len(terms) - 1, size + free)
         best: tuple[float, int] | None = None
         for to in range(size + 1, top + 1):
-            there = self.term(to)
+            if best is not None and here - floor[to - low] <= best[0] * (to - size):
+                break  # no grow this long or longer falls faster per GPU
+            there = terms[to - low]
             if there == here:  # also both infinite: nothing gained
                 continue
             rate = math.inf if math.isinf(here) else (here - there) / (to - size)
