@@ -26,7 +26,9 @@ Pollux's form instead, compute and synchronisation within and across nodes overl
 its best batch within the job's max batch and per-GPU memory (`spec.training.maxBatch`,
 `maxWorkerBatch`); the gains are in share of the job's goodput on one GPU (its speedup: the
 weight every job's GPUs are compared by, whatever its absolute rate), and the decision
-carries the batch for the GPUs granted now (`Decision.batch_size`).
+carries the batch for the GPUs granted now (`Decision.batch_size`). Such a goodput need not
+be concave in the size (Pollux's form across a node's edge): the knee is then read on its
+least concave majorant (`goodput_knee`, `policies/concave.py`).
 """
 
 from __future__ import annotations
