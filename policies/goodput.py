@@ -26,12 +26,15 @@ Pollux's form instead, compute and synchronisation within and across nodes overl
 its best batch within the job's max batch and per-GPU memory (`spec.training.maxBatch`,
 `maxWorkerBatch`); the gains are in share of the job's goodput on one GPU (its speedup: the
 weight every job's GPUs are compared by, whatever its absolute rate), and the decision
-carries the batch for the GPUs granted now (`Decision.batch_size`).
+carries the batch for the GPUs granted now (`Decision.batch_size`). Such a goodput need not
+be concave in the size (Pollux's form across a node's edge): the knee is then read on its
+least concave majorant (`goodput_knee`, `policies/concave.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -42,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from herd_operator.policies.base import Decision, JobObservations, Signal, clamp
+from herd_operator.policies.concave import majorant_knee, running_max
 from herd_operator.policies.efficiency import statistical_efficiency
 from herd_operator.policies.stepfit import fit_sync_step_time
 from herd_operator.specs import HerdJob
@@ -404,19 +408,23 @@ def goodput_knee(
     profile: BatchProfile, min_gain: float, low: int, high: int
 ) -> tuple[int, tuple[float, ...], float]:
     """The size to ask for, the gains of GPUs `low + 1` to `high` and the goodput at `low`:
-    each in share of the job's goodput on one GPU, each size at its own best batch. The size
-    is the largest one reached from `low` by GPUs that each add at least `min_gain`."""
-    best = {
-        n: goodput(n, choose_batch(n, profile), profile) for n in range(max(1, low - 1), high + 1)
-    }
-    one = goodput(1, choose_batch(1, profile), profile)
+    each in share of the job's goodput on one GPU, each size at its own best batch.
+
+    The goodput need not be concave in the size: across a node's edge (`stepfit`'s sync
+    across nodes) a GPU may add nothing while the next node's GPUs together add much. A gain
+    is what the GPU adds to the best goodput of any size up to it (`concave.running_max`:
+    >= 0, and the GPUs past a dip are counted from the best point before it, so the sum of
+    the gains up to a size never exceeds a goodput some size reaches). The size is the knee
+    of the least concave majorant (`concave.majorant_knee`): the largest size reached from
+    `low` by GPUs that add at least `min_gain` each on average over each hull segment, a size
+    past a dip when the GPUs across it pay on average; where the goodput is concave, the
+    largest size reached by GPUs that each add at least `min_gain`."""
+    best = [goodput(n, choose_batch(n, profile), profile) for n in range(low, high + 1)]
+    one = best[0] if low == 1 else goodput(1, choose_batch(1, profile), profile)
     scale = one if one > 0 else 1.0
-    # A GPU more may slow a job whose step time has a sync across nodes: a gain is >= 0.
-    gains = tuple(max(0.0, best[n] - best[n - 1]) / scale for n in range(low + 1, high + 1))
-    size = low
-    while size < high and gains[size - low] >= min_gain:
-        size += 1
-    return size, gains, best[low] / scale
+    curve = running_max([value / scale for value in best])
+    gains = tuple(after - before for before, after in itertools.pairwise(curve))
+    return low + majorant_knee(curve, min_gain), gains, best[0] / scale
 
 
 class GoodputPolicy:

@@ -20,6 +20,12 @@ minimising `sum_j G_j(fair_j) / G_j(n_j)`, a sum of one term per job; when each 
 choice's steps), each term is convex and falls with `n_j`, and handing out GPUs one at a
 time to the job whose term falls most is optimal for a separable convex objective under a
 total (the greedy of Gross, 1956). A GPU that lowers no term is not handed out.
+Where a job's goodput is not concave (Pollux's step-time form across a node's edge: the 5th
+GPU on 4-GPU nodes adds about nothing, 8 beat 4), a one-GPU greedy stops at the edge; so a
+job's step is its grow, within the GPUs left, that lowers its term most per GPU: one GPU
+where the curve is concave (the same division as before), the whole way across a dip
+otherwise. It is then a heuristic (not always the best division), but it never stops a job
+inside a dip, where its goodput is below what a smaller size gives.
 
 A resize has a cost, which the greedy alone does not see: a grow stalls the job's workers
 (`GROW_STALL_SECONDS` under the default launch, docs/benchmarks.md), a shrink hardly (0.3 s,
@@ -44,6 +50,9 @@ GROW_STALL_SECONDS = 8.6
 median `resize-stall 2->4` under the operator with its default launch, the in-process driver
 (docs/benchmarks.md, run 8: 8.57 s, n = 3, load average 7-8; new workers import torch and
 Horovod, then Gloo's rendezvous). Run 3 (n = 10, horovodrun launch) had 9.6 s."""
+_TIE = 1e-9
+"""Falls per GPU within this share of each other are taken as equal (the smaller grow wins):
+the average of equal gains over several GPUs may round a hair above one GPU's."""
 RESIZE_HORIZON_SECONDS = 300.0
 """How long a grow is expected to pay before the division changes the job again: five of
 Pollux's 60 s periods. A grow must add more than `GROW_STALL_SECONDS / this` (2.9%) of the
@@ -84,7 +93,7 @@ class _Job:
     """One job of the division: its curve from its min, its weight (goodput at its fair
     share) and its current size (0: being admitted)."""
 
-    __slots__ = ("curve", "demand", "held", "weight")
+    __slots__ = ("curve", "demand", "floor", "held", "terms", "weight")
 
     def __init__(self, demand: Demand, fair: int, held: int) -> None:
         self.demand = demand
@@ -92,19 +101,36 @@ class _Job:
         top = demand.min + len(self.curve) - 1
         self.weight = self.goodput(max(demand.min, min(top, fair)))
         self.held = held
+        # The job's term of the objective at its min, min + 1, ...: its weight over its
+        # goodput there; and the least term at each size or past it, which bounds the fall
+        # of a longer grow.
+        self.terms = tuple(self.weight / v if v > 0 else math.inf for v in self.curve)
+        floor = list(self.terms)
+        for index in range(len(floor) - 2, -1, -1):
+            floor[index] = min(floor[index], floor[index + 1])
+        self.floor = tuple(floor)
 
     def goodput(self, size: int) -> float:
         return self.curve[size - self.demand.min]
 
-    def benefit(self, size: int) -> float | None:
-        """How much the job's term of the objective falls from `size` to `size + 1`."""
-        above = size + 1 - self.demand.min
-        if above >= len(self.curve):
-            return None
-        here, there = self.curve[above - 1], self.curve[above]
-        if here <= 0:
-            return math.inf if there > 0 else 0.0
-        return self.weight * (1.0 / here - 1.0 / there)
+    def best_step(self, size: int, free: int) -> tuple[float, int] | None:
+        """The grow from `size` by at most `free` GPUs whose term falls most per GPU, and
+        that fall per GPU (the smallest grow of the most, within a relative `_TIE`); None if
+        none lowers the term (or none is left of the curve)."""
+        terms, floor, low = self.terms, self.floor, self.demand.min
+        here = terms[size - low]
+        top = min(low + len(terms) - 1, size + free)
+        best: tuple[float, int] | None = None
+        for to in range(size + 1, top + 1):
+            if best is not None and here - floor[to - low] <= best[0] * (to - size):
+                break  # no grow this long or longer falls faster per GPU
+            there = terms[to - low]
+            if there == here:  # also both infinite: nothing gained
+                continue
+            rate = math.inf if math.isinf(here) else (here - there) / (to - size)
+            if rate > 0 and (best is None or rate > best[0] * (1.0 + _TIE)):
+                best = (rate, to)
+        return best
 
     def grow_pays(self, size: int) -> bool:
         """Whether growing from its current size to `size` is worth its stall."""
@@ -117,25 +143,34 @@ class _Job:
 
 
 def _greedy(jobs: Sequence[_Job], sizes: dict[str, int], free: int) -> int:
-    """`free` GPUs one at a time to the job whose term falls most (ties: the job holding
-    fewest, then arrival, then name); updates `sizes`, returns the GPUs left."""
-    heap: list[tuple[float, int, float, str]] = []
+    """`free` GPUs to the jobs, each time to the job whose term falls most per GPU by its
+    best grow that the GPUs left allow (`_Job.best_step`: one GPU, or several where its
+    goodput is not concave, across a node's edge), ties to the job holding fewest, then by
+    arrival, then name; updates `sizes`, returns the GPUs left."""
+    heap: list[tuple[float, int, float, str, int]] = []
     by_name: dict[str, _Job] = {}
     for job in jobs:
         name = job.demand.name
-        benefit = job.benefit(sizes[name])
-        if benefit is not None and benefit > 0:
-            heap.append((-benefit, sizes[name], job.demand.arrival, name))
-            by_name[name] = job
+        by_name[name] = job
+        step = job.best_step(sizes[name], free)
+        if step is not None:
+            heap.append((-step[0], sizes[name], job.demand.arrival, name, step[1]))
     heapq.heapify(heap)
     while free > 0 and heap:
-        _, size, arrival, name = heapq.heappop(heap)
-        size += 1
-        sizes[name] = size
-        free -= 1
-        benefit = by_name[name].benefit(size)
-        if benefit is not None and benefit > 0:
-            heapq.heappush(heap, (-benefit, size, arrival, name))
+        _, size, arrival, name, to = heapq.heappop(heap)
+        job = by_name[name]
+        if to - size > free:
+            # Fewer GPUs are left than this grow takes: its best affordable one, whose fall
+            # per GPU is at most this one's, goes back in its place.
+            step = job.best_step(size, free)
+            if step is not None:
+                heapq.heappush(heap, (-step[0], size, arrival, name, step[1]))
+            continue
+        sizes[name] = to
+        free -= to - size
+        step = job.best_step(to, free)
+        if step is not None:
+            heapq.heappush(heap, (-step[0], to, arrival, name, step[1]))
     return free
 
 

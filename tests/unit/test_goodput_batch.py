@@ -337,3 +337,43 @@ def test_micro_batches_under_pollux_form_repeat_only_the_compute() -> None:
     assert seen.metrics[BATCH_SIZE_METRIC] == 16
     assert seen.metrics[COMPUTE_SECONDS_METRIC] == pytest.approx(truth.compute(8))
     assert seen.metrics[STEP_SECONDS_METRIC] == pytest.approx(truth.seconds(2, 16))
+
+
+class EdgeStep:
+    """A hand-made step on 4-GPU nodes: compute of the local batch, and a sync of 0.05 s
+    within a node, `across` s across nodes."""
+
+    def __init__(self, across: float) -> None:
+        self.across = across
+
+    def seconds(self, gpus: int, batch: int) -> float:
+        sync = 0.0 if gpus == 1 else 0.05 if gpus <= 4 else self.across
+        return 0.01 * batch / gpus + sync
+
+    def repeated_seconds(self, gpus: int, batch: int, once_share: float) -> float:
+        return 0.01 * batch / gpus
+
+
+def test_the_knee_and_gains_see_past_a_node_edge() -> None:
+    # At a fixed batch (max batch = base batch) the 5th GPU brings a 0.15 s sync across
+    # nodes: it adds 0.16 of a GPU, while 5..8 add 0.43 each on average. The knee for a
+    # gain of 0.4 is 8, not the node's edge at 4.
+    edge = BatchProfile(256, 1000.0, EdgeStep(0.15), max_batch=256)
+    one = goodput(1, 256, edge)
+    best = [goodput(n, 256, edge) / one for n in range(1, 9)]
+    assert best[4] - best[3] < 0.4 <= (best[7] - best[3]) / 4
+    size, gains, at_min = goodput_knee(edge, 0.4, 1, 8)
+    assert size == 8
+    assert goodput_knee(edge, 0.45, 1, 8)[0] == 4  # 5..8 add less than 0.45 on average
+    # A slower sync across nodes: 5 GPUs do less than 4. A gain is what a GPU adds to the
+    # best of the sizes up to it, so the gains summed from the min never promise more than
+    # some size gives (the gains after the dip are counted from 4, not from 5).
+    slow = BatchProfile(256, 1000.0, EdgeStep(0.3), max_batch=256)
+    one = goodput(1, 256, slow)
+    best = [goodput(n, 256, slow) / one for n in range(1, 13)]
+    assert best[4] < best[3] < best[11]
+    size, gains, at_min = goodput_knee(slow, 0.1, 1, 12)
+    assert min(gains) >= 0.0
+    summed = [at_min + sum(gains[:i]) for i in range(12)]
+    assert summed == pytest.approx([max(best[: i + 1]) for i in range(12)])
+    assert size > 5 and best[size - 1] == pytest.approx(summed[size - 1])  # past the dip

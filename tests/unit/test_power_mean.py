@@ -107,6 +107,48 @@ def test_a_grow_that_does_not_pay_leaves_its_gpus_to_the_others() -> None:
     assert (sizes, left) == ({"held": 3, "new": 2}, 0)
 
 
+def test_a_job_is_grown_across_a_node_edge_where_the_gpus_across_pay() -> None:
+    # `edge` runs on one 4-GPU node; a 5th GPU crosses to a second node and adds nothing
+    # (its gains as `goodput` reports them: the running max's), 5..8 together add 1.8.
+    # `slow` gains 0.05 a GPU. A one-GPU greedy stops `edge` at 4 (its next GPU lowers
+    # nothing) and gives `slow` all 4; the best division (brute force) gives `edge` all 4.
+    edge = Demand("edge", 4, 8, 8, gains=(0.0, 0.4, 0.6, 0.8), min_speedup=3.6)
+    slow = Demand("slow", 1, 5, 5, arrival=1.0, gains=(0.05, 0.05, 0.05, 0.05))
+    sizes, left = divide_by_speedup([edge, slow], {"edge": 4, "slow": 1}, {}, 4, 4)
+    assert (sizes, left) == ({"edge": 8, "slow": 1}, 0)
+    assert objective([edge, slow], [8, 1], 4) == pytest.approx(best([edge, slow], 4, 4))
+    # With 2 GPUs free `edge` reaches 6 at most, which pays less than `slow`'s two GPUs:
+    # `slow` takes them (the best division too), and `edge` is not left inside the dip.
+    sizes, left = divide_by_speedup([edge, slow], {"edge": 4, "slow": 1}, {}, 2, 4)
+    assert (sizes, left) == ({"edge": 4, "slow": 3}, 0)
+    assert objective([edge, slow], [4, 3], 4) == pytest.approx(best([edge, slow], 2, 4))
+    pool = Pool.from_counts({"n0": 4, "n1": 4, "n2": 4})
+    grants = arbitrate(pool, [edge, slow, Demand("c", 3, 3, 3, arrival=2.0)], {},
+                       share_by_speedup=True)  # fmt: skip
+    assert {n: g.placement.size for n, g in grants.items()} == {"edge": 8, "slow": 1, "c": 3}
+
+
+ANY_GAINS = st.lists(st.sampled_from([0.0, 0.05, 0.3, 1.0]) | st.floats(0.0, 1.0), max_size=4)
+
+
+@given(st.lists(ANY_GAINS, min_size=1, max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_with_gpus_for_all_each_job_reaches_its_best_size_past_any_dip(
+    gains_by_job: list[list[float]],
+) -> None:
+    demands = [
+        Demand(f"j{i}", 1, 1 + len(gains), 1 + len(gains), arrival=float(i), gains=tuple(gains))
+        for i, gains in enumerate(gains_by_job)
+    ]
+    free = sum(len(gains) for gains in gains_by_job)
+    sizes, _ = divide_by_speedup(demands, {d.name: 1 for d in demands}, {}, free, 2)
+    for d in demands:
+        values = curve(d)
+        # Its best goodput, and no more GPUs than the fewest that reach it.
+        assert values[sizes[d.name] - 1] == max(values)
+        assert sizes[d.name] - 1 == values.index(max(values))
+
+
 GAINS = st.lists(st.floats(0.0, 1.0), max_size=3).map(lambda g: tuple(sorted(g, reverse=True)))
 
 

@@ -195,20 +195,37 @@ def test_the_overlap_form() -> None:
     assert overlapped(1e6, 2e6, 10.0) == pytest.approx(2e6 * (1 + 2.0**-10) ** 0.1)
 
 
-def test_the_policy_keeps_a_job_on_one_node_when_crossing_costs_more_than_it_gains() -> None:
-    # Measured on one node and across two: a GPU past the node's 4 adds a 1.2 s sync to
-    # steps of well under a second, so the job wants 4 GPUs; the line, fitted through the
-    # same steps, keeps asking for more (it has no node boundary).
+def test_the_policy_crosses_a_node_only_where_the_gpus_across_pay_on_average() -> None:
+    # Measured on one node and across two: the 5th GPU, past the node's 4, adds a 1.2 s
+    # sync to steps of well under a second and gains little; the GPUs after it gain more.
+    # The knee is where the GPUs past the node's edge still add `minGain` each on average
+    # (the least concave majorant), not where the 5th alone falls short: at a minGain of
+    # 0.5 the job crosses, at 0.6 it stays on one node. The line, fitted through the same
+    # steps, has no node boundary and asks for more either way.
     seen = reports(TRUTH, [(1, 2, 32), (1, 4, 64), (1, 4, 128), (2, 8, 128)])
     job = make_job(low=2, high=32)
     observed = JobObservations(0.0, allocated=4, epochs=seen, gpus_per_node=4)
-    pollux = GoodputPolicy(GoodputParams()).desired(job, observed, 0.0)  # the default
-    line = GoodputPolicy(GoodputParams(step_model="line")).desired(job, observed, 0.0)
     profile = batch_profile(job, seen, step_model="pollux", gpus_per_node=4)
     assert profile is not None and isinstance(profile.step_time, SyncStepTime)
-    assert pollux.gpus == goodput_knee(profile, 0.5, 2, 32)[0] == 4
-    assert pollux.batch_size == choose_batch(4, profile)
-    assert line.gpus > 4
+    one = goodput(1, choose_batch(1, profile), profile)
+    best = {n: goodput(n, choose_batch(n, profile), profile) / one for n in range(2, 33)}
+    assert best[5] - best[4] < 0.5  # the 5th GPU alone does not pay
+    for min_gain in (0.5, 0.6):
+        params = GoodputParams(min_gain=min_gain)
+        pollux = GoodputPolicy(params).desired(job, observed, 0.0)  # the default form
+        line = GoodputPolicy(GoodputParams(min_gain=min_gain, step_model="line"))
+        size = goodput_knee(profile, min_gain, 2, 32)[0]
+        assert pollux.gpus == size
+        assert pollux.batch_size == choose_batch(4, profile)
+        # The knee: from 4, the largest size whose goodput beats 4's by min_gain per GPU
+        # on average, none of the sizes past it by as much from it.
+        average = {n: (best[n] - best[4]) / (n - 4) for n in range(5, 33)}
+        if min_gain == 0.5:
+            assert size > 4 and average[size] >= min_gain
+            assert all((best[n] - best[size]) / (n - size) < min_gain for n in range(size + 1, 33))
+        else:
+            assert size == 4 and max(average.values()) < min_gain
+        assert line.desired(job, observed, 0.0).gpus > 4
 
 
 def test_a_gpu_that_slows_the_job_gains_nothing_rather_than_less_than_nothing() -> None:
