@@ -51,6 +51,10 @@ class SimConfig:
     """Jobs with a noise profile (`JobModel.batching`) report the adaptive metrics at each
     epoch end and train at the batch the policy's decision carries (`simulate/batching.py`);
     False: every job keeps its trace's batch."""
+    measure_steps: int = 0
+    """With `adaptive_batch`: the workers also report the adaptive metrics this many steps
+    into each new configuration (a start, a resize, a new batch) when the epoch is not over
+    by then (the worker API's `measureSteps`); 0: at epoch ends only."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""
