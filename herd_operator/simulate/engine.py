@@ -6,7 +6,8 @@ reports, GPU memory samples, its grant and last resize); the grants come from th
 `Allocator` (gang admission, priorities, fair share, shrink-to-admit, the resize rate limit
 and drains, through `arbitrate()`), run on the simulation's clock. What the simulation adds is
 the jobs: their progress on the GPUs they hold (`JobModel`), the stall of each resize, and
-when they report.
+when they report (epoch ends, and with adaptive batch a measurement `measure_steps` steps into
+each new size or batch).
 
 Events that fall on the same instant (or, with `tick` > 0, in the same tick: the control
 loop's period) are handled in one `Allocator.batch()`, as the operator's loop handles a
@@ -91,6 +92,7 @@ class _Run:
     batch: int | None = None
     """The global batch it trains at; None: its trace's."""
     reports: list[Report] = field(default_factory=list)
+    """Its epoch ends and measurements, oldest first."""
     usage: list[UsageSample] = field(default_factory=list)
 
 
@@ -230,6 +232,7 @@ class Simulation:
                     "batchPolicy": "adaptive",
                     "maxBatch": max_batch,
                     "maxWorkerBatch": worker,
+                    "measureSteps": self.config.measure_steps,
                 }
             spec = self._specs[key] = HerdJob.model_validate(
                 {
