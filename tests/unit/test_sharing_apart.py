@@ -20,9 +20,9 @@ from herd_operator.policies.sharing import (
     SharingLimits,
     arbitrate_sharing,
     counted_utilization,
-    describe_sharing,
     worker_memory_at,
 )
+from herd_operator.policies.sharing_text import describe_sharing
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 from tests.unit.test_sharing import GI, share, slots_of
 
