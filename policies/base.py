@@ -43,14 +43,15 @@ class JobObservations:
     """When the job's grant last changed (None: not since it started)."""
     epochs: Sequence[Report] = ()
     """Reports of completed epochs (epoch set), oldest first."""
-    measurements: Sequence[Report] = ()
-    """Reports made within an epoch (`Report.measurement`: the adaptive metrics a few steps
-    into a new configuration), oldest first; filled with `epochs`."""
     usage: Sequence[UsageSample] = ()
     """GPU memory samples of the last hour at most."""
     gpus_per_node: int | None = None
     """The most GPUs one node of the pool holds (None: not known; the simulator knows it,
     the operator leaves it to what the job's reports show)."""
+    measurements: Sequence[Report] = ()
+    """Reports made within an epoch (`Report.measurement`: the adaptive metrics a few steps
+    into a new configuration), oldest first; filled with `epochs`. Last, so that
+    the fields before keep their places for callers that pass them by position."""
 
     def measured(self) -> list[Report]:
         """The epoch ends and the measurements within epochs, oldest first: every report
