@@ -24,11 +24,13 @@ def epoch_seconds(reports: Sequence[Report]) -> list[tuple[int, float]]:
     them: a resize, or Horovod's recovery, restarts the epoch) at the same world size,
     whose epochs increase: k epochs between them each took 1/k of the time. Anything else
     (a reset between, a size change, an epoch that went back after a rollback) measures
-    nothing.
+    nothing. A measurement within an epoch (`Report.measurement`) is neither: it is passed over.
     """
     measured: list[tuple[int, float]] = []
     previous: Report | None = None
     for report in reports:
+        if report.measurement:
+            continue
         if report.epoch is None:
             previous = None
             continue

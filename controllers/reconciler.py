@@ -346,6 +346,9 @@ class JobReconciler(LaunchSteps, RunningSteps, StopSteps, GateSteps):
             epochs=[report for report in reports if report.epoch is not None]
             if Signal.EPOCHS in observes
             else (),
+            measurements=[report for report in reports if report.measurement]
+            if Signal.EPOCHS in observes
+            else (),
             usage=self.store.usage(name, since=max(since, now - USAGE_HISTORY_SECONDS))
             if Signal.USAGE in observes
             else (),

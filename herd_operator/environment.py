@@ -61,7 +61,12 @@ MAX_WORKER_BATCH_ENV = "HERD_MAX_WORKER_BATCH"
 """From `spec.training.maxWorkerBatch`: preserve-batch's largest micro-batch per worker."""
 MAX_BATCH_ENV = "HERD_MAX_BATCH"
 """From `spec.training.maxBatch`: the adaptive policy's largest global batch."""
-TRAINING_ENV = frozenset({BATCH_POLICY_ENV, WARMUP_STEPS_ENV, MAX_WORKER_BATCH_ENV, MAX_BATCH_ENV})
+MEASURE_STEPS_ENV = "HERD_MEASURE_STEPS"
+"""From `spec.training.measureSteps`: the adaptive policy's steps into a new configuration
+after which the workers report their measurement (0: at epoch ends only)."""
+TRAINING_ENV = frozenset(
+    {BATCH_POLICY_ENV, WARMUP_STEPS_ENV, MAX_WORKER_BATCH_ENV, MAX_BATCH_ENV, MEASURE_STEPS_ENV}
+)
 """What `spec.training` sets for the workers; a spec's `env` cannot replace these."""
 
 

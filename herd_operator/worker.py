@@ -23,6 +23,7 @@ from herd_operator.agent.worker import (
     memory_fraction,
     memory_limit_bytes,
     report_epoch,
+    report_measurement,
     report_reset,
     under_operator,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "memory_fraction",
     "memory_limit_bytes",
     "report_epoch",
+    "report_measurement",
     "report_reset",
     "sum_gradients",
     "under_operator",

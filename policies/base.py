@@ -48,6 +48,15 @@ class JobObservations:
     gpus_per_node: int | None = None
     """The most GPUs one node of the pool holds (None: not known; the simulator knows it,
     the operator leaves it to what the job's reports show)."""
+    measurements: Sequence[Report] = ()
+    """Reports made within an epoch (`Report.measurement`: the adaptive metrics a few steps
+    into a new configuration), oldest first; filled with `epochs`. Last, so that
+    the fields before keep their places for callers that pass them by position."""
+
+    def measured(self) -> list[Report]:
+        """The epoch ends and the measurements within epochs, oldest first: every report
+        whose metrics say how the job trains now."""
+        return sorted([*self.epochs, *self.measurements], key=lambda report: report.time)
 
 
 @dataclass(frozen=True)

@@ -442,7 +442,7 @@ class GoodputPolicy:
         params = self.params
         low, high = job.spec.gpus.min, job.spec.gpus.max
         profile = batch_profile(
-            job, observed.epochs, params.prior_serial, params.step_model, observed.gpus_per_node
+            job, observed.measured(), params.prior_serial, params.step_model, observed.gpus_per_node
         )
         if profile is not None:
             return _adaptive_decision(job, observed, profile, params.min_gain)

@@ -73,9 +73,7 @@ from herd_operator.policies.sharing_room import within_utilization as within_uti
 from herd_operator.policies.sharing_room import worker_memory as worker_memory
 from herd_operator.policies.sharing_room import worker_memory_at as worker_memory_at
 from herd_operator.policies.sharing_shrink import Shrinker
-from herd_operator.policies.sharing_text import describe_sharing as describe_sharing
-from herd_operator.policies.sharing_text import format_bytes as format_bytes
-from herd_operator.policies.sharing_text import pending_reason, placed_reason
+from herd_operator.policies.sharing_text import format_bytes, pending_reason, placed_reason
 from herd_operator.policies.sharing_whole import shrink_for_whole
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 

@@ -37,8 +37,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
-from herd_operator.policies.sharing import format_bytes
 from herd_operator.policies.sharing_room import request_at
+from herd_operator.policies.sharing_text import format_bytes
 from herd_operator.specs.values import Placement, Slot
 
 NEAR_SHARE_RATIO = 0.9

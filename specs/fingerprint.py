@@ -31,9 +31,13 @@ def spec_fingerprint(job: HerdJob) -> str:
         excluded["engine"] = True
     if job.spec.training is None:
         excluded["training"] = True
-    else:  # and no expected epochs nor max batch, which it had not
+    else:  # and no expected epochs, max batch nor measured steps, which it had not
         training = job.spec.training
-        unset = {name for name in ("epochs", "max_batch") if getattr(training, name) is None}
+        unset = {
+            name
+            for name in ("epochs", "max_batch", "measure_steps")
+            if getattr(training, name) is None
+        }
         if not training.resumable:  # nor `resumable: false`, the default
             unset.add("resumable")
         if unset:

@@ -24,7 +24,7 @@ from herd_operator.specs.labels import (
     label_problem,
 )
 from herd_operator.specs.quantity import Quantity, parse_quantity
-from herd_operator.specs.values import MODULE_NAME_PATTERN
+from herd_operator.specs.values import DEFAULT_MEASURE_STEPS, MODULE_NAME_PATTERN
 
 API_VERSION = "herd/v1alpha1"
 KIND = "HerdJob"
@@ -314,6 +314,18 @@ class TrainingOptions(ApiModel):
     max_batch: int | None = _batch_limit(
         "adaptive: the largest global batch the job may train at. Unset: maxWorkerBatch per "
         "GPU bounds it, or, without either, the base batch per GPU."
+    )
+    measure_steps: int | None = Field(
+        default=None,
+        strict=True,
+        ge=0,
+        le=MAX_COUNT,
+        description=(
+            "adaptive: the workers report what they measured (step time, noise scale, "
+            "batch) this many full steps into each new configuration (a start, a resize, a "
+            "new batch), so that the policy sizes the job without waiting for the epoch's "
+            f"end; 0: at epoch ends only. Unset: {DEFAULT_MEASURE_STEPS}."
+        ),
     )
     epochs: int | None = Field(
         default=None,

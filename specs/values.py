@@ -337,17 +337,33 @@ and the number of nodes (hosts) the job's workers spanned. With them the `goodpu
 fit the synchronisation apart from the compute (`policies/stepfit.py`); reports without them
 keep the line fit."""
 COMPUTE_SECONDS_METRIC, NODES_METRIC = PLACEMENT_METRICS
+DEFAULT_MEASURE_STEPS = 20
+"""An adaptive-batch job's workers report their measurement (`Report.measurement`) this many
+full steps into each new configuration (a start, a resize, a new batch) unless the spec's
+`training.measureSteps` says otherwise: Pollux's agent reports every step and its scheduler
+decides every minute, while an epoch end may be hours away (a first epoch of bert or
+ImageNet). 20 steps: the first step after a change is left out of the mean (it waits for the
+others), and the noise scale averages over several steps."""
 
 
 @dataclass(frozen=True)
 class Report:
-    """What a job's workers said once: an epoch end, or a new world size when epoch is None."""
+    """What a job's workers said once: an epoch end (epoch set), a new world size (epoch None),
+    or a measurement within an epoch (`measurement`, epoch None)."""
 
     epoch: int | None
     time: float
     world_size: int
     metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     rank: int = 0
+    measurement: bool = False
+    """The adaptive metrics a few steps into a new configuration (`DEFAULT_MEASURE_STEPS`),
+    before the epoch ends: the policies that read metrics read it with the epoch ends; an
+    epoch's timing and the job's progress ignore it, and it is not a reset."""
+
+    def __post_init__(self) -> None:
+        if self.measurement and self.epoch is not None:
+            raise ValueError("a measurement is made within an epoch: its epoch must be None")
 
 
 class ResizeMode(enum.StrEnum):

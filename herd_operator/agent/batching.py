@@ -44,6 +44,7 @@ from herd_operator.agent.adaptive import (
     gain_ratio,
     update_noise,
 )
+from herd_operator.specs.values import DEFAULT_MEASURE_STEPS
 
 BatchPolicyName = Literal["naive", "linear-lr", "preserve-batch", "adaptive"]
 BATCH_POLICIES: Final[tuple[BatchPolicyName, ...]] = (
@@ -82,6 +83,9 @@ class BatchSettings:
     max_batch: int | None = None
     """adaptive: the largest global batch the job may train at (None: the operator's choice,
     or the base batch per worker when it made none)."""
+    measure_steps: int = DEFAULT_MEASURE_STEPS
+    """adaptive: the full steps into each new configuration (a start, a reset, a new batch)
+    after which rank 0 reports the adaptive metrics (`measure_action`); 0: at epoch ends only."""
 
     def __post_init__(self) -> None:
         policy_name(self.policy)
@@ -97,6 +101,8 @@ class BatchSettings:
             raise ValueError(f"max_worker_batch must be >= 1, got {self.max_worker_batch}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.measure_steps < 0:
+            raise ValueError(f"measure_steps must be >= 0, got {self.measure_steps}")
 
     @property
     def reference_batch(self) -> int:
@@ -388,6 +394,25 @@ def next_epoch(state: BatchState, settings: BatchSettings | None = None) -> Batc
     if settings is not None and settings.policy == "adaptive":
         return replace(state, epoch=state.epoch + 1)
     return replace(state, epoch=state.epoch + 1, data_pass=state.epoch + 1, cursor=0)
+
+
+MeasureAction = Literal["report", "refresh"]
+
+
+def measure_action(
+    measure_steps: int, timed_steps: int, measured: bool, reported: bool
+) -> MeasureAction | None:
+    """adaptive: what the workers do once `timed_steps` full steps are timed since the last
+    refresh of the batch. "report": rank 0 reports the metrics (`measure_steps` of them, the
+    configuration not `measured` yet); "refresh": every rank takes the batch the operator
+    picked since (`measure_steps` more after the `reported` one); None: go on."""
+    if measure_steps < 1:
+        return None
+    if not measured and timed_steps == measure_steps:
+        return "report"
+    if reported and timed_steps == 2 * measure_steps:
+        return "refresh"
+    return None
 
 
 @dataclass(frozen=True)

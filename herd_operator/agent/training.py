@@ -57,6 +57,7 @@ from herd_operator.agent.batching import (
     after_step,
     epoch_order,
     epoch_over,
+    measure_action,
     next_epoch,
     next_pass,
     next_step,
@@ -67,11 +68,12 @@ from herd_operator.agent.batching import (
     step_gain,
     trained_epochs,
 )
-from herd_operator.agent.worker import decided_batch
+from herd_operator.agent.worker import decided_batch, report_measurement
 from herd_operator.environment import (
     BATCH_POLICY_ENV,
     MAX_BATCH_ENV,
     MAX_WORKER_BATCH_ENV,
+    MEASURE_STEPS_ENV,
     WARMUP_STEPS_ENV,
     WORKER_HOST_ENV,
 )
@@ -79,6 +81,7 @@ from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
     BATCH_SIZE_METRIC,
     COMPUTE_SECONDS_METRIC,
+    DEFAULT_MEASURE_STEPS,
     GRADIENT_NOISE_SCALE_METRIC,
     NODES_METRIC,
     STEP_SECONDS_METRIC,
@@ -104,17 +107,20 @@ def batch_settings(
     warmup_steps: int = 0,
     max_worker_batch: int | None = None,
     max_batch: int | None = None,
+    measure_steps: int = DEFAULT_MEASURE_STEPS,
 ) -> BatchSettings:
     """The script's batch settings, with what the job's spec chose on top.
 
     `spec.training` reaches the workers as HERD_BATCH_POLICY, HERD_WARMUP_STEPS,
-    HERD_MAX_WORKER_BATCH and HERD_MAX_BATCH; each one set there wins over the argument
-    here, so one script runs in any mode. Without either, the policy is `naive`.
+    HERD_MAX_WORKER_BATCH, HERD_MAX_BATCH and HERD_MEASURE_STEPS; each one set there wins
+    over the argument here, so one script runs in any mode. Without either, the policy is
+    `naive`.
     """
     chosen = os.environ.get(BATCH_POLICY_ENV)
     warmup = _env_int(WARMUP_STEPS_ENV)
     limit = _env_int(MAX_WORKER_BATCH_ENV)
     largest = _env_int(MAX_BATCH_ENV)
+    measure = _env_int(MEASURE_STEPS_ENV)
     return BatchSettings(
         policy=policy_name(chosen) if chosen else (policy or "naive"),
         worker_batch=worker_batch,
@@ -123,6 +129,7 @@ def batch_settings(
         warmup_steps=warmup_steps if warmup is None else warmup,
         max_worker_batch=max_worker_batch if limit is None else limit,
         max_batch=max_batch if largest is None else largest,
+        measure_steps=measure_steps if measure is None else measure,
     )
 
 
@@ -199,6 +206,9 @@ class _BatchSteps:
     world size, the sum of the gradients, the mean of a float and the broadcast of rank
     0's object over the workers."""
 
+    _measured: tuple[int, int] | None = None  # adaptive: the (world, batch) reported on
+    _reported = False  # adaptive: that report was made since the batch's last refresh
+
     settings: BatchSettings
     batch_state: BatchState
     rank: int
@@ -231,12 +241,16 @@ class _BatchSteps:
     def _ask(self) -> tuple[int, int] | None:
         return decided_batch()
 
+    def _report_measurement(self, metrics: dict[str, float], world_size: int) -> None:
+        report_measurement(metrics, world_size=world_size)
+
     def refresh_batch(self) -> None:
         """adaptive: take the batch the operator picked last (rank 0 asks, all ranks
-        get its answer, so they cut steps alike); at a step boundary on every rank
-        (the start, a reset, an epoch's end). The step times restart with it."""
+        get its answer, so they cut steps alike); at a step boundary on every rank (the
+        start, a reset, an epoch's end, after a measurement). The step times restart."""
         self._step_seconds, self._step_started = [], None
         self._compute_seconds, self._sync_seconds = [], 0.0
+        self._reported = False
         if self.settings.policy != "adaptive":
             return
         decided = self._ask() if self.rank == 0 else None
@@ -343,11 +357,28 @@ class _BatchSteps:
         self.batch_state = after_step(self.batch_state, step.count, step.lr, gain)
         self.processed_num = self.batch_state.cursor
         now = time.monotonic()
-        if self._step_started is not None and step.count == self.plan.global_batch:
-            took = now - self._step_started
-            self._step_seconds.append(took)
-            self._compute_seconds.append(max(took - self._sync_seconds, 0.0))
-        self._step_started, self._sync_seconds = now, 0.0
+        started, self._step_started = self._step_started, now
+        sync, self._sync_seconds = self._sync_seconds, 0.0
+        if started is not None and step.count == self.plan.global_batch:
+            self._step_seconds.append(now - started)
+            self._compute_seconds.append(max(now - started - sync, 0.0))
+            self._measure()
+
+    def _measure(self) -> None:
+        """adaptive, after a timed step: rank 0 reports the metrics `measure_steps` steps
+        into a configuration not reported on yet, and as many steps later every rank takes
+        the batch the operator picked (`measure_action`; all ranks time the same steps)."""
+        if self.settings.policy != "adaptive":
+            return
+        configuration = (self.batch_state.world_size, self.plan.global_batch)
+        measured, steps = self._measured == configuration, len(self._step_seconds)
+        action = measure_action(self.settings.measure_steps, steps, measured, self._reported)
+        if action == "report":
+            self._measured, self._reported = configuration, True
+            if self.rank == 0:
+                self._report_measurement(self.adaptive_metrics(), configuration[0])
+        elif action == "refresh":
+            self.refresh_batch()
 
 
 _sampler_class: type | None = None
@@ -449,6 +480,7 @@ def _elastic_batch_sampler_class() -> type:
             """Reset callback (`state.register_reset_callbacks`): the new world's plan."""
             self.reset()
             self._node_count = self._count_machines()
+            self._measured = None  # a new world: measured again
             self.refresh_batch()
 
     _sampler_class = ElasticBatchSampler

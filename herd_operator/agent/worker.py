@@ -7,6 +7,9 @@
     ...
     herd.report_epoch(epoch, {"loss": loss})  # once per epoch (rank 0 sends it)
 
+An adaptive-batch sampler also sends `report_measurement` a few steps into each new
+configuration (`spec.training.measureSteps`), so the operator need not wait for an epoch end.
+
 Training quality across resizes (the batch policy of `spec.training`) is in
 `herd_operator.agent.training`: `batch_settings`, `elastic_batches`, `sum_gradients`.
 
@@ -188,7 +191,12 @@ def apply_memory_limit(ordinal: int, environ: Mapping[str, str] = os.environ) ->
     return fraction
 
 
-def _report(epoch: int | None, metrics: Mapping[str, float], world_size: int | None) -> None:
+def _report(
+    epoch: int | None,
+    metrics: Mapping[str, float],
+    world_size: int | None,
+    measurement: bool = False,
+) -> None:
     if not under_operator():
         return
     hvd = _horovod()
@@ -197,6 +205,7 @@ def _report(epoch: int | None, metrics: Mapping[str, float], world_size: int | N
         return  # one report per epoch and reset is enough: rank 0 speaks for the job
     if world_size is None:
         world_size = int(hvd.size()) if hvd is not None else worker_world_size(os.environ)
+    extra = {"measurement": True} if measurement else {}
     try:
         _shared_client().call(
             "report",
@@ -205,6 +214,7 @@ def _report(epoch: int | None, metrics: Mapping[str, float], world_size: int | N
             world_size=world_size,
             rank=rank,
             metrics={key: float(value) for key, value in metrics.items()},
+            **extra,
         )
     except Exception as err:  # reporting must never break training
         log.warning("herd: report failed: %s", err)
@@ -215,6 +225,14 @@ def report_epoch(
 ) -> None:
     """Tell the operator an epoch ended, with the world size it ran at."""
     _report(epoch, metrics or {}, world_size)
+
+
+def report_measurement(metrics: Mapping[str, float], *, world_size: int | None = None) -> None:
+    """Tell the operator what the workers measured within an epoch, a few steps into a new
+    configuration (`Report.measurement`: no epoch ended). The adaptive batch sampler sends
+    its `adaptive_metrics()` so `measureSteps` full steps after a start, a resize or a new
+    batch; rank 0 sends it, and a failure is logged, never raised, as `report_epoch`'s."""
+    _report(None, metrics, world_size, measurement=True)
 
 
 def decided_batch() -> tuple[int, int] | None:

@@ -17,11 +17,13 @@ from herd_operator.cli.arguments import (
     Subcommands,
     add_command,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
 )
 from herd_operator.cli.views import EXIT_OK, EXIT_USAGE
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
+from herd_operator.specs.values import DEFAULT_MEASURE_STEPS
 
 if TYPE_CHECKING:
     from herd_operator.policies.sharing import SharingLimits
@@ -162,6 +164,14 @@ def add_commands(commands: Subcommands) -> None:
         f" (default {DEFAULT_MAX_WAIT_SECONDS:g}, as run --max-wait)",
     )
     simulate.add_argument(
+        "--measure-steps",
+        type=non_negative_int,
+        default=DEFAULT_MEASURE_STEPS,
+        help="under NAME+adaptive: the workers report their measurement this many steps into"
+        " each new size or batch, as a job's training.measureSteps (default"
+        f" {DEFAULT_MEASURE_STEPS}, its default); 0: at epoch ends only",
+    )
+    simulate.add_argument(
         "--queue",
         choices=("fifo", "las", "srpt"),
         default="fifo",
@@ -222,7 +232,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         results = simulate(
             workload, pool, policies, args.tick, args.resync, max_wait_seconds=args.max_wait,
             queue=args.queue, share_utilization=args.share_utilization,
-            sharing=_sharing_limits(args),
+            sharing=_sharing_limits(args), measure_steps=args.measure_steps,
         )  # fmt: skip
     except ValueError as err:
         print(f"herd-operator simulate: {err}", file=sys.stderr)

@@ -24,6 +24,7 @@ from herd_operator.environment import (
     JOB_ENV,
     MAX_BATCH_ENV,
     MAX_WORKER_BATCH_ENV,
+    MEASURE_STEPS_ENV,
     OPERATOR_SET,
     TOKEN_FILE_ENV,
     TRAINING_ENV,
@@ -145,6 +146,8 @@ def training_env(job: HerdJob) -> dict[str, str]:
         env[MAX_WORKER_BATCH_ENV] = str(training.max_worker_batch)
     if training.max_batch is not None:
         env[MAX_BATCH_ENV] = str(training.max_batch)
+    if training.measure_steps is not None:
+        env[MEASURE_STEPS_ENV] = str(training.measure_steps)
     return env
 
 

@@ -137,7 +137,8 @@ def _shown(value: object) -> str:
 
 
 class ReportHandler:
-    """`report`: a job's rank 0 says an epoch ended or the world size changed.
+    """`report`: a job's rank 0 says an epoch ended, the world size changed, or (with
+    `measurement`: true) what it measured a few steps into a new configuration.
 
     The report is stored for the policies, tells the allocator the job's real size (a
     finished shrink frees the GPUs it was draining) and wakes the job's reconcile.
@@ -161,8 +162,13 @@ class ReportHandler:
         world_size = args.get("world_size")
         rank = args.get("rank", 0)
         metrics = args.get("metrics") or {}
+        measurement = args.get("measurement", False)
         if not isinstance(job, str) or not job:
             raise BadRequest("'job' must be a non-empty string")
+        if not isinstance(measurement, bool):
+            raise BadRequest("'measurement' must be true or false")
+        if measurement and epoch is not None:
+            raise BadRequest("'epoch' must be null in a measurement (it is made within an epoch)")
         if epoch is not None and not _integer_in(epoch, 0, MAX_EPOCH):
             raise BadRequest(f"'epoch' must be an integer from 0 to {MAX_EPOCH}, or null")
         if not _integer_in(world_size, 1, MAX_WORLD_SIZE):
@@ -188,7 +194,9 @@ class ReportHandler:
         with said_by_the_store(self.store):
             try:
                 # The store refuses a report of no job itself (a foreign key): no read first.
-                self.store.add_report(job, epoch, world_size, rank, metrics, self.clock())
+                self.store.add_report(
+                    job, epoch, world_size, rank, metrics, self.clock(), measurement
+                )
             except KeyError:
                 raise NotFound(f"no job {job!r}") from None
             self.allocator.observe_world_size(job, world_size)  # may record a decision

@@ -29,7 +29,7 @@ from herd_operator.environment import ALLOCATOR_ENV, STATE_DIR_ENV
 from herd_operator.layout import StateLayout, remove_runtime_dir
 from herd_operator.lifecycle import Hooks, Manager
 from herd_operator.policies.queueing import describe_queue
-from herd_operator.policies.sharing import describe_sharing
+from herd_operator.policies.sharing_text import describe_sharing
 from herd_operator.rpc.protocol import Handler
 from herd_operator.rpc.server import RpcServer
 from herd_operator.runtime.adoption import adopt

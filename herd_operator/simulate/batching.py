@@ -14,7 +14,7 @@ Pollux: it declares the application's smallest validated batch B0 as its base ba
 its learning rate is tuned for, Pollux's `init_batch_size`) and may be given any batch from
 B0 to the largest validated (ncf: 32768 only, as there); until a policy picks one it trains
 at its trace row's batch (Pollux's simulator starts at B0 and picks another after a minute;
-our workers report at epoch ends only, and bert's first epoch at B0 is half its run).
+our workers report `measure_steps` steps into each new size or batch, and at epoch ends).
 What is derived, per application:
 
 - progress, counted as Pollux's simulator counts it: a step of batch B in epoch k is worth

@@ -10,7 +10,7 @@ from herd_operator.policies.sharing import SharingLimits
 from herd_operator.runtime.allocator import DEFAULT_MAX_WAIT_SECONDS
 from herd_operator.simulate.colocation import SIMULATED_SHARING
 from herd_operator.specs import PolicyRef
-from herd_operator.specs.values import Pool
+from herd_operator.specs.values import DEFAULT_MEASURE_STEPS, Pool
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ class SimConfig:
     """Jobs with a noise profile (`JobModel.batching`) report the adaptive metrics at each
     epoch end and train at the batch the policy's decision carries (`simulate/batching.py`);
     False: every job keeps its trace's batch."""
+    measure_steps: int = DEFAULT_MEASURE_STEPS
+    """With `adaptive_batch`: the workers also report the adaptive metrics this many steps
+    into each new configuration (a start, a resize, a new batch) when the epoch is not over
+    by then, as the worker API does (`training.measureSteps`); 0: at epoch ends only."""
     record: bool = False
     """Keep every request, release and report given to the allocator, batch by batch
     (for replaying them on another allocator)."""

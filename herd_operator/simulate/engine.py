@@ -6,7 +6,8 @@ reports, GPU memory samples, its grant and last resize); the grants come from th
 `Allocator` (gang admission, priorities, fair share, shrink-to-admit, the resize rate limit
 and drains, through `arbitrate()`), run on the simulation's clock. What the simulation adds is
 the jobs: their progress on the GPUs they hold (`JobModel`), the stall of each resize, and
-when they report.
+when they report (epoch ends, and with adaptive batch a measurement `measure_steps` steps into
+each new size or batch).
 
 Events that fall on the same instant (or, with `tick` > 0, in the same tick: the control
 loop's period) are handled in one `Allocator.batch()`, as the operator's loop handles a
@@ -48,6 +49,8 @@ class Kind(enum.IntEnum):
     """A recently resized job may be resized again: decide again."""
     RESYNC = 5
     """The operator's periodic resync: every running job is reconciled again."""
+    MEASURE = 6
+    """The workers report their measurement a few steps into a new configuration."""
 
 
 class _NullSink:
@@ -89,6 +92,7 @@ class _Run:
     batch: int | None = None
     """The global batch it trains at; None: its trace's."""
     reports: list[Report] = field(default_factory=list)
+    """Its epoch ends and measurements, oldest first."""
     usage: list[UsageSample] = field(default_factory=list)
 
 
@@ -228,6 +232,7 @@ class Simulation:
                     "batchPolicy": "adaptive",
                     "maxBatch": max_batch,
                     "maxWorkerBatch": worker,
+                    "measureSteps": self.config.measure_steps,
                 }
             spec = self._specs[key] = HerdJob.model_validate(
                 {
@@ -344,6 +349,9 @@ class Simulation:
                     self._finish(run, when)
                 else:
                     touched[name] = None
+            elif kind is Kind.MEASURE:
+                self._measure(run, when)
+                touched[name] = None
             elif kind is Kind.SETTLED:
                 self._record(("world", name, run.size))
                 self.allocator.observe_world_size(name, run.size)
@@ -420,7 +428,8 @@ class Simulation:
             allocated=run.size,
             world_size=run.size or None,
             last_resize=run.last_resize,
-            epochs=run.reports if Signal.EPOCHS in self._observes else (),
+            epochs=[report for report in run.reports if not report.measurement],
+            measurements=[report for report in run.reports if report.measurement],
             usage=run.usage if Signal.USAGE in self._observes else (),
             gpus_per_node=self._gpus_per_node,
         )
@@ -447,7 +456,7 @@ class Simulation:
             self._advance(run, self.now)  # the progress so far at the old batch
         run.batch = wanted
         if run.size > 0:
-            self._schedule_epoch(run)
+            self._schedule_epoch(run, measure=True)
 
     def _rate(self, run: _Run) -> float:
         """Work per second at its size and batch."""
@@ -500,20 +509,29 @@ class Simulation:
         run.size = new
         run.stall_until = self.now + stall
         self._settle(run)
-        self._schedule_epoch(run)
+        self._schedule_epoch(run, measure=True)
         if new == 0 and old > 0:
             # Its workers stop at once and say so: the GPUs they drained are free.
             self._push(self.now, Kind.SETTLED, run.model.name, run.version)
 
-    def _schedule_epoch(self, run: _Run) -> None:
+    def _schedule_epoch(self, run: _Run, measure: bool = False) -> None:
+        """The job's next epoch end (and its settling) at its rate now; with `measure`, its
+        workers' report `measure_steps` steps into this configuration if sooner."""
         run.version += 1
         if run.size == 0:
             return
         working_from = max(self.now, run.stall_until)
         left = max((run.epoch + 1) * run.model.epoch_work() - run.done, 0.0)
         rate = self._rate(run) / run.slowdown
-        self._push(working_from + left / rate, Kind.EPOCH,
-                   run.model.name, run.version)  # fmt: skip
+        epoch_end = working_from + left / rate
+        self._push(epoch_end, Kind.EPOCH, run.model.name, run.version)
+        batching = run.model.batching
+        steps = self.config.measure_steps
+        if measure and steps > 0 and self.config.adaptive_batch and batching is not None:
+            batch = batching.clamp(run.batch)
+            measured = working_from + steps * batching.step_seconds(run.size, batch) * run.slowdown
+            if measured < epoch_end:
+                self._push(measured, Kind.MEASURE, run.model.name, run.version)
         if run.stall_until > self.now:
             self._push(run.stall_until, Kind.SETTLED, run.model.name, run.version)
 
@@ -535,6 +553,13 @@ class Simulation:
             return True
         self._schedule_epoch(run)
         return False
+
+    def _measure(self, run: _Run, when: float) -> None:
+        """The workers' report a few steps into the configuration: the epoch's metrics so
+        far, no epoch end."""
+        if Signal.EPOCHS in self._observes:
+            run.reports.append(Report(None, when, run.size, self._metrics(run), measurement=True))
+            del run.reports[:-KEPT_OBSERVATIONS]
 
     def _metrics(self, run: _Run) -> Mapping[str, float]:
         """What its workers attach to an epoch end: with adaptive batch, the adaptive metrics

@@ -28,7 +28,7 @@ from herd_operator.simulate.workload import (
     rigid,
 )
 from herd_operator.specs import PolicyRef
-from herd_operator.specs.values import Pool
+from herd_operator.specs.values import DEFAULT_MEASURE_STEPS, Pool
 
 FIRST_COME = "fcfs"
 """Not a policy of the operator: every job rigid at its asked size (min = max), `static`,
@@ -147,6 +147,7 @@ def simulate(
     queue: str = "fifo",
     share_utilization: float = 1.0,
     sharing: SharingLimits = SIMULATED_SHARING,
+    measure_steps: int = DEFAULT_MEASURE_STEPS,
 ) -> list[SimResult]:
     results = []
     for text in policies:
@@ -161,7 +162,7 @@ def simulate(
         config = SimConfig(
             pool, ref, tick=tick, resync=resync, max_wait_seconds=max_wait_seconds,
             queue=queued, share_utilization=share_utilization,
-            sharing=sharing, **flags,
+            sharing=sharing, measure_steps=measure_steps, **flags,
         )  # fmt: skip
         result = Simulation(jobs, config).run()
         result.policy = text

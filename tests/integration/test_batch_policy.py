@@ -153,9 +153,12 @@ def test_simulated_workers_train_like_real_horovodrun(tmp_path: Path) -> None:
 
 
 ADAPTIVE_EPOCHS = 8
-"""Base batch at 2 workers until the noise scale is measured (epoch 0) and the operator's
-choice reaches them (epoch 1 or 2), then its batch at 2; the shrink lands an epoch or two
-later; the rest at 1 worker is margin for a slow shrink."""
+"""Base batch at 2 workers until the noise scale is measured and the operator's choice
+reaches them (within epoch 0, `MEASURE_STEPS` after its measurement), then its batch at 2;
+the shrink lands an epoch or two later; the rest at 1 worker is margin for a slow shrink."""
+MEASURE_STEPS = 8
+"""`training.measureSteps`: the report 9 steps into a configuration (the first is not
+timed), the operator's batch taken 8 later; an epoch at the base batch is 43 steps."""
 
 
 def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
@@ -164,7 +167,8 @@ def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
     """goodput picks a batch for the job's 2 GPUs from the noise scale the workers measure;
     the workers train at it; a shrink to 1 GPU (the spec's max lowered) gives another, within
     maxBatch, in micro-batches of at most maxWorkerBatch; every epoch's report carries the
-    adaptive metrics."""
+    adaptive metrics, and so does a measurement a few steps into each configuration, which
+    reaches the operator before the first epoch's end (issue 31)."""
     steps_dir = tmp_path / "steps"
     command = [
         "python",
@@ -175,7 +179,10 @@ def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
         *("--lr", str(LR), "--no-decay", "--evaluations", "1"),
         *("--step-log", str(steps_dir), "--step-delay", "0.15"),
     ]
-    training = {"batchPolicy": "adaptive", "maxWorkerBatch": 64, "maxBatch": 256}
+    training = {
+        "batchPolicy": "adaptive", "maxWorkerBatch": 64, "maxBatch": 256,
+        "measureSteps": MEASURE_STEPS,
+    }  # fmt: skip
 
     # min stays 1 (Horovod's --min-np is fixed at launch); lowering max shrinks the job live.
     # A small minGain keeps goodput asking for the max: the resize is the test's. The
@@ -195,7 +202,8 @@ def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
         return None if record is None else record.status.batch
 
     def trained_at(gpus: int) -> int | None:
-        """The batch the operator chose for `gpus` GPUs once an epoch was trained at it."""
+        """The batch the operator chose for `gpus` GPUs once the workers reported training
+        at it (an epoch's end, or a measurement within an epoch)."""
         chosen = choice()
         if chosen is None or chosen.gpus != gpus or chosen.size == GLOBAL_BATCH // 2:
             return None  # no choice yet, or the base batch (32) still
@@ -216,8 +224,17 @@ def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
 
     herd.wait_for(succeeded, "the job to finish", timeout=240, job="adaptive")
 
-    epochs = [r for r in herd.reports("adaptive") if r.epoch is not None]
+    reports = herd.reports("adaptive")
+    epochs = [r for r in reports if r.epoch is not None]
     assert len({r.epoch for r in epochs}) == ADAPTIVE_EPOCHS
+    # Measurements within epochs: the first before any epoch's end, one at each world size
+    # (the shrink is a new configuration), each with the step time and the batch.
+    measurements = [r for r in reports if r.measurement]
+    assert measurements and measurements[0].time < min(r.time for r in epochs), reports
+    assert {r.world_size for r in measurements} == {1, 2}, measurements
+    for report in measurements:
+        assert report.epoch is None
+        assert report.metrics["step_seconds"] > 0 and report.metrics["batch_size"] >= 32
     for report in epochs:
         keys = {"gradient_noise_scale", "batch_size", "step_seconds"}
         assert keys <= set(report.metrics), (report, epochs)
@@ -234,6 +251,8 @@ def test_adaptive_batch_follows_the_operators_choice_across_a_shrink(
         world: [g[0]["global_batch"] for g in chain if g[0]["world"] == world] for world in (1, 2)
     }
     assert batches_at[2][0] == GLOBAL_BATCH // 2  # the base batch before any choice
+    # The operator's batch, picked from the measurement, is taken within the first epoch.
+    assert any(g[0]["epoch"] == 0 and g[0]["global_batch"] > 32 for g in chain), batches_at
     assert 32 < at_two <= 256 and at_two in batches_at[2]  # at most maxBatch
     # Memory: past 64 a worker, its share is cut into micro-batches of at most 64.
     assert all(max(r["micro_batches"], default=0) <= 64 for group in chain for r in group)

@@ -676,6 +676,11 @@ def test_a_report_of_the_smaller_world_frees_a_draining_gpu_at_once(
         ({"job": "a", "world_size": 1, "metrics": {"loss": float("nan")}}, "'metrics' must map"),
         ({"job": "a", "world_size": 1, "metrics": {"x" * 129: 1.0}}, "'metrics' must map"),
         ({"job": "a", "world_size": 1, "metrics": {"loss": True}}, "'metrics' must map"),
+        ({"job": "a", "world_size": 1, "measurement": 1}, "'measurement' must be true or false"),
+        (
+            {"job": "a", "world_size": 1, "epoch": 3, "measurement": True},
+            "'epoch' must be null in a measurement",
+        ),
     ],
 )
 def test_a_bad_report_names_the_field(
@@ -684,6 +689,21 @@ def test_a_bad_report_names_the_field(
     handler = ReportHandler(store, one_gpu(layout), lambda name: None)
     with pytest.raises(BadRequest, match=message):
         handler(dict(args))
+
+
+def test_a_measurement_is_stored_as_one_and_wakes_the_job(
+    layout: StateLayout, store: Store
+) -> None:
+    woken: list[str] = []
+    handler = ReportHandler(store, one_gpu(layout), woken.append, clock=lambda: 7.0)
+    store.record_spec("a", "/jobs/a.yaml", SPEC, "fp", now=1.0)
+    metrics = {"step_seconds": 0.25, "batch_size": 64.0}
+    assert handler({"job": "a", "world_size": 1, "metrics": metrics, "measurement": True}) == {}
+    assert handler({"job": "a", "world_size": 1, "epoch": None}) == {}
+    assert woken == ["a", "a"]
+    measured, reset = store.reports("a")
+    assert (measured.epoch, measured.measurement, dict(measured.metrics)) == (None, True, metrics)
+    assert (reset.epoch, reset.measurement) == (None, False)
 
 
 def test_a_report_of_no_job_is_not_found_and_wakes_nothing(

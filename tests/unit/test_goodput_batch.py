@@ -3,6 +3,7 @@ choice, the step-time fit and the decisions on reports that carry the adaptive m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -265,6 +266,29 @@ def test_the_policy_picks_the_batch_for_the_granted_gpus_and_reports_goodput_gai
     assert (decision.gpus, decision.gains) == (size, gains)
     assert decision.batch_size > 32  # a noise scale of 2,000 pays for a larger batch
     assert "batch" in decision.reason
+
+
+def test_a_measurement_within_the_first_epoch_sizes_the_job_as_an_epoch_end_would() -> None:
+    policy = GoodputPolicy(GoodputParams())
+    job = make_job(training={"batchPolicy": "adaptive", "maxBatch": 4096})
+    first = adaptive_reports(2000.0)[0]
+    measured = dataclasses.replace(first, epoch=None, measurement=True)
+    before = policy.desired(job, JobObservations(0.0, 2), 30.0)
+    within = policy.desired(job, JobObservations(0.0, 2, measurements=[measured]), 30.0)
+    at_end = policy.desired(job, JobObservations(0.0, 2, epochs=[first]), 30.0)
+    assert before.batch_size is None  # nothing measured: the prior, no batch
+    assert within == at_end and within.batch_size is not None
+
+
+def test_the_newest_of_epoch_ends_and_measurements_gives_the_noise_scale() -> None:
+    policy = GoodputPolicy(GoodputParams())
+    job = make_job(training={"batchPolicy": "adaptive", "maxBatch": 100_000})
+    old, new = adaptive_reports(50.0)[0], adaptive_reports(50_000.0)[1]
+    measured = dataclasses.replace(new, epoch=None, time=15.0, measurement=True)
+    seen = JobObservations(0.0, 2, epochs=[old], measurements=[measured])
+    assert seen.measured() == [old, measured]
+    decision = policy.desired(job, seen, 30.0)
+    assert decision == policy.desired(job, JobObservations(0.0, 2, epochs=[new]), 30.0)
 
 
 def test_more_noise_means_a_larger_batch_and_more_gpus() -> None:

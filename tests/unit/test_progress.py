@@ -39,6 +39,18 @@ def test_a_reset_between_two_epoch_ends_measures_nothing() -> None:
     assert epoch_seconds(reports) == [(2, 10.0)]
 
 
+def test_a_measurement_within_an_epoch_is_no_reset() -> None:
+    measured = Report(None, 104.0, 2, MappingProxyType({"step_seconds": 0.5}), measurement=True)
+    reports = [end(0, 100.0), measured, end(1, 110.0), end(2, 130.0)]
+    assert epoch_seconds(reports) == [(2, 10.0), (2, 20.0)]
+    assert latest_metrics({}, [end(0, 100.0, loss=1.0), measured]) == {"loss": 1.0}
+
+
+def test_a_measurement_names_no_epoch() -> None:
+    with pytest.raises(ValueError, match="its epoch must be None"):
+        Report(3, 1.0, 2, measurement=True)
+
+
 def test_a_size_change_between_two_epoch_ends_measures_nothing() -> None:
     reports = [end(0, 100.0, size=2), end(1, 110.0, size=3), end(2, 117.0, size=3)]
     assert epoch_seconds(reports) == [(3, 7.0)]

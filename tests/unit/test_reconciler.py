@@ -1589,6 +1589,8 @@ def test_the_policy_is_shown_the_epochs_it_observes_as_the_store_returned_them(
     world.clock.advance(1.0)
     world.store.add_report("a", 0, 4, 1, {"loss": 0.5}, world.clock())
     world.store.add_report("a", None, 3, 0, {}, world.clock() + 0.5)
+    metrics = {"step_seconds": 0.2}
+    world.store.add_report("a", None, 3, 0, metrics, world.clock() + 0.7, measurement=True)
     world.store.add_usage("a", 4, 100, 1000, world.clock())
     world.clock.advance(1.0)
 
@@ -1598,6 +1600,7 @@ def test_the_policy_is_shown_the_epochs_it_observes_as_the_store_returned_them(
     assert (observed.started_at, observed.allocated, observed.world_size) == (T0, 4, 3)
     # The store's own values, rank and metrics included: nothing is copied field by field.
     assert list(observed.epochs) == [Report(0, T0 + 1.0, 4, {"loss": 0.5}, rank=1)]
+    assert list(observed.measurements) == [Report(None, T0 + 1.7, 3, metrics, measurement=True)]
     assert list(observed.usage) == []  # not observed: not even read
     assert get_condition(world.status("a").conditions, ConditionType.MetricsStale) is None
 

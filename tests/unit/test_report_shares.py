@@ -198,6 +198,7 @@ def test_a_state_dir_from_before_the_log_still_reports(
     raw = sqlite3.connect(database)
     try:  # as an operator of schema 5 left it: no log of shared GPUs
         raw.execute("DROP TABLE share_history")
+        raw.execute("ALTER TABLE reports DROP COLUMN measurement")  # schema 7's
         raw.execute("PRAGMA user_version = 5")
         raw.commit()
     finally:

@@ -20,9 +20,9 @@ from herd_operator.policies.sharing import (
     SharingLimits,
     arbitrate_sharing,
     counted_utilization,
-    describe_sharing,
     worker_memory_at,
 )
+from herd_operator.policies.sharing_text import describe_sharing
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
 from tests.unit.test_sharing import GI, share, slots_of
 
@@ -194,7 +194,7 @@ def test_with_nobody_waiting_no_gpu_stays_crowded_while_one_is_free(
     """Jobs leave one by one: after every decision no GPU is over-committed or past the cap,
     deciding again changes nothing, and, when every job holds GPUs, no GPU is crowded (past a
     summed utilization of 1.0) while another is free (the moves took them apart); sharing
-    only to admit, no job holds more GPUs others use than its min."""
+    only to admit, each shared GPU holds a job at its min."""
     pool, demands, limits = case
     current: dict[str, Placement] = {}
     for step in [*leaving, -1]:
@@ -218,9 +218,11 @@ def test_with_nobody_waiting_no_gpu_stays_crowded_while_one_is_free(
         if len(placed) == len(demands):
             assert not (crowded and pool.slot_set - on.keys()), (crowded, grants)
         if limits.share_to_admit:
-            for d in demands:
-                mine = [slot for slot in grants[d.name].placement.slots() if slot in shared]
-                assert len(mine) <= d.min, (d.name, grants)
+            # Each shared GPU admits a job: one of its jobs holds no more than its min. (Not
+            # "no job holds more shared GPUs than its min": a job may grow onto a free GPU
+            # that a job admitted later then shares, hypothesis found.)
+            for slot in shared:
+                assert any(placed[d.name].size <= d.min for d in on[slot]), (slot, grants)
         current = placed
         if step >= 0 and demands:
             demands = demands[: step % len(demands)] + demands[step % len(demands) + 1 :]

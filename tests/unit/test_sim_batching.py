@@ -21,7 +21,7 @@ from herd_operator.simulate.batching import (
 from herd_operator.simulate.calibration import POLLUX_CALIBRATIONS
 from herd_operator.simulate.config import SimConfig
 from herd_operator.simulate.engine import SimResult, Simulation
-from herd_operator.simulate.model import JobModel
+from herd_operator.simulate.model import START_SECONDS, JobModel
 from herd_operator.simulate.pollux_profiles import POLLUX_BATCHING
 from herd_operator.simulate.runner import Workload, parse_allocator_options, parse_pool
 from herd_operator.simulate.runner import simulate as runner_simulate
@@ -346,3 +346,30 @@ def test_an_adaptive_job_trains_below_its_trace_batch_when_the_noise_is_small() 
         .jobs[0]
     )
     assert adapted.completion < kept.completion
+
+
+def test_a_measurement_some_steps_into_the_first_epoch_lets_the_policy_act_before_its_end() -> None:
+    # Two long epochs at a noise scale of 1 sample: the base batch (100) is the best, the
+    # trace row's 200 loses half its samples. Measured 20 steps in, the policy moves the job
+    # to 100 within its first epoch; measured at epoch ends only, after the first one.
+    slow = job(profile(noise=(1.0,), min_local_batch=1), min_gpus=1, max_gpus=1, epochs=2)
+
+    def run(steps: int) -> Simulation:
+        config = SimConfig(
+            parse_pool("1x4"), PolicyRef(name="goodput"), adaptive_batch=True, measure_steps=steps
+        )
+        simulation = Simulation([slow], config)
+        simulation.run()
+        return simulation
+
+    measured, at_ends = run(20), run(0)
+    assert slow.batching is not None
+    reports = measured._runs["a"].reports
+    first = reports[0]
+    assert first.measurement and first.epoch is None
+    assert first.metrics["batch_size"] == 200.0  # the start batch, 20 steps in
+    assert first.time == pytest.approx(START_SECONDS + 20 * slow.batching.step_seconds(1, 200))
+    assert reports[1].measurement and reports[1].metrics["batch_size"] == 100.0  # the new batch
+    assert [r.epoch for r in reports if not r.measurement] == [0, 1]
+    assert not any(r.measurement for r in at_ends._runs["a"].reports)
+    assert measured._runs["a"].finished < at_ends._runs["a"].finished

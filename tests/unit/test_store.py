@@ -335,8 +335,8 @@ def test_a_new_store_is_created_at_the_current_version_without_the_runtime_table
     db_path: Path,
 ) -> None:
     Store(db_path).close()
-    assert SCHEMA_VERSION == 6
-    assert user_version(db_path) == 6
+    assert SCHEMA_VERSION == 7
+    assert user_version(db_path) == 7
     assert tables(db_path) == {
         "jobs",
         "allocations",
@@ -841,6 +841,41 @@ def test_reports_of_a_group_are_written_together_at_its_commit(db_path: Path) ->
         assert [r.epoch for r in store.reports("bert")] == [7]
         store.add_report("resnet", 6, 2, 0, {}, now=6.0)
         assert [r.epoch for r in store.reports("resnet")] == [4, 5, 6]
+
+
+def test_a_measurement_within_an_epoch_is_kept_apart_from_a_reset(db_path: Path) -> None:
+    with Store(db_path) as store:
+        store.record_spec("resnet", "/jobs/resnet.yaml", SPEC, "fp", now=1.0)
+        store.add_report("resnet", None, 2, 0, {}, now=2.0)
+        store.add_report("resnet", None, 2, 0, {"step_seconds": 0.5}, now=3.0, measurement=True)
+        with store.transaction():  # the RPC server's grouped write keeps it too
+            store.add_report("resnet", None, 4, 0, {"step_seconds": 0.3}, 4.0, measurement=True)
+        store.add_report("resnet", 0, 4, 0, {"step_seconds": 0.3}, now=5.0)
+        reports = store.reports("resnet")
+    assert [(r.epoch, r.world_size, r.measurement) for r in reports] == [
+        (None, 2, False),
+        (None, 2, True),
+        (None, 4, True),
+        (0, 4, False),
+    ]
+    assert dict(reports[1].metrics) == {"step_seconds": 0.5}
+
+
+def test_an_older_stores_reports_are_no_measurements_for_a_reader_and_after_migration(
+    db_path: Path,
+) -> None:
+    make_v1_store(db_path)
+    raw = sqlite3.connect(db_path)
+    try:
+        raw.execute("INSERT INTO reports VALUES ('resnet', 1, NULL, 2, 0, 5.0, '{}')")
+        raw.commit()
+    finally:
+        raw.close()
+    with Store.open_readonly(db_path) as reader:  # no such column in a version 1 store
+        assert [(r.world_size, r.measurement) for r in reader.reports("resnet")] == [(2, False)]
+    with Store(db_path) as store:
+        store.add_report("resnet", None, 2, 0, {"batch_size": 64}, now=6.0, measurement=True)
+        assert [r.measurement for r in store.reports("resnet")] == [False, True]
 
 
 def test_report_of_unknown_job_is_refused(store: Store) -> None:

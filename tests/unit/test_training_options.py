@@ -12,6 +12,7 @@ from herd_operator.environment import (
     BATCH_POLICY_ENV,
     MAX_BATCH_ENV,
     MAX_WORKER_BATCH_ENV,
+    MEASURE_STEPS_ENV,
     OPERATOR_SET,
     TRAINING_ENV,
     WARMUP_STEPS_ENV,
@@ -50,6 +51,9 @@ def test_training_reaches_the_workers_as_herd_variables() -> None:
         MAX_WORKER_BATCH_ENV: "64",
         MAX_BATCH_ENV: "512",
     }
+    # measureSteps unset: the workers' default; 0 (epoch ends only) is said.
+    measured = job(training={"batchPolicy": "adaptive", "measureSteps": 0})
+    assert training_env(measured) == {BATCH_POLICY_ENV: "adaptive", MEASURE_STEPS_ENV: "0"}
 
 
 @pytest.mark.parametrize(
@@ -59,6 +63,8 @@ def test_training_reaches_the_workers_as_herd_variables() -> None:
         {"batchPolicy": "preserve-batch", "warmupSteps": -1},
         {"maxWorkerBatch": 0},
         {"maxWorkerBatch": "64"},
+        {"measureSteps": -1},
+        {"measureSteps": "20"},
         {"batch": "naive"},
         {"resumable": "yes"},
         {"resumable": 1},
@@ -118,7 +124,8 @@ def test_a_bad_resumable_names_its_field() -> None:
 def test_schema_describes_the_training_fields() -> None:
     fields = json_schema()["$defs"]["TrainingOptions"]["properties"]
     assert set(fields) == {
-        "batchPolicy", "warmupSteps", "maxWorkerBatch", "maxBatch", "epochs", "resumable",
+        "batchPolicy", "warmupSteps", "maxWorkerBatch", "maxBatch", "measureSteps", "epochs",
+        "resumable",
     }  # fmt: skip
     assert fields["batchPolicy"]["enum"] == ["naive", "linear-lr", "preserve-batch", "adaptive"]
     assert all(field.get("description") for field in fields.values())
@@ -141,6 +148,18 @@ def test_the_spec_wins_over_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     monkeypatch.setenv(MAX_BATCH_ENV, "512")
     assert batch_settings(32, 0.1, max_batch=64).max_batch == 512
+    assert batch_settings(32, 0.1).measure_steps == 20  # DEFAULT_MEASURE_STEPS
+    assert batch_settings(32, 0.1, measure_steps=5).measure_steps == 5
+    monkeypatch.setenv(MEASURE_STEPS_ENV, "0")
+    assert batch_settings(32, 0.1, measure_steps=5).measure_steps == 0
+    for bad, said in (
+        ("often", "HERD_MEASURE_STEPS=.often. is not"),
+        ("-3", "measure_steps must be >= 0"),
+    ):
+        monkeypatch.setenv(MEASURE_STEPS_ENV, bad)
+        with pytest.raises(ValueError, match=said):
+            batch_settings(32, 0.1)
+    monkeypatch.delenv(MEASURE_STEPS_ENV)
     monkeypatch.setenv(BATCH_POLICY_ENV, "bigger")
     with pytest.raises(ValueError, match="unknown batch policy"):
         batch_settings(32, 0.1)

@@ -15,7 +15,13 @@ import pytest
 
 from herd_operator.agent import worker
 from herd_operator.agent.exporter import REGISTER_EVERY_SECONDS
-from herd_operator.agent.worker import DeviceBinding, bind_device, report_epoch, report_reset
+from herd_operator.agent.worker import (
+    DeviceBinding,
+    bind_device,
+    report_epoch,
+    report_measurement,
+    report_reset,
+)
 from herd_operator.auth import (
     ADMIN,
     Identity,
@@ -284,6 +290,49 @@ def test_report_epoch_reaches_the_server(
         {"job": "a", "epoch": 5, "world_size": 2, "rank": 0, "metrics": {}},
         {"job": "a", "epoch": None, "world_size": 3, "rank": 0, "metrics": {}},
     ]
+
+
+def test_report_measurement_reaches_the_server_as_a_measurement(
+    clean_env: None,
+    allocation: Allocation,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from herd_operator import worker as public
+
+    assert public.report_measurement is report_measurement
+    assert "report_measurement" in public.__all__
+    for name, value in {**allocation.env(), "HOROVOD_RANK": "1", "HOROVOD_SIZE": "3"}.items():
+        monkeypatch.setenv(name, value)
+    report_measurement({"batch_size": 64})
+    assert allocation.reports == [], "only rank 0 speaks for the job"
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    report_measurement({"batch_size": 64, "step_seconds": 0.25}, world_size=2)
+    report_measurement({"batch_size": 96})
+    assert allocation.reports == [
+        {
+            "job": "a",
+            "epoch": None,
+            "world_size": 2,
+            "rank": 0,
+            "metrics": {"batch_size": 64.0, "step_seconds": 0.25},
+            "measurement": True,
+        },
+        {
+            "job": "a",
+            "epoch": None,
+            "world_size": 3,
+            "rank": 0,
+            "metrics": {"batch_size": 96.0},
+            "measurement": True,
+        },
+    ]
+    monkeypatch.setenv(JOB_ENV, "gone")  # refused (another job's name): logged, never raised
+    with caplog.at_level(logging.WARNING, logger="herd_operator.agent.worker"):
+        report_measurement({"batch_size": 64})
+    assert len(allocation.reports) == 2
+    said = [r.getMessage() for r in caplog.records if r.name == "herd_operator.agent.worker"]
+    assert said == ["herd: report failed: forbidden: job:a may only speak for job 'a', not 'gone'"]
 
 
 def test_report_failure_never_raises(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from herd_operator.policies.sharing import format_bytes
+from herd_operator.policies.sharing_text import format_bytes
 from herd_operator.runtime.store import ShareChange
 
 LANE_HEIGHT = 0.8

@@ -20,7 +20,7 @@ from herd_operator.specs.values import Report, UsageSample
 
 MAX_REPORTS_PER_JOB = 10_000
 
-_ReportRow = tuple[str, int | None, int, int, float, str]
+_ReportRow = tuple[str, int | None, int, int, float, str, int]
 
 
 class ReportsMixin(StoreBase):
@@ -41,8 +41,10 @@ class ReportsMixin(StoreBase):
         rank: int,
         metrics: Mapping[str, float],
         now: float,
+        measurement: bool = False,
     ) -> None:
         """Record a worker's report, keeping only the job's newest reports; KeyError if no job.
+        `measurement`: made within an epoch (`Report.measurement`; epoch is then None).
 
         Inside ``transaction()`` the report is written with the group's other reports, in
         one batch just before the group commits (so reads inside the group do not see it
@@ -50,7 +52,7 @@ class ReportsMixin(StoreBase):
         statement's round trip through Python per report was a fifth of its cost.
         """
         metrics_json = json.dumps({str(k): float(v) for k, v in metrics.items()})
-        row = (job, epoch, world_size, rank, now, metrics_json)
+        row = (job, epoch, world_size, rank, now, metrics_json, int(measurement))
         with self._lock:
             if self._grouping:
                 if self._group_lost:
@@ -114,8 +116,9 @@ class ReportsMixin(StoreBase):
 
 
 _NUMBERED_INSERTS = {
-    "reports": "INSERT INTO reports (job, seq, epoch, world_size, rank, time, metrics_json)"
-    " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5, ?6 FROM reports WHERE job = ?1",
+    "reports": "INSERT INTO reports"
+    " (job, seq, epoch, world_size, rank, time, metrics_json, measurement)"
+    " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5, ?6, ?7 FROM reports WHERE job = ?1",
     "gpu_usage": "INSERT INTO gpu_usage (job, seq, time, gpus, used_bytes, total_bytes)"
     " SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5 FROM gpu_usage WHERE job = ?1",
 }
@@ -150,4 +153,7 @@ def _report(row: sqlite3.Row) -> Report:
         world_size=row["world_size"],
         metrics=MappingProxyType(json.loads(row["metrics_json"])),
         rank=row["rank"],
+        # A reader may open a store of version 6 as it is (no column: no measurement).
+        # `in row` would test the values of a sqlite3.Row, not its names.
+        measurement="measurement" in row.keys() and bool(row["measurement"]),  # noqa: SIM118
     )

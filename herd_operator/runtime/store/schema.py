@@ -22,13 +22,14 @@ _log = logging.getLogger(__name__)
 DB_FILENAME = "state.db"
 """The store's file name inside the operator's state directory."""
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """1: the first release. 2: the unused ``runtime`` table is dropped. 3: the grant history
 is bounded per job; ``grant_history_trimmed`` says what was dropped. 4: ``drains``, the GPUs
 jobs gave back that their workers may still be on, recorded with the allocations. 5: a GPU
 may be allocated to several jobs that share GPUs by memory (``allocations.shared``; the key
 is the GPU and the job). 6: ``share_history``, the log of which sharing jobs each GPU held
-and the memory each was counted for (the report's shared GPUs)."""
+and the memory each was counted for (the report's shared GPUs). 7: ``reports.measurement``,
+a report made within an epoch (the adaptive metrics a few steps into a configuration)."""
 
 _SCHEMA = """
 CREATE TABLE jobs (
@@ -69,6 +70,7 @@ CREATE TABLE reports (
     rank INTEGER NOT NULL,
     time REAL NOT NULL,
     metrics_json TEXT NOT NULL,
+    measurement INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (job, seq)
 );
 CREATE TABLE gpu_usage (
@@ -147,6 +149,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE share_history (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL,"
         " host TEXT NOT NULL, gpu INTEGER NOT NULL, jobs_json TEXT NOT NULL)",
     ),
+    7: ("ALTER TABLE reports ADD COLUMN measurement INTEGER NOT NULL DEFAULT 0",),
 }
 """What takes a store from the version before to the key's version."""
 _TABLES_ADDED: dict[int, frozenset[str]] = {
