@@ -22,7 +22,7 @@ import heapq
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from herd_operator.policies.base import JobObservations, Policy, Signal
@@ -174,6 +174,7 @@ class Simulation:
         self.now = 0.0
         self.policy: Policy = load_policy(config.policy)
         self._observes = self.policy.observes
+        self._measures = config.adaptive_batch and config.measure_steps > 0
         self._gpus_per_node = max((len(gpus) for _, gpus in config.pool.hosts), default=0) or None
         self._heap: list[tuple[float, int, Kind, str, int]] = []
         self._seq = 0
@@ -428,11 +429,16 @@ class Simulation:
             allocated=run.size,
             world_size=run.size or None,
             last_resize=run.last_resize,
-            epochs=[report for report in run.reports if not report.measurement],
-            measurements=[report for report in run.reports if report.measurement],
+            epochs=run.reports if Signal.EPOCHS in self._observes else (),
             usage=run.usage if Signal.USAGE in self._observes else (),
             gpus_per_node=self._gpus_per_node,
         )
+        if self._measures and any(report.measurement for report in run.reports):
+            observed = replace(
+                observed,
+                epochs=[report for report in run.reports if not report.measurement],
+                measurements=[report for report in run.reports if report.measurement],
+            )
         decision = self.policy.desired(run.spec, observed, self.now)
         if self.config.adaptive_batch and model.batching is not None:
             self._rebatch(run, model.batching.clamp(decision.batch_size))
@@ -526,12 +532,12 @@ class Simulation:
         epoch_end = working_from + left / rate
         self._push(epoch_end, Kind.EPOCH, run.model.name, run.version)
         batching = run.model.batching
-        steps = self.config.measure_steps
-        if measure and steps > 0 and self.config.adaptive_batch and batching is not None:
+        if measure and self._measures and batching is not None:
             batch = batching.clamp(run.batch)
-            measured = working_from + steps * batching.step_seconds(run.size, batch) * run.slowdown
-            if measured < epoch_end:
-                self._push(measured, Kind.MEASURE, run.model.name, run.version)
+            steps = self.config.measure_steps * batching.step_seconds(run.size, batch)
+            if working_from + steps * run.slowdown < epoch_end:
+                self._push(working_from + steps * run.slowdown, Kind.MEASURE,
+                           run.model.name, run.version)  # fmt: skip
         if run.stall_until > self.now:
             self._push(run.stall_until, Kind.SETTLED, run.model.name, run.version)
 
