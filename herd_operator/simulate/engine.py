@@ -31,6 +31,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.simulate.colocation import GpuOccupancy, sharing_request
 from herd_operator.simulate.config import SimConfig
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
+from herd_operator.simulate.results import JobOutcome, SimResult, Step
 from herd_operator.specs import HerdJob
 from herd_operator.specs.values import Demand, Grant, Placement, Report, UsageSample
 
@@ -94,56 +95,6 @@ class _Run:
     reports: list[Report] = field(default_factory=list)
     """Its epoch ends and measurements, oldest first."""
     usage: list[UsageSample] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    name: str
-    arrival: float
-    admitted: float
-    finished: float
-    requested: int
-    gpu_seconds: float
-    memory_seconds: float
-    resizes: int
-    preemptions: int = 0
-    max_slowdown: float = 1.0
-    """The largest interference slowdown it ran at (1.0: never slowed by a neighbour)."""
-    interference: float = 1.0
-    """Its working time over what it would have been alone (1.0: never slowed)."""
-
-    @property
-    def completion(self) -> float:
-        return self.finished - self.arrival
-
-    @property
-    def queueing(self) -> float:
-        return self.admitted - self.arrival
-
-
-Step = tuple[str, str, int] | tuple[str, Demand]
-"""A call made to the allocator: ("request", Demand), ("release", job, 0) or
-("world", job, world size)."""
-
-
-@dataclass
-class SimResult:
-    policy: str
-    pool_gpus: int
-    jobs: list[JobOutcome]
-    timeline: list[tuple[float, int, float]]
-    """(time, GPUs allocated, GPUs' worth of memory used) after each decision instant."""
-    decisions: int
-    batches: int
-    events: int
-    policy_calls: int
-    wall_seconds: float
-    decide_seconds: float
-    """Wall time inside the allocator's batch decisions (arbitrate and its bookkeeping)."""
-    policy_seconds: float
-    unfinished: list[str]
-    steps: list[tuple[float, list[Step], dict[str, Placement]]] = field(default_factory=list)
-    """With `record`: each batch's instant, its calls, and every job's placement after it."""
 
 
 @dataclass(slots=True)
