@@ -1,16 +1,16 @@
 """The worker API for training scripts: `from herd_operator import worker as herd`.
 
-The public face of `herd_operator.agent.worker` and `herd_operator.agent.training`
-(see there for what each call does). Scripts import this name, so it stays where it
-is when the internals move.
+The public face of `herd_operator.agent.worker`, `herd_operator.agent.settings` and
+`herd_operator.agent.training` (see there for what each call does). Scripts import this
+name, so it stays where it is when the internals move.
 """
 
 from __future__ import annotations
 
 from herd_operator.agent.batching import BATCH_POLICIES, BatchPlan, BatchSettings, Step
+from herd_operator.agent.settings import batch_settings
 from herd_operator.agent.training import (
     DistributedBatches,
-    batch_settings,
     distributed_batches,
     elastic_batches,
     sum_gradients,

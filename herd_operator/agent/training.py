@@ -49,7 +49,6 @@ from typing import Any
 
 from herd_operator.agent.batching import (
     BatchPlan,
-    BatchPolicyName,
     BatchSettings,
     BatchState,
     Step,
@@ -64,73 +63,21 @@ from herd_operator.agent.batching import (
     on_decision,
     on_world,
     plan_batches,
-    policy_name,
     step_gain,
     trained_epochs,
 )
 from herd_operator.agent.worker import decided_batch, report_measurement
 from herd_operator.environment import (
-    BATCH_POLICY_ENV,
-    MAX_BATCH_ENV,
-    MAX_WORKER_BATCH_ENV,
-    MEASURE_STEPS_ENV,
-    WARMUP_STEPS_ENV,
     WORKER_HOST_ENV,
 )
 from herd_operator.specs.values import (
     BASE_BATCH_METRIC,
     BATCH_SIZE_METRIC,
     COMPUTE_SECONDS_METRIC,
-    DEFAULT_MEASURE_STEPS,
     GRADIENT_NOISE_SCALE_METRIC,
     NODES_METRIC,
     STEP_SECONDS_METRIC,
 )
-
-
-def _env_int(name: str) -> int | None:
-    text = os.environ.get(name)
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not an integer") from None
-
-
-def batch_settings(
-    worker_batch: int,
-    lr: float,
-    *,
-    policy: BatchPolicyName | None = None,
-    reference_workers: int = 1,
-    warmup_steps: int = 0,
-    max_worker_batch: int | None = None,
-    max_batch: int | None = None,
-    measure_steps: int = DEFAULT_MEASURE_STEPS,
-) -> BatchSettings:
-    """The script's batch settings, with what the job's spec chose on top.
-
-    `spec.training` reaches the workers as HERD_BATCH_POLICY, HERD_WARMUP_STEPS,
-    HERD_MAX_WORKER_BATCH, HERD_MAX_BATCH and HERD_MEASURE_STEPS; each one set there wins
-    over the argument here, so one script runs in any mode. Without either, the policy is
-    `naive`.
-    """
-    chosen = os.environ.get(BATCH_POLICY_ENV)
-    warmup = _env_int(WARMUP_STEPS_ENV)
-    limit = _env_int(MAX_WORKER_BATCH_ENV)
-    largest = _env_int(MAX_BATCH_ENV)
-    measure = _env_int(MEASURE_STEPS_ENV)
-    return BatchSettings(
-        policy=policy_name(chosen) if chosen else (policy or "naive"),
-        worker_batch=worker_batch,
-        lr=lr,
-        reference_workers=reference_workers,
-        warmup_steps=warmup_steps if warmup is None else warmup,
-        max_worker_batch=max_worker_batch if limit is None else limit,
-        max_batch=max_batch if largest is None else largest,
-        measure_steps=measure_steps if measure is None else measure,
-    )
 
 
 def machine_name() -> str:

@@ -31,8 +31,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from herd_operator.simulate.engine import JobOutcome, SimResult
 from herd_operator.simulate.model import JobModel
+from herd_operator.simulate.results import JobOutcome, SimResult
 
 ROUND_SECONDS = 60.0
 """The artifact's scheduling interval."""

@@ -22,7 +22,7 @@ import heapq
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from herd_operator.policies.base import JobObservations, Policy, Signal
@@ -31,6 +31,7 @@ from herd_operator.runtime.allocator import Allocator
 from herd_operator.simulate.colocation import GpuOccupancy, sharing_request
 from herd_operator.simulate.config import SimConfig
 from herd_operator.simulate.model import GPU_MEMORY_BYTES, JobModel
+from herd_operator.simulate.results import JobOutcome, SimResult, Step
 from herd_operator.specs import HerdJob
 from herd_operator.specs.values import Demand, Grant, Placement, Report, UsageSample
 
@@ -96,56 +97,6 @@ class _Run:
     usage: list[UsageSample] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class JobOutcome:
-    name: str
-    arrival: float
-    admitted: float
-    finished: float
-    requested: int
-    gpu_seconds: float
-    memory_seconds: float
-    resizes: int
-    preemptions: int = 0
-    max_slowdown: float = 1.0
-    """The largest interference slowdown it ran at (1.0: never slowed by a neighbour)."""
-    interference: float = 1.0
-    """Its working time over what it would have been alone (1.0: never slowed)."""
-
-    @property
-    def completion(self) -> float:
-        return self.finished - self.arrival
-
-    @property
-    def queueing(self) -> float:
-        return self.admitted - self.arrival
-
-
-Step = tuple[str, str, int] | tuple[str, Demand]
-"""A call made to the allocator: ("request", Demand), ("release", job, 0) or
-("world", job, world size)."""
-
-
-@dataclass
-class SimResult:
-    policy: str
-    pool_gpus: int
-    jobs: list[JobOutcome]
-    timeline: list[tuple[float, int, float]]
-    """(time, GPUs allocated, GPUs' worth of memory used) after each decision instant."""
-    decisions: int
-    batches: int
-    events: int
-    policy_calls: int
-    wall_seconds: float
-    decide_seconds: float
-    """Wall time inside the allocator's batch decisions (arbitrate and its bookkeeping)."""
-    policy_seconds: float
-    unfinished: list[str]
-    steps: list[tuple[float, list[Step], dict[str, Placement]]] = field(default_factory=list)
-    """With `record`: each batch's instant, its calls, and every job's placement after it."""
-
-
 @dataclass(slots=True)
 class _Tally:
     """What a run counts as it goes, and the GPUs allocated and their memory used now."""
@@ -174,6 +125,7 @@ class Simulation:
         self.now = 0.0
         self.policy: Policy = load_policy(config.policy)
         self._observes = self.policy.observes
+        self._measures = config.adaptive_batch and config.measure_steps > 0
         self._gpus_per_node = max((len(gpus) for _, gpus in config.pool.hosts), default=0) or None
         self._heap: list[tuple[float, int, Kind, str, int]] = []
         self._seq = 0
@@ -428,11 +380,16 @@ class Simulation:
             allocated=run.size,
             world_size=run.size or None,
             last_resize=run.last_resize,
-            epochs=[report for report in run.reports if not report.measurement],
-            measurements=[report for report in run.reports if report.measurement],
+            epochs=run.reports if Signal.EPOCHS in self._observes else (),
             usage=run.usage if Signal.USAGE in self._observes else (),
             gpus_per_node=self._gpus_per_node,
         )
+        if self._measures and any(report.measurement for report in run.reports):
+            observed = replace(
+                observed,
+                epochs=[report for report in run.reports if not report.measurement],
+                measurements=[report for report in run.reports if report.measurement],
+            )
         decision = self.policy.desired(run.spec, observed, self.now)
         if self.config.adaptive_batch and model.batching is not None:
             self._rebatch(run, model.batching.clamp(decision.batch_size))
@@ -526,12 +483,12 @@ class Simulation:
         epoch_end = working_from + left / rate
         self._push(epoch_end, Kind.EPOCH, run.model.name, run.version)
         batching = run.model.batching
-        steps = self.config.measure_steps
-        if measure and steps > 0 and self.config.adaptive_batch and batching is not None:
+        if measure and self._measures and batching is not None:
             batch = batching.clamp(run.batch)
-            measured = working_from + steps * batching.step_seconds(run.size, batch) * run.slowdown
-            if measured < epoch_end:
-                self._push(measured, Kind.MEASURE, run.model.name, run.version)
+            steps = self.config.measure_steps * batching.step_seconds(run.size, batch)
+            if working_from + steps * run.slowdown < epoch_end:
+                self._push(working_from + steps * run.slowdown, Kind.MEASURE,
+                           run.model.name, run.version)  # fmt: skip
         if run.stall_until > self.now:
             self._push(run.stall_until, Kind.SETTLED, run.model.name, run.version)
 

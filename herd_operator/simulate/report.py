@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from herd_operator.simulate.engine import SimResult
+from herd_operator.simulate.results import SimResult
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from herd_operator.simulate.colocation import (
     with_utilization,
 )
 from herd_operator.simulate.config import SimConfig
-from herd_operator.simulate.engine import SimResult, Simulation
+from herd_operator.simulate.engine import Simulation
 from herd_operator.simulate.model import JobModel
+from herd_operator.simulate.results import SimResult
 from herd_operator.simulate.workload import (
     MixParams,
     batch_widened,

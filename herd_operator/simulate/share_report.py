@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from herd_operator.simulate.colocation import SLOWDOWN_LIMIT
-from herd_operator.simulate.engine import SimResult
 from herd_operator.simulate.report import percentile
+from herd_operator.simulate.results import SimResult
 
 
 @dataclass(frozen=True)

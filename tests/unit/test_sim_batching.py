@@ -20,9 +20,10 @@ from herd_operator.simulate.batching import (
 )
 from herd_operator.simulate.calibration import POLLUX_CALIBRATIONS
 from herd_operator.simulate.config import SimConfig
-from herd_operator.simulate.engine import SimResult, Simulation
+from herd_operator.simulate.engine import Simulation
 from herd_operator.simulate.model import START_SECONDS, JobModel
 from herd_operator.simulate.pollux_profiles import POLLUX_BATCHING
+from herd_operator.simulate.results import SimResult
 from herd_operator.simulate.runner import Workload, parse_allocator_options, parse_pool
 from herd_operator.simulate.runner import simulate as runner_simulate
 from herd_operator.simulate.steptime import StepModel

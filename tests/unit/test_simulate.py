@@ -22,7 +22,7 @@ from herd_operator.policies.goodput import (
 from herd_operator.policies.power_mean import GROW_STALL_SECONDS
 from herd_operator.runtime.allocator import Allocator
 from herd_operator.simulate.config import SimConfig
-from herd_operator.simulate.engine import SimResult, Simulation
+from herd_operator.simulate.engine import Simulation
 from herd_operator.simulate.model import (
     SHRINK_STALL_SECONDS,
     START_SECONDS,
@@ -31,6 +31,7 @@ from herd_operator.simulate.model import (
     resize_stall,
 )
 from herd_operator.simulate.report import summarize, write
+from herd_operator.simulate.results import SimResult
 from herd_operator.simulate.runner import Workload, parse_pool, simulate
 from herd_operator.simulate.workload import MixParams, load_trace, perlmutter_mix, rigid
 from herd_operator.specs import HerdJob, PolicyRef

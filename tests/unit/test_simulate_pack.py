@@ -21,8 +21,9 @@ from herd_operator.simulate.colocation import (
     with_utilization,
 )
 from herd_operator.simulate.config import SimConfig
-from herd_operator.simulate.engine import SimResult, Simulation
+from herd_operator.simulate.engine import Simulation
 from herd_operator.simulate.model import START_SECONDS, JobModel
+from herd_operator.simulate.results import SimResult
 from herd_operator.simulate.runner import parse_pool
 from herd_operator.simulate.share_report import sharing_table, summarize_sharing
 from herd_operator.simulate.workload import perlmutter_mix

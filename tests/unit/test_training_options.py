@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from herd_operator.agent.training import batch_settings
+from herd_operator.agent.settings import batch_settings
 from herd_operator.environment import (
     BATCH_POLICY_ENV,
     MAX_BATCH_ENV,
