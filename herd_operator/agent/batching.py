@@ -397,20 +397,25 @@ def next_epoch(state: BatchState, settings: BatchSettings | None = None) -> Batc
 
 
 MeasureAction = Literal["report", "refresh"]
+MEASURE_RETRIES = 3
+"""adaptive: how many times more the workers ask for the operator's batch after a measurement
+when the answer has not changed (the operator may not have decided yet: it reconciles the job
+after the report, and fast steps can outrun it), each after twice the steps of the last."""
 
 
 def measure_action(
-    measure_steps: int, timed_steps: int, measured: bool, reported: bool
+    measure_steps: int, timed_steps: int, measured: bool, reported: bool, asked: int = 0
 ) -> MeasureAction | None:
     """adaptive: what the workers do once `timed_steps` full steps are timed since the last
     refresh of the batch. "report": rank 0 reports the metrics (`measure_steps` of them, the
     configuration not `measured` yet); "refresh": every rank takes the batch the operator
-    picked since (`measure_steps` more after the `reported` one); None: go on."""
+    picked since (`measure_steps` more after the `reported` one; after `asked` refreshes
+    that left the batch as it was, `2 ** asked` times as many); None: go on."""
     if measure_steps < 1:
         return None
     if not measured and timed_steps == measure_steps:
         return "report"
-    if reported and timed_steps == 2 * measure_steps:
+    if reported and timed_steps == 2 * measure_steps * 2**asked:
         return "refresh"
     return None
 

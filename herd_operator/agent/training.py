@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from herd_operator.agent.batching import (
+    MEASURE_RETRIES,
     BatchPlan,
     BatchSettings,
     BatchState,
@@ -155,6 +156,7 @@ class _BatchSteps:
 
     _measured: tuple[int, int] | None = None  # adaptive: the (world, batch) reported on
     _reported = False  # adaptive: that report was made since the batch's last refresh
+    _asked = 0  # adaptive: refreshes since that report that left the batch as it was
 
     settings: BatchSettings
     batch_state: BatchState
@@ -314,18 +316,27 @@ class _BatchSteps:
     def _measure(self) -> None:
         """adaptive, after a timed step: rank 0 reports the metrics `measure_steps` steps
         into a configuration not reported on yet, and as many steps later every rank takes
-        the batch the operator picked (`measure_action`; all ranks time the same steps)."""
+        the batch the operator picked (`measure_action`; all ranks time the same steps); if
+        that is the batch it had, it asks again after twice the steps, `MEASURE_RETRIES`
+        times at most (an operator that kept the batch costs a few questions, one that had
+        not decided yet is heard before the epoch's end)."""
         if self.settings.policy != "adaptive":
             return
         configuration = (self.batch_state.world_size, self.plan.global_batch)
         measured, steps = self._measured == configuration, len(self._step_seconds)
-        action = measure_action(self.settings.measure_steps, steps, measured, self._reported)
+        action = measure_action(
+            self.settings.measure_steps, steps, measured, self._reported, self._asked
+        )
         if action == "report":
-            self._measured, self._reported = configuration, True
+            self._measured, self._reported, self._asked = configuration, True, 0
             if self.rank == 0:
                 self._report_measurement(self.adaptive_metrics(), configuration[0])
         elif action == "refresh":
             self.refresh_batch()
+            if configuration == (self.batch_state.world_size, self.plan.global_batch):
+                # The same batch: kept, or not decided yet. Ask again later, a few times.
+                self._reported = self._asked < MEASURE_RETRIES
+                self._asked += 1
 
 
 _sampler_class: type | None = None

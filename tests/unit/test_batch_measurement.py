@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from herd_operator.agent.batching import BatchSettings, measure_action
+from herd_operator.agent.batching import MEASURE_RETRIES, BatchSettings, measure_action
 from herd_operator.agent.training import DistributedBatches
 from herd_operator.specs.values import (
     BATCH_SIZE_METRIC,
@@ -25,18 +25,18 @@ EPOCH = 3200
 
 
 @pytest.mark.parametrize(
-    ("measure_steps", "timed", "measured", "reported"),
-    list(itertools.product(range(4), range(9), (False, True), (False, True))),
+    ("measure_steps", "timed", "measured", "reported", "asked"),
+    list(itertools.product(range(4), range(26), (False, True), (False, True), range(3))),
 )
-def test_measure_action_reports_at_n_steps_and_refreshes_n_later(
-    measure_steps: int, timed: int, measured: bool, reported: bool
+def test_measure_action_reports_at_n_steps_and_refreshes_n_later_then_twice_as_late(
+    measure_steps: int, timed: int, measured: bool, reported: bool, asked: int
 ) -> None:
-    action = measure_action(measure_steps, timed, measured, reported)
+    action = measure_action(measure_steps, timed, measured, reported, asked)
     if measure_steps == 0:
         assert action is None  # at epoch ends only
     elif timed == measure_steps and not measured:
         assert action == "report"
-    elif timed == 2 * measure_steps and reported:
+    elif timed == 2 * measure_steps * 2**asked and reported:
         assert action == "refresh"
     else:
         assert action is None
@@ -127,7 +127,8 @@ def test_a_report_n_steps_into_each_configuration_and_the_operators_batch_n_late
     # The first step after a start or a refresh is not timed: timed steps 1-3 are steps 2-4.
     # The report of batch 32 at step 4, the refresh (to 64) at step 7; the first step at 64
     # (8) is not timed, so the next report is at step 11 and its refresh at 14, which keeps
-    # 64 (the configuration is measured): nothing more.
+    # 64 (the configuration is measured): no report more, and a question again 12 timed
+    # steps later (27) in case the operator had not decided yet; the next would be at 52.
     assert [(at, metrics[BATCH_SIZE_METRIC], world) for at, metrics, world in job.reports] == [
         (4, 32.0, 2),
         (11, 64.0, 2),
@@ -135,8 +136,8 @@ def test_a_report_n_steps_into_each_configuration_and_the_operators_batch_n_late
     assert all(STEP_SECONDS_METRIC in metrics for _, metrics, _ in job.reports)
     assert job.batches == [32] * 7 + [64] * 33
     # Every rank takes the batch at the same steps (a collective); only rank 0 asks.
-    assert job.ranks[0].refreshed_at == job.ranks[1].refreshed_at == [0, 7, 14]
-    assert job.ranks[0].asked == 3
+    assert job.ranks[0].refreshed_at == job.ranks[1].refreshed_at == [0, 7, 14, 27]
+    assert job.ranks[0].asked == 4
     assert job.ranks[1].asked == 1  # at its construction, before its rank was known
 
 
@@ -158,6 +159,31 @@ def test_an_epoch_end_that_changes_the_batch_starts_a_measurement_and_one_that_k
     assert [(at, m[BATCH_SIZE_METRIC]) for at, m, _ in job.reports] == [(4, 32.0), (29, 96.0)]
     assert job.ranks[1].refreshed_at == [0, 5, 25, 32]
     assert job.batches[-2:] == [96, 128]
+
+
+def test_an_operator_slower_than_the_steps_is_asked_again_twice_as_late_a_few_times() -> None:
+    job = Job(adaptive(), {32.0: 64, 64.0: 64})
+    late = job.answer
+    calls = 0
+
+    def slow() -> tuple[int, int] | None:  # not decided at the first question after a report
+        nonlocal calls
+        calls += 1
+        return None if calls == 1 else late()
+
+    job.ranks[0]._ask = slow  # type: ignore[method-assign]
+    job.run(30)
+    # Reported at 4; asked at 7 (no answer yet: the batch stays 32), again 12 timed steps
+    # later (20): 64 from step 21 on, then measured at 24 and asked at 27.
+    assert [at for at, _, _ in job.reports] == [4, 24]
+    assert job.ranks[0].refreshed_at == job.ranks[1].refreshed_at == [0, 7, 20, 27]
+    assert job.batches == [32] * 20 + [64] * 10
+    # An operator that keeps the batch is asked 1 + MEASURE_RETRIES times after a report,
+    # 2, 4, 8 and 16 timed steps apart (each refresh's next step is not timed), then no more.
+    kept = Job(adaptive(measure_steps=1), {32.0: 32})
+    kept.run(90)
+    assert kept.ranks[0].refreshed_at == [0, 3, 8, 17, 34]
+    assert len(kept.ranks[0].refreshed_at) == 2 + MEASURE_RETRIES
 
 
 def test_an_epoch_end_before_the_report_leaves_it_due() -> None:
