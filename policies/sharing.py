@@ -67,7 +67,7 @@ from functools import partial
 
 from herd_operator.policies.arbitration import arbitrate, rank_smallest_first
 from herd_operator.policies.sharing_apart import move_apart
-from herd_operator.policies.sharing_room import Candidates, GpuRoom, Sharing, WorkerNeeds
+from herd_operator.policies.sharing_room import Candidates, GpuRoom, Packing, Sharing, WorkerNeeds
 from herd_operator.policies.sharing_room import counted_utilization as counted_utilization
 from herd_operator.policies.sharing_room import within_utilization as within_utilization
 from herd_operator.policies.sharing_room import worker_memory as worker_memory
@@ -254,11 +254,11 @@ def _grow(
     where = Candidates(pool, gpus, whole_first=limits.whole_first, free_first=free_first)
     grows: Sharing = "none" if free_first else "light" if limits.light_growth else "any"
     growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size, grows)
-    shrinker = Shrinker(ranked, held, needs, gpus, where, frozen)
+    packing = Packing(ranked, held, needs, gpus, where, frozen)
+    shrinker = Shrinker(packing)
     moved: dict[str, int] = {}
     if limits.shrink_to_admit:
-        apart = partial(move_apart, ranked, held, needs, gpus, where, frozen=frozen,
-                        may_open=may_open)  # fmt: skip
+        apart = partial(move_apart, packing, may_open)
         moved = _shrink_to_admit(ranked, growth, shrinker, pool.size, limits.move_apart, apart)
     elif not limits.admit_first:
         growth.step(ranked, admitting=True, growing=True)

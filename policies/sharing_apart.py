@@ -26,34 +26,20 @@ module short enough to read. The rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Mapping
 
-from herd_operator.policies.sharing_room import (
-    LIGHT_TOGETHER,
-    Candidates,
-    GpuRoom,
-    WorkerNeeds,
-)
-from herd_operator.specs.values import Demand, Slot
+from herd_operator.policies.sharing_room import LIGHT_TOGETHER, Packing
 
 
-def move_apart(
-    ranked: Sequence[Demand],
-    held: dict[str, list[Slot]],
-    needs: WorkerNeeds,
-    gpus: GpuRoom,
-    where: Candidates,
-    *,
-    frozen: AbstractSet[str],
-    may_open: Mapping[str, bool],
-) -> dict[str, int]:
+def move_apart(packing: Packing, may_open: Mapping[str, bool]) -> dict[str, int]:
     """Move workers off crowded GPUs onto free ones (the module docstring's rules), updating
-    `held`, `gpus` and `where` in place; the workers moved, per job (none moved: empty)."""
+    the packing's `held`, `gpus` and `where` in place; the workers moved, per job (none
+    moved: empty)."""
+    held, needs, gpus, where = packing.held, packing.needs, packing.gpus, packing.where
     moved: dict[str, int] = {}
-    for d in ranked:
+    for d in packing.ranked:
         mine = held[d.name]
-        if len(mine) < d.min or d.name in frozen or not may_open.get(d.name, True):
+        if len(mine) < d.min or d.name in packing.frozen or not may_open.get(d.name, True):
             continue
         need = needs.at(d, len(mine))
         for index, slot in enumerate(mine):

@@ -326,6 +326,22 @@ class Candidates:
         return found
 
 
+@dataclass(frozen=True)
+class Packing:
+    """What one packing decision works on, changed in place as it goes: each job's GPUs
+    (`held`), the GPUs' room (`gpus`) and the search for places (`where`); with the jobs in
+    rank order, what each worker needs, and the jobs resized too recently to move now
+    (`frozen`). One object, so that the steps after admission (`Shrinker`, `move_apart`)
+    take it whole instead of the same six arguments each."""
+
+    ranked: Sequence[Demand]
+    held: dict[str, list[Slot]]
+    needs: WorkerNeeds
+    gpus: GpuRoom
+    where: Candidates
+    frozen: AbstractSet[str]
+
+
 def _not_crowded(gpus: GpuRoom, job: str, slot: Slot) -> bool:
     return not gpus.crowded(slot, job)
 

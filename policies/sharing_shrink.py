@@ -29,36 +29,23 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from herd_operator.policies.sharing_room import (
-    Candidates,
-    GpuRoom,
-    WorkerNeeds,
-    within_utilization,
-)
+from herd_operator.policies.sharing_room import Packing, within_utilization
 from herd_operator.specs.values import Demand, Slot
 
 
 class Shrinker:
     """Clears GPUs for a waiting sharing job by taking running jobs' workers above their min
     (the module docstring's rules). Works on the packing's state in place: `held` (each
-    job's GPUs), `gpus` and `where`."""
+    job's GPUs), `gpus` and `where` (`Packing`)."""
 
-    def __init__(
-        self,
-        ranked: Sequence[Demand],
-        held: dict[str, list[Slot]],
-        needs: WorkerNeeds,
-        gpus: GpuRoom,
-        where: Candidates,
-        frozen: AbstractSet[str],
-    ) -> None:
-        self._ranked = ranked
-        self._position = {d.name: index for index, d in enumerate(ranked)}
-        self._held = held
-        self._needs = needs
-        self._gpus = gpus
-        self._where = where
-        self._frozen = frozen
+    def __init__(self, packing: Packing) -> None:
+        self._ranked = packing.ranked
+        self._position = {d.name: index for index, d in enumerate(packing.ranked)}
+        self._held = packing.held
+        self._needs = packing.needs
+        self._gpus = packing.gpus
+        self._where = packing.where
+        self._frozen = packing.frozen
         self.shrunk_for: dict[str, str] = {}
         """Each job shrunk, and the job it was shrunk to admit (for its reason)."""
 

@@ -15,11 +15,15 @@ module short enough to read. The rules:
   arbitration itself (the decision is made again with those GPUs counted as free), at most
   as many as the largest min of the waiting jobs.
 - It is kept only where nobody is shrunk for nothing or past what it gives: every GPU
-  freed is held by a whole-GPU job admitted in this decision (the waiting one, or one
-  that arrived with it and comes first), and every sharing job keeps the GPUs it held
-  but those (a job that splits its batch needs more per worker at a smaller size; where its
-  other GPUs lack it, the packing would shrink it further or move a neighbour, and then
-  nothing changes). Else nothing changes.
+  freed is held by a whole-GPU job; the whole-GPU jobs admitted in this decision (the
+  waiting one, or one that arrived with it and comes first) hold as many GPUs more than
+  without the freeing as were freed (counted, not by name: a freed GPU may go to a
+  higher-priority job's growth on its own host while the waiting job takes the free GPU
+  that growth took before; required by name, the waiting job was left out, and the next
+  decision, with that growth done, admitted it: deciding twice changed the result); and
+  every sharing job keeps the GPUs it held but those (a job that splits its batch needs
+  more per worker at a smaller size; where its other GPUs lack it, the packing would shrink
+  it further or move a neighbour, and then nothing changes). Else nothing changes.
 - Then again for the next waiting job, until none is admitted this way: deciding again
   on the result changes nothing.
 """
@@ -52,15 +56,17 @@ def shrink_for_whole(
     adopted jobs); `position`: each GPU's place in the pool's order; `arriving`: the jobs
     that held no GPU before this decision."""
     by_name = {d.name: d for d in demands}
+    before = {name: grant.placement.size for name, grant in first[0].items() if name in arriving}
     decision, freed = first, frozenset[Slot]()
     while True:
-        found = _next(by_name, decision, decide, freed, frozen, fixed, position, arriving)
+        found = _next(by_name, decision, decide, freed, frozen, fixed, position, before)
         if found is None:
             break
         decision, freed = found
     holder = {slot: name for name, grant in decision[0].items() for slot in grant.placement.slots()}
+    admitted = [name for name, size in before.items() if decision[0][name].placement.size > size]
     return decision, {
-        name: holder[slot]
+        name: holder[slot] if holder[slot] in before else admitted[0]
         for name, (placement, _) in first[1].items()
         for slot in placement.slots()
         if slot in freed
@@ -83,10 +89,11 @@ def _next(
     frozen: AbstractSet[str],
     fixed: AbstractSet[Slot],
     position: Mapping[Slot, int],
-    arriving: AbstractSet[str],
+    before: Mapping[str, int],
 ) -> tuple[Decision, frozenset[Slot]] | None:
     """The decision with GPUs freed for one more waiting whole-GPU job, and all the GPUs
-    freed so far; None: none can be admitted so."""
+    freed so far; None: none can be admitted so. `before`: the GPUs each job arriving in
+    this decision is given without any freeing."""
     grants, packed = decision
     waiting = [by_name[name] for name, grant in grants.items() if not grant.placement.size]
     if not waiting:
@@ -110,11 +117,8 @@ def _next(
         chosen.append(slot)
         trial = decide(freed | set(chosen))
         if any(trial[0][d.name].placement.size for d in heads):
-            if _taken(trial[0], arriving) >= freed | set(chosen) and _kept(
-                packed, trial[1], set(chosen)
-            ):
-                return trial, freed | set(chosen)
-            return None
+            taken = freed | set(chosen)
+            return (trial, taken) if _pays(trial, packed, set(chosen), taken, before) else None
     return None
 
 
@@ -134,12 +138,32 @@ def _budgets(
     return budget
 
 
-def _taken(grants: Mapping[str, Grant], arriving: AbstractSet[str]) -> set[Slot]:
-    """The GPUs granted to jobs that held none before this decision."""
-    return {
-        slot for name, grant in grants.items() if name in arriving
-        for slot in grant.placement.slots()
-    }  # fmt: skip
+def _pays(
+    trial: Decision,
+    packed: Mapping[str, tuple[Placement, str]],
+    chosen: AbstractSet[Slot],
+    taken: AbstractSet[Slot],
+    before: Mapping[str, int],
+) -> bool:
+    """Whether `trial`, with the GPUs `taken` freed (`chosen` at this step), shrinks nobody
+    for nothing (the module docstring's rule)."""
+    grants, after = trial
+    return (
+        _held(grants) >= taken
+        and _gained(grants, before) >= len(taken)
+        and _kept(packed, after, chosen)
+    )
+
+
+def _held(grants: Mapping[str, Grant]) -> set[Slot]:
+    """The GPUs the whole-GPU jobs are granted."""
+    return {slot for grant in grants.values() for slot in grant.placement.slots()}
+
+
+def _gained(grants: Mapping[str, Grant], before: Mapping[str, int]) -> int:
+    """The GPUs the jobs arriving in this decision hold beyond what they had without any
+    freeing."""
+    return sum(max(0, grants[name].placement.size - size) for name, size in before.items())
 
 
 def _kept(

@@ -410,7 +410,9 @@ def _shrunk_only_to_admit(
 ) -> None:
     """With `shrink_to_admit`, a job shrunk to admit another names it, and that one waited
     (held no GPU), is admitted now (its whole min), is of the shrunk job's priority or
-    higher and holds a GPU the shrunk job left (nobody is shrunk for nothing)."""
+    higher, and nobody is shrunk for nothing: a sharing taker holds a GPU the shrunk job
+    left; for a whole-GPU taker the GPUs it left are whole-GPU jobs' (`sharing_whole` counts
+    them: one may go to a growth that leaves the taker another)."""
     by_name = {d.name: d for d in demands}
     for name, grant in grants.items():
         before = current.get(name, Placement.EMPTY).size
@@ -422,7 +424,13 @@ def _shrunk_only_to_admit(
         assert grants[taker.name].placement.size >= taker.min, (name, taker.name)
         assert taker.priority >= by_name[name].priority, (name, taker.name)
         left = set(current[name].slots()) - set(grant.placement.slots())
-        assert left & set(grants[taker.name].placement.slots()), (name, taker.name, grants)
+        if taker.share:
+            assert left & set(grants[taker.name].placement.slots()), (name, taker.name, grants)
+        else:
+            whole = {
+                slot for d in demands if not d.share for slot in grants[d.name].placement.slots()
+            }
+            assert left <= whole, (name, taker.name, grants)
 
 
 def test_a_gpu_a_sharing_job_leaves_goes_to_a_waiting_exclusive_job_in_the_same_decision() -> None:

@@ -157,6 +157,32 @@ def test_a_gpu_is_freed_for_a_whole_gpu_job_only_whole_and_the_least_shared_firs
     assert grants["b"].reason.startswith("shrunk 2 -> 1: admitting w")
 
 
+def test_a_gpu_freed_for_a_waiting_whole_gpu_job_may_go_to_a_growth_that_frees_another(
+) -> None:  # fmt: skip
+    # Hypothesis's case: g (priority 1) holds h2:1-2 and wants 3; w waits for one GPU; the
+    # sharing job a holds h0:0, h1:1-2 and h2:0 (one job per GPU); h1:0 is free. Freeing
+    # h2:0 lets g grow there, on its own host, and w take h1:0. Requiring w to hold h2:0
+    # itself refused it, g took h1:0, and the next decision (g grown) admitted w: deciding
+    # twice changed the result. Counted, w is admitted in this decision, and again is the same.
+    pool = Pool(hosts=(("h0", (0,)), ("h1", (0, 1, 2)), ("h2", (0, 1, 2))), gpu_memory_bytes=10)
+    a = Demand("a", 1, 4, 4, 0, 0.0, share=True)
+    w = Demand("w", 1, 1, 0, 0, 1.0)
+    g = Demand("g", 1, 3, 3, 1, 2.0)
+    current = {
+        "a": Placement((("h0", (0,)), ("h1", (1, 2)), ("h2", (0,)))),
+        "g": Placement((("h2", (1, 2)),)),
+    }
+    limits = replace(SHRINK, max_jobs_per_gpu=1)
+    grants = arbitrate_sharing(pool, [a, w, g], current, limits=limits)
+    assert slots_of(grants, "w") == [("h1", 0)]
+    assert slots_of(grants, "g") == [("h2", 1), ("h2", 2), ("h2", 0)]
+    assert slots_of(grants, "a") == [("h0", 0), ("h1", 1), ("h1", 2)]
+    assert grants["a"].reason.startswith("shrunk 4 -> 3: admitting w")  # not g, which grew
+    again = {job: grant.placement for job, grant in grants.items()}
+    regrants = arbitrate_sharing(pool, [a, w, g], again, limits=limits)
+    assert {job: grant.placement for job, grant in regrants.items()} == again
+
+
 @pytest.mark.parametrize("why", ["higher priority", "frozen", "at its min", "too large"])
 def test_a_sharing_job_is_not_shrunk_for_a_whole_gpu_job_it_must_not_or_cannot_admit(
     why: str,
