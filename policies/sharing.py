@@ -283,7 +283,11 @@ def _grow(
             taker = shrinker.shrunk_for.get(d.name)
             if taker is not None and len(mine) < before:
                 share = f"sharing, {format_bytes(needs.at(d, len(mine)))} per worker"
-                reason = f"shrunk {before} -> {len(mine)}: admitting {taker} ({share})"
+                # A taker that ran before lost its place only in this packing: this job no
+                # longer fits beside it (its measured memory grew), not an admission.
+                ran = current.get(taker, Placement.EMPTY).size > 0
+                why = "no longer fits beside" if ran else "admitting"
+                reason = f"shrunk {before} -> {len(mine)}: {why} {taker} ({share})"
             decided[d.name] = (_placement(mine), reason)
     return decided
 

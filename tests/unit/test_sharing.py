@@ -416,6 +416,14 @@ def _shrunk_only_to_admit(
     by_name = {d.name: d for d in demands}
     for name, grant in grants.items():
         before = current.get(name, Placement.EMPTY).size
+        if grant.reason.startswith("shrunk") and "no longer fits beside" in grant.reason:
+            # A sharing job whose memory grew, shrunk so that the running job beside it
+            # keeps running (hypothesis found it named as an admission).
+            kept = by_name[grant.reason.split("beside ", 1)[1].split(" ", 1)[0]]
+            assert current.get(kept.name, Placement.EMPTY).size, (name, kept.name)
+            assert grants[kept.name].placement.size >= kept.min, (name, kept.name)
+            assert before > grant.placement.size >= by_name[name].min, (name, grant)
+            continue
         if "admitting" not in grant.reason or not grant.reason.startswith("shrunk"):
             continue
         taker = by_name[grant.reason.split("admitting ", 1)[1].split(" ", 1)[0]]

@@ -183,6 +183,21 @@ def test_a_gpu_freed_for_a_waiting_whole_gpu_job_may_go_to_a_growth_that_frees_a
     assert {job: grant.placement for job, grant in regrants.items()} == again
 
 
+def test_a_sharing_job_whose_memory_grew_shrinks_and_says_it_no_longer_fits_beside_its_neighbour(
+) -> None:  # fmt: skip
+    # Hypothesis's case (CI): b holds h0:0-1, c h0:1 beside it; b's measured peak grows to 6,
+    # so the two no longer fit on h0:1. b, above its min, gives that GPU up and c, at its
+    # min, stays: right, but the reason said "admitting c", a job that ran all along.
+    pool = Pool(hosts=(("h0", (0, 1)),), gpu_memory_bytes=10)
+    b = Demand("b", 1, 2, 2, 0, 2.0, share=True, memory_bytes=4, memory_split_bytes=2)
+    c = Demand("c", 1, 1, 1, 0, 4.0, share=True, measured_bytes=6)
+    current = {"b": Placement((("h0", (0, 1)),)), "c": Placement((("h0", (1,)),))}
+    grown = replace(b, measured_bytes=6)
+    grants = arbitrate_sharing(pool, [grown, c], current, limits=SHRINK)
+    assert slots_of(grants, "b") == [("h0", 0)] and slots_of(grants, "c") == [("h0", 1)]
+    assert grants["b"].reason == "shrunk 2 -> 1: no longer fits beside c (sharing, 7 per worker)"
+
+
 @pytest.mark.parametrize("why", ["higher priority", "frozen", "at its min", "too large"])
 def test_a_sharing_job_is_not_shrunk_for_a_whole_gpu_job_it_must_not_or_cannot_admit(
     why: str,
