@@ -22,7 +22,7 @@ import heapq
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from herd_operator.policies.base import JobObservations, Policy, Signal
@@ -375,21 +375,21 @@ class Simulation:
         """What the reconciler does for a job: observe, ask the policy, ask the allocator."""
         model = run.model
         started = run.admitted if run.admitted is not None else model.arrival
+        epochs: Sequence[Report] = run.reports if Signal.EPOCHS in self._observes else ()
+        measurements: Sequence[Report] = ()
+        if self._measures and any(report.measurement for report in epochs):
+            measurements = [report for report in epochs if report.measurement]
+            epochs = [report for report in epochs if not report.measurement]
         observed = JobObservations(
             started_at=started,
             allocated=run.size,
             world_size=run.size or None,
             last_resize=run.last_resize,
-            epochs=run.reports if Signal.EPOCHS in self._observes else (),
+            epochs=epochs,
             usage=run.usage if Signal.USAGE in self._observes else (),
             gpus_per_node=self._gpus_per_node,
+            measurements=measurements,
         )
-        if self._measures and any(report.measurement for report in run.reports):
-            observed = replace(
-                observed,
-                epochs=[report for report in run.reports if not report.measurement],
-                measurements=[report for report in run.reports if report.measurement],
-            )
         decision = self.policy.desired(run.spec, observed, self.now)
         if self.config.adaptive_batch and model.batching is not None:
             self._rebatch(run, model.batching.clamp(decision.batch_size))

@@ -313,6 +313,16 @@ def make_v1_store(path: Path) -> None:
         raw.close()
 
 
+def write_raw(path: Path, statement: str) -> None:
+    """One statement committed to the store's file behind its back (an older store's rows)."""
+    raw = sqlite3.connect(path)
+    try:
+        raw.execute(statement)
+        raw.commit()
+    finally:
+        raw.close()
+
+
 def tables(path: Path) -> set[str]:
     raw = sqlite3.connect(path)
     try:
@@ -697,12 +707,7 @@ def test_a_gpu_shared_by_memory_is_recorded_for_each_sharing_job(store: Store) -
 
 def test_the_migration_to_version_5_keeps_the_allocations_unshared(db_path: Path) -> None:
     make_v1_store(db_path)
-    raw = sqlite3.connect(db_path)
-    try:
-        raw.execute("INSERT INTO allocations VALUES ('h', 3, 'resnet', 0, 0)")
-        raw.commit()
-    finally:
-        raw.close()
+    write_raw(db_path, "INSERT INTO allocations VALUES ('h', 3, 'resnet', 0, 0)")
     with Store(db_path) as store:
         assert store.allocations() == {"resnet": placed(("h", [3]))}
         assert store.shared_jobs() == frozenset()
@@ -865,12 +870,7 @@ def test_an_older_stores_reports_are_no_measurements_for_a_reader_and_after_migr
     db_path: Path,
 ) -> None:
     make_v1_store(db_path)
-    raw = sqlite3.connect(db_path)
-    try:
-        raw.execute("INSERT INTO reports VALUES ('resnet', 1, NULL, 2, 0, 5.0, '{}')")
-        raw.commit()
-    finally:
-        raw.close()
+    write_raw(db_path, "INSERT INTO reports VALUES ('resnet', 1, NULL, 2, 0, 5.0, '{}')")
     with Store.open_readonly(db_path) as reader:  # no such column in a version 1 store
         assert [(r.world_size, r.measurement) for r in reader.reports("resnet")] == [(2, False)]
     with Store(db_path) as store:
