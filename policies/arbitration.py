@@ -157,15 +157,17 @@ class _Tally:
 def _count(
     size: int,
     ranked: Sequence[Demand],
-    kept: Mapping[str, Sequence[Slot]],
+    kept: Mapping[str, int],
     frozen: AbstractSet[str],
     spare_by_gain: bool = False,
     share_by_gain: bool = False,
     share_by_speedup: bool = False,
 ) -> _Counts:
-    running = {d.name for d in ranked if len(kept[d.name]) >= d.min}
+    """How many GPUs each job gets (`_Counts.target`) out of `size`, each job keeping
+    `kept[name]` of the GPUs it holds; where they are is `place`'s."""
+    running = {d.name for d in ranked if kept[d.name] >= d.min}
     fixed = [d for d in ranked if d.name in running and d.name in frozen]
-    target: dict[str, int] = {d.name: min(len(kept[d.name]), d.max) for d in fixed}
+    target: dict[str, int] = {d.name: min(kept[d.name], d.max) for d in fixed}
     held_fixed = set(target)
     free = size - sum(
         target[d.name] if d.name in held_fixed else d.min for d in ranked if d.name in running
@@ -190,13 +192,13 @@ def _divide_by_speedup(
     target: dict[str, int],
     held_fixed: AbstractSet[str],
     free: int,
-    kept: Mapping[str, Sequence[Slot]],
+    kept: Mapping[str, int],
     fair: int,
 ) -> int:
     """`free` GPUs among the tier's admitted, unfrozen jobs (each at its min now) by the
     harmonic mean of their speedups (`power_mean.divide_by_speedup`); returns the GPUs left."""
     jobs = [d for d in tier if target[d.name] > 0 and d.name not in held_fixed]
-    held = {d.name: len(kept[d.name]) for d in jobs}
+    held = {d.name: kept[d.name] for d in jobs}
     sizes, left = divide_by_speedup(jobs, {d.name: target[d.name] for d in jobs}, held, free, fair)
     target.update(sizes)
     return left
@@ -448,6 +450,43 @@ class _Reasons:
         return f"{gainer.name} (priority {gainer.priority}) grew"
 
 
+def ranked_demands(
+    demands: Sequence[Demand],
+    order: Mapping[str, tuple[float, ...]] | None = None,
+    smallest_first: bool = False,
+    overdue: AbstractSet[str] = frozenset(),
+) -> list[Demand]:
+    """The demands in the order a decision serves them (`arbitrate`'s `order`,
+    `smallest_first` and `overdue`): priority first, then the queue's order, smallest first,
+    or arrival."""
+    if order is not None:
+        return sorted(demands, key=lambda d: (-d.priority, order[d.name], d.arrival, d.name))
+    if smallest_first:
+        return sorted(demands, key=lambda d: rank_smallest_first(d, overdue))
+    return sorted(demands, key=_rank)
+
+
+def divided_sizes(
+    gpus: int,
+    ranked: Sequence[Demand],
+    held: Mapping[str, int],
+    *,
+    frozen: AbstractSet[str] = frozenset(),
+    spare_by_gain: bool = False,
+    share_by_gain: bool = False,
+    share_by_speedup: bool = False,
+) -> dict[str, int]:
+    """How many whole GPUs `arbitrate` would give each job (in `ranked` order, each holding
+    `held[name]` GPUs now, 0 when absent) out of `gpus`, with the same options; 0 for a job
+    it would leave waiting. Counts only, no placement: what a packing that shares GPUs takes
+    as each job's size when it follows the division (`SharingLimits.divided_sizes`)."""
+    kept = {d.name: min(held.get(d.name, 0), d.max) for d in ranked}
+    counts = _count(
+        gpus, ranked, kept, frozen, spare_by_gain, share_by_gain, share_by_speedup
+    )  # fmt: skip
+    return dict(counts.target)
+
+
 def arbitrate(
     pool: Pool,
     demands: Sequence[Demand],
@@ -493,18 +532,13 @@ def arbitrate(
     for first, second in itertools.pairwise(by_name):
         if first.name == second.name:
             raise ValueError(f"two demands are named {first.name}")
-    if order is not None:
-        ranked = sorted(demands, key=lambda d: (-d.priority, order[d.name], d.arrival, d.name))
-    elif smallest_first:
-        ranked = sorted(demands, key=lambda d: rank_smallest_first(d, overdue))
-    else:
-        ranked = sorted(demands, key=_rank)
+    ranked = ranked_demands(demands, order, smallest_first, overdue)
     in_pool = pool.slot_set
     blocked = {slot for slot in unavailable if slot in in_pool}
     held, kept = _kept_slots(pool, by_name, current, blocked)
     counts = _count(
-        pool.size - len(blocked), ranked, kept, frozen, spare_by_gain, share_by_gain,
-        share_by_speedup,
+        pool.size - len(blocked), ranked, {job: len(slots) for job, slots in kept.items()},
+        frozen, spare_by_gain, share_by_gain, share_by_speedup,
     )  # fmt: skip
     late = {slot for slot in draining if slot in in_pool and slot not in blocked}
     placements = place(pool, ranked, current, kept, counts.target, blocked, late)

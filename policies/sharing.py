@@ -54,6 +54,8 @@ The rules, in the order a decision applies them:
   within `LIGHT_TOGETHER` (1.0): only admission crowds a GPU. With `move_apart` (and
   `shrink_to_admit`), after admission and before growth the running jobs' workers on crowded
   GPUs move to free ones (`sharing_apart.py`), unless the free GPUs are kept for a waiting job.
+  With `share_when_waiting`, each sharing job wants its size in `arbitrate`'s division of the
+  GPUs left to the sharers, or its min where it is left waiting (`sharing_division.py`).
 """
 
 from __future__ import annotations
@@ -65,8 +67,13 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
 
-from herd_operator.policies.arbitration import arbitrate, rank_smallest_first
+from herd_operator.policies.arbitration import arbitrate, ranked_demands
 from herd_operator.policies.sharing_apart import move_apart
+from herd_operator.policies.sharing_division import (
+    ARRIVAL_FAIR_SHARE,
+    DivisionOptions,
+    follow_division,
+)
 from herd_operator.policies.sharing_room import Candidates, GpuRoom, Packing, Sharing, WorkerNeeds
 from herd_operator.policies.sharing_room import counted_utilization as counted_utilization
 from herd_operator.policies.sharing_room import within_utilization as within_utilization
@@ -151,6 +158,12 @@ class SharingLimits:
     crowded only while no GPU is free. Only with `shrink_to_admit` (its order: admission,
     then the rest)."""
 
+    share_when_waiting: bool = False
+    """Each sharing job takes the size the division of whole GPUs gives it (the allocator's:
+    by speedup, by gain or fair share), on free GPUs first, and only a job that division
+    leaves waiting is admitted by sharing, at its min (`sharing_division.py`). False: each
+    sharing job grows up to what it wants, in rank order."""
+
     def __post_init__(self) -> None:
         if self.max_jobs_per_gpu < 1:
             raise ValueError(f"max_jobs_per_gpu must be >= 1, got {self.max_jobs_per_gpu}")
@@ -190,6 +203,7 @@ def pack(
     limits: SharingLimits = SharingLimits(),
     smallest_first: bool = False,
     overdue: AbstractSet[str] = frozenset(),
+    division: DivisionOptions = ARRIVAL_FAIR_SHARE,
 ) -> dict[str, tuple[Placement, str]]:
     """Place the sharing `demands` (see the module docstring); each job's placement and the
     reason. `closed`: GPUs no sharing worker may use; `no_new`: GPUs only the workers on
@@ -197,12 +211,17 @@ def pack(
     the head of the line counts those, as `arbitrate` counts them); `may_open[job]`:
     whether the job may take a GPU no one uses (default yes). With `smallest_first`, jobs
     are ranked within a tier as `arbitrate` ranks them (`rank_smallest_first`: the
-    `overdue` first, then the smallest min), not by arrival."""
+    `overdue` first, then the smallest min), not by arrival. With
+    `limits.share_when_waiting`, in `division`'s order (the queue's), each job sized by
+    the division of the GPUs it may use with `division`'s options (`sharing_division.py`).
+    """
     capacity = pool.gpu_memory_bytes or limits.gpu_memory_bytes
-    if smallest_first:
-        ranked = sorted(demands, key=lambda d: rank_smallest_first(d, overdue))
-    else:
-        ranked = sorted(demands, key=_rank)
+    sized = limits.share_when_waiting
+    ranked = ranked_demands(demands, division.order if sized else None, smallest_first, overdue)
+    free_first: frozenset[str] = frozenset()
+    if sized:  # the GPUs no exclusive job holds, the draining ones counted
+        usable = len(pool.slot_set - set(closed) - (set(no_new) - set(draining)))
+        ranked, free_first = follow_division(usable, ranked, current, frozen, division)
     if capacity is None:
         needs = WorkerNeeds(None, limits.margin)
         gpus = GpuRoom(1, 1, False, closed, no_new)
@@ -229,7 +248,9 @@ def pack(
         for slot in staying:
             gpus.add(slot, d.name, needs.at(d, len(staying)))
         held[d.name] = staying
-    return _grow(pool, ranked, current, held, needs, gpus, frozen, may_open or {}, limits)
+    return _grow(
+        pool, ranked, current, held, needs, gpus, frozen, may_open or {}, limits, free_first
+    )  # fmt: skip
 
 
 def _grow(
@@ -242,6 +263,7 @@ def _grow(
     frozen: AbstractSet[str],
     may_open: Mapping[str, bool],
     limits: SharingLimits,
+    free_first_jobs: AbstractSet[str] = frozenset(),
 ) -> dict[str, tuple[Placement, str]]:
     """Grow each job from what it kept up to what it wants (admit it when its min fits);
     with `limits.admit_first`, tier by tier, the pending ones at their min first, then the
@@ -251,7 +273,10 @@ def _grow(
     shrunk for one waiting does not grow back into its GPUs while that one's grant waits for
     them to drain (it did, and was shrunk again at the next decision, over and over)."""
     free_first = limits.share_to_admit
-    where = Candidates(pool, gpus, whole_first=limits.whole_first, free_first=free_first)
+    where = Candidates(
+        pool, gpus, whole_first=limits.whole_first, free_first=free_first,
+        free_first_jobs=free_first_jobs,
+    )  # fmt: skip
     grows: Sharing = "none" if free_first else "light" if limits.light_growth else "any"
     growth = _Growth(held, needs, gpus, frozen, may_open, where, pool.size, grows)
     packing = Packing(ranked, held, needs, gpus, where, frozen)
@@ -473,8 +498,9 @@ def arbitrate_sharing(
             unavailable = set(unavailable) | held_shared
         return decide(pool, demands, current, unavailable=unavailable, draining=draining)
     packing = partial(
-        pack, frozen=frozen, limits=limits, smallest_first=smallest_first, overdue=overdue
-    )
+        pack, frozen=frozen, limits=limits, smallest_first=smallest_first, overdue=overdue,
+        division=DivisionOptions(order, spare_by_gain, share_by_gain, share_by_speedup),
+    )  # fmt: skip
     beside = partial(
         _decide_beside_sharers, pool, demands, current, decide, packing, limits, unavailable,
         draining, held_shared,

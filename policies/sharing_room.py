@@ -198,18 +198,21 @@ class WorkerNeeds:
 class Candidates:
     """Where a job's next workers go, best first: GPUs on the hosts it has (shared ones
     fullest first, then free ones), then GPUs shared elsewhere (fullest first), then free GPUs
-    in pool order. Without scanning the pool for each job: a first decision packing
+    in pool order (`free_first_jobs`: free GPUs before any shared one). Without scanning
+    the pool for each job: a first decision packing
     thousands of jobs onto a Perlmutter-sized pool did that in minutes. With `whole_first`
     (`SharingLimits.whole_first`), the shared GPUs it would crowd (`GpuRoom.crowded`) come
     after every other; with `free_first` (`SharingLimits.share_to_admit`), every shared GPU
     does."""
 
     def __init__(
-        self, pool: Pool, gpus: GpuRoom, *, whole_first: bool, free_first: bool = False
-    ) -> None:
+        self, pool: Pool, gpus: GpuRoom, *, whole_first: bool, free_first: bool = False,
+        free_first_jobs: AbstractSet[str] = frozenset(),
+    ) -> None:  # fmt: skip
         self._gpus = gpus
         self._whole_first = whole_first
         self._free_first = free_first
+        self._free_first_jobs = free_first_jobs
         self._order = {slot: position for position, slot in enumerate(pool.slots())}
         self._on_host = {host: [(host, gpu) for gpu in ids] for host, ids in pool.hosts}
         self._free = [
@@ -256,18 +259,20 @@ class Candidates:
         if shares == "none":
             return self._best(job, mine, need, count, opens, _nowhere)
         light = partial(_not_crowded, gpus, job)
-        first: Callable[[Slot], bool]
-        then: Callable[[Slot], bool] | None
+        stages: list[Callable[[Slot], bool]]
         if self._free_first:
-            first, then = _nowhere, light if shares == "light" else _anywhere
+            stages = [_nowhere, light if shares == "light" else _anywhere]
         elif self._whole_first:
-            first, then = light, None if shares == "light" else partial(gpus.crowded, job=job)
+            stages = [light] if shares == "light" else [light, partial(gpus.crowded, job=job)]
         else:
-            allowed = light if shares == "light" else _anywhere
-            return self._best(job, mine, need, count, opens, allowed)
-        chosen = self._best(job, mine, need, count, opens, first)
-        if then is not None and len(chosen) < count:
-            chosen += self._best(job, [*mine, *chosen], need, count - len(chosen), False, then)
+            stages = [light if shares == "light" else _anywhere]
+        if job in self._free_first_jobs and stages[0] is not _nowhere:
+            stages.insert(0, _nowhere)
+        chosen: list[Slot] = []
+        for index, allowed in enumerate(stages):  # free GPUs may be opened in the first only
+            if len(chosen) < count:
+                held, more = [*mine, *chosen], count - len(chosen)
+                chosen += self._best(job, held, need, more, opens and not index, allowed)
         return chosen
 
     def free_for(self, job: str, mine: Sequence[Slot], need: int) -> Slot | None:

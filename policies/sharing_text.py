@@ -45,6 +45,10 @@ def describe_sharing(limits: SharingLimits | None) -> str:
         parts.append("growing onto light GPUs only")
     if limits.move_apart:
         parts.append("moving workers off crowded GPUs onto free ones")
+    if limits.share_when_waiting:
+        parts.append(
+            "sized by the division of whole GPUs, sharing only to admit who it leaves waiting"
+        )
     return ", ".join(parts) + ")"
 
 

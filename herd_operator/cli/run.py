@@ -256,6 +256,14 @@ def _allocator_options(run: argparse.ArgumentParser) -> None:
         " admission (a Horovod reset of that job; default: a worker stays where it was placed)",
     )
     run.add_argument(
+        "--share-when-waiting",
+        action="store_true",
+        help="with --share-gpus: each sharing job gets the size the division of whole GPUs"
+        " gives it (--share-by-speedup's, --share-by-gain's or fair share), on free GPUs first;"
+        " only a job that division leaves waiting shares a GPU, at its min (default: each"
+        " sharing job grows up to what it wants)",
+    )
+    run.add_argument(
         "--gpu-memory",
         type=parse_bytes,
         help="with --share-gpus: each GPU's memory, e.g. 80GiB (default: --virtual-gpu-memory"
@@ -475,6 +483,7 @@ def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | N
             "--share-to-admit": args.share_to_admit,
             "--share-light-growth": args.share_light_growth,
             "--share-move-apart": args.share_move_apart,
+            "--share-when-waiting": args.share_when_waiting,
         }
         for flag in (flag for flag, on in given.items() if on):
             raise UsageError(f"{flag}: only with --share-gpus")
@@ -492,7 +501,7 @@ def sharing_limits(args: argparse.Namespace, virtual: bool) -> SharingLimits | N
         args.max_jobs_per_gpu, args.memory_margin, memory, max_utilization=cap,
         whole_first=args.share_whole_first, shrink_to_admit=args.share_shrink_to_admit,
         share_to_admit=args.share_to_admit, light_growth=args.share_light_growth,
-        move_apart=args.share_move_apart,
+        move_apart=args.share_move_apart, share_when_waiting=args.share_when_waiting,
     )  # fmt: skip
 
 

@@ -133,6 +133,14 @@ def add_commands(commands: Subcommands) -> None:
         " was placed)",
     )
     simulate.add_argument(
+        "--share-when-waiting",
+        action="store_true",
+        help="under NAME+pack: each sharing job gets the size the policy's division of whole"
+        " GPUs gives it (+speedup's, +share's or fair share), on free GPUs first; only a job"
+        " that division leaves waiting shares a GPU, at its min (default: each sharing job"
+        " grows up to what it wants)",
+    )
+    simulate.add_argument(
         "--memory",
         choices=("guess", "published"),
         default="guess",
@@ -277,6 +285,7 @@ def _sharing_limits(args: argparse.Namespace) -> SharingLimits:
         share_to_admit=args.share_to_admit,
         light_growth=args.share_light_growth,
         move_apart=args.share_move_apart,
+        share_when_waiting=args.share_when_waiting,
     )
 
 

@@ -223,6 +223,7 @@ def decisions(draw: st.DrawFn) -> tuple[Pool, list[Demand], SharingLimits]:
         whole_first=draw(st.booleans()), shrink_to_admit=shrink_to_admit,
         share_to_admit=draw(st.booleans()), light_growth=draw(st.booleans()),
         move_apart=shrink_to_admit and draw(st.booleans()),
+        share_when_waiting=draw(st.booleans()),
     )  # fmt: skip
     return pool, demands, limits
 

@@ -24,7 +24,7 @@ from herd_operator.simulate.config import SimConfig
 from herd_operator.simulate.engine import Simulation
 from herd_operator.simulate.model import START_SECONDS, JobModel
 from herd_operator.simulate.results import SimResult
-from herd_operator.simulate.runner import parse_pool
+from herd_operator.simulate.runner import load_workload, parse_pool, simulate
 from herd_operator.simulate.share_report import sharing_table, summarize_sharing
 from herd_operator.simulate.workload import perlmutter_mix
 from herd_operator.specs import PolicyRef
@@ -227,3 +227,25 @@ def test_simulate_names_share_move_apart_without_shrink_to_admit(tmp_path: Path)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main([*argv, "--share-shrink-to-admit"]) == 0
     assert "Co-location" in (tmp_path / "summary.md").read_text()
+
+
+def test_sharing_when_waiting_is_the_elastic_division_until_a_job_waits() -> None:
+    """`share_when_waiting` under the division by speedup: while nobody waits (load 0.3), every
+    job ends when it ends without sharing, where plain `+pack` grew the sharers in rank order
+    and was slower; with a queue (load 1.5), sharing only the waiting jobs' mins beats both."""
+    pool = parse_pool("4x4")
+    when_waiting = replace(SIMULATED_SHARING, share_when_waiting=True)
+    ends: dict[str, list[tuple[str, float]]] = {}
+    means: dict[tuple[float, str], float] = {}
+    for load in (0.3, 1.5):
+        workload = load_workload("perlmutter", pool, 30, 3, load)
+        runs = [
+            *simulate(workload, pool, ["static+speedup", "static+speedup+pack"], 0.0),
+            *simulate(workload, pool, ["static+speedup+pack"], 0.0, sharing=when_waiting),
+        ]
+        for label, result in zip(("alone", "pack", "when waiting"), runs, strict=True):
+            means[load, label] = sum(job.completion for job in result.jobs) / len(result.jobs)
+            ends[f"{load} {label}"] = sorted((j.name, round(j.finished, 3)) for j in result.jobs)
+    assert ends["0.3 when waiting"] == ends["0.3 alone"]
+    assert means[0.3, "pack"] > 1.2 * means[0.3, "alone"]
+    assert means[1.5, "when waiting"] < min(means[1.5, "alone"], means[1.5, "pack"])
