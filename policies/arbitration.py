@@ -479,7 +479,7 @@ def divided_sizes(
     """How many whole GPUs `arbitrate` would give each job (in `ranked` order, each holding
     `held[name]` GPUs now, 0 when absent) out of `gpus`, with the same options; 0 for a job
     it would leave waiting. Counts only, no placement: what a packing that shares GPUs takes
-    as each job's size when it follows the division (`SharingLimits.divided_sizes`)."""
+    as each job's size when it follows the division (`SharingLimits.share_when_waiting`)."""
     kept = {d.name: min(held.get(d.name, 0), d.max) for d in ranked}
     counts = _count(
         gpus, ranked, kept, frozen, spare_by_gain, share_by_gain, share_by_speedup

@@ -198,9 +198,9 @@ class WorkerNeeds:
 class Candidates:
     """Where a job's next workers go, best first: GPUs on the hosts it has (shared ones
     fullest first, then free ones), then GPUs shared elsewhere (fullest first), then free GPUs
-    in pool order (`free_first_jobs`: free GPUs before any shared one). Without scanning
-    the pool for each job: a first decision packing
-    thousands of jobs onto a Perlmutter-sized pool did that in minutes. With `whole_first`
+    in pool order (`free_first_jobs`: free GPUs before any shared one). Without scanning the
+    pool for each job: a first decision packing thousands of jobs onto a Perlmutter-sized
+    pool did that in minutes. With `whole_first`
     (`SharingLimits.whole_first`), the shared GPUs it would crowd (`GpuRoom.crowded`) come
     after every other; with `free_first` (`SharingLimits.share_to_admit`), every shared GPU
     does."""
