@@ -51,6 +51,11 @@ def slots_of(grants: Mapping[str, Grant], job: str) -> list[Slot]:
     return list(grants[job].placement.slots())
 
 
+def placed_of(grants: Mapping[str, Grant]) -> dict[str, Placement]:
+    """The placements of the jobs granted GPUs: the `current` of the next decision."""
+    return {job: grant.placement for job, grant in grants.items() if grant.placement.size}
+
+
 def test_two_small_jobs_share_one_gpu_and_a_third_that_does_not_fit_waits() -> None:
     pool = Pool.from_counts({"h0": 1}, gpu_memory_bytes=80 * GI)
     demands = [share("a", 1, 30 * GI), share("b", 1, 30 * GI, arrival=1.0)]
@@ -400,7 +405,7 @@ def _decide_and_check(
         crowded = {slot for slot, busy in on.items() if busy > 1 + 1e-9}
         free = pool.slot_set - on.keys()  # nobody waits: no GPU crowded while one is free
         assert not (crowded and free), (crowded, free, grants)
-    placed = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
+    placed = placed_of(grants)
     again = arbitrate_sharing(pool, demands, placed, limits=limits, **ranking)
     assert {n: g.placement for n, g in again.items()} == {n: g.placement for n, g in grants.items()}
     return placed

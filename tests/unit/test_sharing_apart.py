@@ -23,8 +23,8 @@ from herd_operator.policies.sharing import (
     worker_memory_at,
 )
 from herd_operator.policies.sharing_text import describe_sharing
-from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
-from tests.unit.test_sharing import GI, share, slots_of
+from herd_operator.specs.values import Demand, Placement, Pool, Slot
+from tests.unit.test_sharing import GI, placed_of, share, slots_of
 
 SHRINK = SharingLimits(max_utilization=1.29, whole_first=True, shrink_to_admit=True)
 APART = replace(SHRINK, move_apart=True)
@@ -32,10 +32,6 @@ APART = replace(SHRINK, move_apart=True)
 
 def _on(*gpus: int) -> Placement:
     return Placement((("h0", gpus),))
-
-
-def _placed(grants: dict[str, Grant]) -> dict[str, Placement]:
-    return {job: grant.placement for job, grant in grants.items() if grant.placement.size}
 
 
 def test_a_worker_on_a_crowded_gpu_moves_to_a_gpu_that_freed_up() -> None:
@@ -52,9 +48,9 @@ def test_a_worker_on_a_crowded_gpu_moves_to_a_gpu_that_freed_up() -> None:
     )
     # Beside a light job (0.6 + 0.4: within 1.0) it stays: a move would cost more.
     light = replace(b, utilization=0.4)
-    assert _placed(arbitrate_sharing(pool, [a, light], current, limits=APART)) == current
-    again = arbitrate_sharing(pool, [a, b], _placed(grants), limits=APART)
-    assert _placed(again) == _placed(grants)
+    assert placed_of(arbitrate_sharing(pool, [a, light], current, limits=APART)) == current
+    again = arbitrate_sharing(pool, [a, b], placed_of(grants), limits=APART)
+    assert placed_of(again) == placed_of(grants)
     # A job resized recently is not moved (a move is a resize); the other one is.
     frozen = arbitrate_sharing(pool, [a, b], current, limits=APART, frozen={"a"})
     assert slots_of(frozen, "a") == [("h0", 0)] and slots_of(frozen, "b") == [("h0", 1)]
@@ -199,11 +195,9 @@ def test_with_nobody_waiting_no_gpu_stays_crowded_while_one_is_free(
     current: dict[str, Placement] = {}
     for step in [*leaving, -1]:
         grants = arbitrate_sharing(pool, demands, current, limits=limits)
-        placed = {job: grant.placement for job, grant in grants.items() if grant.placement.size}
+        placed = placed_of(grants)
         again = arbitrate_sharing(pool, demands, placed, limits=limits)
-        assert {job: grant.placement for job, grant in again.items() if grant.placement.size} == (
-            placed
-        )
+        assert placed_of(again) == placed
         on: dict[Slot, list[Demand]] = {}
         for d in demands:
             for slot in grants[d.name].placement.slots():

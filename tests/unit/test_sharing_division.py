@@ -18,7 +18,7 @@ from herd_operator.policies.arbitration import arbitrate, divided_sizes, ranked_
 from herd_operator.policies.sharing import SharingLimits, arbitrate_sharing
 from herd_operator.policies.sharing_text import describe_sharing
 from herd_operator.specs.values import Demand, Grant, Placement, Pool, Slot
-from tests.unit.test_sharing import GI, slots_of
+from tests.unit.test_sharing import GI, placed_of, slots_of
 
 WHEN_WAITING = SharingLimits(max_utilization=1.29, whole_first=True, share_when_waiting=True)
 
@@ -31,10 +31,6 @@ def _elastic(name: str, low: int, high: int, gains: tuple[float, ...], **fields:
 
 def _sizes(grants: dict[str, Grant]) -> dict[str, int]:
     return {job: grant.placement.size for job, grant in grants.items()}
-
-
-def _placed(grants: dict[str, Grant]) -> dict[str, Placement]:
-    return {job: grant.placement for job, grant in grants.items() if grant.placement.size}
 
 
 def _shared(grants: dict[str, Grant]) -> set[Slot]:
@@ -64,10 +60,10 @@ def test_when_nothing_waits_the_sharers_get_the_division_by_speedup_on_whole_gpu
     assert packed["a"].placement.size == 6 and _shared(packed)
     # Deciding again from the grants changes nothing.
     again = arbitrate_sharing(
-        pool, [a, b], _placed(grants), limits=WHEN_WAITING, share_by_speedup=True,
+        pool, [a, b], placed_of(grants), limits=WHEN_WAITING, share_by_speedup=True,
         previous=grants,
     )  # fmt: skip
-    assert _placed(again) == _placed(grants)
+    assert placed_of(again) == placed_of(grants)
 
 
 def test_a_job_the_division_leaves_waiting_shares_a_gpu_at_its_min_and_grows_no_further() -> None:
@@ -112,8 +108,8 @@ def test_a_job_admitted_by_sharing_keeps_its_place_when_the_decision_is_made_aga
     limits = SharingLimits(max_jobs_per_gpu=2, shrink_to_admit=True, share_when_waiting=True)
     grants = arbitrate_sharing(pool, [low, high], {}, limits=limits)
     assert _sizes(grants) == {"high": 2, "low": 1} and len(_shared(grants)) == 1
-    again = arbitrate_sharing(pool, [low, high], _placed(grants), limits=limits)
-    assert _placed(again) == _placed(grants)
+    again = arbitrate_sharing(pool, [low, high], placed_of(grants), limits=limits)
+    assert placed_of(again) == placed_of(grants)
 
 
 def test_a_running_job_the_division_leaves_out_keeps_its_min_where_it_is() -> None:
